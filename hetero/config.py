@@ -1,0 +1,224 @@
+"""Typed configuration, validated once at the edge.
+
+A user hands `hetero.initialize` a dict, a path to a .json/.yaml file, or a `Config`. Everything is turned into
+keyword-only frozen dataclasses here; nothing downstream reads raw dicts. Unknown keys are errors that name the key
+and the closest valid one; sizes accept ints of bytes or strings such as "2GiB", "512MB", "1.5e9".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hetero.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, *, key: str = "size") -> int:
+    """Bytes from an int, a float, or a string like "2GiB" / "512 MB" / "1e9"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size in bytes or a string like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{key}: a size in bytes must be whole, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ConfigError(
+                f"{key}: cannot read {value!r} as a size; write bytes (e.g. 1073741824) or a number with a unit "
+                f"from {sorted(u for u in _SIZE_UNITS if u)} (e.g. '2GiB', '512MB')"
+            )
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ConfigError(f"{key}: expected a size in bytes or a string like '2GiB', got {type(value).__name__}")
+    if n < 0:
+        raise ConfigError(f"{key}: a size cannot be negative, got {value!r}")
+    return n
+
+
+def format_size(n: int | float) -> str:
+    """Human-readable bytes, binary units."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+Placement = Literal["device", "host", "nvme", "auto"]
+_PLACEMENTS = ("device", "host", "nvme", "auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    device_budget: int | None = None
+    """Bytes hetero may hold on the compute device; None: all the device has (the CPU's RAM share without CUDA)."""
+    host_budget: int | None = None
+    """Bytes of (pinned) host memory hetero may hold; None: a share of the machine's available RAM."""
+    nvme_dir: str | None = None
+    """Directory for swap files; required when anything is placed on NVMe. A private subdirectory is made in it."""
+    nvme_budget: int | None = None
+    """Bytes of swap hetero may write; None: the free space of nvme_dir's file system."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget", "host_budget", "nvme_budget"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, parse_size(v, key=f"memory.{name}"))
+        if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
+            raise ConfigError(f"memory.nvme_dir: expected a directory path, got {type(self.nvme_dir).__name__}")
+        if self.nvme_dir is not None:
+            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    params: Placement = "device"
+    """Where parameter chunks live between uses ("nvme" needs zero_stage 3 in the engine)."""
+    optimizer: Placement = "device"
+    """Where optimizer states and fp32 master weights live."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "optimizer"):
+            _check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    zero_stage: int = 0
+    """0: data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; bf16/fp16 keep fp32 master weights. fp16 uses dynamic loss scaling."""
+    grad_accumulation_steps: int = 1
+    """Micro-batches per optimizer update; backward divides the loss by this."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient norm to this before the update; None: no clipping."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    chunk_size: int | Literal["auto"] = "auto"
+    """Chunk capacity in elements, or "auto" to search the size that wastes least."""
+    prefetch_depth: int = 2
+    """How many chunks ahead of use to start moving along the recorded access trace."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
+            raise ConfigError(f"zero_stage: must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+        _check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        _check_int("grad_accumulation_steps", self.grad_accumulation_steps, minimum=1)
+        if self.grad_clip_norm is not None:
+            if isinstance(self.grad_clip_norm, bool) or not isinstance(self.grad_clip_norm, (int, float)):
+                raise ConfigError(f"grad_clip_norm: expected None or a positive number, got {self.grad_clip_norm!r}")
+            if not self.grad_clip_norm > 0:
+                raise ConfigError(f"grad_clip_norm: must be > 0 (or None to disable), got {self.grad_clip_norm!r}")
+        if self.chunk_size != "auto":
+            _check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
+        _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        uses_nvme = "nvme" in (self.offload.params, self.offload.optimizer)
+        if uses_nvme and self.memory.nvme_dir is None:
+            raise ConfigError(
+                "memory.nvme_dir: offload to 'nvme' needs a directory for swap files; "
+                "set memory.nvme_dir to a path on a fast local disk"
+            )
+
+    @classmethod
+    def from_any(cls, value: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+        """A Config from a Config, a dict, or a path to a .json / .yaml file."""
+        if value is None:
+            return cls()
+        if isinstance(value, Config):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_dict(_load_file(Path(value)))
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ConfigError(f"config: expected a dict, a .json/.yaml path or hetero.Config, got {type(value).__name__}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        return _build(cls, d, prefix="")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Nested dataclass fields and their types; kept explicit because `from __future__ import annotations` makes
+# field types strings.
+_NESTED: dict[tuple[type, str], type] = {
+    (Config, "offload"): OffloadConfig,
+    (Config, "memory"): MemoryConfig,
+}
+
+
+def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {type(d).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in d.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys here: {', '.join(names)}")
+        sub = _NESTED.get((cls, key))
+        if sub is not None and not isinstance(value, sub):
+            value = _build(sub, value, prefix=f"{prefix}{key}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+
+
+def _check_int(key: str, value: object, *, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        extra = f" {hint}" if hint else ""
+        raise ConfigError(f"{key}: expected an integer >= {minimum}{extra}, got {value!r}")
+
+
+def _load_file(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml  # optional: only needed for YAML configs
+        except ImportError:
+            raise ConfigError(f"config file {str(path)!r} is YAML; install PyYAML (pip install pyyaml)") from None
+        return yaml.safe_load(text) or {}
+    raise ConfigError(f"config file {str(path)!r}: expected a .json, .yaml or .yml file")

@@ -1,0 +1,127 @@
+"""The compute device: the only module of hetero that touches `torch.cuda`.
+
+Everything else asks a `Device` for buffers and copies, so the CPU-only path (no CUDA: the "device" tier is the CPU
+under its own budget, host memory is pageable) and the CUDA path (pinned host memory, a side stream for copies,
+events to order them against compute) are chosen here, once.
+
+[Note: copies off the compute stream]
+Chunk moves run in worker threads (`hetero.memory.manager`). On CUDA a worker issues its copy on a dedicated copy
+stream, after that stream has waited for an event recorded on the compute stream when the move was *submitted* (so a
+gradient written by a kernel that is still queued is copied only once written), and then blocks on the copy
+stream: the worker, not the compute stream, waits. When the manager later sees the move finished, the bytes are
+already in place, so the compute stream needs no further wait and never blocks on a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+
+class Device:
+    """The compute device hetero places chunks on, with its copy machinery."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if device is None:
+            device = default_device()
+        elif isinstance(device, int):
+            device = torch.device("cuda", device)
+        self.torch_device = torch.device(device)  # where the DEVICE tier lives
+        if self.torch_device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {self.torch_device} was asked for but CUDA is not available")
+            if self.torch_device.index is None:
+                self.torch_device = torch.device("cuda", torch.cuda.current_device())
+        elif self.torch_device.type != "cpu":
+            raise ValueError(f"unsupported device {self.torch_device}; use 'cuda[:N]' or 'cpu'")
+        self.is_cuda = self.torch_device.type == "cuda"  # selects every CUDA-specific path below
+        # One copy stream per worker thread: copies from different workers may overlap each other.
+        self._streams = threading.local()
+
+    def __repr__(self) -> str:
+        return f"Device({self.torch_device})"
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    @property
+    def pins_host_memory(self) -> bool:
+        """Host buffers are page-locked only with CUDA: without it `pin_memory=True` raises."""
+        return self.is_cuda
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised flat buffer on the compute device."""
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised flat uint8 host buffer, pinned when CUDA is present."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pins_host_memory)
+
+    def total_memory(self) -> int:
+        """Bytes of memory the compute device has (physical RAM for the CPU)."""
+        if self.is_cuda:
+            return torch.cuda.get_device_properties(self.torch_device).total_memory
+        import psutil
+
+        return psutil.virtual_memory().total
+
+    def available_memory(self) -> int:
+        """Bytes free on the compute device now."""
+        if self.is_cuda:
+            free, _ = torch.cuda.mem_get_info(self.torch_device)
+            return free
+        import psutil
+
+        return psutil.virtual_memory().available
+
+    # ---- ordering -----------------------------------------------------------------------------------------
+    def compute_marker(self) -> Any:
+        """A marker of the compute stream's progress now; a copy given it starts after that point."""
+        if not self.is_cuda:
+            return None  # the CPU executes eagerly: everything submitted so far is already done
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.torch_device))
+        return event
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> None:
+        """Copy src into dst and return once the bytes are in place. Safe to call from worker threads.
+
+        On CUDA the copy runs on this thread's copy stream after `after` (a `compute_marker`), never on the compute
+        stream; see [Note: copies off the compute stream].
+        """
+        if not self.is_cuda or (dst.device.type == "cpu" and src.device.type == "cpu"):
+            dst.copy_(src)
+            return
+        stream = self._copy_stream()
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            # The caching allocator must not hand either buffer to the compute stream before this copy is done.
+            for t in (dst, src):
+                if t.device.type == "cuda":
+                    t.record_stream(stream)
+        stream.synchronize()
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)
+
+    def _copy_stream(self) -> Any:
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = torch.cuda.Stream(self.torch_device)
+            self._streams.stream = stream
+        return stream
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()

@@ -1,0 +1,59 @@
+"""Exceptions raised by hetero.
+
+Every error says what was wrong and, where there is one, what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class HeteroError(Exception):
+    """Base class of every error hetero raises on purpose."""
+
+
+class ConfigError(HeteroError, ValueError):
+    """A configuration key or value is invalid."""
+
+
+class IllegalTransitionError(HeteroError, RuntimeError):
+    """A tensor or chunk was asked to make a state change its state machine forbids."""
+
+
+class TierOutOfMemoryError(HeteroError, MemoryError):
+    """A tier's budget cannot hold what is asked of it, even after evicting everything movable."""
+
+    def __init__(self, message: str, *, tier: str, needed: int, held: int, budget: int) -> None:
+        super().__init__(message)
+        self.tier = tier  # the tier that ran out (e.g. "device")
+        self.needed = needed  # bytes the failed request needed
+        self.held = held  # bytes held on the tier when it failed
+        self.budget = budget  # the tier's budget in bytes
+
+
+class NvmeError(HeteroError, RuntimeError):
+    """The NVMe swap tier could not do what was asked (base class)."""
+
+
+class NvmeUnavailableError(NvmeError):
+    """The NVMe directory is missing, not a directory, or not writable."""
+
+
+class NvmeSpaceError(NvmeError):
+    """The NVMe directory's file system lacks the free space, or the tier's budget is spent."""
+
+
+class NvmeCorruptError(NvmeError):
+    """A swap file is truncated or its contents fail their checksum."""
+
+
+class CommError(HeteroError, RuntimeError):
+    """Joining or using the process group failed (bad launcher environment, unusable backend, bad ranks)."""
+
+
+class RankTimeoutError(CommError, TimeoutError):
+    """Some ranks did not reach a collective in time: they are hung, dead, or running different code."""
+
+    def __init__(self, message: str, *, missing_ranks: list[int] | None, timeout_s: float) -> None:
+        super().__init__(message)
+        # Global ranks that did not arrive; None where this rank cannot know (only the monitoring rank does).
+        self.missing_ranks = missing_ranks
+        self.timeout_s = timeout_s  # the timeout that ran out, in seconds

@@ -1,0 +1,57 @@
+"""A pool of host buffers, so moves reuse (pinned) memory instead of allocating it per move.
+
+Pinning is slow (a `cudaHostAlloc` costs far more than the copy it serves), so a buffer returned by a chunk that left
+the host tier is kept, keyed by its exact size, for the next chunk of that size. Chunks of one dtype share one
+capacity, so exact-size reuse hits almost always, and keeps the ledger exact. Cached buffers count against the host
+budget; when room is needed they are freed before any chunk is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from hetero.device import Device
+from hetero.memory.tier import TierLedger
+
+
+class HostPool:
+    def __init__(self, device: Device, ledger: TierLedger) -> None:
+        self._device = device
+        self._ledger = ledger  # the HOST tier's ledger: buffers in use and cached both count
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> cached free buffers
+        self.allocations = 0  # buffers actually allocated (pinned) since creation: what the pool saves
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of exactly nbytes. The caller has made room on the ledger for nbytes."""
+        cached = self._free.get(nbytes)
+        if cached:
+            self._ledger.from_cache(nbytes)
+            return cached.pop()
+        self._ledger.take(nbytes)
+        self.allocations += 1
+        return self._device.empty_host(nbytes)
+
+    def has_cached(self, nbytes: int) -> bool:
+        return bool(self._free.get(nbytes))
+
+    def release(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        self._ledger.to_cache(nbytes)
+        self._free[nbytes].append(buf.view(torch.uint8).view(-1))
+
+    def trim(self, nbytes: int | None = None) -> int:
+        """Free cached buffers until at least nbytes are returned (all of them if None). Returns bytes freed."""
+        freed = 0
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and (nbytes is None or freed < nbytes):
+                bufs.pop()
+                self._ledger.drop_cache(size)
+                freed += size
+        return freed
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._ledger.cached

@@ -1,0 +1,120 @@
+"""The access trace: what the next step will touch, for prefetch and for eviction that knows the future.
+
+[Note: replaying the trace]
+Training repeats itself: every step touches the chunks in the same order. The first step (or any step after the
+order changed) is *recorded*: the sequence of (chunk id, tier) accesses. Later steps are *replayed*: each access is
+checked against the recorded one at the current position. While they match, the trace knows the future, so
+ - prefetch starts moving the next `depth` chunks of the trace to the tier they will be wanted on, and
+ - eviction picks the chunk whose next use lies furthest ahead (Belady's OPT, as PatrickStar and Gemini do),
+   wrapping around into the next step for chunks not used again in this one.
+The first mismatch (a module skipped this step, a different sequence length) stops the replay for the rest of the
+step: eviction falls back to least-recently-used and prefetch stops, and the step is recorded afresh to become
+the trace from the next step on. A mismatch never waits for an access that is not coming, so it cannot hang.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from hetero.memory.tier import Tier
+
+Access = tuple[int, Tier]  # (chunk id, tier it was wanted on)
+
+
+class AccessTrace:
+    def __init__(self) -> None:
+        self.trace: list[Access] | None = None  # the last complete step's accesses; None before one is recorded
+        self._positions: dict[int, list[int]] = {}  # chunk id -> sorted positions in `trace`
+        self._recording: list[Access] = []  # this step's accesses so far
+        self.pos = 0  # index in `trace` of the next expected access
+        self.matching = False  # replaying and every access so far matched
+        self.in_step = False  # between step_begin and step_end
+        self.mismatches = 0  # steps whose replay broke off (for stats and tests)
+
+    # ---- step boundaries ----------------------------------------------------------------------------------
+    def step_begin(self) -> None:
+        self._recording = []
+        self.pos = 0
+        self.matching = self.trace is not None and len(self.trace) > 0
+        self.in_step = True
+
+    def step_end(self) -> None:
+        if not self.in_step:
+            return
+        self.in_step = False
+        # A replay that matched throughout but ended early also changed: the shorter sequence is the new trace.
+        complete = self.matching and self.trace is not None and self.pos == len(self.trace)
+        if not complete:
+            if self.trace is not None and self.matching:
+                self.mismatches += 1
+            self._set_trace(self._recording)
+        self._recording = []
+        self.matching = False
+
+    def _set_trace(self, accesses: list[Access]) -> None:
+        self.trace = list(accesses)
+        positions: dict[int, list[int]] = defaultdict(list)
+        for i, (cid, _) in enumerate(self.trace):
+            positions[cid].append(i)
+        self._positions = dict(positions)
+
+    # ---- during a step ------------------------------------------------------------------------------------
+    def record(self, chunk_id: int, tier: Tier) -> None:
+        """Note an access; advance the replay if it is the expected one, else stop replaying."""
+        if not self.in_step:
+            return
+        self._recording.append((chunk_id, tier))
+        if not self.matching:
+            return
+        assert self.trace is not None
+        if self.pos < len(self.trace) and self.trace[self.pos] == (chunk_id, tier):
+            self.pos += 1
+        else:
+            self.matching = False
+            self.mismatches += 1
+
+    def upcoming(self, depth: int, skip: Iterable[int] = ()) -> list[Access]:
+        """The next `depth` distinct chunks the replay expects (wrapping into the next step); [] when not replaying."""
+        if not self.matching or depth <= 0 or not self.trace:
+            return []
+        seen = set(skip)
+        out: list[Access] = []
+        n = len(self.trace)
+        for k in range(n):
+            cid, tier = self.trace[(self.pos + k) % n]
+            if cid in seen:
+                continue
+            seen.add(cid)
+            out.append((cid, tier))
+            if len(out) == depth:
+                break
+        return out
+
+    def next_use(self, chunk_id: int) -> float:
+        """Accesses until chunk_id is next used (inf if never); only meaningful while replaying."""
+        positions = self._positions.get(chunk_id)
+        if not positions or self.trace is None:
+            return math.inf
+        i = bisect.bisect_left(positions, self.pos)
+        if i < len(positions):
+            return positions[i] - self.pos
+        return len(self.trace) - self.pos + positions[0]  # first use in the next step
+
+    @property
+    def replaying(self) -> bool:
+        return self.in_step and self.matching
+
+
+def choose_victim(candidates: Sequence, trace: AccessTrace) -> object | None:
+    """The chunk to evict: furthest next use while the trace is replaying (OPT), else least recently used.
+
+    Ties in OPT (e.g. several chunks never used again) are broken by LRU, so the choice is deterministic.
+    """
+    if not candidates:
+        return None
+    if trace.replaying:
+        return max(candidates, key=lambda c: (trace.next_use(c.id), -c.last_access))
+    return min(candidates, key=lambda c: c.last_access)

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from hetero import Config, ConfigError, parse_size
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5 GB", 1_500_000_000),
+        ("1e9", 10**9),
+        ("4096", 4096),
+        (7, 7),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["2 parsecs", "GiB", "-1", -5, True, 1.5, [1]])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_dict_config_is_typed_and_sizes_parsed():
+    c = Config.from_any(
+        {
+            "zero_stage": 3,
+            "precision": "bf16",
+            "memory": {"device_budget": "1GiB", "nvme_dir": "/tmp"},
+            "offload": {"optimizer": "nvme"},
+        }
+    )
+    assert c.zero_stage == 3 and c.memory.device_budget == 1 << 30 and c.offload.optimizer == "nvme"
+
+
+def test_unknown_key_names_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'zero_stgae'; did you mean 'zero_stage'"):
+        Config.from_any({"zero_stgae": 1})
+    with pytest.raises(ConfigError, match=r"memory.device_budgte'.*did you mean 'memory.device_budget'"):
+        Config.from_any({"memory": {"device_budgte": 1}})
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        ({"zero_stage": 4}, "zero_stage: must be one of 0, 1, 2, 3"),
+        ({"precision": "fp8"}, "precision: 'fp8' is not valid; choose one of 'fp32', 'bf16', 'fp16'"),
+        ({"offload": {"params": "disk"}}, "offload.params: 'disk' is not valid"),
+        ({"grad_accumulation_steps": 0}, "grad_accumulation_steps: expected an integer >= 1"),
+        ({"grad_clip_norm": -1.0}, "grad_clip_norm: must be > 0"),
+        ({"chunk_size": "big"}, "chunk_size: expected an integer >= 1"),
+        ({"offload": {"optimizer": "nvme"}}, "memory.nvme_dir: offload to 'nvme' needs a directory"),
+        ({"memory": {"host_budget": "lots"}}, "memory.host_budget: cannot read 'lots' as a size"),
+    ],
+)
+def test_bad_values_say_what_is_valid(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_any(cfg)
+
+
+def test_config_from_json_file(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"zero_stage": 2, "chunk_size": 1 << 20}))
+    assert Config.from_any(str(p)).zero_stage == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Config.from_any(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.from_any(tmp_path / "missing.json")
+
+
+def test_config_round_trips_through_dict():
+    c = Config.from_any({"zero_stage": 1, "memory": {"host_budget": "1MiB"}})
+    assert Config.from_dict(c.to_dict()) == c

@@ -1,0 +1,345 @@
+"""The chunk manager: moves between every pair of tiers, budgets, eviction order, prefetch, errors."""
+
+import itertools
+import random
+import threading
+
+import pytest
+import torch
+
+from hetero.errors import TierOutOfMemoryError
+from hetero.memory import ChunkState, TensorState, Tier
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NUMEL = 4096
+
+
+def _filled_chunk(m, dtype=torch.float32, numel=NUMEL, tier=Tier.HOST, kind="param", seed=None):
+    """A chunk with one tensor of random bits (NaN/inf patterns included), resident on `tier`."""
+    c = m.new_chunk(dtype=dtype, capacity=numel, kind=kind)
+    s = c.add_tensor(f"t{c.id}", (numel,))
+    m.access(c, Tier.HOST)
+    g = torch.Generator().manual_seed(c.id if seed is None else seed)
+    bits = torch.randint(0, 256, (numel * c.payload.element_size(),), dtype=torch.uint8, generator=g)
+    c.view(s).view(torch.uint8).view(-1).copy_(bits)
+    c.set_state(s, TensorState.HOLD)
+    if tier is not Tier.HOST:
+        m.move(c, tier)
+    return c, s, bits
+
+
+def _bits(c, s):
+    return c.view(s).view(torch.uint8).reshape(-1).clone()
+
+
+def _check_ledgers(m):
+    """Ledgers equal what the chunks hold, computed independently, and never exceed budgets."""
+    for tier in (Tier.DEVICE, Tier.HOST):
+        held = sum(
+            c.nbytes
+            for c in m.chunks
+            if (c.tier == tier and c.payload is not None and c.state is ChunkState.RESIDENT)
+            or (c.move is not None and (c.move.src == tier or c.move.dst == tier) and tier is not Tier.NVME)
+            or (c.move is not None and c.move.staging is not None and tier is Tier.HOST)
+        )
+        ledger = m.ledgers[tier]
+        assert ledger.current == held, (tier, ledger.current, held)
+        assert ledger.used <= ledger.budget and ledger.peak <= ledger.budget
+    nv = m.ledgers[Tier.NVME]
+    assert nv.current == sum(c.nbytes for c in m.chunks if c.on_nvme)
+    if m._store is not None:
+        assert nv.current == m._store.used_bytes
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("src,dst", [p for p in itertools.permutations(Tier, 2)], ids=lambda t: t.label)
+def test_every_move_path_is_bit_exact(make_manager, dtype, src, dst):
+    m = make_manager(nvme=True)
+    c, s, bits = _filled_chunk(m, dtype, tier=src)
+    assert c.tier is src
+    m.move(c, dst)
+    assert c.tier is dst and c.state is ChunkState.RESIDENT
+    if dst is Tier.NVME:
+        assert c.payload is None
+        m.move(c, Tier.HOST)
+    assert torch.equal(_bits(c, s), bits)
+    assert m.moved[(src, dst)] == c.nbytes
+    _check_ledgers(m)
+
+
+def test_access_brings_a_chunk_to_the_device_through_every_tier(make_manager):
+    m = make_manager(nvme=True)
+    c, s, bits = _filled_chunk(m, tier=Tier.NVME)
+    payload = m.access(c)
+    assert c.tier is Tier.DEVICE and payload.device == m.device.torch_device
+    assert torch.equal(_bits(c, s), bits)
+    # A chunk read back from NVMe and not computed on is clean: evicting it again costs no write.
+    writes = m._store.stats.writes
+    m.move(c, Tier.NVME)
+    assert m._store.stats.writes == writes and m.counters["clean_evictions"] == 1
+    m.access(c)
+    c.set_state(s, TensorState.COMPUTE)
+    c.view(s).view(torch.uint8).view(-1)[0] ^= 1
+    c.set_state(s, TensorState.HOLD)
+    m.move(c, Tier.NVME)
+    assert m._store.stats.writes == writes + 1
+    m.access(c, Tier.HOST)
+    assert _bits(c, s)[0] == bits[0] ^ 1
+
+
+def test_device_budget_evicts_lru_to_host(make_manager):
+    nbytes = NUMEL * 4
+    m = make_manager(device_budget=2 * nbytes, prefetch_depth=0)
+    chunks = [_filled_chunk(m)[0] for _ in range(3)]
+    a, b, c = chunks
+    m.access(a)
+    m.access(b)
+    m.access(c)  # no trace: LRU picks a
+    assert a.tier is Tier.HOST and b.tier is Tier.DEVICE and c.tier is Tier.DEVICE
+    m.access(b)
+    m.access(a)  # now c is least recently used
+    assert c.tier is Tier.HOST and b.tier is Tier.DEVICE
+    assert m.ledgers[Tier.DEVICE].peak == 2 * nbytes
+    _check_ledgers(m)
+
+
+def test_replayed_trace_evicts_the_furthest_next_use(make_manager):
+    nbytes = NUMEL * 4
+    m = make_manager(device_budget=2 * nbytes, prefetch_depth=0)
+    a, b, c = (_filled_chunk(m)[0] for _ in range(3))
+    order = [a, b, c, a, b, c]
+    m.step_begin()
+    for ch in order:
+        m.access(ch)
+    m.step_end()
+    assert [cid for cid, _ in m.trace.trace] == [ch.id for ch in order]
+    # Replay: the step starts with a (on the device? c and b were last: LRU kept b, c).
+    evicted = []
+    m.observers.append(lambda e: evicted.append(e.chunk_id) if e.dst is Tier.HOST else None)
+    m.step_begin()
+    for ch in order:
+        m.access(ch)
+        assert m.trace.matching
+    m.step_end()
+    # At each eviction OPT must pick the resident chunk used furthest ahead; check against a direct simulation.
+    expected = _simulate_opt([ch.id for ch in order], capacity=2, start_resident=[b.id, c.id])
+    assert evicted == expected
+    # LRU would have evicted differently on this cyclic pattern (it misses every access); OPT does better.
+    assert len(evicted) < len(order)
+
+
+def _simulate_opt(seq, capacity, start_resident):
+    resident = list(start_resident)
+    evicted = []
+    for i, x in enumerate(seq):
+        if x in resident:
+            continue
+        if len(resident) == capacity:
+            rest = seq[i + 1 :] + seq  # wraps into the next step
+            victim = max(resident, key=lambda cid, rest=rest: rest.index(cid) if cid in rest else float("inf"))
+            resident.remove(victim)
+            evicted.append(victim)
+        resident.append(x)
+    return evicted
+
+
+def test_trace_mismatch_falls_back_to_lru_and_rerecords(make_manager):
+    nbytes = NUMEL * 4
+    m = make_manager(device_budget=2 * nbytes, prefetch_depth=1)
+    a, b, c = (_filled_chunk(m)[0] for _ in range(3))
+    for order in ([a, b, c], [a, b, c]):
+        m.step_begin()
+        for ch in order:
+            m.access(ch)
+        m.step_end()
+    assert m.trace.mismatches == 0
+    m.step_begin()
+    m.access(a)
+    m.access(c)  # b was expected: a skipped module
+    assert not m.trace.matching and not m.trace.replaying
+    m.access(b)
+    m.step_end()
+    assert m.trace.mismatches == 1
+    assert [cid for cid, _ in m.trace.trace] == [a.id, c.id, b.id]
+    m.step_begin()
+    for ch in (a, c, b):
+        m.access(ch)
+    assert m.trace.matching
+    m.step_end()
+
+
+def test_prefetch_follows_the_trace(make_manager):
+    nbytes = NUMEL * 4
+    m = make_manager(device_budget=3 * nbytes, prefetch_depth=2)
+    chunks = [_filled_chunk(m)[0] for _ in range(6)]
+    for _ in range(3):
+        m.step_begin()
+        for ch in chunks:
+            m.access(ch)
+        m.step_end()
+    m.synchronize()
+    stats = m.memory_stats()["counters"]
+    # The first step misses everything; replayed steps find most chunks already on their way.
+    assert stats["prefetches"] >= 8
+    assert stats["prefetch_hits"] >= 8
+    _check_ledgers(m)
+
+
+class _GatedStore:
+    """Wraps the NVMe store so reads wait for a gate: shows a prefetch returns before its I/O finishes."""
+
+    def __init__(self, store):
+        self.store, self.gate, self.reads = store, threading.Event(), 0
+
+    def read(self, key, dst):
+        self.reads += 1
+        inner = self.store.read(key, dst)
+
+        def waited():
+            assert self.gate.wait(10), "test gate never opened"
+            inner.result()
+
+        return _Thread(waited)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+class _Thread:
+    def __init__(self, fn):
+        self.t = threading.Thread(target=fn)
+        self.t.start()
+
+    def result(self):
+        self.t.join()
+
+
+def test_prefetch_returns_before_io_and_access_waits_once(make_manager):
+    m = make_manager(nvme=True)
+    c, s, bits = _filled_chunk(m, tier=Tier.NVME)
+    other, _, _ = _filled_chunk(m, tier=Tier.NVME)
+    gated = _GatedStore(m._store)
+    m._store = gated
+    m.prefetch([c])
+    assert c.moving and not c.move.future.done()  # returned while its read is held at the gate
+    assert other.tier is Tier.NVME  # only what was asked for moves
+    threading.Timer(0.2, gated.gate.set).start()
+    m.access(c)  # waits for the prefetched read; does not issue another
+    assert c.tier is Tier.DEVICE and torch.equal(_bits(c, s), bits)
+    assert gated.reads == 1
+    assert m.counters["prefetch_hits"] == 1 and m.counters.get("prefetch_misses", 0) == 0
+    assert m.wait_seconds > 0.05
+    m._store = gated.store
+
+
+def test_many_moves_in_flight(make_manager):
+    m = make_manager(nvme=True, device_budget=4 * NUMEL * 4, host_budget=6 * NUMEL * 4)
+    made = [_filled_chunk(m, dtype=random.Random(i).choice(DTYPES)) for i in range(4)]
+    made += [_filled_chunk(m, tier=Tier.NVME) for _ in range(28)]
+    m.prefetch([c for c, _, _ in made[:8]])
+    assert sum(c.moving for c, _, _ in made) > 0
+    for i in random.Random(0).sample(range(len(made)), len(made)):
+        c, s, bits = made[i]
+        m.access(c, Tier.HOST if i % 3 == 0 else Tier.DEVICE)
+        assert torch.equal(_bits(c, s), bits), i
+        _check_ledgers(m)
+
+
+def test_random_workload_never_exceeds_budgets(make_manager):
+    nb = NUMEL * 4
+    m = make_manager(nvme=True, device_budget=3 * nb, host_budget=5 * nb, prefetch_depth=3)
+    made = [_filled_chunk(m) for _ in range(12)]
+    rng = random.Random(1)
+    order = [rng.randrange(12) for _ in range(30)]
+    for _ in range(3):  # recorded, then replayed with prefetch and OPT
+        m.step_begin()
+        for i in order:
+            c, s, bits = made[i]
+            m.access(c, Tier.DEVICE)
+            assert torch.equal(_bits(c, s), bits)
+            _check_ledgers(m)
+        m.step_end()
+    stats = m.memory_stats()
+    assert stats["device"]["peak"] <= 3 * nb and stats["host"]["peak"] <= 5 * nb
+    assert stats["moved"]["host->nvme"] > 0
+
+
+def test_all_free_chunks_are_released_not_copied(make_manager):
+    m = make_manager(device_budget=NUMEL * 4, prefetch_depth=0)
+    grad = m.new_chunk(dtype=torch.float32, capacity=NUMEL, kind="grad")
+    grad.add_tensor("g", (NUMEL,))
+    m.access(grad)  # allocated on the device; its tensor is FREE (nothing computed yet)
+    c, _, _ = _filled_chunk(m)
+    m.access(c)
+    assert grad.state is ChunkState.EMPTY and m.counters["released"] == 1
+    assert (Tier.DEVICE, Tier.HOST) not in m.moved
+
+
+def test_compute_pins_to_device_and_oom_names_the_holders(make_manager):
+    nb = NUMEL * 4
+    m = make_manager(device_budget=2 * nb)
+    (a, sa, _), (b, sb, _), (c, _, _) = (_filled_chunk(m) for _ in range(3))
+    for ch, s in ((a, sa), (b, sb)):
+        m.access(ch)
+        ch.set_state(s, TensorState.COMPUTE)
+    with pytest.raises(TierOutOfMemoryError) as info:
+        m.access(c)
+    err = info.value
+    assert err.tier == "device" and err.needed == nb and err.held == 2 * nb and err.budget == 2 * nb
+    assert "being computed on" in str(err) and "t0" in str(err) and "device_budget" in str(err)
+    with pytest.raises(RuntimeError, match="being computed on"):
+        m.move(a, Tier.HOST)
+    a.set_state(sa, TensorState.HOLD_AFTER_FWD)
+    m.access(c)  # now a can go
+    assert a.tier is Tier.HOST
+
+
+def test_host_full_without_nvme_says_to_set_nvme_dir(make_manager):
+    nb = NUMEL * 4
+    m = make_manager(device_budget=nb, host_budget=nb)
+    _filled_chunk(m)
+    with pytest.raises(TierOutOfMemoryError, match="nvme_dir"):
+        _filled_chunk(m)
+
+
+def test_request_larger_than_budget(make_manager):
+    m = make_manager(device_budget=100)
+    c = m.new_chunk(dtype=torch.float32, capacity=NUMEL)
+    c.add_tensor("big", (NUMEL,))
+    with pytest.raises(TierOutOfMemoryError, match="exceeds the budget"):
+        m.access(c)
+
+
+def test_host_pool_reuses_buffers(make_manager):
+    m = make_manager(device_budget=NUMEL * 4, prefetch_depth=0)
+    a, b = _filled_chunk(m)[0], _filled_chunk(m)[0]
+    for _ in range(5):
+        m.access(a)
+        m.access(b)
+    assert m.pool.allocations <= 3  # two chunks + one in flight, not one per move
+    assert m.moved[(Tier.DEVICE, Tier.HOST)] >= 9 * NUMEL * 4
+
+
+def test_close_removes_swap_files(make_manager, tmp_path):
+    m = make_manager(nvme=True)
+    _filled_chunk(m, tier=Tier.NVME)
+    assert any(tmp_path.iterdir())
+    m.close()
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(RuntimeError, match="closed"):
+        m.access(m.new_chunk(dtype=torch.float32, capacity=4))
+
+
+def test_failed_move_leaves_the_chunk_where_it_was(make_manager, monkeypatch):
+    m = make_manager(nvme=True)
+    c, s, bits = _filled_chunk(m)
+
+    def broken(key, src):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(m._store, "write", broken)
+    with pytest.raises(OSError, match="No space"):
+        m.move(c, Tier.NVME)
+    assert c.tier is Tier.HOST and c.state is ChunkState.RESIDENT and not c.on_nvme
+    assert torch.equal(_bits(c, s), bits)
+    _check_ledgers(m)
