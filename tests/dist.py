@@ -1,0 +1,212 @@
+"""Harness for multi-process tests on gloo/CPU, shared by the whole test suite.
+
+``run_distributed(fn, world_size, ...)`` spawns one process per rank, joins them into a process group through
+``hetero.comm.init_from_env`` (so the real launcher path is what tests exercise), runs ``fn(rank, world_size,
+*args, **kwargs)`` on each and returns the ranks' return values in rank order. Spawning costs seconds per
+process (torch import), so a test should check many things in one call rather than spawn per check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_START_METHOD = "spawn"  # fork would copy the parent's torch threads and state; spawn starts clean
+_REPORT_GRACE_S = 1.0  # after one rank fails, how long to wait for others' errors (they often explain it)
+_EXIT_GRACE_S = 5.0  # after all ranks reported, how long they get to leave before they are killed
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+    def __init__(self, message: str, *, errors: dict[int, str], results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.errors = errors  # rank -> traceback text
+        self.results = results  # rank -> return value, for ranks that finished
+
+
+class DistributedTimeoutError(TimeoutError):
+    """The run exceeded its timeout; ``running`` are the ranks that had not finished."""
+
+    def __init__(self, message: str, *, running: list[int], results: dict[int, Any], errors: dict[int, str]):
+        super().__init__(message)
+        self.running = running
+        self.results = results  # rank -> return value, for ranks that finished in time
+        self.errors = errors
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    pg_timeout: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    import torch
+    import torch.distributed as dist
+
+    from hetero.comm import init_from_env
+
+    torch.set_num_threads(1)  # several ranks share 2 cores: intra-op threads would only fight
+    ok = False
+    try:
+        init_from_env(backend=backend, timeout_s=pg_timeout)
+        value = fn(rank, world_size, *args, **kwargs)
+        payload = pickle.dumps(value)  # here, so an unpicklable result is this rank's error, not a lost one
+        ok = True
+    except BaseException:
+        payload = traceback.format_exc().encode()
+    results.put((rank, ok, payload))
+    if ok and dist.is_initialized():
+        # Rank 0 hosts the store: leaving before the others are done with it would break them. The result is
+        # reported already, so a broken group (e.g. after a timeout test) is of no concern here.
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return values by rank.
+
+    ``fn`` must be a module-level function and its arguments and return value picklable. If a rank raises,
+    this raises DistributedTestError with the tracebacks of the failing ranks. If the run exceeds
+    ``timeout`` seconds, all processes are killed and DistributedTimeoutError (a TimeoutError) names the
+    ranks still running; the values of ranks that did finish are on its ``results``. No process outlives the
+    call.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size = {world_size} must be >= 1")
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as err:
+        raise TypeError(f"fn and its arguments must be picklable (fn module-level): {err}") from err
+    deadline = time.monotonic() + timeout
+    for attempt in range(2):
+        try:
+            return _run_once(fn, world_size, args, kwargs, deadline, timeout, backend)
+        except DistributedTestError as err:
+            # The port was free when picked but another process may have taken it since: try once more.
+            busy = any("address already in use" in tb.lower() for tb in err.errors.values())
+            if attempt == 0 and busy and time.monotonic() < deadline:
+                continue
+            raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    deadline: float,
+    timeout: float,
+    backend: str,
+) -> list[Any]:
+    ctx = mp.get_context(_START_METHOD)
+    reports = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, backend, timeout, args, kwargs, reports),
+            name=f"hetero-test-rank{rank}",
+            daemon=True,  # dies with the parent if the parent is killed outright
+        )
+        for rank in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    silent_since: dict[int, float] = {}
+    try:
+        for p in procs:
+            p.start()
+        first_error_at: float | None = None
+        while len(results) + len(errors) < world_size:
+            now = time.monotonic()
+            if first_error_at is not None and now - first_error_at > _REPORT_GRACE_S:
+                break
+            if now >= deadline:
+                running = [r for r in range(world_size) if r not in results and r not in errors]
+                raise DistributedTimeoutError(
+                    f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}) exceeded its "
+                    f"timeout of {timeout} s; ranks still running: {running}"
+                    + "".join(f"\n--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())),
+                    running=running,
+                    results=results,
+                    errors=errors,
+                )
+            try:
+                rank, ok, payload = reports.get(timeout=min(0.1, deadline - now))
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if r in results or r in errors or p.is_alive():
+                        continue
+                    # Its report may still be in the pipe: a rank is lost only if silent a while after exit.
+                    if now - silent_since.setdefault(r, now) > 1.0:
+                        errors[r] = (
+                            f"process exited with code {p.exitcode} without reporting (killed by a signal, "
+                            "os._exit, or a crash in native code)"
+                        )
+                        first_error_at = first_error_at or now
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload.decode(errors="replace")
+                first_error_at = first_error_at or time.monotonic()
+        if errors:
+            raise DistributedTestError(
+                f"{len(errors)} of {world_size} ranks failed in {getattr(fn, '__name__', fn)}:"
+                + "".join(f"\n--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())),
+                errors=errors,
+                results=results,
+            )
+        return [results[r] for r in range(world_size)]
+    finally:
+        leave_by = time.monotonic() + (_EXIT_GRACE_S if len(results) == world_size else 0.0)
+        for p in procs:
+            if p.pid is not None:
+                p.join(max(0.0, leave_by - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(5)
+        reports.close()
+        reports.cancel_join_thread()

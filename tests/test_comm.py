@@ -1,0 +1,430 @@
+"""Tests of hetero.comm: collectives against local math at world sizes 1, 2 and 4; subgroups; env; timeouts.
+
+Spawning ranks costs seconds, so each distributed test runs one function that checks many things at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetero.comm import Comm, init_from_env, local_rank
+from hetero.errors import CommError, RankTimeoutError
+
+try:
+    from tests.dist import DistributedTestError, DistributedTimeoutError, run_distributed
+except ImportError:  # tests/ itself on sys.path (pytest's rootdir-less import mode)
+    from dist import DistributedTestError, DistributedTimeoutError, run_distributed  # type: ignore[no-redef]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
+
+
+def _data(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Rank-specific small integers: exact in every dtype tested (bf16 included), so sums compare exactly."""
+    return ((torch.arange(n) * (rank + 1) + 3 * rank + salt) % 23 - 7).to(dtype)
+
+
+def _reduce_local(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    s = torch.stack([x.double() for x in xs])
+    out = {"sum": s.sum(0), "avg": s.sum(0) / len(xs), "max": s.max(0).values, "min": s.min(0).values}[op]
+    return out.to(xs[0].dtype)
+
+
+def _check_collectives(comm: Comm, ranks_of: list[int]) -> int:
+    """Check every collective of ``comm`` against local math; ``ranks_of`` are its members' global ranks.
+
+    Data depend on the *global* rank, so a wrong rank translation shows up as a wrong result. Returns the
+    number of checks made.
+    """
+    me, size, checks = comm.rank, comm.size, 0
+    assert comm.global_ranks == ranks_of, (comm.global_ranks, ranks_of)
+    g = ranks_of[me]
+    # all_reduce: every op and dtype, contiguous and not.
+    for dtype in DTYPES:
+        for op in ("sum", "avg", "max", "min"):
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            t = _data(g, 37, dtype)
+            comm.all_reduce(t, op)
+            want = _reduce_local([_data(r, 37, dtype) for r in ranks_of], op)
+            torch.testing.assert_close(t, want, msg=lambda m, d=dtype, o=op: f"all_reduce {o} {d}: {m}")
+            checks += 1
+    base = _data(g, 24, torch.float32).view(4, 6)
+    t = base.t()  # not contiguous
+    comm.all_reduce(t, "sum")
+    want = _reduce_local([_data(r, 24, torch.float32).view(4, 6) for r in ranks_of], "sum")
+    torch.testing.assert_close(t, want.t())
+    checks += 1
+
+    # all_reduce_bucketed: mixed dtypes and shapes, a non-contiguous tensor, one tensor above the bucket size.
+    def bucket_inputs(r: int) -> list[torch.Tensor]:
+        return [
+            _data(r, 10, torch.float32),
+            _data(r, 6, torch.bfloat16, 1).view(2, 3),
+            _data(r, 12, torch.float32, 2).view(3, 4).t(),
+            _data(r, 100, torch.float32, 3),  # 400 bytes > bucket_bytes: alone
+            _data(r, 5, torch.float64, 4),
+            _data(r, 3, torch.float32, 5),
+        ]
+
+    for op in ("sum", "avg", "max"):
+        ts = bucket_inputs(g)
+        comm.all_reduce_bucketed(ts, op=op, bucket_bytes=64)
+        for i, t in enumerate(ts):
+            want = _reduce_local([bucket_inputs(r)[i] for r in ranks_of], op)
+            torch.testing.assert_close(t, want, msg=lambda m, i=i, o=op: f"bucketed {o} tensor {i}: {m}")
+        checks += 1
+    # One collective per bucket of 64 B: fp32 [10] (40 B), [12] (48 B) does not fit with it, [100] (400 B) is
+    # alone, [3] does not fit after it; bf16 and fp64 one bucket each -> 6 collectives.
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # type: ignore[assignment]
+    try:
+        comm.all_reduce_coalesced(bucket_inputs(g), bucket_bytes=64)
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    assert len(calls) == 6, f"expected 6 bucket collectives, got {len(calls)}"
+
+    # reduce_scatter, native and with the all_reduce fallback.
+    n = 5
+    for native in (None, False):
+        comm._native_rs = native
+        for op in ("sum", "avg", "min"):
+            out = torch.zeros(n)
+            comm.reduce_scatter(out, _data(g, size * n, torch.float32), op)
+            want = _reduce_local([_data(r, size * n, torch.float32) for r in ranks_of], op)
+            want = want[me * n : (me + 1) * n]
+            torch.testing.assert_close(
+                out, want, msg=lambda m, o=op, nat=native: f"reduce_scatter {o} native={nat}: {m}"
+            )
+            checks += 1
+    out2 = torch.zeros(3, 2).t()  # non-contiguous out
+    comm.reduce_scatter(out2, _data(g, size * 6, torch.bfloat16).float())
+    want = _reduce_local([_data(r, size * 6, torch.bfloat16).float() for r in ranks_of], "sum")
+    want = want[me * 6 : me * 6 + 6]
+    torch.testing.assert_close(out2, want.view(2, 3))  # out in its logical (row-major) order
+
+    # In place, as ZeRO does: out is this rank's shard of inp (reduce_scatter) / inp of out (all_gather).
+    flat = _data(g, size * n, torch.float32)
+    comm.reduce_scatter(flat[me * n : (me + 1) * n], flat)
+    want = _reduce_local([_data(r, size * n, torch.float32) for r in ranks_of], "sum")[me * n : (me + 1) * n]
+    torch.testing.assert_close(flat[me * n : (me + 1) * n], want)
+    flat = torch.zeros(size * n)
+    flat[me * n : (me + 1) * n] = _data(g, n, torch.float32)
+    comm.all_gather(flat, flat[me * n : (me + 1) * n])
+    torch.testing.assert_close(flat, torch.cat([_data(r, n, torch.float32) for r in ranks_of]))
+    checks += 2
+
+    # all_gather, native and with the list fallback; 2-D out.
+    for native in (None, False):
+        comm._native_ag = native
+        out = torch.zeros(size, 7, dtype=torch.bfloat16)
+        comm.all_gather(out, _data(g, 7, torch.bfloat16))
+        torch.testing.assert_close(out, torch.stack([_data(r, 7, torch.bfloat16) for r in ranks_of]))
+        checks += 1
+
+    # broadcast from every source, contiguous and not.
+    for src in range(size):
+        t = torch.full((3,), float(g))
+        comm.broadcast(t, src)
+        assert t.tolist() == [float(ranks_of[src])] * 3
+        nc = torch.full((2, 3), float(g)).t()
+        comm.broadcast(nc, src)
+        assert (nc == ranks_of[src]).all()
+        checks += 1
+    assert comm.broadcast_object({"from": g}, src=size - 1) == {"from": ranks_of[-1]}
+    assert comm.all_gather_object(("r", g)) == [("r", r) for r in ranks_of]
+    comm.barrier()
+    comm.barrier(timeout=30)
+    checks += 1
+
+    # Point-to-point around the ring, in group ranks; parity ordering keeps blocking send/recv from deadlock.
+    right, left = (me + 1) % size, (me - 1) % size
+    got = torch.zeros(4)
+    if me % 2 == 0:
+        comm.send(torch.full((4,), float(g)), right)
+        comm.recv(got, left)
+    else:
+        comm.recv(got, left)
+        comm.send(torch.full((4,), float(g)), right)
+    assert got.tolist() == [float(ranks_of[left])] * 4
+    got_nc = torch.zeros(2, 2).t()
+    handles = [comm.irecv(got_nc, left), comm.isend(torch.full((2, 2), float(g) + 0.5).t(), right)]
+    for h in handles:
+        h.wait()
+    assert (got_nc == ranks_of[left] + 0.5).all()
+    checks += 1
+
+    # Local validation, identical on every rank, so no rank is left in a collective.
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        comm.all_reduce(torch.zeros(1), "prod")
+    with pytest.raises(ValueError, match="floating point"):
+        comm.all_reduce(torch.zeros(1, dtype=torch.int64), "avg")
+    with pytest.raises(ValueError, match="group size"):
+        comm.reduce_scatter(torch.zeros(2), torch.zeros(2 * size + 1))
+    with pytest.raises(ValueError, match="group size"):
+        comm.all_gather(torch.zeros(2 * size + 1), torch.zeros(2))
+    with pytest.raises(ValueError, match="this rank itself"):
+        comm.send(torch.zeros(1), me)
+    with pytest.raises(ValueError, match="not a rank"):
+        comm.broadcast(torch.zeros(1), size)
+    return checks + 1
+
+
+def _world_checks(rank: int, world_size: int) -> dict[str, Any]:
+    comm = Comm.world()
+    assert (comm.rank, comm.size, comm.backend) == (rank, world_size, "gloo")
+    assert init_from_env().global_ranks == comm.global_ranks  # already initialised: the same world
+    assert local_rank() == rank
+    report: dict[str, Any] = {"world": _check_collectives(comm, list(range(world_size)))}
+
+    with pytest.raises(ValueError, match="missing"):
+        comm.split([[r] for r in range(world_size - 1)])
+    with pytest.raises(ValueError, match="must not overlap"):
+        comm.split([[0], [0, *range(1, world_size)]])
+
+    if world_size == 2:
+        solo = comm.split([[0], [1]])
+        assert (solo.size, solo.rank, solo.global_ranks) == (1, 0, [rank])
+        t = torch.ones(3)
+        solo.all_reduce(t)
+        assert t.tolist() == [1.0] * 3
+        report["split"] = True
+    if world_size == 4:
+        # Consecutive halves, then interleaved halves whose group ranks differ from the global ones.
+        for parts in ([[0, 1], [2, 3]], [[3, 0], [1, 2]]):
+            sub = comm.split(parts)
+            members = sorted(next(p for p in parts if rank in p))
+            assert sub.size == 2 and sub.rank == members.index(rank)
+            report[f"split{parts}"] = _check_collectives(sub, members)
+            # A split of a proper subgroup: only its members take part.
+            pair = sub.split([[1, 0]])
+            assert pair.global_ranks == members and pair.rank == sub.rank
+            t = torch.full((2,), float(rank))
+            pair.all_reduce(t)
+            assert t.tolist() == [float(sum(members))] * 2
+            solo = sub.split([[0], [1]])
+            assert solo.size == 1 and solo.global_ranks == [rank]
+            solo.barrier(timeout=1)
+    comm.barrier(timeout=30)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_match_local_math(world_size: int) -> None:
+    reports = run_distributed(_world_checks, world_size, timeout=110)
+    assert len(reports) == world_size
+    for report in reports:
+        assert report["world"] > 20
+        if world_size == 4:
+            assert report["split[[0, 1], [2, 3]]"] > 20 and report["split[[3, 0], [1, 2]]"] > 20
+
+
+# ---------------------------------------------------------------------------------------------- world size 1
+@pytest.fixture
+def no_dist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every torch.distributed function raise, so any call from hetero fails the test."""
+
+    def forbidden(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"torch.distributed.{name} was called in a world of size 1")
+
+        return call
+
+    for name, obj in list(vars(dist).items()):
+        # reduce_op is a deprecated alias that warns when touched.
+        if name.startswith("__") or name == "reduce_op":
+            continue
+        if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            monkeypatch.setattr(dist, name, forbidden(name))
+
+
+def test_world_size_one_makes_no_distributed_calls(no_dist: None) -> None:
+    comm = Comm()
+    assert (comm.rank, comm.size, comm.global_ranks, comm.backend) == (0, 1, [0], "none")
+    t = torch.arange(6.0)
+    for op in ("sum", "avg", "max", "min"):
+        comm.all_reduce(t, op)
+    assert t.tolist() == list(range(6))
+    ts = [torch.ones(3), torch.zeros(2, dtype=torch.bfloat16)]
+    comm.all_reduce_bucketed(ts, op="avg", bucket_bytes=4)
+    assert ts[0].tolist() == [1.0] * 3 and ts[1].tolist() == [0.0] * 2
+    out = torch.zeros(2, 3)
+    comm.reduce_scatter(out, torch.arange(6.0))
+    assert out.flatten().tolist() == list(range(6))
+    out = torch.zeros(4)
+    comm.all_gather(out, torch.arange(4.0).view(2, 2))
+    assert out.tolist() == list(range(4))
+    comm.broadcast(t, 0)
+    assert comm.broadcast_object({"a": 1}) == {"a": 1}
+    assert comm.all_gather_object(5) == [5]
+    comm.barrier()
+    comm.barrier(timeout=1)
+    assert comm.split([[0]]) is comm
+    with pytest.raises(CommError, match="size 1 has no other rank"):
+        comm.send(t, 0)
+    with pytest.raises(CommError, match="size 1"):
+        comm.irecv(t, 0)
+    with pytest.raises(ValueError, match="group size"):
+        comm.all_gather(torch.zeros(3), torch.zeros(2))
+    with pytest.raises(ValueError, match="not a rank"):
+        comm.broadcast(t, 1)
+
+
+def test_world_without_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    assert Comm.world().size == 1
+    for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("init_process_group must not be called for a world of size 1")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    assert init_from_env().size == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    comm = init_from_env()
+    assert comm.size == 1 and comm.group is None
+    assert local_rank() == 0
+
+
+# ------------------------------------------------------------------------------------------ init_from_env env
+_GOOD_ENV = {
+    "WORLD_SIZE": "2",
+    "RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "LOCAL_RANK": "1",
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"RANK": None}, "RANK is not set"),
+        ({"RANK": "one"}, "RANK = 'one' is not an integer"),
+        ({"RANK": "2"}, r"RANK = 2 must lie in \[0, WORLD_SIZE = 2\)"),
+        ({"RANK": "-1"}, "RANK = -1 must lie"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE = 'two' is not an integer"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE = 0 must be >= 1"),
+        ({"MASTER_ADDR": None}, "MASTER_ADDR is not set"),
+        ({"MASTER_ADDR": " "}, "MASTER_ADDR is not set"),
+        ({"MASTER_PORT": None}, "MASTER_PORT is not set"),
+        ({"MASTER_PORT": "http"}, "MASTER_PORT = 'http' is not an integer"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT = 70000 is not a TCP port"),
+        ({"LOCAL_RANK": "-3"}, "LOCAL_RANK = -3 must be >= 0"),
+        ({"LOCAL_RANK": "x"}, "LOCAL_RANK = 'x' is not an integer"),
+    ],
+)
+def test_init_from_env_bad_env(monkeypatch: pytest.MonkeyPatch, change: dict[str, Any], match: str) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("init_process_group must not be reached with a bad environment")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    for k, v in {**_GOOD_ENV, **change}.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    with pytest.raises(CommError, match=match):
+        init_from_env(backend="gloo")
+
+
+def test_init_from_env_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in _GOOD_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CommError, match="nccl' needs CUDA"):
+        init_from_env(backend="nccl")
+    with pytest.raises(ValueError, match="timeout_s"):
+        init_from_env(timeout_s=0)
+
+
+# ------------------------------------------------------------------------------------- failures and timeouts
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise KeyError("boom from rank one")
+    return rank
+
+
+def _barrier_with_hung_rank(rank: int, world_size: int, flag_dir: str) -> dict[str, Any]:
+    comm = Comm.world()
+    if rank == world_size - 1:
+        # Hung as far as the others can tell: it never reaches the barrier. It leaves once they have their
+        # errors, so this test need not wait for the harness timeout (test_harness_timeout covers that).
+        while len(os.listdir(flag_dir)) < world_size - 1:
+            time.sleep(0.05)
+        return {"hung": True}
+    t0 = time.monotonic()
+    try:
+        comm.barrier(timeout=2)
+        return {"missing": "no error"}
+    except RankTimeoutError as err:
+        return {"missing": err.missing_ranks, "message": str(err), "elapsed": time.monotonic() - t0}
+    finally:
+        open(os.path.join(flag_dir, f"rank{rank}"), "w").close()
+
+
+def _sleep_forever_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        while True:
+            time.sleep(60)
+    return rank
+
+
+def _children() -> list[psutil.Process]:
+    """Live child processes of this test process, but multiprocessing's long-lived resource tracker."""
+    kids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                kids.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return kids
+
+
+@pytest.mark.timeout(120)
+def test_rank_error_reraised_with_traceback() -> None:
+    with pytest.raises(DistributedTestError, match="rank 1 raised") as info:
+        run_distributed(_raise_on_rank_one, 2, timeout=100)
+    assert "boom from rank one" in str(info.value) and "Traceback" in str(info.value)
+    assert info.value.results == {0: 0}
+    assert _children() == []
+    with pytest.raises(TypeError, match="picklable"):
+        run_distributed(lambda r, w: r, 1)
+
+
+@pytest.mark.timeout(120)
+def test_hung_rank_makes_timed_barrier_raise(tmp_path: Path) -> None:
+    results = run_distributed(_barrier_with_hung_rank, 3, str(tmp_path), timeout=100)
+    assert results[2] == {"hung": True}
+    # Group rank 0 monitors the barrier and names the missing rank; the others are told to look at rank 0.
+    monitor, other = results[0], results[1]
+    assert monitor["missing"] == [2], monitor
+    assert "global rank(s) 2 did not arrive" in monitor["message"]
+    assert monitor["elapsed"] < 15
+    assert other["missing"] is None and "Global rank 0" in other["message"], other
+    assert _children() == []
+
+
+@pytest.mark.timeout(120)
+def test_harness_timeout_kills_hung_rank() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTimeoutError, match=r"ranks still running: \[(0, )?1\]") as info:
+        run_distributed(_sleep_forever_on_rank_one, 2, timeout=6)
+    assert 6 <= time.monotonic() - t0 < 25
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.running in ([1], [0, 1])  # [0, 1] only if spawning alone took the whole 6 s
+    if info.value.running == [1]:
+        assert info.value.results == {0: 0}
+    assert _children() == []
