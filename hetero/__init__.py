@@ -1,5 +1,6 @@
 """hetero: train models larger than GPU memory on chunks spread over GPU, host memory and NVMe."""
 
+from hetero.engine import Engine, initialize
 from hetero.config import Config, MemoryConfig, OffloadConfig, parse_size
 from hetero.errors import (
     ConfigError,
@@ -16,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config",
+    "Engine",
+    "initialize",
     "ConfigError",
     "HeteroError",
     "IllegalTransitionError",

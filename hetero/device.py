@@ -50,9 +50,9 @@ class Device:
         """Host buffers are page-locked only with CUDA: without it `pin_memory=True` raises."""
         return self.is_cuda
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised flat buffer on the compute device."""
-        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+    def empty_bytes(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised flat uint8 buffer on the compute device."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
         """An uninitialised flat uint8 host buffer, pinned when CUDA is present."""

@@ -69,10 +69,11 @@ class Chunk:
     last_access: int = 0  # the manager's access clock at the last access, for LRU
     used: int = 0  # elements of capacity taken by slots
     computing: int = 0  # slots in COMPUTE now; a chunk with any is pinned to the device
+    pins: int = 0  # holds by `ChunkManager.pinned`: kept in place without marking the payload written
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * _itemsize(self.dtype)
+        return self.capacity * self.dtype.itemsize
 
     @property
     def free_numel(self) -> int:
@@ -80,7 +81,7 @@ class Chunk:
 
     @property
     def movable(self) -> bool:
-        return self.computing == 0
+        return self.computing == 0 and self.pins == 0
 
     @property
     def all_free(self) -> bool:
@@ -129,7 +130,3 @@ class Chunk:
     def describe(self) -> str:
         names = ", ".join(s.name for s in self.slots[:3]) + (", ..." if len(self.slots) > 3 else "")
         return f"chunk {self.id} [{self.kind}, {self.nbytes} B: {names}]"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

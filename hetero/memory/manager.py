@@ -7,7 +7,7 @@ move is started or seen finished, so no lock guards it.
 [Note: making room]
 A move reserves its bytes on the destination tier when it starts and gives back the source's bytes when it
 finishes; a ledger therefore never undercounts, and a tier never exceeds its budget, even with many moves in
-flight. To make room on a tier the manager, in this order: reaps moves that have finished; frees cached host
+flight. To make room on a tier the manager, in this order: reaps moves that have finished; frees cached
 buffers; waits for moves already leaving the tier; evicts a victim (the furthest next use by the trace, else the
 least recently used) one tier down, where a chunk whose tensors are all FREE is simply released. Prefetch makes room
 the same way but never blocks: it starts evictions and tries again at the next access (see `policy.py`).
@@ -22,24 +22,25 @@ prefetch over its use is therefore `prefetch_depth - 1` accesses once the device
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hetero.config import MemoryConfig, format_size
+from hetero.config import MemoryConfig, format_size, parse_size
 from hetero.device import Device
 from hetero.errors import TierOutOfMemoryError
 from hetero.memory.chunk import Chunk, Move
-from hetero.memory.host_pool import HostPool
 from hetero.memory.policy import AccessTrace, choose_victim
+from hetero.memory.pool import BufferPool
 from hetero.memory.states import ChunkState, TensorState
 from hetero.memory.tier import Tier, TierLedger
 
@@ -67,15 +68,19 @@ class ChunkManager:
         self,
         *,
         device: Device | None = None,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
+        device_budget: int | str | None = None,
+        host_budget: int | str | None = None,
         nvme_dir: str | None = None,
-        nvme_budget: int | None = None,
+        nvme_budget: int | str | None = None,
         prefetch_depth: int = 2,
         move_workers: int = 2,
         nvme_options: dict[str, Any] | None = None,
     ) -> None:
         self.device = device if device is not None else Device()
+        device_budget, host_budget, nvme_budget = (
+            None if b is None else parse_size(b, key=k)
+            for b, k in ((device_budget, "device_budget"), (host_budget, "host_budget"), (nvme_budget, "nvme_budget"))
+        )
         self._store = None  # the NVMe swap store, when nvme_dir is given
         if nvme_dir is not None:
             from hetero.memory.nvme import NvmeStore
@@ -87,7 +92,10 @@ class ChunkManager:
             Tier.HOST: TierLedger(Tier.HOST, _default_host_budget(host_budget)),
             Tier.NVME: TierLedger(Tier.NVME, self._nvme_budget(nvme_budget)),
         }
-        self.pool = HostPool(self.device, self.ledgers[Tier.HOST])  # reused (pinned) host buffers
+        self.pools = {  # reused chunk buffers, per tier
+            Tier.DEVICE: BufferPool(self.device.empty_bytes, self.ledgers[Tier.DEVICE]),
+            Tier.HOST: BufferPool(self.device.empty_host, self.ledgers[Tier.HOST]),
+        }
         self.trace = AccessTrace()  # recorded chunk order: prefetch and OPT eviction
         self.prefetch_depth = prefetch_depth  # chunks to move ahead of use while the trace replays
         self.observers: list[Callable[[MoveEvent], None]] = []  # called on every finished move
@@ -157,7 +165,7 @@ class ChunkManager:
             self._wait(chunk)
             if chunk.tier != tier:
                 self.counters["prefetch_misses"] += 1
-                self._start_move(chunk, tier, blocking=True)
+                self._start_move(chunk, tier, blocking=True, inline=True)
                 self._wait(chunk)
         chunk.prefetched = False
         chunk.last_access = self._clock
@@ -171,7 +179,7 @@ class ChunkManager:
         self._wait(chunk)
         if chunk.state is ChunkState.EMPTY or chunk.tier == tier:
             return
-        self._start_move(chunk, tier, blocking=True)
+        self._start_move(chunk, tier, blocking=True, inline=wait)
         if wait:
             self._wait(chunk)
 
@@ -181,6 +189,17 @@ class ChunkManager:
         self._poll()
         for chunk in chunks:
             self._try_prefetch(chunk, tier, horizon=None, protect=set())
+
+    @contextlib.contextmanager
+    def pinned(self, *chunks: Chunk) -> Iterator[None]:
+        """Keep chunks where they are (no eviction, no move) for the duration, without marking them written."""
+        for c in chunks:
+            c.pins += 1
+        try:
+            yield
+        finally:
+            for c in chunks:
+                c.pins -= 1
 
     def release(self, chunk: Chunk) -> None:
         """Drop a chunk's payload (every tensor must be FREE); it becomes EMPTY and holds no memory."""
@@ -236,7 +255,8 @@ class ChunkManager:
             for chunk in list(self._chunks.values()):
                 self._drop_payload(chunk)
             self._chunks.clear()
-            self.pool.trim()
+            for pool in self.pools.values():
+                pool.trim()
             self._finalizer()
 
     def __enter__(self) -> ChunkManager:
@@ -255,17 +275,10 @@ class ChunkManager:
         chunk.transition(ChunkState.RESIDENT)
 
     def _new_buffer(self, tier: Tier, chunk: Chunk) -> torch.Tensor:
-        if tier is Tier.DEVICE:
-            self.ledgers[Tier.DEVICE].take(chunk.nbytes)
-            return self.device.empty(chunk.capacity, chunk.dtype)
-        return self.pool.acquire(chunk.nbytes).view(chunk.dtype)
+        return self.pools[tier].acquire(chunk.nbytes).view(chunk.dtype)
 
     def _free_buffer(self, tier: Tier, buf: torch.Tensor) -> None:
-        nbytes = buf.numel() * buf.element_size()
-        if tier is Tier.DEVICE:
-            self.ledgers[Tier.DEVICE].give(nbytes)
-        else:
-            self.pool.release(buf)
+        self.pools[tier].release(buf)
 
     def _drop_payload(self, chunk: Chunk) -> None:
         if chunk.state is ChunkState.EMPTY:
@@ -299,8 +312,12 @@ class ChunkManager:
         blocking: bool,
         prefetch: bool = False,
         protect: frozenset[int] = frozenset(),
+        inline: bool = False,
     ) -> bool:
         """Start moving a RESIDENT chunk to dst. Returns False if (non-blocking) room could not be made yet.
+
+        inline: the caller waits for the move at once, so copy on this thread: no hand-off to a worker, and the
+        copy gets this thread's intra-op parallelism.
 
         protect: chunks that making room must not evict: this one, and every chunk an outer call is moving (making
         room for a victim must never evict the chunk the victim is making room for).
@@ -309,7 +326,8 @@ class ChunkManager:
         src = chunk.tier
         assert chunk.state is ChunkState.RESIDENT and src is not None and src != dst
         if dst > src and not chunk.movable:
-            raise RuntimeError(f"{chunk.describe()} is being computed on: it cannot leave the {src.label} tier")
+            why = "is being computed on" if chunk.computing else "is pinned"
+            raise RuntimeError(f"{chunk.describe()} {why}: it cannot leave the {src.label} tier")
         if chunk.all_free and dst is not Tier.NVME:
             # Nothing worth copying: give it fresh memory where it is wanted.
             if not self._make_room(dst, chunk.nbytes, protect, blocking=blocking):
@@ -340,9 +358,19 @@ class ChunkManager:
             new_payload = None
         else:
             new_payload = self._new_buffer(dst, chunk)
-        staging = self.pool.acquire(chunk.nbytes).view(chunk.dtype) if needs_staging else None
-        marker = self.device.compute_marker() if src is Tier.DEVICE else None
-        future = self._workers.submit(self._copy_job, chunk.id, src, dst, chunk.payload, new_payload, staging, marker)
+        staging = self.pools[Tier.HOST].acquire(chunk.nbytes).view(chunk.dtype) if needs_staging else None
+        # Order the copy after compute queued so far: it may read what compute writes, or write a buffer compute
+        # still reads (a pooled buffer's last user); see [Note: copies off the compute stream].
+        marker = self.device.compute_marker() if Tier.DEVICE in (src, dst) else None
+        args = (chunk.id, src, dst, chunk.payload, new_payload, staging, marker)
+        if inline:
+            future: Future[tuple[float, float]] = Future()
+            try:
+                future.set_result(self._copy_job(*args))
+            except Exception as e:  # reported by _finish, after the rollback, like a worker's error
+                future.set_exception(e)
+        else:
+            future = self._workers.submit(self._copy_job, *args)
         chunk.move = Move(src=src, dst=dst, future=future, new_payload=new_payload, staging=staging, prefetch=prefetch)
         chunk.transition(ChunkState.MOVING)
         self._moving[chunk.id] = chunk
@@ -394,7 +422,7 @@ class ChunkManager:
         chunk.move = None
         chunk.transition(ChunkState.RESIDENT)
         if move.staging is not None:
-            self.pool.release(move.staging)
+            self.pools[Tier.HOST].release(move.staging)
         error = move.future.exception()
         if error is not None:
             # The source copy is intact: the chunk stays where it was, and what the move took is given back.
@@ -445,14 +473,14 @@ class ChunkManager:
         ledger = self.ledgers[tier]
         if nbytes > ledger.budget:
             raise self._oom(tier, nbytes, extra="the request alone exceeds the budget")
-        while ledger.free < nbytes:
+        while self._room(tier, nbytes) < nbytes:
             if self._poll():
                 continue
-            if tier is Tier.HOST and ledger.cached:
-                self.pool.trim(nbytes - ledger.free)
+            if ledger.cached:
+                self.pools[tier].trim(nbytes - ledger.free)
                 continue
             leaving = [c for c in self._moving.values() if c.move.src == tier]
-            if ledger.free + self._leaving_bytes(tier) < nbytes + earmarked:
+            if self._room(tier, nbytes) + self._leaving_bytes(tier) < nbytes + earmarked:
                 # Not enough on its way out: evict one more.
                 if tier is Tier.NVME:
                     victim = self._nvme_victim(protect)
@@ -477,6 +505,13 @@ class ChunkManager:
                 return False  # room is on its way; a later call tries again
             self._wait(leaving[0])
         return True
+
+    def _room(self, tier: Tier, nbytes: int) -> int:
+        """Bytes a request of nbytes can have now: free budget, or a cached buffer of exactly its size."""
+        pool = self.pools.get(tier)
+        if pool is not None and pool.has_cached(nbytes):
+            return max(nbytes, self.ledgers[tier].free)
+        return self.ledgers[tier].free
 
     def _leaving_bytes(self, tier: Tier) -> int:
         return sum(c.nbytes for c in self._moving.values() if c.move.src == tier)
@@ -511,7 +546,7 @@ class ChunkManager:
             horizon = self.trace.next_use(cid)
             if self._try_prefetch(chunk, tier, horizon=horizon, protect=protect | {cid}, earmarked=earmarked[tier]):
                 continue
-            if self.ledgers[tier].free + self._leaving_bytes(tier) >= earmarked[tier] + chunk.nbytes:
+            if self._room(tier, chunk.nbytes) + self._leaving_bytes(tier) >= earmarked[tier] + chunk.nbytes:
                 earmarked[tier] += chunk.nbytes  # its room is on the way: its move starts at a later access
                 continue
             break  # nothing evictable before this chunk's use: the ones after it cannot fare better
@@ -529,7 +564,7 @@ class ChunkManager:
         room = self._make_room(
             tier, chunk.nbytes, protect | {chunk.id}, blocking=False, horizon=horizon, earmarked=earmarked
         )
-        if not room or earmarked > self.ledgers[tier].free - chunk.nbytes:
+        if not room or earmarked > self._room(tier, chunk.nbytes) - chunk.nbytes:
             return False
         started = self._start_move(chunk, tier, blocking=False, prefetch=True, protect=frozenset(protect))
         if started:

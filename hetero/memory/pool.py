@@ -1,27 +1,28 @@
-"""A pool of host buffers, so moves reuse (pinned) memory instead of allocating it per move.
+"""Pools of chunk buffers, one per memory tier, so moves reuse memory instead of allocating it per move.
 
-Pinning is slow (a `cudaHostAlloc` costs far more than the copy it serves), so a buffer returned by a chunk that left
-the host tier is kept, keyed by its exact size, for the next chunk of that size. Chunks of one dtype share one
-capacity, so exact-size reuse hits almost always, and keeps the ledger exact. Cached buffers count against the host
-budget; when room is needed they are freed before any chunk is evicted.
+Allocation is the hidden cost of a move: pinning host memory (`cudaHostAlloc`) costs far more than the copy it
+serves, and a fresh pageable buffer is paid for again in page faults on first touch. So a buffer given back by a
+chunk that left a tier is kept, keyed by its exact size, for the next chunk of that size. Chunks of one dtype share
+one capacity, so exact-size reuse hits almost always and keeps the ledger exact. Cached buffers count against the
+tier's budget; when room is needed they are freed before any chunk is evicted.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
-from hetero.device import Device
 from hetero.memory.tier import TierLedger
 
 
-class HostPool:
-    def __init__(self, device: Device, ledger: TierLedger) -> None:
-        self._device = device
-        self._ledger = ledger  # the HOST tier's ledger: buffers in use and cached both count
+class BufferPool:
+    def __init__(self, alloc: Callable[[int], torch.Tensor], ledger: TierLedger) -> None:
+        self._alloc = alloc  # nbytes -> a flat uint8 buffer on this pool's tier
+        self._ledger = ledger  # the tier's ledger: buffers in use and cached both count
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> cached free buffers
-        self.allocations = 0  # buffers actually allocated (pinned) since creation: what the pool saves
+        self.allocations = 0  # buffers actually allocated since creation: what the pool saves
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of exactly nbytes. The caller has made room on the ledger for nbytes."""
@@ -31,7 +32,7 @@ class HostPool:
             return cached.pop()
         self._ledger.take(nbytes)
         self.allocations += 1
-        return self._device.empty_host(nbytes)
+        return self._alloc(nbytes)
 
     def has_cached(self, nbytes: int) -> bool:
         return bool(self._free.get(nbytes))

@@ -1,0 +1,302 @@
+"""The engine: a user's model and optimizer, trained with their states in chunks across tiers and ranks.
+
+It composes the pieces and holds the training-loop state (micro-step, loss scale); the mechanisms live in
+`hetero/memory` (placement) and `hetero/zero` (layout, chunks, hooks, optimizer update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.comm import Comm, init_from_env
+from hetero.config import Config
+from hetero.device import Device
+from hetero.errors import ConfigError
+from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.zero.chunks import Homes, ZeroChunk, flat_values
+from hetero.zero.hooks import Hooks
+from hetero.zero.layout import build_layout
+from hetero.zero.optim import algorithm_of, update
+from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
+
+log = logging.getLogger("hetero.engine")
+
+_TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config | dict[str, Any] | str | os.PathLike | None = None,
+    *,
+    comm: Comm | None = None,
+    device: torch.device | str | None = None,
+) -> Engine:
+    """Wrap a model and its optimizer; returns the engine to train with.
+
+    config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the data-parallel group (default: the
+    world, joined from torchrun's environment when not yet initialised). device: default cuda:LOCAL_RANK, else CPU.
+    """
+    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """`engine.optimizer`: the user's param groups and hyperparameters (LR schedulers drive them); `step` runs the
+    chunked update."""
+
+    def __init__(self, engine: Engine, user: torch.optim.Optimizer) -> None:
+        super().__init__(user.param_groups, user.defaults)
+        self._engine = weakref.ref(engine)  # the engine owns the optimizer, not the reverse
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("hetero's optimizer takes no closure: call engine.backward(loss) and engine.step()")
+        self._engine()._update()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine()._zero_grads()
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Config,
+        *,
+        comm: Comm | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config = config
+        self.comm = comm if comm is not None else init_from_env()  # the data-parallel group
+        self.device = Device(device)
+        self.module = model  # the user's model, modified in place: parameter names unchanged
+        self.algorithm = algorithm_of(optimizer)
+        self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
+        self.stage = config.zero_stage
+        homes = _homes(config, self.device)
+        self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
+        chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
+        specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size)
+        self.chunks: list[ZeroChunk] = []
+        self._entries: dict[int, tuple] = {}  # param id -> (ZeroChunk, ParamInfo, TensorSlot)
+        for spec in specs:
+            zc = ZeroChunk(
+                spec,
+                manager=self.manager,
+                comm=self.comm,
+                stage=self.stage,
+                dtype=self.dtype,
+                homes=homes,
+                state_names=self.algorithm.state_names,
+            )
+            flat = flat_values(spec)
+            self.comm.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as DDP does
+            zc.load(flat)
+            del flat
+            self.chunks.append(zc)
+            for info, slot in zip(spec.params, zc.slots):
+                self._entries[id(info.param)] = (zc, info, slot)
+        self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
+        self._move_buffers(model)
+        self.optimizer = ZeroOptimizer(self, optimizer)
+        self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
+        self.micro_steps = 0  # micro-batches seen (engine.step calls)
+        self.global_steps = 0  # optimizer updates applied
+        self.skipped_steps = 0  # updates skipped for fp16 overflow
+        self._in_step = False  # between the first forward of a micro-batch and its backward's end
+        self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=self._on_grad)
+        self._closed = False
+
+    # ---- the training loop ----------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._in_step:
+            self.manager.step_begin()
+            self._in_step = True
+        args, kwargs = self._to_device((args, kwargs))
+        out = self.module(*args, **kwargs)
+        if self.stage == 3:
+            for zc in self.chunks:
+                if zc.full.computing == 0:
+                    zc.maybe_release(TensorState.HOLD_AFTER_FWD)
+        return out
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        (loss * (scale / self.config.grad_accumulation_steps)).backward()
+        # Chunks whose gradients did not all arrive (parameters unused this step) are reduced now, in layout order,
+        # which is the same on every rank.
+        for zc in self._trainable:
+            if zc.grads_seen and self.stage >= 2:
+                zc.reduce_micro_batch()
+        for zc in self.chunks:
+            zc.settle()
+        self.manager.step_end()
+        self._in_step = False
+
+    def step(self) -> None:
+        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary."""
+        self.micro_steps += 1
+        if self.micro_steps % self.config.grad_accumulation_steps == 0:
+            self.optimizer.step()
+
+    def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        """Forward, backward and step on one micro-batch; returns the loss (mean over data-parallel ranks)."""
+        if loss_fn is None:
+            out = self(inputs, labels=labels)
+            loss = out.loss if hasattr(out, "loss") else out["loss"]
+        else:
+            loss = loss_fn(self(inputs), labels.to(self.device.torch_device))
+        self.backward(loss)
+        self.step()
+        mean = loss.detach().float().clone()
+        self.comm.all_reduce(mean, op="avg")
+        return mean
+
+    # ---- the update ---------------------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        zc, info, slot = self._entries[id(param)]
+        grad = param.grad
+        param.grad = None
+        complete = zc.add_grad(info, slot, grad)
+        if self.stage == 3:
+            zc.exit(info, slot, TensorState.HOLD_AFTER_BWD)
+        if complete:
+            if self.stage >= 2:
+                zc.reduce_micro_batch()
+            zc.maybe_release(TensorState.HOLD_AFTER_BWD)
+
+    @torch.no_grad()
+    def _update(self) -> None:
+        for zc in self._trainable:
+            zc.reduce_at_update()
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        sq, finite = self._grad_stats()
+        if self.scaler is not None:
+            overflow = not finite
+            self.scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
+                self._zero_grads()
+                return
+        coef = inv_scale
+        if self.config.grad_clip_norm is not None:
+            norm = math.sqrt(sq) * inv_scale
+            coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
+        self.last_grad_norm = math.sqrt(sq) * inv_scale  # before clipping, like clip_grad_norm_'s return
+        names = self.algorithm.state_names
+        for i, zc in enumerate(self._trainable):
+            if zc.homes.optim is Tier.NVME and i + 1 < len(self._trainable):
+                # Pipelined update: read the next chunk's states while this one steps.
+                self.manager.prefetch([self._trainable[i + 1].optim], zc.homes.compute)
+            grad = zc.grad_view()
+            with self.manager.pinned(zc.grad):
+                if coef != 1.0:
+                    grad.mul_(coef)
+                master, states = zc.optimizer_views()
+                with self.manager.pinned(zc.optim):
+                    group = self.optimizer.param_groups[zc.spec.group]
+                    update(self.algorithm, group, master, grad, dict(zip(names, states)), zc.step)
+                    zc.optim.dirty = True
+                    zc.write_back(master)
+            if zc.homes.optim is Tier.NVME:
+                self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
+        self.global_steps += 1
+
+    def _grad_stats(self) -> tuple[float, bool]:
+        """Sum of squares of the (scaled) gradient over all ranks, and whether it is finite everywhere."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for zc in self._trainable:
+            sq += torch.linalg.vector_norm(zc.grad_view(), dtype=torch.float64).cpu() ** 2
+        if self.stage >= 1:  # shards are disjoint: sum them; at stage 0 every rank holds the whole reduced gradient
+            self.comm.all_reduce(sq, op="sum")
+        value = float(sq)
+        return value, math.isfinite(value)
+
+    def _zero_grads(self) -> None:
+        for zc in self._trainable:
+            zc.zero_grad()
+
+    # ---- views of the model ---------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (CPU copies, compute dtype), gathered chunk by chunk, plus buffers."""
+        out: dict[str, torch.Tensor] = {}
+        for zc in self.chunks:
+            out.update(zc.full_values())
+        for name, buf in self.module.named_buffers():
+            out[name] = buf.detach().to("cpu", copy=True)
+        return out
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters."""
+        return self.manager.memory_stats()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.comm.size
+
+    def close(self) -> None:
+        """Remove the hooks, free every chunk and delete swap files. The model's parameters are left empty."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hooks.remove()
+        self.manager.close()
+
+    def __del__(self) -> None:
+        # At interpreter shutdown this may fail; the manager's own finalizer still removes swap files.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _to_device(self, obj: Any) -> Any:
+        dev = self.device.torch_device
+        if isinstance(obj, torch.Tensor):
+            t = obj.to(dev, non_blocking=True)
+            return t.to(self.dtype) if t.is_floating_point() and self.dtype != torch.float32 else t
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._to_device(v) for v in obj)
+        if isinstance(obj, dict):
+            return {k: self._to_device(v) for k, v in obj.items()}
+        return obj
+
+    def _move_buffers(self, model: nn.Module) -> None:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                buf = buf.to(self.device.torch_device)
+                if buf.is_floating_point() and self.dtype != torch.float32:
+                    buf = buf.to(self.dtype)
+                module._buffers[name] = buf
+
+
+def _homes(config: Config, device: Device) -> Homes:
+    if config.offload.params == "auto" or config.offload.optimizer == "auto":
+        raise ConfigError('offload: "auto" placement is not available yet; choose "device", "host" or "nvme"')
+    params = _TIERS[config.offload.params]
+    optim = _TIERS[config.offload.optimizer]
+    if params is not Tier.DEVICE and config.zero_stage != 3:
+        raise ConfigError(
+            f"offload.params: {config.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered for "
+            f"use only at stage 3); got zero_stage {config.zero_stage}"
+        )
+    compute = Tier.DEVICE if optim is Tier.DEVICE else Tier.HOST
+    return Homes(params=params, optim=optim, compute=compute)

@@ -1,0 +1,297 @@
+"""One chunk of a model under ZeRO: its parameters, gradients, master weights and optimizer states.
+
+[Note: what each stage keeps]
+Every chunk of `capacity` elements (a multiple of the data-parallel size N) has up to five buffers, all chunks of
+the manager, so each lives on a tier under a budget:
+
+  buffer      dtype    elements      stage 0      stage 1      stage 2        stage 3
+  full        compute  capacity      persistent   persistent   persistent     gathered for use, then released
+  shard       compute  capacity/N    -            -            -              persistent, on offload.params
+  grad        fp32     cap or cap/N  full, local  full, local  shard          shard
+  grad_full   fp32     capacity      -            -            per micro-batch, reduce-scattered into `grad`
+  optim       fp32     (1+k)*S       master + k optimizer states, S = capacity (stage 0) or capacity/N
+
+Stages 0 and 1 accumulate the full local gradient over micro-batches and communicate once, at the update (all-reduce
+at stage 0; reduce-scatter at stage 1, since each rank only updates its shard). Stages 2 and 3 reduce-scatter every
+micro-batch, so no rank ever holds more than a shard of accumulated gradient. After the update, stage 0 copies the
+master into the full parameters; stages 1 and 2 copy their shard in and all-gather the rest; stage 3 writes its
+shard only, and the full chunk is gathered again at its next use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetero.comm import Comm
+from hetero.memory import Chunk, ChunkManager, ChunkState, TensorSlot, TensorState, Tier
+from hetero.zero.layout import ChunkSpec, ParamInfo
+
+_T = TensorState
+
+
+@dataclass(frozen=True)
+class Homes:
+    """Where each kind of buffer lives between uses, and where the optimizer computes."""
+
+    params: Tier  # the stage-3 shard's home (full chunks are on the device while used)
+    optim: Tier  # master weights and optimizer states
+    compute: Tier  # where the optimizer step runs and gradients accumulate: the device, or the host
+
+
+class ZeroChunk:
+    def __init__(
+        self,
+        spec: ChunkSpec,
+        *,
+        manager: ChunkManager,
+        comm: Comm,
+        stage: int,
+        dtype: torch.dtype,
+        homes: Homes,
+        state_names: tuple[str, ...],
+    ) -> None:
+        self.spec = spec
+        self.m = manager
+        self.comm = comm
+        self.stage = stage
+        self.dtype = dtype  # compute dtype of the parameters
+        self.homes = homes
+        n = comm.size
+        self.shard_numel = spec.capacity // n  # elements of one rank's shard
+        self.in_use: dict[int, int] = {}  # param id -> active uses (a parameter may be used twice at once)
+        self.device = manager.device.torch_device
+        self.placeholder = torch.empty(0, dtype=dtype, device=self.device)  # .data of a released parameter
+
+        self.full = manager.new_chunk(dtype=dtype, capacity=spec.capacity, kind="param")
+        self.slots: list[TensorSlot] = [self.full.add_tensor(p.name, p.shape) for p in spec.params]
+        self.shard: Chunk | None = None
+        if stage == 3:
+            self.shard = manager.new_chunk(dtype=dtype, capacity=self.shard_numel, kind="param_shard")
+            self.shard.add_tensor(f"{spec.params[0].name}..shard", (self.shard_numel,))
+        self.grad: Chunk | None = None
+        self.grad_full: Chunk | None = None
+        self.optim: Chunk | None = None
+        self.step = torch.zeros((), dtype=torch.float32)  # this chunk's optimizer steps taken
+        self.grads_seen: set[int] = set()  # trainable param ids whose gradient this micro-batch has arrived
+        if spec.trainable:
+            sharded_grads = stage >= 2
+            grad_numel = self.shard_numel if sharded_grads else spec.capacity
+            self.grad = manager.new_chunk(dtype=torch.float32, capacity=grad_numel, kind="grad")
+            self.grad.add_tensor(f"{spec.params[0].name}..grad", (grad_numel,))
+            if sharded_grads:
+                self.grad_full = manager.new_chunk(dtype=torch.float32, capacity=spec.capacity, kind="grad_full")
+                self.grad_full.add_tensor(f"{spec.params[0].name}..grad_full", (spec.capacity,))
+            s = spec.capacity if stage == 0 else self.shard_numel
+            self.optim = manager.new_chunk(dtype=torch.float32, capacity=s * (1 + len(state_names)), kind="optim")
+            self.optim.add_tensor(f"{spec.params[0].name}..master", (s,))
+            for name in state_names:
+                self.optim.add_tensor(f"{spec.params[0].name}..{name}", (s,))
+
+    # ---- set-up -------------------------------------------------------------------------------------------
+    def load(self, flat: torch.Tensor) -> None:
+        """Fill every buffer from the full flat fp32 parameter values (the same on every rank)."""
+        r, s = self.comm.rank, self.shard_numel
+        mine = flat if self.stage == 0 else flat[r * s : (r + 1) * s]
+        if self.stage < 3:
+            # Stages 0-2 keep full parameters on the device for the model's whole life: pinned, so that nothing
+            # autograd saved in forward can move before backward.
+            self.m.access(self.full, Tier.DEVICE)
+            self.full.payload.copy_(flat)
+            for slot in self.slots:
+                self.full.set_state(slot, _T.HOLD)
+                self.full.set_state(slot, _T.COMPUTE)
+            self._point_params()
+        else:
+            self.m.access(self.shard, Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST)
+            self.shard.payload.copy_(mine)
+            self.shard.set_state(self.shard.slots[0], _T.HOLD)
+            if self.homes.params is Tier.NVME:
+                self.m.move(self.shard, Tier.NVME)
+            self._release_params()
+        if self.optim is not None:
+            self.m.access(self.optim, self.homes.compute)
+            self.optim.payload.zero_()
+            self.optim.view(self.optim.slots[0]).copy_(mine)
+            for slot in self.optim.slots:
+                self.optim.set_state(slot, _T.HOLD)
+            if self.homes.optim is Tier.NVME:
+                self.m.move(self.optim, Tier.NVME)
+        if self.grad is not None:
+            self.zero_grad()
+
+    # ---- parameters ---------------------------------------------------------------------------------------
+    def fetch(self) -> None:
+        """Make the full parameters resident on the device and point the module's parameters at them."""
+        full = self.full
+        if full.state is ChunkState.EMPTY:  # stage 3, released: gather the shards
+            shard = self.m.access(self.shard, self._readable(self.shard))
+            with self.m.pinned(self.shard):  # making room for `full` must not evict the shard being read
+                self.m.access(full, Tier.DEVICE)
+                with self.m.pinned(full):  # nor may later accesses drop `full` while its tensors are FREE
+                    self.comm.all_gather(full.payload, shard.to(self.device))
+            for slot in self.slots:
+                full.set_state(slot, _T.HOLD)
+        else:
+            before = full.payload
+            self.m.access(full, Tier.DEVICE)
+            if full.payload is before:
+                return
+        self._point_params()
+
+    def enter(self, info: ParamInfo, slot: TensorSlot) -> None:
+        k = id(info.param)
+        self.in_use[k] = self.in_use.get(k, 0) + 1
+        if self.in_use[k] == 1:
+            self.full.set_state(slot, _T.COMPUTE)
+
+    def exit(self, info: ParamInfo, slot: TensorSlot, after: TensorState) -> None:
+        k = id(info.param)
+        uses = self.in_use.get(k, 0)
+        if uses == 0:
+            return
+        self.in_use[k] = uses - 1
+        if uses == 1:
+            self.full.set_state(slot, after)
+
+    def maybe_release(self, phase: TensorState) -> None:
+        """Stage 3: drop the gathered parameters once every one of them has finished this phase."""
+        if self.stage < 3 or self.full.state is ChunkState.EMPTY:
+            return
+        if all(s.state is phase for s in self.slots):
+            self.release()
+
+    def release(self) -> None:
+        """Stage 3: drop the gathered parameters (every use must have ended)."""
+        if self.stage < 3 or self.full.state is ChunkState.EMPTY:
+            return
+        for slot in self.slots:
+            if slot.state is _T.COMPUTE:
+                self.full.set_state(slot, _T.HOLD)
+            if slot.state is not _T.FREE:
+                self.full.set_state(slot, _T.FREE)
+        self.in_use.clear()
+        self.m.release(self.full)
+        self._release_params()
+
+    def settle(self) -> None:
+        """End of a backward pass: stage 3 drops what is still gathered (frozen or unused parameters)."""
+        self.grads_seen.clear()
+        self.release()
+
+    def _point_params(self) -> None:
+        for info, slot in zip(self.spec.params, self.slots):
+            info.param.data = self.full.view(slot)
+
+    def _release_params(self) -> None:
+        for info in self.spec.params:
+            info.param.data = self.placeholder
+
+    def _readable(self, chunk: Chunk) -> Tier:
+        """The nearest tier a collective can read the chunk on: NCCL reads the GPU; gloo and the CPU "device" read
+        host memory, where a chunk already on the device or the host stays."""
+        if self.m.device.is_cuda:
+            return Tier.DEVICE if self.comm.backend == "nccl" or self.comm.size == 1 else Tier.HOST
+        return chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) else Tier.HOST
+
+    # ---- gradients ----------------------------------------------------------------------------------------
+    def add_grad(self, info: ParamInfo, slot: TensorSlot, grad: torch.Tensor) -> bool:
+        """Accumulate one parameter's gradient of this micro-batch. True when the chunk has all of them."""
+        flat = grad.reshape(-1)
+        if self.grad_full is not None:
+            if self.grad_full.state is ChunkState.EMPTY:
+                self.m.access(self.grad_full, Tier.DEVICE).zero_()
+                self.grad_full.set_state(self.grad_full.slots[0], _T.COMPUTE)
+            buf = self.grad_full.payload
+        else:
+            buf = self.m.access(self.grad, self.homes.compute)
+        buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
+        self.grads_seen.add(id(info.param))
+        return len(self.grads_seen) == sum(1 for p in self.spec.params if p.trainable)
+
+    def reduce_micro_batch(self) -> None:
+        """Stages 2-3: reduce-scatter this micro-batch's gradient into the accumulated shard (mean over ranks)."""
+        self.grads_seen.clear()
+        if self.grad_full is None or self.grad_full.state is ChunkState.EMPTY:
+            return
+        full = self.grad_full.payload
+        r, s = self.comm.rank, self.shard_numel
+        self.comm.reduce_scatter(full[r * s : (r + 1) * s], full, op="avg")
+        acc = self.m.access(self.grad, self.homes.compute)
+        acc.add_(full[r * s : (r + 1) * s].to(acc.device))
+        self.grad_full.set_state(self.grad_full.slots[0], _T.HOLD)
+        self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
+        self.m.release(self.grad_full)
+
+    def reduce_at_update(self) -> None:
+        """Stages 0-1: reduce the gradient accumulated over the micro-batches (mean over ranks), in place."""
+        acc = self.m.access(self.grad, self.homes.compute)
+        if self.stage == 0:
+            self.comm.all_reduce(acc, op="avg")
+        elif self.stage == 1:
+            r, s = self.comm.rank, self.shard_numel
+            self.comm.reduce_scatter(acc[r * s : (r + 1) * s], acc, op="avg")
+
+    def grad_view(self) -> torch.Tensor:
+        """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier."""
+        acc = self.m.access(self.grad, self.homes.compute)
+        if self.stage == 1:
+            r, s = self.comm.rank, self.shard_numel
+            return acc[r * s : (r + 1) * s]
+        return acc
+
+    def zero_grad(self) -> None:
+        self.grads_seen.clear()
+        self.m.access(self.grad, self.homes.compute).zero_()
+        slot = self.grad.slots[0]
+        if slot.state is _T.FREE:
+            self.grad.set_state(slot, _T.HOLD)
+
+    # ---- update -------------------------------------------------------------------------------------------
+    def optimizer_views(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self.m.access(self.optim, self.homes.compute)
+        views = [self.optim.view(s) for s in self.optim.slots]
+        return views[0], views[1:]
+
+    def write_back(self, master: torch.Tensor) -> None:
+        """Copy the updated master weights into the parameters, then clear the accumulated gradient."""
+        r, s = self.comm.rank, self.shard_numel
+        if self.stage == 3:
+            tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
+            shard = self.m.access(self.shard, tier)
+            slot = self.shard.slots[0]
+            self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
+            shard.copy_(master)
+            self.shard.set_state(slot, _T.HOLD)
+            if self.homes.params is Tier.NVME:
+                self.m.move(self.shard, Tier.NVME, wait=False)
+        else:
+            full = self.m.access(self.full, Tier.DEVICE)
+            if self.stage == 0:
+                full.copy_(master)
+            else:
+                full[r * s : (r + 1) * s].copy_(master)
+                self.comm.all_gather(full, full[r * s : (r + 1) * s])
+        self.zero_grad()
+
+    def full_values(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (CPU copies), gathering a stage-3 chunk for the purpose."""
+        gathered = self.full.state is ChunkState.EMPTY
+        if gathered:
+            self.fetch()
+        out = {
+            info.name: self.full.view(slot).detach().to("cpu", copy=True)
+            for info, slot in zip(self.spec.params, self.slots)
+        }
+        if gathered:
+            self.release()
+        return out
+
+
+def flat_values(spec: ChunkSpec) -> torch.Tensor:
+    """The chunk's parameters as one flat fp32 CPU tensor of `capacity` elements, zero-padded."""
+    flat = torch.zeros(spec.capacity, dtype=torch.float32)
+    for info in spec.params:
+        flat.narrow(0, info.offset, info.numel).copy_(info.param.detach().reshape(-1))
+    return flat
