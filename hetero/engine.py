@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -114,7 +115,10 @@ class Engine:
         self.global_steps = 0  # optimizer updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
-        self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=self._on_grad)
+        # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
+        # memory and swap files.
+        on_grad = weakref.WeakMethod(self._on_grad)
+        self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=lambda p: on_grad()(p))
         self._closed = False
 
     # ---- the training loop ----------------------------------------------------------------------------------
@@ -232,13 +236,16 @@ class Engine:
 
     # ---- views of the model ---------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (CPU copies, compute dtype), gathered chunk by chunk, plus buffers."""
-        out: dict[str, torch.Tensor] = {}
+        """The model's state_dict with full values (CPU copies, compute dtype), gathered chunk by chunk; the keys
+        are the model's own, tied parameters under each of their names."""
+        values: dict[int, torch.Tensor] = {}
         for zc in self.chunks:
-            out.update(zc.full_values())
-        for name, buf in self.module.named_buffers():
-            out[name] = buf.detach().to("cpu", copy=True)
-        return out
+            for info, value in zip(zc.spec.params, zc.full_values().values()):
+                values[id(info.param)] = value
+        return {
+            name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
+            for name, t in self.module.state_dict(keep_vars=True).items()
+        }
 
     def memory_stats(self) -> dict[str, Any]:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters."""
@@ -261,7 +268,10 @@ class Engine:
         self.manager.close()
 
     def __del__(self) -> None:
-        # At interpreter shutdown this may fail; the manager's own finalizer still removes swap files.
+        # At interpreter shutdown tensors are being torn down under us: leave it to the manager's finalizer (an
+        # atexit hook), which removes the swap files without touching tensors.
+        if sys.is_finalizing():
+            return
         with contextlib.suppress(Exception):
             self.close()
 

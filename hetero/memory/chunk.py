@@ -58,6 +58,8 @@ class Chunk:
     dtype: torch.dtype
     capacity: int  # elements
     kind: str = "param"  # what it holds (param, grad, master, optim, ...): for accounting and profiles
+    transient: bool = False  # a device-only cache of data kept elsewhere: dropped, never moved (manager note)
+    kept: torch.Tensor | None = None  # a transient chunk's payload, kept across drops (its storage resized to 0)
     slots: list[TensorSlot] = field(default_factory=list)
     state: ChunkState = ChunkState.EMPTY
     tier: Tier | None = None  # where the payload is valid now (the source while MOVING); None while EMPTY

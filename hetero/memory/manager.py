@@ -124,11 +124,14 @@ class ChunkManager:
         )
 
     # ---- chunks -------------------------------------------------------------------------------------------
-    def new_chunk(self, *, dtype: torch.dtype, capacity: int, kind: str = "param") -> Chunk:
-        """An EMPTY chunk; add tensors to it, then `access` it on a tier to give it memory."""
+    def new_chunk(self, *, dtype: torch.dtype, capacity: int, kind: str = "param", transient: bool = False) -> Chunk:
+        """An EMPTY chunk; add tensors to it, then `access` it on a tier to give it memory.
+
+        transient: the payload is a device-side cache of data kept elsewhere; see [Note: transient chunks].
+        """
         if capacity <= 0:
             raise ValueError(f"chunk capacity must be positive, got {capacity}")
-        chunk = Chunk(id=self._next_id, dtype=dtype, capacity=capacity, kind=kind)
+        chunk = Chunk(id=self._next_id, dtype=dtype, capacity=capacity, kind=kind, transient=transient)
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         return chunk
@@ -269,8 +272,19 @@ class ChunkManager:
     def _allocate(self, chunk: Chunk, tier: Tier) -> None:
         if tier is Tier.NVME:
             raise ValueError(f"{chunk.describe()} is EMPTY: give it memory on the device or host tier first")
+        if chunk.transient and tier is not Tier.DEVICE:
+            raise ValueError(f"{chunk.describe()} is transient: it lives on the device tier only")
         self._make_room(tier, chunk.nbytes, {chunk.id}, blocking=True)
-        chunk.payload = self._new_buffer(tier, chunk)
+        if chunk.transient:
+            # See [Note: transient chunks]: the same storage object grows back.
+            self.ledgers[tier].take(chunk.nbytes)
+            if chunk.kept is None:
+                chunk.kept = self.device.empty_bytes(chunk.nbytes).view(chunk.dtype)
+            else:
+                chunk.kept.untyped_storage().resize_(chunk.nbytes)
+            chunk.payload = chunk.kept
+        else:
+            chunk.payload = self._new_buffer(tier, chunk)
         chunk.tier = tier
         chunk.transition(ChunkState.RESIDENT)
 
@@ -283,7 +297,10 @@ class ChunkManager:
     def _drop_payload(self, chunk: Chunk) -> None:
         if chunk.state is ChunkState.EMPTY:
             return
-        if chunk.payload is not None:
+        if chunk.transient:
+            self.ledgers[chunk.tier].give(chunk.nbytes)
+            chunk.payload.untyped_storage().resize_(0)  # frees the memory; views of it stay valid objects
+        elif chunk.payload is not None:
             self._free_buffer(chunk.tier, chunk.payload)
         chunk.payload = None
         chunk.tier = None
@@ -328,6 +345,8 @@ class ChunkManager:
         if dst > src and not chunk.movable:
             why = "is being computed on" if chunk.computing else "is pinned"
             raise RuntimeError(f"{chunk.describe()} {why}: it cannot leave the {src.label} tier")
+        if chunk.transient:
+            raise RuntimeError(f"{chunk.describe()} is transient: it is dropped, never moved, off the device")
         if chunk.all_free and dst is not Tier.NVME:
             # Nothing worth copying: give it fresh memory where it is wanted.
             if not self._make_room(dst, chunk.nbytes, protect, blocking=blocking):
@@ -489,7 +508,7 @@ class ChunkManager:
                         continue
                 else:
                     victim = self._victim(tier, protect, horizon)
-                    if victim is not None and victim.all_free:
+                    if victim is not None and (victim.all_free or victim.transient):
                         self._drop_payload(victim)
                         self.counters["released"] += 1
                         continue

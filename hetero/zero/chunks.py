@@ -62,9 +62,8 @@ class ZeroChunk:
         self.shard_numel = spec.capacity // n  # elements of one rank's shard
         self.in_use: dict[int, int] = {}  # param id -> active uses (a parameter may be used twice at once)
         self.device = manager.device.torch_device
-        self.placeholder = torch.empty(0, dtype=dtype, device=self.device)  # .data of a released parameter
 
-        self.full = manager.new_chunk(dtype=dtype, capacity=spec.capacity, kind="param")
+        self.full = manager.new_chunk(dtype=dtype, capacity=spec.capacity, kind="param", transient=stage == 3)
         self.slots: list[TensorSlot] = [self.full.add_tensor(p.name, p.shape) for p in spec.params]
         self.shard: Chunk | None = None
         if stage == 3:
@@ -109,7 +108,11 @@ class ZeroChunk:
             self.shard.set_state(self.shard.slots[0], _T.HOLD)
             if self.homes.params is Tier.NVME:
                 self.m.move(self.shard, Tier.NVME)
-            self._release_params()
+            # Point the parameters at the transient full chunk once; dropped, its storage has zero bytes until the
+            # next gather (see [Note: transient chunks] in the manager).
+            self.m.access(self.full, Tier.DEVICE)
+            self._point_params()
+            self.m.release(self.full)
         if self.optim is not None:
             self.m.access(self.optim, self.homes.compute)
             self.optim.payload.zero_()
@@ -123,22 +126,19 @@ class ZeroChunk:
 
     # ---- parameters ---------------------------------------------------------------------------------------
     def fetch(self) -> None:
-        """Make the full parameters resident on the device and point the module's parameters at them."""
+        """Stage 3: make the full parameters resident on the device (the module's parameters view them already)."""
         full = self.full
-        if full.state is ChunkState.EMPTY:  # stage 3, released: gather the shards
-            shard = self.m.access(self.shard, self._readable(self.shard))
-            with self.m.pinned(self.shard):  # making room for `full` must not evict the shard being read
-                self.m.access(full, Tier.DEVICE)
-                with self.m.pinned(full):  # nor may later accesses drop `full` while its tensors are FREE
-                    self.comm.all_gather(full.payload, shard.to(self.device))
-            for slot in self.slots:
-                full.set_state(slot, _T.HOLD)
-        else:
-            before = full.payload
+        if full.state is not ChunkState.EMPTY:
+            self.m.access(full, Tier.DEVICE)  # records the use for the trace; a transient chunk never moves
+            return
+        shard = self.m.access(self.shard, self._readable(self.shard))
+        with self.m.pinned(self.shard):  # making room for `full` must not evict the shard being read
             self.m.access(full, Tier.DEVICE)
-            if full.payload is before:
-                return
-        self._point_params()
+            with self.m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
+                self.comm.all_gather(full.payload, shard.to(self.device))
+        for slot in self.slots:
+            if slot.state is not _T.HOLD:  # FREE after a release; HOLD_AFTER_* if the manager dropped it
+                full.set_state(slot, _T.HOLD)
 
     def enter(self, info: ParamInfo, slot: TensorSlot) -> None:
         k = id(info.param)
@@ -173,7 +173,6 @@ class ZeroChunk:
                 self.full.set_state(slot, _T.FREE)
         self.in_use.clear()
         self.m.release(self.full)
-        self._release_params()
 
     def settle(self) -> None:
         """End of a backward pass: stage 3 drops what is still gathered (frozen or unused parameters)."""
@@ -183,10 +182,6 @@ class ZeroChunk:
     def _point_params(self) -> None:
         for info, slot in zip(self.spec.params, self.slots):
             info.param.data = self.full.view(slot)
-
-    def _release_params(self) -> None:
-        for info in self.spec.params:
-            info.param.data = self.placeholder
 
     def _readable(self, chunk: Chunk) -> Tier:
         """The nearest tier a collective can read the chunk on: NCCL reads the GPU; gloo and the CPU "device" read

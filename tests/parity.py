@@ -1,0 +1,151 @@
+"""Parity runs: the same tiny GPT trained by a plain PyTorch loop and by hetero, for tests to compare.
+
+The reference is one process on the global batch. hetero runs on `world` ranks, rank r on rows [r*B, (r+1)*B) of
+each global batch, so the mean gradient over ranks equals the reference's. Mixed precision in the reference keeps
+fp32 master weights and steps them with the user's optimizer, casting the model's low-precision gradients up, which
+is what hetero does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+import hetero
+from hetero.models.gpt import GPT, GPTConfig
+
+# No biases: a key projection's bias gets a zero gradient in exact arithmetic (softmax ignores a per-query constant),
+# so Adam turns its rounding noise into full-size updates and no two summation orders agree on it.
+GPT_CFG = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False)
+CHUNK = 4096  # elements: the tiny model spreads over several chunks
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build(seed: int = 0, **overrides: Any) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**GPT_CFG, **overrides}))
+
+
+def batches(steps: int, rows: int, seed: int = 1, seq: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, GPT_CFG["vocab_size"], (rows, seq + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def make_optimizer(model: torch.nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=3e-3)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
+    raise ValueError(name)
+
+
+def reference(
+    *,
+    steps: int,
+    rows: int,
+    precision: str = "fp32",
+    accum: int = 1,
+    clip: float | None = None,
+    optimizer: str = "adamw",
+    freeze: tuple[str, ...] = (),
+    model_overrides: dict | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch: losses per update (mean over the micro-batches of the step) and final weights."""
+    model = build(**(model_overrides or {}))
+    for n, p in model.named_parameters():
+        if any(n.startswith(f) for f in freeze):
+            p.requires_grad_(False)
+    dtype = DTYPES[precision]
+    master = copy.deepcopy(model) if dtype != torch.float32 else model
+    model = model.to(dtype)
+    opt = make_optimizer(master, optimizer)
+    losses: list[float] = []
+    data = batches(steps * accum, rows)
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            x, y = data[step * accum + micro]
+            loss = model(x, labels=y).loss
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if dtype != torch.float32:
+            for pm, p in zip(master.parameters(), model.parameters()):
+                pm.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for pm, p in zip(master.parameters(), model.parameters()):
+                    p.copy_(pm)
+        losses.append(total)
+    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def run_hetero(
+    rank: int,
+    world: int,
+    *,
+    steps: int,
+    rows: int,
+    config: dict,
+    optimizer: str = "adamw",
+    freeze: tuple[str, ...] = (),
+    model_overrides: dict | None = None,
+    nvme_dir: str | None = None,
+) -> dict[str, Any]:
+    """hetero on this rank's rows; losses are means over the whole global batch (all ranks)."""
+    model = build(**(model_overrides or {}))
+    for n, p in model.named_parameters():
+        if any(n.startswith(f) for f in freeze):
+            p.requires_grad_(False)
+    opt = make_optimizer(model, optimizer)
+    config = copy.deepcopy(config)
+    config.setdefault("chunk_size", CHUNK)
+    if nvme_dir is not None:
+        config.setdefault("memory", {})["nvme_dir"] = os.path.join(nvme_dir, f"rank{rank}")
+        os.makedirs(config["memory"]["nvme_dir"], exist_ok=True)
+    engine = hetero.initialize(model, opt, config)
+    accum = config.get("grad_accumulation_steps", 1)
+    local = rows // world
+    data = batches(steps * accum, rows)
+    losses: list[float] = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for micro in range(accum):
+            x, y = data[step * accum + micro]
+            x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+            loss = engine(x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float().cpu() / accum
+        engine.comm.all_reduce(total, op="avg")
+        losses.append(total.item())
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}
+    out = {
+        "losses": losses,
+        "state": state if rank == 0 else None,
+        "stats": engine.memory_stats(),
+        "skipped": engine.skipped_steps,
+        "chunks": len(engine.chunks),
+    }
+    engine.close()
+    return out
+
+
+def key(config: dict) -> str:
+    return repr(sorted((k, repr(v)) for k, v in config.items()))
