@@ -202,6 +202,9 @@ class Engine:
             coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
         self.last_grad_norm = math.sqrt(sq) * inv_scale  # before clipping, like clip_grad_norm_'s return
         names = self.algorithm.state_names
+        used = torch.cat([zc.used for zc in self._trainable])
+        self.comm.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
+        used_of = used.split([len(zc.spec.params) for zc in self._trainable])
         for i, zc in enumerate(self._trainable):
             if zc.homes.optim is Tier.NVME and i + 1 < len(self._trainable):
                 # Pipelined update: read the next chunk's states while this one steps.
@@ -213,7 +216,10 @@ class Engine:
                 master, states = zc.optimizer_views()
                 with self.manager.pinned(zc.optim):
                     group = self.optimizer.param_groups[zc.spec.group]
-                    update(self.algorithm, group, master, grad, dict(zip(names, states)), zc.step)
+                    for a, b, steps in zc.update_segments(used_of[i]):
+                        seg_states = {n: st[a:b] for n, st in zip(names, states)}
+                        step = torch.tensor(float(steps), device=master.device)
+                        update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
                     zc.optim.dirty = True
                     zc.write_back(master)
             if zc.homes.optim is Tier.NVME:

@@ -72,7 +72,9 @@ class ZeroChunk:
         self.grad: Chunk | None = None
         self.grad_full: Chunk | None = None
         self.optim: Chunk | None = None
-        self.step = torch.zeros((), dtype=torch.float32)  # this chunk's optimizer steps taken
+        self.param_steps = [0] * len(spec.params)  # optimizer steps each parameter has taken (see update_segments)
+        self.used = torch.zeros(len(spec.params), dtype=torch.uint8)  # got a gradient since the last update
+        self._index = {id(p.param): i for i, p in enumerate(spec.params)}
         self.grads_seen: set[int] = set()  # trainable param ids whose gradient this micro-batch has arrived
         if spec.trainable:
             sharded_grads = stage >= 2
@@ -203,6 +205,7 @@ class ZeroChunk:
             buf = self.m.access(self.grad, self.homes.compute)
         buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
         self.grads_seen.add(id(info.param))
+        self.used[self._index[id(info.param)]] = 1
         return len(self.grads_seen) == sum(1 for p in self.spec.params if p.trainable)
 
     def reduce_micro_batch(self) -> None:
@@ -238,12 +241,38 @@ class ZeroChunk:
 
     def zero_grad(self) -> None:
         self.grads_seen.clear()
+        self.used.zero_()
         self.m.access(self.grad, self.homes.compute).zero_()
         slot = self.grad.slots[0]
         if slot.state is _T.FREE:
             self.grad.set_state(slot, _T.HOLD)
 
     # ---- update -------------------------------------------------------------------------------------------
+    def update_segments(self, used: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(start, end, steps taken) runs of this rank's optimizer shard to update, then count the step.
+
+        [Note: parameters without a gradient]
+        PyTorch's optimizers skip a parameter whose .grad is None: no weight decay, no moment decay, no step
+        count. A flat update would do all three to a parameter that a step did not use (a skipped branch), so the
+        update runs on runs of parameters that did get a gradient (on any rank: `used` is all-reduced), and each
+        parameter keeps its own step count for Adam's bias correction. In the common case, every parameter used and
+        all counts equal, that is one run: the whole shard in one fused call.
+        """
+        lo = 0 if self.stage == 0 else self.comm.rank * self.shard_numel
+        hi = lo + (self.spec.capacity if self.stage == 0 else self.shard_numel)
+        runs: list[tuple[int, int, int]] = []
+        for i, info in enumerate(self.spec.params):
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if not used[i]:
+                continue
+            if a < b:
+                if runs and runs[-1][1] == a - lo and runs[-1][2] == self.param_steps[i]:
+                    runs[-1] = (runs[-1][0], b - lo, runs[-1][2])
+                else:
+                    runs.append((a - lo, b - lo, self.param_steps[i]))
+            self.param_steps[i] += 1
+        return runs
+
     def optimizer_views(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         self.m.access(self.optim, self.homes.compute)
         views = [self.optim.view(s) for s in self.optim.slots]

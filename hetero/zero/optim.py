@@ -55,8 +55,8 @@ def update(
     states: dict[str, torch.Tensor],
     step: torch.Tensor,
 ) -> None:
-    """One optimizer step on a flat fp32 shard, in place. `step` is a 0-d float tensor counting this shard's steps
-    (torch's Adam kernels advance it themselves)."""
+    """One optimizer step on a flat fp32 run of parameters, in place. `step` is a 0-d float tensor holding the steps
+    these parameters took before (torch's Adam kernels advance it themselves)."""
     if algo.name == "adam":
         beta1, beta2 = group["betas"]
         adam_fn(
@@ -78,8 +78,8 @@ def update(
         )
         return
     momentum = group["momentum"]
-    # torch's SGD starts the momentum buffer as a copy of the first gradient; a zero buffer and a first step that
-    # skips dampening is the same thing, so `step` tells the kernel whether the buffer exists yet.
+    # torch's SGD starts the momentum buffer as a copy of the first gradient (no dampening); `step` says whether
+    # these parameters' buffer exists yet.
     buf = states["momentum_buffer"] if momentum != 0 and step.item() > 0 else None
     bufs: list[torch.Tensor | None] = [buf]
     sgd_fn(
@@ -95,4 +95,3 @@ def update(
     )
     if momentum != 0 and buf is None:
         states["momentum_buffer"].copy_(bufs[0])
-    step += 1

@@ -1,0 +1,181 @@
+"""hetero trains unmodified models to the same losses as plain PyTorch: Hugging Face GPT-2, Llama and BERT built
+from configs, a CNN with batch norm, a module some steps skip, a parameter used twice in one pass."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hetero
+
+
+def _train(model, batches, *, engine_cfg=None, loss_of, steps_cfg=None):
+    """Losses and final state of plain PyTorch (engine_cfg None) or of hetero."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    runner = model
+    if engine_cfg is not None:
+        runner = hetero.initialize(model, opt, {"chunk_size": 8192, **engine_cfg})
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_of(runner, batch, i)
+        if engine_cfg is None:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            runner.backward(loss)
+            runner.step()
+        losses.append(loss.item())
+    state = runner.full_state_dict() if engine_cfg is not None else model.state_dict()
+    if engine_cfg is not None:
+        runner.close()
+    return losses, {k: v.float().cpu() for k, v in state.items()}
+
+
+# Weights: attention key biases get exactly zero gradient in exact arithmetic, so Adam scales rounding noise up to
+# ~lr-sized steps there, and hetero's fused kernel rounds differently from torch's per-tensor loop. An absolute 1e-5
+# on weights (lr 1e-3) still catches any wrong update while allowing that noise.
+ATOL_W = 1e-5
+
+
+def _check(model, batches, loss_of, stages=(0, 3), offload="host"):
+    ref_losses, ref_state = _train(model, batches, loss_of=loss_of)
+    for stage in stages:
+        cfg = {"zero_stage": stage, "offload": {"optimizer": offload, "params": offload if stage == 3 else "device"}}
+        losses, state = _train(model, batches, engine_cfg=cfg, loss_of=loss_of)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(
+                state[k], v, rtol=1e-5, atol=ATOL_W, msg=lambda m, k=k, s=stage: f"stage {s} {k}: {m}"
+            )
+
+
+def _lm_batches(vocab, n=4, rows=2, seq=10):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(n)]
+
+
+def _lm_loss(runner, ids, i):
+    return runner(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.timeout(300)
+def test_hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    _check(transformers.GPT2LMHeadModel(cfg), _lm_batches(96), _lm_loss)
+
+
+@pytest.mark.timeout(300)
+def test_hf_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    _check(transformers.LlamaForCausalLM(cfg), _lm_batches(96), _lm_loss, stages=(1, 3), offload="host")
+
+
+@pytest.mark.timeout(300)
+def test_hf_bert():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        num_labels=3,
+    )
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 96, (4, 12), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+
+    def loss_of(runner, batch, i):
+        ids, labels = batch
+        return runner(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+
+    _check(transformers.BertForSequenceClassification(cfg), batches, loss_of, stages=(2, 3))
+
+
+class SmallCNN(nn.Module):
+    """torchvision-style: conv, batch norm (running-stat buffers), residual block, pooling, classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = torch.relu(x + self.block(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_cnn_with_batch_norm():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(4)]
+
+    def loss_of(runner, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(runner(x), y)
+
+    _check(SmallCNN(), batches, loss_of, stages=(0, 2, 3))
+
+
+class SkipAndReuse(nn.Module):
+    """A branch some steps skip, and a layer applied twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.shared = nn.Linear(16, 16)
+        self.sometimes = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        if use_branch:
+            h = torch.tanh(self.sometimes(h))
+        h = torch.tanh(self.shared(h))  # the same parameters again, in the same pass
+        return self.out(h)
+
+
+def test_skipped_modules_and_params_used_twice():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(8)]
+
+    def loss_of(runner, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(runner(x, use_branch=i % 3 != 1), y)
+
+    # Small chunks, so the skipped branch has a chunk of its own that some steps never gather.
+    torch.manual_seed(0)
+    ref_losses, ref_state = _train(SkipAndReuse(), batches, loss_of=loss_of)
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        cfg = {"zero_stage": stage, "chunk_size": 300}
+        losses, state = _train(SkipAndReuse(), batches, engine_cfg=cfg, loss_of=loss_of)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
