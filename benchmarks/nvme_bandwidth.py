@@ -1,0 +1,305 @@
+"""Bandwidth of the NVMe tier (NvmeStore) against the raw sequential bandwidth of the same disk.
+
+    python benchmarks/nvme_bandwidth.py --dir /mnt/nvme --size 2GiB [--chunk 64MiB] [--json] [--no-verify]
+
+Writes --size bytes as --chunk sized fp32 chunks through NvmeStore (all writes queued, then waited for), reads
+them all back, and checks a sample bit-exact. Then measures the raw disk on the same directory with the same
+total size, block size and concurrency: with fio (direct=1, libaio) when it is installed, else with a Python
+O_DIRECT loop. Both sides avoid the page cache: O_DIRECT where the file system allows it, else buffered I/O
+with fsync inside the timed write and POSIX_FADV_DONTNEED before the read (the output says which).
+GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import mmap
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from hetero.memory.nvme import NvmeStore  # noqa: E402
+
+try:
+    from hetero.config import parse_size
+except ImportError:  # keep the benchmark usable on its own
+    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+    def parse_size(value: int | float | str, *, key: str = "size") -> int:
+        m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{key}: cannot read {value!r} as a size (try 2GiB, 512MiB, 1e9)")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+ALIGN = 4096
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 tensor (what pinned host memory looks like to the store)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------- tier
+
+
+def make_chunks(args: argparse.Namespace, chunk: int, nchunks: int) -> tuple[list, list]:
+    numel = chunk // 4
+    make = (lambda: aligned_empty(chunk).view(torch.float32)) if args.aligned else (lambda: torch.empty(numel))
+    srcs = []
+    for _ in range(nchunks):
+        t = make()
+        t.uniform_(-1e3, 1e3)  # also faults the pages in, so the timing does not include first-touch
+        srcs.append(t)
+    srcs[0].view(torch.int32)[:4] = torch.tensor([0x7FC00001, 0x7F800000, -0x800000, -1])  # NaN/inf bits
+    dsts = [make().zero_() for _ in range(nchunks)]
+    return srcs, dsts
+
+
+def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
+    """One pass: a fresh store (a fresh swap file, like the raw side), write all chunks, read all back."""
+    total = sum(s.numel() * s.element_size() for s in srcs)
+    for d in dsts:
+        d.zero_()
+    store = NvmeStore(
+        args.dir,
+        io_threads=args.threads,
+        block_bytes=args.block,
+        staging_buffers=args.staging,
+        direct={"auto": None, "on": True, "off": False}[args.direct],
+        verify=not args.no_verify,
+    )
+    try:
+        t0 = time.perf_counter()
+        for f in [store.write(i, s) for i, s in enumerate(srcs)]:
+            f.result()
+        if not store.direct:  # buffered: the data must reach the disk inside the timed region
+            fd = os.open(store.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        t_write = time.perf_counter() - t0
+        if not store.direct:
+            fd = os.open(store.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        t0 = time.perf_counter()
+        for f in [store.read(i, d) for i, d in enumerate(dsts)]:
+            f.result()
+        t_read = time.perf_counter() - t0
+        sample = sorted({0, len(srcs) // 2, len(srcs) - 1})
+        for i in sample:
+            if not torch.equal(srcs[i].view(torch.uint8), dsts[i].view(torch.uint8)):
+                raise SystemExit(f"FAIL: chunk {i} read back differs from what was written")
+        return {
+            "tier_write_GBps": gbps(total, t_write),
+            "tier_read_GBps": gbps(total, t_read),
+            # Share of the timed region the I/O threads spent inside pwrite/preadv: near 1 means the
+            # tier kept `threads` requests on the device all along (copies and checksums were overlapped).
+            "tier_write_queue_busy": store.stats.write_io_seconds / (t_write * args.threads),
+            "tier_read_queue_busy": store.stats.read_io_seconds / (t_read * args.threads),
+            "direct": store.direct,
+            "verified_chunks": sample,
+        }
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------------------------- raw
+
+
+def raw_fio(directory: str, total: int, block: int, depth: int) -> dict:
+    path = os.path.join(directory, "raw.fio")
+    result = {}
+    for rw in ("write", "read"):
+        cmd = [
+            "fio",
+            "--name=raw",
+            f"--filename={path}",
+            f"--rw={rw}",
+            f"--bs={block}",
+            f"--size={total}",
+            "--direct=1",
+            "--ioengine=libaio",
+            f"--iodepth={depth}",
+            "--numjobs=1",
+            "--end_fsync=1" if rw == "write" else "--invalidate=1",
+            "--output-format=json",
+        ]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        job = json.loads(out[out.index("{") :])["jobs"][0]
+        result[f"raw_{rw}_GBps"] = job[rw]["bw_bytes"] / 1e9
+    os.unlink(path)  # the next pass writes a fresh file, as the tier's fresh store does
+    result["raw_method"] = f"fio libaio direct=1 bs={block} iodepth={depth}"
+    return result
+
+
+def raw_python(directory: str, total: int, block: int, threads: int, allow_direct: bool = True) -> dict:
+    """Sequential blocks, `threads` in flight, from page-aligned buffers: the disk with no tier logic."""
+    path = os.path.join(directory, "raw.bin")
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    direct = True
+    fd = -1
+    try:
+        if not allow_direct:
+            raise OSError("buffered I/O requested")
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+        if os.pwrite(fd, mmap.mmap(-1, ALIGN), 0) != ALIGN:
+            raise OSError("short probe write")
+    except OSError:
+        direct = False
+        if fd >= 0:
+            os.close(fd)
+        fd = os.open(path, flags, 0o600)
+    nblocks = -(-total // block)
+    with contextlib.suppress(OSError):  # like fio's default layout (fallocate=native), outside the timing
+        os.posix_fallocate(fd, 0, nblocks * block)
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(1 << 16) * (block >> 16))
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def run(op, sync: bool) -> float:
+        def job(i: int) -> None:
+            op(memoryview(bufs[i % threads]), i * block)
+
+        t0 = time.perf_counter()
+        # Keep `threads` requests in flight in block order, like the tier's queue.
+        list(pool.map(job, range(nblocks)))
+        if sync:
+            os.fsync(fd)
+        return time.perf_counter() - t0
+
+    def write(buf: memoryview, off: int) -> None:
+        if os.pwrite(fd, buf, off) != len(buf):
+            raise OSError("short write")
+
+    def read(buf: memoryview, off: int) -> None:
+        if os.preadv(fd, [buf], off) != len(buf):
+            raise OSError("short read")
+
+    try:
+        t_write = run(write, sync=not direct)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t_read = run(read, sync=False)
+    finally:
+        pool.shutdown()
+        os.close(fd)
+        os.unlink(path)
+    mode = "O_DIRECT" if direct else "buffered+fsync+fadvise(DONTNEED)"
+    return {
+        "raw_write_GBps": gbps(nblocks * block, t_write),
+        "raw_read_GBps": gbps(nblocks * block, t_read),
+        "raw_method": f"python pwrite/preadv {mode} bs={block} threads={threads}",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", required=True, help="directory on the disk to test (the nvme_dir)")
+    p.add_argument("--size", default="2GiB", help="total bytes to write and read (default 2GiB)")
+    p.add_argument("--chunk", default="64MiB", help="chunk size (default 64MiB)")
+    p.add_argument("--block", default="8MiB", help="NvmeStore block_bytes and raw block size (default 8MiB)")
+    p.add_argument("--threads", type=int, default=4, help="NvmeStore io_threads and raw concurrency (default 4)")
+    p.add_argument("--staging", type=int, default=8, help="NvmeStore staging buffers (default 8)")
+    p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="NvmeStore O_DIRECT mode")
+    p.add_argument("--aligned", action="store_true", help="page-aligned chunk memory (like pinned buffers)")
+    p.add_argument("--no-verify", action="store_true", help="NvmeStore(verify=False): no crc32 per block")
+    p.add_argument("--no-fio", action="store_true", help="measure the raw disk with the Python loop")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved tier/raw passes; medians are reported")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
+    args = p.parse_args(argv)
+    size, chunk, args.block = parse_size(args.size), parse_size(args.chunk), parse_size(args.block)
+    if chunk <= 0 or chunk % 4 or size < chunk:
+        p.error("--chunk must be a positive multiple of 4 bytes and no larger than --size")
+    nchunks = size // chunk
+    total = nchunks * chunk
+
+    # With --direct off the tier runs buffered, so the raw side does too (and fio, always direct=1, is skipped).
+    allow_direct = args.direct != "off"
+    use_fio = shutil.which("fio") is not None and not args.no_fio and allow_direct
+    srcs, dsts = make_chunks(args, chunk, nchunks)
+    runs: list[dict] = []
+    workdir = tempfile.mkdtemp(prefix="hetero-bench-", dir=args.dir)
+    try:
+        # Cloud and shared disks drift from second to second: interleave tier and raw passes, alternating
+        # which goes first, and compare medians.
+        for r in range(args.repeat):
+            run: dict = {}
+            for side in ("tier", "raw") if r % 2 == 0 else ("raw", "tier"):
+                if side == "tier":
+                    run.update(bench_tier(args, srcs, dsts))
+                    continue
+                raw = None
+                if use_fio:
+                    try:
+                        raw = raw_fio(workdir, total, args.block, args.threads)
+                    except (subprocess.CalledProcessError, ValueError, KeyError) as e:
+                        print(f"fio failed ({e}); using the Python loop", file=sys.stderr)
+                        use_fio = False
+                run.update(raw or raw_python(workdir, total, args.block, args.threads, allow_direct))
+            runs.append(run)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    keys = ("tier_write_GBps", "tier_read_GBps", "raw_write_GBps", "raw_read_GBps")
+    busy = ("tier_write_queue_busy", "tier_read_queue_busy")
+    res: dict = {k: statistics.median(run[k] for run in runs) for k in keys}
+    res.update({k: statistics.median(run[k] for run in runs) for k in busy})
+    res["write_ratio"] = res["tier_write_GBps"] / res["raw_write_GBps"]
+    res["read_ratio"] = res["tier_read_GBps"] / res["raw_read_GBps"]
+    res.update(direct=runs[0]["direct"], raw_method=runs[-1]["raw_method"], size_bytes=total)
+    res.update(verify=not args.no_verify, chunk_bytes=chunk, block_bytes=args.block, threads=args.threads)
+    res.update(aligned=args.aligned, repeat=args.repeat, verified_chunks=runs[0]["verified_chunks"])
+    res["runs"] = [{k: round(run[k], 3) for k in keys} for run in runs]
+
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    mode = "O_DIRECT" if res["direct"] else "buffered (fsync after writes, fadvise DONTNEED before reads)"
+    print(f"dir {args.dir}: {total / 1e9:.2f} GB in {nchunks} chunks of {chunk / 2**20:g} MiB")
+    print(f"tier: {mode}, verify={res['verify']}, {args.threads} threads x {args.block / 2**20:g} MiB blocks")
+    print(f"raw : {res['raw_method']}")
+    print(
+        f"write  tier {res['tier_write_GBps']:6.2f} GB/s   raw {res['raw_write_GBps']:6.2f} GB/s   "
+        f"ratio {res['write_ratio']:.2f}"
+    )
+    print(
+        f"read   tier {res['tier_read_GBps']:6.2f} GB/s   raw {res['raw_read_GBps']:6.2f} GB/s   "
+        f"ratio {res['read_ratio']:.2f}"
+    )
+    print(
+        f"tier I/O threads busy in pwrite/preadv: {res['tier_write_queue_busy']:.0%} of the write time, "
+        f"{res['tier_read_queue_busy']:.0%} of the read time"
+    )
+    print(f"medians of {args.repeat} interleaved passes; verified bit-exact: chunks {res['verified_chunks']}")
+    for i, run in enumerate(res["runs"]):
+        print(f"  pass {i}: " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in run.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
