@@ -176,8 +176,8 @@ def test_prefetch_follows_the_trace(make_manager):
         m.step_begin()
         for ch in chunks:
             m.access(ch)
+            m.synchronize()  # stands for the compute between accesses: moves started here have time to finish
         m.step_end()
-    m.synchronize()
     stats = m.memory_stats()["counters"]
     # The first step misses everything; replayed steps find most chunks already on their way.
     assert stats["prefetches"] >= 8
