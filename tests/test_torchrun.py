@@ -1,0 +1,40 @@
+"""A real torchrun launch: hetero.initialize joins the process group from the launcher's environment."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+try:
+    from tests import parity
+    from tests.dist import free_port
+except ImportError:
+    import parity  # type: ignore[no-redef]
+    from dist import free_port  # type: ignore[no-redef]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_two_ranks_stage3_matches_plain_pytorch(tmp_path):
+    out = tmp_path / "result.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "torchrun_train.py"),
+        str(out),
+        "3",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = torch.load(out, weights_only=True)
+    ref_losses, ref_state = parity.reference(steps=4, rows=4)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(result["state"][k].float(), v, rtol=1e-5, atol=1e-6)
