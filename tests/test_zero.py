@@ -255,3 +255,19 @@ def test_two_engines_in_one_process_and_release(tmp_path):
     del engine, eb
     gc.collect()
     assert not list(tmp_path.iterdir())  # a dropped engine removes its swap files
+
+
+def test_tight_budgets_on_every_tier_with_nvme(tmp_path):
+    """Everything spills: a device of 4 chunks, a host of 10, the rest on NVMe; still plain PyTorch's losses."""
+    nb = parity.CHUNK * 4
+    cfg = {
+        "zero_stage": 3,
+        "offload": {"params": "nvme", "optimizer": "nvme"},
+        "memory": {"device_budget": 4 * nb, "host_budget": 10 * nb},
+    }
+    result = parity.run_hetero(0, 1, steps=5, rows=4, config=cfg, nvme_dir=str(tmp_path))
+    ref = parity.reference(steps=5, rows=4)
+    _assert_parity(result, ref, "fp32")
+    stats = result["stats"]
+    assert stats["device"]["peak"] <= 4 * nb and stats["host"]["peak"] <= 10 * nb
+    assert stats["moved"]["nvme->host"] > 0 and stats["counters"]["prefetch_hits"] > 0

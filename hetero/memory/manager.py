@@ -276,8 +276,12 @@ class ChunkManager:
             raise ValueError(f"{chunk.describe()} is transient: it lives on the device tier only")
         self._make_room(tier, chunk.nbytes, {chunk.id}, blocking=True)
         if chunk.transient:
-            # See [Note: transient chunks]: the same storage object grows back.
-            self.ledgers[tier].take(chunk.nbytes)
+            # See [Note: transient chunks]: the same storage object grows back. It takes no pooled buffer, so a
+            # cached one that made room above must be freed for real.
+            ledger = self.ledgers[tier]
+            if ledger.free < chunk.nbytes:
+                self.pools[tier].trim(chunk.nbytes - ledger.free)
+            ledger.take(chunk.nbytes)
             if chunk.kept is None:
                 chunk.kept = self.device.empty_bytes(chunk.nbytes).view(chunk.dtype)
             else:
