@@ -1,7 +1,7 @@
 """hetero: train models larger than GPU memory on chunks spread over GPU, host memory and NVMe."""
 
-from hetero.engine import Engine, initialize
 from hetero.config import Config, MemoryConfig, OffloadConfig, parse_size
+from hetero.engine import Engine, initialize
 from hetero.errors import (
     ConfigError,
     HeteroError,

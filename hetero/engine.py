@@ -220,7 +220,6 @@ class Engine:
                         seg_states = {n: st[a:b] for n, st in zip(names, states)}
                         step = torch.tensor(float(steps), device=master.device)
                         update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
-                    zc.optim.dirty = True
                     zc.write_back(master)
             if zc.homes.optim is Tier.NVME:
                 self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps

@@ -344,3 +344,18 @@ def test_failed_move_leaves_the_chunk_where_it_was(make_manager, monkeypatch):
     assert c.tier is Tier.HOST and c.state is ChunkState.RESIDENT and not c.on_nvme
     assert torch.equal(_bits(c, s), bits)
     _check_ledgers(m)
+
+
+def test_written_access_is_written_back_and_read_only_access_is_not(make_manager):
+    m = make_manager(nvme=True)
+    c, s, bits = _filled_chunk(m, tier=Tier.NVME)
+    m.access(c, Tier.HOST, write=False)  # read only: the swap copy stays valid
+    writes = m._store.stats.writes
+    m.move(c, Tier.NVME)
+    assert m._store.stats.writes == writes
+    payload = m.access(c, Tier.HOST)  # may be written (the default)
+    payload.view(torch.uint8)[0] ^= 0xFF
+    m.move(c, Tier.NVME)
+    assert m._store.stats.writes == writes + 1
+    m.access(c, Tier.HOST)
+    assert _bits(c, s)[0] == bits[0] ^ 0xFF

@@ -148,11 +148,12 @@ class ChunkManager:
         del self._chunks[chunk.id]
 
     # ---- access and movement ------------------------------------------------------------------------------
-    def access(self, chunk: Chunk, tier: Tier = Tier.DEVICE) -> torch.Tensor | None:
+    def access(self, chunk: Chunk, tier: Tier = Tier.DEVICE, *, write: bool = True) -> torch.Tensor | None:
         """Make the chunk resident on `tier` and return its payload (None on NVMe).
 
         Waits only for this chunk's own move. The payload stays where it is until the next call into the manager;
-        put its tensors in COMPUTE to pin it to the device beyond that.
+        put its tensors in COMPUTE, or pin it, to keep it there beyond that. write=False promises the caller only
+        reads the payload, so a clean swap copy stays valid and a later eviction costs no write.
         """
         self._check_open()
         self._poll()
@@ -171,6 +172,8 @@ class ChunkManager:
                 self._start_move(chunk, tier, blocking=True, inline=True)
                 self._wait(chunk)
         chunk.prefetched = False
+        if write:
+            chunk.dirty = True
         chunk.last_access = self._clock
         self._prefetch_ahead(protect={chunk.id})
         return chunk.payload

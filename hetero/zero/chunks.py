@@ -133,7 +133,7 @@ class ZeroChunk:
         if full.state is not ChunkState.EMPTY:
             self.m.access(full, Tier.DEVICE)  # records the use for the trace; a transient chunk never moves
             return
-        shard = self.m.access(self.shard, self._readable(self.shard))
+        shard = self.m.access(self.shard, self._readable(self.shard), write=False)
         with self.m.pinned(self.shard):  # making room for `full` must not evict the shard being read
             self.m.access(full, Tier.DEVICE)
             with self.m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
