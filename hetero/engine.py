@@ -123,6 +123,9 @@ class Engine:
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
+        # without autograd (evaluation, generation) is a step of its own.
+        training = torch.is_grad_enabled()
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -132,6 +135,11 @@ class Engine:
             for zc in self.chunks:
                 if zc.full.computing == 0:
                     zc.maybe_release(TensorState.HOLD_AFTER_FWD)
+        if not training:
+            for zc in self.chunks:
+                zc.settle()
+            self.manager.step_end()
+            self._in_step = False
         return out
 
     forward = __call__

@@ -70,7 +70,7 @@ def test_every_move_path_is_bit_exact(make_manager, dtype, src, dst):
 def test_access_brings_a_chunk_to_the_device_through_every_tier(make_manager):
     m = make_manager(nvme=True)
     c, s, bits = _filled_chunk(m, tier=Tier.NVME)
-    payload = m.access(c)
+    payload = m.access(c, write=False)
     assert c.tier is Tier.DEVICE and payload.device == m.device.torch_device
     assert torch.equal(_bits(c, s), bits)
     # A chunk read back from NVMe and not computed on is clean: evicting it again costs no write.
