@@ -76,6 +76,9 @@ class ZeroChunk:
         self.used = torch.zeros(len(spec.params), dtype=torch.uint8)  # got a gradient since the last update
         self._index = {id(p.param): i for i, p in enumerate(spec.params)}
         self.grads_seen: set[int] = set()  # trainable param ids whose gradient this micro-batch has arrived
+        self.n_trainable = sum(1 for p in spec.params if p.trainable)
+        self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
+        self.grad_fresh = True  # the accumulated gradient is all zeros (nothing added since the update)
         if spec.trainable:
             sharded_grads = stage >= 2
             grad_numel = self.shard_numel if sharded_grads else spec.capacity
@@ -194,30 +197,42 @@ class ZeroChunk:
 
     # ---- gradients ----------------------------------------------------------------------------------------
     def add_grad(self, info: ParamInfo, slot: TensorSlot, grad: torch.Tensor) -> bool:
-        """Accumulate one parameter's gradient of this micro-batch. True when the chunk has all of them."""
+        """Take one parameter's gradient of this micro-batch. True when the chunk has all of them."""
         flat = grad.reshape(-1)
         if self.grad_full is not None:
+            # A fresh buffer each micro-batch: each parameter's gradient is copied in once (autograd has already
+            # summed a parameter used twice); regions no gradient reached are zeroed before the reduction.
             if self.grad_full.state is ChunkState.EMPTY:
-                self.m.access(self.grad_full, Tier.DEVICE).zero_()
+                self.m.access(self.grad_full, Tier.DEVICE)
                 self.grad_full.set_state(self.grad_full.slots[0], _T.COMPUTE)
-            buf = self.grad_full.payload
+            self.grad_full.payload.narrow(0, info.offset, info.numel).copy_(flat)
         else:
             buf = self.m.access(self.grad, self.homes.compute)
-        buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
+            buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
+            self.grad_fresh = False
         self.grads_seen.add(id(info.param))
         self.used[self._index[id(info.param)]] = 1
-        return len(self.grads_seen) == sum(1 for p in self.spec.params if p.trainable)
+        return len(self.grads_seen) == self.n_trainable
 
     def reduce_micro_batch(self) -> None:
         """Stages 2-3: reduce-scatter this micro-batch's gradient into the accumulated shard (mean over ranks)."""
-        self.grads_seen.clear()
         if self.grad_full is None or self.grad_full.state is ChunkState.EMPTY:
+            self.grads_seen.clear()
             return
         full = self.grad_full.payload
-        r, s = self.comm.rank, self.shard_numel
-        self.comm.reduce_scatter(full[r * s : (r + 1) * s], full, op="avg")
+        for info in self.spec.params:
+            if id(info.param) not in self.grads_seen:
+                full.narrow(0, info.offset, info.numel).zero_()
+        self.grads_seen.clear()
+        full[self.used_numel :].zero_()  # padding
         acc = self.m.access(self.grad, self.homes.compute)
-        acc.add_(full[r * s : (r + 1) * s].to(acc.device))
+        if self.grad_fresh and acc.device == full.device:
+            self.comm.reduce_scatter(acc, full, op="avg")  # the first micro-batch lands in place
+        else:
+            part = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
+            self.comm.reduce_scatter(part, full, op="avg")
+            acc.add_(part.to(acc.device))
+        self.grad_fresh = False
         self.grad_full.set_state(self.grad_full.slots[0], _T.HOLD)
         self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
         self.m.release(self.grad_full)
@@ -242,6 +257,7 @@ class ZeroChunk:
     def zero_grad(self) -> None:
         self.grads_seen.clear()
         self.used.zero_()
+        self.grad_fresh = True
         self.m.access(self.grad, self.homes.compute).zero_()
         slot = self.grad.slots[0]
         if slot.state is _T.FREE:

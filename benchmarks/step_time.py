@@ -1,0 +1,807 @@
+"""Training step time of hetero at ZeRO stages 0-3 against plain PyTorch, PyTorch FSDP2 and DeepSpeed.
+
+    python benchmarks/step_time.py [--json] [--steps N] [--warmup W] [--layers L] [--embd E] [--heads H]
+                                   [--seq T] [--batch B] [--vocab V] [--with-nvme DIR] [--rounds R]
+                                   [--wait-idle S] [--only NAME,...] [--builtin-model] [--keep-logs DIR]
+                                   [--timeout S]
+
+Every configuration trains the same GPT-style model (hetero.models.gpt when it is importable, else the small
+nanoGPT-like model in this file) from the same seed on the same synthetic token batches, in fp32 with AdamW, for
+W warm-up steps then N timed steps, each configuration in fresh processes (so peak RSS is its own):
+
+  plain       plain PyTorch, world size 1, 2 intra-op threads, the whole global batch (2 x B sequences)
+  fsdp2       torch.distributed.fsdp.fully_shard on every block and on the root, world size 2 on gloo
+  hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo
+  deepspeed   DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), world size 2 on gloo, when DeepSpeed is importable
+  *_nvme      with --with-nvme DIR: hetero stage 3 and DeepSpeed ZeRO-3 with params and optimizer states on NVMe
+
+The world-size-2 configurations run B sequences per rank, so every configuration does the same work per step:
+2 x B sequences of T tokens, one optimizer update, and (with the gradients averaged over ranks) the same loss
+trajectory up to float rounding. Cores: each rank gets 1 intra-op thread (2 ranks on 2 cores, no
+oversubscription); plain PyTorch gets 2 threads, the same total. Step time is, per step, the slowest rank's wall
+time, then the median over the timed steps (with --rounds R, the lowest of the rounds' medians). Peak RSS is
+each process's high-water mark (VmHWM; a sampled psutil maximum where /proc is missing), torch import included;
+rss_base_mb is the RSS before the model is built.
+
+The final loss of every configuration should match plain PyTorch's to float rounding (losses_agree); a gap means
+an engine trains something else (DeepSpeed, for one, clips gradients at 1.0 unless told not to). The CPU share
+other processes take while each configuration runs is measured: on a shared machine it makes timings unreliable
+(a warning says so; --rounds R repeats everything, alternating the order, and keeps the least disturbed round;
+--wait-idle S waits up to S seconds for an idle machine before each configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+WORLD = 2  # this benchmark's data-parallel world: 2 ranks share the machine's 2 cores
+TOTAL_THREADS = 2  # cores given to every configuration in all (ranks x threads per rank)
+TARGET_VS_FSDP2 = 1.0  # hetero stage 3 against FSDP2, when everything fits in memory
+TARGET_VS_PLAIN = 1.1  # hetero stage 3 against plain PyTorch, when everything fits in memory
+BUSY_WARN_PCT = 10.0  # CPU share taken by other processes during a configuration that makes its timings suspect
+LOSS_TOLERANCE = 1e-3  # largest per-step loss gap to plain PyTorch that float rounding explains at these sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    layers: int
+    heads: int
+    embd: int
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One configuration to run: what trains, on how many ranks, with how many threads each."""
+
+    name: str
+    kind: str  # "plain" | "fsdp2" | "hetero" | "deepspeed"
+    world: int
+    threads: int
+    batch: int  # sequences per rank per step
+    shape: ModelShape
+    steps: int
+    warmup: int
+    seed: int
+    lr: float
+    stage: int = 3  # ZeRO stage (hetero, deepspeed)
+    nvme_dir: str | None = None  # params and optimizer states on NVMe under this directory
+    builtin_model: bool = False  # MiniGPT even when hetero.models.gpt exists
+
+
+# ------------------------------------------------------------------------------------------------ model
+class GPTOutput(NamedTuple):
+    """A named tuple, not a plain object: FSDP2 and DeepSpeed find the tensors of a module's output through
+    pytree / tuple traversal to hook backward, and an opaque object would hide the loss from them."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, embd: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(embd, 3 * embd)
+        self.c_proj = nn.Linear(embd, embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class _Block(nn.Module):
+    def __init__(self, embd: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(embd)
+        self.attn = _SelfAttention(embd, heads)
+        self.ln_2 = nn.LayerNorm(embd)
+        self.mlp = nn.Sequential(nn.Linear(embd, 4 * embd), nn.GELU(), nn.Linear(4 * embd, embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class MiniGPT(nn.Module):
+    """nanoGPT's architecture (pre-LN blocks, learned positions, lm_head tied to the token embedding, no
+    dropout): the stand-in for hetero.models.gpt until that lands, with the same forward(input_ids, labels)."""
+
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(s.vocab, s.embd)
+        self.wpe = nn.Embedding(s.seq, s.embd)
+        self.h = nn.ModuleList(_Block(s.embd, s.heads) for _ in range(s.layers))
+        self.ln_f = nn.LayerNorm(s.embd)
+        self.lm_head = nn.Linear(s.embd, s.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in nanoGPT: the engines must handle a shared parameter
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GPTOutput:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return GPTOutput(loss, logits)
+
+
+def build_model(s: ModelShape, builtin: bool = False) -> tuple[nn.Module, str]:
+    """The benchmark's model and where it came from: hetero.models.gpt when importable (and not `builtin`), else
+    MiniGPT."""
+    if builtin:
+        return MiniGPT(s), "builtin MiniGPT"
+    try:
+        from hetero.models.gpt import GPT, GPTConfig  # type: ignore[import-not-found]
+    except ImportError:
+        return MiniGPT(s), "builtin MiniGPT (hetero.models.gpt not importable)"
+    wanted: dict[str, Any] = dict(
+        vocab_size=s.vocab, n_layer=s.layers, n_head=s.heads, n_embd=s.embd, block_size=s.seq, dropout=0.0
+    )
+    # Pass only the fields this GPTConfig has: dropout must be 0 where it exists (ranks draw different masks).
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} if dataclasses.is_dataclass(GPTConfig) else set(wanted)
+    return GPT(GPTConfig(**{k: v for k, v in wanted.items() if k in fields})), "hetero.models.gpt"
+
+
+def _blocks(model: nn.Module, layers: int) -> list[nn.Module]:
+    """The transformer blocks: the ModuleList of `layers` modules (its name differs between GPT versions)."""
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) == layers:
+            return list(m)
+    raise RuntimeError(f"no nn.ModuleList of {layers} blocks found in {type(model).__name__}")
+
+
+def global_batch(step: int, sequences: int, s: ModelShape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch, the same in every configuration and rank (a rank then takes its rows).
+
+    Tokens follow a fixed random permutation of the previous token half of the time and a Zipf-like draw
+    otherwise, so there is something to learn and the loss falls within a few steps: diverging trajectories
+    between configurations show in the final loss.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    perm = torch.randperm(s.vocab, generator=torch.Generator().manual_seed(seed))
+    probs = 1.0 / torch.arange(1, s.vocab + 1, dtype=torch.float64) ** 1.1
+    draws = torch.multinomial(probs.expand(sequences, -1), s.seq + 1, replacement=True, generator=g)
+    follow = torch.rand(sequences, s.seq + 1, generator=g) < 0.5
+    tokens = draws.clone()
+    for t in range(1, s.seq + 1):
+        tokens[:, t] = torch.where(follow[:, t], perm[tokens[:, t - 1]], draws[:, t])
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _status_kib(field: str) -> int | None:
+    """A `VmXXX:` line of /proc/self/status in KiB, or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakRss:
+    """Peak RSS of this process. VmHWM is exact and per process image; getrusage's maxrss is not used because a
+    spawned child inherits the maxrss of the parent it was forked from. Without /proc, psutil is sampled."""
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if _status_kib("VmHWM") is None:
+            self._thread = threading.Thread(target=self._sample, args=(period_s,), daemon=True)
+            self._thread.start()
+
+    def _sample(self, period_s: float) -> None:
+        proc = psutil.Process()
+        while not self._stop.wait(period_s):
+            self._peak = max(self._peak, proc.memory_info().rss)
+
+    def peak_mb(self) -> float:
+        hwm = _status_kib("VmHWM")
+        if hwm is not None:
+            return hwm / 1024
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return max(self._peak, psutil.Process().memory_info().rss) / 2**20
+
+
+# ------------------------------------------------------------------------------------------------ one rank
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> loss; one full update
+
+
+def _setup_plain(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dict[str, Any]]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, dict
+
+
+def _setup_fsdp2(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dict[str, Any]]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (spec.world,))
+    for block in _blocks(model, spec.shape.layers):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root takes what the blocks left: embeddings, final norm, (tied) head
+    return _setup_plain(spec, model)  # the optimizer now sees the sharded DTensor parameters
+
+
+def _setup_hetero(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dict[str, Any]]]:
+    import hetero
+
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    where = "nvme" if spec.nvme_dir else "device"
+    memory: dict[str, Any] = {"nvme_dir": spec.nvme_dir} if spec.nvme_dir else {}
+    config = {
+        "zero_stage": spec.stage,
+        "precision": "fp32",
+        "offload": {"params": where, "optimizer": where},
+        "memory": memory,
+        "grad_accumulation_steps": 1,
+    }
+    engine = hetero.initialize(model, opt, config)  # type: ignore[attr-defined]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(input_ids=x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    def finish() -> dict[str, Any]:
+        stats = engine.memory_stats()
+        engine.close()
+        # Whatever shape memory_stats has, keep it JSON-able (repr for anything json cannot write).
+        return {"memory_stats": json.loads(json.dumps(stats, default=repr))}
+
+    return step, finish
+
+
+def _setup_deepspeed(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dict[str, Any]]]:
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed first picks its accelerator, i.e. on import
+    import deepspeed  # type: ignore[import-not-found]
+
+    zero: dict[str, Any] = {"stage": spec.stage}
+    if spec.nvme_dir:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": spec.nvme_dir}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": spec.nvme_dir}
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at 1.0 unless told not to; no other configuration clips
+        "steps_per_print": 1 << 30,  # keep its logging out of the timed steps
+        "wall_clock_breakdown": False,
+    }
+    # The same torch AdamW as every other configuration, unless offloading, which needs DeepSpeed's CPU Adam.
+    opt = None if spec.nvme_dir else torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    if spec.nvme_dir:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": 0.01}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, model_parameters=model.parameters(), config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(input_ids=x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, dict
+
+
+_SETUP = {"plain": _setup_plain, "fsdp2": _setup_fsdp2, "hetero": _setup_hetero, "deepspeed": _setup_deepspeed}
+
+
+def _train(spec: Spec, rank: int) -> dict[str, Any]:
+    rss = PeakRss()
+    base_mb = (_status_kib("VmRSS") or psutil.Process().memory_info().rss // 1024) / 1024
+    torch.manual_seed(spec.seed)  # every rank builds the same initial weights
+    model, source = build_model(spec.shape, spec.builtin_model)
+    params = sum(p.numel() for p in model.parameters())
+    step, finish = _SETUP[spec.kind](spec, model)
+    rows = slice(rank * spec.batch, (rank + 1) * spec.batch)
+    times, losses = [], []
+    distributed = dist.is_available() and dist.is_initialized()
+    for i in range(spec.warmup + spec.steps):
+        x, y = global_batch(i, spec.batch * spec.world, spec.shape, spec.seed)
+        x, y = x[rows], y[rows]
+        if distributed and i == spec.warmup:
+            dist.barrier()  # start the timed steps together, so a slow warm-up on one rank is not counted
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))  # the rank's mean over its rows; averaged over ranks afterwards
+    extra = finish()
+    return {
+        "times": times[spec.warmup :],
+        "losses": losses,
+        "peak_rss_mb": rss.peak_mb(),
+        "rss_base_mb": base_mb,
+        "params": params,
+        "model": source,
+        **extra,
+    }
+
+
+def _rank_main(spec: Spec, rank: int, port: int, log_path: str, reports: Any) -> None:
+    # Children's output (DeepSpeed logs a lot) goes to a log file, so --json prints exactly one object.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(spec.world),
+        LOCAL_WORLD_SIZE=str(spec.world),
+    )
+    torch.set_num_threads(spec.threads)
+    with contextlib.suppress(RuntimeError):  # fails only if inter-op work already started: then it is moot
+        torch.set_num_interop_threads(1)
+    ok = False
+    try:
+        if spec.world > 1:
+            # A bounded timeout: a rank that dies mid-collective ends the run with an error instead of a hang.
+            timeout = datetime.timedelta(seconds=120)
+            dist.init_process_group("gloo", rank=rank, world_size=spec.world, timeout=timeout)
+        payload = pickle.dumps(_train(spec, rank))
+        ok = True
+    except BaseException:
+        payload = traceback.format_exc().encode()
+    reports.put((rank, ok, payload))
+    if dist.is_initialized():
+        # Rank 0 hosts the store: leaving before the other rank is done with it would break that rank.
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: str, lines: int = 12) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def run_config(spec: Spec, timeout_s: float, log_dir: str) -> list[dict[str, Any]]:
+    """Run one configuration on fresh processes; the ranks' results in rank order. Raises RuntimeError with the
+    failing rank's traceback (and its log's tail) if a rank fails, or if the run exceeds timeout_s."""
+    try:
+        return _run_once(spec, timeout_s, log_dir)
+    except RuntimeError as err:
+        # The port was free when picked, but another process may have taken it since: one more try.
+        if "address already in use" not in str(err).lower():
+            raise
+        return _run_once(spec, timeout_s, log_dir)
+
+
+def _run_once(spec: Spec, timeout_s: float, log_dir: str) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")  # fork would copy the parent's torch threads and state
+    reports = ctx.Queue()
+    logs = [os.path.join(log_dir, f"{spec.name}.rank{r}.log") for r in range(spec.world)]
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(spec, r, port, logs[r], reports), daemon=True) for r in range(spec.world)
+    ]
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < spec.world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout_s:.0f} s; last log lines:\n{_tail(logs[0])}")
+            try:
+                rank, ok, payload = reports.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if dead and reports.empty():
+                    time.sleep(0.5)  # its report may still be in the pipe
+                    if reports.empty():
+                        r = dead[0]
+                        raise RuntimeError(
+                            f"rank {r} exited with code {procs[r].exitcode} without reporting:\n{_tail(logs[r])}"
+                        ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} raised:\n{payload.decode(errors='replace')}")
+            results[rank] = pickle.loads(payload)
+        return [results[r] for r in range(spec.world)]
+    finally:
+        leave_by = time.monotonic() + 10
+        for p in procs:
+            if p.pid is not None:
+                p.join(max(0.0, leave_by - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        reports.close()
+        reports.cancel_join_thread()
+
+
+def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One configuration's figures from its rounds (each a list of the ranks' results)."""
+    # A step ends when its slowest rank does. Other load on the machine only ever adds time, so of several rounds
+    # the least disturbed one (the lowest median) is the best estimate of the configuration's own step time.
+    steps = [[max(ts) for ts in zip(*(r["times"] for r in ranks))] for ranks in rounds]
+    medians = [statistics.median(ts) for ts in steps]
+    per_step = steps[medians.index(min(medians))]
+    first = rounds[0]
+    losses = [statistics.fmean(ls) for ls in zip(*(r["losses"] for r in first))]  # equal rows per rank
+    world = len(first)
+    return {
+        "step_s": statistics.median(per_step),
+        "step_s_min": min(per_step),
+        "step_s_max": max(per_step),
+        "round_step_s": medians,
+        "final_loss": losses[-1],
+        "losses": losses,
+        "peak_rss_mb": [round(max(ranks[i]["peak_rss_mb"] for ranks in rounds), 1) for i in range(world)],
+        "rss_base_mb": [round(first[i]["rss_base_mb"], 1) for i in range(world)],
+        "params": first[0]["params"],
+        "model": first[0]["model"],
+        **({"memory_stats": [r["memory_stats"] for r in first]} if "memory_stats" in first[0] else {}),
+    }
+
+
+def wait_idle(limit_s: float, probe_s: float = 2.0) -> bool:
+    """Wait up to limit_s for the CPUs to be idle (this process and its children run nothing now, so any use is
+    another process's); whether they became so."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        if psutil.cpu_percent(interval=probe_s) < BUSY_WARN_PCT / 2:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
+class OthersCpu:
+    """The share of the machine's CPU time that other processes took while a block ran: all busy CPU time
+    (steal included: another VM's use of our cores) less this process's and its waited-for children's. On a
+    shared machine that share competes with the ranks, and the timings of that block are suspect."""
+
+    def __enter__(self) -> OthersCpu:
+        self.pct: float | None = None
+        self._t0 = time.monotonic()
+        self._sys0 = psutil.cpu_times()
+        self._ours0 = self._ours()
+        return self
+
+    @staticmethod
+    def _ours() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    @staticmethod
+    def _busy(t: Any) -> float:
+        # guest time is already counted in user time on Linux; idle and iowait are not busy.
+        skip = {"idle", "iowait", "guest", "guest_nice"}
+        return sum(v for k, v in t._asdict().items() if k not in skip)
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.monotonic() - self._t0
+        others = self._busy(psutil.cpu_times()) - self._busy(self._sys0) - (self._ours() - self._ours0)
+        self.pct = max(0.0, 100 * others / (elapsed * (psutil.cpu_count() or 1))) if elapsed > 0 else None
+
+
+def _first_line(err: BaseException) -> str:
+    """The most telling line of a rank's error: the exception line of its traceback, not the whole trace."""
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith((" ", "Traceback", "---")) and ("Error" in ln or "Exception" in ln or ":" in ln):
+            return ln.strip()
+    return lines[-1].strip() if lines else repr(err)
+
+
+def hetero_missing() -> str | None:
+    """Why hetero's engine cannot be benchmarked, or None when hetero.initialize exists."""
+    try:
+        import hetero
+    except Exception as err:  # any import-time failure means the same: nothing to measure
+        return f"import hetero failed: {err!r}"
+    if not hasattr(hetero, "initialize"):
+        return "hetero.initialize does not exist yet (the engine has not landed)"
+    return None
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed cannot be benchmarked (checked without importing it here: that is slow and noisy)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (optional: DS_BUILD_OPS=0 pip install deepspeed)"
+    return None
+
+
+def build_specs(args: argparse.Namespace) -> list[Spec]:
+    shape = ModelShape(vocab=args.vocab, layers=args.layers, heads=args.heads, embd=args.embd, seq=args.seq)
+    common = dict(
+        shape=shape, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, builtin_model=args.builtin_model
+    )
+    per_rank = TOTAL_THREADS // WORLD
+    specs = [
+        Spec("plain", "plain", world=1, threads=TOTAL_THREADS, batch=WORLD * args.batch, **common),
+        Spec("fsdp2", "fsdp2", world=WORLD, threads=per_rank, batch=args.batch, **common),
+    ]
+    specs += [
+        Spec(f"hetero_stage{k}", "hetero", world=WORLD, threads=per_rank, batch=args.batch, stage=k, **common)
+        for k in range(4)
+    ]
+    specs.append(Spec("deepspeed", "deepspeed", world=WORLD, threads=per_rank, batch=args.batch, stage=3, **common))
+    if args.with_nvme:
+        for kind in ("hetero", "deepspeed"):
+            name = "hetero_stage3_nvme" if kind == "hetero" else "deepspeed_nvme"
+            nvme = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme))
+            specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **common))
+    return specs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank; plain PyTorch runs 2x this")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--with-nvme", metavar="DIR", help="also run hetero stage 3 and DeepSpeed with NVMe offload")
+    ap.add_argument("--only", help="comma-separated configuration names to run (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every configuration this many times (noisy hosts)")
+    ap.add_argument(
+        "--wait-idle", type=float, default=0, metavar="S", help="wait up to S s for an idle machine before each run"
+    )
+    ap.add_argument("--timeout", type=float, default=240, help="seconds one configuration may take")
+    ap.add_argument("--builtin-model", action="store_true", help="this file's MiniGPT, not hetero.models.gpt")
+    ap.add_argument("--keep-logs", metavar="DIR", help="keep each rank's output (logs, warnings) in DIR")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.embd % args.heads:
+        ap.error("need --steps >= 1, --warmup >= 0, --rounds >= 1 and --embd divisible by --heads")
+    if args.with_nvme and not os.path.isdir(args.with_nvme):
+        ap.error(f"--with-nvme {args.with_nvme}: not a directory")
+
+    specs = build_specs(args)
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {s.name for s in specs}
+        if unknown:
+            ap.error(f"--only: unknown configuration(s) {sorted(unknown)}; known: {[s.name for s in specs]}")
+        specs = [s for s in specs if s.name in wanted]
+    skipped: dict[str, str] = {}
+    hetero_reason = hetero_missing()
+    ds_reason = deepspeed_missing()
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
+    log(
+        f"GPT {args.layers} layers, embd {args.embd}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}; "
+        f"global batch {WORLD * args.batch} ({args.batch} per rank x {WORLD} ranks on gloo, 1 thread each; "
+        f"plain: 1 process, {TOTAL_THREADS} threads); {args.warmup} warm-up + {args.steps} timed steps, fp32 AdamW"
+    )
+    raw: dict[str, list[list[dict[str, Any]]]] = {}  # configuration -> rounds -> ranks' results
+    busy: dict[str, list[float | None]] = {}  # configuration -> CPU share other processes took, per round
+    log_dir = args.keep_logs or tempfile.mkdtemp(prefix="hetero-step-time-")
+    os.makedirs(log_dir, exist_ok=True)
+    started = time.monotonic()
+    try:
+        for rnd in range(args.rounds):
+            # Every other round runs backwards, so a drift in the machine's load hits all configurations alike.
+            for spec in specs if rnd % 2 == 0 else specs[::-1]:
+                reason = hetero_reason if spec.kind == "hetero" else ds_reason if spec.kind == "deepspeed" else None
+                if reason is not None and spec.name not in skipped:
+                    skipped[spec.name] = reason
+                    log(f"{spec.name:20s} skipped: {reason}")
+                if spec.name in skipped:
+                    continue
+                if args.wait_idle > 0 and not wait_idle(args.wait_idle):
+                    log(f"{spec.name:20s} the machine stayed busy for {args.wait_idle:.0f} s: running it anyway")
+                t0 = time.monotonic()
+                try:
+                    # run_config joins the ranks, so their CPU time is in RUSAGE_CHILDREN when this block ends.
+                    with OthersCpu() as others:
+                        ranks = run_config(spec, args.timeout, log_dir)
+                except RuntimeError as err:
+                    reason = _first_line(err)
+                    if "async_io" in reason:
+                        reason += " (DeepSpeed's NVMe offload needs its async_io op, which needs libaio: libaio-dev)"
+                    skipped[spec.name] = reason
+                    raw.pop(spec.name, None)
+                    busy.pop(spec.name, None)
+                    # The tail of the traceback says where it failed; the whole trace is in the rank's log.
+                    log(f"{spec.name:20s} failed:\n" + "\n".join(str(err).splitlines()[-8:]))
+                    continue
+                raw.setdefault(spec.name, []).append(ranks)
+                busy.setdefault(spec.name, []).append(others.pct)
+                r = summarize(raw[spec.name][-1:])
+                log(
+                    f"{spec.name:20s} {r['step_s'] * 1e3:8.1f} ms/step (min {r['step_s_min'] * 1e3:.1f}, max "
+                    f"{r['step_s_max'] * 1e3:.1f})  final loss {r['final_loss']:.4f}  peak RSS/rank "
+                    f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mb'])} MB  [{time.monotonic() - t0:.0f} s"
+                    + f", others used {others.pct or 0:.0f}% CPU"
+                    + (f", round {rnd + 1}]" if args.rounds > 1 else "]")
+                )
+    finally:
+        if not args.keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    results = {name: summarize(rounds) for name, rounds in raw.items()}
+    out = report(args, results, skipped, hetero_reason)
+    out["cpu_busy_by_others_pct"] = {
+        name: [None if b is None else round(b, 1) for b in bs] for name, bs in busy.items()
+    }
+    worst = max((b for bs in busy.values() for b in bs if b is not None), default=0.0)
+    out["warning"] = (
+        f"other processes took up to {worst:.0f}% of the CPUs while configurations ran: timings are unreliable"
+        + ("" if args.rounds > 1 else " (--rounds 3 takes the least disturbed round of each)")
+        if worst > BUSY_WARN_PCT
+        else None
+    )
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_report(out)
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a / b, 4)
+
+
+def report(
+    args: argparse.Namespace, results: dict[str, dict[str, Any]], skipped: dict[str, str], hetero_reason: str | None
+) -> dict[str, Any]:
+    def step_s(name: str) -> float | None:
+        return round(results[name]["step_s"], 5) if name in results else None
+
+    any_result = next(iter(results.values()), None)
+    out: dict[str, Any] = {
+        "model": any_result["model"] if any_result else None,
+        "params": any_result["params"] if any_result else None,
+        "layers": args.layers,
+        "embd": args.embd,
+        "heads": args.heads,
+        "seq": args.seq,
+        "vocab": args.vocab,
+        "world_size": WORLD,
+        "per_rank_batch": args.batch,
+        "global_batch": WORLD * args.batch,
+        "threads_per_rank": TOTAL_THREADS // WORLD,
+        "plain_threads": TOTAL_THREADS,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "plain_step_s": step_s("plain"),
+        "fsdp2_step_s": step_s("fsdp2"),
+    }
+    plain, fsdp2 = out["plain_step_s"], out["fsdp2_step_s"]
+    out["fsdp2_vs_plain"] = _ratio(fsdp2, plain)
+    for k in range(4):
+        h = out[f"hetero_stage{k}_step_s"] = step_s(f"hetero_stage{k}")
+        out[f"hetero_stage{k}_vs_plain"] = _ratio(h, plain)
+        out[f"hetero_stage{k}_vs_fsdp2"] = _ratio(h, fsdp2)
+    out["hetero_error"] = hetero_reason or next((v for k, v in skipped.items() if k.startswith("hetero")), None)
+    ds = out["deepspeed_step_s"] = step_s("deepspeed")
+    out["deepspeed_skipped_reason"] = skipped.get("deepspeed")
+    out["hetero_stage3_vs_deepspeed"] = _ratio(out["hetero_stage3_step_s"], ds)
+    if args.with_nvme:
+        for name in ("hetero_stage3_nvme", "deepspeed_nvme"):
+            out[f"{name}_step_s"] = step_s(name)
+            out[f"{name}_skipped_reason"] = skipped.get(name)
+    h3 = out["hetero_stage3_step_s"]
+    out["targets"] = {
+        "hetero_stage3_vs_fsdp2_max": TARGET_VS_FSDP2,
+        "hetero_stage3_vs_plain_max": TARGET_VS_PLAIN,
+        "met": None
+        if None in (h3, fsdp2, plain)
+        else bool(h3 <= TARGET_VS_FSDP2 * fsdp2 and h3 <= TARGET_VS_PLAIN * plain),
+    }
+    out["peak_rss_mb"] = {name: r["peak_rss_mb"] for name, r in results.items()}
+    out["rss_base_mb"] = {name: r["rss_base_mb"] for name, r in results.items()}
+    out["final_loss"] = {name: round(r["final_loss"], 5) for name, r in results.items()}
+    ref = results.get("plain")
+    if ref is not None:
+        # Largest per-step loss gap to plain PyTorch: small (float rounding) unless an engine trains differently.
+        out["max_loss_diff_vs_plain"] = {
+            name: round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 6) for name, r in results.items()
+        }
+        out["losses_agree"] = all(gap <= LOSS_TOLERANCE for gap in out["max_loss_diff_vs_plain"].values())
+    out["round_step_s"] = {name: [round(t, 5) for t in r["round_step_s"]] for name, r in results.items()}
+    out["skipped"] = skipped
+    out["hetero_memory_stats"] = {n: r["memory_stats"] for n, r in results.items() if "memory_stats" in r}
+    return out
+
+
+def print_report(out: dict[str, Any]) -> None:
+    print(f"\nmodel: {out['model']}, {out['params'] / 1e6:.2f} M parameters" if out["params"] else "\nno results")
+    print(f"{'configuration':20s} {'ms/step':>9s} {'vs plain':>9s} {'vs fsdp2':>9s} {'final loss':>11s}  peak RSS MB")
+    plain, fsdp2 = out["plain_step_s"], out["fsdp2_step_s"]
+    for name, loss in out["final_loss"].items():
+        s = out[f"{name}_step_s"]
+        vp, vf = _ratio(s, plain), _ratio(s, fsdp2)
+        rss = "/".join(f"{m:.0f}" for m in out["peak_rss_mb"][name])
+        print(
+            f"{name:20s} {s * 1e3:9.1f} {'-' if vp is None else f'{vp:.3f}':>9s} "
+            f"{'-' if vf is None else f'{vf:.3f}':>9s} {loss:11.4f}  {rss}"
+        )
+    for name, reason in out["skipped"].items():
+        print(f"{name:20s} not measured: {reason}")
+    if out["hetero_error"] and out["hetero_stage3_step_s"] is None:
+        print(f"hetero not available: {out['hetero_error']}")
+    t = out["targets"]
+    if t["met"] is not None:
+        print(
+            f"hetero stage 3: {out['hetero_stage3_vs_fsdp2']:.3f}x FSDP2 (target <= {TARGET_VS_FSDP2}), "
+            f"{out['hetero_stage3_vs_plain']:.3f}x plain (target <= {TARGET_VS_PLAIN}): "
+            f"{'met' if t['met'] else 'NOT met'}"
+        )
+    gaps = out.get("max_loss_diff_vs_plain", {})
+    if gaps:
+        worst = max(gaps, key=gaps.get)
+        agree = "within" if out["losses_agree"] else "NOT within"
+        print(f"largest per-step loss gap to plain PyTorch: {gaps[worst]:.2e} ({worst}), {agree} {LOSS_TOLERANCE}")
+    if out["warning"]:
+        print(f"WARNING: {out['warning']}")
+    print(f"whole run: {out['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
