@@ -29,6 +29,7 @@ from hetero.memory import Chunk, ChunkManager, ChunkState, TensorSlot, TensorSta
 from hetero.zero.layout import ChunkSpec, ParamInfo
 
 _T = TensorState
+KEEP_HORIZON = 8  # accesses: a gathered chunk needed again this soon is kept (see maybe_release)
 
 
 @dataclass(frozen=True)
@@ -161,11 +162,23 @@ class ZeroChunk:
             self.full.set_state(slot, after)
 
     def maybe_release(self, phase: TensorState) -> None:
-        """Stage 3: drop the gathered parameters once every one of them has finished this phase."""
+        """Stage 3: drop the gathered parameters once every one of them has finished this phase.
+
+        [Note: keeping the tail of forward]
+        The chunks forward uses last are the ones backward needs first: dropping them at the end of forward only to
+        gather them again a moment later doubles their communication. While the access trace replays, a chunk
+        whose next use lies within KEEP_HORIZON accesses stays gathered after forward (it is droppable, like any
+        transient chunk, if the device budget needs the room). After backward a chunk is always dropped: the
+        update is about to change its shard, so the gathered copy would be stale.
+        """
         if self.stage < 3 or self.full.state is ChunkState.EMPTY:
             return
-        if all(s.state is phase for s in self.slots):
-            self.release()
+        if not all(s.state is phase for s in self.slots):
+            return
+        trace = self.m.trace
+        if phase is _T.HOLD_AFTER_FWD and trace.replaying and trace.next_use(self.full.id) <= KEEP_HORIZON:
+            return
+        self.release()
 
     def release(self) -> None:
         """Stage 3: drop the gathered parameters (every use must have ended)."""
