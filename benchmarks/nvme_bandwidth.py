@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from hetero.device import Device  # noqa: E402
 from hetero.memory.nvme import NvmeStore  # noqa: E402
 
 try:
@@ -52,9 +53,9 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 tensor (what pinned host memory looks like to the store)."""
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """The memory the chunk manager's host tier holds chunks in: page-aligned (pinned with CUDA, mmap without)."""
+    return Device().empty_host(nbytes)
 
 
 # ---------------------------------------------------------------------------------------------- tier
@@ -62,7 +63,7 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 
 def make_chunks(args: argparse.Namespace, chunk: int, nchunks: int) -> tuple[list, list]:
     numel = chunk // 4
-    make = (lambda: aligned_empty(chunk).view(torch.float32)) if args.aligned else (lambda: torch.empty(numel))
+    make = (lambda: torch.empty(numel)) if args.pageable else (lambda: host_buffer(chunk).view(torch.float32))
     srcs = []
     for _ in range(nchunks):
         t = make()
@@ -227,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=4, help="NvmeStore io_threads and raw concurrency (default 4)")
     p.add_argument("--staging", type=int, default=8, help="NvmeStore staging buffers (default 8)")
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="NvmeStore O_DIRECT mode")
-    p.add_argument("--aligned", action="store_true", help="page-aligned chunk memory (like pinned buffers)")
+    p.add_argument(
+        "--pageable",
+        action="store_true",
+        help="chunks in plain torch.empty memory (staged through aligned buffers) instead of the host tier's "
+        "page-aligned buffers",
+    )
     p.add_argument("--no-verify", action="store_true", help="NvmeStore(verify=False): no crc32 per block")
     p.add_argument("--no-fio", action="store_true", help="measure the raw disk with the Python loop")
     p.add_argument("--repeat", type=int, default=5, help="interleaved tier/raw passes; medians are reported")
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     res["read_ratio"] = res["tier_read_GBps"] / res["raw_read_GBps"]
     res.update(direct=runs[0]["direct"], raw_method=runs[-1]["raw_method"], size_bytes=total)
     res.update(verify=not args.no_verify, chunk_bytes=chunk, block_bytes=args.block, threads=args.threads)
-    res.update(aligned=args.aligned, repeat=args.repeat, verified_chunks=runs[0]["verified_chunks"])
+    res.update(pageable=args.pageable, repeat=args.repeat, verified_chunks=runs[0]["verified_chunks"])
     res["runs"] = [{k: round(run[k], 3) for k in keys} for run in runs]
 
     if args.json:
