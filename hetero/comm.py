@@ -49,6 +49,26 @@ class _CopyBack:
         return True
 
 
+class _Done:
+    """Handle of an operation that already finished."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _ThenDivide:
+    """Handle of an asynchronous sum that becomes a mean on wait() (backends without a native AVG)."""
+
+    def __init__(self, work: Any, out: torch.Tensor, divisor: int | None) -> None:
+        self._work, self._out, self._divisor = work, out, divisor
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._divisor is not None:
+            self._out.div_(self._divisor)
+        return True
+
+
 def _check_op(op: str, t: torch.Tensor | None = None) -> str:
     if op not in _OPS:
         raise ValueError(f"unknown reduce op {op!r}: expected one of {', '.join(_OPS)}")
@@ -242,6 +262,32 @@ class Comm:
             buf = src.clone()
             self._reduce_contiguous(buf, op)
             out.copy_(buf[self.rank * n : (self.rank + 1) * n].view(out.shape))
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
+        """Start a reduce-scatter and return at once; ``wait()`` completes it. Collectives still run in the order
+        they are issued, so ranks issuing the same sequence stay matched. Falls back to the blocking path (a handle
+        that is already done) for size 1, a backend without the native operation, or overlapping or
+        non-contiguous tensors."""
+        _check_op(op, inp)
+        self._check_pair(out, inp, big=inp, small=out, what="reduce_scatter: inp")
+        simple = out.is_contiguous() and inp.is_contiguous() and not _overlap(out, inp)
+        if self._local or self._native_rs is False or not simple:
+            self.reduce_scatter(out, inp, op)
+            return _Done()
+        native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
+        try:
+            with torch.no_grad():
+                work = dist.reduce_scatter_tensor(
+                    out.view(-1), inp.view(-1), op=_reduce_op(native_op), group=self.group, async_op=True
+                )
+            self._native_rs = True
+        except (RuntimeError, NotImplementedError) as err:
+            if self._native_rs or not _unsupported(err):
+                raise
+            self._native_rs = False
+            self.reduce_scatter(out, inp, op)
+            return _Done()
+        return _ThenDivide(work, out, self.size if native_op != op else None)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Gather every rank's ``inp`` into ``out``; rank r's lands at flat elements [r*n, (r+1)*n).

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 
 log = logging.getLogger("hetero.engine")
 
+# Gradient reduce-scatters left running while backward goes on; each holds its full-size gradient buffer.
+_REDUCES_IN_FLIGHT = 2
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 
@@ -115,6 +118,7 @@ class Engine:
         self.global_steps = 0  # optimizer updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
+        self._reducing: deque[ZeroChunk] = deque()  # chunks whose gradient reduce-scatter is in flight
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
@@ -148,6 +152,8 @@ class Engine:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
         (loss * (scale / self.config.grad_accumulation_steps)).backward()
+        while self._reducing:
+            self._reducing.popleft().finish_reduce()
         # Chunks whose gradients did not all arrive (parameters unused this step) are reduced now, in layout order,
         # which is the same on every rank.
         for zc in self._trainable:
@@ -187,7 +193,12 @@ class Engine:
             zc.exit(info, slot, TensorState.HOLD_AFTER_BWD)
         if complete:
             if self.stage >= 2:
-                zc.reduce_micro_batch()
+                zc.start_reduce()
+                self._reducing.append(zc)
+                # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare.
+                roomy = self.manager.ledgers[Tier.DEVICE].free >= 4 * zc.grad_full.nbytes
+                while len(self._reducing) > (_REDUCES_IN_FLIGHT if roomy else 0):
+                    self._reducing.popleft().finish_reduce()
             zc.maybe_release(TensorState.HOLD_AFTER_BWD)
 
     @torch.no_grad()

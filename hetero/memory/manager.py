@@ -196,6 +196,15 @@ class ChunkManager:
         for chunk in chunks:
             self._try_prefetch(chunk, tier, horizon=None, protect=set())
 
+    def pin(self, chunk: Chunk) -> None:
+        """Keep a chunk where it is until `unpin` (no eviction, no move), without marking it written."""
+        chunk.pins += 1
+
+    def unpin(self, chunk: Chunk) -> None:
+        if chunk.pins <= 0:
+            raise RuntimeError(f"{chunk.describe()} is not pinned")
+        chunk.pins -= 1
+
     @contextlib.contextmanager
     def pinned(self, *chunks: Chunk) -> Iterator[None]:
         """Keep chunks where they are (no eviction, no move) for the duration, without marking them written."""

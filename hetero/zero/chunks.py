@@ -80,6 +80,7 @@ class ZeroChunk:
         self.n_trainable = sum(1 for p in spec.params if p.trainable)
         self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
         self.grad_fresh = True  # the accumulated gradient is all zeros (nothing added since the update)
+        self._reducing: tuple | None = None  # a reduce-scatter in flight: (handle, target, wrote into grad directly)
         if spec.trainable:
             sharded_grads = stage >= 2
             grad_numel = self.shard_numel if sharded_grads else spec.capacity
@@ -229,6 +230,12 @@ class ZeroChunk:
 
     def reduce_micro_batch(self) -> None:
         """Stages 2-3: reduce-scatter this micro-batch's gradient into the accumulated shard (mean over ranks)."""
+        self.start_reduce()
+        self.finish_reduce()
+
+    def start_reduce(self) -> None:
+        """Issue the reduce-scatter of this micro-batch's gradient; `finish_reduce` completes it. Backward goes on
+        meanwhile: the collective runs on the backend's own thread, in the order issued on every rank."""
         if self.grad_full is None or self.grad_full.state is ChunkState.EMPTY:
             self.grads_seen.clear()
             return
@@ -239,13 +246,26 @@ class ZeroChunk:
         self.grads_seen.clear()
         full[self.used_numel :].zero_()  # padding
         acc = self.m.access(self.grad, self.homes.compute)
-        if self.grad_fresh and acc.device == full.device:
-            self.comm.reduce_scatter(acc, full, op="avg")  # the first micro-batch lands in place
+        direct = self.grad_fresh and acc.device == full.device  # the first micro-batch lands in place
+        if direct:
+            self.m.pin(self.grad)  # the collective writes it until finish_reduce
+            target = acc
         else:
-            part = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
-            self.comm.reduce_scatter(part, full, op="avg")
-            acc.add_(part.to(acc.device))
+            target = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
         self.grad_fresh = False
+        self._reducing = (self.comm.reduce_scatter_async(target, full, op="avg"), target, direct)
+
+    def finish_reduce(self) -> None:
+        if self._reducing is None:
+            return
+        handle, target, direct = self._reducing
+        self._reducing = None
+        handle.wait()
+        if direct:
+            self.m.unpin(self.grad)
+        else:
+            acc = self.m.access(self.grad, self.homes.compute)
+            acc.add_(target.to(acc.device))
         self.grad_full.set_state(self.grad_full.slots[0], _T.HOLD)
         self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
         self.m.release(self.grad_full)
