@@ -127,7 +127,3 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available()

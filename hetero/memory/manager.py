@@ -515,7 +515,7 @@ class ChunkManager:
                 self.pools[tier].trim(nbytes - ledger.free)
                 continue
             leaving = [c for c in self._moving.values() if c.move.src == tier]
-            if self._room(tier, nbytes) + self._leaving_bytes(tier) < nbytes + earmarked:
+            if self._room(tier, nbytes) + sum(c.nbytes for c in leaving) < nbytes + earmarked:
                 # Not enough on its way out: evict one more.
                 if tier is Tier.NVME:
                     victim = self._nvme_victim(protect)

@@ -52,7 +52,3 @@ class BufferPool:
                 self._ledger.drop_cache(size)
                 freed += size
         return freed
-
-    @property
-    def cached_bytes(self) -> int:
-        return self._ledger.cached

@@ -87,7 +87,6 @@ class Hooks:
 
     def __init__(self, module: nn.Module, entries: dict[int, Entry], *, stage: int, on_grad: Callable) -> None:
         self.handles: list[RemovableHandle] = []
-        self.entries = entries  # param id -> (ZeroChunk, ParamInfo, TensorSlot)
         for _, info, _ in entries.values():
             if info.trainable:
                 self.handles.append(info.param.register_post_accumulate_grad_hook(on_grad))
