@@ -127,3 +127,13 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator has handed out on a CUDA device now (0 on the CPU: no allocator to ask)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

@@ -1,0 +1,7 @@
+"""Memory tools: the estimator (before a run: will it fit, and where?) and the profiler (during a run: where did
+every byte live, when, and what moved?)."""
+
+from hetero.profiler.estimator import Candidate, Estimate, estimate
+from hetero.profiler.machine import Machine
+
+__all__ = ["Candidate", "Estimate", "Machine", "estimate"]
