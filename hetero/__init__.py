@@ -12,6 +12,7 @@ from hetero.errors import (
     NvmeUnavailableError,
     TierOutOfMemoryError,
 )
+from hetero.profiler import estimate, profile
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,6 @@ __all__ = [
     "OffloadConfig",
     "TierOutOfMemoryError",
     "parse_size",
+    "estimate",
+    "profile",
 ]

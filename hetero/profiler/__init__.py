@@ -3,5 +3,6 @@ every byte live, when, and what moved?)."""
 
 from hetero.profiler.estimator import Candidate, Estimate, estimate
 from hetero.profiler.machine import Machine
+from hetero.profiler.recorder import Profile, profile
 
-__all__ = ["Candidate", "Estimate", "Machine", "estimate"]
+__all__ = ["Candidate", "Estimate", "Machine", "Profile", "estimate", "profile"]

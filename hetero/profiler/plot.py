@@ -1,0 +1,70 @@
+"""The profile's timeline as a PNG: per tier, memory stacked by chunk kind over the recording, the exact ledger
+total on top, optimizer steps as dashed lines and chunk moves as ticks (arriving above the axis, leaving below).
+
+matplotlib is imported here only, and only when a profile is written (an optional dependency: hetero[profile]).
+It draws on a bare Figure with the Agg canvas, so it never touches pyplot's global state or a display.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+_MIB = 1 << 20
+_ORDER = ("param", "param_shard", "grad", "grad_full", "optim", "cached", "staging")
+
+
+def timeline_png(prof: Any, path: Path) -> None:
+    tiers = list(prof.series)
+    fig = Figure(figsize=(12, 2.6 * len(tiers)), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(tiers), 1, sharex=True, squeeze=False)[:, 0]
+    kinds_seen = {k for _, s in prof.samples for d in s.values() for k in d}
+    kinds = [k for k in _ORDER if k in kinds_seen] + sorted(kinds_seen - set(_ORDER))
+    times = [t for t, _ in prof.samples]
+    for ax, tier in zip(axes, tiers):
+        if times:
+            stacks = [[s[tier].get(k, 0) / _MIB for _, s in prof.samples] for k in kinds]
+            ax.stackplot(times, stacks, labels=kinds, step="post", alpha=0.8)
+        series = prof.series[tier]
+        if series:
+            ax.plot(
+                [t for t, _ in series],
+                [u / _MIB for _, u in series],
+                drawstyle="steps-post",
+                color="black",
+                linewidth=0.8,
+                label="ledger total",
+            )
+        if tier == "device" and prof.activation_series:
+            acts = prof.activation_series
+            ax.plot(
+                [t for t, _ in acts],
+                [n / _MIB for _, n in acts],
+                drawstyle="steps-post",
+                color="tab:blue",
+                linewidth=0.8,
+                linestyle="--",
+                label="activations (saved for backward)",
+            )
+        peak = prof.peaks[tier]
+        if peak.bytes:
+            ax.axhline(peak.bytes / _MIB, color="red", linewidth=0.6, linestyle=":", label="peak")
+        top = max([u for _, u in series] + [n for _, n in prof.activation_series if tier == "device"] + [1]) / _MIB
+        arrive = [m.end for m in prof.moves if m.dst == tier]
+        leave = [m.start for m in prof.moves if m.src == tier]
+        if arrive:
+            ax.plot(arrive, [top * 1.04] * len(arrive), "|", color="tab:green", markersize=6, label="move in")
+        if leave:
+            ax.plot(leave, [-top * 0.04] * len(leave), "|", color="tab:red", markersize=6, label="move out")
+        for t, _ in prof.steps:
+            ax.axvline(t, color="grey", linestyle="--", linewidth=0.7)
+        ax.set_ylabel(f"{tier} (MiB)")
+        ax.set_ylim(-top * 0.08, top * 1.1)
+        ax.legend(loc="upper left", fontsize=7, ncol=4)
+    axes[-1].set_xlabel("seconds since the profile began (dashed: optimizer steps)")
+    fig.suptitle("hetero memory timeline")
+    fig.savefig(path)

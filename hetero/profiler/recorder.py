@@ -1,0 +1,410 @@
+"""`hetero.profile(engine, out_dir)`: record where every byte of a run lived, when, and what moved.
+
+[Note: observing without an engine hook]
+The profiler installs everything on enter and removes it on exit, so a run that is not profiled pays nothing. It
+observes through what already exists: the manager's `observers` (a `MoveEvent` per finished move), the manager's
+counters (prefetch hits and misses, evictions), module forward hooks, saved-tensor hooks (activations, attributed
+to the module running), and the tier ledgers, whose `take` / `give` / cache methods are wrapped on the ledger
+*instances* for the duration (every byte hetero holds passes through them, so the recorded per-tier series is exact
+and its maximum is the ledger's peak). `engine.step`, `engine.backward` and `engine.close` are wrapped on the engine
+instance the same way, to mark steps and to stop before the engine closes. On entry the ledgers' peaks are reset, so
+the summary's peaks and `engine.memory_stats()` peaks cover the same window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.device import allocated_bytes
+from hetero.memory import ChunkState, Tier
+from hetero.memory.manager import MoveEvent
+from hetero.profiler.activations import storage_key
+
+log = logging.getLogger("hetero.profiler")
+
+_LEDGER_METHODS = ("take", "give", "to_cache", "from_cache", "drop_cache")
+_MANAGER_METHODS = ("access", "move", "prefetch", "release", "synchronize", "step_begin", "free_chunk")
+SAMPLE_INTERVAL = 0.0  # seconds between by-kind samples, at most (peaks are always sampled)
+
+
+@dataclass(frozen=True)
+class MoveRecord:
+    chunk: int
+    kind: str
+    src: str
+    dst: str
+    nbytes: int
+    start: float  # seconds since the recording began
+    end: float
+    prefetch: bool
+
+    @property
+    def seconds(self) -> float:
+        return max(self.end - self.start, 1e-9)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second achieved by this move."""
+        return self.nbytes / self.seconds
+
+
+@dataclass
+class ModuleSpan:
+    name: str
+    phase: str  # "forward" or "backward"
+    start: float
+    end: float = 0.0
+    saved: int = 0  # forward: bytes saved for backward by this module and its children; backward: bytes released
+    allocated: int = 0  # CUDA: allocator bytes held after forward minus before (0 on the CPU)
+
+
+@dataclass
+class Peak:
+    bytes: int = 0
+    time: float = 0.0
+    where: str = ""  # the module and phase running then
+    holders: list[tuple[str, str, int]] = field(default_factory=list)  # (holder, kind, bytes), largest first
+
+
+class Profile:
+    """Records one engine's memory over a window of training; writes summary.txt, summary.json, trace.json and
+    timeline.png into out_dir on exit. Use as `with hetero.profile(engine, out_dir) as prof:`."""
+
+    def __init__(
+        self,
+        engine: Any,
+        out_dir: str | os.PathLike,
+        *,
+        max_steps: int | None = None,
+        plot: bool = True,
+        on_stop: Callable[[Profile], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.out_dir = Path(out_dir)
+        self.max_steps = max_steps  # stop by itself after this many optimizer steps (tools/memprof.py)
+        self.plot = plot
+        self.on_stop = on_stop
+        self.manager = engine.manager
+        self.active = False
+        self.finished = False
+        # Recorded data; times are seconds since start.
+        self.t0 = 0.0
+        self.series: dict[str, list[tuple[float, int]]] = {t.label: [] for t in Tier}  # exact ledger totals
+        self.samples: list[tuple[float, dict[str, dict[str, int]]]] = []  # by-kind breakdown per tier
+        self.moves: list[MoveRecord] = []
+        self.modules: list[ModuleSpan] = []
+        self.steps: list[tuple[float, int]] = []  # (time, global step) after each optimizer update
+        self.phases: list[tuple[str, float, float]] = []  # (forward / backward / update, start, end)
+        self.peaks: dict[str, Peak] = {t.label: Peak() for t in Tier}
+        self.activation_series: list[tuple[float, int]] = []  # saved-for-backward bytes held
+        self.counters: dict[str, int] = {}  # the manager's counters over the window
+        self.stats: dict[str, Any] = {}  # engine.memory_stats() at the end
+        self.micro_steps = 0
+        self._undo: list[Callable[[], None]] = []
+        self._stack: list[ModuleSpan] = []  # forward spans open now
+        self._last_sample = -1.0
+        self._dirty = False  # a ledger changed since the last by-kind sample
+        self._counters0: Counter[str] = Counter()
+        self._steps0 = 0
+        self._saved: dict[int, tuple[str, int, torch.Tensor]] = {}  # storage key -> (owner, bytes, tensor)
+        self._released: set[int] = set()
+        self._held = 0  # activation bytes saved and not yet used by backward
+        self._saved_total = 0  # activation bytes saved in this micro-batch's forward
+        self._params: set[int] = set()
+        self._bwd: dict[str, ModuleSpan] = {}  # module -> its backward span (first to last use of what it saved)
+        self._phase_start: float | None = None
+        self._device = engine.device.torch_device
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def __enter__(self) -> Profile:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.active or self.finished:
+            raise RuntimeError("a Profile records one window: make a new one to record again")
+        self.active = True
+        self.manager.synchronize()
+        self.manager.reset_peaks()
+        self.t0 = time.perf_counter()
+        self._counters0 = Counter(self.manager.counters)
+        self._steps0 = self.engine.global_steps
+        self._params = {storage_key(p) for p in self.engine.module.parameters()}
+        for tier, ledger in self.manager.ledgers.items():
+            self._wrap_ledger(tier, ledger)
+            self.series[tier.label].append((0.0, ledger.used))
+            self._new_peak(tier, ledger.used, 0.0)
+        self.manager.observers.append(self._on_move)
+        for name in _MANAGER_METHODS:
+            self._wrap_manager(name)
+        self._undo.append(lambda: self.manager.observers.remove(self._on_move))
+        self._hook_modules(self.engine.module)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._undo.append(lambda: hooks.__exit__(None, None, None))
+        for name in ("step", "backward", "close"):
+            self._wrap_engine(name)
+        self._sample(0.0, force=True)
+
+    def stop(self) -> None:
+        """Remove every hook, then write the outputs. Idempotent."""
+        if not self.active:
+            return
+        self.active = False
+        now = self._now()
+        self.manager.synchronize()  # moves in flight finish, and are recorded, before the hooks go
+        self._sample(self._now(), force=True)
+        while self._undo:
+            self._undo.pop()()
+        self._stack.clear()
+        self._saved.clear()
+        self.counters = {k: v - self._counters0.get(k, 0) for k, v in self.manager.counters.items()}
+        self.stats = self.manager.memory_stats()
+        self.duration = now
+        self.finished = True
+        self.write()
+        if self.on_stop is not None:
+            self.on_stop(self)
+
+    def write(self) -> None:
+        from hetero.profiler.summary import summary_data, summary_text
+        from hetero.profiler.trace import chrome_trace
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        data = summary_data(self)
+        (self.out_dir / "summary.json").write_text(json.dumps(data, indent=1))
+        (self.out_dir / "summary.txt").write_text(summary_text(data))
+        (self.out_dir / "trace.json").write_text(json.dumps(chrome_trace(self)))
+        if self.plot:
+            try:
+                from hetero.profiler.plot import timeline_png
+            except ImportError:  # matplotlib is an optional dependency (hetero[profile])
+                log.warning("matplotlib is not installed: timeline.png not written (pip install matplotlib)")
+            else:
+                timeline_png(self, self.out_dir / "timeline.png")
+
+    # ---- ledgers ------------------------------------------------------------------------------------------
+    def _wrap_ledger(self, tier: Tier, ledger: Any) -> None:
+        for name in _LEDGER_METHODS:
+            original = getattr(ledger, name)
+
+            def wrapped(nbytes: int, _original: Callable[[int], None] = original, _tier: Tier = tier) -> None:
+                _original(nbytes)
+                self._on_ledger(_tier, ledger.used)
+
+            setattr(ledger, name, wrapped)
+            self._undo.append(lambda ledger=ledger, name=name: delattr(ledger, name))
+
+    def _on_ledger(self, tier: Tier, used: int) -> None:
+        t = self._now()
+        self.series[tier.label].append((t, used))
+        self._dirty = True
+        if used > self.peaks[tier.label].bytes:
+            self._new_peak(tier, used, t)
+            self._sample(t, force=True)
+
+    def _wrap_manager(self, name: str) -> None:
+        """Sample the by-kind breakdown when a manager operation that changed a ledger returns: by then every chunk
+        it touched is labelled with its tier (inside, a buffer is taken before its chunk is marked resident)."""
+        original = getattr(self.manager, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if self._dirty:
+                self._dirty = False
+                self._sample(self._now())
+            return out
+
+        setattr(self.manager, name, wrapped)
+        self._undo.append(lambda: self.manager.__dict__.pop(name, None))
+
+    def _new_peak(self, tier: Tier, used: int, t: float) -> None:
+        holders: list[tuple[str, str, int]] = []
+        for c in self.manager.chunks:
+            if _holds(c, tier):
+                names = ", ".join(s.name for s in c.slots[:2]) + (", ..." if len(c.slots) > 2 else "")
+                holders.append((f"chunk {c.id} ({names})", c.kind, c.nbytes))
+        ledger = self.manager.ledgers[tier]
+        if ledger.cached:
+            holders.append(("free buffers kept for reuse", "cached", ledger.cached))
+        rest = used - sum(h[2] for h in holders)
+        if rest > 0:  # taken by a move or an allocation that is under way (staging, a buffer being filled)
+            holders.append(("buffers being allocated or staged", "staging", rest))
+        holders.sort(key=lambda h: -h[2])
+        where = f"{self._stack[-1].phase} of {self._stack[-1].name}" if self._stack else self._phase_name()
+        self.peaks[tier.label] = Peak(bytes=used, time=t, where=where, holders=holders)
+
+    def _sample(self, t: float, *, force: bool = False) -> None:
+        if not force and t - self._last_sample < SAMPLE_INTERVAL:
+            return
+        self._last_sample = t
+        self.samples.append((t, by_kind(self.manager)))
+
+    # ---- moves --------------------------------------------------------------------------------------------
+    def _on_move(self, e: MoveEvent) -> None:
+        self.moves.append(
+            MoveRecord(
+                e.chunk_id, e.kind, e.src.label, e.dst.label, e.nbytes, e.start - self.t0, e.end - self.t0, e.prefetch
+            )
+        )
+
+    # ---- modules and activations --------------------------------------------------------------------------
+    def _hook_modules(self, root: nn.Module) -> None:
+        for name, module in root.named_modules():
+            label = name or type(module).__name__
+            pre = module.register_forward_pre_hook(lambda m, a, label=label: self._enter(label), prepend=True)
+            post = module.register_forward_hook(lambda m, a, o, label=label: self._exit(label))
+            self._undo.append(pre.remove)
+            self._undo.append(post.remove)
+
+    def _enter(self, label: str) -> None:
+        t = self._now()
+        if not self._stack and self._phase_start is None:
+            self._phase_start = t  # a forward begins
+        span = ModuleSpan(label, "forward", t, saved=self._saved_total, allocated=allocated_bytes(self._device))
+        self._stack.append(span)
+
+    def _exit(self, label: str) -> None:
+        if not self._stack or self._stack[-1].name != label:
+            return  # a hook raised in between: the stack is unreliable for this forward
+        span = self._stack.pop()
+        span.end = self._now()
+        span.saved = self._saved_total - span.saved
+        span.allocated = allocated_bytes(self._device) - span.allocated
+        self.modules.append(span)
+        self._sample(span.end)
+
+    def _pack(self, t: torch.Tensor) -> tuple[str, int, torch.Tensor]:
+        key = storage_key(t)
+        owner = self._stack[-1].name if self._stack else ""
+        if key not in self._saved and key not in self._params:
+            n = t.untyped_storage().nbytes()
+            self._saved[key] = (owner, n, t)
+            self._held += n
+            self._saved_total += n
+            self.activation_series.append((self._now(), self._held))
+        return owner, key, t
+
+    def _unpack(self, packed: tuple[str, int, torch.Tensor]) -> torch.Tensor:
+        owner, key, t = packed
+        now = self._now()
+        span = self._bwd.get(owner)
+        if span is None:
+            span = self._bwd[owner] = ModuleSpan(owner or "(outside modules)", "backward", now)
+            self.modules.append(span)
+        span.end = now
+        if key in self._saved and key not in self._released:
+            # Autograd frees what a node saved once the node has run: count the bytes gone at their first use.
+            self._released.add(key)
+            n = self._saved[key][1]
+            span.saved += n
+            self._held -= n
+            self.activation_series.append((now, self._held))
+        return t
+
+    # ---- engine -------------------------------------------------------------------------------------------
+    def _wrap_engine(self, name: str) -> None:
+        original = getattr(self.engine, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name == "close":
+                self.stop()
+                return original(*args, **kwargs)
+            start = self._now()
+            if name == "backward" and self._phase_start is not None:
+                self.phases.append(("forward", self._phase_start, start))
+                self._phase_start = None
+            out = original(*args, **kwargs)
+            end = self._now()
+            if name == "backward":
+                self.phases.append(("backward", start, end))
+                self._end_micro_batch()
+            elif name == "step":
+                self.micro_steps += 1
+                if self.engine.global_steps > (self.steps[-1][1] if self.steps else self._steps0):
+                    self.phases.append(("update", start, end))
+                    self.steps.append((end, self.engine.global_steps))
+                    self._sample(end, force=True)
+                    if self.max_steps is not None and self.engine.global_steps - self._steps0 >= self.max_steps:
+                        self.stop()
+            return out
+
+        setattr(self.engine, name, wrapped)
+        self._undo.append(lambda: self.engine.__dict__.pop(name, None))
+
+    def _end_micro_batch(self) -> None:
+        # What backward did not use is freed with the graph.
+        self._saved.clear()
+        self._released.clear()
+        self._bwd.clear()
+        self._saved_total = 0
+        if self._held:
+            self._held = 0
+            self.activation_series.append((self._now(), 0))
+
+    def _phase_name(self) -> str:
+        if self._phase_start is not None:
+            return "forward"
+        return self.phases[-1][0] if self.phases else "outside a step"
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _holds(chunk: Any, tier: Tier) -> bool:
+    """Whether a chunk's bytes count on a tier's ledger now: resident there, reserved there by a move, or (NVMe) a
+    swap copy."""
+    if tier is Tier.NVME and chunk.on_nvme:
+        return True
+    if chunk.state is ChunkState.EMPTY:
+        return False
+    if chunk.tier == tier and tier is not Tier.NVME:
+        return True
+    return chunk.move is not None and chunk.move.dst == tier and tier is not Tier.NVME
+
+
+def by_kind(manager: Any) -> dict[str, dict[str, int]]:
+    """Bytes per tier per chunk kind now (what `_holds` counts, in one pass), plus the pools' cached buffers and
+    whatever else the ledger holds (buffers being allocated, staging)."""
+    out: dict[str, dict[str, int]] = {t.label: {} for t in Tier}
+    nvme = out["nvme"]
+    for c in manager._chunks.values():
+        if c.on_nvme:
+            nvme[c.kind] = nvme.get(c.kind, 0) + c.nbytes
+        if c.state is ChunkState.EMPTY:
+            continue
+        if c.tier is not None and c.tier is not Tier.NVME:
+            d = out[c.tier.label]
+            d[c.kind] = d.get(c.kind, 0) + c.nbytes
+        move = c.move
+        if move is not None and move.dst is not Tier.NVME:
+            d = out[move.dst.label]
+            d[c.kind] = d.get(c.kind, 0) + c.nbytes
+    for tier, ledger in manager.ledgers.items():
+        d = out[tier.label]
+        if ledger.cached:
+            d["cached"] = ledger.cached
+        rest = ledger.used - sum(d.values())
+        if rest > 0:
+            d["staging"] = rest
+    return out
+
+
+def profile(engine: Any, out_dir: str | os.PathLike, **kwargs: Any) -> Profile:
+    """Profile an engine's memory: `with hetero.profile(engine, "prof") as prof:` around training steps. On exit it
+    writes summary.txt (and .json), timeline.png and trace.json (Perfetto / chrome://tracing) into out_dir."""
+    return Profile(engine, out_dir, **kwargs)

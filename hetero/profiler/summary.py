@@ -1,0 +1,128 @@
+"""The profile's summary: peaks per tier and who held them, bytes moved and bandwidths, prefetch hit rate,
+activation memory per module. `summary_data` for machines (summary.json), `summary_text` for people."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from hetero.config import format_size
+
+TOP = 10  # holders and modules listed
+
+
+def summary_data(prof: Any) -> dict[str, Any]:
+    stats = prof.stats
+    peaks: dict[str, Any] = {}
+    for tier, peak in prof.peaks.items():
+        series = prof.series[tier]
+        kinds: dict[str, int] = {}
+        for _, kind, n in peak.holders:
+            kinds[kind] = kinds.get(kind, 0) + n
+        peaks[tier] = {
+            "bytes": stats[tier]["peak"],  # the ledger's own peak over the window (reset on entry)
+            "recorded": max((u for _, u in series), default=0),  # the maximum of the recorded series: the same
+            "budget": stats[tier]["budget"],
+            "time": peak.time,
+            "where": peak.where,
+            "holders": [{"holder": h, "kind": k, "bytes": n} for h, k, n in peak.holders[:TOP]],
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        }
+    moved: dict[str, Any] = {}
+    for m in prof.moves:
+        pair = f"{m.src}->{m.dst}"
+        d = moved.setdefault(pair, {"bytes": 0, "moves": 0, "seconds": 0.0, "prefetched": 0, "_bw": []})
+        d["bytes"] += m.nbytes
+        d["moves"] += 1
+        d["seconds"] += m.seconds
+        d["prefetched"] += int(m.prefetch)
+        d["_bw"].append(m.bandwidth)
+    for d in moved.values():
+        d["bandwidth"] = d["bytes"] / d["seconds"] if d["seconds"] else 0.0  # bytes per second of copying
+        d["median_bandwidth"] = statistics.median(d.pop("_bw"))
+    c = prof.counters
+    hits, misses = c.get("prefetch_hits", 0), c.get("prefetch_misses", 0)
+    forward: dict[str, dict[str, float]] = {}
+    backward: dict[str, int] = {}
+    for s in prof.modules:
+        if s.phase == "forward":
+            d = forward.setdefault(s.name, {"calls": 0, "saved": 0, "allocated": 0, "seconds": 0.0})
+            d["calls"] += 1
+            d["saved"] += s.saved
+            d["allocated"] += s.allocated
+            d["seconds"] += s.end - s.start
+        else:
+            backward[s.name] = backward.get(s.name, 0) + s.saved
+    per_call = {
+        n: {"saved_per_call": d["saved"] // d["calls"], "allocated_per_call": d["allocated"] // d["calls"], **d}
+        for n, d in forward.items()
+    }
+    return {
+        "seconds": prof.duration,
+        "micro_steps": prof.micro_steps,
+        "optimizer_steps": len(prof.steps),
+        "rank": prof.engine.data_parallel_rank,
+        "world_size": prof.engine.data_parallel_size,
+        "peaks": peaks,
+        "moved": moved,
+        "prefetch": {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "started": c.get("prefetches", 0),
+        },
+        "evictions": c.get("evictions", 0),
+        "clean_evictions": c.get("clean_evictions", 0),
+        "released": c.get("released", 0),
+        "accesses": c.get("accesses", 0),
+        "activations": {
+            "peak_held": max((n for _, n in prof.activation_series), default=0),
+            "forward": dict(sorted(per_call.items(), key=lambda kv: -kv[1]["saved_per_call"])),
+            "backward_released": dict(sorted(backward.items(), key=lambda kv: -kv[1])),
+        },
+    }
+
+
+def summary_text(d: dict[str, Any]) -> str:
+    lines = [
+        f"hetero memory profile: {d['optimizer_steps']} optimizer steps, {d['micro_steps']} micro-batches, "
+        f"{d['seconds']:.3f} s recorded (rank {d['rank']} of {d['world_size']})",
+        "",
+        "peak per tier (the tier ledgers' peaks over the recording, as engine.memory_stats() reports them):",
+    ]
+    for tier, p in d["peaks"].items():
+        budget = format_size(p["budget"]) if p["budget"] else "-"
+        lines.append(
+            f"  {tier:<7}{format_size(p['bytes']):>12} of {budget:>11} budget   at {p['time']:.4f} s, {p['where']}"
+        )
+    for tier, p in d["peaks"].items():
+        if not p["bytes"]:
+            continue
+        lines.append(f"\ntop holders at the {tier} peak ({format_size(p['bytes'])}):")
+        for h in p["holders"]:
+            lines.append(f"  {format_size(h['bytes']):>12}  {h['kind']:<10} {h['holder']}")
+        kinds = ", ".join(f"{k} {format_size(n)}" for k, n in p["by_kind"].items())
+        lines.append(f"  by kind: {kinds}")
+    lines.append("\nbytes moved per tier pair:")
+    if not d["moved"]:
+        lines.append("  (nothing moved)")
+    for pair, m in sorted(d["moved"].items()):
+        lines.append(
+            f"  {pair:<14}{format_size(m['bytes']):>12} in {m['moves']:>5} moves ({m['prefetched']} prefetched), "
+            f"achieved {m['bandwidth'] / 1e9:.2f} GB/s (median move {m['median_bandwidth'] / 1e9:.2f} GB/s)"
+        )
+    pf = d["prefetch"]
+    rate = f"{100 * pf['hit_rate']:.1f}%" if pf["hit_rate"] is not None else "n/a (no misses or hits)"
+    lines += [
+        "",
+        f"prefetch: {pf['hits']} hits, {pf['misses']} misses, hit rate {rate}; {pf['started']} prefetches started",
+        f"evictions: {d['evictions']} ({d['clean_evictions']} clean, no write), {d['released']} chunks released "
+        f"instead; {d['accesses']} accesses",
+        "",
+        f"activations (saved for backward; peak held {format_size(d['activations']['peak_held'])}), "
+        f"per module and forward call, with its children:",
+    ]
+    for name, a in list(d["activations"]["forward"].items())[:TOP]:
+        extra = f", allocated {format_size(a['allocated_per_call'])}" if a["allocated_per_call"] else ""
+        lines.append(f"  {format_size(a['saved_per_call']):>12}  {name} ({int(a['calls'])} calls{extra})")
+    return "\n".join(lines) + "\n"
