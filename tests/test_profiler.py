@@ -1,0 +1,186 @@
+"""hetero.profile: what it records agrees with the engine's own accounting, its outputs are valid, it leaves nothing
+installed behind, and tools/memprof.py profiles an example script it has never seen."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hetero
+from hetero.profiler.activations import SavedBytes, storage_key
+from tests.parity import batches, build, make_optimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+TIERS = ("device", "host", "nvme")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _engine(tmp_path: Path) -> hetero.Engine:
+    """Stage 3 with optimizer states on NVMe, under a device budget that makes
+    chunks move every step."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = {
+        "zero_stage": 3,
+        "chunk_size": 4096,
+        "offload": {"params": "device", "optimizer": "nvme"},
+        "memory": {"nvme_dir": str(nvme), "device_budget": 150_000},
+    }
+    model = build()
+    return hetero.initialize(model, make_optimizer(model), config)
+
+
+def _train(engine: hetero.Engine, steps: int) -> None:
+    for x, y in batches(steps, 2):
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+
+
+def _installed(engine: hetero.Engine) -> dict:
+    """Everything a profile could leave behind."""
+    return {
+        "ledger attrs": [sorted(vars(ledger)) for ledger in engine.manager.ledgers.values()],
+        "engine attrs": sorted(k for k in vars(engine) if k in ("step", "backward", "close")),
+        "manager attrs": sorted(k for k in vars(engine.manager) if k in ("access", "move", "prefetch", "release")),
+        "observers": len(engine.manager.observers),
+        "module hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_profile_records_what_the_engine_accounts(tmp_path):
+    engine = _engine(tmp_path)
+    _train(engine, 1)  # the trace is recorded: later steps prefetch
+    before = _installed(engine)
+    out = tmp_path / "prof"
+    with hetero.profile(engine, out) as prof:
+        # Entering waits for the moves in flight: the window starts here.
+        moved0 = dict(engine.memory_stats()["moved"])
+        counters0 = dict(engine.manager.counters)
+        _train(engine, 3)
+    stats = engine.memory_stats()
+    counters = {k: v - counters0.get(k, 0) for k, v in engine.manager.counters.items()}
+
+    # Nothing stays installed: a run that is not profiled pays nothing.
+    assert _installed(engine) == before
+    recorded = (len(prof.activation_series), len(prof.moves), len(prof.samples))
+    _train(engine, 1)
+    assert (len(prof.activation_series), len(prof.moves), len(prof.samples)) == recorded
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 3 and summary["micro_steps"] == 3
+    for tier in TIERS:
+        peak = summary["peaks"][tier]
+        # The summary's peaks are the ledgers' (reset on entry), and the recorded series reaches exactly them.
+        assert peak["bytes"] == stats[tier]["peak"] == peak["recorded"], tier
+        assert sum(n for _, _, n in prof.peaks[tier].holders) == peak["bytes"], tier
+    assert stats["device"]["peak"] <= 150_000
+    # Bytes moved per tier pair: exactly what the manager counted over the window.
+    moved = {pair: n - moved0.get(pair, 0) for pair, n in stats["moved"].items() if n - moved0.get(pair, 0)}
+    assert {pair: d["bytes"] for pair, d in summary["moved"].items()} == moved
+    assert {"host->nvme", "nvme->host", "device->host", "host->device"} <= moved.keys()
+    assert all(d["bandwidth"] > 0 for d in summary["moved"].values())
+    pf = summary["prefetch"]
+    assert (pf["hits"], pf["misses"]) == (counters.get("prefetch_hits", 0), counters.get("prefetch_misses", 0))
+    assert pf["hits"] > 0 and pf["hit_rate"] == pytest.approx(pf["hits"] / (pf["hits"] + pf["misses"]))
+    assert summary["evictions"] == counters["evictions"] > 0
+
+    # Activations per module: the root's forward saved what a plain meter counts on the same forward.
+    acts = summary["activations"]["forward"]
+    meter = SavedBytes(exclude={storage_key(p) for p in engine.module.parameters()})
+    x, y = batches(1, 2)[0]
+    with meter.active():
+        loss = engine(x, labels=y).loss
+    engine.backward(loss)
+    engine.step()
+    assert acts["GPT"]["saved_per_call"] == meter.total > 0
+    assert acts["layers.0"]["saved_per_call"] < acts["GPT"]["saved_per_call"]
+    assert summary["activations"]["peak_held"] == meter.total
+    assert sum(summary["activations"]["backward_released"].values()) > 0
+
+    text = (out / "summary.txt").read_text()
+    for needle in ("peak per tier", "top holders", "bytes moved per tier pair", "prefetch:", "hit rate", "GB/s"):
+        assert needle in text
+    assert (out / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"]
+    for e in events:
+        assert {"ph", "name", "pid"} <= e.keys()
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and "tid" in e
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"modules: forward", "modules: backward", "host->nvme", "nvme->host"} <= names
+    assert sum(1 for e in events if e.get("cat") == "move") == len(prof.moves) > 0
+    assert any(e["ph"] == "X" and e.get("cat") == "forward" and e["name"] == "layers.1.mlp" for e in events)
+    assert {e["name"] for e in events if e["ph"] == "C"} >= {"device ledger", "host by kind", "activations held"}
+    engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_close_inside_the_profile_and_max_steps(tmp_path):
+    engine = _engine(tmp_path)
+    with hetero.profile(engine, tmp_path / "a", max_steps=2) as prof:
+        _train(engine, 3)
+        assert prof.finished and len(prof.steps) == 2  # stopped by itself after 2 optimizer steps
+    (tmp_path / "b").mkdir()
+    engine2 = _engine(tmp_path / "b")
+    with hetero.profile(engine2, tmp_path / "c", plot=False) as prof2:
+        _train(engine2, 1)
+        engine2.close()  # stops the profile first, while the ledgers still hold the run's bytes
+        assert prof2.finished
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["peaks"]["device"]["bytes"] > 0
+    assert not (tmp_path / "c" / "timeline.png").exists()
+    with pytest.raises(RuntimeError, match="one window"):
+        prof.start()
+    engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_memprof_runs_an_unmodified_example(tmp_path):
+    out, nvme = tmp_path / "prof", tmp_path / "nvme"
+    nvme.mkdir()
+    script = ["python", str(ROOT / "examples" / "train_gpt.py"), "--steps", "3", "--batch-size", "2"]
+    script += ["--sample-tokens", "4", "--nvme-dir", str(nvme), "--json"]
+    cmd = [sys.executable, str(ROOT / "tools" / "memprof.py"), "--out", str(out), "--steps", "2", "--", *script]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # the script ran on to its own end
+    assert result["steps"] == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 2
+    assert summary["moved"]["host->nvme"]["bytes"] > 0
+    assert "traceEvents" in json.loads((out / "trace.json").read_text())
+    assert (out / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+    assert list(nvme.iterdir()) == []  # the script's own cleanup still ran
+
+
+def test_memprof_usage_errors():
+    tool = str(ROOT / "tools" / "memprof.py")
+    proc = subprocess.run([sys.executable, tool, "--steps", "2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_estimate_cli(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=64).to_json_file(str(path))
+    tool = str(ROOT / "tools" / "estimate.py")
+    args = ["--zero-stage", "3", "--world-size", "8", "--device-memory", "16GiB", "--host-memory", "64GiB"]
+    proc = subprocess.run(
+        [sys.executable, tool, "--hf-config", str(path), *args, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["world_size"] == 8 and d["config"]["zero_stage"] == 3 and d["fits"] is True
+    assert d["recommendation"]["zero_stage"] == 0  # a tiny model fits plain data parallel
+    proc = subprocess.run(
+        [sys.executable, tool, "--params", "13e9", "--world-size", "8"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "recommended" in proc.stdout and "device" in proc.stdout

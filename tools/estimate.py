@@ -1,0 +1,94 @@
+"""Will it fit, and where? The bytes a hetero run needs per tier, before running it.
+
+    python tools/estimate.py --hf-config config.json --zero-stage 3 --world-size 8
+    python tools/estimate.py --params 13e9 --zero-stage 3 --offload-optimizer nvme --nvme-dir /mnt/nvme
+    python tools/estimate.py --params 7e9 --device-memory 80GiB --host-memory 1TiB --nvme-space 4TiB --json
+
+Without --device-memory / --host-memory / --nvme-space it checks this machine (its first GPU, its RAM and the free
+space of --nvme-dir). --json prints one JSON object (hetero.Estimate.to_dict()) instead of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import hetero  # noqa: E402
+from hetero.profiler import Machine  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--hf-config", help="a Hugging Face config.json (or its directory): the model is built on meta")
+    what.add_argument("--params", type=float, help="a parameter count, e.g. 13e9 (a GPT-3-shaped model is assumed)")
+    ap.add_argument("--config", help="a hetero config file (.json/.yaml); the flags below override its keys")
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument("--offload-params", choices=("device", "host", "nvme"))
+    ap.add_argument("--offload-optimizer", choices=("device", "host", "nvme"))
+    ap.add_argument("--nvme-dir", help="swap directory: its free space is the NVMe tier's capacity")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
+    ap.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument(
+        "--ranks-per-node", type=int, help="ranks sharing a node's RAM and NVMe (default: min(world, GPUs))"
+    )
+    ap.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per rank")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context, at most 2048)")
+    ap.add_argument("--device-memory", help="memory of one GPU of the target machine, e.g. 80GiB")
+    ap.add_argument("--host-memory", help="host RAM of one node of the target machine, e.g. 1TiB")
+    ap.add_argument("--nvme-space", help="free NVMe space of one node, e.g. 4TiB")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target machine (with --device-memory)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+
+    config = dict(hetero.Config.from_any(args.config).to_dict()) if args.config else {}
+    if args.zero_stage is not None:
+        config["zero_stage"] = args.zero_stage
+    if args.precision is not None:
+        config["precision"] = args.precision
+    offload = dict(config.get("offload", {}))
+    if args.offload_params:
+        offload["params"] = args.offload_params
+    if args.offload_optimizer:
+        offload["optimizer"] = args.offload_optimizer
+    config["offload"] = offload
+    if args.nvme_dir:
+        config["memory"] = {**config.get("memory", {}), "nvme_dir": args.nvme_dir}
+
+    given = (args.device_memory, args.host_memory, args.nvme_space)
+    if any(given) and not all(given[:2]):
+        ap.error("describe the target machine with both --device-memory and --host-memory (and --nvme-space)")
+    machine: Machine | bool = True
+    if any(given):
+        machine = Machine(
+            device_bytes=args.device_memory,
+            host_bytes=args.host_memory,
+            nvme_bytes=args.nvme_space or 0,
+            gpus=args.gpus,
+        )
+    model = args.hf_config if args.hf_config is not None else args.params
+    try:
+        est = hetero.estimate(
+            model,
+            config,
+            world_size=args.world_size,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            optimizer=args.optimizer,
+            machine=machine,
+            ranks_per_node=args.ranks_per_node,
+        )
+    except hetero.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(est.to_dict()) if args.json else est.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Run a training script under hetero's memory profiler, without editing it.
+
+    python tools/memprof.py [--out DIR] [--steps N] [--exit] -- python examples/train_gpt.py --steps 50
+
+The script runs in this process (runpy, with its own sys.argv). Every engine `hetero.initialize` creates is wrapped
+in `hetero.profile` from its creation; recording stops after N optimizer steps of that engine (or when the engine is
+closed, or when the script ends, whichever is first) and the outputs are written to DIR (summary.txt, summary.json,
+timeline.png, trace.json). A second engine writes to DIR/engine1, and so on; under torchrun each rank writes to
+DIR/rankR. The script then runs on to its normal end, unprofiled; with --exit the process ends cleanly as soon as the
+last profile is written (exit status 0; the script's own cleanup, such as engine.close, still runs through
+SystemExit unwinding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import hetero  # noqa: E402
+import hetero.engine  # noqa: E402
+from hetero.profiler import Profile  # noqa: E402
+
+
+class _Stop(SystemExit):
+    """Raised (with --exit) once every profile is written: unwinds the script, running its cleanup."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("usage: memprof.py [--out DIR] [--steps N] [--exit] -- python SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="memprof", help="output directory (default: ./memprof)")
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps to record per engine (default 5)")
+    ap.add_argument("--exit", action="store_true", help="end the run once the profiles are written")
+    args = ap.parse_args(argv[:cut])
+    command = argv[cut + 1 :]
+    if command and Path(command[0]).name.startswith("python"):
+        command = command[1:]  # `-- python script.py ...`: the interpreter is this one
+    if not command:
+        print("memprof.py: nothing to run after --", file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print("memprof.py: --steps must be >= 1", file=sys.stderr)
+        return 2
+
+    out = Path(args.out)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        out = out / f"rank{os.environ.get('RANK', '0')}"
+    profiles: list[Profile] = []
+    original = hetero.engine.initialize
+
+    def on_stop(prof: Profile) -> None:
+        print(f"memprof: wrote {prof.out_dir}/summary.txt, timeline.png, trace.json", file=sys.stderr)
+        if args.exit and all(p.finished for p in profiles):
+            raise _Stop(0)
+
+    def initialize(*a: object, **kw: object) -> hetero.Engine:
+        engine = original(*a, **kw)
+        target = out if not profiles else out / f"engine{len(profiles)}"
+        prof = Profile(engine, target, max_steps=args.steps, on_stop=on_stop)
+        profiles.append(prof)
+        prof.start()
+        return engine
+
+    hetero.initialize = hetero.engine.initialize = initialize
+    saved_argv = sys.argv
+    try:
+        if command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(command)
+            sys.path.insert(0, str(Path(command[0]).resolve().parent))  # as `python script.py` would
+            runpy.run_path(command[0], run_name="__main__")
+    except _Stop:
+        pass
+    finally:
+        sys.argv = saved_argv
+        hetero.initialize = hetero.engine.initialize = original
+        for prof in profiles:  # the script ended (or failed) before N steps: write what was recorded
+            if prof.active:
+                prof.on_stop = None
+                prof.stop()
+    if not profiles:
+        print("memprof: the script created no hetero engine; nothing was profiled", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
