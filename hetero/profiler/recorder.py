@@ -379,29 +379,38 @@ def _holds(chunk: Any, tier: Tier) -> bool:
 
 def by_kind(manager: Any) -> dict[str, dict[str, int]]:
     """Bytes per tier per chunk kind now (what `_holds` counts, in one pass), plus the pools' cached buffers and
-    whatever else the ledger holds (buffers being allocated, staging)."""
-    out: dict[str, dict[str, int]] = {t.label: {} for t in Tier}
-    nvme = out["nvme"]
+    whatever else the ledger holds (buffers being allocated, staging). Runs at every sample: kept to plain lookups."""
+    per_tier: tuple[dict[str, int], ...] = ({}, {}, {})  # indexed by Tier value
+    nvme = per_tier[Tier.NVME]
+    empty, nvme_tier = ChunkState.EMPTY, Tier.NVME
     for c in manager._chunks.values():
+        n = c.capacity * c.dtype.itemsize
+        k = c.kind
         if c.on_nvme:
-            nvme[c.kind] = nvme.get(c.kind, 0) + c.nbytes
-        if c.state is ChunkState.EMPTY:
+            nvme[k] = nvme.get(k, 0) + n
+        if c.state is empty:
             continue
-        if c.tier is not None and c.tier is not Tier.NVME:
-            d = out[c.tier.label]
-            d[c.kind] = d.get(c.kind, 0) + c.nbytes
+        t = c.tier
+        if t is not None and t is not nvme_tier:
+            d = per_tier[t]
+            d[k] = d.get(k, 0) + n
         move = c.move
-        if move is not None and move.dst is not Tier.NVME:
-            d = out[move.dst.label]
-            d[c.kind] = d.get(c.kind, 0) + c.nbytes
+        if move is not None and move.dst is not nvme_tier:
+            d = per_tier[move.dst]
+            d[k] = d.get(k, 0) + n
+    out = {}
     for tier, ledger in manager.ledgers.items():
-        d = out[tier.label]
+        d = per_tier[tier]
         if ledger.cached:
             d["cached"] = ledger.cached
-        rest = ledger.used - sum(d.values())
+        rest = ledger.current + ledger.cached - sum(d.values())
         if rest > 0:
             d["staging"] = rest
+        out[_LABELS[tier]] = d
     return out
+
+
+_LABELS = {t: t.label for t in Tier}
 
 
 def profile(engine: Any, out_dir: str | os.PathLike, **kwargs: Any) -> Profile:
