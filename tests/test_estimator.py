@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import hetero
+from hetero.device import allocated_bytes, gpu_count
 from hetero.models.gpt import GPT, GPTConfig
 from hetero.profiler import Machine, estimate
 from hetero.profiler.activations import SavedBytes, storage_key
@@ -178,6 +179,21 @@ def _world2(rank: int, world: int, nvme_root: str) -> list:
 def test_tiny_gpt_world2(tmp_path):
     results = run_distributed(_world2, 2, str(tmp_path), timeout=240)
     assert results[0] == results[1]  # both ranks hold equal shards
+
+
+@pytest.mark.skipif(gpu_count() == 0, reason="needs CUDA: activations measured by the caching allocator")
+def test_activations_match_the_cuda_allocator():
+    """On a GPU the measurement is the allocator's: bytes held after forward, less the logits nothing saved."""
+    dev = torch.device("cuda", 0)
+    rows, seq = 8, 16  # tensors of several KiB: the allocator's 512-byte rounding stays negligible
+    model = _gpt(meta=False).to(dev)
+    x, y = (t.to(dev) for t in batches(1, rows, seq=seq)[0])
+    meta = _gpt(meta=True)
+    est = estimate(meta, {}, batch_size=rows, seq_len=seq, machine=False)
+    before = allocated_bytes(dev)
+    out = model(x, labels=y)
+    held = allocated_bytes(dev) - before - out.logits.untyped_storage().nbytes()
+    assert abs(est.activations.bytes - held) <= 0.25 * held, (est.activations.bytes, held)
 
 
 def test_param_count_and_recommendation():

@@ -12,6 +12,7 @@ import pytest
 
 import hetero
 from hetero.profiler.activations import SavedBytes, storage_key
+from tests.dist import run_distributed
 from tests.parity import batches, build, make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,6 +141,32 @@ def test_close_inside_the_profile_and_max_steps(tmp_path):
     with pytest.raises(RuntimeError, match="one window"):
         prof.start()
     engine.close()
+
+
+def _profile_rank(rank: int, world: int, root: str) -> dict:
+    engine = _engine(Path(root) / f"rank{rank}")
+    with hetero.profile(engine, Path(root) / f"prof{rank}", plot=False):
+        _train(engine, 2)
+    stats = engine.memory_stats()
+    engine.close()
+    summary = json.loads((Path(root) / f"prof{rank}" / "summary.json").read_text())
+    pids = {e["pid"] for e in json.loads((Path(root) / f"prof{rank}" / "trace.json").read_text())["traceEvents"]}
+    return {
+        "peaks": {t: (summary["peaks"][t]["bytes"], stats[t]["peak"]) for t in TIERS},
+        "pids": pids,
+        "rank": summary["rank"],
+        "world": summary["world_size"],
+    }
+
+
+@pytest.mark.timeout(300)
+def test_profile_on_two_ranks(tmp_path):
+    for r in range(2):
+        (tmp_path / f"rank{r}").mkdir()
+    results = run_distributed(_profile_rank, 2, str(tmp_path), timeout=240)
+    for rank, res in enumerate(results):
+        assert (res["rank"], res["world"], res["pids"]) == (rank, 2, {rank})
+        assert all(ours == theirs > 0 for ours, theirs in res["peaks"].values()), res
 
 
 @pytest.mark.timeout(300)

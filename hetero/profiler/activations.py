@@ -50,7 +50,7 @@ class SavedBytes:
             n = t.untyped_storage().nbytes()
             self.total += n
             self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + n
-        return t
+        return t.detach()  # what autograd keeps must not hold the tensor's grad_fn (a cycle for saved outputs)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[SavedBytes]:

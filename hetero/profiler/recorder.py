@@ -297,7 +297,8 @@ class Profile:
             self._held += n
             self._saved_total += n
             self.activation_series.append((self._now(), self._held))
-        return owner, key, t
+        # Detached: the packed object must not hold the tensor's grad_fn, which holds it (a cycle for saved outputs).
+        return owner, key, t.detach()
 
     def _unpack(self, packed: tuple[str, int, torch.Tensor]) -> torch.Tensor:
         owner, key, t = packed
