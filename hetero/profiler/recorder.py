@@ -359,7 +359,7 @@ class Profile:
 
     def _phase_name(self) -> str:
         if self._phase_start is not None:
-            return "forward"
+            return "forward, outside any module"
         return self.phases[-1][0] if self.phases else "outside a step"
 
     def _now(self) -> float:
