@@ -115,6 +115,8 @@ class Profile:
         self._stack: list[ModuleSpan] = []  # forward spans open now
         self._last_sample = -1.0
         self._dirty = False  # a ledger changed since the last by-kind sample
+        self._changes: Counter[Tier] = Counter()  # ledger changes per tier
+        self._relabel: dict[Tier, int] = {}  # tiers whose peak was reached inside a manager operation under way
         self._counters0: Counter[str] = Counter()
         self._steps0 = 0
         self._saved: dict[int, tuple[str, int, torch.Tensor]] = {}  # storage key -> (owner, bytes, tensor)
@@ -213,9 +215,11 @@ class Profile:
         t = self._now()
         self.series[tier.label].append((t, used))
         self._dirty = True
+        self._changes[tier] += 1
         if used > self.peaks[tier.label].bytes:
             self._new_peak(tier, used, t)
             self._sample(t, force=True)
+            self._relabel[tier] = self._changes[tier]
 
     def _wrap_manager(self, name: str) -> None:
         """Sample the by-kind breakdown when a manager operation that changed a ledger returns: by then every chunk
@@ -224,6 +228,13 @@ class Profile:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
+            for tier, change in list(self._relabel.items()):
+                # A peak reached inside the operation: the buffer that made it was taken before its chunk was
+                # marked resident. If the ledger has not changed since, list the holders again, now labelled.
+                del self._relabel[tier]
+                if self._changes[tier] == change:
+                    peak = self.peaks[tier.label]
+                    self._new_peak(tier, peak.bytes, peak.time, where=peak.where)
             if self._dirty:
                 self._dirty = False
                 self._sample(self._now())
@@ -232,7 +243,7 @@ class Profile:
         setattr(self.manager, name, wrapped)
         self._undo.append(lambda: self.manager.__dict__.pop(name, None))
 
-    def _new_peak(self, tier: Tier, used: int, t: float) -> None:
+    def _new_peak(self, tier: Tier, used: int, t: float, where: str | None = None) -> None:
         holders: list[tuple[str, str, int]] = []
         for c in self.manager.chunks:
             if _holds(c, tier):
@@ -245,7 +256,8 @@ class Profile:
         if rest > 0:  # taken by a move or an allocation that is under way (staging, a buffer being filled)
             holders.append(("buffers being allocated or staged", "staging", rest))
         holders.sort(key=lambda h: -h[2])
-        where = f"{self._stack[-1].phase} of {self._stack[-1].name}" if self._stack else self._phase_name()
+        if where is None:
+            where = f"{self._stack[-1].phase} of {self._stack[-1].name}" if self._stack else self._phase_name()
         self.peaks[tier.label] = Peak(bytes=used, time=t, where=where, holders=holders)
 
     def _sample(self, t: float, *, force: bool = False) -> None:
