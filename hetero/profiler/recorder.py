@@ -111,6 +111,7 @@ class Profile:
         self.counters: dict[str, int] = {}  # the manager's counters over the window
         self.stats: dict[str, Any] = {}  # engine.memory_stats() at the end
         self.micro_steps = 0
+        self.duration = 0.0  # seconds recorded
         self._undo: list[Callable[[], None]] = []
         self._stack: list[ModuleSpan] = []  # forward spans open now
         self._last_sample = -1.0
