@@ -35,7 +35,9 @@ log = logging.getLogger("hetero.profiler")
 
 _LEDGER_METHODS = ("take", "give", "to_cache", "from_cache", "drop_cache")
 _MANAGER_METHODS = ("access", "move", "prefetch", "release", "synchronize", "step_begin", "free_chunk")
-SAMPLE_INTERVAL = 0.0  # seconds between by-kind samples, at most (peaks are always sampled)
+# Seconds between by-kind samples after manager operations, at most: a burst of operations (an update, evictions)
+# is sampled at its end; module boundaries, steps and new peaks are always sampled.
+SAMPLE_INTERVAL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,6 @@ class Profile:
                     peak = self.peaks[tier.label]
                     self._new_peak(tier, peak.bytes, peak.time, where=peak.where)
             if self._dirty:
-                self._dirty = False
                 self._sample(self._now())
             return out
 
@@ -263,8 +264,9 @@ class Profile:
 
     def _sample(self, t: float, *, force: bool = False) -> None:
         if not force and t - self._last_sample < SAMPLE_INTERVAL:
-            return
+            return  # still dirty: the next operation or module boundary samples it
         self._last_sample = t
+        self._dirty = False
         self.samples.append((t, by_kind(self.manager)))
 
     # ---- moves --------------------------------------------------------------------------------------------
@@ -288,6 +290,8 @@ class Profile:
         t = self._now()
         if not self._stack and self._phase_start is None:
             self._phase_start = t  # a forward begins
+        if self._dirty:
+            self._sample(t, force=True)
         span = ModuleSpan(label, "forward", t, saved=self._saved_total, allocated=allocated_bytes(self._device))
         self._stack.append(span)
 
@@ -299,7 +303,8 @@ class Profile:
         span.saved = self._saved_total - span.saved
         span.allocated = allocated_bytes(self._device) - span.allocated
         self.modules.append(span)
-        self._sample(span.end)
+        if self._dirty:
+            self._sample(span.end, force=True)
 
     def _pack(self, t: torch.Tensor) -> tuple[str, int, torch.Tensor]:
         key = storage_key(t)
