@@ -120,6 +120,8 @@ CONFIGS = [
     {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}},
     {"zero_stage": 3, "offload": {"params": "nvme", "optimizer": "nvme"}},
     {"zero_stage": 2, "offload": {"optimizer": "nvme"}},
+    {"zero_stage": 3, "precision": "bf16", "offload": {"optimizer": "host"}},
+    {"zero_stage": 1, "precision": "fp16"},
 ]
 
 
