@@ -164,6 +164,8 @@ class Estimate:
         sub = f"micro-batch {self.batch_size} x {self.seq_len} tokens per rank"
         if act is not None:
             sub += f"; activations {format_size(act.bytes)}" + (" (checkpointed)" if act.checkpointed else "")
+            if act.note.startswith("not counted"):
+                sub += f" ({act.note}; pass inputs= as meta tensors)"
         cols = ("params", "grads", "master", "optim st.", "activ.", "buffers", "per rank", "needed")
         lines = [head, sub, "", f"{'bytes':<8}" + "".join(f"{c:>12}" for c in cols) + f"{'usable':>12}  fits"]
         for t in TIERS:
