@@ -1,0 +1,269 @@
+"""`engine.load_checkpoint`: verify, check compatibility, then fill each chunk of this engine from the saved segments.
+
+[Note: resharding for free]
+A checkpoint stores tensors by parameter name and element range. Loading walks this engine's own chunks and, for
+the element range each rank keeps (the whole chunk at stage 0, its shard otherwise), reads from whichever saved
+segments cover it, whatever layout wrote them. So a different data-parallel world size, ZeRO stage, chunk size,
+offload placement or precision needs no special path: the fp32 master weights and optimizer states are exact, and
+parameters are re-derived from the master as the update's write-back does (cast to the compute dtype, then
+all-gathered or kept as a shard by stage). Only a gradient pending in the middle of accumulation is not resharded:
+it is rank-local (unreduced at stages 0-1), so it loads only into the same world size and stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.checkpoint import manifest as mf
+from hetero.checkpoint.save import _buffers
+from hetero.errors import CheckpointError
+from hetero.memory import TensorState, Tier
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+log = logging.getLogger("hetero.checkpoint")
+_SHOW = 10  # mismatches listed by name in an error
+
+
+def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None) -> Any:
+    """Restore everything `save_checkpoint` saved into this engine; returns the saved client_state.
+
+    path: a checkpoint root (its `latest` is followed) or one checkpoint's directory. If a tensor fails its checksum
+    midway, the error says so and the engine's state is partly loaded: load a good checkpoint before training on.
+    """
+    directory = mf.resolve(path)
+    manifest = mf.read_manifest(directory)
+    mf.check_files(directory, manifest)
+    extra = _read_state(directory)
+    _check_compatible(engine, manifest, directory)
+    pending = manifest["engine"]["pending_grads"]
+    layout = manifest["layout"]
+    if pending and (layout["world_size"] != engine.comm.size or layout["zero_stage"] != engine.stage):
+        raise CheckpointError(
+            f"{directory} was saved in the middle of gradient accumulation (micro-step "
+            f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
+            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size and "
+            f"stage (this engine: {engine.comm.size}, stage {engine.stage}). Load a checkpoint saved at an "
+            "accumulation boundary to change the layout"
+        )
+    me = engine.comm.global_rank(engine.comm.rank)
+    mine = next((r for r in manifest["ranks"] if r["data_parallel_rank"] == engine.comm.rank), None)
+    index = mf.Index(directory, manifest)
+    try:
+        steps = manifest["engine"]["param_steps"]
+        used = set(mine["used"]) if (pending and mine) else set()
+        for i, zc in enumerate(engine.chunks):
+            if zc.optim is not None:
+                _fill_trainable(engine, zc, index, manifest)
+            else:
+                _fill_frozen(engine, zc, index)
+            zc.param_steps = [steps.get(info.name, 0) for info in zc.spec.params]
+            if pending and zc.grad is not None:
+                _fill_grad(engine, zc, index, mf.rank_file(me))
+                zc.used = torch.tensor([1 if p.name in used else 0 for p in zc.spec.params], dtype=torch.uint8)
+                zc.grad_fresh = bool(mine["grad_fresh"][i])
+        _fill_buffers(engine, index)
+        if mine is not None:
+            _restore_rng(engine, index, mine, mf.rank_file(me))
+        else:
+            log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
+    finally:
+        index.close()
+    st = manifest["engine"]
+    engine.micro_steps = st["micro_steps"]
+    engine.global_steps = st["global_steps"]
+    engine.skipped_steps = st["skipped_steps"]
+    if st["last_grad_norm"] is not None:
+        engine.last_grad_norm = st["last_grad_norm"]
+    if engine.scaler is not None and st["scaler"] is not None:
+        for k, v in st["scaler"].items():
+            setattr(engine.scaler, k, v)
+    _restore_groups(engine, extra["param_groups"], directory)
+    if lr_scheduler is not None:
+        if extra["lr_scheduler"] is None:
+            raise CheckpointError(f"{directory} holds no LR scheduler state: it was saved without lr_scheduler=")
+        lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    engine.manager.synchronize()
+    return extra["client_state"]
+
+
+def _read_state(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, mf.STATE_FILE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: cannot be read safely ({type(e).__name__}: {e}). client_state must hold only tensors, "
+            "numbers, strings, lists, tuples and dicts"
+        ) from None
+
+
+# ---- compatibility ---------------------------------------------------------------------------------------------
+def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) -> None:
+    saved = manifest["model"]["params"]
+    mine = {info.name: info for zc in engine.chunks for info in zc.spec.params}
+    problems = []
+    missing = [n for n in mine if n not in saved]
+    unexpected = [n for n in saved if n not in mine]
+    shapes = [
+        f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(mine[n].shape)}"
+        for n in mine
+        if n in saved and tuple(saved[n]["shape"]) != tuple(mine[n].shape)
+    ]
+    buffers = manifest["model"]["buffers"]
+    my_buffers = _buffers(engine)
+    missing += [f"buffer {n}" for n in my_buffers if n not in buffers]
+    shapes += [
+        f"buffer {n}: checkpoint {tuple(buffers[n]['shape'])}, model {tuple(t.shape)}"
+        for n, t in my_buffers.items()
+        if n in buffers and tuple(buffers[n]["shape"]) != tuple(t.shape)
+    ]
+    for label, names in (("missing from the checkpoint", missing), ("not in the model", unexpected)):
+        if names:
+            problems.append(f"{len(names)} {label}: {', '.join(names[:_SHOW])}{' ...' if len(names) > _SHOW else ''}")
+    if shapes:
+        problems.append(
+            f"{len(shapes)} with other shapes: {'; '.join(shapes[:_SHOW])}{' ...' if len(shapes) > _SHOW else ''}"
+        )
+    layout = manifest["layout"]
+    if layout["state_names"] != list(engine.algorithm.state_names):
+        problems.append(
+            f"optimizer: the checkpoint holds {layout['algorithm']} states {layout['state_names']}, this engine's "
+            f"optimizer needs {list(engine.algorithm.state_names)}"
+        )
+    if layout.get("tensor_parallel", 1) != 1 or layout.get("pipeline_parallel", 1) != 1:
+        problems.append(
+            "the checkpoint was saved with tensor or pipeline parallelism, which loading does not reshard yet"
+        )
+    if problems:
+        raise CheckpointError(
+            f"{directory} does not fit this model: " + "; ".join(problems) + ". Build the same model (and optimizer) "
+            "that saved it"
+        )
+
+
+# ---- filling chunks --------------------------------------------------------------------------------------------
+def _kept_range(engine: Engine, zc: Any) -> tuple[int, int]:
+    """The elements of the chunk this rank keeps master weights for: all of it at stage 0, its shard otherwise."""
+    if engine.stage == 0:
+        return 0, zc.spec.capacity
+    r, s = engine.comm.rank, zc.shard_numel
+    return r * s, (r + 1) * s
+
+
+def _fill_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any]) -> None:
+    m = engine.manager
+    saved = manifest["model"]["params"]
+    if engine.stage == 3:
+        zc.release()  # a gathered copy would be stale once the shard is replaced
+    lo, hi = _kept_range(engine, zc)
+    kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
+    buf = m.access(zc.optim, zc.homes.compute)
+    with m.pinned(zc.optim):
+        buf.zero_()  # padding, and the states of a parameter the checkpoint kept frozen
+        for j, kind in enumerate(kinds):
+            view = zc.optim.view(zc.optim.slots[j])
+            for info in zc.spec.params:
+                a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+                if a >= b:
+                    continue
+                target = view[a - lo : b - lo]
+                if saved[info.name]["trainable"]:
+                    index.fill(kind, info.name, a - info.offset, target)
+                elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
+                    index.fill("frozen", info.name, a - info.offset, target)
+        zc.write_back(zc.optim.view(zc.optim.slots[0]))  # parameters from the master, as after an update
+    if zc.homes.optim is Tier.NVME:
+        m.move(zc.optim, Tier.NVME)
+
+
+def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
+    m = engine.manager
+    saved = index.manifest["model"]["params"]
+    if engine.stage == 3:
+        zc.release()
+        lo, hi = _kept_range(engine, zc)
+        tier = Tier.DEVICE if zc.homes.params is Tier.DEVICE else Tier.HOST
+        buf = m.access(zc.shard, tier)
+        chunk, base = zc.shard, lo
+    else:
+        lo, hi = 0, zc.spec.capacity
+        buf = m.access(zc.full, Tier.DEVICE)
+        chunk, base = zc.full, 0
+    with m.pinned(chunk):
+        for info in zc.spec.params:
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a < b:
+                kind = "master" if saved[info.name]["trainable"] else "frozen"
+                index.fill(kind, info.name, a - info.offset, buf[a - base : b - base])
+    if engine.stage == 3:
+        slot = zc.shard.slots[0]
+        if slot.state is TensorState.FREE:
+            zc.shard.set_state(slot, TensorState.HOLD)
+        if zc.homes.params is Tier.NVME:
+            m.move(zc.shard, Tier.NVME)
+
+
+def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
+    m = engine.manager
+    buf = m.access(zc.grad, zc.homes.compute)
+    with m.pinned(zc.grad):
+        buf.zero_()
+        glo, ghi = _kept_range(engine, zc) if engine.stage >= 2 else (0, zc.spec.capacity)
+        for info in zc.spec.params:
+            a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
+            if a < b:
+                index.fill("grad", info.name, a - info.offset, buf[a - glo : b - glo], grad_file=own_file)
+
+
+def _fill_buffers(engine: Engine, index: mf.Index) -> None:
+    for name, t in _buffers(engine).items():
+        tmp = torch.empty(t.numel(), dtype=index.reader(_buffer_file(index, name)).entry(mf.key("buffer", name)).dtype)
+        index.fill("buffer", name, 0, tmp)
+        with torch.no_grad():
+            t.copy_(tmp.view(t.shape))
+
+
+def _buffer_file(index: mf.Index, name: str) -> str:
+    segs = index.segments.get(("buffer", name))
+    if not segs:
+        raise CheckpointError(f"{index.directory}: holds no buffer {name!r}")
+    return segs[0].file
+
+
+def _restore_rng(engine: Engine, index: mf.Index, mine: dict[str, Any], own_file: str) -> None:
+    import numpy as np
+
+    py = mine["rng"]["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = mine["rng"]["numpy"]
+    np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), npst[2], npst[3], npst[4]))
+    reader = index.reader(own_file)
+    cpu = index.segments[("rng", "torch_cpu")]
+    crc = next(s.crc for s in cpu if s.file == own_file)
+    torch.set_rng_state(reader.read(mf.key("rng", "torch_cpu"), crc=crc))
+    cuda = [s for s in index.segments.get(("rng", "cuda"), ()) if s.file == own_file]
+    if cuda and engine.device.is_cuda:
+        engine.device.set_rng_state(reader.read(mf.key("rng", "cuda"), crc=cuda[0].crc))
+
+
+def _restore_groups(engine: Engine, groups: list[dict[str, Any]], directory: str) -> None:
+    current = engine.optimizer.param_groups
+    if len(groups) != len(current):
+        raise CheckpointError(
+            f"{directory}: the optimizer had {len(groups)} param groups, this one has {len(current)}: build the "
+            "optimizer with the same groups"
+        )
+    for group, saved in zip(current, groups):
+        for k, v in saved.items():
+            old = group.get(k)
+            if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor):
+                old.copy_(v)  # keep the tensor object a compiled step may hold
+            else:
+                group[k] = v
