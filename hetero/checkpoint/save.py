@@ -58,7 +58,9 @@ def save_checkpoint(
     outcome: tuple[str, str] = ("", "")
     if comm.rank == 0:
         try:
-            outcome = ("ok", _prepare(root, tag, sum(sizes) + _extra_estimate(engine, plan, comm.size)))
+            state_bytes = _small_state(engine, client_state, lr_scheduler)
+            need = sum(sizes) + len(state_bytes) + _extra_estimate(engine, plan, comm.size)
+            outcome = ("ok", _prepare(root, tag, need))
         except CheckpointError as e:
             outcome = ("error", str(e))
     status, value = comm.broadcast_object(outcome, src=0)
@@ -82,7 +84,7 @@ def save_checkpoint(
         try:
             if errors:
                 raise CheckpointError("; ".join(errors) + ". Nothing was committed: the previous checkpoint stands")
-            _commit(engine, root, tag, tmp, infos, client_state, lr_scheduler)
+            _commit(engine, root, tag, tmp, infos, state_bytes)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
@@ -283,26 +285,31 @@ def _prepare(root: str, tag: str, nbytes: int) -> str:
     return tmp
 
 
-def _commit(
-    engine: Engine,
-    root: str,
-    tag: str,
-    tmp: str,
-    infos: list[dict[str, Any]],
-    client_state: Any,
-    lr_scheduler: Any,
-) -> None:
-    files: dict[str, Any] = {}
-    for info in infos:
-        files[info["file"]] = {k: info[k] for k in ("size", "header_crc32", "tensors")}
+def _small_state(engine: Engine, client_state: Any, lr_scheduler: Any) -> bytes:
+    """state.pt's bytes: param groups, client_state, LR scheduler. Checked to load back with weights_only=True now,
+    before anything is written, since a checkpoint that cannot be loaded safely is worth nothing."""
     extra = {
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "client_state": client_state,
         "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
     }
     buf = io.BytesIO()
-    torch.save(extra, buf)
-    data = buf.getvalue()
+    try:
+        torch.save(extra, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"client_state or the LR scheduler's state holds objects that a safe load (weights_only=True) cannot "
+            f"read back ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Keep to tensors, numbers, "
+            "strings, lists, tuples and dicts. Nothing was written"
+        ) from None
+    return buf.getvalue()
+
+
+def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str, Any]], data: bytes) -> None:
+    files: dict[str, Any] = {}
+    for info in infos:
+        files[info["file"]] = {k: info[k] for k in ("size", "header_crc32", "tensors")}
     files[mf.STATE_FILE] = {"size": len(data), "crc32": mf.write_durable(os.path.join(tmp, mf.STATE_FILE), data)}
     manifest = {
         "format": mf.FORMAT,
