@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import random
 import secrets
@@ -34,6 +35,7 @@ from hetero.memory import Tier
 if TYPE_CHECKING:
     from hetero.engine import Engine
 
+log = logging.getLogger("hetero.checkpoint")
 _PAUSE_ENV = "HETERO_CHECKPOINT_TEST_PAUSE"  # "<point>:<marker path>": tests pause a save there to kill it
 _SPACE_MARGIN = 1.02  # planned bytes times this (plus the manifest's estimate) must be free
 
@@ -267,8 +269,15 @@ def _prepare(root: str, tag: str, nbytes: int) -> str:
         raise CheckpointError(f"cannot create the checkpoint directory {root}: {e.strerror or e}") from None
     if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"{root} is not a writable directory: choose another path or fix its permissions")
-    if os.path.exists(os.path.join(root, tag)):
-        raise CheckpointError(f"{os.path.join(root, tag)} exists already: pass another tag, or remove it first")
+    final = os.path.join(root, tag)
+    if os.path.exists(final):
+        if _latest(root) == tag:
+            raise CheckpointError(f"{final} exists already and is the latest: pass another tag, or remove it first")
+        # A checkpoint `latest` never moved to (a save killed between its rename and the pointer's move, or a run
+        # that went back to an earlier checkpoint): set aside now, deleted once the new one is committed.
+        stale = os.path.join(root, f".stale-{tag}-{secrets.token_hex(4)}")
+        os.rename(final, stale)
+        log.warning("%s was not the latest checkpoint: replaced by this save", final)
     free = shutil.disk_usage(root).free
     need = int(nbytes * _SPACE_MARGIN)
     if free < need:
@@ -329,6 +338,17 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
     mf.fsync_dir(root)
     _test_pause("before-latest")
     mf.replace_atomic(os.path.join(root, mf.LATEST), (tag + "\n").encode())
+    for name in os.listdir(root):
+        if name.startswith(f".stale-{tag}-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _latest(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, mf.LATEST)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _engine_state(engine: Engine) -> dict[str, Any]:
