@@ -133,7 +133,7 @@ def test_path_not_writable_and_existing_tag(saved, tmp_path):
         with pytest.raises(CheckpointError, match="cannot create the checkpoint directory"):
             e.save_checkpoint(str(afile / "ckpt"))
         root = _copy(saved, tmp_path)
-        with pytest.raises(CheckpointError, match="exists already: pass another tag"):
+        with pytest.raises(CheckpointError, match="exists already and is the latest: pass another tag"):
             e.save_checkpoint(root, tag="step-00000002")
         with pytest.raises(CheckpointError, match="weights_only"):
             e.save_checkpoint(root, client_state={"obj": object()})

@@ -164,21 +164,31 @@ def _fill_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str
         zc.release()  # a gathered copy would be stale once the shard is replaced
     lo, hi = _kept_range(engine, zc)
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
-    buf = m.access(zc.optim, zc.homes.compute)
+    m.access(zc.optim, zc.homes.compute)
     with m.pinned(zc.optim):
-        buf.zero_()  # padding, and the states of a parameter the checkpoint kept frozen
+        requests = []
         for j, kind in enumerate(kinds):
             view = zc.optim.view(zc.optim.slots[j])
+            filled = lo  # every element not read from the checkpoint is zeroed: padding, fresh states
             for info in zc.spec.params:
                 a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
                 if a >= b:
                     continue
                 target = view[a - lo : b - lo]
                 if saved[info.name]["trainable"]:
-                    index.fill(kind, info.name, a - info.offset, target)
+                    requests.append((kind, info.name, a - info.offset, target))
                 elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
-                    index.fill("frozen", info.name, a - info.offset, target)
-        zc.write_back(zc.optim.view(zc.optim.slots[0]))  # parameters from the master, as after an update
+                    requests.append(("frozen", info.name, a - info.offset, target))
+                else:
+                    target.zero_()
+                view[filled - lo : a - lo].zero_()
+                filled = b
+            view[filled - lo :].zero_()
+        index.fill_all(requests)
+        # Parameters from the master, as after an update; the gradient is cleared only if it is not zero already.
+        zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False)
+        if not zc.grad_fresh or bool(zc.used.any()) or zc.grads_seen:
+            zc.zero_grad()
     if zc.homes.optim is Tier.NVME:
         m.move(zc.optim, Tier.NVME)
 

@@ -20,6 +20,7 @@ import json
 import os
 import zlib
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ FORMAT = "hetero-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
+_READ_THREADS = 4  # segments read at once: enough outstanding I/O for an SSD, overlapping checksums and copies
 STATE_FILE = "state.pt"
 
 
@@ -181,6 +183,7 @@ class Index:
         for segs in self.segments.values():
             segs.sort(key=lambda s: s.start)
         self._readers: dict[str, TensorReader] = {}
+        self._pool: ThreadPoolExecutor | None = None  # I/O threads of fill_all, made on first use
 
     def reader(self, fname: str) -> TensorReader:
         if fname not in self._readers:
@@ -218,7 +221,25 @@ class Index:
                 "files are missing from it or it was not written by a complete save"
             )
 
+    def fill_all(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> None:
+        """`fill` for many (kind, name, lo, out) at once, on I/O threads: reads, checksums and copies of different
+        segments overlap (preadv, zlib.crc32 and tensor copies release the GIL)."""
+        for kind, name, _, _ in requests:  # open files here: the reader cache is not shared between threads
+            for seg in self.segments.get((kind, name), ()):
+                self.reader(seg.file)
+        if len(requests) <= 1:
+            for r in requests:
+                self.fill(*r)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="hetero-ckpt-read")
+        for f in [self._pool.submit(self.fill, *r) for r in requests]:
+            f.result()
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for r in self._readers.values():
             with contextlib.suppress(Exception):
                 r.close()

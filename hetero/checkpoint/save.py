@@ -137,13 +137,14 @@ def _plan(engine: Engine) -> list[_Item]:
         if zc.optim is not None:
             base = 0 if stage == 0 else lo  # the optim buffer holds the whole chunk at stage 0, the shard otherwise
             kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
-            for info in zc.spec.params:
-                a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                if a >= b:
-                    continue
-                for j, kind in enumerate(kinds):
-                    k = mf.key(kind, info.name, a - info.offset)
-                    items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
+            # In the optim buffer's own order (master, then each state), which a load of the same layout reads
+            # back in the same order: sequential on both sides.
+            for j, kind in enumerate(kinds):
+                for info in zc.spec.params:
+                    a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+                    if a < b:
+                        k = mf.key(kind, info.name, a - info.offset)
+                        items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, base = (zc.shard, lo) if stage == 3 else (zc.full, 0)
             for info in zc.spec.params:
