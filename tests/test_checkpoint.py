@@ -151,6 +151,7 @@ WORLD1 = [
     (_cfg(1, "bf16", optim="nvme"), N, N + M),
     (_cfg(2, "bf16"), N, N + M),
     (_cfg(3, "bf16", optim="nvme", params="nvme"), N, N + M),
+    (_cfg(2, "fp16"), N, N + M),  # the loss scaler's state
     (_cfg(0, accum=2), 2 * N - 1, 2 * (N + M)),
     (_cfg(3, "bf16", optim="host", params="host", accum=2), 2 * N - 1, 2 * (N + M)),
 ]
@@ -289,3 +290,46 @@ def test_consolidate_world2_equals_full_state_dict(world2, tmp_path):
         model = parity.build(seed=123)
         model.load_state_dict(got, strict=True)
         assert torch.equal(model.lm_head.weight, want["lm_head.weight"])
+
+
+def _cnn_run(stage: int, root: str, load: bool, steps: tuple[int, int]) -> tuple[list[float], dict, list[float]]:
+    """A BatchNorm CNN under a StepLR schedule: losses, state_dict (running stats included) and learning rates."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 36, 4),
+    )
+    engine = hetero.initialize(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2), {"zero_stage": stage, "chunk_size": 1024}
+    )
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(steps[1])]
+    start = 0
+    if load:
+        start = engine.load_checkpoint(root, lr_scheduler=sched)["step"]
+    losses, lrs = [], []
+    for i in range(start, steps[1]):
+        loss = engine.train_batch(data[i][0], data[i][1], loss_fn=torch.nn.functional.cross_entropy)
+        sched.step()
+        losses.append(loss.item())
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+        if not load and i + 1 == steps[0]:
+            engine.save_checkpoint(root, {"step": i + 1}, lr_scheduler=sched)
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state, lrs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_and_lr_scheduler_resume(stage, tmp_path):
+    root = str(tmp_path / "ckpt")
+    losses, state, lrs = _cnn_run(stage, root, False, (3, 6))
+    losses_b, state_b, lrs_b = _cnn_run(stage, root, True, (3, 6))
+    assert losses_b == losses[3:] and lrs_b == lrs[3:]
+    assert state.keys() == state_b.keys() and "1.running_mean" in state
+    assert all(torch.equal(state[k], state_b[k]) for k in state)
