@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         res["save_vs_raw"] = res["save_gbps"] / res["raw_write_gbps"]
         res["load_vs_raw"] = res["load_gbps"] / res["raw_read_gbps"]
-        say(f"checkpoint: {nbytes / 1e6:.0f} MB in {len(os.listdir(os.path.join(work, 'ckpt0')))} entries")
+        files = sum(len(fs) for _, _, fs in os.walk(os.path.join(work, "ckpt0")))
+        say(f"checkpoint: {nbytes / 1e6:.0f} MB in {files} files (best of {args.repeats} runs per side)")
         say(
             f"save  {res['save_gbps']:.2f} GB/s vs raw write+fsync {res['raw_write_gbps']:.2f} GB/s: "
             f"{res['save_vs_raw']:.2f}x"
