@@ -56,15 +56,18 @@ def train(engine: hetero.Engine, rank: int, world: int, start: int, stop: int) -
     return out
 
 
-def resume_case(rank: int, world: int, config: dict, root: str, save_micro: int, total_micro: int) -> dict:
+def resume_case(
+    rank: int, world: int, config: dict, root: str, save_micro: int, total_micro: int, model: dict | None = None
+) -> dict:
     """Train to save_micro, save, train on to total_micro; then a fresh engine loads and trains the same tail."""
-    a = make_engine(rank, config, root)
+    a = make_engine(rank, config, root, **(model or {}))
     head = train(a, rank, world, 0, save_micro)
     a.save_checkpoint(os.path.join(root, "ckpt"), client_state={"micro": save_micro, "note": "x"})
     tail = train(a, rank, world, save_micro, total_micro)
     state_a = a.full_state_dict()
     a.close()
-    b = make_engine(rank, config, root)
+    torch.manual_seed(1234)  # the load must restore the random state, whatever it is now
+    b = make_engine(rank, config, root, **(model or {}))
     cs = b.load_checkpoint(os.path.join(root, "ckpt"))
     tail_b = train(b, rank, world, cs["micro"], total_micro)
     state_b = b.full_state_dict()
@@ -186,6 +189,12 @@ def test_resume_is_bit_exact_world1(case, tmp_path):
     config, save_micro, total = case
     r = resume_case(0, 1, config, str(tmp_path), save_micro, total)
     _check_resume(r, save_micro, total)
+
+
+@pytest.mark.timeout(120)
+def test_dropout_resumes_with_the_saved_random_state(tmp_path):
+    r = resume_case(0, 1, _cfg(2), str(tmp_path), N, N + M, model={"dropout": 0.2})
+    _check_resume(r, N, N + M)
 
 
 def _world2_job(rank: int, world: int, root: str, w1_ckpt: str) -> dict:
