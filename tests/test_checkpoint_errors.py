@@ -167,3 +167,17 @@ def test_load_never_executes_a_pickle(saved, tmp_path):
     with pytest.raises(CheckpointError, match="cannot be read safely"):
         _load(root)
     assert not os.path.exists(marker)
+
+
+def test_pending_gradients_do_not_reshard(tmp_path):
+    e = make_engine(0, _cfg(1, accum=2))
+    train(e, 0, 1, 0, 3)  # one update and one micro-batch of the next
+    path = e.save_checkpoint(str(tmp_path / "ckpt"))
+    e.close()
+    assert path.endswith("step-00000001-micro-00000003")
+    e = make_engine(0, _cfg(3, accum=2))
+    try:
+        with pytest.raises(CheckpointError, match="middle of gradient accumulation .* same world size, stage"):
+            e.load_checkpoint(path)
+    finally:
+        e.close()

@@ -44,15 +44,17 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     _check_compatible(engine, manifest, directory)
     pending = manifest["engine"]["pending_grads"]
     layout = manifest["layout"]
-    if pending and (layout["world_size"] != engine.comm.size or layout["zero_stage"] != engine.stage):
+    chunks = [zc.spec.capacity for zc in engine.chunks]
+    same = layout["world_size"] == engine.comm.size and layout["zero_stage"] == engine.stage
+    if pending and not (same and layout["chunks"] == chunks):
         raise CheckpointError(
             f"{directory} was saved in the middle of gradient accumulation (micro-step "
             f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
-            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size and "
-            f"stage (this engine: {engine.comm.size}, stage {engine.stage}). Load a checkpoint saved at an "
+            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size, "
+            f"stage and chunk layout (this engine: {engine.comm.size}, stage {engine.stage}"
+            f"{', other chunk sizes' if same else ''}). Load a checkpoint saved at an "
             "accumulation boundary to change the layout"
         )
-    me = engine.comm.global_rank(engine.comm.rank)
     mine = next((r for r in manifest["ranks"] if r["data_parallel_rank"] == engine.comm.rank), None)
     index = mf.Index(directory, manifest)
     try:
@@ -65,12 +67,12 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                 _fill_frozen(engine, zc, index)
             zc.param_steps = [steps.get(info.name, 0) for info in zc.spec.params]
             if pending and zc.grad is not None:
-                _fill_grad(engine, zc, index, mf.rank_file(me))
+                _fill_grad(engine, zc, index, mine["file"])
                 zc.used = torch.tensor([1 if p.name in used else 0 for p in zc.spec.params], dtype=torch.uint8)
                 zc.grad_fresh = bool(mine["grad_fresh"][i])
         _fill_buffers(engine, index)
         if mine is not None:
-            _restore_rng(engine, index, mine, mf.rank_file(me))
+            _restore_rng(engine, index, mine, mine["file"])
         else:
             log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
     finally:

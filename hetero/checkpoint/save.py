@@ -63,8 +63,8 @@ def save_checkpoint(
             state_bytes = _small_state(engine, client_state, lr_scheduler)
             need = sum(sizes) + len(state_bytes) + _extra_estimate(engine, plan, comm.size)
             outcome = ("ok", _prepare(root, tag, need))
-        except CheckpointError as e:
-            outcome = ("error", str(e))
+        except Exception as e:  # any failure here is every rank's error: none may wait on rank 0
+            outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
         raise CheckpointError(value)
