@@ -65,7 +65,9 @@ def test_layout_on_disk(saved):
     assert cs == {"epoch": 1}
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip-data", "flip-header", "delete", "manifest", "latest"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "flip-data", "flip-middle", "flip-header", "delete", "manifest", "latest"]
+)
 def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage):
     root = _copy(saved, tmp_path)
     tag = os.path.join(root, "step-00000002")
@@ -74,9 +76,9 @@ def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage):
     if damage == "truncate":
         os.truncate(shard, size - 100)
         match = r"rank-00000\.safetensors: truncated"
-    elif damage in ("flip-data", "flip-header"):
+    elif damage in ("flip-data", "flip-middle", "flip-header"):
         with open(shard, "r+b") as f:
-            f.seek(size - 7 if damage == "flip-data" else 20)
+            f.seek({"flip-data": size - 7, "flip-middle": size // 2, "flip-header": 20}[damage])
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x40]))

@@ -33,7 +33,8 @@ FORMAT = "hetero-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_READ_THREADS = 4  # segments read at once: enough outstanding I/O for an SSD, overlapping checksums and copies
+_READ_THREADS = 2  # runs read at once: one reads while the other checksums
+_RUN_BYTES = 64 << 20  # the most one vectored read asks for
 STATE_FILE = "state.pt"
 
 
@@ -222,19 +223,49 @@ class Index:
             )
 
     def fill_all(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> None:
-        """`fill` for many (kind, name, lo, out) at once, on I/O threads: reads, checksums and copies of different
-        segments overlap (preadv, zlib.crc32 and tensor copies release the GIL)."""
-        for kind, name, _, _ in requests:  # open files here: the reader cache is not shared between threads
-            for seg in self.segments.get((kind, name), ()):
-                self.reader(seg.file)
-        if len(requests) <= 1:
-            for r in requests:
-                self.fill(*r)
+        """`fill` for many (kind, name, lo, out) at once. Whole segments bound for CPU memory are sorted by file
+        offset and read in runs of adjacent segments, each run one vectored read, on I/O threads (preadv, zlib.crc32
+        and tensor copies release the GIL, so runs overlap their reads with checksums); the rest goes through
+        `fill`. With the layout that saved the checkpoint, every request is a whole segment: the file is read front
+        to back in large requests."""
+        direct: dict[str, list[tuple[int, int, str, torch.Tensor, int]]] = defaultdict(list)
+        rest = []
+        for kind, name, lo, out in requests:
+            segs = self.segments.get((kind, name), ())
+            hi = lo + out.numel()
+            whole = [s for s in segs if s.start == lo and s.end == hi]
+            if len(whole) == 1 and out.device.type == "cpu" and out.is_contiguous():
+                seg = whole[0]
+                entry = self.reader(seg.file).entry(seg.key)
+                if entry.dtype == out.dtype:
+                    direct[seg.file].append((entry.begin, entry.end, seg.key, out, seg.crc))
+                    continue
+            rest.append((kind, name, lo, out))
+        runs = []
+        for fname, items in direct.items():
+            items.sort(key=lambda it: it[0])
+            run: list = []
+            for it in items:
+                if run and (it[0] != run[-1][1] or it[1] - run[0][0] > _RUN_BYTES):
+                    runs.append((fname, run))
+                    run = []
+                run.append(it)
+            if run:
+                runs.append((fname, run))
+        for fname in {f for f, _ in runs} | {s.file for k, n, _, _ in rest for s in self.segments.get((k, n), ())}:
+            self.reader(fname)  # opened here: the reader cache is not shared between threads
+        jobs = [(self._read_run, (fname, run)) for fname, run in runs] + [(self.fill, r) for r in rest]
+        if len(jobs) <= 1:
+            for fn, args in jobs:
+                fn(*args)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="hetero-ckpt-read")
-        for f in [self._pool.submit(self.fill, *r) for r in requests]:
+        for f in [self._pool.submit(fn, *args) for fn, args in jobs]:
             f.result()
+
+    def _read_run(self, fname: str, run: list[tuple[int, int, str, torch.Tensor, int]]) -> None:
+        self.reader(fname).read_many([(key, out.view(-1), crc) for _, _, key, out, crc in run])
 
     def close(self) -> None:
         if self._pool is not None:
