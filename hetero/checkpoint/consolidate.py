@@ -60,9 +60,12 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str |
                 written.append(cfg)
         tmp = path + ".tmp"
         entries = [(k, spec["out_dtype"], tuple(spec["shape"])) for k, spec in plan.items()]
+        # One scratch buffer, the size of the largest tensor, reused for every tensor: the allocator cannot let
+        # freed buffers pile up, so peak memory stays at about one tensor.
+        scratch = torch.empty(max((_nbytes(spec) for spec in plan.values()), default=0), dtype=torch.uint8)
         with TensorWriter(tmp, entries, metadata={"format": "pt"}) as w:
             for k, spec in plan.items():
-                w.write(k, _assemble(index, spec))
+                w.write(k, _assemble(index, spec, scratch))
         os.replace(tmp, path)
         written.insert(0, path)
         return written
@@ -91,11 +94,24 @@ def _plan(manifest: dict[str, Any], target: torch.dtype | None) -> dict[str, dic
     return plan
 
 
-def _assemble(index: mf.Index, spec: dict[str, Any]) -> torch.Tensor:
+def _numel(spec: dict[str, Any]) -> int:
     numel = 1
     for s in spec["shape"]:
         numel *= s
-    flat = torch.empty(numel, dtype=spec["dtype"])
+    return numel
+
+
+def _nbytes(spec: dict[str, Any]) -> int:
+    return _numel(spec) * spec["dtype"].itemsize
+
+
+def _assemble(index: mf.Index, spec: dict[str, Any], scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor's flat values, read into `scratch` (valid until the next call) or a new tensor."""
+    numel = _numel(spec)
+    if scratch is None:
+        flat = torch.empty(numel, dtype=spec["dtype"])
+    else:
+        flat = scratch[: _nbytes(spec)].view(spec["dtype"])
     if spec["kind"] != "empty":
         index.fill(spec["kind"], spec["name"], 0, flat)
     return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
