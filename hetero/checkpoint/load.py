@@ -60,16 +60,40 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     try:
         steps = manifest["engine"]["param_steps"]
         used = set(mine["used"]) if (pending and mine) else set()
-        for i, zc in enumerate(engine.chunks):
-            if zc.optim is not None:
-                _fill_trainable(engine, zc, index, manifest)
-            else:
-                _fill_frozen(engine, zc, index)
+        reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
+
+        def finish() -> None:
+            i, zc, futures = reading.pop(0)
+            _finish_trainable(engine, zc, futures)
             zc.param_steps = [steps.get(info.name, 0) for info in zc.spec.params]
             if pending and zc.grad is not None:
                 _fill_grad(engine, zc, index, mine["file"])
                 zc.used = torch.tensor([1 if p.name in used else 0 for p in zc.spec.params], dtype=torch.uint8)
                 zc.grad_fresh = bool(mine["grad_fresh"][i])
+
+        try:
+            # [Note: a chunk ahead] While chunk i is finished (checksums, parameters from its master), chunk i+1's
+            # reads are already in flight, when its optimizer buffer fits beside i's on the compute tier.
+            for i, zc in enumerate(engine.chunks):
+                if zc.optim is None:
+                    while reading:
+                        finish()
+                    _fill_frozen(engine, zc, index)
+                    zc.param_steps = [steps.get(info.name, 0) for info in zc.spec.params]
+                    continue
+                tier_free = engine.manager.ledgers[zc.homes.compute].free
+                if reading and zc.optim.tier is not zc.homes.compute and tier_free < 2 * zc.optim.nbytes:
+                    finish()
+                reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
+                while len(reading) > 1:
+                    finish()
+            while reading:
+                finish()
+        finally:
+            for _, zc, futures in reading:  # after an error: no thread may go on writing into a buffer let go
+                for f in futures:
+                    f.exception()
+                engine.manager.unpin(zc.optim)
         _fill_buffers(engine, index)
         if mine is not None:
             _restore_rng(engine, index, mine, mine["file"])
@@ -159,7 +183,9 @@ def _kept_range(engine: Engine, zc: Any) -> tuple[int, int]:
     return r * s, (r + 1) * s
 
 
-def _fill_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any]) -> None:
+def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any]) -> list:
+    """Make the chunk's optimizer buffer resident and pinned, zero what the checkpoint does not fill, and start
+    reading the rest; `_finish_trainable` completes it."""
     m = engine.manager
     saved = manifest["model"]["params"]
     if engine.stage == 3:
@@ -167,30 +193,38 @@ def _fill_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str
     lo, hi = _kept_range(engine, zc)
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
     m.access(zc.optim, zc.homes.compute)
-    with m.pinned(zc.optim):
-        requests = []
-        for j, kind in enumerate(kinds):
-            view = zc.optim.view(zc.optim.slots[j])
-            filled = lo  # every element not read from the checkpoint is zeroed: padding, fresh states
-            for info in zc.spec.params:
-                a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                if a >= b:
-                    continue
-                target = view[a - lo : b - lo]
-                if saved[info.name]["trainable"]:
-                    requests.append((kind, info.name, a - info.offset, target))
-                elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
-                    requests.append(("frozen", info.name, a - info.offset, target))
-                else:
-                    target.zero_()
-                view[filled - lo : a - lo].zero_()
-                filled = b
-            view[filled - lo :].zero_()
-        index.fill_all(requests)
+    m.pin(zc.optim)
+    requests = []
+    for j, kind in enumerate(kinds):
+        view = zc.optim.view(zc.optim.slots[j])
+        filled = lo  # every element not read from the checkpoint is zeroed: padding, fresh states
+        for info in zc.spec.params:
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a >= b:
+                continue
+            target = view[a - lo : b - lo]
+            if saved[info.name]["trainable"]:
+                requests.append((kind, info.name, a - info.offset, target))
+            elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
+                requests.append(("frozen", info.name, a - info.offset, target))
+            else:
+                target.zero_()
+            view[filled - lo : a - lo].zero_()
+            filled = b
+        view[filled - lo :].zero_()
+    return index.fill_async(requests)
+
+
+def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
+    m = engine.manager
+    try:
+        mf.wait_all(futures)
         # Parameters from the master, as after an update; the gradient is cleared only if it is not zero already.
         zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False)
         if not zc.grad_fresh or bool(zc.used.any()) or zc.grads_seen:
             zc.zero_grad()
+    finally:
+        m.unpin(zc.optim)
     if zc.homes.optim is Tier.NVME:
         m.move(zc.optim, Tier.NVME)
 

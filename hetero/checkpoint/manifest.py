@@ -20,7 +20,7 @@ import json
 import os
 import zlib
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,12 +222,12 @@ class Index:
                 "files are missing from it or it was not written by a complete save"
             )
 
-    def fill_all(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> None:
-        """`fill` for many (kind, name, lo, out) at once. Whole segments bound for CPU memory are sorted by file
-        offset and read in runs of adjacent segments, each run one vectored read, on I/O threads (preadv, zlib.crc32
-        and tensor copies release the GIL, so runs overlap their reads with checksums); the rest goes through
-        `fill`. With the layout that saved the checkpoint, every request is a whole segment: the file is read front
-        to back in large requests."""
+    def fill_async(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> list[Future]:
+        """`fill` for many (kind, name, lo, out) at once; returns at once with futures to wait on. Whole segments
+        bound for CPU memory are sorted by file offset and read in runs of adjacent segments, each run one vectored
+        read, on I/O threads (preadv, zlib.crc32 and tensor copies release the GIL, so runs overlap their reads with
+        checksums); the rest goes through `fill`. With the layout that saved the checkpoint, every request is a
+        whole segment: the file is read front to back in large requests."""
         direct: dict[str, list[tuple[int, int, str, torch.Tensor, int]]] = defaultdict(list)
         rest = []
         for kind, name, lo, out in requests:
@@ -255,14 +255,13 @@ class Index:
         for fname in {f for f, _ in runs} | {s.file for k, n, _, _ in rest for s in self.segments.get((k, n), ())}:
             self.reader(fname)  # opened here: the reader cache is not shared between threads
         jobs = [(self._read_run, (fname, run)) for fname, run in runs] + [(self.fill, r) for r in rest]
-        if len(jobs) <= 1:
-            for fn, args in jobs:
-                fn(*args)
-            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="hetero-ckpt-read")
-        for f in [self._pool.submit(fn, *args) for fn, args in jobs]:
-            f.result()
+        return [self._pool.submit(fn, *args) for fn, args in jobs]
+
+    def fill_all(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> None:
+        """`fill_async`, waited for."""
+        wait_all(self.fill_async(requests))
 
     def _read_run(self, fname: str, run: list[tuple[int, int, str, torch.Tensor, int]]) -> None:
         self.reader(fname).read_many([(key, out.view(-1), crc) for _, _, key, out, crc in run])
@@ -283,3 +282,11 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes | str) -> Any:
     return json.loads(data)
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for every future (none is left writing into a buffer), then raise the first error."""
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
