@@ -342,3 +342,33 @@ def test_buffers_and_lr_scheduler_resume(stage, tmp_path):
     assert losses_b == losses[3:] and lrs_b == lrs[3:]
     assert state.keys() == state_b.keys() and "1.running_mean" in state
     assert all(torch.equal(state[k], state_b[k]) for k in state)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_frozen_parameters_resume_and_consolidate(stage, tmp_path):
+    def engine() -> hetero.Engine:
+        model = parity.build()
+        model.embed.weight.requires_grad_(False)  # tied to lm_head: both frozen, in a frozen chunk
+        model.layers[0].attn.q_proj.weight.requires_grad_(False)
+        opt = parity.make_optimizer(model)
+        return hetero.initialize(model, opt, {"zero_stage": stage, "precision": "bf16", "chunk_size": parity.CHUNK})
+
+    a = engine()
+    train(a, 0, 1, 0, N)
+    ckpt = a.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = a.full_state_dict()
+    tail = train(a, 0, 1, N, N + M)
+    final = a.full_state_dict()
+    a.close()
+    b = engine()
+    b.load_checkpoint(ckpt)
+    assert train(b, 0, 1, N, N + M) == tail
+    got = b.full_state_dict()
+    b.close()
+    assert all(torch.equal(got[k], final[k]) for k in final)
+    out = str(tmp_path / "model.pt")
+    consolidate(ckpt, out, dtype="bf16")
+    exported = torch.load(out, weights_only=True)
+    assert list(exported) == list(saved)
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)

@@ -116,8 +116,8 @@ class _Item:
     dtype: torch.dtype
     numel: int
     chunk: Any  # the manager chunk to read it from, or None (the tensor is given)
-    slot: int = 0  # which slot of the chunk
-    offset: int = 0  # first element within that slot's view
+    slot: int | None = 0  # which slot of the chunk; None: the whole payload (a full parameter chunk)
+    offset: int = 0  # first element within that slot's view (or the payload)
     tensor: torch.Tensor | None = None
 
 
@@ -146,11 +146,12 @@ def _plan(engine: Engine) -> list[_Item]:
                         k = mf.key(kind, info.name, a - info.offset)
                         items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
-            src, base = (zc.shard, lo) if stage == 3 else (zc.full, 0)
+            src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info in zc.spec.params:
                 a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
                 if a < b:
-                    items.append(_Item(mf.key("frozen", info.name, a - info.offset), zc.dtype, b - a, src, 0, a - base))
+                    k = mf.key("frozen", info.name, a - info.offset)
+                    items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
             # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
             # reduced shard at stages 2-3. Read back only by the same rank of the same layout.
@@ -211,7 +212,7 @@ def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
             m.access(chunk, tier, write=False)  # only read: a clean swap copy stays valid
             with m.pinned(chunk):
                 for it in plan[i:j]:
-                    view = chunk.view(chunk.slots[it.slot])
+                    view = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
                     w.write(it.key, view.narrow(0, it.offset, it.numel))
             if was_nvme:
                 m.move(chunk, Tier.NVME)  # back home; clean, so no write
