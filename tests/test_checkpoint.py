@@ -27,9 +27,11 @@ TOL = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=2e-2, atol=2e-2)}
 
 
 # ---- helpers (also used by the other checkpoint test files and by spawned ranks) ---------------------------------
-def make_engine(rank: int, config: dict, nvme_root: str | None = None, **model_overrides) -> hetero.Engine:
+def make_engine(
+    rank: int, config: dict, nvme_root: str | None = None, optimizer: str = "adamw", **model_overrides
+) -> hetero.Engine:
     model = parity.build(**model_overrides)
-    opt = parity.make_optimizer(model)
+    opt = parity.make_optimizer(model, optimizer)
     config = copy.deepcopy(config)
     config.setdefault("chunk_size", parity.CHUNK)
     if "nvme" in repr(config.get("offload", {})):
@@ -57,17 +59,24 @@ def train(engine: hetero.Engine, rank: int, world: int, start: int, stop: int) -
 
 
 def resume_case(
-    rank: int, world: int, config: dict, root: str, save_micro: int, total_micro: int, model: dict | None = None
+    rank: int,
+    world: int,
+    config: dict,
+    root: str,
+    save_micro: int,
+    total_micro: int,
+    model: dict | None = None,
+    optimizer: str = "adamw",
 ) -> dict:
     """Train to save_micro, save, train on to total_micro; then a fresh engine loads and trains the same tail."""
-    a = make_engine(rank, config, root, **(model or {}))
+    a = make_engine(rank, config, root, optimizer, **(model or {}))
     head = train(a, rank, world, 0, save_micro)
     a.save_checkpoint(os.path.join(root, "ckpt"), client_state={"micro": save_micro, "note": "x"})
     tail = train(a, rank, world, save_micro, total_micro)
     state_a = a.full_state_dict()
     a.close()
     torch.manual_seed(1234)  # the load must restore the random state, whatever it is now
-    b = make_engine(rank, config, root, **(model or {}))
+    b = make_engine(rank, config, root, optimizer, **(model or {}))
     cs = b.load_checkpoint(os.path.join(root, "ckpt"))
     tail_b = train(b, rank, world, cs["micro"], total_micro)
     state_b = b.full_state_dict()
@@ -194,6 +203,12 @@ def test_resume_is_bit_exact_world1(case, tmp_path):
 @pytest.mark.timeout(120)
 def test_dropout_resumes_with_the_saved_random_state(tmp_path):
     r = resume_case(0, 1, _cfg(2), str(tmp_path), N, N + M, model={"dropout": 0.2})
+    _check_resume(r, N, N + M)
+
+
+@pytest.mark.timeout(120)
+def test_sgd_momentum_resumes(tmp_path):
+    r = resume_case(0, 1, _cfg(1), str(tmp_path), N, N + M, optimizer="sgd")
     _check_resume(r, N, N + M)
 
 
