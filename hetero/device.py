@@ -114,6 +114,17 @@ class Device:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
 
+    # ---- random state (checkpoints) -----------------------------------------------------------------------
+    def rng_state(self) -> torch.Tensor | None:
+        """This device's CUDA generator state; None on the CPU (torch's CPU generator is saved on its own)."""
+        if not self.is_cuda:
+            return None
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self.is_cuda:
+            torch.cuda.set_rng_state(state.cpu(), self.torch_device)
+
     def _copy_stream(self) -> Any:
         stream = getattr(self._streams, "stream", None)
         if stream is None:

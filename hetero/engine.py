@@ -271,6 +271,21 @@ class Engine:
             for name, t in self.module.state_dict(keep_vars=True).items()
         }
 
+    # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, **kwargs: Any) -> str:
+        """Save a checkpoint under the root directory `path` (every rank calls it); returns its directory.
+        Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
+        from hetero.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, client_state, **kwargs)
+
+    def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> Any:
+        """Restore a checkpoint (a root: its latest; or a checkpoint directory), resharding as needed; returns the
+        saved client_state. Keyword-only extra: lr_scheduler=. See `hetero.checkpoint.load`."""
+        from hetero.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, **kwargs)
+
     def memory_stats(self) -> dict[str, Any]:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters."""
         return self.manager.memory_stats()

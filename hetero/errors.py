@@ -57,3 +57,8 @@ class RankTimeoutError(CommError, TimeoutError):
         # Global ranks that did not arrive; None where this rank cannot know (only the monitoring rank does).
         self.missing_ranks = missing_ranks
         self.timeout_s = timeout_s  # the timeout that ran out, in seconds
+
+
+class CheckpointError(HeteroError, RuntimeError):
+    """A checkpoint cannot be written or read: missing, truncated or corrupt files, an incompatible model, no disk
+    space, a path that is not writable."""

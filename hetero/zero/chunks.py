@@ -327,8 +327,9 @@ class ZeroChunk:
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
 
-    def write_back(self, master: torch.Tensor) -> None:
-        """Copy the updated master weights into the parameters, then clear the accumulated gradient."""
+    def write_back(self, master: torch.Tensor, *, clear_grad: bool = True) -> None:
+        """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
+        clear_grad is False: a checkpoint load clears it only where it is not already zero)."""
         r, s = self.comm.rank, self.shard_numel
         if self.stage == 3:
             tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
@@ -346,7 +347,8 @@ class ZeroChunk:
             else:
                 full[r * s : (r + 1) * s].copy_(master)
                 self.comm.all_gather(full, full[r * s : (r + 1) * s])
-        self.zero_grad()
+        if clear_grad:
+            self.zero_grad()
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (CPU copies), gathering a stage-3 chunk for the purpose."""

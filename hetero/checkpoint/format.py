@@ -1,0 +1,289 @@
+"""Our own streaming reader and writer of the safetensors file format: no dependency, no pickle, nothing held whole.
+
+A safetensors file is: 8 bytes (little-endian u64) giving the header's length N, N bytes of JSON mapping each
+tensor's name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets into the data area that follows, plus an
+optional "__metadata__" of strings), then the raw little-endian bytes of every tensor back to back. Because the
+header comes first, a writer must know every tensor's name, dtype and shape before it writes a byte of data:
+`TensorWriter` takes that plan up front, writes the header, then takes the tensors one at a time, in plan order,
+computing each one's CRC32 as it goes. `TensorReader` parses the header and reads any tensor, or any element range
+of one, straight into a caller's buffer with `preadv`, so a reader never holds more than it asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hetero.errors import CheckpointError
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+_ALIGN = 8  # the header is padded with spaces so that the data starts 8-byte aligned, as the reference writer does
+_MAX_HEADER = 1 << 30  # a header length beyond this is a corrupt file, not a real header
+_IO_BLOCK = 64 << 20  # bytes per write call: large enough to stream at disk speed, small enough to bound copies
+_IOV_MAX = 512  # buffers per preadv call (the system's limit is at least 1024)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a file: where its bytes are (absolute file offsets) and what they are."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute offset of the first byte in the file
+    end: int  # one past the last byte
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes without a copy (little-endian on every platform torch supports)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+class TensorWriter:
+    """Writes one safetensors file: `plan` fixes every (name, dtype, shape) in order; `write` streams each tensor.
+
+    The file is fsync'd on `close`. `crcs` holds each tensor's CRC32 once written; `header_crc` the header's.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        plan: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        header: dict[str, object] = {}
+        self._order: list[Entry] = []
+        offset = 0
+        for name, dtype, shape in plan:
+            if name in header:
+                raise ValueError(f"tensor {name!r} is planned twice in {self.path}")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self._order.append(Entry(name, dtype, tuple(shape), offset, offset + nbytes))
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw) + 8) % _ALIGN)
+        self.header_bytes = struct.pack("<Q", len(raw)) + raw
+        self.data_start = len(self.header_bytes)
+        self.size = self.data_start + offset  # the file's final size in bytes
+        self.header_crc = zlib.crc32(self.header_bytes)
+        self.crcs: dict[str, int] = {}
+        self._next = 0
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write(memoryview(self.header_bytes))
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Write the next planned tensor (any device; converted to the planned dtype if it differs)."""
+        if self._next >= len(self._order) or self._order[self._next].name != name:
+            expected = self._order[self._next].name if self._next < len(self._order) else "nothing (plan done)"
+            raise ValueError(f"{self.path}: wrote {name!r} but the plan expects {expected!r} next")
+        entry = self._order[self._next]
+        if t.numel() != entry.numel:
+            raise ValueError(f"{self.path}: {name!r} has {t.numel()} elements, the plan says {entry.numel}")
+        if t.dtype != entry.dtype:
+            t = t.to(entry.dtype)
+        data = as_bytes(t)
+        self.crcs[name] = zlib.crc32(data)
+        self._write(data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if self._next != len(self._order):
+                missing = [e.name for e in self._order[self._next :]]
+                raise ValueError(f"{self.path}: {len(missing)} planned tensors were never written: {missing[:5]}")
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TensorWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _write(self, data: memoryview) -> None:
+        for i in range(0, len(data), _IO_BLOCK):
+            block = data[i : i + _IO_BLOCK]
+            while len(block):
+                n = os.write(self._fd, block)
+                block = block[n:]
+
+
+class TensorReader:
+    """Reads tensors, or element ranges of them, from one safetensors file by offset; checks what it can."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: file is missing; the checkpoint is incomplete") from None
+        if hasattr(os, "posix_fadvise"):  # larger read-ahead: readers mostly go through a file front to back
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self.header_bytes, self.entries, self.metadata = self._parse()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse(self) -> tuple[bytes, dict[str, Entry], dict[str, str]]:
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path}: truncated ({self.size} bytes): no safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > self.size:
+            raise CheckpointError(f"{self.path}: header length {n} does not fit the file's {self.size} bytes")
+        raw = os.pread(self._fd, n, 8)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{self.path}: the header is not valid JSON ({e}): the file is corrupt") from None
+        start = 8 + n
+        meta = header.pop("__metadata__", None) or {}
+        entries: dict[str, Entry] = {}
+        for name, info in header.items():
+            try:
+                begin, end = info["data_offsets"]
+                dtype = CODE_DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: malformed header entry for {name!r}") from None
+            if end - begin != math.prod(shape) * dtype.itemsize or start + end > self.size:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} lies outside the file ({self.size} bytes): the file is truncated "
+                    "or corrupt"
+                )
+            entries[name] = Entry(name, dtype, shape, start + begin, start + end)
+        return head + raw, entries, meta
+
+    def read_into(self, name: str, out: torch.Tensor, *, start: int = 0, crc: int | None = None) -> None:
+        """Read elements [start, start + out.numel()) of tensor `name` into the contiguous CPU tensor `out`
+        (same dtype). With `crc`, the read must cover the whole tensor and match it."""
+        entry = self.entry(name)
+        if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"read_into needs a contiguous CPU {entry.dtype} tensor, got {out.dtype} {out.device}")
+        item = entry.dtype.itemsize
+        offset = entry.begin + start * item
+        view = as_bytes(out)
+        if offset + len(view) > entry.end:
+            raise ValueError(f"{self.path}: elements [{start}, {start + out.numel()}) exceed {name!r}")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done : done + _IO_BLOCK]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: short read of {name!r}: the file is truncated")
+            done += n
+        if crc is not None:
+            if start != 0 or len(view) != entry.nbytes:
+                raise ValueError("a checksum covers a whole tensor: read all of it to check it")
+            if zlib.crc32(view) != crc:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} fails its CRC32 check: the file is corrupt. Load an earlier "
+                    "checkpoint (every checkpoint directory under the root holds a complete one)"
+                )
+
+    def read_many(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Read whole tensors (name, contiguous CPU out of the same dtype, CRC32) that lie back to back in the file,
+        in one vectored read (`preadv` with one buffer per tensor), then check each checksum. A run of many
+        segments then reaches the disk as one large sequential request, as a plain file copy would."""
+        entries = [self.entry(name) for name, _, _ in items]
+        for a, b in zip(entries, entries[1:]):
+            if b.begin != a.end:
+                raise ValueError(f"{self.path}: read_many needs adjacent tensors; {a.name!r} and {b.name!r} are not")
+        views = []
+        for e, (_, out, _) in zip(entries, items):
+            if out.dtype != e.dtype or not out.is_contiguous() or out.device.type != "cpu" or out.numel() != e.numel:
+                raise ValueError(f"read_many needs a contiguous CPU {e.dtype} tensor of {e.numel} elements")
+            views.append(as_bytes(out))
+        offset, i = entries[0].begin, 0
+        while i < len(views):
+            n = os.preadv(self._fd, views[i : i + _IOV_MAX], offset)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: short read of {entries[i].name!r}: the file is truncated")
+            offset += n
+            while i < len(views) and n >= len(views[i]):  # drop the buffers filled; trim a partly filled one
+                n -= len(views[i])
+                i += 1
+            if n:
+                views[i] = views[i][n:]
+        for name, out, crc in items:
+            if zlib.crc32(as_bytes(out)) != crc:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} fails its CRC32 check: the file is corrupt. Load an earlier "
+                    "checkpoint (every checkpoint directory under the root holds a complete one)"
+                )
+
+    def read(self, name: str, *, crc: int | None = None) -> torch.Tensor:
+        entry = self.entry(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.read_into(name, out.view(-1), crc=crc)
+        return out
+
+    def entry(self, name: str) -> Entry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}; the checkpoint is incomplete") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

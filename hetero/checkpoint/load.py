@@ -1,0 +1,315 @@
+"""`engine.load_checkpoint`: verify, check compatibility, then fill each chunk of this engine from the saved segments.
+
+[Note: resharding for free]
+A checkpoint stores tensors by parameter name and element range. Loading walks this engine's own chunks and, for
+the element range each rank keeps (the whole chunk at stage 0, its shard otherwise), reads from whichever saved
+segments cover it, whatever layout wrote them. So a different data-parallel world size, ZeRO stage, chunk size,
+offload placement or precision needs no special path: the fp32 master weights and optimizer states are exact, and
+parameters are re-derived from the master as the update's write-back does (cast to the compute dtype, then
+all-gathered or kept as a shard by stage). Only a gradient pending in the middle of accumulation is not resharded:
+it is rank-local (unreduced at stages 0-1), so it loads only into the same world size and stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.checkpoint import manifest as mf
+from hetero.checkpoint.save import _buffers
+from hetero.errors import CheckpointError
+from hetero.memory import TensorState, Tier
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+log = logging.getLogger("hetero.checkpoint")
+_SHOW = 10  # mismatches listed by name in an error
+
+
+def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None) -> Any:
+    """Restore everything `save_checkpoint` saved into this engine; returns the saved client_state.
+
+    path: a checkpoint root (its `latest` is followed) or one checkpoint's directory. If a tensor fails its checksum
+    midway, the error says so and the engine's state is partly loaded: load a good checkpoint before training on.
+    """
+    directory = mf.resolve(path)
+    manifest = mf.read_manifest(directory)
+    mf.check_files(directory, manifest)
+    extra = _read_state(directory)
+    _check_compatible(engine, manifest, directory)
+    pending = manifest["engine"]["pending_grads"]
+    layout = manifest["layout"]
+    chunks = [zc.spec.capacity for zc in engine.chunks]
+    same = layout["world_size"] == engine.comm.size and layout["zero_stage"] == engine.stage
+    if pending and not (same and layout["chunks"] == chunks):
+        raise CheckpointError(
+            f"{directory} was saved in the middle of gradient accumulation (micro-step "
+            f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
+            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size, "
+            f"stage and chunk layout (this engine: {engine.comm.size}, stage {engine.stage}"
+            f"{', other chunk sizes' if same else ''}). Load a checkpoint saved at an "
+            "accumulation boundary to change the layout"
+        )
+    mine = next((r for r in manifest["ranks"] if r["data_parallel_rank"] == engine.comm.rank), None)
+    index = mf.Index(directory, manifest)
+    try:
+        steps = manifest["engine"]["param_steps"]
+        used = set(mine["used"]) if (pending and mine) else set()
+        reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
+
+        def finish() -> None:
+            i, zc, futures = reading.pop(0)
+            _finish_trainable(engine, zc, futures)
+            zc.param_steps = [steps.get(info.name, 0) for info in zc.spec.params]
+            if pending and zc.grad is not None:
+                _fill_grad(engine, zc, index, mine["file"])
+                zc.used = torch.tensor([1 if p.name in used else 0 for p in zc.spec.params], dtype=torch.uint8)
+                zc.grad_fresh = bool(mine["grad_fresh"][i])
+
+        try:
+            # [Note: a chunk ahead] While chunk i is finished (checksums, parameters from its master), chunk i+1's
+            # reads are already in flight, when its optimizer buffer fits beside i's on the compute tier.
+            for i, zc in enumerate(engine.chunks):
+                if zc.optim is None:
+                    while reading:
+                        finish()
+                    _fill_frozen(engine, zc, index)
+                    zc.param_steps = [steps.get(info.name, 0) for info in zc.spec.params]
+                    continue
+                tier_free = engine.manager.ledgers[zc.homes.compute].free
+                if reading and zc.optim.tier is not zc.homes.compute and tier_free < 2 * zc.optim.nbytes:
+                    finish()
+                reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
+                while len(reading) > 1:
+                    finish()
+            while reading:
+                finish()
+        finally:
+            for _, zc, futures in reading:  # after an error: no thread may go on writing into a buffer let go
+                for f in futures:
+                    f.exception()
+                engine.manager.unpin(zc.optim)
+        _fill_buffers(engine, index)
+        if mine is not None:
+            _restore_rng(engine, index, mine, mine["file"])
+        else:
+            log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
+    finally:
+        index.close()
+    st = manifest["engine"]
+    engine.micro_steps = st["micro_steps"]
+    engine.global_steps = st["global_steps"]
+    engine.skipped_steps = st["skipped_steps"]
+    if st["last_grad_norm"] is not None:
+        engine.last_grad_norm = st["last_grad_norm"]
+    if engine.scaler is not None and st["scaler"] is not None:
+        for k, v in st["scaler"].items():
+            setattr(engine.scaler, k, v)
+    _restore_groups(engine, extra["param_groups"], directory)
+    if lr_scheduler is not None:
+        if extra["lr_scheduler"] is None:
+            raise CheckpointError(f"{directory} holds no LR scheduler state: it was saved without lr_scheduler=")
+        lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    engine.manager.synchronize()
+    return extra["client_state"]
+
+
+def _read_state(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, mf.STATE_FILE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: cannot be read safely ({type(e).__name__}: {e}). client_state must hold only tensors, "
+            "numbers, strings, lists, tuples and dicts"
+        ) from None
+
+
+# ---- compatibility ---------------------------------------------------------------------------------------------
+def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) -> None:
+    saved = manifest["model"]["params"]
+    mine = {info.name: info for zc in engine.chunks for info in zc.spec.params}
+    problems = []
+    missing = [n for n in mine if n not in saved]
+    unexpected = [n for n in saved if n not in mine]
+    shapes = [
+        f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(mine[n].shape)}"
+        for n in mine
+        if n in saved and tuple(saved[n]["shape"]) != tuple(mine[n].shape)
+    ]
+    buffers = manifest["model"]["buffers"]
+    my_buffers = _buffers(engine)
+    missing += [f"buffer {n}" for n in my_buffers if n not in buffers]
+    shapes += [
+        f"buffer {n}: checkpoint {tuple(buffers[n]['shape'])}, model {tuple(t.shape)}"
+        for n, t in my_buffers.items()
+        if n in buffers and tuple(buffers[n]["shape"]) != tuple(t.shape)
+    ]
+    for label, names in (("missing from the checkpoint", missing), ("not in the model", unexpected)):
+        if names:
+            problems.append(f"{len(names)} {label}: {', '.join(names[:_SHOW])}{' ...' if len(names) > _SHOW else ''}")
+    if shapes:
+        problems.append(
+            f"{len(shapes)} with other shapes: {'; '.join(shapes[:_SHOW])}{' ...' if len(shapes) > _SHOW else ''}"
+        )
+    layout = manifest["layout"]
+    if layout["state_names"] != list(engine.algorithm.state_names):
+        problems.append(
+            f"optimizer: the checkpoint holds {layout['algorithm']} states {layout['state_names']}, this engine's "
+            f"optimizer needs {list(engine.algorithm.state_names)}"
+        )
+    if layout.get("tensor_parallel", 1) != 1 or layout.get("pipeline_parallel", 1) != 1:
+        problems.append(
+            "the checkpoint was saved with tensor or pipeline parallelism, which loading does not reshard yet"
+        )
+    if problems:
+        raise CheckpointError(
+            f"{directory} does not fit this model: " + "; ".join(problems) + ". Build the same model (and optimizer) "
+            "that saved it"
+        )
+
+
+# ---- filling chunks --------------------------------------------------------------------------------------------
+def _kept_range(engine: Engine, zc: Any) -> tuple[int, int]:
+    """The elements of the chunk this rank keeps master weights for: all of it at stage 0, its shard otherwise."""
+    if engine.stage == 0:
+        return 0, zc.spec.capacity
+    r, s = engine.comm.rank, zc.shard_numel
+    return r * s, (r + 1) * s
+
+
+def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any]) -> list:
+    """Make the chunk's optimizer buffer resident and pinned, zero what the checkpoint does not fill, and start
+    reading the rest; `_finish_trainable` completes it."""
+    m = engine.manager
+    saved = manifest["model"]["params"]
+    if engine.stage == 3:
+        zc.release()  # a gathered copy would be stale once the shard is replaced
+    lo, hi = _kept_range(engine, zc)
+    kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
+    m.access(zc.optim, zc.homes.compute)
+    m.pin(zc.optim)
+    requests = []
+    for j, kind in enumerate(kinds):
+        view = zc.optim.view(zc.optim.slots[j])
+        filled = lo  # every element not read from the checkpoint is zeroed: padding, fresh states
+        for info in zc.spec.params:
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a >= b:
+                continue
+            target = view[a - lo : b - lo]
+            if saved[info.name]["trainable"]:
+                requests.append((kind, info.name, a - info.offset, target))
+            elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
+                requests.append(("frozen", info.name, a - info.offset, target))
+            else:
+                target.zero_()
+            view[filled - lo : a - lo].zero_()
+            filled = b
+        view[filled - lo :].zero_()
+    return index.fill_async(requests)
+
+
+def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
+    m = engine.manager
+    try:
+        mf.wait_all(futures)
+        # Parameters from the master, as after an update; the gradient is cleared only if it is not zero already.
+        zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False)
+        if not zc.grad_fresh or bool(zc.used.any()) or zc.grads_seen:
+            zc.zero_grad()
+    finally:
+        m.unpin(zc.optim)
+    if zc.homes.optim is Tier.NVME:
+        m.move(zc.optim, Tier.NVME)
+
+
+def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
+    m = engine.manager
+    saved = index.manifest["model"]["params"]
+    if engine.stage == 3:
+        zc.release()
+        lo, hi = _kept_range(engine, zc)
+        tier = Tier.DEVICE if zc.homes.params is Tier.DEVICE else Tier.HOST
+        buf = m.access(zc.shard, tier)
+        chunk, base = zc.shard, lo
+    else:
+        lo, hi = 0, zc.spec.capacity
+        buf = m.access(zc.full, Tier.DEVICE)
+        chunk, base = zc.full, 0
+    with m.pinned(chunk):
+        for info in zc.spec.params:
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a < b:
+                kind = "master" if saved[info.name]["trainable"] else "frozen"
+                index.fill(kind, info.name, a - info.offset, buf[a - base : b - base])
+    if engine.stage == 3:
+        slot = zc.shard.slots[0]
+        if slot.state is TensorState.FREE:
+            zc.shard.set_state(slot, TensorState.HOLD)
+        if zc.homes.params is Tier.NVME:
+            m.move(zc.shard, Tier.NVME)
+
+
+def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
+    m = engine.manager
+    buf = m.access(zc.grad, zc.homes.compute)
+    with m.pinned(zc.grad):
+        buf.zero_()
+        glo, ghi = _kept_range(engine, zc) if engine.stage >= 2 else (0, zc.spec.capacity)
+        for info in zc.spec.params:
+            a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
+            if a < b:
+                index.fill("grad", info.name, a - info.offset, buf[a - glo : b - glo], grad_file=own_file)
+
+
+def _fill_buffers(engine: Engine, index: mf.Index) -> None:
+    for name, t in _buffers(engine).items():
+        tmp = torch.empty(t.numel(), dtype=index.reader(_buffer_file(index, name)).entry(mf.key("buffer", name)).dtype)
+        index.fill("buffer", name, 0, tmp)
+        with torch.no_grad():
+            t.copy_(tmp.view(t.shape))
+
+
+def _buffer_file(index: mf.Index, name: str) -> str:
+    segs = index.segments.get(("buffer", name))
+    if not segs:
+        raise CheckpointError(f"{index.directory}: holds no buffer {name!r}")
+    return segs[0].file
+
+
+def _restore_rng(engine: Engine, index: mf.Index, mine: dict[str, Any], own_file: str) -> None:
+    import numpy as np
+
+    py = mine["rng"]["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = mine["rng"]["numpy"]
+    np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), npst[2], npst[3], npst[4]))
+    reader = index.reader(own_file)
+    cpu = index.segments[("rng", "torch_cpu")]
+    crc = next(s.crc for s in cpu if s.file == own_file)
+    torch.set_rng_state(reader.read(mf.key("rng", "torch_cpu"), crc=crc))
+    cuda = [s for s in index.segments.get(("rng", "cuda"), ()) if s.file == own_file]
+    if cuda and engine.device.is_cuda:
+        engine.device.set_rng_state(reader.read(mf.key("rng", "cuda"), crc=cuda[0].crc))
+
+
+def _restore_groups(engine: Engine, groups: list[dict[str, Any]], directory: str) -> None:
+    current = engine.optimizer.param_groups
+    if len(groups) != len(current):
+        raise CheckpointError(
+            f"{directory}: the optimizer had {len(groups)} param groups, this one has {len(current)}: build the "
+            "optimizer with the same groups"
+        )
+    for group, saved in zip(current, groups):
+        for k, v in saved.items():
+            old = group.get(k)
+            if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor):
+                old.copy_(v)  # keep the tensor object a compiled step may hold
+            else:
+                group[k] = v

@@ -1,0 +1,292 @@
+"""The checkpoint directory: its manifest, the `latest` pointer, and an index of every saved tensor segment.
+
+[Note: checkpoint layout]
+    ROOT/latest                       text: the tag of the newest complete checkpoint (moved atomically)
+    ROOT/<tag>/manifest.json          written last, by rank 0: files, sizes, checksums, engine state, layout
+    ROOT/<tag>/state.pt               rank 0: param groups, client_state, LR scheduler (loaded weights_only=True)
+    ROOT/<tag>/rank-00000.safetensors one per global rank, written in parallel
+    ROOT/.tmp-<tag>-<nonce>/          a save in progress (or one killed midway): never read
+
+Tensors are stored by parameter name and element range, not by chunk, so any layout can read them. A key is
+"KIND:START:NAME": elements [START, START + numel) of the flattened tensor NAME, where KIND is `master` (fp32 master
+weights), `state.<s>` (optimizer state s), `frozen` (values of parameters that are not trained), `grad` (a rank's
+pending gradient in the middle of gradient accumulation), `buffer` (a module buffer, whole) or `rng`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import zlib
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hetero.checkpoint.format import TensorReader
+from hetero.errors import CheckpointError
+
+FORMAT = "hetero-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_READ_THREADS = 2  # runs read at once: one reads while the other checksums
+_RUN_BYTES = 64 << 20  # the most one vectored read asks for
+STATE_FILE = "state.pt"
+
+
+def key(kind: str, name: str, start: int = 0) -> str:
+    return f"{kind}:{start}:{name}"
+
+
+def split_key(k: str) -> tuple[str, int, str]:
+    kind, start, name = k.split(":", 2)
+    return kind, int(start), name
+
+
+def rank_file(global_rank: int) -> str:
+    return f"rank-{global_rank:05d}.safetensors"
+
+
+# ---- durable file system steps ---------------------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: str, data: bytes) -> int:
+    """Write a file and fsync it; returns its CRC32."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return zlib.crc32(data)
+
+
+def replace_atomic(path: str, data: bytes) -> None:
+    """Replace `path` with `data` so that a reader sees the old or the new contents, never a mix, even after a
+    crash: write a temporary file beside it, fsync, rename over, fsync the directory."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def file_crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+# ---- finding and checking a checkpoint -------------------------------------------------------------------------
+def resolve(path: str | os.PathLike) -> str:
+    """The checkpoint directory `path` names: a tag directory itself, or a root whose `latest` names one."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        target = os.path.join(path, tag)
+        if not os.path.isfile(os.path.join(target, MANIFEST)):
+            raise CheckpointError(
+                f"{latest} names {tag!r}, but {target} holds no {MANIFEST}: the checkpoint was removed or moved. "
+                "Pass one of the tag directories under the root instead"
+            )
+        return target
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    raise CheckpointError(
+        f"{path}: neither a checkpoint (no {MANIFEST}) nor a checkpoint root (no {LATEST} file). A save that was "
+        "interrupted leaves only a .tmp-* directory, which is never complete"
+    )
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {directory} is not a complete checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): the manifest is corrupt") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a hetero checkpoint manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{path}: format version {manifest['version']} is newer than this hetero reads ({VERSION}): upgrade hetero"
+        )
+    return manifest
+
+
+def check_files(directory: str, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    """Every listed file (or `names`) exists with its recorded size; whole-file CRC for small files, header CRC for
+    tensor files (their tensors are checked one by one as they are read)."""
+    for name, info in manifest["files"].items():
+        if names is not None and name not in names:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing; the checkpoint is incomplete. Load an earlier one") from None
+        if size != info["size"]:
+            what = "truncated" if size < info["size"] else "longer than written"
+            raise CheckpointError(
+                f"{path}: {what} ({size} bytes, the manifest says {info['size']}); load an earlier checkpoint"
+            )
+        if "crc32" in info and file_crc(path) != info["crc32"]:
+            raise CheckpointError(f"{path}: fails its CRC32 check: the file is corrupt; load an earlier checkpoint")
+        if "header_crc32" in info:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                raw = head + f.read(n) if 0 <= n <= size else b""
+            if zlib.crc32(raw) != info["header_crc32"]:
+                raise CheckpointError(f"{path}: its header fails its CRC32 check: the file is corrupt")
+
+
+# ---- the index of segments -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    file: str
+    key: str
+    start: int  # first element of the flattened tensor
+    end: int
+    crc: int
+
+
+class Index:
+    """Every saved segment by (kind, tensor name), and readers for the files, opened on first use."""
+
+    def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.segments: dict[tuple[str, str], list[Segment]] = defaultdict(list)
+        for fname, info in manifest["files"].items():
+            for k, (numel, crc) in info.get("tensors", {}).items():
+                kind, start, name = split_key(k)
+                self.segments[(kind, name)].append(Segment(fname, k, start, start + numel, crc))
+        for segs in self.segments.values():
+            segs.sort(key=lambda s: s.start)
+        self._readers: dict[str, TensorReader] = {}
+        self._pool: ThreadPoolExecutor | None = None  # I/O threads of fill_all, made on first use
+
+    def reader(self, fname: str) -> TensorReader:
+        if fname not in self._readers:
+            self._readers[fname] = TensorReader(os.path.join(self.directory, fname))
+        return self._readers[fname]
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.segments
+
+    def fill(self, kind: str, name: str, lo: int, out: torch.Tensor, *, grad_file: str | None = None) -> None:
+        """Fill the flat CPU-or-device tensor `out` with elements [lo, lo + out.numel()) of tensor `name`'s `kind`,
+        from whatever segments cover them, checking each segment's CRC32 (a segment read only in part is read
+        whole into a scratch buffer first). grad_file: take only segments from that file (a rank's own)."""
+        hi = lo + out.numel()
+        segs = [s for s in self.segments.get((kind, name), ()) if grad_file is None or s.file == grad_file]
+        covered = 0
+        for seg in segs:
+            a, b = max(seg.start, lo), min(seg.end, hi)
+            if a >= b:
+                continue
+            covered += b - a
+            reader = self.reader(seg.file)
+            dtype = reader.entry(seg.key).dtype
+            whole = a == seg.start and b == seg.end
+            target = out[a - lo : b - lo]
+            if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+                reader.read_into(seg.key, target, crc=seg.crc)
+            else:
+                tmp = torch.empty(seg.end - seg.start, dtype=dtype)
+                reader.read_into(seg.key, tmp, crc=seg.crc)
+                target.copy_(tmp[a - seg.start : b - seg.start])
+        if covered != hi - lo:
+            raise CheckpointError(
+                f"{self.directory}: the checkpoint covers {covered} of elements [{lo}, {hi}) of {kind} {name!r}: "
+                "files are missing from it or it was not written by a complete save"
+            )
+
+    def fill_async(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> list[Future]:
+        """`fill` for many (kind, name, lo, out) at once; returns at once with futures to wait on. Whole segments
+        bound for CPU memory are sorted by file offset and read in runs of adjacent segments, each run one vectored
+        read, on I/O threads (preadv, zlib.crc32 and tensor copies release the GIL, so runs overlap their reads with
+        checksums); the rest goes through `fill`. With the layout that saved the checkpoint, every request is a
+        whole segment: the file is read front to back in large requests."""
+        direct: dict[str, list[tuple[int, int, str, torch.Tensor, int]]] = defaultdict(list)
+        rest = []
+        for kind, name, lo, out in requests:
+            segs = self.segments.get((kind, name), ())
+            hi = lo + out.numel()
+            whole = [s for s in segs if s.start == lo and s.end == hi]
+            if len(whole) == 1 and out.device.type == "cpu" and out.is_contiguous():
+                seg = whole[0]
+                entry = self.reader(seg.file).entry(seg.key)
+                if entry.dtype == out.dtype:
+                    direct[seg.file].append((entry.begin, entry.end, seg.key, out, seg.crc))
+                    continue
+            rest.append((kind, name, lo, out))
+        runs = []
+        for fname, items in direct.items():
+            items.sort(key=lambda it: it[0])
+            run: list = []
+            for it in items:
+                if run and (it[0] != run[-1][1] or it[1] - run[0][0] > _RUN_BYTES):
+                    runs.append((fname, run))
+                    run = []
+                run.append(it)
+            if run:
+                runs.append((fname, run))
+        for fname in {f for f, _ in runs} | {s.file for k, n, _, _ in rest for s in self.segments.get((k, n), ())}:
+            self.reader(fname)  # opened here: the reader cache is not shared between threads
+        jobs = [(self._read_run, (fname, run)) for fname, run in runs] + [(self.fill, r) for r in rest]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="hetero-ckpt-read")
+        return [self._pool.submit(fn, *args) for fn, args in jobs]
+
+    def fill_all(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> None:
+        """`fill_async`, waited for."""
+        wait_all(self.fill_async(requests))
+
+    def _read_run(self, fname: str, run: list[tuple[int, int, str, torch.Tensor, int]]) -> None:
+        self.reader(fname).read_many([(key, out.view(-1), crc) for _, _, key, out, crc in run])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        for r in self._readers.values():
+            with contextlib.suppress(Exception):
+                r.close()
+        self._readers.clear()
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, default=str).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    return json.loads(data)
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for every future (none is left writing into a buffer), then raise the first error."""
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
