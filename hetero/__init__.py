@@ -11,7 +11,9 @@ from hetero.errors import (
     NvmeSpaceError,
     NvmeUnavailableError,
     TierOutOfMemoryError,
+    WeightsError,
 )
+from hetero.lazy import lazy_init
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,6 @@ __all__ = [
     "OffloadConfig",
     "TierOutOfMemoryError",
     "parse_size",
+    "WeightsError",
+    "lazy_init",
 ]

@@ -23,9 +23,10 @@ from hetero.config import Config
 from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, TensorState, Tier
-from hetero.zero.chunks import Homes, ZeroChunk, flat_values
+from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
+from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, update
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 
@@ -43,13 +44,16 @@ def initialize(
     *,
     comm: Comm | None = None,
     device: torch.device | str | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
     config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the data-parallel group (default: the
     world, joined from torchrun's environment when not yet initialised). device: default cuda:LOCAL_RANK, else CPU.
+    The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights: a
+    .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
     """
-    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device)
+    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -79,6 +83,7 @@ class Engine:
         *,
         comm: Comm | None = None,
         device: torch.device | str | None = None,
+        weights: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
         self.comm = comm if comm is not None else init_from_env()  # the data-parallel group
@@ -103,13 +108,11 @@ class Engine:
                 homes=homes,
                 state_names=self.algorithm.state_names,
             )
-            flat = flat_values(spec)
-            self.comm.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as DDP does
-            zc.load(flat)
-            del flat
             self.chunks.append(zc)
             for info, slot in zip(spec.params, zc.slots):
                 self._entries[id(info.param)] = (zc, info, slot)
+        # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
+        load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self._move_buffers(model)
         self.optimizer = ZeroOptimizer(self, optimizer)

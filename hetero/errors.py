@@ -57,3 +57,8 @@ class RankTimeoutError(CommError, TimeoutError):
         # Global ranks that did not arrive; None where this rank cannot know (only the monitoring rank does).
         self.missing_ranks = missing_ranks
         self.timeout_s = timeout_s  # the timeout that ran out, in seconds
+
+
+class WeightsError(HeteroError, ValueError):
+    """A model's first values could not be made: a meta-device model its initialiser leaves incomplete, or weight
+    files that do not match the model."""

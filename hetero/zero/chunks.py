@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, ChunkState, TensorSlot, TensorState, Tier
@@ -200,7 +201,13 @@ class ZeroChunk:
 
     def _point_params(self) -> None:
         for info, slot in zip(self.spec.params, self.slots):
-            info.param.data = self.full.view(slot)
+            if info.param.is_meta:
+                # A meta tensor cannot take another device's data; swapping keeps the Parameter object (the
+                # optimizer's and every tied module's reference) and its attributes.
+                new = nn.Parameter(self.full.view(slot), requires_grad=info.param.requires_grad)
+                torch.utils.swap_tensors(info.param, new)
+            else:
+                info.param.data = self.full.view(slot)
 
     def _readable(self, chunk: Chunk) -> Tier:
         """The nearest tier a collective can read the chunk on: NCCL reads the GPU; gloo and the CPU "device" read
