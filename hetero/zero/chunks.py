@@ -202,12 +202,11 @@ class ZeroChunk:
     def _point_params(self) -> None:
         for info, slot in zip(self.spec.params, self.slots):
             if info.param.is_meta:
-                # A meta tensor cannot take another device's data; swapping keeps the Parameter object (the
-                # optimizer's and every tied module's reference) and its attributes.
-                new = nn.Parameter(self.full.view(slot), requires_grad=info.param.requires_grad)
-                torch.utils.swap_tensors(info.param, new)
-            else:
-                info.param.data = self.full.view(slot)
+                # A meta tensor cannot take another device's data: swap in an empty one first, which keeps the
+                # Parameter object (the optimizer's and every tied module's reference) and its attributes.
+                empty = torch.empty(0, dtype=self.dtype, device=self.device)
+                torch.utils.swap_tensors(info.param, nn.Parameter(empty, requires_grad=info.param.requires_grad))
+            info.param.data = self.full.view(slot)
 
     def _readable(self, chunk: Chunk) -> Tier:
         """The nearest tier a collective can read the chunk on: NCCL reads the GPU; gloo and the CPU "device" read

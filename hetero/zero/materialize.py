@@ -85,8 +85,9 @@ def load_values(
 class _Staging:
     """One fp32 host chunk per ZeroChunk being filled, counted in the host ledger and pinned there."""
 
-    def __init__(self, manager: ChunkManager) -> None:
+    def __init__(self, manager: ChunkManager, *, checksum: bool = False) -> None:
         self.m = manager
+        self.checksum = checksum  # sum each chunk's values as it is loaded (to compare ranks)
         self.open: dict[int, Chunk] = {}  # ZeroChunk index -> staging chunk
 
     def flat(self, zc: ZeroChunk) -> torch.Tensor:
@@ -108,7 +109,7 @@ class _Staging:
         """Load the chunk from its staging buffer and free the buffer; returns the values' sum (a checksum)."""
         c = self.open.pop(zc.spec.index)
         flat = c.payload
-        total = float(flat.sum(dtype=torch.float64))
+        total = float(flat.sum(dtype=torch.float64)) if self.checksum else 0.0
         zc.load(flat)
         self.m.unpin(c)
         c.set_state(c.slots[0], TensorState.FREE)
@@ -144,7 +145,9 @@ class _StandIn(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _swap(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_meta:
+        # Tracked tensors are meta until their chunk loads; after that they view chunk memory that the initialiser
+        # must not touch (at stage 3 it has no bytes): `real` decides for both.
+        if isinstance(x, torch.Tensor):
             real = self._real(x)
             if real is not None:
                 return real
@@ -162,7 +165,7 @@ def _writes(name: str) -> bool:
 
 
 def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, comm: Comm) -> None:
-    staging = _Staging(manager)
+    staging = _Staging(manager, checksum=comm.size > 1)
     where = {id(info.param): (zc, info) for zc in chunks for info in zc.spec.params}
     unwritten = {zc.spec.index: {id(i.param) for i in zc.spec.params} for zc in chunks}
     by_index = {zc.spec.index: zc for zc in chunks}
@@ -172,12 +175,19 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
     real_buffers: dict[int, torch.Tensor] = {}
     written_any: set[int] = set()  # ids of params and buffers written (to skip subtrees an ancestor initialised)
 
+    passes = [0]  # which initialiser pass runs (a Hugging Face model has one per PreTrainedModel)
+    written_in: dict[int, int] = {}  # param id -> the pass that wrote it
+
     def real(t: torch.Tensor) -> torch.Tensor | None:
+        if written_in.get(id(t), passes[0]) < passes[0]:
+            # Tied at construction on meta, but a separate tensor when Hugging Face's later pass wrote it in normal
+            # construction (tying came after, and kept the first): the numbers are drawn, then dropped.
+            return _scratch(t)
         hit = where.get(id(t))
         if hit is not None:
             zc, info = hit
             if zc.spec.index in loaded:
-                return None  # reading the shape of a loaded parameter is fine on meta; writes are caught below
+                return _scratch(t)  # its shape can be read; a write is an error (on_write)
             return staging.view(zc, info)
         if id(t) in buffers:
             if id(t) not in real_buffers:
@@ -186,7 +196,11 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
         return None
 
     def on_write(key: int) -> None:
+        if key not in where and key not in buffers:
+            return  # a temporary, or a view: its id means nothing once it is gone
         written_any.add(key)
+        if written_in.setdefault(key, passes[0]) < passes[0]:
+            return  # goes to scratch (see real)
         hit = where.get(key)
         if hit is None:
             return
@@ -203,7 +217,7 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
             loaded.add(index)
 
     try:
-        _run_initialiser(model, real, on_write, written_any)
+        _run_initialiser(model, real, on_write, written_any, passes)
         for index in list(staging.open):
             if not unwritten[index]:
                 sums[index] = staging.load(by_index[index])
@@ -224,22 +238,25 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
     _check_same_everywhere(sums, comm)
 
 
-def _run_initialiser(model: nn.Module, real: Callable, on_write: Callable, written: set[int]) -> None:
+def _run_initialiser(
+    model: nn.Module, real: Callable, on_write: Callable, written: set[int], passes: list[int]
+) -> None:
     if _is_hf(model):
-        _replay_hf(model, real, on_write)
+        _replay_hf(model, real, on_write, passes)
         return
     with _StandIn(real, on_write), torch.no_grad():
         _reset_walk(model, written)
 
 
-def _replay_hf(module: nn.Module, real: Callable, on_write: Callable) -> None:
+def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: list[int]) -> None:
     """The initialisation order of a Hugging Face model's normal construction: each layer runs torch's default init
     as it is built, and each PreTrainedModel (a causal LM wraps a base model: two) runs post_init's _init_weights
     walk at the end of its own construction, over the modules not yet initialised. The default inits are
     overwritten, so they only need to advance the random generator: they run on scratch tensors."""
     if _is_hf(module):
         for child in module.children():
-            _replay_hf(child, real, on_write)
+            _replay_hf(child, real, on_write, passes)
+        passes[0] += 1
         with _StandIn(real, on_write), torch.no_grad():
             module.init_weights()  # what post_init runs: _init_weights per module, then tying
         return
@@ -248,15 +265,15 @@ def _replay_hf(module: nn.Module, real: Callable, on_write: Callable) -> None:
         with _StandIn(_scratch, lambda key: None), torch.no_grad():
             reset()
     for child in module.children():
-        _replay_hf(child, real, on_write)
+        _replay_hf(child, real, on_write, passes)
 
 
 def _is_hf(model: nn.Module) -> bool:
     return callable(getattr(model, "_init_weights", None)) and callable(getattr(model, "init_weights", None))
 
 
-def _scratch(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype)
+def _scratch(t: torch.Tensor) -> torch.Tensor | None:
+    return torch.empty(t.shape, dtype=t.dtype) if t.is_meta or isinstance(t, nn.Parameter) else None
 
 
 def _reset_walk(model: nn.Module, written: set[int]) -> None:
