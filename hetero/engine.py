@@ -23,6 +23,7 @@ from hetero.config import Config
 from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.zero.activation import ActivationMemory
 from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
@@ -126,6 +127,15 @@ class Engine:
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
         self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=lambda p: on_grad()(p))
+        self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/zero/activation.py)
+        if config.activation_checkpointing:
+            self.activations = ActivationMemory(
+                model,
+                config.activation_checkpointing,
+                offload=config.activation_offload,
+                manager=self.manager,
+                device=self.device,
+            )
         self._closed = False
 
     # ---- the training loop ----------------------------------------------------------------------------------
@@ -164,6 +174,8 @@ class Engine:
                 zc.reduce_micro_batch()
         for zc in self.chunks:
             zc.settle()
+        if self.activations is not None:
+            self.activations.step_end()
         self.manager.step_end()
         self._in_step = False
 
@@ -292,6 +304,8 @@ class Engine:
             return
         self._closed = True
         self.hooks.remove()
+        if self.activations is not None:
+            self.activations.remove()
         self.manager.close()
 
     def __del__(self) -> None:
