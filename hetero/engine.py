@@ -23,6 +23,7 @@ from hetero.config import Config
 from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.memory.auto import AutoPlacement
 from hetero.zero.activation import ActivationMemory
 from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
@@ -115,6 +116,9 @@ class Engine:
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
         load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
+        self.auto = None  # "auto" placement: the device budget follows the step's activations
+        if "auto" in (config.offload.params, config.offload.optimizer):
+            self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
         self._move_buffers(model)
         self.optimizer = ZeroOptimizer(self, optimizer)
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
@@ -147,7 +151,8 @@ class Engine:
             self.manager.step_begin()
             self._in_step = True
         args, kwargs = self._to_device((args, kwargs))
-        out = self.module(*args, **kwargs)
+        with self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext():
+            out = self.module(*args, **kwargs)
         if self.stage == 3:
             for zc in self.chunks:
                 if zc.full.computing == 0:
@@ -287,8 +292,12 @@ class Engine:
         }
 
     def memory_stats(self) -> dict[str, Any]:
-        """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters."""
-        return self.manager.memory_stats()
+        """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
+        placement, what it measured). Every buffer hetero allocates is in a tier's ledger: staging included."""
+        stats = self.manager.memory_stats()
+        if self.auto is not None:
+            stats["auto"] = self.auto.stats()
+        return stats
 
     @property
     def data_parallel_rank(self) -> int:
@@ -340,10 +349,9 @@ class Engine:
 
 
 def _homes(config: Config, device: Device) -> Homes:
-    if config.offload.params == "auto" or config.offload.optimizer == "auto":
-        raise ConfigError('offload: "auto" placement is not available yet; choose "device", "host" or "nvme"')
-    params = _TIERS[config.offload.params]
-    optim = _TIERS[config.offload.optimizer]
+    # "auto": home on the device, evicted down as the step's activations need the room (hetero/memory/auto.py).
+    params = _TIERS.get(config.offload.params, Tier.DEVICE)
+    optim = _TIERS.get(config.offload.optimizer, Tier.DEVICE)
     if params is not Tier.DEVICE and config.zero_stage != 3:
         raise ConfigError(
             f"offload.params: {config.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered for "
