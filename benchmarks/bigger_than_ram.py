@@ -130,6 +130,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
         "peak_rss_bytes": rss_peak() - base,
         "host_peak": stats["host"]["peak"],
         "device_peak": stats["device"]["peak"],
+        "counters": stats["counters"],
         "steps": steps,
     }
 
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"steady step {r['step_s']:.2f} s; I/O lower bound {r['io_lower_bound_s']:.2f} s; ratio "
         f"{r['step_over_lower_bound']:.2f}x (target <= 1.3x)"
+    )
+    c = r["counters"]
+    print(
+        f"moves: {c.get('moves', 0)}, prefetch hits {c.get('prefetch_hits', 0)} / misses {c.get('prefetch_misses', 0)} "
+        f"(a miss copies inline, on the training thread), evictions {c.get('evictions', 0)}"
     )
     if "reference_step_s" in r:
         print(f"plain PyTorch step, all in RAM (compute alone): {r['reference_step_s']:.2f} s")

@@ -270,6 +270,8 @@ class ChunkManager:
                 "peak": ledger.peak,
                 "budget": ledger.budget,
             }
+        # The swap store's own O_DIRECT staging (bounded, outside the ledgers: only unaligned I/O uses it).
+        out["nvme"]["staging"] = self._store.staging_bytes if self._store is not None else 0
         out["moved"] = {f"{s.label}->{d.label}": n for (s, d), n in sorted(self.moved.items())}
         out["counters"] = dict(self.counters)
         out["wait_seconds"] = self.wait_seconds
