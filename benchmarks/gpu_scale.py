@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.dry_run:
         args.hidden, args.heads, args.vocab, args.seq, args.steps = 64, 2, 256, 32, 2
-        args.max_layers = min(args.max_layers, 2)
+        args.max_layers = min(args.max_layers, 1)
     if args.trial:
         print(json.dumps(trial(args.trial, args)))
         return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -76,7 +77,7 @@ class AutoPlacement:
         self.worst = 0  # largest ledger bytes + non-model bytes seen at any moment (should stay <= budget)
         self._saved: dict[int, list[int]] = {}  # CPU: storage pointer -> [nbytes, holders]
         self._saved_bytes = 0  # CPU: bytes of those storages
-        self._chunk_ptrs: frozenset[int] = frozenset()  # storages of chunk memory, refreshed at each access
+        self._chunk_ptrs: dict[int, weakref.ref] = {}  # storage pointer -> chunk memory, refreshed at each access
         chunk_bytes = [c.nbytes for c in manager.chunks]
         self.floor = 2 * max(chunk_bytes, default=0)  # the least device budget a step can run with
         manager.before_access = self._before_access
@@ -105,7 +106,7 @@ class AutoPlacement:
     def _pack(self, t: torch.Tensor) -> _Held:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if not key or key in self._chunk_ptrs or t.device != self.device.torch_device:
+        if not key or self._is_chunk_memory(key) or t.device != self.device.torch_device:
             return _Held(t, 0, self)
         entry = self._saved.get(key)
         if entry is None:
@@ -115,6 +116,13 @@ class AutoPlacement:
         else:
             entry[1] += 1
         return _Held(t, key, self)
+
+    def _is_chunk_memory(self, key: int) -> bool:
+        # The map is from the last access; a chunk freed since may have left its address to an activation, so the
+        # chunk must still hold that storage now.
+        ref = self._chunk_ptrs.get(key)
+        t = ref() if ref is not None else None
+        return t is not None and t.untyped_storage().data_ptr() == key and t.untyped_storage().nbytes() > 0
 
     def _release(self, key: int) -> None:
         entry = self._saved.get(key)
@@ -132,12 +140,12 @@ class AutoPlacement:
 
     def _before_access(self) -> None:
         if not self.device.is_cuda:
-            self._chunk_ptrs = frozenset(
-                t.untyped_storage().data_ptr()
+            self._chunk_ptrs = {
+                t.untyped_storage().data_ptr(): weakref.ref(t)
                 for c in self.m.chunks
                 for t in (c.payload, c.kept)
                 if t is not None and t.device == self.device.torch_device
-            )
+            }
         self._moment(self.pos)
         self.pos += 1
 
