@@ -79,7 +79,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
         "chunk_size": args.chunk_numel,
         "offload": {"params": "nvme", "optimizer": "nvme"},
         "memory": {"host_budget": args.host_budget, "device_budget": args.device_budget, "nvme_dir": nvme_dir},
-        "prefetch_depth": 2,
+        "prefetch_depth": args.prefetch_depth,
     }
     t0 = time.perf_counter()
     engine = hetero.initialize(model, opt, config)
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget", default="512MiB")
     p.add_argument("--device-budget", default="256MiB")
     p.add_argument("--chunk-numel", type=int, default=8 << 20, help="elements per chunk (8M: 32 MB of fp32)")
+    p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--raw-size", default="1GiB", help="bytes for the raw disk measurement")
     p.add_argument("--no-reference", action="store_true", help="skip the plain PyTorch step (it needs the RAM)")
     p.add_argument("--json", action="store_true")

@@ -143,7 +143,8 @@ def _rank_meta(rank: int, world: int) -> dict:
         t = loss.detach().clone()
         engine.comm.all_reduce(t, op="avg")
         losses.append(t.item())
-    share = sum(zc.shard.nbytes + zc.optim.nbytes + zc.grad.nbytes for zc in engine.chunks)
+    # At stage 3 a gradient chunk holds nothing until its first reduce-scatter: the share is shards and states.
+    share = sum(zc.shard.nbytes + zc.optim.nbytes for zc in engine.chunks)
     engine.close()
     return {"losses": losses, "host": host, "share": share, "error": error}
 
