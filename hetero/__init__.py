@@ -3,6 +3,7 @@
 from hetero.config import Config, MemoryConfig, OffloadConfig, parse_size
 from hetero.engine import Engine, initialize
 from hetero.errors import (
+    CheckpointError,
     ConfigError,
     HeteroError,
     IllegalTransitionError,
@@ -11,7 +12,9 @@ from hetero.errors import (
     NvmeSpaceError,
     NvmeUnavailableError,
     TierOutOfMemoryError,
+    WeightsError,
 )
+from hetero.lazy import lazy_init
 from hetero.profiler import estimate, profile
 
 __version__ = "0.1.0"
@@ -31,6 +34,9 @@ __all__ = [
     "OffloadConfig",
     "TierOutOfMemoryError",
     "parse_size",
+    "CheckpointError",
     "estimate",
     "profile",
+    "WeightsError",
+    "lazy_init",
 ]

@@ -128,6 +128,11 @@ class Config:
     """Chunk capacity in elements, or "auto" to search the size that wastes least."""
     prefetch_depth: int = 2
     """How many chunks ahead of use to start moving along the recorded access trace."""
+    activation_checkpointing: bool | list[str] = False
+    """Recompute blocks in backward: true picks the children of the model's ModuleLists; or a list of module class
+    names / qualified-name patterns (fnmatch, e.g. "layers.*")."""
+    activation_offload: bool = False
+    """Keep the checkpointed blocks' inputs in host memory between forward and backward (needs checkpointing)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
@@ -142,6 +147,7 @@ class Config:
         if self.chunk_size != "auto":
             _check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
         _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        _check_activation(self.activation_checkpointing, self.activation_offload)
         uses_nvme = "nvme" in (self.offload.params, self.offload.optimizer)
         if uses_nvme and self.memory.nvme_dir is None:
             raise ConfigError(
@@ -198,6 +204,24 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
 def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}: {value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+
+
+def _check_activation(checkpointing: object, offload: object) -> None:
+    ok = isinstance(checkpointing, bool) or (
+        isinstance(checkpointing, (list, tuple)) and all(isinstance(x, str) and x for x in checkpointing)
+    )
+    if not ok:
+        raise ConfigError(
+            "activation_checkpointing: expected true/false or a list of module class names or name patterns "
+            f"(e.g. ['Block'] or ['layers.*']), got {checkpointing!r}"
+        )
+    if not isinstance(offload, bool):
+        raise ConfigError(f"activation_offload: expected true or false, got {offload!r}")
+    if offload and not checkpointing:
+        raise ConfigError(
+            "activation_offload: offloads the inputs of checkpointed blocks; set activation_checkpointing too "
+            "(true, or the blocks to checkpoint)"
+        )
 
 
 def _check_int(key: str, value: object, *, minimum: int, hint: str = "") -> None:

@@ -81,6 +81,18 @@ class Device:
 
         return psutil.virtual_memory().available
 
+    def allocated_bytes(self) -> int:
+        """Bytes the CUDA caching allocator has handed out on the device now (0 without CUDA: not measurable)."""
+        if self.is_cuda:
+            return torch.cuda.memory_allocated(self.torch_device)
+        return 0
+
+    def reserved_bytes(self) -> int:
+        """Bytes the CUDA caching allocator holds from the driver (allocated + cached free blocks); 0 without CUDA."""
+        if self.is_cuda:
+            return torch.cuda.memory_reserved(self.torch_device)
+        return 0
+
     # ---- ordering -----------------------------------------------------------------------------------------
     def compute_marker(self) -> Any:
         """A marker of the compute stream's progress now; a copy given it starts after that point."""

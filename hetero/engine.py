@@ -23,9 +23,12 @@ from hetero.config import Config
 from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, TensorState, Tier
-from hetero.zero.chunks import Homes, ZeroChunk, flat_values
+from hetero.memory.auto import AutoPlacement
+from hetero.zero.activation import ActivationMemory
+from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
+from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, update
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 
@@ -43,13 +46,16 @@ def initialize(
     *,
     comm: Comm | None = None,
     device: torch.device | str | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
     config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the data-parallel group (default: the
     world, joined from torchrun's environment when not yet initialised). device: default cuda:LOCAL_RANK, else CPU.
+    The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights: a
+    .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
     """
-    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device)
+    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -79,6 +85,7 @@ class Engine:
         *,
         comm: Comm | None = None,
         device: torch.device | str | None = None,
+        weights: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
         self.comm = comm if comm is not None else init_from_env()  # the data-parallel group
@@ -103,14 +110,15 @@ class Engine:
                 homes=homes,
                 state_names=self.algorithm.state_names,
             )
-            flat = flat_values(spec)
-            self.comm.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as DDP does
-            zc.load(flat)
-            del flat
             self.chunks.append(zc)
             for info, slot in zip(spec.params, zc.slots):
                 self._entries[id(info.param)] = (zc, info, slot)
+        # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
+        load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
+        self.auto = None  # "auto" placement: the device budget follows the step's activations
+        if "auto" in (config.offload.params, config.offload.optimizer):
+            self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
         self._move_buffers(model)
         self.optimizer = ZeroOptimizer(self, optimizer)
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
@@ -123,6 +131,15 @@ class Engine:
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
         self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=lambda p: on_grad()(p))
+        self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/zero/activation.py)
+        if config.activation_checkpointing:
+            self.activations = ActivationMemory(
+                model,
+                config.activation_checkpointing,
+                offload=config.activation_offload,
+                manager=self.manager,
+                device=self.device,
+            )
         self._closed = False
 
     # ---- the training loop ----------------------------------------------------------------------------------
@@ -134,7 +151,8 @@ class Engine:
             self.manager.step_begin()
             self._in_step = True
         args, kwargs = self._to_device((args, kwargs))
-        out = self.module(*args, **kwargs)
+        with self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext():
+            out = self.module(*args, **kwargs)
         if self.stage == 3:
             for zc in self.chunks:
                 if zc.full.computing == 0:
@@ -161,6 +179,8 @@ class Engine:
                 zc.reduce_micro_batch()
         for zc in self.chunks:
             zc.settle()
+        if self.activations is not None:
+            self.activations.step_end()
         self.manager.step_end()
         self._in_step = False
 
@@ -287,8 +307,12 @@ class Engine:
         return load_checkpoint(self, path, **kwargs)
 
     def memory_stats(self) -> dict[str, Any]:
-        """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters."""
-        return self.manager.memory_stats()
+        """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
+        placement, what it measured). Every buffer hetero allocates is in a tier's ledger: staging included."""
+        stats = self.manager.memory_stats()
+        if self.auto is not None:
+            stats["auto"] = self.auto.stats()
+        return stats
 
     @property
     def data_parallel_rank(self) -> int:
@@ -304,6 +328,8 @@ class Engine:
             return
         self._closed = True
         self.hooks.remove()
+        if self.activations is not None:
+            self.activations.remove()
         self.manager.close()
 
     def __del__(self) -> None:
@@ -338,10 +364,9 @@ class Engine:
 
 
 def _homes(config: Config, device: Device) -> Homes:
-    if config.offload.params == "auto" or config.offload.optimizer == "auto":
-        raise ConfigError('offload: "auto" placement is not available yet; choose "device", "host" or "nvme"')
-    params = _TIERS[config.offload.params]
-    optim = _TIERS[config.offload.optimizer]
+    # "auto": home on the device, evicted down as the step's activations need the room (hetero/memory/auto.py).
+    params = _TIERS.get(config.offload.params, Tier.DEVICE)
+    optim = _TIERS.get(config.offload.optimizer, Tier.DEVICE)
     if params is not Tier.DEVICE and config.zero_stage != 3:
         raise ConfigError(
             f"offload.params: {config.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered for "

@@ -62,3 +62,8 @@ class RankTimeoutError(CommError, TimeoutError):
 class CheckpointError(HeteroError, RuntimeError):
     """A checkpoint cannot be written or read: missing, truncated or corrupt files, an incompatible model, no disk
     space, a path that is not writable."""
+
+
+class WeightsError(HeteroError, ValueError):
+    """A model's first values could not be made: a meta-device model its initialiser leaves incomplete, or weight
+    files that do not match the model."""

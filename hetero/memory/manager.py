@@ -108,6 +108,10 @@ class ChunkManager:
         self.counters: Counter[str] = Counter()  # accesses, prefetch hits/misses, evictions, moves, ...
         self.moved: Counter[tuple[Tier, Tier]] = Counter()  # bytes moved per (src, dst)
         self.wait_seconds = 0.0  # time the driving thread spent waiting for moves
+        # Called at every access and step_begin, before anything moves: automatic placement adjusts the device
+        # budget there (hetero/memory/auto.py).
+        self.before_access: Callable[[], None] | None = None
+        self.on_step_begin: Callable[[], None] | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._store)
 
     @classmethod
@@ -157,6 +161,8 @@ class ChunkManager:
         """
         self._check_open()
         self._poll()
+        if self.before_access is not None:
+            self.before_access()
         self._clock += 1
         self.counters["accesses"] += 1
         self.trace.record(chunk.id, tier)
@@ -225,6 +231,18 @@ class ChunkManager:
         self._drop_payload(chunk)
         self._drop_nvme_copy(chunk)
 
+    def set_budget(self, tier: Tier, budget: int) -> int:
+        """Change a tier's budget (automatic placement), evicting what no longer fits. Chunks that cannot move now
+        (being computed on, pinned) stay: the budget then settles at what they hold. Returns the budget set."""
+        ledger = self.ledgers[tier]
+        ledger.budget = max(0, budget)
+        if ledger.free < 0:
+            try:
+                self._make_room(tier, 0, set(), blocking=True)
+            except TierOutOfMemoryError:
+                ledger.budget = ledger.used
+        return ledger.budget
+
     def synchronize(self) -> None:
         """Wait for every move in flight."""
         for chunk in list(self._moving.values()):
@@ -232,6 +250,8 @@ class ChunkManager:
 
     # ---- steps and trace ----------------------------------------------------------------------------------
     def step_begin(self) -> None:
+        if self.on_step_begin is not None:
+            self.on_step_begin()
         self.trace.step_begin()
         self._prefetch_ahead(protect=set())
 
@@ -250,6 +270,8 @@ class ChunkManager:
                 "peak": ledger.peak,
                 "budget": ledger.budget,
             }
+        # The swap store's own O_DIRECT staging (bounded, outside the ledgers: only unaligned I/O uses it).
+        out["nvme"]["staging"] = self._store.staging_bytes if self._store is not None else 0
         out["moved"] = {f"{s.label}->{d.label}": n for (s, d), n in sorted(self.moved.items())}
         out["counters"] = dict(self.counters)
         out["wait_seconds"] = self.wait_seconds

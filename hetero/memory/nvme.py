@@ -419,6 +419,11 @@ class NvmeStore:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes held by the O_DIRECT staging buffers created so far (bounded; unaligned requests only)."""
+        return self._staging.created * self._staging.size
+
     def close(self) -> None:
         """Wait for every queued request, then delete the swap file and directory. Idempotent."""
         with self._lock:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, ChunkState, TensorSlot, TensorState, Tier
@@ -200,6 +201,11 @@ class ZeroChunk:
 
     def _point_params(self) -> None:
         for info, slot in zip(self.spec.params, self.slots):
+            if info.param.is_meta:
+                # A meta tensor cannot take another device's data: swap in an empty one first, which keeps the
+                # Parameter object (the optimizer's and every tied module's reference) and its attributes.
+                empty = torch.empty(0, dtype=self.dtype, device=self.device)
+                torch.utils.swap_tensors(info.param, nn.Parameter(empty, requires_grad=info.param.requires_grad))
             info.param.data = self.full.view(slot)
 
     def _readable(self, chunk: Chunk) -> Tier:
@@ -221,7 +227,7 @@ class ZeroChunk:
                 self.grad_full.set_state(self.grad_full.slots[0], _T.COMPUTE)
             self.grad_full.payload.narrow(0, info.offset, info.numel).copy_(flat)
         else:
-            buf = self.m.access(self.grad, self.homes.compute)
+            buf = self._grad_buffer()
             buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
             self.grad_fresh = False
         self.grads_seen.add(id(info.param))
@@ -249,6 +255,7 @@ class ZeroChunk:
         direct = self.grad_fresh and acc.device == full.device  # the first micro-batch lands in place
         if direct:
             self.m.pin(self.grad)  # the collective writes it until finish_reduce
+            self._grad_holds()
             target = acc
         else:
             target = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
@@ -264,7 +271,7 @@ class ZeroChunk:
         if direct:
             self.m.unpin(self.grad)
         else:
-            acc = self.m.access(self.grad, self.homes.compute)
+            acc = self._grad_buffer()
             acc.add_(target.to(acc.device))
         self.grad_full.set_state(self.grad_full.slots[0], _T.HOLD)
         self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
@@ -272,7 +279,7 @@ class ZeroChunk:
 
     def reduce_at_update(self) -> None:
         """Stages 0-1: reduce the gradient accumulated over the micro-batches (mean over ranks), in place."""
-        acc = self.m.access(self.grad, self.homes.compute)
+        acc = self._grad_buffer()
         if self.stage == 0:
             self.comm.all_reduce(acc, op="avg")
         elif self.stage == 1:
@@ -281,7 +288,7 @@ class ZeroChunk:
 
     def grad_view(self) -> torch.Tensor:
         """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier."""
-        acc = self.m.access(self.grad, self.homes.compute)
+        acc = self._grad_buffer()
         if self.stage == 1:
             r, s = self.comm.rank, self.shard_numel
             return acc[r * s : (r + 1) * s]
@@ -291,10 +298,26 @@ class ZeroChunk:
         self.grads_seen.clear()
         self.used.zero_()
         self.grad_fresh = True
-        self.m.access(self.grad, self.homes.compute).zero_()
         slot = self.grad.slots[0]
-        if slot.state is _T.FREE:
-            self.grad.set_state(slot, _T.HOLD)
+        if slot.state is _T.HOLD:
+            self.grad.set_state(slot, _T.FREE)
+        if self.stage >= 2:
+            # Nothing is accumulated until the first reduce-scatter, which writes the buffer whole: meanwhile the
+            # chunk holds no data, so evicting it costs nothing (released, not written to NVMe and read back).
+            return
+        self._grad_buffer()  # zeros; one on NVMe gets fresh memory rather than being read back
+
+    def _grad_buffer(self) -> torch.Tensor:
+        """The accumulated gradient on the compute tier: zeros where nothing has been accumulated yet."""
+        acc = self.m.access(self.grad, self.homes.compute)
+        if self.grad.slots[0].state is _T.FREE:
+            acc.zero_()
+            self._grad_holds()
+        return acc
+
+    def _grad_holds(self) -> None:
+        if self.grad.slots[0].state is _T.FREE:
+            self.grad.set_state(self.grad.slots[0], _T.HOLD)
 
     # ---- update -------------------------------------------------------------------------------------------
     def update_segments(self, used: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -333,8 +356,10 @@ class ZeroChunk:
         r, s = self.comm.rank, self.shard_numel
         if self.stage == 3:
             tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
-            shard = self.m.access(self.shard, tier)
             slot = self.shard.slots[0]
+            if slot.state is _T.HOLD:
+                self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
+            shard = self.m.access(self.shard, tier)
             self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
             shard.copy_(master)
             self.shard.set_state(slot, _T.HOLD)

@@ -1,0 +1,80 @@
+"""`"offload": "auto"`: chunks fill the device next to the step's activations, and a step whose activations grow
+(longer sequences) makes room instead of running out; training matches plain PyTorch."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+import hetero
+from tests.parity import CHUNK, batches, build, make_optimizer
+
+BUDGET = 768 << 10  # bytes: less than the chunks (640-900 KiB) plus the longer steps' activations (250-420 KiB)
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return batches(3, 4, seq=6) + batches(3, 4, seq=16, seed=2)  # sequences get longer mid-run
+
+
+def _reference() -> list[float]:
+    model = build()
+    opt = make_optimizer(model)
+    losses = []
+    for x, y in _data():
+        loss = model(x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_auto_placement_holds_the_budget_as_activations_grow(stage):
+    model = build()
+    offload = {"params": "auto", "optimizer": "auto"} if stage == 3 else {"optimizer": "auto"}
+    engine = hetero.initialize(
+        model,
+        make_optimizer(model),
+        {
+            "zero_stage": stage,
+            "chunk_size": CHUNK,
+            "offload": offload,
+            "memory": {"device_budget": BUDGET, "host_budget": 64 << 20},
+        },
+    )
+    losses, peaks = [], []
+    for i, (x, y) in enumerate(_data()):
+        loss = engine(x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        peaks.append(engine.memory_stats()["auto"]["peak_nonmodel"])
+        if i == 2:
+            engine.manager.reset_peaks()
+    stats = engine.memory_stats()
+    engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference()), rtol=1e-5, atol=1e-6)
+    auto = stats["auto"]
+    # At every moment measured, chunks + activations stayed within the device budget ...
+    assert auto["worst_total"] <= BUDGET, auto
+    assert stats["device"]["peak"] <= BUDGET
+    # ... the longer sequences were measured afresh (more activations than the warm-up saw) ...
+    assert peaks[-1] > peaks[2] > 0, peaks
+    # ... and the device was used: chunks filled what the activations left, the rest went to the host.
+    assert stats["device"]["peak"] >= 0.5 * (BUDGET - auto["peak_nonmodel"]), stats["device"]
+    assert stats["counters"].get("evictions", 0) > 0
+    assert stats["host"]["peak"] > 0
+
+
+def test_budgets_default_from_the_machine(tmp_path):
+    model = build()
+    engine = hetero.initialize(
+        model, make_optimizer(model), {"offload": {"optimizer": "auto"}, "memory": {"nvme_dir": str(tmp_path)}}
+    )
+    stats = engine.memory_stats()
+    engine.close()
+    ram = psutil.virtual_memory().total
+    assert 0 < stats["auto"]["device_budget"] <= ram and 0 < stats["host"]["budget"] <= ram
+    assert stats["nvme"]["budget"] > 0

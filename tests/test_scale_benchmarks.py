@@ -1,0 +1,43 @@
+"""The two scale benchmarks run end to end on tiny settings (their real sizes need minutes, or a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, *args, "--json"], capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_gpu_scale_dry_run(tmp_path):
+    r = _run([os.path.join(ROOT, "benchmarks/gpu_scale.py"), "--dry-run", "--nvme-dir", str(tmp_path)], 170)
+    assert r["largest"] is not None and r["largest"]["params"] <= r["machine_limit_params"]
+    assert r["largest"]["mfu"] > 0 and set(r["multiples"]) == {"1x", "2x", "4x"}
+
+
+@pytest.mark.timeout(180)
+def test_bigger_than_ram_tiny(tmp_path):
+    r = _run(
+        [
+            os.path.join(ROOT, "benchmarks/bigger_than_ram.py"),
+            *("--layers", "4", "--hidden", "128", "--intermediate", "256", "--heads", "2", "--vocab", "1024"),
+            *("--host-budget", "4MiB", "--device-budget", "4MiB", "--chunk-numel", "131072", "--steps", "2"),
+            *("--raw-size", "32MiB", "--nvme-dir", str(tmp_path), "--no-reference"),
+        ],
+        170,
+    )
+    assert r["states_bytes"] > 3 * r["host_budget"]
+    assert r["host_peak"] <= r["host_budget"] and r["device_peak"] <= r["device_budget"]
+    assert r["steps"][-1]["nvme_read_bytes"] > 0 and r["io_lower_bound_s"] > 0
