@@ -258,7 +258,7 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
 
 def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
     m = engine.manager
-    buf = m.access(zc.grad, zc.homes.compute)
+    buf = zc._grad_buffer()  # valid (HOLD) from here, so the next accumulation adds to what is loaded
     with m.pinned(zc.grad):
         buf.zero_()
         glo, ghi = _kept_range(engine, zc) if engine.stage >= 2 else (0, zc.spec.capacity)

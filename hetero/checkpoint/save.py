@@ -154,7 +154,9 @@ def _plan(engine: Engine) -> list[_Item]:
                     items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
             # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
-            # reduced shard at stages 2-3. Read back only by the same rank of the same layout.
+            # reduced shard at stages 2-3. Read back only by the same rank of the same layout. A chunk that holds no
+            # data yet (stages 2-3 before their first reduce-scatter) is given its zeros first.
+            zc._grad_buffer()
             glo, ghi = (lo, hi) if stage >= 2 else (0, zc.spec.capacity)
             for info in zc.spec.params:
                 a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
