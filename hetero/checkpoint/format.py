@@ -4,19 +4,22 @@ A safetensors file is: 8 bytes (little-endian u64) giving the header's length N,
 tensor's name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets into the data area that follows, plus an
 optional "__metadata__" of strings), then the raw little-endian bytes of every tensor back to back. Because the
 header comes first, a writer must know every tensor's name, dtype and shape before it writes a byte of data:
-`TensorWriter` takes that plan up front, writes the header, then takes the tensors one at a time, in plan order,
-computing each one's CRC32 as it goes. `TensorReader` parses the header and reads any tensor, or any element range
-of one, straight into a caller's buffer with `preadv`, so a reader never holds more than it asks for.
+`TensorWriter` takes that plan up front, writes the header, then takes the tensors in plan order, alone or as runs
+that it writes on I/O threads (see [Note: overlapped writes]). `TensorReader` parses the header and reads any
+tensor, or any element range of one, straight into a caller's buffer with `preadv`, so a reader never holds more
+than it asks for.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import struct
 import zlib
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,23 @@ _ALIGN = 8  # the header is padded with spaces so that the data starts 8-byte al
 _MAX_HEADER = 1 << 30  # a header length beyond this is a corrupt file, not a real header
 _IO_BLOCK = 64 << 20  # bytes per write call: large enough to stream at disk speed, small enough to bound copies
 _IOV_MAX = 512  # buffers per preadv call (the system's limit is at least 1024)
+_READ_AHEAD = 128 << 20  # bytes past a run that the kernel is asked to start reading while the run is copied out
+_WRITE_THREADS = 2  # one checksums a run while the other is in a write call (both release the GIL)
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of a range's dirty pages, without waiting for it
+
+
+def _writeback_starter() -> object | None:
+    """Linux's sync_file_range, or None where there is none (then the final fsync does all the work)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_START_WRITEBACK = _writeback_starter()
 
 
 @dataclass(frozen=True)
@@ -71,9 +91,18 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 class TensorWriter:
-    """Writes one safetensors file: `plan` fixes every (name, dtype, shape) in order; `write` streams each tensor.
+    """Writes one safetensors file: `plan` fixes every (name, dtype, shape) in order; `write` streams one tensor,
+    `submit` a run of them on the I/O threads.
 
     The file is fsync'd on `close`. `crcs` holds each tensor's CRC32 once written; `header_crc` the header's.
+
+    [Note: overlapped writes]
+    Every tensor's place in the file is fixed by the plan, so a run can be written with `pwritev` (one call for many
+    tensors) on a thread while the caller prepares the next run (brings a chunk back from NVMe, copies it off the
+    device). The thread checksums the run and then, once written, asks the kernel to start writing those pages to
+    disk (sync_file_range, Linux): the disk works while later runs are still being copied into the page cache, and
+    the final fsync, which alone makes the file durable, finds little left to do. The caller keeps each run's
+    memory unchanged until its future is done.
     """
 
     def __init__(
@@ -108,28 +137,79 @@ class TensorWriter:
         self.header_crc = zlib.crc32(self.header_bytes)
         self.crcs: dict[str, int] = {}
         self._next = 0
+        self._pool: ThreadPoolExecutor | None = None  # made on the first `submit`
+        self._futures: list[Future] = []
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._write(memoryview(self.header_bytes))
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """Write the next planned tensor (any device; converted to the planned dtype if it differs)."""
-        if self._next >= len(self._order) or self._order[self._next].name != name:
-            expected = self._order[self._next].name if self._next < len(self._order) else "nothing (plan done)"
-            raise ValueError(f"{self.path}: wrote {name!r} but the plan expects {expected!r} next")
-        entry = self._order[self._next]
-        if t.numel() != entry.numel:
-            raise ValueError(f"{self.path}: {name!r} has {t.numel()} elements, the plan says {entry.numel}")
-        if t.dtype != entry.dtype:
-            t = t.to(entry.dtype)
-        data = as_bytes(t)
-        self.crcs[name] = zlib.crc32(data)
-        self._write(data)
-        self._next += 1
+        self.submit([(name, t)]).result()
+
+    def submit(self, run: list[tuple[str, torch.Tensor]]) -> Future:
+        """Write the next planned tensors (any device; converted to the planned dtype if it differs) on an I/O
+        thread; the returned future is done once they are written and checksummed. The caller must leave CPU
+        tensors unchanged until then (device tensors are copied to the host here first)."""
+        entries, views = [], []
+        for name, t in run:
+            if self._next >= len(self._order) or self._order[self._next].name != name:
+                expected = self._order[self._next].name if self._next < len(self._order) else "nothing (plan done)"
+                raise ValueError(f"{self.path}: wrote {name!r} but the plan expects {expected!r} next")
+            entry = self._order[self._next]
+            if t.numel() != entry.numel:
+                raise ValueError(f"{self.path}: {name!r} has {t.numel()} elements, the plan says {entry.numel}")
+            if t.dtype != entry.dtype:
+                t = t.to(entry.dtype)
+            entries.append(entry)
+            views.append(as_bytes(t))
+            self._next += 1
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="hetero-ckpt-write")
+        future = self._pool.submit(self._write_run, entries, views)
+        self._futures.append(future)
+        return future
+
+    def _write_run(self, entries: list[Entry], views: list[memoryview]) -> None:
+        crcs = [zlib.crc32(v) for v in views]
+        if not entries:
+            return
+        start = offset = self.data_start + entries[0].begin
+        i = 0
+        while i < len(views):
+            batch, size = views[i : i + _IOV_MAX], 0
+            for j, v in enumerate(batch):  # bound the bytes of one call, as `_write` does
+                size += len(v)
+                if size >= _IO_BLOCK:
+                    batch = batch[: j + 1]
+                    break
+            n = os.pwritev(self._fd, batch, offset)
+            offset += n
+            while i < len(views) and n >= len(views[i]):  # drop the buffers written; trim a partly written one
+                n -= len(views[i])
+                i += 1
+            if n:
+                views[i] = views[i][n:]
+        if _START_WRITEBACK is not None and offset > start:
+            _START_WRITEBACK(self._fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)  # only a hint: ignore errors
+        for e, c in zip(entries, crcs):
+            self.crcs[e.name] = c
+
+    def _drain(self) -> None:
+        """Wait for every submitted run; raises the first failure after all have finished."""
+        futures, self._futures = self._futures, []
+        errors = [f.exception() for f in futures]
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         if self._fd < 0:
             return
         try:
+            self._drain()
             if self._next != len(self._order):
                 missing = [e.name for e in self._order[self._next :]]
                 raise ValueError(f"{self.path}: {len(missing)} planned tensors were never written: {missing[:5]}")
@@ -140,8 +220,13 @@ class TensorWriter:
 
     def abort(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                self._drain()  # no thread may write into a closed (or reused) descriptor
+            except Exception:
+                pass
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
     def __enter__(self) -> TensorWriter:
         return self
@@ -248,6 +333,11 @@ class TensorReader:
                 raise ValueError(f"read_many needs a contiguous CPU {e.dtype} tensor of {e.numel} elements")
             views.append(as_bytes(out))
         offset, i = entries[0].begin, 0
+        if hasattr(os, "posix_fadvise"):
+            # The disk starts on what comes next while this run is copied out and checksummed, and while the caller
+            # finishes the chunk before asking for more: reads stream as a plain copy's would, whatever the caller's
+            # own depth of requests in flight.
+            os.posix_fadvise(self._fd, entries[-1].end, _READ_AHEAD, os.POSIX_FADV_WILLNEED)
         while i < len(views):
             n = os.preadv(self._fd, views[i : i + _IOV_MAX], offset)
             if n <= 0:

@@ -5,7 +5,8 @@
    the file system has room for every rank's planned bytes; the outcome is broadcast, so every rank raises the same
    error and nothing already saved is touched.
 2. Rank 0 makes ROOT/.tmp-<tag>-<nonce>/; each rank writes rank-<global rank>.safetensors into it chunk by chunk
-   (one chunk on the host at a time; a chunk on NVMe is read back and returned there) and fsyncs it.
+   (written on I/O threads while the next chunk is brought to the host; a chunk on NVMe is read back and returned
+   there) and fsyncs it.
 3. The ranks' sizes and checksums are gathered on rank 0, which writes state.pt and manifest.json, fsyncs them and
    the directory, renames the directory to ROOT/<tag>, fsyncs the root, and only then replaces ROOT/latest
    atomically (temporary file, fsync, rename, fsync).
@@ -196,29 +197,64 @@ def _file_size(plan: list[_Item]) -> int:
 
 
 def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
-    """Stream this rank's tensors, one chunk on the host at a time; returns the file's entry for the manifest."""
+    """Stream this rank's tensors, a chunk at a time; returns the file's entry for the manifest.
+
+    A chunk's run is written on the writer's I/O threads while the next chunk is made resident (read back from NVMe,
+    copied off the device), so the disk and the chunk moves overlap ([Note: overlapped writes] in format.py). A chunk
+    stays pinned, and so unchanged, until its run is written; at most two are held on the host at once, and only
+    one when the host has no room for a second."""
     m = engine.manager
+    in_flight: list[tuple[Any, bool, Any]] = []  # (chunk or None, read back from NVMe, future), in submission order
+
+    def retire() -> None:
+        chunk, was_nvme, future = in_flight.pop(0)
+        try:
+            future.result()
+        finally:
+            if chunk is not None:
+                m.unpin(chunk)
+        if was_nvme:
+            m.move(chunk, Tier.NVME)  # back home; clean, so no write
+
     with TensorWriter(path, [(it.key, it.dtype, (it.numel,)) for it in plan]) as w:
-        i = 0
-        while i < len(plan):
-            chunk = plan[i].chunk
-            if chunk is None:
-                w.write(plan[i].key, plan[i].tensor.reshape(-1))
-                i += 1
-                continue
-            j = i
-            while j < len(plan) and plan[j].chunk is chunk:
-                j += 1
-            was_nvme = chunk.tier is Tier.NVME or (chunk.move is not None and chunk.move.dst is Tier.NVME)
-            tier = chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) and not was_nvme else Tier.HOST
-            m.access(chunk, tier, write=False)  # only read: a clean swap copy stays valid
-            with m.pinned(chunk):
-                for it in plan[i:j]:
-                    view = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
-                    w.write(it.key, view.narrow(0, it.offset, it.numel))
-            if was_nvme:
-                m.move(chunk, Tier.NVME)  # back home; clean, so no write
-            i = j
+        try:
+            i = 0
+            while i < len(plan):
+                chunk = plan[i].chunk
+                if chunk is None:
+                    in_flight.append((None, False, w.submit([(plan[i].key, plan[i].tensor.reshape(-1))])))
+                    i += 1
+                    continue
+                j = i
+                while j < len(plan) and plan[j].chunk is chunk:
+                    j += 1
+                was_nvme = chunk.tier is Tier.NVME or (chunk.move is not None and chunk.move.dst is Tier.NVME)
+                tier = chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) and not was_nvme else Tier.HOST
+                if was_nvme and m.ledgers[Tier.HOST].free < chunk.nbytes:
+                    while in_flight:  # no room for a second chunk on the host: let the ones written go first
+                        retire()
+                m.access(chunk, tier, write=False)  # only read: a clean swap copy stays valid
+                m.pin(chunk)
+                try:
+                    run = []
+                    for it in plan[i:j]:
+                        view = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
+                        run.append((it.key, view.narrow(0, it.offset, it.numel)))
+                    future = w.submit(run)
+                except BaseException:
+                    m.unpin(chunk)
+                    raise
+                in_flight.append((chunk, was_nvme, future))
+                while len(in_flight) > 2:
+                    retire()
+                i = j
+            while in_flight:
+                retire()
+        finally:
+            for chunk, _, future in in_flight:  # after an error: wait for the threads before letting go of memory
+                future.exception()
+                if chunk is not None:
+                    m.unpin(chunk)
     return {
         "file": os.path.basename(path),
         "size": w.size,
