@@ -419,21 +419,22 @@ class Comm:
         if buf is not t:
             t.copy_(buf)
 
-    def isend(self, t: torch.Tensor, dst: int) -> Handle:
-        """Start sending ``t`` to group rank ``dst``; do not modify ``t`` before the handle's wait()."""
+    def isend(self, t: torch.Tensor, dst: int, *, tag: int = 0) -> Handle:
+        """Start sending ``t`` to group rank ``dst``; do not modify ``t`` before the handle's wait(). ``tag`` pairs it
+        with the receive of the same tag (gloo matches by tag; NCCL ignores tags and matches in order)."""
         self._check_p2p(dst, "dst")
         buf = t.contiguous()
-        work = dist.isend(buf, dst=self._global_ranks[dst], group=self.group)
+        work = dist.isend(buf, dst=self._global_ranks[dst], group=self.group, tag=tag)
         # A contiguous copy must outlive the transfer: the handle holds it until wait().
         return work if buf is t else _CopyBack(work, buf, None)
 
-    def irecv(self, t: torch.Tensor, src: int) -> Handle:
+    def irecv(self, t: torch.Tensor, src: int, *, tag: int = 0) -> Handle:
         """Start receiving into ``t`` from group rank ``src``; ``t`` holds the data once wait() returns."""
         self._check_p2p(src, "src")
         if t.is_contiguous():
-            return dist.irecv(t, src=self._global_ranks[src], group=self.group)
+            return dist.irecv(t, src=self._global_ranks[src], group=self.group, tag=tag)
         buf = _contiguous_like(t)
-        return _CopyBack(dist.irecv(buf, src=self._global_ranks[src], group=self.group), buf, t)
+        return _CopyBack(dist.irecv(buf, src=self._global_ranks[src], group=self.group, tag=tag), buf, t)
 
     def _check_p2p(self, peer: int, name: str) -> None:
         if self.size == 1:

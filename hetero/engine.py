@@ -23,6 +23,7 @@ from hetero.config import Config
 from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.parallel import engine_glue
 from hetero.zero.chunks import Homes, ZeroChunk, flat_values
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
@@ -81,7 +82,10 @@ class Engine:
         device: torch.device | str | None = None,
     ) -> None:
         self.config = config
-        self.comm = comm if comm is not None else init_from_env()  # the data-parallel group
+        world = comm if comm is not None else init_from_env()
+        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
+        self.mesh, self._stages = engine_glue.setup_parallel(model, optimizer, config.parallel, world)
+        self.comm = self.mesh.dp  # the data-parallel group: ZeRO shards and reduces over it
         self.device = Device(device)
         self.module = model  # the user's model, modified in place: parameter names unchanged
         self.algorithm = algorithm_of(optimizer)
@@ -124,12 +128,15 @@ class Engine:
         on_grad = weakref.WeakMethod(self._on_grad)
         self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=lambda p: on_grad()(p))
         self._closed = False
+        self._runtime = None  # the pipeline runtime, made at the first train_batch
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own.
         training = torch.is_grad_enabled()
+        if self._stages is not None:
+            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -171,7 +178,11 @@ class Engine:
             self.optimizer.step()
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
-        """Forward, backward and step on one micro-batch; returns the loss (mean over data-parallel ranks)."""
+        """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
+        micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
+        on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
+        if self._stages is not None or self.config.parallel.microbatches > 1:
+            return engine_glue.train_batch(self, inputs, labels, loss_fn)
         if loss_fn is None:
             out = self(inputs, labels=labels)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
@@ -192,7 +203,7 @@ class Engine:
         if self.stage == 3:
             zc.exit(info, slot, TensorState.HOLD_AFTER_BWD)
         if complete:
-            if self.stage >= 2:
+            if self.stage >= 2 and not zc.accumulate_full:  # accumulate_full: reduced once per batch
                 zc.start_reduce()
                 self._reducing.append(zc)
                 # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare.
@@ -246,6 +257,8 @@ class Engine:
 
     def _grad_stats(self) -> tuple[float, bool]:
         """Sum of squares of the (scaled) gradient over all ranks, and whether it is finite everywhere."""
+        if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
+            return engine_glue.grad_stats(self)
         sq = torch.zeros((), dtype=torch.float64)
         for zc in self._trainable:
             sq += torch.linalg.vector_norm(zc.grad_view(), dtype=torch.float64).cpu() ** 2
@@ -274,6 +287,11 @@ class Engine:
     def memory_stats(self) -> dict[str, Any]:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters."""
         return self.manager.memory_stats()
+
+    def _pipeline_runtime(self) -> engine_glue.PipelineRuntime:
+        if self._runtime is None:
+            self._runtime = engine_glue.make_runtime(self)
+        return self._runtime
 
     @property
     def data_parallel_rank(self) -> int:

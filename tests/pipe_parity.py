@@ -1,0 +1,78 @@
+"""Parity runs for the parallel layouts: a tiny pipelineable GPT (GPTPipe, untied) trained by plain PyTorch on the
+global batch, and by hetero's `train_batch` under a "parallel" config, for tests to compare."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import hetero
+from hetero.models.gpt import GPTConfig
+from hetero.models.gpt_pipe import GPTPipe
+
+try:
+    from tests import parity
+except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+
+CFG = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False, tie_weights=False)
+STEPS, ROWS = 4, 4
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def build(seed: int = 0) -> GPTPipe:
+    torch.manual_seed(seed)
+    return GPTPipe(GPTConfig(**CFG))
+
+
+def reference(steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> tuple[list[float], dict]:
+    model = build()
+    opt = parity.make_optimizer(model)
+    losses = []
+    for x, y in parity.batches(steps, rows):
+        loss = model(x, labels=y).loss
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROWS) -> dict[str, Any]:
+    """hetero on this rank's share of each global batch; returns losses, and this stage's full weights from the
+    first data-parallel and tensor rank (None elsewhere)."""
+    torch.manual_seed(1234 + rank)  # the model must not depend on a rank's RNG: it is built from the seed below
+    model = build()
+    opt = parity.make_optimizer(model)
+    config = copy.deepcopy(config)
+    config.setdefault("chunk_size", parity.CHUNK)
+    engine = hetero.initialize(model, opt, config)
+    dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
+    local = rows // dp
+    losses = []
+    for x, y in parity.batches(steps, rows):
+        loss = engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local])
+        losses.append(float(loss))
+    mesh = engine.mesh
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
+    if mesh.dp_rank != 0 or mesh.tp_rank != 0:
+        state = None
+    out = {"losses": losses, "state": state, "coords": (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank)}
+    engine.close()
+    return out
+
+
+def check(results: list[dict], ref: tuple[list[float], dict]) -> None:
+    ref_losses, ref_state = ref
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), **TOL)
+        if r["state"] is not None:
+            merged.update(r["state"])
+    assert merged.keys() == ref_state.keys(), sorted(set(ref_state) ^ set(merged))
+    for name, value in ref_state.items():
+        torch.testing.assert_close(merged[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
