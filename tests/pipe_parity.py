@@ -27,19 +27,19 @@ def build(seed: int = 0) -> GPTPipe:
     return GPTPipe(GPTConfig(**CFG))
 
 
-def reference(steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> tuple[list[float], dict]:
+def reference(steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> tuple[list[float], dict, float]:
+    """Plain PyTorch on the global batch: losses, final weights, and the last step's gradient norm."""
     model = build()
     opt = parity.make_optimizer(model)
-    losses = []
+    losses, norm = [], float("nan")
     for x, y in parity.batches(steps, rows):
         loss = model(x, labels=y).loss
         loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
 
 
 def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROWS) -> dict[str, Any]:
@@ -51,6 +51,7 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
     config = copy.deepcopy(config)
     config.setdefault("chunk_size", parity.CHUNK)
     engine = hetero.initialize(model, opt, config)
+    reductions = _count_reductions(engine.comm)
     dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
     local = rows // dp
     losses = []
@@ -61,16 +62,42 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
     if mesh.dp_rank != 0 or mesh.tp_rank != 0:
         state = None
-    out = {"losses": losses, "state": state, "coords": (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank)}
+    out = {
+        "losses": losses,
+        "state": state,
+        "coords": (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank),
+        "grad_norm": engine.last_grad_norm,
+        "reductions": reductions[0],
+        "trainable_chunks": len(engine._trainable),
+    }
     engine.close()
     return out
 
 
-def check(results: list[dict], ref: tuple[list[float], dict]) -> None:
-    ref_losses, ref_state = ref
+def _count_reductions(comm: Any) -> list[int]:
+    """Count the gradient reduce-scatters issued on the data-parallel group (patched on this Comm instance)."""
+    count, depth = [0], [0]  # depth: the async form may fall back to the blocking one; count the outer call
+    for name in ("reduce_scatter", "reduce_scatter_async"):
+        original = getattr(comm, name)
+
+        def counted(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
+            count[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(comm, name, counted)
+    return count
+
+
+def check(results: list[dict], ref: tuple[list[float], dict, float]) -> None:
+    ref_losses, ref_state, ref_norm = ref
     merged: dict[str, torch.Tensor] = {}
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), **TOL)
+        assert abs(r["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (r["grad_norm"], ref_norm)
         if r["state"] is not None:
             merged.update(r["state"])
     assert merged.keys() == ref_state.keys(), sorted(set(ref_state) ^ set(merged))
