@@ -144,10 +144,17 @@ def _cross_entropy(rank: int, world: int) -> None:
     per = vocab_parallel_cross_entropy(local.detach(), target, comm, reduction="none")
     ref_per = F.cross_entropy(full.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="none")
     torch.testing.assert_close(per.flatten(), ref_per, **TOL)
+    # the along-a-dimension collectives under it all
+    mine = torch.arange(24.0).view(2, 3, 4) + 100 * rank
+    parts = [torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(world)]
+    assert torch.equal(comm.all_gather_dim(mine, 1), torch.cat(parts, 1))
+    assert torch.equal(comm.reduce_scatter_dim(mine, 2), sum(parts).chunk(world, 2)[rank])
+    sent = comm.all_to_all_dim(mine, 2, 1)  # part r of every rank's dim 2, concatenated along dim 1
+    assert torch.equal(sent, torch.cat([p.chunk(world, 2)[rank] for p in parts], 1))
 
 
 @pytest.mark.timeout(120)
-def test_vocab_parallel_cross_entropy():
+def test_vocab_parallel_cross_entropy_and_collectives():
     run_distributed(_cross_entropy, 2, timeout=100)
 
 
@@ -185,36 +192,41 @@ def test_llama_kv_heads_not_divisible():
         apply_tensor_parallel(transformers.LlamaForCausalLM(cfg), "auto", types.SimpleNamespace(size=2, rank=0))
 
 
-def _engine(rank: int, world: int, sequence: bool) -> None:
+def _engine(rank: int, world: int) -> None:
     tensor = Comm.world()
     data = tensor.split([[0], [1]])  # a data-parallel group of one per tensor rank
-    ref, model = _model("gpt"), _model("gpt")
-    apply_tensor_parallel(model, "auto", tensor, sequence=sequence)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
-    engine = hetero.initialize(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
-        {"zero_stage": 3, "chunk_size": 4096, "offload": {"optimizer": "host", "params": "host"}},
-        comm=data,
-    )
-    for x, y in _batches("gpt"):
-        ref_loss = ref(x, labels=y).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, labels=y).loss
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL)
-    state = engine.full_state_dict()
-    params = dict(model.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(
-            _full(state[name], params[name], tensor), p.data, rtol=1e-5, atol=ATOL_W, msg=lambda m, n=name: f"{n}: {m}"
+    for sequence in (False, True):
+        ref, model = _model("gpt"), _model("gpt")
+        apply_tensor_parallel(model, "auto", tensor, sequence=sequence)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+        engine = hetero.initialize(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
+            {"zero_stage": 3, "chunk_size": 4096, "offload": {"optimizer": "host", "params": "host"}},
+            comm=data,
         )
-    engine.close()
+        for x, y in _batches("gpt"):
+            ref_loss = ref(x, labels=y).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = engine(x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL)
+        state = engine.full_state_dict()
+        params = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(
+                _full(state[name], params[name], tensor),
+                p.data,
+                rtol=1e-5,
+                atol=ATOL_W,
+                msg=lambda m, n=name: f"{n}: {m}",
+            )
+        engine.close()
 
 
 @pytest.mark.timeout(300)
 def test_engine_zero3_on_tensor_parallel_model():
-    run_distributed(_engine, 2, True, timeout=240)
+    run_distributed(_engine, 2, timeout=240)

@@ -12,8 +12,11 @@ Styles:
 - ``vocab``: ``nn.Embedding`` sharded by vocabulary range.
 - ``vocab_head``: the LM head (``nn.Linear``) with logits left sharded by vocabulary; the model's own loss is
   replaced by the vocabulary-parallel cross entropy.
-- ``heads``: an attention module; its head counts are divided by the degree (checked) and, under sequence
-  parallelism, its input is gathered along the sequence.
+- ``parallel_input``: a module whose column-parallel children read its input (an MLP with gate and up projections):
+  the input enters the tensor-parallel region once, in a pre-hook (f; under sequence parallelism the all-gather
+  along the sequence), instead of once per child.
+- ``heads``: an attention module; its head counts are divided by the degree (checked), and it is a
+  ``parallel_input`` (under sequence parallelism attention must see the whole sequence).
 - ``norm``: a LayerNorm/RMSNorm inside the sequence-parallel region (its gradients are all-reduced under SP).
 - ``sequence_scatter`` / ``sequence_gather``: where the sequence-parallel region begins (the module's input is cut)
   and ends (its output is gathered). Both do nothing without sequence parallelism.
@@ -36,6 +39,7 @@ STYLES = (
     "vocab",
     "vocab_head",
     "heads",
+    "parallel_input",
     "norm",
     "sequence_scatter",
     "sequence_gather",
@@ -52,6 +56,7 @@ def _gpt(prefix: str = "") -> dict[str, str]:
         f"{p}layers.*.attn": "heads",
         f"{p}layers.*.attn.?_proj": "colwise",  # q_proj, k_proj, v_proj (o_proj overridden below)
         f"{p}layers.*.attn.o_proj": "rowwise",
+        f"{p}layers.*.mlp": "parallel_input",
         f"{p}layers.*.mlp.fc": "colwise",
         f"{p}layers.*.mlp.proj": "rowwise",
         f"{p}ln_f": "norm+sequence_gather",
@@ -69,6 +74,7 @@ def _gpt2(prefix: str, head: bool) -> dict[str, str]:
         f"{p}h.*.attn": "heads",
         f"{p}h.*.attn.c_attn": "colwise_qkv",
         f"{p}h.*.attn.c_proj": "rowwise",
+        f"{p}h.*.mlp": "parallel_input",
         f"{p}h.*.mlp.c_fc": "colwise",
         f"{p}h.*.mlp.c_proj": "rowwise",
         f"{p}ln_f": "norm+sequence_gather",
@@ -91,6 +97,7 @@ def _llama(prefix: str, head: bool) -> dict[str, str]:
         f"{p}layers.*.self_attn.k_proj": "colwise",
         f"{p}layers.*.self_attn.v_proj": "colwise",
         f"{p}layers.*.self_attn.o_proj": "rowwise",
+        f"{p}layers.*.mlp": "parallel_input",  # gate_proj and up_proj read the same input
         f"{p}layers.*.mlp.gate_proj": "colwise",
         f"{p}layers.*.mlp.up_proj": "colwise",
         f"{p}layers.*.mlp.down_proj": "rowwise",

@@ -14,7 +14,6 @@ parameters' squares + replicated parameters' squares / degree).
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,25 +86,19 @@ def _shard(param: nn.Parameter, dim: int, parts: int, comm: Comm, what: str) -> 
 
 
 class _Region:
-    """The tensor group of one ``apply_tensor_parallel`` call, and the input it last brought into the tensor-parallel
-    region: q, k and v (or gate and up) projections read the same tensor, and one f / all-gather serves them all."""
+    """The tensor group of one ``apply_tensor_parallel`` call and how inputs enter its tensor-parallel region."""
 
     def __init__(self, comm: Comm, sequence: bool) -> None:
         self.comm = comm
         self.sequence = sequence  # Megatron-SP: column-parallel inputs arrive sharded along the sequence
-        self._last: tuple[Any, Any, bool] | None = None  # (weakref input, weakref output, gathered?)
 
     def enter(self, x: torch.Tensor, *, sequence: bool) -> torch.Tensor:
+        """f (or the all-gather along the sequence under SP), unless a parent module brought ``x`` in already:
+        q, k and v (or gate and up) projections read the same input, and one collective must serve them all."""
         if getattr(x, "_hetero_tp_entered", None) is self:
-            return x  # the attention module's pre-hook brought it in already
-        if self._last is not None:
-            src, out, seq = self._last
-            if src() is x and seq == sequence and out() is not None:
-                return out()
+            return x
         y = gather_seq(x, self.comm) if sequence else copy_to_region(x, self.comm)
-        y._hetero_tp_entered = self
-        # Weak references: autograd keeps the output alive while a backward may need it, nothing more.
-        self._last = (weakref.ref(x), weakref.ref(y), sequence)
+        y._hetero_tp_entered = self  # marks this tensor object only: any op on it makes an unmarked tensor
         return y
 
 
@@ -228,6 +221,8 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
     elif part == "heads":
         for attr, value in _heads(module, name, degree).items():
             setattr(module, attr, value)
+        _apply("parallel_input", module, name, region)  # attention reads the sequence length from its input
+    elif part == "parallel_input":
 
         def pre_hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return replace_first_input(name, args, kwargs, lambda x: region.enter(x, sequence=region.sequence))
