@@ -4,7 +4,8 @@
                                  [--hidden H] [--heads N] [--vocab V]
 
 Each configuration runs one training step (forward, backward) of a model built with L = 1 and L = 2 layers on T
-gloo ranks, with hetero's tensor parallelism (``--sp`` off and on), while every collective of ``hetero.comm.Comm``
+gloo ranks, with hetero's tensor parallelism (without and with Megatron-SP) and with Ulysses sequence parallelism,
+while every collective of ``hetero.comm.Comm``
 that the step calls is recorded: its kind, its size and whether autograd's backward issued it. One layer's traffic
 is the two-layer run's minus the one-layer run's, which removes the embedding, the LM head and the loss.
 
@@ -16,9 +17,13 @@ Sizes are counted two ways, for an fp32 activation of N = b*s*h elements per ran
 
 The Megatron formula (Korthikanti et al., 2022): without sequence parallelism, per layer 2 all-reduces of b*s*h in
 forward and 2 in backward; with it, 2 all-gathers and 2 reduce-scatters in each direction, the same ring bytes.
-Sequence parallelism adds small all-reduces of the gradients of parameters used inside the sequence-parallel
-region (norm weights, row-parallel biases: ``h`` elements each), reported as ``param_grads`` and left out of the
-comparison, since the formula counts activations only.
+Ulysses (Jacobs et al., 2023) moves q, k, v and the attention output through all-to-alls: per rank and direction
+(2 + 2 kv/H) b*s*h/t elements of which (t-1)/t leave the rank.
+
+Parameters used inside the sequence-parallel region get their gradients all-reduced over the group: under
+Megatron-SP the norm weights and row-parallel biases (``h`` elements each), under Ulysses every weight of the layer
+(its weights are replicated, as under data parallelism). They are reported as parameter-gradient all-reduces and
+left out of the comparison, since the formulas count activations only.
 """
 
 from __future__ import annotations
@@ -91,11 +96,12 @@ class _Recorder:
         from hetero.comm import Comm
 
         rec = self
-        originals = {name: getattr(Comm, name) for name in ("all_reduce", "all_gather_dim", "reduce_scatter_dim")}
+        names = ("all_reduce", "all_gather_dim", "reduce_scatter_dim", "all_to_all_dim")
+        originals = {name: getattr(Comm, name) for name in names}
 
         def all_reduce(comm: Any, t: torch.Tensor, op: str = "sum") -> None:
-            # 1-D all-reduces inside a layer are parameter gradients (activations are [batch, seq, hidden]).
-            kind = "param_grad" if rec.phase == "backward" and t.dim() == 1 else "all_reduce"
+            # Activations are [batch, seq, hidden]; a 1-D or 2-D all-reduce in backward is a parameter's gradient.
+            kind = "param_grad" if rec.phase == "backward" and t.dim() < 3 else "all_reduce"
             rec.calls.append((rec.phase, kind, t.numel(), comm.size))
             originals["all_reduce"](comm, t, op)
 
@@ -107,6 +113,11 @@ class _Recorder:
             rec.calls.append((rec.phase, "reduce_scatter", t.numel(), comm.size))
             return originals["reduce_scatter_dim"](comm, t, dim, op)
 
+        def all_to_all_dim(comm: Any, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+            rec.calls.append((rec.phase, "all_to_all", t.numel(), comm.size))
+            return originals["all_to_all_dim"](comm, t, scatter_dim, gather_dim)
+
+        Comm.all_to_all_dim = all_to_all_dim
         Comm.all_reduce = all_reduce
         Comm.all_gather_dim = all_gather_dim
         Comm.reduce_scatter_dim = reduce_scatter_dim
@@ -117,7 +128,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple], args: argparse.
     torch.set_num_threads(1)
     try:
         from hetero.comm import init_from_env
-        from hetero.parallel import apply_tensor_parallel
+        from hetero.parallel import apply_tensor_parallel, apply_ulysses
 
         comm = init_from_env(backend="gloo", timeout_s=300)
         rec = _Recorder()
@@ -125,15 +136,18 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple], args: argparse.
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
         results = {}
-        for model_name, layers, sp in jobs:
+        for model_name, layers, mode in jobs:
             model = _build(model_name, layers, args)
-            apply_tensor_parallel(model, "auto", comm, sequence=sp)
+            if mode == "ulysses":
+                apply_ulysses(model, comm)
+            else:
+                apply_tensor_parallel(model, "auto", comm, sequence=mode == "tp+sp")
             rec.calls.clear()
             rec.phase = "forward"
             loss = model(ids, labels=ids).loss
             rec.phase = "backward"
             loss.backward()
-            results[(model_name, layers, sp)] = list(rec.calls)
+            results[(model_name, layers, mode)] = list(rec.calls)
         out.put((rank, True, results))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
@@ -162,6 +176,7 @@ def _bytes(calls: list[tuple]) -> dict[str, dict[str, dict[str, float]]]:
     table: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     for phase, kind, numel, t in calls:
         payload = numel * FP32
+        # all-to-all: payload is this rank's tensor, of which (t-1)/t leaves it.
         ring = payload * (2 if kind in ("all_reduce", "param_grad") else 1) * (t - 1) / t
         cell = table[phase][kind]
         cell["count"] += 1
@@ -181,10 +196,15 @@ def _minus(a: dict, b: dict) -> dict:
     return out
 
 
-def _formula(args: argparse.Namespace, sp: bool) -> dict[str, float]:
+def _formula(args: argparse.Namespace, mode: str, kv_share: float) -> dict[str, float]:
     t, n = args.degree, args.batch * args.seq * args.hidden
+    if mode == "ulysses":
+        # Per direction: all-to-alls of q and the output (n/t elements each per rank) and of k and v (kv_share as
+        # large: grouped-query attention), each sending (t-1)/t of what it holds.
+        local = (2 + 2 * kv_share) * n / t * FP32
+        return {"payload_bytes": local, "ring_bytes": local * (t - 1) / t}
     # Per direction: 2 all-reduces of n (without SP), or 2 all-gathers + 2 reduce-scatters of n (with SP).
-    payload = (4 if sp else 2) * n * FP32
+    payload = (4 if mode == "tp+sp" else 2) * n * FP32
     ring = 2 * 2 * (t - 1) / t * n * FP32  # equal with and without SP
     return {"payload_bytes": payload, "ring_bytes": ring}
 
@@ -207,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             import transformers  # noqa: F401
         except ImportError:
             models = ["gpt"]
-    jobs = [(m, layers, sp) for m in models for sp in (False, True) for layers in (1, 2)]
+    modes = ("tp", "tp+sp", "ulysses")
+    jobs = [(m, layers, mode) for m in models for mode in modes for layers in (1, 2)]
     raw = _run(jobs, args)
     report: dict[str, Any] = {
         "degree": args.degree,
@@ -222,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(b*s*h = {args.batch * args.seq * args.hidden} fp32 elements)"
     )
     for m in models:
-        for sp in (False, True):
-            layer = _minus(_bytes(raw[(m, 2, sp)]), _bytes(raw[(m, 1, sp)]))
-            formula = _formula(args, sp)
-            row: dict[str, Any] = {"model": m, "sequence_parallel": sp, "per_layer": layer, "formula": formula}
-            say(f"\n{m}, sequence parallel {'on' if sp else 'off'}:")
+        kv_share = 0.5 if m == "llama" else 1.0  # _build gives Llama half as many key/value heads
+        for mode in modes:
+            layer = _minus(_bytes(raw[(m, 2, mode)]), _bytes(raw[(m, 1, mode)]))
+            formula = _formula(args, mode, kv_share)
+            row: dict[str, Any] = {"model": m, "mode": mode, "per_layer": layer, "formula": formula}
+            title = {"tp": "tensor parallel", "tp+sp": "tensor + sequence parallel (Megatron-SP)", "ulysses": "Ulysses"}
+            say(f"\n{m}, {title[mode]}:")
             for phase in ("forward", "backward"):
                 cells = layer.get(phase, {})
                 act = {k: v for k, v in cells.items() if k != "param_grad"}
@@ -243,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                     pg = cells["param_grad"]
                     say(
                         f"  {'':8s} + {int(pg['count'])} parameter-gradient all-reduces "
-                        f"({pg['payload_bytes'] / 1024:.1f} KiB): norms and row-parallel biases under SP"
+                        f"({pg['payload_bytes'] / 1024:.1f} KiB) of the parameters inside the sequence-parallel region"
                     )
             report["results"].append(row)
     if args.json:

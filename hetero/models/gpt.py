@@ -77,8 +77,13 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         # Head count from the projections' width (-1): tensor parallelism leaves each rank a share of the heads.
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = self.attend(q, k, v)
         return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention on [batch, heads, seq, head_dim]. A hook point: Ulysses sequence parallelism wraps it,
+        per instance, in all-to-alls."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
 
 
 class MLP(nn.Module):

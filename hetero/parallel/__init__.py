@@ -2,6 +2,7 @@
 
 from hetero.parallel.plans import BUILTIN_PLANS, STYLES, resolve_plan
 from hetero.parallel.tensor import TPShard, apply_tensor_parallel, unshard
+from hetero.parallel.ulysses import apply_ulysses
 from hetero.parallel.vocab import vocab_parallel_cross_entropy
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "STYLES",
     "TPShard",
     "apply_tensor_parallel",
+    "apply_ulysses",
     "resolve_plan",
     "unshard",
     "vocab_parallel_cross_entropy",
