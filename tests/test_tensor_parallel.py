@@ -186,6 +186,10 @@ def test_plan_errors():
         assert torch.equal(v, before[k]) and v.shape == before[k].shape
     with pytest.raises(ConfigError, match="style 'vocab' needs an Embedding"):
         apply_tensor_parallel(model, {"lm_head": "vocab"}, fake)
+    one = _model("gpt")
+    apply_tensor_parallel(one, "auto", Comm())  # degree 1: nothing to cut, but marked
+    with pytest.raises(ConfigError, match="sharded or sequence-parallel already"):
+        apply_tensor_parallel(one, "auto", Comm())
     # the resolved plan: later patterns override earlier ones
     plan = resolve_plan(model, "auto")
     assert plan["layers.1.attn.o_proj"] == "rowwise" and plan["layers.1.attn.k_proj"] == "colwise"

@@ -11,7 +11,8 @@ attention module's input before its forward reads the sequence length. The embed
 all-reduce is unchanged) because Hugging Face models derive position ids and masks from its output's length.
 A parameter used inside the region (a norm's weight, a row-parallel bias) sees only this rank's positions, so its
 gradient is a part of the whole: a hook all-reduces it over the tensor group before it is accumulated, and nothing
-outside this package needs to know. Dropout inside the region draws from each rank's own generator.
+outside this package needs to know. Dropout inside the region draws from each rank's generator: ranks seeded alike
+draw the same mask pattern for their different positions (Megatron forks a generator per rank; hetero does not yet).
 """
 
 from __future__ import annotations

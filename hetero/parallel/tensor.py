@@ -263,6 +263,16 @@ def _install_loss(model: nn.Module, comm: Comm) -> None:
         )
 
 
+def check_untouched(model: nn.Module) -> None:
+    """Raise if tensor or sequence parallelism was applied to ``model`` already (twice would cut shards again)."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "_hetero_tp") or getattr(p, "_hetero_sp_reduced", False):
+            raise ConfigError(
+                f"{name} is sharded or sequence-parallel already: apply tensor or sequence parallelism once per "
+                "model, to the complete model"
+            )
+
+
 def apply_tensor_parallel(
     model: nn.Module, plan: Mapping[str, str] | str, comm: Comm, *, sequence: bool = False
 ) -> None:
@@ -271,6 +281,7 @@ def apply_tensor_parallel(
     The model must be complete and identical on every rank of ``comm``. Every check runs before anything changes,
     so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well.
     """
+    check_untouched(model)
     resolved = resolve_plan(model, plan)
     modules = dict(model.named_modules())
     for name, style in resolved.items():

@@ -28,7 +28,7 @@ from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.sequence import SEQ_DIM, add_sequence_gather, add_sequence_scatter, all_reduce_grads
-from hetero.parallel.tensor import _heads
+from hetero.parallel.tensor import _heads, check_untouched
 from hetero.parallel.tp_ops import all_to_all
 
 _HF_NAME = "hetero_ulysses"  # the attention implementation registered with transformers
@@ -91,6 +91,7 @@ def apply_ulysses(model: nn.Module, comm: Comm, *, plan: Mapping[str, str] | str
     transformers' attention), and the parameters of its modules with layer styles are inside the region. Other
     styles are ignored. Head counts must divide by the group size; checked before anything changes.
     """
+    check_untouched(model)
     resolved = resolve_plan(model, plan)
     modules = dict(model.named_modules())
     parts = {name: style.split("+") for name, style in resolved.items()}
