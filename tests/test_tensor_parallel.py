@@ -109,6 +109,13 @@ def _tp_parity(rank: int, world: int, family: str) -> list[str]:
             loss.backward()
             torch.testing.assert_close(loss, ref_loss, **TOL)
             if step == 0:
+                # The engine's global norm: sum over tensor ranks of sharded squares + replicated squares / degree.
+                sq = torch.zeros((), dtype=torch.float64)
+                for p in tp.parameters():
+                    sq += p.grad.double().square().sum() / (1 if hasattr(p, "_hetero_tp") else comm.size)
+                comm.all_reduce(sq)
+                ref_sq = sum(p.grad.double().square().sum() for p in ref.parameters())
+                torch.testing.assert_close(sq, ref_sq, rtol=1e-6, atol=0)
                 ref_params = dict(ref.named_parameters())
                 for name, p in tp.named_parameters():
                     torch.testing.assert_close(
