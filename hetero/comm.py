@@ -361,6 +361,48 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    # Along-a-dimension collectives for tensor and sequence parallelism: out of place, every rank passes the same
+    # shape. They move `dim` to the front, where the flat rank order of all_gather / reduce_scatter is the order
+    # along `dim`.
+    def all_gather_dim(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``t`` concatenated along ``dim`` in group rank order (a new contiguous tensor)."""
+        if self._local:
+            return t.detach().clone()
+        front = t.detach().movedim(dim, 0).contiguous()
+        out = front.new_empty((self.size * front.shape[0], *front.shape[1:]))
+        self.all_gather(out, front)
+        return out.movedim(0, dim).contiguous()
+
+    def reduce_scatter_dim(self, t: torch.Tensor, dim: int, op: str = "sum") -> torch.Tensor:
+        """``t`` reduced across ranks, then cut into ``size`` equal parts along ``dim``: rank r gets part r."""
+        if t.shape[dim] % self.size:
+            raise ValueError(
+                f"reduce_scatter_dim: dimension {dim} of shape {tuple(t.shape)} does not divide by the group size "
+                f"{self.size}"
+            )
+        if self._local:
+            return t.detach().clone()
+        front = t.detach().movedim(dim, 0).contiguous()
+        out = front.new_empty((front.shape[0] // self.size, *front.shape[1:]))
+        self.reduce_scatter(out, front, op)
+        return out.movedim(0, dim).contiguous()
+
+    def all_to_all_dim(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Cut ``t`` into ``size`` parts along ``scatter_dim``, send part j to rank j, and concatenate the parts
+        received along ``gather_dim`` in group rank order (Ulysses' re-partition of heads and sequence)."""
+        if t.shape[scatter_dim] % self.size:
+            raise ValueError(
+                f"all_to_all_dim: dimension {scatter_dim} of shape {tuple(t.shape)} does not divide by the group "
+                f"size {self.size}"
+            )
+        if self._local:
+            return t.detach().clone()
+        with torch.no_grad():
+            parts = torch.stack(t.detach().chunk(self.size, scatter_dim)).contiguous()
+            out = torch.empty_like(parts)
+            dist.all_to_all_single(out, parts, group=self.group)
+            return torch.cat(list(out.unbind(0)), dim=gather_dim)
+
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank of the group; with ``timeout`` (s), raise RankTimeoutError instead of hanging.
 
