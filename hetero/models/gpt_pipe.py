@@ -14,6 +14,21 @@ from torch import nn
 
 from hetero.models.gpt import GPT, GPTConfig, GPTOutput
 
+# Tensor-parallel plan (hetero.parallel.plans styles) for GPTPipe: GPT's built-in plan under its new names.
+TP_PLAN = {
+    "embed.tok": "vocab",
+    "embed.drop": "sequence_scatter",
+    "layers.*.ln_?": "norm",
+    "layers.*.attn": "heads",
+    "layers.*.attn.?_proj": "colwise",
+    "layers.*.attn.o_proj": "rowwise",
+    "layers.*.mlp": "parallel_input",
+    "layers.*.mlp.fc": "colwise",
+    "layers.*.mlp.proj": "rowwise",
+    "head.ln_f": "norm+sequence_gather",
+    "head.lm_head": "vocab_head",
+}
+
 
 class Embeddings(nn.Module):
     def __init__(self, tok: nn.Embedding, pos: nn.Embedding, drop: nn.Dropout, block_size: int) -> None:
@@ -37,8 +52,12 @@ class Head(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        return GPTOutput(logits=logits, loss=loss)
+        return GPTOutput(logits=logits, loss=self.loss_function(logits, labels))
+
+    def loss_function(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of aligned labels, -100 ignored (fp32, as GPT's). Tensor parallelism replaces it, per
+        instance, by the vocabulary-parallel loss on sharded logits."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
 class GPTPipe(nn.Module):

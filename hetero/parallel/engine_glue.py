@@ -40,6 +40,12 @@ def setup_parallel(
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
     mesh = Mesh.build(world, tensor=cfg.tensor, pipeline=cfg.pipeline)
     chunks = None
+    plan: Any = cfg.tensor_plan
+    if cfg.tensor > 1:
+        from hetero.parallel.plans import resolve_plan
+
+        # Resolved on the whole model: a pattern must match somewhere in it, not on every stage.
+        plan = resolve_plan(model, plan)
     if cfg.pipeline > 1:
         chunks = keep_stages(
             model, rank=mesh.pp_rank, ranks=cfg.pipeline, virtual=cfg.virtual_stages, split=cfg.pipeline_split
@@ -48,11 +54,16 @@ def setup_parallel(
         for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
             group["params"] = [p for p in group["params"] if id(p) in kept]
     if cfg.tensor > 1:
-        try:
-            from hetero.parallel.tensor import apply_tensor_parallel
-        except ImportError as err:
-            raise ConfigError(f"parallel.tensor = {cfg.tensor}: tensor parallelism is not available ({err})") from err
-        apply_tensor_parallel(model, cfg.tensor_plan, mesh.tp, sequence=cfg.sequence)
+        from hetero.parallel.tensor import apply_tensor_parallel
+        from hetero.parallel.vocab import AlignedLMLoss
+
+        present = {n for n, _ in model.named_modules()}
+        apply_tensor_parallel(model, {n: st for n, st in plan.items() if n in present}, mesh.tp, sequence=cfg.sequence)
+        for m in model.modules():
+            # A pipelined GPT computes its loss in its last unit: give it the vocabulary-parallel loss too.
+            head = getattr(m, "lm_head", None)
+            if m is not model and hasattr(m, "loss_function") and hasattr(getattr(head, "weight", None), "_hetero_tp"):
+                m.loss_function = AlignedLMLoss(mesh.tp)
     return mesh, chunks
 
 
