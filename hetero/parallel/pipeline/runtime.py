@@ -9,6 +9,12 @@ disagree fails with a clear error instead of computing with the wrong tensor. Bo
 interleaved schedule's ring); NCCL ignores tags and relies on the schedules' send and receive orders agreeing, which
 `schedule.simulate` and the tests check. Sends are non-blocking and waited at the end of the batch (see
 [Note: why these orders cannot deadlock] in schedule.py).
+
+Known limit (NCCL): a rank's sends and receives to one peer share a stream there, and a send larger than NCCL's
+buffer waits for its receive to be posted; 1F1B's steady state ("send my output, then receive a gradient" on one
+rank, the mirror image on its neighbour) can then stall. torch.distributed.pipelining batches each such send with the
+next receive, which needs the receiver to know shapes before the header arrives (static shapes); that is not done
+here yet, and nothing in this repository's CI runs NCCL. gloo progresses sends in the background and is safe.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class PipelineRuntime:
         self.actions: list[Action] = build(schedule, self.p, microbatches, pp.rank, virtual)
         self.last_stage = self.p * self.v - 1
         self.device = device  # where received tensors are allocated
+        # NCCL sets a group's communicator up at its first collective: make that one every rank takes part in.
+        pp.barrier()
         self.measure = False  # fill `stats` (saved-tensor accounting costs a hook per saved tensor)
         self.stats = RunStats()
 
