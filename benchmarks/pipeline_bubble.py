@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     p, m = args.stages, args.microbatches
-    print(f"pipeline bubble, mode={args.mode} (p={p} stages, m={m} micro-batches, forward {args.t_forward_ms} ms/stage"
-          f"{', backward 2x' if args.mode == 'sleep' else ''})")  # fmt: skip
+    work = f"forward {args.t_forward_ms} ms/stage, backward 2x" if args.mode == "sleep" else f"MLP width {args.width}"
+    print(f"pipeline bubble, mode={args.mode} (p={p} stages, m={m} micro-batches, {work}, {args.rows} rows)")
     for name, r in out["schedules"].items():
         print(
             f"  [{args.mode}] {name:<17} v={r['virtual']}  batch {r['batch_s'] * 1000:7.1f} ms  bubble measured "
