@@ -180,6 +180,9 @@ def test_plan_errors():
     model = _model("gpt")
     with pytest.raises(ConfigError, match=r"layers\.\*\.atn\.q_proj.*matches no module.*layers\.0\.attn\.q_proj"):
         apply_tensor_parallel(model, {"layers.*.atn.q_proj": "colwise"}, fake)
+    assert resolve_plan(model, {"layers.*.atn.q_proj": "colwise", "lm_head": "vocab_head"}, strict=False) == {
+        "lm_head": "vocab_head"
+    }
     with pytest.raises(ConfigError, match=r"unknown tensor-parallel style 'colwsie' \(did you mean 'colwise'\?\)"):
         resolve_plan(model, {"layers.*.attn.q_proj": "colwsie"})
     with pytest.raises(ConfigError, match="no built-in plan for Linear"):

@@ -136,12 +136,13 @@ def check_style(style: object, where: str) -> list[str]:
     return parts
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str) -> dict[str, str]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str, *, strict: bool = True) -> dict[str, str]:
     """The concrete plan: every module FQN a pattern matches -> its style (``"auto"``: the model's built-in plan).
 
     Patterns are applied in order and a later one overrides an earlier one on the modules both match, so a broad
     pattern can be refined. A pattern that matches no module is an error (a typo would otherwise silently leave
-    layers whole), as is a style that does not exist.
+    layers whole) unless ``strict`` is False (a pipeline stage holds only some of the modules a plan names); a
+    style that does not exist always is.
     """
     if isinstance(plan, str):
         if plan != "auto":
@@ -161,7 +162,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str) -> dict[str, s
         check_style(style, f"tensor_plan[{pattern!r}]")
         regex = _compile(str(pattern))
         hits = [n for n in names if regex.match(n)]
-        if not hits:
+        if not hits and strict:
             close = difflib.get_close_matches(str(pattern), names, n=3)
             hint = f"; closest module names: {', '.join(close)}" if close else ""
             raise ConfigError(

@@ -274,15 +274,17 @@ def check_untouched(model: nn.Module) -> None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: Mapping[str, str] | str, comm: Comm, *, sequence: bool = False
+    model: nn.Module, plan: Mapping[str, str] | str, comm: Comm, *, sequence: bool = False, strict: bool = True
 ) -> None:
     """Shard ``model`` in place over the tensor group ``comm`` following ``plan`` (patterns -> styles, or "auto").
 
     The model must be complete and identical on every rank of ``comm``. Every check runs before anything changes,
-    so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well.
+    so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well. ``strict``:
+    False lets patterns match nothing (a pipeline stage holding part of the model; better: apply to the whole model
+    before splitting it, so the stages' boundaries keep the sequence split consistent).
     """
     check_untouched(model)
-    resolved = resolve_plan(model, plan)
+    resolved = resolve_plan(model, plan, strict=strict)
     modules = dict(model.named_modules())
     for name, style in resolved.items():
         for part in style.split("+"):
