@@ -478,6 +478,21 @@ class Comm:
         buf = _contiguous_like(t)
         return _CopyBack(dist.irecv(buf, src=self._global_ranks[src], group=self.group, tag=tag), buf, t)
 
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[Handle]:
+        """Start sends and receives together: ``ops`` are ("send" | "recv", contiguous tensor, group rank, tag).
+
+        NCCL runs them as one group, so a send and a receive between the same two ranks cannot wait on each other
+        (each rank's point-to-point operations share one stream); other backends issue them one by one. Wait on
+        every handle returned."""
+        p2p = []
+        for kind, t, peer, tag in ops:
+            self._check_p2p(peer, "peer")
+            if kind not in ("send", "recv") or not t.is_contiguous():
+                raise ValueError(f"batch_p2p: expected ('send' | 'recv', a contiguous tensor, ...), got {kind!r}")
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, t, self._global_ranks[peer], self.group, tag))
+        return list(dist.batch_isend_irecv(p2p)) if p2p else []
+
     def _check_p2p(self, peer: int, name: str) -> None:
         if self.size == 1:
             raise CommError(f"point-to-point {name} = {peer}: a group of size 1 has no other rank")

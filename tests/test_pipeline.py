@@ -50,6 +50,41 @@ def test_schedule_is_complete_ordered_and_deadlock_free(name, v, p, m):
         assert sim.peak_in_flight == [m] * p
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 6), (4, 8)])
+def test_transfers_cannot_deadlock_when_sends_wait_for_receives(name, p, m):
+    lists = [S.build(name, p, m, r) for r in range(p)]
+    S.check_rendezvous(lists)  # NCCL's worst case: every send waits until its receive is posted
+    if name == "1f1b" and m > 1:
+        assert S.paired(lists) != [set()] * p  # the steady state's send-forward / receive-backward pairs
+
+
+def test_unpaired_1f1b_would_deadlock_under_rendezvous(monkeypatch):
+    monkeypatch.setattr(S, "paired", lambda lists, v=1: [set() for _ in lists])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        S.check_rendezvous([S.build("1f1b", 2, 4, r) for r in range(2)])
+
+
+def test_pairs_are_symmetric():
+    for name, v in LAYOUTS:
+        p, m = 4, 8
+        lists = [S.build(name, p, m, r, v) for r in range(p)]
+        for r, indices in enumerate(S.paired(lists, v)):
+            for i in indices:
+                (peer, received), (peer2, sent) = (
+                    S.transfers(lists[r][i + 1], p, r, v)[0],
+                    S.transfers(lists[r][i], p, r, v)[1],
+                )
+                assert peer == peer2  # one link, and the peer pairs the mirror image
+                mirror = [
+                    j
+                    for j in S.paired(lists, v)[peer]
+                    if S.transfers(lists[peer][j], p, peer, v)[1][1] == received
+                    and S.transfers(lists[peer][j + 1], p, peer, v)[0][1] == sent
+                ]
+                assert len(mirror) == 1
+
+
 @pytest.mark.parametrize("name,v", LAYOUTS)
 def test_simulated_bubble_matches_theory(name, v):
     p, m = 4, 8

@@ -10,11 +10,12 @@ interleaved schedule's ring); NCCL ignores tags and relies on the schedules' sen
 `schedule.simulate` and the tests check. Sends are non-blocking and waited at the end of the batch (see
 [Note: why these orders cannot deadlock] in schedule.py).
 
-Known limit (NCCL): a rank's sends and receives to one peer share a stream there, and a send larger than NCCL's
-buffer waits for its receive to be posted; 1F1B's steady state ("send my output, then receive a gradient" on one
-rank, the mirror image on its neighbour) can then stall. torch.distributed.pipelining batches each such send with the
-next receive, which needs the receiver to know shapes before the header arrives (static shapes); that is not done
-here yet, and nothing in this repository's CI runs NCCL. gloo progresses sends in the background and is safe.
+On NCCL a rank's transfers to one peer share a stream and a large send waits for its receive, so a send that the
+schedule pairs with the next action's receive on the same link goes out with it as one group on both sides
+([Note: paired transfers] in schedule.py); `schedule.check_rendezvous` proves GPipe and 1F1B deadlock-free under
+that worst case. Known limit: the interleaved schedule's warm-up sends around the ring are not paired that way, so on
+NCCL it relies on activations fitting NCCL's buffers (sent eagerly); gloo progresses sends in the background and runs
+every schedule.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from hetero.comm import Comm, Handle
 from hetero.errors import HeteroError
-from hetero.parallel.pipeline.schedule import Action, build
+from hetero.parallel.pipeline.schedule import Action, build, paired
 from hetero.parallel.pipeline.split import StageChunk
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -67,6 +68,8 @@ class PipelineRuntime:
         self.p, self.v, self.m = pp.size, virtual, microbatches
         self.actions: list[Action] = build(schedule, self.p, microbatches, pp.rank, virtual)
         self.last_stage = self.p * self.v - 1
+        lists = [build(schedule, self.p, microbatches, r, virtual) for r in range(self.p)]
+        self.paired = paired(lists, virtual)[pp.rank]  # actions whose send goes with the next receive
         self.device = device  # where received tensors are allocated
         # NCCL sets a group's communicator up at its first collective: make that one every rank takes part in.
         pp.barrier()
@@ -95,7 +98,8 @@ class PipelineRuntime:
         stats = self.stats = RunStats()
         alive: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per (chunk, micro-batch), when measuring
         t0 = time.perf_counter()
-        for a in self.actions:
+        pending: tuple | None = None  # a send held for the next action's receive (schedule.paired)
+        for i, a in enumerate(self.actions):
             start = time.perf_counter()
             s = self._stage(a.chunk)
             key = (a.chunk, a.microbatch)
@@ -103,7 +107,8 @@ class PipelineRuntime:
                 if s == 0:
                     x = inputs[a.microbatch]
                 else:
-                    x = self._recv(a.microbatch, s, kind=0, src=(s - 1) % self.p)
+                    x = self._recv(a.microbatch, s, kind=0, src=(s - 1) % self.p, send=pending)
+                    pending = None
                     if x.is_floating_point():
                         x.requires_grad_(True)
                 last = s == self.last_stage
@@ -119,7 +124,11 @@ class PipelineRuntime:
                             f"virtual stage {s} returned {type(y).__name__}; a stage must return one tensor to pass "
                             "to the next (split the model where a single tensor flows between units)"
                         )
-                    sends.append(self._send(y.detach(), a.microbatch, s + 1, kind=0, dst=(s + 1) % self.p))
+                    out = (y.detach(), a.microbatch, s + 1, 0, (s + 1) % self.p)
+                    if i in self.paired:
+                        pending = out
+                    else:
+                        sends.append(self._send(*out))
                 saved[key] = (x, y)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
                 stats.peak_saved_bytes = max(stats.peak_saved_bytes, sum(alive.values()))
@@ -129,12 +138,17 @@ class PipelineRuntime:
                 if s == self.last_stage:
                     torch.autograd.backward(y * loss_scale)
                 else:
-                    g = self._recv(a.microbatch, s, kind=1, src=(s + 1) % self.p)
+                    g = self._recv(a.microbatch, s, kind=1, src=(s + 1) % self.p, send=pending)
+                    pending = None
                     torch.autograd.backward(y, g)
                 alive.pop(key, None)
                 if s > 0:
                     gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                    sends.append(self._send(gx, a.microbatch, s - 1, kind=1, dst=(s - 1) % self.p))
+                    out = (gx, a.microbatch, s - 1, 1, (s - 1) % self.p)
+                    if i in self.paired:
+                        pending = out
+                    else:
+                        sends.append(self._send(*out))
                 del x, y
                 after_backward()
             if self.measure:
@@ -148,27 +162,40 @@ class PipelineRuntime:
     def _tag(self, kind: int, microbatch: int, stage: int) -> int:
         return (microbatch * (self.last_stage + 1) + stage) * 2 + kind
 
-    def _send(self, t: torch.Tensor, microbatch: int, stage: int, *, kind: int, dst: int) -> tuple[Handle, Any]:
+    def _message(self, t: torch.Tensor, microbatch: int, stage: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The header (on the payload's device: NCCL reads GPU memory only) and the contiguous payload."""
         if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
             raise PipelineError(f"cannot pass a {t.dtype} tensor of {t.dim()} dims between stages")
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[:4] = torch.tensor([microbatch, stage, _DTYPES.index(t.dtype), t.dim()])
         header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        return header.to(t.device), t.contiguous()
+
+    def _send(self, t: torch.Tensor, microbatch: int, stage: int, kind: int, dst: int) -> tuple[Handle, Any]:
+        header, payload = self._message(t, microbatch, stage, kind)
         tag = self._tag(kind, microbatch, stage)
-        # On the device the header travels from host memory only on backends that read it there (gloo);
-        # NCCL needs it on the GPU too.
-        header = header.to(t.device)
-        payload = t.contiguous()
         h1 = self.pp.isend(header, dst, tag=tag)
         h2 = self.pp.isend(payload, dst, tag=tag)
         return _Both(h1, h2), (header, payload)  # the tensors must outlive the transfers
 
-    def _recv(self, microbatch: int, stage: int, *, kind: int, src: int) -> torch.Tensor:
+    def _recv(self, microbatch: int, stage: int, *, kind: int, src: int, send: tuple | None = None) -> torch.Tensor:
+        """Receive a message; with `send` (a paired send to the same peer), as two groups: both headers, then both
+        payloads (see [Note: paired transfers] in schedule.py)."""
         tag = self._tag(kind, microbatch, stage)
         device = self.device
         header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         t0 = time.perf_counter()
-        self.pp.irecv(header, src, tag=tag).wait()
+        out: list[tuple] = []
+        if send is not None:
+            t_out, mb_out, stage_out, kind_out, dst = send
+            if dst != src:
+                raise PipelineError(f"a paired send to rank {dst} cannot go with a receive from rank {src}")
+            h_out, p_out = self._message(t_out, mb_out, stage_out, kind_out)
+            tag_out = self._tag(kind_out, mb_out, stage_out)
+            out = [("send", p_out, dst, tag_out)]
+            _wait_all(self.pp.batch_p2p([("send", h_out, dst, tag_out), ("recv", header, src, tag)]))
+        else:
+            self.pp.irecv(header, src, tag=tag).wait()
         mb, st, code, ndim = (int(v) for v in header[:4].tolist())
         if (mb, st) != (microbatch, stage):
             what = ("activation", "gradient")[kind]
@@ -178,7 +205,10 @@ class PipelineRuntime:
             )
         shape = [int(d) for d in header[4 : 4 + ndim].tolist()]
         t = torch.empty(shape, dtype=_DTYPES[code], device=device)
-        self.pp.irecv(t, src, tag=tag).wait()
+        if out:
+            _wait_all(self.pp.batch_p2p([*out, ("recv", t, src, tag)]))
+        else:
+            self.pp.irecv(t, src, tag=tag).wait()
         self.stats.wait_s += time.perf_counter() - t0
         return t
 
@@ -208,6 +238,11 @@ class _Both:
         self.a.wait()
         self.b.wait()
         return True
+
+
+def _wait_all(handles: list[Handle]) -> None:
+    for h in handles:
+        h.wait()
 
 
 class _Null:

@@ -90,6 +90,110 @@ def build(name: str, p: int, m: int, rank: int, v: int = 1) -> list[Action]:
     raise ValueError(f"unknown schedule {name!r}: choose gpipe, 1f1b or interleaved_1f1b")
 
 
+def transfers(a: Action, p: int, rank: int, v: int) -> tuple[tuple | None, tuple | None]:
+    """(what `a` receives, what it sends) on `rank`: each (peer rank, (kind, micro-batch, destination stage)), or
+    None. Kinds: 0 an activation, 1 a gradient."""
+    s, last = a.chunk * p + rank, p * v - 1
+    if a.kind == "F":
+        recv = ((s - 1) % p, (0, a.microbatch, s)) if s > 0 else None
+        send = ((s + 1) % p, (0, a.microbatch, s + 1)) if s < last else None
+    else:
+        recv = ((s + 1) % p, (1, a.microbatch, s)) if s < last else None
+        send = ((s - 1) % p, (1, a.microbatch, s - 1)) if s > 0 else None
+    return recv, send
+
+
+def paired(lists: list[list[Action]], v: int = 1) -> list[set[int]]:
+    """Per rank, the indices of actions whose send goes out together with the next action's receive.
+
+    [Note: paired transfers]
+    On NCCL a rank's sends and receives to one peer are queued on one stream and a large send waits until its
+    receive is posted, so "send mine, then receive yours" on both sides of a link stalls (1F1B's steady state:
+    activation forward, gradient back). Issuing the two as one group (Comm.batch_p2p) on both sides resolves it, as
+    Megatron's send_forward_recv_backward does. Both sides must agree: action i's send is paired with action i + 1's
+    receive only when they are on the same link and the peer, for the message it sends us, pairs it with the receive
+    of ours in the same way. Everything else is sent and received on its own.
+    """
+    p = len(lists)
+    moves = [[transfers(a, p, r, v) for a in lists[r]] for r in range(p)]
+
+    def candidates(r: int) -> dict[tuple, tuple]:
+        # (message sent, message received next) for every adjacent pair on one link
+        out = {}
+        for i in range(len(lists[r]) - 1):
+            send, recv = moves[r][i][1], moves[r][i + 1][0]
+            if send is not None and recv is not None and send[0] == recv[0]:
+                out[(send[1], recv[1])] = i
+        return out
+
+    cands = [candidates(r) for r in range(p)]
+    result: list[set[int]] = [set() for _ in range(p)]
+    for r in range(p):
+        for (sent, received), i in cands[r].items():
+            peer = moves[r][i][1][0]
+            if (received, sent) in cands[peer]:
+                result[r].add(i)
+    return result
+
+
+def check_rendezvous(lists: list[list[Action]], v: int = 1) -> None:
+    """Raise if the runtime's transfers for these lists can deadlock when every send waits for its receive and each
+    rank's transfers run in order on one stream (NCCL's worst case). Paired transfers (see `paired`) are one group,
+    which completes once both peers have reached it; a lone send or receive once its peer has reached its match."""
+    p = len(lists)
+    pairs = paired(lists, v)
+    streams: list[list[set]] = []  # per rank: groups of ("send" | "recv", peer, message)
+    for r in range(p):
+        ops: list[set] = []
+        held = None
+        for i, a in enumerate(lists[r]):
+            recv, send = transfers(a, p, r, v)
+            group = set()
+            if held is not None:
+                group.add(("send", *held))
+                held = None
+            if recv is not None:
+                group.add(("recv", *recv))
+            if group:
+                ops.append(group)
+            if send is not None:
+                if i in pairs[r]:
+                    held = send
+                else:
+                    ops.append({("send", *send)})
+        streams.append(ops)
+    where = [{(kind, peer, msg): k for k, g in enumerate(streams[r]) for kind, peer, msg in g} for r in range(p)]
+    pos = [0] * p
+    while any(pos[r] < len(streams[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if pos[r] == len(streams[r]):
+                continue
+            ok = True
+            for kind, peer, msg in streams[r][pos[r]]:
+                match = where[peer].get(("recv" if kind == "send" else "send", r, msg))
+                if match is None or match > pos[peer]:
+                    ok = False
+            if ok:
+                pos[r] += 1
+                moved = True
+        if not moved:
+            # Peers blocked in one group reached each other: let such groups complete together.
+            done = [r for r in range(p) if pos[r] < len(streams[r]) and _reached(streams, where, pos, r)]
+            if not done:
+                stuck = {r: sorted(streams[r][pos[r]]) for r in range(p) if pos[r] < len(streams[r])}
+                raise RuntimeError(f"transfers deadlock when sends wait for their receives: {stuck}")
+            for r in done:
+                pos[r] += 1
+
+
+def _reached(streams: list, where: list, pos: list[int], r: int) -> bool:
+    return all(
+        where[peer].get(("recv" if kind == "send" else "send", r, msg), -1) == pos[peer]
+        for kind, peer, msg in streams[r][pos[r]]
+    )
+
+
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The idle fraction the literature gives: (p - 1) / (m + p - 1), divided by v for the interleaved schedule."""
     frac = (p - 1) / (m + p - 1)
