@@ -47,8 +47,10 @@ def initialize(
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
-    config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the data-parallel group (default: the
-    world, joined from torchrun's environment when not yet initialised). device: default cuda:LOCAL_RANK, else CPU.
+    config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the group to train on (default: the
+    world, joined from torchrun's environment when not yet initialised); `config.parallel`'s tensor and pipeline
+    degrees split it into a mesh (`engine.mesh`) and the rest is data parallel. device: default cuda:LOCAL_RANK, else
+    CPU.
     """
     return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device)
 
