@@ -153,6 +153,7 @@ class PipelineRuntime:
                 after_backward()
             if self.measure:
                 stats.actions.append((repr(a), start - t0, time.perf_counter() - t0))
+        assert pending is None, "a paired send outlived the schedule"  # paired() never pairs the last action
         for handle, _ in sends:
             handle.wait()
         stats.wall_s = time.perf_counter() - t0
