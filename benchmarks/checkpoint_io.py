@@ -4,10 +4,13 @@
 
 A model of `--layers` square Linear layers (default 25M parameters: 100 MB of fp32 weights, 300 MB of checkpoint
 with AdamW's master weights and two states) is trained one step with hetero (stage 0, one process), then:
- - save: `engine.save_checkpoint` (every byte fsync'd, manifest, rename, `latest`) vs writing the same number of
-   bytes with plain `os.write` in 64 MiB blocks plus one fsync, in the same directory, in the same run;
+ - save: `engine.save_checkpoint` (every byte fsync'd, manifest, rename, `latest`) vs the raw disk writing the same
+   files: a new directory holding files of the checkpoint's sizes (its rank file, state.pt, manifest.json and the
+   `latest` pointer), each written with plain sequential `os.write` calls of 64 MiB and fsync'd once, then the
+   directory fsync'd; in the same directory, in the same run. The raw side skips what makes a save atomic (the
+   rename and its directory fsyncs) and what makes it verifiable (checksums): that is the price being measured;
  - load: `engine.load_checkpoint` (header and per-tensor CRC32 checks, filling every chunk) vs plain `os.preadv`
-   of the raw file. Reads are made cold: the files are fsync'd, so their pages are clean, and
+   of those raw files in 64 MiB blocks. Reads are made cold: the files are fsync'd, so their pages are clean, and
    POSIX_FADV_DONTNEED drops them from the page cache before every timed read on both sides;
  - consolidation: `hetero.checkpoint.consolidate` to .safetensors in a subprocess; its peak RSS (VmHWM, reset
    after the imports, minus the RSS before) against the largest tensor and the whole model (Linux only).
@@ -55,28 +58,42 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def raw_write(path: str, buf: memoryview) -> float:
+def raw_write(directory: str, sizes: list[int], buf: memoryview) -> float:
+    """Write files of `sizes` bytes (from `buf`) into a new `directory`, each fsync'd, then fsync the directory."""
     t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.makedirs(directory)
+    for k, size in enumerate(sizes):
+        fd = os.open(os.path.join(directory, f"f{k}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for i in range(0, size, BLOCK):
+                os.write(fd, buf[i : min(i + BLOCK, size)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        for i in range(0, len(buf), BLOCK):
-            os.write(fd, buf[i : i + BLOCK])
         os.fsync(fd)
     finally:
         os.close(fd)
     return time.perf_counter() - t
 
 
-def raw_read(path: str, buf: memoryview) -> float:
-    drop_cache(path)
+def raw_read(directory: str, sizes: list[int], buf: memoryview) -> float:
+    drop_cache(directory)
     t = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for i in range(0, len(buf), BLOCK):
-            os.preadv(fd, [buf[i : i + BLOCK]], i)
-    finally:
-        os.close(fd)
+    for k, size in enumerate(sizes):
+        fd = os.open(os.path.join(directory, f"f{k}"), os.O_RDONLY)
+        try:
+            for i in range(0, size, BLOCK):
+                os.preadv(fd, [buf[i : min(i + BLOCK, size)]], i)
+        finally:
+            os.close(fd)
     return time.perf_counter() - t
+
+
+def file_sizes(root: str) -> list[int]:
+    """Sizes of every file of a checkpoint root (its one checkpoint directory and `latest`), largest first."""
+    return sorted((os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs), reverse=True)
 
 
 def build(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -129,22 +146,24 @@ def main(argv: list[str] | None = None) -> int:
 
         saves, raws_w, loads, raws_r = [], [], [], []
         nbytes = 0
-        raw_path = os.path.join(work, "raw.bin")
         for i in range(args.repeats):
             root = os.path.join(work, f"ckpt{i}")
             t = time.perf_counter()
             engine.save_checkpoint(root)
             saves.append(time.perf_counter() - t)
             nbytes = dir_bytes(root)
+            sizes = file_sizes(root)
             if i == 0:
-                payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+                payload = torch.randint(0, 255, (sizes[0],), dtype=torch.uint8)
                 view = memoryview(payload.numpy())
-            raws_w.append(raw_write(raw_path, view))
+            raw_dir = os.path.join(work, f"raw{i}")
+            raws_w.append(raw_write(raw_dir, sizes, view))
             drop_cache(root)
             t = time.perf_counter()
             engine.load_checkpoint(root)
             loads.append(time.perf_counter() - t)
-            raws_r.append(raw_read(raw_path, view))
+            raws_r.append(raw_read(raw_dir, sizes, view))
+            shutil.rmtree(raw_dir)
             if i > 0:
                 shutil.rmtree(root)
         engine.close()

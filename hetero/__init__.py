@@ -1,6 +1,6 @@
 """hetero: train models larger than GPU memory on chunks spread over GPU, host memory and NVMe."""
 
-from hetero.config import Config, MemoryConfig, OffloadConfig, parse_size
+from hetero.config import Config, MemoryConfig, OffloadConfig, ParallelConfig, parse_size
 from hetero.engine import Engine, initialize
 from hetero.errors import (
     CheckpointError,
@@ -32,6 +32,7 @@ __all__ = [
     "NvmeSpaceError",
     "NvmeUnavailableError",
     "OffloadConfig",
+    "ParallelConfig",
     "TierOutOfMemoryError",
     "parse_size",
     "CheckpointError",

@@ -361,6 +361,48 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    # Along-a-dimension collectives for tensor and sequence parallelism: out of place, every rank passes the same
+    # shape. They move `dim` to the front, where the flat rank order of all_gather / reduce_scatter is the order
+    # along `dim`.
+    def all_gather_dim(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``t`` concatenated along ``dim`` in group rank order (a new contiguous tensor)."""
+        if self._local:
+            return t.detach().clone()
+        front = t.detach().movedim(dim, 0).contiguous()
+        out = front.new_empty((self.size * front.shape[0], *front.shape[1:]))
+        self.all_gather(out, front)
+        return out.movedim(0, dim).contiguous()
+
+    def reduce_scatter_dim(self, t: torch.Tensor, dim: int, op: str = "sum") -> torch.Tensor:
+        """``t`` reduced across ranks, then cut into ``size`` equal parts along ``dim``: rank r gets part r."""
+        if t.shape[dim] % self.size:
+            raise ValueError(
+                f"reduce_scatter_dim: dimension {dim} of shape {tuple(t.shape)} does not divide by the group size "
+                f"{self.size}"
+            )
+        if self._local:
+            return t.detach().clone()
+        front = t.detach().movedim(dim, 0).contiguous()
+        out = front.new_empty((front.shape[0] // self.size, *front.shape[1:]))
+        self.reduce_scatter(out, front, op)
+        return out.movedim(0, dim).contiguous()
+
+    def all_to_all_dim(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Cut ``t`` into ``size`` parts along ``scatter_dim``, send part j to rank j, and concatenate the parts
+        received along ``gather_dim`` in group rank order (Ulysses' re-partition of heads and sequence)."""
+        if t.shape[scatter_dim] % self.size:
+            raise ValueError(
+                f"all_to_all_dim: dimension {scatter_dim} of shape {tuple(t.shape)} does not divide by the group "
+                f"size {self.size}"
+            )
+        if self._local:
+            return t.detach().clone()
+        with torch.no_grad():
+            parts = torch.stack(t.detach().chunk(self.size, scatter_dim)).contiguous()
+            out = torch.empty_like(parts)
+            dist.all_to_all_single(out, parts, group=self.group)
+            return torch.cat(list(out.unbind(0)), dim=gather_dim)
+
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank of the group; with ``timeout`` (s), raise RankTimeoutError instead of hanging.
 
@@ -419,21 +461,37 @@ class Comm:
         if buf is not t:
             t.copy_(buf)
 
-    def isend(self, t: torch.Tensor, dst: int) -> Handle:
-        """Start sending ``t`` to group rank ``dst``; do not modify ``t`` before the handle's wait()."""
+    def isend(self, t: torch.Tensor, dst: int, *, tag: int = 0) -> Handle:
+        """Start sending ``t`` to group rank ``dst``; do not modify ``t`` before the handle's wait(). ``tag`` pairs it
+        with the receive of the same tag (gloo matches by tag; NCCL ignores tags and matches in order)."""
         self._check_p2p(dst, "dst")
         buf = t.contiguous()
-        work = dist.isend(buf, dst=self._global_ranks[dst], group=self.group)
+        work = dist.isend(buf, dst=self._global_ranks[dst], group=self.group, tag=tag)
         # A contiguous copy must outlive the transfer: the handle holds it until wait().
         return work if buf is t else _CopyBack(work, buf, None)
 
-    def irecv(self, t: torch.Tensor, src: int) -> Handle:
+    def irecv(self, t: torch.Tensor, src: int, *, tag: int = 0) -> Handle:
         """Start receiving into ``t`` from group rank ``src``; ``t`` holds the data once wait() returns."""
         self._check_p2p(src, "src")
         if t.is_contiguous():
-            return dist.irecv(t, src=self._global_ranks[src], group=self.group)
+            return dist.irecv(t, src=self._global_ranks[src], group=self.group, tag=tag)
         buf = _contiguous_like(t)
-        return _CopyBack(dist.irecv(buf, src=self._global_ranks[src], group=self.group), buf, t)
+        return _CopyBack(dist.irecv(buf, src=self._global_ranks[src], group=self.group, tag=tag), buf, t)
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[Handle]:
+        """Start sends and receives together: ``ops`` are ("send" | "recv", contiguous tensor, group rank, tag).
+
+        NCCL runs them as one group, so a send and a receive between the same two ranks cannot wait on each other
+        (each rank's point-to-point operations share one stream); other backends issue them one by one. Wait on
+        every handle returned."""
+        p2p = []
+        for kind, t, peer, tag in ops:
+            self._check_p2p(peer, "peer")
+            if kind not in ("send", "recv") or not t.is_contiguous():
+                raise ValueError(f"batch_p2p: expected ('send' | 'recv', a contiguous tensor, ...), got {kind!r}")
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, t, self._global_ranks[peer], self.group, tag))
+        return list(dist.batch_isend_irecv(p2p)) if p2p else []
 
     def _check_p2p(self, peer: int, name: str) -> None:
         if self.size == 1:

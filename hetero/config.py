@@ -112,6 +112,83 @@ class OffloadConfig:
             _check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Tensor x pipeline x data parallelism; the data-parallel degree is what is left of the world size."""
+
+    tensor: int = 1
+    """Tensor-parallel degree (Megatron-style 1D sharding of the layers named by tensor_plan)."""
+    tensor_plan: Mapping[str, str] | str = "auto"
+    """FQN patterns -> style ("colwise", "rowwise", "vocab", ...), or "auto" for known model families."""
+    sequence: bool = False
+    """Megatron-style sequence parallelism inside the tensor group."""
+    pipeline: int = 1
+    """Pipeline stages."""
+    pipeline_split: tuple[str, ...] | str = "auto"
+    """FQNs where a new stage begins (pipeline * virtual_stages - 1 of them), or "auto": balanced by parameters."""
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule."""
+    microbatches: int = 1
+    """Micro-batches train_batch splits each batch into (gradient accumulation within the batch)."""
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank; only for "interleaved_1f1b" (default 2 there, 1 otherwise)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "microbatches"):
+            _check_int(f"parallel.{name}", getattr(self, name), minimum=1)
+        if not isinstance(self.sequence, bool):
+            raise ConfigError(f"parallel.sequence: expected true or false, got {self.sequence!r}")
+        if self.sequence and self.tensor == 1:
+            raise ConfigError("parallel.sequence: sequence parallelism runs inside the tensor group; set tensor > 1")
+        if isinstance(self.tensor_plan, str):
+            if self.tensor_plan != "auto":
+                raise ConfigError(f'parallel.tensor_plan: expected "auto" or a mapping, got {self.tensor_plan!r}')
+        elif not isinstance(self.tensor_plan, Mapping):
+            raise ConfigError(f'parallel.tensor_plan: expected a mapping or "auto", got {self.tensor_plan!r}')
+        if isinstance(self.pipeline_split, str):
+            if self.pipeline_split != "auto":
+                raise ConfigError(
+                    f'parallel.pipeline_split: expected "auto" or a list of FQNs, got {self.pipeline_split!r}'
+                )
+        else:
+            if not all(isinstance(s, str) for s in self.pipeline_split):
+                raise ConfigError(f"parallel.pipeline_split: expected a list of FQNs, got {self.pipeline_split!r}")
+            object.__setattr__(self, "pipeline_split", tuple(self.pipeline_split))
+        if self.schedule not in SCHEDULES:
+            close = difflib.get_close_matches(str(self.schedule), SCHEDULES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"parallel.schedule: {self.schedule!r} is not a schedule{hint} Choose one of {', '.join(SCHEDULES)}"
+            )
+        interleaved = self.schedule == "interleaved_1f1b"
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", 2 if interleaved else 1)
+        _check_int("parallel.virtual_stages", self.virtual_stages, minimum=1)
+        if self.virtual_stages > 1 and not interleaved:
+            raise ConfigError(
+                f"parallel.virtual_stages = {self.virtual_stages} needs schedule 'interleaved_1f1b' "
+                f"(schedule is {self.schedule!r})"
+            )
+        if interleaved and self.pipeline > 1 and self.microbatches % self.pipeline:
+            raise ConfigError(
+                f"parallel.microbatches = {self.microbatches}: the interleaved schedule needs a multiple of "
+                f"parallel.pipeline = {self.pipeline}"
+            )
+        if not isinstance(self.pipeline_split, str) and len(self.pipeline_split) != self.stages - 1:
+            raise ConfigError(
+                f"parallel.pipeline_split names {len(self.pipeline_split)} FQNs; {self.stages} stages "
+                f"(pipeline {self.pipeline} x virtual_stages {self.virtual_stages}) begin at {self.stages - 1}"
+            )
+
+    @property
+    def stages(self) -> int:
+        """Model chunks in all: pipeline ranks x virtual stages per rank."""
+        return self.pipeline * self.virtual_stages  # type: ignore[operator]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     zero_stage: int = 0
@@ -133,6 +210,8 @@ class Config:
     names / qualified-name patterns (fnmatch, e.g. "layers.*")."""
     activation_offload: bool = False
     """Keep the checkpointed blocks' inputs in host memory between forward and backward (needs checkpointing)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor, pipeline and data parallelism (see ParallelConfig)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
@@ -181,6 +260,7 @@ class Config:
 _NESTED: dict[tuple[type, str], type] = {
     (Config, "offload"): OffloadConfig,
     (Config, "memory"): MemoryConfig,
+    (Config, "parallel"): ParallelConfig,
 }
 
 

@@ -24,6 +24,7 @@ from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
+from hetero.parallel import engine_glue
 from hetero.zero.activation import ActivationMemory
 from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
@@ -50,10 +51,11 @@ def initialize(
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
-    config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the data-parallel group (default: the
-    world, joined from torchrun's environment when not yet initialised). device: default cuda:LOCAL_RANK, else CPU.
-    The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights: a
-    .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
+    config: a dict, a path to a .json/.yaml file, or a `hetero.Config`. comm: the group to train on (default: the
+    world, joined from torchrun's environment when not yet initialised); `config.parallel`'s tensor and pipeline
+    degrees split it into a mesh (`engine.mesh`) and the rest is data parallel. device: default cuda:LOCAL_RANK, else
+    CPU. The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights:
+    a .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
     """
     return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
 
@@ -88,7 +90,10 @@ class Engine:
         weights: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
-        self.comm = comm if comm is not None else init_from_env()  # the data-parallel group
+        world = comm if comm is not None else init_from_env()
+        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
+        self.mesh, self._stages = engine_glue.setup_parallel(model, optimizer, config.parallel, world)
+        self.comm = self.mesh.dp  # the data-parallel group: ZeRO shards and reduces over it
         self.device = Device(device)
         self.module = model  # the user's model, modified in place: parameter names unchanged
         self.algorithm = algorithm_of(optimizer)
@@ -141,12 +146,15 @@ class Engine:
                 device=self.device,
             )
         self._closed = False
+        self._runtime = None  # the pipeline runtime, made at the first train_batch
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own.
         training = torch.is_grad_enabled()
+        if self._stages is not None:
+            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -191,7 +199,11 @@ class Engine:
             self.optimizer.step()
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
-        """Forward, backward and step on one micro-batch; returns the loss (mean over data-parallel ranks)."""
+        """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
+        micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
+        on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
+        if self._stages is not None or self.config.parallel.microbatches > 1:
+            return engine_glue.train_batch(self, inputs, labels, loss_fn)
         if loss_fn is None:
             out = self(inputs, labels=labels)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
@@ -212,7 +224,7 @@ class Engine:
         if self.stage == 3:
             zc.exit(info, slot, TensorState.HOLD_AFTER_BWD)
         if complete:
-            if self.stage >= 2:
+            if self.stage >= 2 and not zc.accumulate_full:  # accumulate_full: reduced once per batch
                 zc.start_reduce()
                 self._reducing.append(zc)
                 # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare.
@@ -266,6 +278,8 @@ class Engine:
 
     def _grad_stats(self) -> tuple[float, bool]:
         """Sum of squares of the (scaled) gradient over all ranks, and whether it is finite everywhere."""
+        if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
+            return engine_glue.grad_stats(self)
         sq = torch.zeros((), dtype=torch.float64)
         for zc in self._trainable:
             sq += torch.linalg.vector_norm(zc.grad_view(), dtype=torch.float64).cpu() ** 2
@@ -313,6 +327,11 @@ class Engine:
         if self.auto is not None:
             stats["auto"] = self.auto.stats()
         return stats
+
+    def _pipeline_runtime(self) -> engine_glue.PipelineRuntime:
+        if self._runtime is None:
+            self._runtime = engine_glue.make_runtime(self)
+        return self._runtime
 
     @property
     def data_parallel_rank(self) -> int:

@@ -59,6 +59,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_layer, self.dropout = config.n_head, config.n_layer, config.dropout
         d = config.n_embd
+        self.head_dim = d // config.n_head
         self.q_proj = nn.Linear(d, d, bias=config.bias)
         self.k_proj = nn.Linear(d, d, bias=config.bias)
         self.v_proj = nn.Linear(d, d, bias=config.bias)
@@ -73,13 +74,16 @@ class CausalSelfAttention(nn.Module):
         _init_linear(self.o_proj, INIT_STD / math.sqrt(2 * self.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (
-            p(x).view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(b, t, d)))
+        b, t, _ = x.shape
+        # Head count from the projections' width (-1): tensor parallelism leaves each rank a share of the heads.
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = self.attend(q, k, v)
+        return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention on [batch, heads, seq, head_dim]. A hook point: Ulysses sequence parallelism wraps it,
+        per instance, in all-to-alls."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -167,11 +171,14 @@ class GPT(nn.Module):
         for block in self.layers:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if labels is not None:
-            # In fp32: bf16/fp16 logits would round away the small differences the log-softmax is made of.
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        loss = None if labels is None else self.loss_function(logits, labels)
         return GPTOutput(logits=logits, loss=loss)
+
+    def loss_function(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of aligned labels, -100 ignored. A hook point: tensor parallelism replaces it, per
+        instance, by a vocabulary-parallel loss on sharded logits."""
+        # In fp32: bf16/fp16 logits would round away the small differences the log-softmax is made of.
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
 @torch.no_grad()

@@ -82,6 +82,9 @@ class ZeroChunk:
         self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
         self.grad_fresh = True  # the accumulated gradient is all zeros (nothing added since the update)
         self._reducing: tuple | None = None  # a reduce-scatter in flight: (handle, target, wrote into grad directly)
+        # Stages 2-3 in train_batch: sum the full gradient over the batch's micro-batches, reduce once at its end.
+        self.accumulate_full = False
+        self.batch_seen: set[int] = set()  # param ids with a gradient in grad_full this batch (accumulate_full)
         if spec.trainable:
             sharded_grads = stage >= 2
             grad_numel = self.shard_numel if sharded_grads else spec.capacity
@@ -225,7 +228,13 @@ class ZeroChunk:
             if self.grad_full.state is ChunkState.EMPTY:
                 self.m.access(self.grad_full, Tier.DEVICE)
                 self.grad_full.set_state(self.grad_full.slots[0], _T.COMPUTE)
-            self.grad_full.payload.narrow(0, info.offset, info.numel).copy_(flat)
+            region = self.grad_full.payload.narrow(0, info.offset, info.numel)
+            if self.accumulate_full and id(info.param) in self.batch_seen:
+                region.add_(flat)
+            else:
+                region.copy_(flat)
+            if self.accumulate_full:
+                self.batch_seen.add(id(info.param))
         else:
             buf = self._grad_buffer()
             buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
@@ -276,6 +285,12 @@ class ZeroChunk:
         self.grad_full.set_state(self.grad_full.slots[0], _T.HOLD)
         self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
         self.m.release(self.grad_full)
+
+    def reduce_batch(self) -> None:
+        """Stages 2-3, accumulate_full: reduce-scatter the gradient summed over the batch's micro-batches (mean over
+        ranks) into the accumulated shard, once; regions no micro-batch reached are zeroed first."""
+        self.grads_seen, self.batch_seen = self.batch_seen, set()
+        self.reduce_micro_batch()
 
     def reduce_at_update(self) -> None:
         """Stages 0-1: reduce the gradient accumulated over the micro-batches (mean over ranks), in place."""

@@ -1,0 +1,208 @@
+"""Pipeline bubble and activation memory per schedule: measured on real ranks, against the theory.
+
+For each schedule (GPipe, 1F1B, interleaved 1F1B) this runs p pipeline ranks (gloo, one process each) through
+hetero's pipeline runtime and reports
+- the idle ("bubble") fraction: 1 - (time spent computing, summed over ranks) / (p x the batch's makespan), against
+  the textbook (p - 1) / (m + p - 1), divided by v for the interleaved schedule, and against the exact value of the
+  same action lists in `schedule.simulate` (which also models the backward taking longer than the forward);
+- per stage, the peak of activation bytes saved for backward alive at once, and the most micro-batches in flight
+  (1F1B: at most p - rank; GPipe: all m).
+
+Two modes, named on every line:
+- `sleep` (default): each unit's forward and backward is a fixed-duration wait (t_f, t_b = 2 t_f), so what is
+  measured is the schedule and the transfers, not CPU contention: ranks sleeping do not compete for cores. Use it on
+  a machine with fewer cores than ranks (this one has 2).
+- `compute`: each unit is an MLP doing real matrix work; on a machine with fewer cores than ranks the ranks contend,
+  and the measured bubble mixes schedule and contention.
+
+The model has p x v units (v = --virtual), so every schedule does the same work: GPipe and 1F1B run v units per
+stage, the interleaved schedule one unit per model chunk.
+
+    python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 8] [--virtual 2] [--mode sleep|compute]
+                                         [--t-forward-ms 10] [--iters 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+class _Sleep(torch.autograd.Function):
+    """y = x * w, with a fixed wait in forward and in backward; saves x for backward like a real layer would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
+        time.sleep(t_f)
+        ctx.t_b = t_b
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        time.sleep(ctx.t_b)
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum().reshape(w.shape), None, None
+
+
+class SleepUnit(nn.Module):
+    def __init__(self, t_f: float, t_b: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.w, self.t_f, self.t_b)
+
+
+def mlp_unit(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from hetero.comm import init_from_env
+    from hetero.parallel.pipeline.runtime import PipelineRuntime
+    from hetero.parallel.pipeline.split import keep_stages
+
+    comm = init_from_env(backend="gloo", timeout_s=300)
+    p, m, v = world, args.microbatches, args.virtual
+    t_f = args.t_forward_ms / 1000 / v  # per unit: a stage of v units takes t_f in all
+    results = {}
+    for name in SCHEDULES:
+        vs = v if name == "interleaved_1f1b" else 1
+        torch.manual_seed(0)
+        units = [SleepUnit(t_f, 2 * t_f) if args.mode == "sleep" else mlp_unit(args.width) for _ in range(p * v)]
+        model = nn.Sequential(*units)
+        split = [str(i) for i in range(0, p * v, v // vs)][1:]  # equal stages
+        chunks = keep_stages(model, rank=rank, ranks=p, virtual=vs, split=split)
+        rt = PipelineRuntime(chunks, comm, schedule=name, microbatches=m, virtual=vs, device=torch.device("cpu"))
+        rt.measure = True
+        x = [torch.randn(args.rows, args.width) for _ in range(m)]
+        rows = []
+        for it in range(args.iters + 1):  # the first batch warms up
+            comm.barrier()
+            t0 = time.perf_counter()
+            rt.run(x, [None] * m, loss_fn=lambda y, _: y.float().pow(2).mean(), loss_scale=1 / m,
+                   after_forward=lambda: None, after_backward=lambda: None)  # fmt: skip
+            wall = time.perf_counter() - t0
+            busy = sum(e - s for _, s, e in rt.stats.actions) - rt.stats.wait_s
+            if it:
+                rows.append((wall, busy, rt.stats.peak_saved_bytes, rt.stats.peak_in_flight))
+            model.zero_grad(set_to_none=True)
+        results[name] = {
+            "wall_s": statistics.median(r[0] for r in rows),
+            "busy_s": statistics.median(r[1] for r in rows),
+            "peak_saved_bytes": max(r[2] for r in rows),
+            "peak_in_flight": max(r[3] for r in rows),
+            "virtual": vs,
+        }
+    out.put((rank, results))
+    comm.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hetero.parallel.pipeline import schedule as S
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    p = args.stages
+    procs = [ctx.Process(target=_rank_main, args=(r, p, port, args, q), daemon=True) for r in range(p)]
+    for pr in procs:
+        pr.start()
+    per_rank: dict[int, dict] = {}
+    deadline = time.monotonic() + 600
+    while len(per_rank) < p:
+        if time.monotonic() > deadline or not any(pr.is_alive() for pr in procs) and q.empty():
+            raise RuntimeError("pipeline_bubble: a rank died or timed out; run with fewer --iters or stages")
+        try:
+            r, res = q.get(timeout=1)
+            per_rank[r] = res
+        except Exception:  # queue.Empty
+            continue
+    for pr in procs:
+        pr.join(30)
+    out: dict[str, Any] = {
+        "mode": args.mode,
+        "stages": p,
+        "microbatches": args.microbatches,
+        "t_forward_ms": args.t_forward_ms,
+        "schedules": {},
+    }
+    for name in SCHEDULES:
+        ranks = [per_rank[r][name] for r in range(p)]
+        v = ranks[0]["virtual"]
+        makespan = max(x["wall_s"] for x in ranks)
+        measured = 1 - sum(x["busy_s"] for x in ranks) / (p * makespan)
+        lists = [S.build(name, p, args.microbatches, r, v) for r in range(p)]
+        sim = S.simulate(p, lists, v, t_f=1.0 / v, t_b=2.0 / v)
+        per_mb = ranks[-1]["peak_saved_bytes"] / max(1, ranks[-1]["peak_in_flight"])
+        out["schedules"][name] = {
+            "virtual": v,
+            "batch_s": makespan,
+            "bubble_measured": measured,
+            "bubble_theory": S.theory_bubble(name, p, args.microbatches, v),
+            "bubble_simulated": sim.idle_fraction,
+            "peak_in_flight_per_stage": [x["peak_in_flight"] for x in ranks],
+            "peak_saved_bytes_per_stage": [x["peak_saved_bytes"] for x in ranks],
+            "saved_bytes_per_microbatch_chunk": per_mb,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, default=4, help="pipeline ranks p (processes)")
+    ap.add_argument("--microbatches", type=int, default=8, help="micro-batches m per batch")
+    ap.add_argument("--virtual", type=int, default=2, help="model chunks per rank v for the interleaved schedule")
+    ap.add_argument("--mode", choices=("sleep", "compute"), default="sleep")
+    ap.add_argument("--t-forward-ms", type=float, default=20.0, help="sleep mode: one stage's forward (backward 2x)")
+    ap.add_argument("--width", type=int, default=256, help="activation width (compute mode: MLP width)")
+    ap.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
+    ap.add_argument("--iters", type=int, default=3, help="measured batches per schedule (median)")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
+    args = ap.parse_args(argv)
+    if args.microbatches % args.stages:
+        ap.error("--microbatches must be a multiple of --stages (the interleaved schedule needs it)")
+    out = run(args)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    p, m = args.stages, args.microbatches
+    work = f"forward {args.t_forward_ms} ms/stage, backward 2x" if args.mode == "sleep" else f"MLP width {args.width}"
+    print(f"pipeline bubble, mode={args.mode} (p={p} stages, m={m} micro-batches, {work}, {args.rows} rows)")
+    for name, r in out["schedules"].items():
+        print(
+            f"  [{args.mode}] {name:<17} v={r['virtual']}  batch {r['batch_s'] * 1000:7.1f} ms  bubble measured "
+            f"{r['bubble_measured']:.3f}  theory {r['bubble_theory']:.3f}  simulated {r['bubble_simulated']:.3f}"
+        )
+        mib = [b / 2**20 for b in r["peak_saved_bytes_per_stage"]]
+        print(
+            f"  [{args.mode}] {'':<17} peak micro-batches in flight per stage {r['peak_in_flight_per_stage']}, "
+            f"peak saved activations per stage {', '.join(f'{x:.2f}' for x in mib)} MiB"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

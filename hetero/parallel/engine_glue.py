@@ -1,0 +1,207 @@
+"""How the engine meets the mesh: build the groups and cut the model at initialize, run `train_batch` (micro-batches,
+with or without a pipeline) and see the global gradient norm across tensor and pipeline ranks.
+
+The order at initialize follows torchtitan's: pipeline split first (so other stages' layers are dropped before
+anything else touches them), then tensor parallelism on what is left, then ZeRO over the data-parallel group (the
+engine's own construction, on `mesh.dp`).
+
+[Note: one reduction per batch]
+`train_batch` runs all of a batch's micro-batches, in whatever order the schedule interleaves their forwards and
+backwards, inside one trace step. Stages 2-3 switch their chunks to `accumulate_full`: each micro-batch's gradient is
+added into the chunk's full-size gradient buffer, and the reduce-scatter runs once, after the last backward, instead
+of once per micro-batch. Stages 0-1 accumulate locally and reduce at the update anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hetero.comm import Comm
+from hetero.config import ParallelConfig
+from hetero.errors import ConfigError
+from hetero.memory import TensorState
+from hetero.parallel.mesh import Mesh
+from hetero.parallel.pipeline.runtime import PipelineRuntime
+from hetero.parallel.pipeline.split import StageChunk, keep_stages
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+
+def setup_parallel(
+    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ParallelConfig, world: Comm
+) -> tuple[Mesh, list[StageChunk] | None]:
+    """The mesh over `world`, and this rank's pipeline chunks (None without a pipeline); the model is cut and
+    tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
+    mesh = Mesh.build(world, tensor=cfg.tensor, pipeline=cfg.pipeline)
+    chunks = None
+    plan: Any = cfg.tensor_plan
+    if cfg.tensor > 1:
+        from hetero.parallel.plans import resolve_plan
+
+        # Resolved on the whole model: a pattern must match somewhere in it, not on every stage.
+        plan = resolve_plan(model, plan)
+    if cfg.pipeline > 1:
+        chunks = keep_stages(
+            model, rank=mesh.pp_rank, ranks=cfg.pipeline, virtual=cfg.virtual_stages, split=cfg.pipeline_split
+        )
+        kept = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+    if cfg.tensor > 1:
+        from hetero.parallel.tensor import apply_tensor_parallel
+        from hetero.parallel.vocab import AlignedLMLoss
+
+        present = {n for n, _ in model.named_modules()}
+        apply_tensor_parallel(model, {n: st for n, st in plan.items() if n in present}, mesh.tp, sequence=cfg.sequence)
+        for m in model.modules():
+            # A pipelined GPT computes its loss in its last unit: give it the vocabulary-parallel loss too.
+            head = getattr(m, "lm_head", None)
+            if m is not model and hasattr(m, "loss_function") and hasattr(getattr(head, "weight", None), "_hetero_tp"):
+                m.loss_function = AlignedLMLoss(mesh.tp)
+    return mesh, chunks
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """`parts` micro-batches of equal size along dim 0 of every tensor (in nested tuples, lists and dicts)."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % parts:
+            raise ConfigError(
+                f"parallel.microbatches = {parts} must divide the batch: got a batch of shape {tuple(batch.shape)}"
+            )
+        return list(batch.chunk(parts))
+    if isinstance(batch, (list, tuple)):
+        cols = [split_batch(v, parts) for v in batch]
+        return [type(batch)(c[i] for c in cols) for i in range(parts)]
+    if isinstance(batch, dict):
+        cols = {k: split_batch(v, parts) for k, v in batch.items()}
+        return [{k: c[i] for k, c in cols.items()} for i in range(parts)]
+    if batch is None:
+        return [None] * parts
+    raise ConfigError(f"train_batch: cannot split a {type(batch).__name__} into micro-batches; pass tensors")
+
+
+def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | None) -> torch.Tensor:
+    """One batch: forward and backward of every micro-batch (through the pipeline when there is one), one gradient
+    reduction, then `engine.step()`. Returns the mean loss over the global batch, on every rank."""
+    cfg = engine.config.parallel
+    m = cfg.microbatches
+    xs = [engine._to_device(x) for x in split_batch(inputs, m)]
+    ys = [_to(y, engine.device.torch_device) for y in split_batch(labels, m)]
+    scale = engine.scaler.scale if engine.scaler is not None else 1.0
+    loss_scale = scale / (m * engine.config.grad_accumulation_steps)  # the mean over micro-batches and steps
+    stage3 = engine.stage == 3
+
+    def after_forward() -> None:
+        if stage3:
+            for zc in engine.chunks:
+                if zc.full.computing == 0:
+                    zc.maybe_release(TensorState.HOLD_AFTER_FWD)
+
+    def after_backward() -> None:
+        for zc in engine.chunks:
+            zc.settle()
+
+    engine.manager.step_begin()  # one trace step per batch, whatever the schedule's order
+    engine._in_step = True
+    accumulate = [zc for zc in engine._trainable if zc.grad_full is not None]
+    for zc in accumulate:
+        zc.accumulate_full = True
+    try:
+        if engine._stages is not None:
+            rt = engine._pipeline_runtime()
+            total = rt.run(
+                xs,
+                ys,
+                loss_fn=loss_fn,
+                loss_scale=loss_scale,
+                after_forward=after_forward,
+                after_backward=after_backward,
+            )
+        else:
+            total = torch.zeros((), dtype=torch.float32)
+            for x, y in zip(xs, ys):
+                if loss_fn is None:
+                    out = engine.module(x, labels=y)
+                    loss = out.loss if hasattr(out, "loss") else out["loss"]
+                else:
+                    loss = loss_fn(engine.module(x), y)
+                after_forward()
+                (loss * loss_scale).backward()
+                total += loss.detach().float().cpu()
+                del loss
+                after_backward()
+        for zc in accumulate:
+            zc.reduce_batch()  # layout order: the same on every data-parallel rank
+    finally:
+        for zc in accumulate:
+            zc.accumulate_full = False
+        for zc in engine.chunks:
+            zc.settle()
+        engine.manager.step_end()
+        engine._in_step = False
+    engine.step()
+    mean = total / m
+    mesh = engine.mesh
+    if mesh.pp_size > 1:
+        mean = mean.to(engine.device.torch_device)
+        mesh.pp.all_reduce(mean, op="sum")  # only the last stage's is not zero
+    mean = mean.to(engine.device.torch_device)
+    engine.comm.all_reduce(mean, op="avg")
+    return mean.cpu()
+
+
+def grad_stats(engine: Engine) -> tuple[float, bool]:
+    """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards, pipeline
+    stages and tensor ranks. A tensor-sharded parameter's pieces add up; a replicated one (no `_hetero_tp`) has the
+    same gradient on every tensor rank, so each rank counts 1 / degree of it."""
+    mesh = engine.mesh
+    tp = mesh.tp_size
+    sq = torch.zeros((), dtype=torch.float64, device=engine.device.torch_device)
+    for zc in engine._trainable:
+        g = zc.grad_view()
+        if tp == 1:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64).to(sq.device) ** 2
+            continue
+        lo = 0 if engine.stage == 0 else engine.comm.rank * zc.shard_numel
+        for info in zc.spec.params:
+            a, b = max(info.offset, lo), min(info.offset + info.numel, lo + g.numel())
+            if a >= b:
+                continue
+            weight = 1.0 if getattr(info.param, "_hetero_tp", None) is not None else 1.0 / tp
+            sq += weight * torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64).to(sq.device) ** 2
+    if engine.stage >= 1:  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
+        engine.comm.all_reduce(sq, op="sum")
+    mesh.tp.all_reduce(sq, op="sum")
+    mesh.pp.all_reduce(sq, op="sum")
+    value = float(sq)
+    return value, math.isfinite(value)
+
+
+def make_runtime(engine: Engine) -> PipelineRuntime:
+    cfg = engine.config.parallel
+    return PipelineRuntime(
+        engine._stages,
+        engine.mesh.pp,
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        virtual=cfg.virtual_stages,
+        device=engine.device.torch_device,
+    )
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj

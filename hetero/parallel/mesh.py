@@ -1,0 +1,96 @@
+"""The device mesh: one object that owns every process group of a tensor x data x pipeline layout.
+
+Ranks are laid out tensor-fastest, then data, then pipeline:
+
+    global rank = tp_rank + T * (dp_rank + D * pp_rank)
+
+so a tensor group (the chattiest: collectives inside every layer) is a run of neighbouring ranks, on one node when
+T divides the GPUs per node, and pipeline neighbours (point-to-point once per micro-batch) are furthest apart. The
+mesh is passed explicitly to whoever needs a group; nothing is global, so two meshes can coexist in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.comm import Comm
+from hetero.errors import ConfigError
+
+
+def check_degrees(world_size: int, *, tensor: int, pipeline: int) -> int:
+    """The data-parallel degree left by the tensor and pipeline degrees; a clear error when they do not divide."""
+    model_parallel = tensor * pipeline
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"parallel: tensor ({tensor}) x pipeline ({pipeline}) = {model_parallel} must divide the world size "
+            f"({world_size}); the data-parallel degree is what is left. Launch a multiple of {model_parallel} "
+            "processes or change the degrees"
+        )
+    return world_size // model_parallel
+
+
+@dataclass(frozen=True, eq=False)
+class Mesh:
+    world: Comm  # every rank of the job
+    tp: Comm  # ranks sharing this rank's data-parallel and pipeline coordinates
+    dp: Comm  # ranks sharing this rank's tensor and pipeline coordinates: ZeRO shards over it
+    pp: Comm  # ranks sharing this rank's tensor and data coordinates, in stage order
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp.size - 1
+
+    @staticmethod
+    def rank_of(tp: int, dp: int, pp: int, *, tensor: int, data: int) -> int:
+        """Global rank of mesh coordinates (tensor fastest, then data, then pipeline)."""
+        return tp + tensor * (dp + data * pp)
+
+    @classmethod
+    def build(cls, world: Comm, *, tensor: int = 1, pipeline: int = 1) -> Mesh:
+        """Split `world` into its tensor, data and pipeline groups. Every rank of `world` must call this, with the
+        same degrees (new process groups are made collectively)."""
+        t, p = tensor, pipeline
+        d = check_degrees(world.size, tensor=t, pipeline=p)
+        r = world.rank
+        tp_rank, dp_rank, pp_rank = r % t, (r // t) % d, r // (t * d)
+
+        def at(a: int, b: int, c: int) -> int:
+            return cls.rank_of(a, b, c, tensor=t, data=d)
+
+        def group(degree: int, parts: list[list[int]]) -> Comm:
+            if degree == 1:
+                return Comm()  # nothing to exchange: no process group at all
+            if degree == world.size:
+                return world
+            return world.split(parts)
+
+        # The same sequence of splits on every rank, as new_group requires.
+        tp = group(t, [[at(a, b, c) for a in range(t)] for c in range(p) for b in range(d)])
+        dp = group(d, [[at(a, b, c) for b in range(d)] for c in range(p) for a in range(t)])
+        pp = group(p, [[at(a, b, c) for c in range(p)] for b in range(d) for a in range(t)])
+        return cls(world=world, tp=tp, dp=dp, pp=pp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"Mesh(world={self.world.size}, tp={self.tp_rank}/{self.tp_size}, dp={self.dp_rank}/{self.dp_size}, "
+            f"pp={self.pp_rank}/{self.pp_size})"
+        )

@@ -1,0 +1,150 @@
+"""Cut a model into pipeline stages, and keep only this rank's.
+
+[Note: units]
+A model is pipelined as the sequence of its top-level children, in registration order, with every ModuleList child
+expanded into its items ("layers.0", "layers.1", ...). That covers an `nn.Sequential`, a ModuleList of blocks, and a
+model whose forward runs its children one after the other (hetero.models.gpt_pipe.GPTPipe); each unit takes the
+previous unit's output, the first takes the batch's inputs, and the last, when the model computes its own loss, is
+also called with `labels=`. Stages are runs of consecutive units, cut where `pipeline_split` names a unit or
+balanced by parameter count. Units of other ranks' stages are removed from the user's model in place (their
+parent's slot set to None), so their memory is freed and the parameters that remain keep their names.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from hetero.errors import ConfigError
+
+
+@dataclass(eq=False)
+class StageChunk:
+    """One model chunk: a run of units, virtual stage `index` of `count`."""
+
+    index: int
+    count: int
+    units: list[tuple[str, nn.Module]]
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def __call__(self, x: Any, labels: Any = None) -> Any:
+        for i, (_, unit) in enumerate(self.units):
+            if labels is not None and self.last and i == len(self.units) - 1:
+                x = unit(x, labels=labels)
+            else:
+                x = unit(x)
+        return x
+
+
+def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's pipeline units (see [Note: units])."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if child is None:
+            continue
+        if isinstance(child, nn.ModuleList):
+            out += [(f"{name}.{i}", m) for i, m in child.named_children() if m is not None]
+        else:
+            out.append((name, child))
+    return out
+
+
+def boundaries(units: Sequence[tuple[str, nn.Module]], stages: int, split: Sequence[str] | str) -> list[int]:
+    """Index of the first unit of each stage (stage 0 starts at 0)."""
+    names = [n for n, _ in units]
+    if len(units) < stages:
+        raise ConfigError(
+            f"parallel: {stages} pipeline stages need at least {stages} units, the model has {len(units)} "
+            f"({', '.join(names)}); lower pipeline / virtual_stages, or pipeline a model with more top-level blocks"
+        )
+    if split == "auto":
+        return _balanced([_numel(m) for _, m in units], stages)
+    starts = [0]
+    for fqn in split:
+        if fqn not in names:
+            close = difflib.get_close_matches(fqn, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"parallel.pipeline_split: {fqn!r} is not a unit a stage can begin at{hint} Units: {', '.join(names)}"
+            )
+        i = names.index(fqn)
+        if i <= starts[-1]:
+            raise ConfigError(
+                f"parallel.pipeline_split: {fqn!r} must come after {names[starts[-1]]!r}: list the FQNs where stages "
+                "begin in model order, the first unit excluded"
+            )
+        starts.append(i)
+    return starts
+
+
+def _balanced(sizes: list[int], k: int) -> list[int]:
+    """Starts of k non-empty runs of `sizes` minimising the largest run's sum (dynamic programming)."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # best[j][i]: smallest possible largest-run sum cutting the first i units into j runs
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for j in range(1, k + 1):
+        for i in range(j, n + 1):
+            for a in range(j - 1, i):
+                cost = max(best[j - 1][a], prefix[i] - prefix[a])
+                if cost < best[j][i]:
+                    best[j][i], cut[j][i] = cost, a
+    starts, i = [], n
+    for j in range(k, 0, -1):
+        i = cut[j][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def keep_stages(
+    model: nn.Module, *, rank: int, ranks: int, virtual: int, split: Sequence[str] | str
+) -> list[StageChunk]:
+    """Split the model into ranks x virtual stages, drop every unit that is not this rank's from the model (in
+    place) and return this rank's chunks in order: chunk c is virtual stage c * ranks + rank."""
+    units = units_of(model)
+    count = ranks * virtual
+    starts = boundaries(units, count, split) + [len(units)]
+    groups = [units[starts[i] : starts[i + 1]] for i in range(count)]
+    mine = [i for i in range(count) if i % ranks == rank]
+    _check_no_sharing(groups)
+    kept = {id(m) for i in mine for _, m in groups[i]}
+    for name, unit in units:
+        if id(unit) not in kept:
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            parent._modules[leaf] = None  # nn.Module skips None children: parameters and state_dict drop it
+    return [StageChunk(i, count, groups[i]) for i in mine]
+
+
+def _check_no_sharing(groups: list[list[tuple[str, nn.Module]]]) -> None:
+    owner: dict[int, tuple[int, str]] = {}
+    for s, group in enumerate(groups):
+        for unit_name, unit in group:
+            for pname, p in unit.named_parameters(remove_duplicate=False):
+                prev = owner.setdefault(id(p), (s, f"{unit_name}.{pname}"))
+                if prev[0] != s:
+                    raise ConfigError(
+                        f"parallel: parameter {prev[1]!r} (stage {prev[0]}) is also {unit_name}.{pname!s} (stage {s}); "
+                        "a parameter shared between pipeline stages is not supported: untie it (e.g. GPT's "
+                        "tie_weights=False) or choose pipeline_split so both uses fall in one stage"
+                    )
+
+
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())

@@ -1,0 +1,174 @@
+"""Tensor-parallel plans: which module gets which style, as FQN glob patterns, and the built-in plans.
+
+A pattern is a module's qualified name (``layers.0.attn.q_proj``) where ``*`` stands for any run of characters
+inside one name component (``layers.*.attn.q_proj``) and ``?`` for one. A style may combine several with ``+``
+(``norm+sequence_gather``). Modules no pattern names keep their parameters whole (replicated).
+
+Styles:
+- ``colwise``: ``nn.Linear`` or Hugging Face ``Conv1D`` with its output features sharded; ``colwise_qkv`` the same
+  for a fused q/k/v projection (each third sharded on its own, GPT-2's ``c_attn``).
+- ``rowwise``: input features sharded; the partial outputs are summed (all-reduce, or reduce-scatter along the
+  sequence under sequence parallelism) before the bias is added.
+- ``vocab``: ``nn.Embedding`` sharded by vocabulary range.
+- ``vocab_head``: the LM head (``nn.Linear``) with logits left sharded by vocabulary; the model's own loss is
+  replaced by the vocabulary-parallel cross entropy.
+- ``parallel_input``: a module whose column-parallel children read its input (an MLP with gate and up projections):
+  the input enters the tensor-parallel region once, in a pre-hook (f; under sequence parallelism the all-gather
+  along the sequence), instead of once per child.
+- ``heads``: an attention module; its head counts are divided by the degree (checked), and it is a
+  ``parallel_input`` (under sequence parallelism attention must see the whole sequence).
+- ``norm``: a LayerNorm/RMSNorm inside the sequence-parallel region (its gradients are all-reduced under SP).
+- ``sequence_scatter`` / ``sequence_gather``: where the sequence-parallel region begins (the module's input is cut)
+  and ends (its output is gathered). Both do nothing without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+from hetero.errors import ConfigError
+
+STYLES = (
+    "colwise",
+    "colwise_qkv",
+    "rowwise",
+    "vocab",
+    "vocab_head",
+    "heads",
+    "parallel_input",
+    "norm",
+    "sequence_scatter",
+    "sequence_gather",
+)
+
+
+def _gpt(prefix: str = "") -> dict[str, str]:
+    """hetero.models.gpt.GPT."""
+    p = prefix
+    return {
+        f"{p}embed": "vocab",
+        f"{p}drop": "sequence_scatter",
+        f"{p}layers.*.ln_?": "norm",
+        f"{p}layers.*.attn": "heads",
+        f"{p}layers.*.attn.?_proj": "colwise",  # q_proj, k_proj, v_proj (o_proj overridden below)
+        f"{p}layers.*.attn.o_proj": "rowwise",
+        f"{p}layers.*.mlp": "parallel_input",
+        f"{p}layers.*.mlp.fc": "colwise",
+        f"{p}layers.*.mlp.proj": "rowwise",
+        f"{p}ln_f": "norm+sequence_gather",
+        f"{p}lm_head": "vocab_head",
+    }
+
+
+def _gpt2(prefix: str, head: bool) -> dict[str, str]:
+    """GPT-2 of transformers: Conv1D layers (weights stored [in, out]) and a fused q/k/v projection."""
+    p = prefix
+    plan = {
+        f"{p}wte": "vocab",
+        f"{p}drop": "sequence_scatter",
+        f"{p}h.*.ln_?": "norm",
+        f"{p}h.*.attn": "heads",
+        f"{p}h.*.attn.c_attn": "colwise_qkv",
+        f"{p}h.*.attn.c_proj": "rowwise",
+        f"{p}h.*.mlp": "parallel_input",
+        f"{p}h.*.mlp.c_fc": "colwise",
+        f"{p}h.*.mlp.c_proj": "rowwise",
+        f"{p}ln_f": "norm+sequence_gather",
+    }
+    if head:
+        plan["lm_head"] = "vocab_head"
+    return plan
+
+
+def _llama(prefix: str, head: bool) -> dict[str, str]:
+    """Llama of transformers (also the plan of its close relatives: grouped-query attention, RMSNorm, SwiGLU)."""
+    p = prefix
+    plan = {
+        f"{p}embed_tokens": "vocab",
+        f"{p}layers.0": "sequence_scatter",
+        f"{p}layers.*.input_layernorm": "norm",
+        f"{p}layers.*.post_attention_layernorm": "norm",
+        f"{p}layers.*.self_attn": "heads",
+        f"{p}layers.*.self_attn.q_proj": "colwise",
+        f"{p}layers.*.self_attn.k_proj": "colwise",
+        f"{p}layers.*.self_attn.v_proj": "colwise",
+        f"{p}layers.*.self_attn.o_proj": "rowwise",
+        f"{p}layers.*.mlp": "parallel_input",  # gate_proj and up_proj read the same input
+        f"{p}layers.*.mlp.gate_proj": "colwise",
+        f"{p}layers.*.mlp.up_proj": "colwise",
+        f"{p}layers.*.mlp.down_proj": "rowwise",
+        f"{p}norm": "norm+sequence_gather",
+    }
+    if head:
+        plan["lm_head"] = "vocab_head"
+    return plan
+
+
+# Model class name -> its plan. Later patterns override earlier ones for the modules both match.
+BUILTIN_PLANS: dict[str, dict[str, str]] = {
+    "GPT": _gpt(),
+    "GPT2LMHeadModel": _gpt2("transformer.", head=True),
+    "GPT2Model": _gpt2("", head=False),
+    "LlamaForCausalLM": _llama("model.", head=True),
+    "LlamaModel": _llama("", head=False),
+}
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    out = "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in pattern)
+    return re.compile(out + r"\Z")
+
+
+def check_style(style: object, where: str) -> list[str]:
+    """The parts of a style string, each checked; a ConfigError names an unknown one and the closest known."""
+    if not isinstance(style, str) or not style:
+        raise ConfigError(f"{where}: a style must be a non-empty string, got {style!r}; known: {', '.join(STYLES)}")
+    parts = style.split("+")
+    for part in parts:
+        if part not in STYLES:
+            close = difflib.get_close_matches(part, STYLES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown tensor-parallel style {part!r}{hint}; known: {', '.join(STYLES)}")
+    return parts
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str, *, strict: bool = True) -> dict[str, str]:
+    """The concrete plan: every module FQN a pattern matches -> its style (``"auto"``: the model's built-in plan).
+
+    Patterns are applied in order and a later one overrides an earlier one on the modules both match, so a broad
+    pattern can be refined. A pattern that matches no module is an error (a typo would otherwise silently leave
+    layers whole) unless ``strict`` is False (a pipeline stage holds only some of the modules a plan names); a
+    style that does not exist always is.
+    """
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ConfigError(f"tensor_plan = {plan!r}: expected 'auto' or a mapping of module patterns to styles")
+        name = type(model).__name__
+        if name not in BUILTIN_PLANS:
+            raise ConfigError(
+                f"tensor_plan = 'auto' has no built-in plan for {name}; known: {', '.join(BUILTIN_PLANS)}. "
+                "Give a mapping of module patterns to styles instead (see hetero.parallel.plans)"
+            )
+        plan = BUILTIN_PLANS[name]
+    if not isinstance(plan, Mapping):
+        raise ConfigError(f"tensor_plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        check_style(style, f"tensor_plan[{pattern!r}]")
+        regex = _compile(str(pattern))
+        hits = [n for n in names if regex.match(n)]
+        if not hits and strict:
+            close = difflib.get_close_matches(str(pattern), names, n=3)
+            hint = f"; closest module names: {', '.join(close)}" if close else ""
+            raise ConfigError(
+                f"tensor_plan pattern {pattern!r} matches no module of {type(model).__name__}{hint}. Patterns are "
+                "module names where * stands for one name component (layers.*.attn.q_proj)"
+            )
+        for n in hits:
+            out[n] = style
+    return out

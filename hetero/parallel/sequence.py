@@ -1,0 +1,82 @@
+"""Megatron sequence parallelism (Korthikanti et al., 2022): the parts of a layer outside the tensor-parallel
+matmuls (norms, dropout, residual adds) work on 1/t of the sequence instead of a replica of all of it.
+
+[Note: the sequence-parallel region]
+The residual stream between ``sequence_scatter`` (on the module where the layers begin: hetero GPT's and GPT-2's
+embedding dropout, Llama's first decoder layer) and ``sequence_gather`` (on the final norm) holds [batch, seq/t,
+hidden] on each rank. Inside it, a column-parallel layer all-gathers its input along the sequence (backward:
+reduce-scatter) and a row-parallel layer reduce-scatters its output (backward: all-gather), which moves the same
+bytes as the two all-reduces they replace. Attention sees the whole sequence: the ``heads`` style gathers the
+attention module's input before its forward reads the sequence length. The embedding stays replicated (its
+all-reduce is unchanged) because Hugging Face models derive position ids and masks from its output's length.
+A parameter used inside the region (a norm's weight, a row-parallel bias) sees only this rank's positions, so its
+gradient is a part of the whole: a hook all-reduces it over the tensor group before it is accumulated, and nothing
+outside this package needs to know. Dropout inside the region draws from each rank's generator: ranks seeded alike
+draw the same mask pattern for their different positions (Megatron forks a generator per rank; hetero does not yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.comm import Comm
+from hetero.errors import ConfigError
+from hetero.parallel.tp_ops import gather_seq_exact, scatter_seq
+
+SEQ_DIM = 1  # activations are [batch, seq, hidden], as in Hugging Face and hetero's GPT
+
+
+def replace_first_input(
+    name: str, args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[tuple, dict]:
+    """Apply ``fn`` to a module call's hidden states: its first positional argument, else ``hidden_states=``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in ("hidden_states", "x", "input"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise ConfigError(
+        f"{name} was called without a tensor as its first argument or as hidden_states=: the tensor-parallel plan "
+        "cannot find its hidden states; give this style to a module whose forward takes them first"
+    )
+
+
+def add_sequence_scatter(module: nn.Module, name: str, comm: Comm) -> None:
+    """Enter the region: the module's hidden-states input is cut to this rank's part of the sequence."""
+
+    def pre_hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_first_input(name, args, kwargs, lambda x: scatter_seq(x, comm, SEQ_DIM))
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def add_sequence_gather(module: nn.Module, name: str, comm: Comm) -> None:
+    """Leave the region: the module's output is gathered into the whole sequence on every rank."""
+
+    def hook(_: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return gather_seq_exact(output, comm, SEQ_DIM)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (gather_seq_exact(output[0], comm, SEQ_DIM), *output[1:])
+        raise ConfigError(f"{name} returned {type(output).__name__}: sequence_gather needs a tensor (or tuple) output")
+
+    module.register_forward_hook(hook)
+
+
+def all_reduce_grads(params: list[nn.Parameter], comm: Comm) -> None:
+    """Sum these parameters' gradients over the tensor group as autograd computes them (before accumulation),
+    so every rank accumulates the gradient of the whole sequence."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        comm.all_reduce(out)
+        return out
+
+    for p in params:
+        if p.requires_grad and not getattr(p, "_hetero_sp_reduced", False):
+            p.register_hook(hook)
+            p._hetero_sp_reduced = True  # a tied or shared parameter is reduced once, not once per module

@@ -1,0 +1,300 @@
+"""1D tensor parallelism (Megatron style), applied in place from a plan: names and ``state_dict()`` keys unchanged.
+
+``apply_tensor_parallel(model, plan, comm)`` takes a complete model, identical on every rank of ``comm`` (the tensor
+group), and replaces each planned parameter's data by this rank's shard (a contiguous copy), recording how it was
+cut as ``param._hetero_tp`` (:class:`TPShard`). A module's forward changes by swapping its class for a subclass
+that adds the communication (FSDP2 does the same), so hooks, names and the module tree stay as they were.
+
+Invariants the engine relies on: a parameter without ``_hetero_tp`` is replicated over the tensor group and its
+gradient is complete and identical on every tensor rank when backward ends (under sequence parallelism a hook sums
+the parts, see ``sequence.py``). The global gradient norm is therefore the sum over tensor ranks of (sharded
+parameters' squares + replicated parameters' squares / degree).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.comm import Comm
+from hetero.errors import ConfigError
+from hetero.parallel.plans import resolve_plan
+from hetero.parallel.sequence import (
+    add_sequence_gather,
+    add_sequence_scatter,
+    all_reduce_grads,
+    replace_first_input,
+)
+from hetero.parallel.tp_ops import copy_to_region, gather_seq, reduce_from_region, reduce_scatter_seq
+from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, embed_vocab_parallel
+
+log = logging.getLogger("hetero.parallel")
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How a sharded parameter was cut: ``parts`` blocks along ``dim`` (3 for a fused q/k/v), each split in
+    ``degree`` equal slices; rank ``rank`` holds slice ``rank`` of every block, concatenated."""
+
+    dim: int
+    parts: int
+    degree: int
+    rank: int
+    full_shape: tuple[int, ...]
+
+
+def unshard(shards: Sequence[torch.Tensor], info: TPShard) -> torch.Tensor:
+    """The full tensor from every tensor rank's shard, in rank order (for checkpoints and tests)."""
+    if len(shards) != info.degree:
+        raise ValueError(f"unshard needs {info.degree} shards (one per tensor rank), got {len(shards)}")
+    blocks = [s.chunk(info.parts, info.dim) for s in shards]
+    return torch.cat([torch.cat([b[p] for b in blocks], info.dim) for p in range(info.parts)], info.dim)
+
+
+def _shard_of(full: torch.Tensor, info: TPShard) -> torch.Tensor:
+    return torch.cat([b.chunk(info.degree, info.dim)[info.rank] for b in full.chunk(info.parts, info.dim)], info.dim)
+
+
+def _check_divides(param: nn.Parameter, dim: int, parts: int, degree: int, what: str) -> None:
+    if param.shape[dim] % (parts * degree):
+        split = f"{parts} parts x {degree} tensor ranks" if parts > 1 else f"{degree} tensor ranks"
+        raise ConfigError(
+            f"{what}: dimension {dim} of shape {tuple(param.shape)} does not divide into {split}; choose a "
+            "tensor-parallel degree that divides it (or pad the layer)"
+        )
+
+
+def _shard(param: nn.Parameter, dim: int, parts: int, comm: Comm, what: str) -> None:
+    """Replace ``param.data`` by this rank's shard, once (a tied parameter is met twice)."""
+    done = getattr(param, "_hetero_tp", None)
+    if done is not None:
+        if (done.dim, done.parts) != (dim, parts):
+            raise ConfigError(f"{what} is tied to a parameter already sharded differently ({done}): plan them alike")
+        return
+    _check_divides(param, dim, parts, comm.size, what)
+    info = TPShard(dim=dim, parts=parts, degree=comm.size, rank=comm.rank, full_shape=tuple(param.shape))
+    with torch.no_grad():
+        param.data = _shard_of(param.data, info).contiguous().clone()
+    param.grad = None  # a gradient of the full shape would no longer fit
+    param._hetero_tp = info
+
+
+class _Region:
+    """The tensor group of one ``apply_tensor_parallel`` call and how inputs enter its tensor-parallel region."""
+
+    def __init__(self, comm: Comm, sequence: bool) -> None:
+        self.comm = comm
+        self.sequence = sequence  # Megatron-SP: column-parallel inputs arrive sharded along the sequence
+
+    def enter(self, x: torch.Tensor, *, sequence: bool) -> torch.Tensor:
+        """f (or the all-gather along the sequence under SP), unless a parent module brought ``x`` in already:
+        q, k and v (or gate and up) projections read the same input, and one collective must serve them all."""
+        if getattr(x, "_hetero_tp_entered", None) is self:
+            return x
+        y = gather_seq(x, self.comm) if sequence else copy_to_region(x, self.comm)
+        y._hetero_tp_entered = self  # marks this tensor object only: any op on it makes an unmarked tensor
+        return y
+
+
+def _conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D: a linear layer whose weight is stored [in, out]."""
+    return hasattr(module, "nf") and hasattr(module, "nx") and not isinstance(module, nn.Linear)
+
+
+class _Colwise:
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        region = self._hetero_region
+        return super().forward(region.enter(x, sequence=region.sequence), *args, **kwargs)
+
+
+class _VocabHead:
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The head sits after sequence_gather: its input is the whole sequence, replicated, under SP too.
+        return super().forward(self._hetero_region.enter(x, sequence=False), *args, **kwargs)
+
+
+class _Rowwise:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        region = self._hetero_region
+        y = torch.matmul(x, self.weight) if _conv1d(self) else F.linear(x, self.weight)
+        y = reduce_scatter_seq(y, region.comm) if region.sequence else reduce_from_region(y, region.comm)
+        # The bias is added once, after the sum (added on every rank before it, it would count degree times).
+        return y if self.bias is None else y + self.bias
+
+
+class _VocabEmbedding:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embed_vocab_parallel(self, ids, self._hetero_region.comm)
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}  # (mixin, module class) -> the class swapped in
+
+
+def _swap_class(module: nn.Module, mixin: type, region: _Region, name: str) -> None:
+    if getattr(module, "_hetero_region", None) is not None:
+        raise ConfigError(f"{name} is tensor-parallel already: apply a plan once, with one style per layer")
+    cls = type(module)
+    key = (mixin, cls)
+    if key not in _SUBCLASSES:
+        label = mixin.__name__.strip("_")
+        _SUBCLASSES[key] = type(f"{label}{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    module.__class__ = _SUBCLASSES[key]
+    module._hetero_region = region
+
+
+def _linear_dims(module: nn.Module, name: str, style: str) -> tuple[int, int]:
+    """(output-feature dim, input-feature dim) of a Linear or Conv1D weight."""
+    if isinstance(module, nn.Linear):
+        return 0, 1
+    if _conv1d(module):
+        return 1, 0
+    raise ConfigError(f"{name} is a {type(module).__name__}: style {style!r} needs an nn.Linear or a Conv1D")
+
+
+_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_WIDTH_ATTRS = ("split_size", "embed_dim")  # GPT-2 splits c_attn's output and sizes views with these
+
+
+def _heads(module: nn.Module, name: str, degree: int) -> dict[str, int]:
+    """The per-instance attributes to divide by the degree; raises if a head count does not divide."""
+    own = {a: getattr(module, a) for a in _HEAD_ATTRS + _WIDTH_ATTRS if type(getattr(module, a, None)) is int}
+    config = getattr(module, "config", None)
+    # Llama's attention reads its head counts from the shared config (and shapes from the weights): check only.
+    read = {a: getattr(config, a) for a in _HEAD_ATTRS if type(getattr(config, a, None)) is int}
+    if not any(a in own or a in read for a in _HEAD_ATTRS):
+        raise ConfigError(
+            f"{name} ({type(module).__name__}) has no head count ({', '.join(_HEAD_ATTRS)}) on itself or its config: "
+            "style 'heads' belongs on an attention module"
+        )
+    for a, v in {**read, **own}.items():
+        if v % degree:
+            raise ConfigError(
+                f"{name}: {a} = {v} does not divide by the tensor-parallel degree {degree}; every rank must hold "
+                f"whole heads, so choose a degree that divides the number of attention heads and key/value heads"
+            )
+    return {a: v // degree for a, v in own.items()}
+
+
+def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
+    """Raise before anything changes if a style cannot apply to a module at this degree."""
+    what = f"{name} ({part})"
+    if part in ("colwise", "colwise_qkv", "rowwise"):
+        out_dim, in_dim = _linear_dims(module, name, part)
+        parts = 3 if part == "colwise_qkv" else 1
+        _check_divides(module.weight, in_dim if part == "rowwise" else out_dim, parts, degree, what)
+    elif part in ("vocab", "vocab_head"):
+        kind = nn.Embedding if part == "vocab" else nn.Linear
+        if not isinstance(module, kind):
+            raise ConfigError(f"{name} is a {type(module).__name__}: style {part!r} needs an {kind.__name__}")
+        _check_divides(module.weight, 0, 1, degree, what)
+    elif part == "heads":
+        _heads(module, name, degree)
+
+
+def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
+    comm, degree = region.comm, region.comm.size
+    if part in ("colwise", "colwise_qkv", "vocab_head"):
+        out_dim, _ = (0, 1) if part == "vocab_head" else _linear_dims(module, name, part)
+        parts = 3 if part == "colwise_qkv" else 1
+        _shard(module.weight, out_dim, parts, comm, f"{name}.weight")
+        if getattr(module, "bias", None) is not None:
+            _shard(module.bias, 0, parts, comm, f"{name}.bias")
+        _swap_class(module, _VocabHead if part == "vocab_head" else _Colwise, region, name)
+        _set_features(module, out=module.weight.shape[out_dim])
+    elif part == "rowwise":
+        _, in_dim = _linear_dims(module, name, part)
+        _shard(module.weight, in_dim, 1, comm, f"{name}.weight")
+        if region.sequence and module.bias is not None:
+            all_reduce_grads([module.bias], comm)  # added to this rank's part of the sequence only
+        _swap_class(module, _Rowwise, region, name)
+        _set_features(module, inp=module.weight.shape[in_dim])
+    elif part == "vocab":
+        _shard(module.weight, 0, 1, comm, f"{name}.weight")
+        _swap_class(module, _VocabEmbedding, region, name)
+        module.num_embeddings = module.weight.shape[0]
+    elif part == "heads":
+        for attr, value in _heads(module, name, degree).items():
+            setattr(module, attr, value)
+        _apply("parallel_input", module, name, region)  # attention reads the sequence length from its input
+    elif part == "parallel_input":
+
+        def pre_hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return replace_first_input(name, args, kwargs, lambda x: region.enter(x, sequence=region.sequence))
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    elif part == "norm":
+        if region.sequence:
+            all_reduce_grads(list(module.parameters()), comm)
+    elif part == "sequence_scatter" and region.sequence:
+        add_sequence_scatter(module, name, comm)
+    elif part == "sequence_gather" and region.sequence:
+        add_sequence_gather(module, name, comm)
+
+
+def _set_features(module: nn.Module, *, out: int | None = None, inp: int | None = None) -> None:
+    """Keep the layer's size attributes true to its local weight (Conv1D's forward shapes its output with nf)."""
+    names = ("nf", "nx") if _conv1d(module) else ("out_features", "in_features")
+    if out is not None:
+        setattr(module, names[0], out)
+    if inp is not None:
+        setattr(module, names[1], inp)
+
+
+def _install_loss(model: nn.Module, comm: Comm) -> None:
+    """Make ``model(inputs, labels=...).loss`` the vocabulary-parallel cross entropy of the sharded logits."""
+    from hetero.models.gpt import GPT  # a leaf module; imported here to keep this package free of model code
+
+    if isinstance(model, GPT):
+        model.loss_function = AlignedLMLoss(comm)
+    elif isinstance(getattr(type(model), "loss_function", None), property):
+        # transformers' PreTrainedModel: the property has a setter, per instance.
+        model.loss_function = CausalLMLoss(comm)
+    else:
+        log.warning(
+            "%s has no loss_function to replace: its logits are sharded by vocabulary, so compute the loss with "
+            "hetero.parallel.vocab_parallel_cross_entropy",
+            type(model).__name__,
+        )
+
+
+def check_untouched(model: nn.Module) -> None:
+    """Raise if tensor or sequence parallelism was applied to ``model`` already (twice would cut shards again)."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "_hetero_tp") or getattr(p, "_hetero_sp_reduced", False):
+            raise ConfigError(
+                f"{name} is sharded or sequence-parallel already: apply tensor or sequence parallelism once per "
+                "model, to the complete model"
+            )
+
+
+def apply_tensor_parallel(
+    model: nn.Module, plan: Mapping[str, str] | str, comm: Comm, *, sequence: bool = False, strict: bool = True
+) -> None:
+    """Shard ``model`` in place over the tensor group ``comm`` following ``plan`` (patterns -> styles, or "auto").
+
+    The model must be complete and identical on every rank of ``comm``. Every check runs before anything changes,
+    so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well. ``strict``:
+    False lets patterns match nothing (a pipeline stage holding part of the model; better: apply to the whole model
+    before splitting it, so the stages' boundaries keep the sequence split consistent).
+    """
+    check_untouched(model)
+    resolved = resolve_plan(model, plan, strict=strict)
+    modules = dict(model.named_modules())
+    for name, style in resolved.items():
+        for part in style.split("+"):
+            _check(part, modules[name], name, comm.size)
+    region = _Region(comm, sequence)
+    for name, style in resolved.items():
+        for part in style.split("+"):
+            _apply(part, modules[name], name, region)
+    if any("vocab_head" in style.split("+") for style in resolved.values()):
+        _install_loss(model, comm)
+    log.info(
+        "tensor parallel over %d ranks%s: %d modules planned", comm.size, " with SP" if sequence else "", len(resolved)
+    )

@@ -1,0 +1,142 @@
+"""Vocabulary parallelism: an embedding sharded by vocabulary range, and a cross entropy on vocabulary-sharded
+logits that never gathers them.
+
+Rank r of t holds the rows [r*V/t, (r+1)*V/t) of the embedding matrix. Tied to the LM head (GPT-2, and the GPT of
+``hetero.models``), the same shard makes the head's logits sharded by the same ranges, and the loss works on those
+shards: softmax cross entropy needs only the maximum, the sum of exponentials and the target's logit over the whole
+vocabulary, three all-reduces of one number per token instead of an all-gather of V/t numbers per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from hetero.comm import Comm
+from hetero.parallel.tp_ops import reduce_from_region
+
+
+class _VocabParallelCE(Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, comm: Comm, ignore_index: int
+    ) -> torch.Tensor:
+        n_local = logits.shape[-1]
+        # Softmax is shift-invariant: subtract the global maximum so that exp never overflows.
+        peak = logits.detach().max(dim=-1).values
+        comm.all_reduce(peak, op="max")
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        comm.all_reduce(total)
+        valid = target != ignore_index
+        local = target - start
+        mine = valid & (local >= 0) & (local < n_local)
+        idx = torch.where(mine, local, torch.zeros_like(local))
+        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
+        comm.all_reduce(picked)  # exactly one rank holds each valid target's logit
+        loss = torch.where(valid, total.log() - picked, torch.zeros_like(total))
+        exp.div_(total.unsqueeze(-1))  # now the local part of the softmax, kept for backward
+        ctx.save_for_backward(exp, idx, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, idx, mine, valid = ctx.saved_tensors
+        # d loss_i / d logit_ij = softmax_ij - [j is i's target]; zero for ignored tokens.
+        out = softmax.clone()
+        out.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(out.dtype).unsqueeze(-1))
+        out.mul_((grad * valid).unsqueeze(-1))
+        return out, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    comm: Comm,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Cross entropy of ``logits`` [..., V/t] (this rank's vocabulary range, ranks in order) against ``target`` [...].
+
+    Equals ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index)``, computed in
+    fp32, with the same value on every rank. ``reduction``: "mean" (over tokens not ignored; ``num_items``, when
+    given, replaces their count, as Hugging Face's trainer passes it), "sum" or "none".
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction = {reduction!r}: expected 'mean', 'sum' or 'none'")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab")
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    tgt = target.reshape(-1).to(flat.device)
+    start = comm.rank * logits.shape[-1]
+    per_token = _VocabParallelCE.apply(flat, tgt, start, comm, ignore_index)
+    if reduction == "none":
+        return per_token.view(target.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    count = (tgt != ignore_index).sum() if num_items is None else num_items
+    return per_token.sum() / torch.as_tensor(count, device=per_token.device)
+
+
+def embed_vocab_parallel(module: nn.Embedding, ids: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """A vocabulary-sharded embedding's forward: rows it does not hold read as zero, then the ranks' parts sum."""
+    n_local = module.weight.shape[0]
+    start = comm.rank * n_local
+    local = ids - start
+    outside = (local < 0) | (local >= n_local)
+    local = local.masked_fill(outside, 0)
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and 0 <= pad - start < n_local else None
+    out = F.embedding(
+        local, module.weight, pad, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
+    )
+    return reduce_from_region(out.masked_fill(outside.unsqueeze(-1), 0.0), comm)
+
+
+class CausalLMLoss:
+    """Hugging Face's causal-LM loss (shift labels left by one, mean over tokens not ignored) on sharded logits.
+
+    Installed as ``model.loss_function``, which recent transformers call as
+    ``loss_function(logits, labels, vocab_size, **kwargs)``.
+    """
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if vocab_size is not None and logits.shape[-1] * self.comm.size != vocab_size:
+            raise ValueError(
+                f"logits hold {logits.shape[-1]} of {vocab_size} vocabulary entries on each of {self.comm.size} "
+                "tensor ranks: the LM head is not sharded by vocabulary as the loss expects"
+            )
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return vocab_parallel_cross_entropy(
+            logits, shift_labels, self.comm, ignore_index=ignore_index, num_items=num_items_in_batch
+        )
+
+
+class AlignedLMLoss:
+    """The loss of ``hetero.models.gpt.GPT`` (labels already aligned, -100 ignored) on sharded logits."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.comm, ignore_index=-100)

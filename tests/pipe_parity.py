@@ -1,0 +1,119 @@
+"""Parity runs for the parallel layouts: a tiny pipelineable GPT (GPTPipe, untied) trained by plain PyTorch on the
+global batch, and by hetero's `train_batch` under a "parallel" config, for tests to compare."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import hetero
+from hetero.models.gpt import GPTConfig
+from hetero.models.gpt_pipe import GPTPipe
+from hetero.parallel.tensor import unshard
+
+try:
+    from tests import parity
+except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+
+CFG = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False, tie_weights=False)
+STEPS, ROWS = 4, 4
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def build(seed: int = 0) -> GPTPipe:
+    torch.manual_seed(seed)
+    return GPTPipe(GPTConfig(**CFG))
+
+
+def reference(steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> tuple[list[float], dict, float]:
+    """Plain PyTorch on the global batch: losses, final weights, and the last step's gradient norm."""
+    model = build()
+    opt = parity.make_optimizer(model)
+    losses, norm = [], float("nan")
+    for x, y in parity.batches(steps, rows):
+        loss = model(x, labels=y).loss
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+
+
+def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROWS) -> dict[str, Any]:
+    """hetero on this rank's share of each global batch; returns losses, and this stage's full weights from the
+    first data-parallel and tensor rank (None elsewhere)."""
+    torch.manual_seed(1234 + rank)  # the model must not depend on a rank's RNG: it is built from the seed below
+    model = build()
+    opt = parity.make_optimizer(model)
+    config = copy.deepcopy(config)
+    config.setdefault("chunk_size", parity.CHUNK)
+    engine = hetero.initialize(model, opt, config)
+    reductions = _count_reductions(engine.comm)
+    dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
+    local = rows // dp
+    losses = []
+    for x, y in parity.batches(steps, rows):
+        loss = engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local])
+        losses.append(float(loss))
+    mesh = engine.mesh
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
+    if mesh.dp_rank != 0:
+        state = None
+    shards = {n: p._hetero_tp for n, p in model.named_parameters() if hasattr(p, "_hetero_tp")}
+    out = {
+        "losses": losses,
+        "state": state,
+        "coords": (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank),
+        "grad_norm": engine.last_grad_norm,
+        "reductions": reductions[0],
+        "trainable_chunks": len(engine._trainable),
+        "shards": shards,
+    }
+    engine.close()
+    return out
+
+
+def _count_reductions(comm: Any) -> list[int]:
+    """Count the gradient reduce-scatters issued on the data-parallel group (patched on this Comm instance)."""
+    count, depth = [0], [0]  # depth: the async form may fall back to the blocking one; count the outer call
+    for name in ("reduce_scatter", "reduce_scatter_async"):
+        original = getattr(comm, name)
+
+        def counted(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
+            count[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(comm, name, counted)
+    return count
+
+
+def check(results: list[dict], ref: tuple[list[float], dict, float], *, weight_atol: float = TOL["atol"]) -> None:
+    """Losses and gradient norm at rel 1e-5 on every rank; the final weights, merged over stages and unsharded over
+    tensor ranks. weight_atol: tensor parallelism sums each gradient in another order, and Adam turns a near-zero
+    gradient's rounding into a visible step, so its layouts compare weights at 1e-5 absolute."""
+    ref_losses, ref_state, ref_norm = ref
+    merged: dict[str, torch.Tensor] = {}
+    by_stage: dict[int, list[dict]] = {}  # pipeline rank -> the first data-parallel rank's results, by tensor rank
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), **TOL)
+        assert abs(r["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (r["grad_norm"], ref_norm)
+        if r["state"] is not None:
+            by_stage.setdefault(r["coords"][2], []).append(r)
+    for ranks in by_stage.values():
+        ranks.sort(key=lambda r: r["coords"][0])
+        for name, value in ranks[0]["state"].items():
+            info = ranks[0]["shards"].get(name)
+            merged[name] = value if info is None else unshard([r["state"][name] for r in ranks], info)
+    assert merged.keys() == ref_state.keys(), sorted(set(ref_state) ^ set(merged))
+    for name, value in ref_state.items():
+        torch.testing.assert_close(
+            merged[name], value, rtol=TOL["rtol"], atol=weight_atol, msg=lambda m, n=name: f"{n}: {m}"
+        )

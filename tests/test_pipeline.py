@@ -1,0 +1,227 @@
+"""Pipeline parallelism: schedules as action lists, stage splitting, config errors, and training parity of
+`train_batch` (pipeline schedules, micro-batches, data parallel, ZeRO 0-3 with offload) with plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hetero
+from hetero.errors import ConfigError
+from hetero.parallel.mesh import check_degrees
+from hetero.parallel.pipeline import schedule as S
+from hetero.parallel.pipeline.split import boundaries, keep_stages, units_of
+
+try:
+    from tests import parity, pipe_parity
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+    import pipe_parity  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+
+LAYOUTS = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)]
+
+
+# ---- schedules ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,v", LAYOUTS)
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 2), (2, 4), (4, 4), (4, 8), (3, 9)])
+def test_schedule_is_complete_ordered_and_deadlock_free(name, v, p, m):
+    if name == "interleaved_1f1b" and m % p:
+        pytest.skip("interleaved needs m % p == 0")
+    lists = [S.build(name, p, m, r, v) for r in range(p)]
+    for actions in lists:
+        # every (micro-batch, chunk) forward and backward exactly once, each forward before its backward
+        assert sorted((a.kind, a.microbatch, a.chunk) for a in actions) == sorted(
+            (k, i, c) for k in "FB" for i in range(m) for c in range(v)
+        )
+        pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(actions)}
+        assert all(pos[("F", i, c)] < pos[("B", i, c)] for i in range(m) for c in range(v))
+        # forwards of a chunk go in micro-batch order (what the receiving stage expects)
+        for c in range(v):
+            order = [a.microbatch for a in actions if a.kind == "F" and a.chunk == c]
+            assert order == sorted(order)
+    sim = S.simulate(p, lists, v)  # raises on a deadlock
+    if name == "1f1b":
+        assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]  # never more than p micro-batches alive
+        assert max(sim.peak_in_flight) <= p
+    if name == "gpipe":
+        assert sim.peak_in_flight == [m] * p
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 6), (4, 8)])
+def test_transfers_cannot_deadlock_when_sends_wait_for_receives(name, p, m):
+    lists = [S.build(name, p, m, r) for r in range(p)]
+    S.check_rendezvous(lists)  # NCCL's worst case: every send waits until its receive is posted
+    if name == "1f1b" and m > 1:
+        assert S.paired(lists) != [set()] * p  # the steady state's send-forward / receive-backward pairs
+
+
+def test_unpaired_1f1b_would_deadlock_under_rendezvous(monkeypatch):
+    monkeypatch.setattr(S, "paired", lambda lists, v=1: [set() for _ in lists])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        S.check_rendezvous([S.build("1f1b", 2, 4, r) for r in range(2)])
+
+
+def test_pairs_are_symmetric():
+    for name, v in LAYOUTS:
+        p, m = 4, 8
+        lists = [S.build(name, p, m, r, v) for r in range(p)]
+        for r, indices in enumerate(S.paired(lists, v)):
+            for i in indices:
+                (peer, received), (peer2, sent) = (
+                    S.transfers(lists[r][i + 1], p, r, v)[0],
+                    S.transfers(lists[r][i], p, r, v)[1],
+                )
+                assert peer == peer2  # one link, and the peer pairs the mirror image
+                mirror = [
+                    j
+                    for j in S.paired(lists, v)[peer]
+                    if S.transfers(lists[peer][j], p, peer, v)[1][1] == received
+                    and S.transfers(lists[peer][j + 1], p, peer, v)[0][1] == sent
+                ]
+                assert len(mirror) == 1
+
+
+@pytest.mark.parametrize("name,v", LAYOUTS)
+def test_simulated_bubble_matches_theory(name, v):
+    p, m = 4, 8
+    sim = S.simulate(p, [S.build(name, p, m, r, v) for r in range(p)], v, t_f=1.0, t_b=1.0)
+    exact = (p - 1) / (v * m + p - 1)  # equal forward and backward: (p - 1) idle slots of v * m per rank
+    assert sim.idle_fraction == pytest.approx(exact)
+    assert sim.idle_fraction == pytest.approx(S.theory_bubble(name, p, m, v), rel=0.25)
+
+
+def test_1f1b_order_on_the_first_stage():
+    assert [repr(a) for a in S.one_f_one_b(3, 4, 0)] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    assert [repr(a) for a in S.one_f_one_b(3, 4, 2)] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError, match="multiple of stages"):
+        S.interleaved_1f1b(2, 3, 0, 2)
+    with pytest.raises(ValueError, match="not a pipeline rank"):
+        S.gpipe(2, 2, 2)
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        # both ranks wait for the other's backward first
+        S.simulate(2, [[S.Action("F", 0), S.Action("B", 0)], [S.Action("B", 0), S.Action("F", 0)]])
+
+
+# ---- splitting ---------------------------------------------------------------------------------------------------
+def test_units_and_balanced_split():
+    model = pipe_parity.build()
+    names = [n for n, _ in units_of(model)]
+    assert names == ["embed", "layers.0", "layers.1", "head"]
+    assert boundaries(units_of(model), 2, "auto") == [0, 2]  # embed+block | block+head: the blocks dominate
+    assert boundaries(units_of(model), 2, ["layers.1"]) == [0, 2]
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 400), nn.Linear(400, 4))
+    assert boundaries(units_of(seq), 2, "auto") == [0, 3]
+
+
+def test_keep_stages_drops_other_stages_and_keeps_names():
+    model = pipe_parity.build()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    chunks = keep_stages(model, rank=1, ranks=2, virtual=2, split="auto")  # stages: embed | l0 | l1 | head
+    assert [c.index for c in chunks] == [1, 3]
+    assert [n for c in chunks for n, _ in c.units] == ["layers.0", "head"]
+    kept = model.state_dict()
+    assert sorted(kept) == sorted(k for k in full if k.startswith(("layers.0.", "head.")))
+    assert all(torch.equal(kept[k], full[k]) for k in kept)
+    x = torch.randn(2, 5, 32)
+    out = chunks[1](x, torch.zeros(2, 5, dtype=torch.long))
+    assert out.loss.ndim == 0
+
+
+def test_split_errors():
+    model = pipe_parity.build()
+    with pytest.raises(ConfigError, match="did you mean 'layers.1'"):
+        boundaries(units_of(model), 2, ["layer.1"])
+    with pytest.raises(ConfigError, match="must come after"):
+        boundaries(units_of(model), 3, ["layers.1", "layers.0"])
+    with pytest.raises(ConfigError, match="at least 8 units"):
+        boundaries(units_of(model), 8, "auto")
+    tied = pipe_parity.build()
+    tied.head.lm_head.weight = tied.embed.tok.weight
+    with pytest.raises(ConfigError, match="shared between pipeline stages"):
+        keep_stages(tied, rank=0, ranks=2, virtual=1, split="auto")
+
+
+def test_parallel_config_errors():
+    def cfg(**parallel):
+        return hetero.Config.from_dict({"parallel": parallel})
+
+    assert cfg(pipeline=2, schedule="interleaved_1f1b", microbatches=4).parallel.virtual_stages == 2
+    assert cfg(pipeline_split=["layers.1"], pipeline=2).parallel.pipeline_split == ("layers.1",)
+    with pytest.raises(ConfigError, match="did you mean 'interleaved_1f1b'"):
+        cfg(schedule="interleaved")
+    with pytest.raises(ConfigError, match="did you mean 'parallel.pipeline'"):
+        cfg(pipelines=2)
+    with pytest.raises(ConfigError, match="needs schedule 'interleaved_1f1b'"):
+        cfg(virtual_stages=2)
+    with pytest.raises(ConfigError, match="multiple of parallel.pipeline"):
+        cfg(pipeline=2, schedule="interleaved_1f1b", microbatches=3)
+    with pytest.raises(ConfigError, match="names 2 FQNs"):
+        cfg(pipeline=2, pipeline_split=["layers.0", "layers.1"])
+    with pytest.raises(ConfigError, match="set tensor > 1"):
+        cfg(sequence=True)
+    with pytest.raises(ConfigError, match="integer >= 1"):
+        cfg(microbatches=0)
+    with pytest.raises(ConfigError, match=r"tensor \(2\) x pipeline \(2\) = 4 must divide the world size \(6\)"):
+        check_degrees(6, tensor=2, pipeline=2)
+    assert check_degrees(8, tensor=2, pipeline=2) == 2
+
+
+def test_bad_layouts_at_initialize():
+    model = pipe_parity.build()
+    with pytest.raises(ConfigError, match="must divide the world size"):
+        hetero.initialize(model, parity.make_optimizer(model), {"parallel": {"pipeline": 2}})
+
+
+# ---- training parity ---------------------------------------------------------------------------------------------
+def test_microbatches_single_process_matches_whole_batch():
+    """train_batch with 2 micro-batches (ZeRO-3: gradients summed over the batch, one reduction) and with one (the
+    backward-compatible path) both train like the plain loop on the whole batch."""
+    ref = pipe_parity.reference()
+    for config in ({"zero_stage": 3, "parallel": {"microbatches": 2}}, {"zero_stage": 0}):
+        pipe_parity.check([pipe_parity.run(0, 1, config)], ref)
+
+
+def _matrix(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    torch.set_num_threads(1)
+    return [pipe_parity.run(rank, world, c) for c in configs]
+
+
+def _p(stage: int = 0, **parallel) -> dict:
+    return {"zero_stage": stage, "parallel": parallel}
+
+
+WORLD2 = {
+    "pp2-gpipe-clip": {**_p(0, pipeline=2, schedule="gpipe", microbatches=2), "grad_clip_norm": 0.5},
+    "pp2-1f1b-zero1": _p(1, pipeline=2, schedule="1f1b", microbatches=4),
+    "pp2-interleaved-zero2": _p(2, pipeline=2, schedule="interleaved_1f1b", microbatches=4),
+    "pp2-1f1b-zero3-offload": {
+        **_p(3, pipeline=2, schedule="1f1b", microbatches=2),
+        "offload": {"params": "host", "optimizer": "host"},
+    },
+    "dp2": _p(0),
+    "dp2-micro2-zero3": _p(3, microbatches=2),
+}
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_and_data_parallel_parity():
+    names = list(WORLD2)
+    results = run_distributed(_matrix, 2, [WORLD2[n] for n in names], timeout=500)
+    refs = {None: pipe_parity.reference(), 0.5: pipe_parity.reference(clip=0.5)}
+    for i, name in enumerate(names):
+        per_rank = [r[i] for r in results]
+        pipe_parity.check(per_rank, refs[WORLD2[name].get("grad_clip_norm")])
+        if WORLD2[name]["zero_stage"] >= 2:
+            # gradients reduced once per batch, not once per micro-batch
+            for r in per_rank:
+                assert r["reductions"] == r["trainable_chunks"] * pipe_parity.STEPS, (name, r)
+    coords = [r[0]["coords"] for r in results]
+    assert coords == [(0, 0, 0), (0, 0, 1)]  # pipeline ranks, not data-parallel ones, in the pipeline configs
+    assert refs[0.5][2] > 0.5  # clipping was in effect

@@ -1,0 +1,256 @@
+"""Tensor parallelism (without and with Megatron-SP) and Ulysses sequence parallelism over 2 ranks match the
+single-process model: losses, every gradient (unsharded) and the weights after several AdamW steps, for hetero's GPT
+and Hugging Face GPT-2 and Llama; the vocabulary-parallel cross entropy equals F.cross_entropy; bad plans fail
+clearly; and a TP model trains through the engine at ZeRO stage 3."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hetero
+from hetero.comm import Comm
+from hetero.errors import ConfigError
+from hetero.models.gpt import GPT, GPTConfig
+from hetero.parallel import (
+    apply_tensor_parallel,
+    apply_ulysses,
+    resolve_plan,
+    unshard,
+    vocab_parallel_cross_entropy,
+)
+
+try:
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    from dist import run_distributed  # type: ignore[no-redef]
+
+VOCAB, SEQ, ROWS, STEPS = 64, 8, 2, 3
+# Attention key biases get exactly zero gradient in exact arithmetic, so Adam turns rounding noise into lr-sized
+# steps there (see test_unmodified_models): lr 1e-3 and an absolute 1e-5 on weights catch any wrong update.
+LR, ATOL_W = 1e-3, 1e-5
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt":
+        cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=True)
+        return GPT(cfg)
+    import transformers
+
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+        assert model.lm_head.weight is model.transformer.wte.weight  # the tied head this test is about
+        return model
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention: 2 query heads per key/value head
+        max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batches(family: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+        if family == "gpt":  # hetero's GPT takes aligned labels
+            x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+        else:  # Hugging Face shifts labels itself
+            x, y = ids[:, :-1].clone(), ids[:, :-1].clone()
+        y[0, 2] = y[1, 5] = -100
+        out.append((x, y))
+    return out
+
+
+def _full(t: torch.Tensor, param: torch.nn.Parameter, comm: Comm) -> torch.Tensor:
+    """The whole tensor: unsharded from every rank's shard, or a replica checked identical on every rank."""
+    shards = comm.all_gather_object(t.detach().clone())
+    info = getattr(param, "_hetero_tp", None)
+    if info is None:
+        for s in shards[1:]:
+            torch.testing.assert_close(s, shards[0], rtol=0, atol=0)  # replicated: the same bits everywhere
+        return shards[0]
+    assert info.degree == comm.size and tuple(t.shape) != info.full_shape
+    return unshard(shards, info)
+
+
+def _tp_parity(rank: int, world: int, family: str) -> list[str]:
+    comm = Comm.world()
+    checked = []
+    for sequence in (False, True, "ulysses"):
+        ref, tp = _model(family), _model(family)
+        if sequence == "ulysses":
+            apply_ulysses(tp, comm)  # weights whole, the sequence split, all-to-all around attention
+        else:
+            apply_tensor_parallel(tp, "auto", comm, sequence=sequence)
+        assert [n for n, _ in tp.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        assert list(tp.state_dict()) == list(ref.state_dict())
+        sharded = [n for n, p in tp.named_parameters() if hasattr(p, "_hetero_tp")]
+        assert len(sharded) >= (0 if sequence == "ulysses" else 6), sharded
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+        tp_opt = torch.optim.AdamW(tp.parameters(), lr=LR, weight_decay=0.1)
+        for step, (x, y) in enumerate(_batches(family)):
+            ref_loss = ref(x, labels=y).loss
+            ref_loss.backward()
+            loss = tp(x, labels=y).loss
+            loss.backward()
+            torch.testing.assert_close(loss, ref_loss, **TOL)
+            if step == 0:
+                # The engine's global norm: sum over tensor ranks of sharded squares + replicated squares / degree.
+                sq = torch.zeros((), dtype=torch.float64)
+                for p in tp.parameters():
+                    sq += p.grad.double().square().sum() / (1 if hasattr(p, "_hetero_tp") else comm.size)
+                comm.all_reduce(sq)
+                ref_sq = sum(p.grad.double().square().sum() for p in ref.parameters())
+                torch.testing.assert_close(sq, ref_sq, rtol=1e-6, atol=0)
+                ref_params = dict(ref.named_parameters())
+                for name, p in tp.named_parameters():
+                    torch.testing.assert_close(
+                        _full(p.grad, p, comm), ref_params[name].grad, **TOL, msg=lambda m, n=name: f"grad {n}: {m}"
+                    )
+            ref_opt.step()
+            ref_opt.zero_grad()
+            tp_opt.step()
+            tp_opt.zero_grad()
+        ref_params = dict(ref.named_parameters())
+        for name, p in tp.named_parameters():
+            torch.testing.assert_close(
+                _full(p.data, p, comm), ref_params[name].data, rtol=1e-5, atol=ATOL_W, msg=lambda m, n=name: f"{n}: {m}"
+            )
+        checked.append(f"{family} sequence={sequence}: {len(sharded)} sharded")
+    return checked
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["gpt", "gpt2", "llama"])
+def test_tp2_matches_single_process(family):
+    if family != "gpt":
+        pytest.importorskip("transformers")
+    out = run_distributed(_tp_parity, 2, family, timeout=240)
+    assert len(out[0]) == 3
+
+
+def _cross_entropy(rank: int, world: int) -> None:
+    comm = Comm.world()
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(3, 7, 10, generator=g) * 4
+    target = torch.randint(0, 10, (3, 7), generator=g)
+    target[0, 0] = target[2, 6] = -100
+    ref_logits = full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    ref.backward()
+    local = full.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, comm)
+    loss.backward()
+    torch.testing.assert_close(loss, ref, **TOL)
+    torch.testing.assert_close(local.grad, ref_logits.grad.chunk(world, -1)[rank], **TOL)
+    # reduction "sum" and "none" agree too
+    per = vocab_parallel_cross_entropy(local.detach(), target, comm, reduction="none")
+    ref_per = F.cross_entropy(full.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="none")
+    torch.testing.assert_close(per.flatten(), ref_per, **TOL)
+    # the along-a-dimension collectives under it all
+    mine = torch.arange(24.0).view(2, 3, 4) + 100 * rank
+    parts = [torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(world)]
+    assert torch.equal(comm.all_gather_dim(mine, 1), torch.cat(parts, 1))
+    assert torch.equal(comm.reduce_scatter_dim(mine, 2), sum(parts).chunk(world, 2)[rank])
+    sent = comm.all_to_all_dim(mine, 2, 1)  # part r of every rank's dim 2, concatenated along dim 1
+    assert torch.equal(sent, torch.cat([p.chunk(world, 2)[rank] for p in parts], 1))
+
+
+@pytest.mark.timeout(120)
+def test_vocab_parallel_cross_entropy_and_collectives():
+    run_distributed(_cross_entropy, 2, timeout=100)
+
+
+def test_plan_errors():
+    fake = types.SimpleNamespace(size=2, rank=0)  # checks run before any communication
+    model = _model("gpt")
+    with pytest.raises(ConfigError, match=r"layers\.\*\.atn\.q_proj.*matches no module.*layers\.0\.attn\.q_proj"):
+        apply_tensor_parallel(model, {"layers.*.atn.q_proj": "colwise"}, fake)
+    assert resolve_plan(model, {"layers.*.atn.q_proj": "colwise", "lm_head": "vocab_head"}, strict=False) == {
+        "lm_head": "vocab_head"
+    }
+    with pytest.raises(ConfigError, match=r"unknown tensor-parallel style 'colwsie' \(did you mean 'colwise'\?\)"):
+        resolve_plan(model, {"layers.*.attn.q_proj": "colwsie"})
+    with pytest.raises(ConfigError, match="no built-in plan for Linear"):
+        resolve_plan(torch.nn.Linear(2, 2), "auto")
+    torch.manual_seed(0)
+    odd = GPT(GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=3, n_embd=24, block_size=8))
+    before = {k: v.clone() for k, v in odd.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"layers\.0\.attn: n_head = 3 does not divide by the tensor-parallel degree"):
+        apply_tensor_parallel(odd, "auto", fake)
+    for k, v in odd.state_dict().items():  # checked before anything changed
+        assert torch.equal(v, before[k]) and v.shape == before[k].shape
+    with pytest.raises(ConfigError, match="style 'vocab' needs an Embedding"):
+        apply_tensor_parallel(model, {"lm_head": "vocab"}, fake)
+    one = _model("gpt")
+    apply_tensor_parallel(one, "auto", Comm())  # degree 1: nothing to cut, but marked
+    with pytest.raises(ConfigError, match="sharded or sequence-parallel already"):
+        apply_tensor_parallel(one, "auto", Comm())
+    # the resolved plan: later patterns override earlier ones
+    plan = resolve_plan(model, "auto")
+    assert plan["layers.1.attn.o_proj"] == "rowwise" and plan["layers.1.attn.k_proj"] == "colwise"
+    assert plan["ln_f"] == "norm+sequence_gather" and "pos_embed" not in plan
+
+
+def test_llama_kv_heads_not_divisible():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="num_key_value_heads = 1 does not divide by the tensor-parallel degree 2"):
+        apply_tensor_parallel(transformers.LlamaForCausalLM(cfg), "auto", types.SimpleNamespace(size=2, rank=0))
+
+
+def _engine(rank: int, world: int) -> None:
+    tensor = Comm.world()
+    data = tensor.split([[0], [1]])  # a data-parallel group of one per tensor rank
+    for sequence in (False, True):
+        ref, model = _model("gpt"), _model("gpt")
+        apply_tensor_parallel(model, "auto", tensor, sequence=sequence)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+        engine = hetero.initialize(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
+            {"zero_stage": 3, "chunk_size": 4096, "offload": {"optimizer": "host", "params": "host"}},
+            comm=data,
+        )
+        for x, y in _batches("gpt"):
+            ref_loss = ref(x, labels=y).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = engine(x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL)
+        state = engine.full_state_dict()
+        params = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(
+                _full(state[name], params[name], tensor),
+                p.data,
+                rtol=1e-5,
+                atol=ATOL_W,
+                msg=lambda m, n=name: f"{n}: {m}",
+            )
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_engine_zero3_on_tensor_parallel_model():
+    run_distributed(_engine, 2, timeout=240)
