@@ -3,7 +3,8 @@
 Each output tensor is assembled from the segments every rank saved, converted, written, and let go, so peak memory
 is about the largest tensor (twice it when converting dtype), not the model. The keys are the model's own
 state_dict keys: tied parameters appear under each of their names, buffers included, so the output loads into the
-unwrapped model with `load_state_dict`. Trainable parameters come from the fp32 master weights.
+unwrapped model with `load_state_dict`. Trainable parameters come from the fp32 master weights. A tensor-parallel
+parameter is joined from every tensor rank's shard with `unshard` (about twice its size in memory at that moment).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import manifest as mf
+from hetero.checkpoint import parallel as par
 from hetero.checkpoint.format import TensorWriter
 from hetero.errors import CheckpointError
 
@@ -83,6 +85,14 @@ def _plan(manifest: dict[str, Any], target: torch.dtype | None) -> dict[str, dic
             kind = "master" if p["trainable"] else "frozen"
             src_dtype = torch.float32 if p["trainable"] else _dtype(p["dtype"])
             spec = {"kind": kind, "name": entry[2], "shape": p["shape"], "dtype": src_dtype}
+        elif role == "tp_param":  # joined from the tensor ranks' shards
+            cut = manifest["model"]["tp"][entry[2]]
+            shards = par.shard_names(entry[2], cut["degree"])
+            p = params[shards[0]]
+            kind = "master" if p["trainable"] else "frozen"
+            src_dtype = torch.float32 if p["trainable"] else _dtype(p["dtype"])
+            spec = {"kind": kind, "name": entry[2], "shape": cut["full_shape"], "dtype": src_dtype}
+            spec["tp"] = {**cut, "shards": [(n, params[n]["shape"]) for n in shards]}
         elif role == "buffer":
             b = buffers[entry[2]]
             spec = {"kind": "buffer", "name": entry[2], "shape": b["shape"], "dtype": _dtype(b["dtype"])}
@@ -112,9 +122,26 @@ def _assemble(index: mf.Index, spec: dict[str, Any], scratch: torch.Tensor | Non
         flat = torch.empty(numel, dtype=spec["dtype"])
     else:
         flat = scratch[: _nbytes(spec)].view(spec["dtype"])
-    if spec["kind"] != "empty":
+    if "tp" in spec:
+        flat.copy_(_unshard(index, spec).reshape(-1))
+    elif spec["kind"] != "empty":
         index.fill(spec["kind"], spec["name"], 0, flat)
     return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
+
+
+def _unshard(index: mf.Index, spec: dict[str, Any]) -> torch.Tensor:
+    from hetero.parallel.tensor import TPShard, unshard
+
+    cut = spec["tp"]
+    shards = []
+    for name, shape in cut["shards"]:
+        t = torch.empty(shape, dtype=spec["dtype"])
+        index.fill(spec["kind"], name, 0, t.view(-1))
+        shards.append(t)
+    info = TPShard(
+        dim=cut["dim"], parts=cut["parts"], degree=cut["degree"], rank=0, full_shape=tuple(cut["full_shape"])
+    )
+    return unshard(shards, info)
 
 
 def verify(ckpt: str | os.PathLike) -> int:

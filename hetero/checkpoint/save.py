@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.checkpoint import manifest as mf
+from hetero.checkpoint import parallel as par
 from hetero.checkpoint.format import TensorWriter
 from hetero.errors import CheckpointError
 from hetero.memory import Tier
@@ -50,7 +51,7 @@ def save_checkpoint(
     tag: str | None = None,
 ) -> str:
     """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory."""
-    comm = engine.comm
+    comm = par.world(engine)  # every rank of the job; engine.comm is the data-parallel group
     root = os.path.abspath(os.fspath(path))
     tag = tag if tag is not None else default_tag(engine)
     _check_tag(tag)
@@ -71,7 +72,7 @@ def save_checkpoint(
         raise CheckpointError(value)
     tmp = value
     # 2. every rank writes its shard
-    fname = mf.rank_file(engine.comm.global_rank(comm.rank))
+    fname = mf.rank_file(comm.global_rank(comm.rank))
     try:
         os.makedirs(tmp, exist_ok=True)  # present already on a shared file system
         info = _write_rank(engine, os.path.join(tmp, fname), plan)
@@ -131,6 +132,7 @@ def _owned(zc: Any, rank: int) -> tuple[int, int]:
 
 def _plan(engine: Engine) -> list[_Item]:
     rank, stage = engine.comm.rank, engine.stage
+    replicas = par.saves_replicated(engine)  # see [Note: parallel layouts in a checkpoint]
     pending = engine.micro_steps % engine.config.grad_accumulation_steps != 0
     items: list[_Item] = []
     for zc in engine.chunks:
@@ -143,15 +145,15 @@ def _plan(engine: Engine) -> list[_Item]:
             for j, kind in enumerate(kinds):
                 for info in zc.spec.params:
                     a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                    if a < b:
-                        k = mf.key(kind, info.name, a - info.offset)
+                    if a < b and (replicas or par.tp_cut(info.param) is not None):
+                        k = mf.key(kind, par.stored_name(info), a - info.offset)
                         items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info in zc.spec.params:
                 a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                if a < b:
-                    k = mf.key("frozen", info.name, a - info.offset)
+                if a < b and (replicas or par.tp_cut(info.param) is not None):
+                    k = mf.key("frozen", par.stored_name(info), a - info.offset)
                     items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
             # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
@@ -163,9 +165,16 @@ def _plan(engine: Engine) -> list[_Item]:
                 a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
                 if a < b:
                     items.append(
-                        _Item(mf.key("grad", info.name, a - info.offset), torch.float32, b - a, zc.grad, 0, a - glo)
+                        _Item(
+                            mf.key("grad", par.stored_name(info), a - info.offset),
+                            torch.float32,
+                            b - a,
+                            zc.grad,
+                            0,
+                            a - glo,
+                        )
                     )
-    if rank == 0:
+    if rank == 0 and replicas:
         for name, t in _buffers(engine).items():
             items.append(_Item(mf.key("buffer", name), t.dtype, t.numel(), None, tensor=t.detach()))
     items.append(_Item(mf.key("rng", "torch_cpu"), torch.uint8, 0, None, tensor=torch.get_rng_state()))
@@ -271,29 +280,21 @@ def _rank_info(engine: Engine, fname: str) -> dict[str, Any]:
     npst = np.random.get_state(legacy=True)
     used = [info.name for zc in engine.chunks for i, info in enumerate(zc.spec.params) if int(zc.used[i])]
     return {
-        "global_rank": engine.comm.global_rank(engine.comm.rank),
+        "global_rank": par.world(engine).global_rank(par.world(engine).rank),
         "data_parallel_rank": engine.comm.rank,
-        "coordinates": _coordinates(engine),
+        "coordinates": par.coordinates(engine),
         "rng": {
             "python": [py[0], list(py[1]), py[2]],
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         },
         "used": used,
         "grad_fresh": [bool(zc.grad_fresh) for zc in engine.chunks],
+        # This rank's part of the model and its step counts, merged on rank 0 (each stage knows only its own).
+        "model": _model_table(engine),
+        "param_steps": {
+            par.stored_name(info): zc.param_steps[i] for zc in engine.chunks for i, info in enumerate(zc.spec.params)
+        },
     }
-
-
-def _coordinates(engine: Engine) -> dict[str, Any] | None:
-    """The rank's coordinates in a device mesh, when the engine has one (tensor/pipeline parallelism)."""
-    mesh = getattr(engine, "mesh", None)
-    if mesh is None:
-        return None
-    for attr in ("coordinates", "coords"):
-        value = getattr(mesh, attr, None)
-        if value is not None:
-            value = value() if callable(value) else value
-            return dict(value) if isinstance(value, dict) else {"value": repr(value)}
-    return {"mesh": repr(mesh)}
 
 
 # ---- rank 0: checks and commit -----------------------------------------------------------------------------------
@@ -365,10 +366,10 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
         "version": mf.VERSION,
         "tag": tag,
         "created": time.time(),
-        "engine": _engine_state(engine),
+        "engine": _engine_state(engine, infos),
         "layout": _layout(engine),
-        "model": _model_table(engine),
-        "ranks": [{k: v for k, v in i.items() if k not in ("size", "header_crc32", "tensors")} for i in infos],
+        "model": par.merge_tables([i["model"] for i in infos]),
+        "ranks": [{k: v for k, v in i.items() if k not in _NOT_PER_RANK} for i in infos],
         "files": files,
     }
     mf.write_durable(os.path.join(tmp, mf.MANIFEST), mf.dumps(manifest))
@@ -391,8 +392,11 @@ def _latest(root: str) -> str | None:
         return None
 
 
-def _engine_state(engine: Engine) -> dict[str, Any]:
-    steps = {info.name: zc.param_steps[i] for zc in engine.chunks for i, info in enumerate(zc.spec.params)}
+_NOT_PER_RANK = ("size", "header_crc32", "tensors", "model", "param_steps")  # in the manifest's files and model
+
+
+def _engine_state(engine: Engine, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = {k: v for i in infos for k, v in i["param_steps"].items()}
     return {
         "micro_steps": engine.micro_steps,
         "global_steps": engine.global_steps,
@@ -409,7 +413,7 @@ def _engine_state(engine: Engine) -> dict[str, Any]:
 def _layout(engine: Engine) -> dict[str, Any]:
     mesh = getattr(engine, "mesh", None)
     return {
-        "world_size": engine.comm.size,
+        "world_size": engine.comm.size,  # the data-parallel degree (what ZeRO shards over)
         "global_ranks": engine.comm.global_ranks,
         "zero_stage": engine.stage,
         "precision": engine.config.precision,
@@ -417,25 +421,39 @@ def _layout(engine: Engine) -> dict[str, Any]:
         "offload": {"params": engine.config.offload.params, "optimizer": engine.config.offload.optimizer},
         "algorithm": engine.algorithm.name,
         "state_names": list(engine.algorithm.state_names),
-        "tensor_parallel": getattr(mesh, "tp", 1) if mesh is not None else 1,
-        "pipeline_parallel": getattr(mesh, "pp", 1) if mesh is not None else 1,
+        "tensor_parallel": mesh.tp_size if mesh is not None else 1,
+        "pipeline_parallel": mesh.pp_size if mesh is not None else 1,
         "chunks": [zc.spec.capacity for zc in engine.chunks],
+        "ranks": par.world(engine).size,  # every rank of the job: one file each
     }
 
 
 def _model_table(engine: Engine) -> dict[str, Any]:
-    """Names, shapes and roles of every tensor, and the model's state_dict keys (tied parameters under each name)."""
+    """This rank's part of the model: names (as stored), shapes and roles of every tensor, and the model's
+    state_dict keys (tied parameters under each name); a tensor-parallel shard's cut under "tp"."""
     params = {}
     canonical: dict[int, str] = {}
+    cuts: dict[str, Any] = {}
+    stage = par.coordinates(engine)["pp"]
     for zc in engine.chunks:
         for info in zc.spec.params:
             canonical[id(info.param)] = info.name
-            params[info.name] = {
-                "shape": list(info.shape),
+            cut = par.tp_cut(info.param)
+            params[par.stored_name(info)] = {
+                "shape": list(info.shape),  # a shard's own shape under tensor parallelism
                 "trainable": zc.spec.trainable,
                 "group": zc.spec.group,
                 "dtype": str(zc.dtype).removeprefix("torch."),
+                "stage": stage,
+                "tp_rank": cut.rank if cut is not None else None,
             }
+            if cut is not None:
+                cuts[info.name] = {
+                    "dim": cut.dim,
+                    "parts": cut.parts,
+                    "degree": cut.degree,
+                    "full_shape": list(cut.full_shape),
+                }
     buffers = {
         n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in _buffers(engine).items()
     }
@@ -443,12 +461,18 @@ def _model_table(engine: Engine) -> dict[str, Any]:
     keys = []
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in canonical:
-            keys.append([name, "param", canonical[id(t)]])
+            keys.append([name, "tp_param" if canonical[id(t)] in cuts else "param", canonical[id(t)]])
         elif id(t) in by_id:
             keys.append([name, "buffer", by_id[id(t)]])
         else:  # an empty parameter (no elements: in no chunk)
             keys.append([name, "empty", list(t.shape), str(t.dtype).removeprefix("torch.")])
-    return {"params": params, "buffers": buffers, "state_dict": keys, "hf_config": _hf_config(engine.module)}
+    return {
+        "params": params,
+        "buffers": buffers,
+        "state_dict": keys,
+        "tp": cuts,
+        "hf_config": _hf_config(engine.module),
+    }
 
 
 def _hf_config(model: torch.nn.Module) -> dict[str, Any] | None:

@@ -1,0 +1,103 @@
+"""Checkpoints of tensor- and pipeline-parallel layouts: stored names, who saves what, and the merged model table.
+
+[Note: parallel layouts in a checkpoint]
+Every global rank writes its own file, as without parallelism; what changes is how a tensor is named and who saves
+it. A tensor-parallel shard (a parameter carrying `_hetero_tp`) is stored under "NAME@tpR": tensor rank R's shard,
+with the shard's own (local) shape, split by element range over the data-parallel ranks exactly as a whole
+parameter is. A parameter replicated over the tensor ranks (a norm's weight, a row-parallel bias) is the same on
+each of them, so only tensor rank 0 saves it, under its plain name; pipeline stages hold disjoint parameters (a
+parameter shared between stages is refused when the model is cut), so their names never collide. Module buffers
+are saved by data-parallel rank 0 at tensor rank 0 of every stage.
+
+Each rank describes its own part of the model (stored names, shapes, stage, tensor-parallel cut, state_dict keys);
+rank 0 merges these into the manifest's model table, so nothing needs a whole model on one rank. Consequences:
+ - loading into the same tensor and pipeline degrees needs nothing new: a rank reads its stored names, by element
+   range, from whatever files hold them, so the data-parallel degree, ZeRO stage and offload may change;
+ - consolidation reads every tensor rank's shard of a parameter and joins them with `unshard`, giving the full
+   state_dict of the unwrapped model;
+ - other tensor or pipeline degrees are refused with a clear error (re-cutting shards is not done at load):
+   consolidate, then load the full state_dict into the new layout before wrapping it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetero.comm import Comm
+    from hetero.engine import Engine
+
+TP_MARK = "@tp"
+
+
+def tp_cut(param: Any) -> Any:
+    """The parameter's tensor-parallel cut (a `TPShard`), or None when it is whole on this rank."""
+    cut = getattr(param, "_hetero_tp", None)
+    return cut if cut is not None and cut.degree > 1 else None
+
+
+def stored_name(info: Any) -> str:
+    """The name a parameter's tensors are stored under (see [Note: parallel layouts in a checkpoint])."""
+    cut = tp_cut(info.param)
+    return f"{info.name}{TP_MARK}{cut.rank}" if cut is not None else info.name
+
+
+def shard_names(name: str, degree: int) -> list[str]:
+    """The stored names of every tensor rank's shard of parameter `name`, in rank order."""
+    return [f"{name}{TP_MARK}{r}" for r in range(degree)]
+
+
+def world(engine: Engine) -> Comm:
+    """Every rank of the job: the group a save is coordinated over (the engine's own comm is data-parallel)."""
+    mesh = getattr(engine, "mesh", None)
+    return mesh.world if mesh is not None else engine.comm
+
+
+def coordinates(engine: Engine) -> dict[str, int]:
+    mesh = getattr(engine, "mesh", None)
+    if mesh is None:
+        return {"tp": 0, "dp": engine.comm.rank, "pp": 0}
+    return {"tp": mesh.tp_rank, "dp": mesh.dp_rank, "pp": mesh.pp_rank}
+
+
+def degrees(engine: Engine) -> tuple[int, int]:
+    """(tensor, pipeline) degrees of the engine's layout."""
+    mesh = getattr(engine, "mesh", None)
+    return (mesh.tp_size, mesh.pp_size) if mesh is not None else (1, 1)
+
+
+def saves_replicated(engine: Engine) -> bool:
+    """Whether this rank saves what every tensor rank holds alike (replicated parameters, buffers)."""
+    return coordinates(engine)["tp"] == 0
+
+
+def merge_tables(tables: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model table of the whole layout from each rank's (in global rank order): parameters and buffers by
+    stored name, state_dict keys in order of first appearance, the tensor-parallel cuts by parameter name."""
+    merged: dict[str, Any] = {"params": {}, "buffers": {}, "state_dict": [], "tp": {}, "hf_config": None}
+    seen: set[str] = set()
+    for t in tables:
+        merged["params"].update(t["params"])
+        merged["buffers"].update(t["buffers"])
+        merged["tp"].update(t.get("tp", {}))
+        for entry in t["state_dict"]:
+            if entry[0] not in seen:
+                seen.add(entry[0])
+                merged["state_dict"].append(entry)
+        if merged["hf_config"] is None:
+            merged["hf_config"] = t.get("hf_config")
+    return merged
+
+
+def find_mine(engine: Engine, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """This rank's entry of the manifest: the same mesh coordinates when the tensor and pipeline degrees match (the
+    data-parallel rank alone for checkpoints without them)."""
+    me = coordinates(engine)
+    for r in manifest["ranks"]:
+        c = r.get("coordinates")
+        if isinstance(c, dict) and {"tp", "dp", "pp"} <= c.keys():
+            if (c["tp"], c["dp"], c["pp"]) == (me["tp"], me["dp"], me["pp"]):
+                return r
+        elif r["data_parallel_rank"] == engine.comm.rank:
+            return r
+    return None
