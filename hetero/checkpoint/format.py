@@ -43,7 +43,6 @@ _ALIGN = 8  # the header is padded with spaces so that the data starts 8-byte al
 _MAX_HEADER = 1 << 30  # a header length beyond this is a corrupt file, not a real header
 _IO_BLOCK = 64 << 20  # bytes per write call: large enough to stream at disk speed, small enough to bound copies
 _IOV_MAX = 512  # buffers per preadv call (the system's limit is at least 1024)
-_READ_AHEAD = 128 << 20  # bytes past a run that the kernel is asked to start reading while the run is copied out
 _WRITE_THREADS = 2  # one checksums a run while the other is in a write call (both release the GIL)
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of a range's dirty pages, without waiting for it
 
@@ -333,11 +332,6 @@ class TensorReader:
                 raise ValueError(f"read_many needs a contiguous CPU {e.dtype} tensor of {e.numel} elements")
             views.append(as_bytes(out))
         offset, i = entries[0].begin, 0
-        if hasattr(os, "posix_fadvise"):
-            # The disk starts on what comes next while this run is copied out and checksummed, and while the caller
-            # finishes the chunk before asking for more: reads stream as a plain copy's would, whatever the caller's
-            # own depth of requests in flight.
-            os.posix_fadvise(self._fd, entries[-1].end, _READ_AHEAD, os.POSIX_FADV_WILLNEED)
         while i < len(views):
             n = os.preadv(self._fd, views[i : i + _IOV_MAX], offset)
             if n <= 0:
