@@ -1,6 +1,6 @@
 """Checkpoints of tensor- and pipeline-parallel layouts: a bit-exact resume in the same layout, resharding of the
 data-parallel degree at fixed tensor/pipeline degrees, consolidation to the full unsharded state_dict of the
-unwrapped model, and a clear error for other tensor/pipeline degrees."""
+unwrapped model, and a clear error for other tensor/pipeline degrees (tests/pipe_parity.py's tiny GPTPipe)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def _local_state(engine: hetero.Engine) -> dict[str, torch.Tensor]:
     return {k: v.float().clone() for k, v in engine.full_state_dict().items()}
 
 
-def _resume(rank: int, world: int, config: dict, root: str) -> dict:
-    """N batches, save, M batches; then a fresh engine (other initial weights) loads and runs the same M."""
+def _resume(rank: int, world: int, config: dict, root: str, other: dict | None = None) -> dict:
+    """N batches, save, M batches; then a fresh engine (other initial weights) loads and runs the same M. other: a
+    config with other tensor/pipeline degrees, whose engine must refuse the checkpoint."""
     torch.set_num_threads(1)
     a = _engine(config)
     _train(a, 0, N)
@@ -71,6 +72,12 @@ def _resume(rank: int, world: int, config: dict, root: str) -> dict:
         "coords": (b.mesh.tp_rank, b.mesh.dp_rank, b.mesh.pp_rank),
     }
     b.close()
+    if other is not None:
+        c = _engine(other)
+        with pytest.raises(hetero.CheckpointError) as err:
+            c.load_checkpoint(root)
+        out["refused"] = str(err.value)
+        c.close()
     return out
 
 
@@ -103,15 +110,19 @@ PP2 = {"zero_stage": 3, "parallel": {"pipeline": 2, "microbatches": 2, "schedule
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", [TP2, PP2], ids=["tp2-zero1", "pp2-zero3"])
-def test_resume_is_bit_exact_under_tensor_or_pipeline_parallelism(tmp_path, config):
+@pytest.mark.parametrize("config, other", [(TP2, PP2), (PP2, None)], ids=["tp2-zero1", "pp2-zero3"])
+def test_resume_is_bit_exact_under_tensor_or_pipeline_parallelism(tmp_path, config, other):
+    """Also: an engine with other tensor/pipeline degrees refuses the checkpoint, saying why and what to do."""
     root = str(tmp_path / "ckpt")
-    results = run_distributed(_resume, 2, config, root, timeout=240)
+    results = run_distributed(_resume, 2, config, root, other, timeout=240)
     manifest = mf.read_manifest(mf.resolve(root))
     degrees = (manifest["layout"]["tensor_parallel"], manifest["layout"]["pipeline_parallel"])
     assert degrees == (config["parallel"].get("tensor", 1), config["parallel"].get("pipeline", 1))
     assert len([f for f in manifest["files"] if f.startswith("rank-")]) == 2  # one file per global rank
     _check_resume(results, root)
+    for r in results if other is not None else []:
+        assert "tensor x pipeline degrees 2 x 1" in r["refused"] and "1 x 2" in r["refused"], r["refused"]
+        assert "consolidate" in r["refused"], r["refused"]
 
 
 def _save_only(rank: int, world: int, config: dict, root: str) -> dict:
@@ -150,23 +161,3 @@ def test_tp_pp_2x2x2_saves_and_reshards_to_data_parallel_1(tmp_path):
             assert torch.equal(r["state"][k], v), (r["coords"], k)
     assert len({tuple(r["losses"]) for r in loaded}) == 1  # the same global loss on every rank
     _check_consolidated(root)
-
-
-def _load_other_degrees(rank: int, world: int, root: str) -> str:
-    e = _engine({"zero_stage": 1, "parallel": {"pipeline": 2, "microbatches": 2}})
-    try:
-        e.load_checkpoint(root)
-    except hetero.CheckpointError as err:
-        return str(err)
-    finally:
-        e.close()
-    return ""
-
-
-@pytest.mark.timeout(300)
-def test_other_tensor_or_pipeline_degrees_are_refused_clearly(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_distributed(_save_only, 2, TP2, root, timeout=240)
-    errors = run_distributed(_load_other_degrees, 2, root, timeout=240)
-    for e in errors:
-        assert "tensor x pipeline degrees 2 x 1" in e and "1 x 2" in e and "consolidate" in e, e

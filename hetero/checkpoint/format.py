@@ -318,10 +318,11 @@ class TensorReader:
                     "checkpoint (every checkpoint directory under the root holds a complete one)"
                 )
 
-    def read_many(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
+    def read_many(self, items: list[tuple[str, torch.Tensor, int]], *, check: bool = True) -> None:
         """Read whole tensors (name, contiguous CPU out of the same dtype, CRC32) that lie back to back in the file,
-        in one vectored read (`preadv` with one buffer per tensor), then check each checksum. A run of many
-        segments then reaches the disk as one large sequential request, as a plain file copy would."""
+        in one vectored read (`preadv` with one buffer per tensor), then check each checksum (unless check is False:
+        the caller then calls `check_many`). A run of many segments then reaches the disk as one large sequential
+        request, as a plain file copy would."""
         entries = [self.entry(name) for name, _, _ in items]
         for a, b in zip(entries, entries[1:]):
             if b.begin != a.end:
@@ -342,6 +343,11 @@ class TensorReader:
                 i += 1
             if n:
                 views[i] = views[i][n:]
+        if check:
+            self.check_many(items)
+
+    def check_many(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Check the CRC32 of tensors read by `read_many(..., check=False)`."""
         for name, out, crc in items:
             if zlib.crc32(as_bytes(out)) != crc:
                 raise CheckpointError(

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hetero.checkpoint")
 _SHOW = 10  # mismatches listed by name in an error
+_AHEAD = 3  # trainable chunks whose reads are queued beside the one being finished (memory permitting)
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None) -> Any:
@@ -78,8 +79,9 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             # would oversubscribe the cores (a 4 MB copy was measured taking 10 ms instead of 0.4 ms on 2 cores).
             torch.set_num_threads(1)
         try:
-            # [Note: a chunk ahead] While chunk i is finished (checksums, parameters from its master), chunk i+1's
-            # reads are already in flight, when its optimizer buffer fits beside i's on the compute tier.
+            # [Note: chunks ahead] While chunk i is finished (checksums, parameters from its master), the reads of
+            # the next _AHEAD chunks are queued, as long as their optimizer buffers fit beside on the compute tier:
+            # the reading thread never waits for the main thread.
             for i, zc in enumerate(engine.chunks):
                 if zc.optim is None:
                     while reading:
@@ -87,11 +89,11 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                     _fill_frozen(engine, zc, index)
                     zc.param_steps = [steps.get(par.stored_name(info), 0) for info in zc.spec.params]
                     continue
-                tier_free = engine.manager.ledgers[zc.homes.compute].free
-                if reading and zc.optim.tier is not zc.homes.compute and tier_free < 2 * zc.optim.nbytes:
-                    finish()
+                ledger = engine.manager.ledgers[zc.homes.compute]
+                while reading and zc.optim.tier is not zc.homes.compute and ledger.free < 2 * zc.optim.nbytes:
+                    finish()  # no room to bring this chunk in beside those being read: let them go first
                 reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
-                while len(reading) > 1:
+                while len(reading) > _AHEAD:
                     finish()
             while reading:
                 finish()

@@ -33,7 +33,6 @@ FORMAT = "hetero-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_READ_THREADS = 2  # runs read at once: one reads while the other checksums
 _RUN_BYTES = 64 << 20  # the most one vectored read asks for
 STATE_FILE = "state.pt"
 
@@ -184,7 +183,8 @@ class Index:
         for segs in self.segments.values():
             segs.sort(key=lambda s: s.start)
         self._readers: dict[str, TensorReader] = {}
-        self._pool: ThreadPoolExecutor | None = None  # I/O threads of fill_all, made on first use
+        self._pool: ThreadPoolExecutor | None = None  # the reading thread of fill_async, made on first use
+        self._check_pool: ThreadPoolExecutor | None = None  # its checksumming thread
 
     def reader(self, fname: str) -> TensorReader:
         if fname not in self._readers:
@@ -225,9 +225,11 @@ class Index:
     def fill_async(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> list[Future]:
         """`fill` for many (kind, name, lo, out) at once; returns at once with futures to wait on. Whole segments
         bound for CPU memory are sorted by file offset and read in runs of adjacent segments, each run one vectored
-        read, on I/O threads (preadv, zlib.crc32 and tensor copies release the GIL, so runs overlap their reads with
-        checksums); the rest goes through `fill`. With the layout that saved the checkpoint, every request is a
-        whole segment: the file is read front to back in large requests."""
+        read on an I/O thread, in order, and checksummed on a second one (preadv and zlib.crc32 release the GIL), so
+        checking run k overlaps reading run k+1; the rest goes through `fill` on the reading thread. One thread reads
+        so that the disk sees one sequential stream: two threads at two offsets of one file descriptor share its
+        read-ahead state, which then takes them for random reads. With the layout that saved the checkpoint, every
+        request is a whole segment: the file is read front to back in large requests."""
         direct: dict[str, list[tuple[int, int, str, torch.Tensor, int]]] = defaultdict(list)
         rest = []
         for kind, name, lo, out in requests:
@@ -254,21 +256,25 @@ class Index:
                 runs.append((fname, run))
         for fname in {f for f, _ in runs} | {s.file for k, n, _, _ in rest for s in self.segments.get((k, n), ())}:
             self.reader(fname)  # opened here: the reader cache is not shared between threads
-        jobs = [(self._read_run, (fname, run)) for fname, run in runs] + [(self.fill, r) for r in rest]
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="hetero-ckpt-read")
-        return [self._pool.submit(fn, *args) for fn, args in jobs]
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-ckpt-read")
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-ckpt-check")
+        futures = []
+        for fname, run in runs:
+            items = [(key, out.view(-1), crc) for _, _, key, out, crc in run]
+            read = self._pool.submit(self.reader(fname).read_many, items, check=False)
+            # Done once read (its error, if any, re-raised) and checked: waiting on it waits for both.
+            futures.append(self._check_pool.submit(_check_after, read, self.reader(fname), items))
+        return futures + [self._pool.submit(self.fill, *r) for r in rest]
 
     def fill_all(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> None:
         """`fill_async`, waited for."""
         wait_all(self.fill_async(requests))
 
-    def _read_run(self, fname: str, run: list[tuple[int, int, str, torch.Tensor, int]]) -> None:
-        self.reader(fname).read_many([(key, out.view(-1), crc) for _, _, key, out, crc in run])
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+            self._check_pool.shutdown()
             self._pool = None
         for r in self._readers.values():
             with contextlib.suppress(Exception):
@@ -282,6 +288,11 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes | str) -> Any:
     return json.loads(data)
+
+
+def _check_after(read: Future, reader: TensorReader, items: list[tuple[str, torch.Tensor, int]]) -> None:
+    read.result()
+    reader.check_many(items)
 
 
 def wait_all(futures: list[Future]) -> None:
