@@ -70,6 +70,7 @@ def _resume(rank: int, world: int, config: dict, root: str, other: dict | None =
         "resumed": resumed,
         "final_equal": all(torch.equal(final[k], v) for k, v in _local_state(b).items()),
         "coords": (b.mesh.tp_rank, b.mesh.dp_rank, b.mesh.pp_rank),
+        "state": saved,
     }
     b.close()
     if other is not None:
@@ -125,16 +126,6 @@ def test_resume_is_bit_exact_under_tensor_or_pipeline_parallelism(tmp_path, conf
         assert "consolidate" in r["refused"], r["refused"]
 
 
-def _save_only(rank: int, world: int, config: dict, root: str) -> dict:
-    torch.set_num_threads(1)
-    e = _engine(config)
-    _train(e, 0, N)
-    e.save_checkpoint(root)
-    out = {"coords": (e.mesh.tp_rank, e.mesh.dp_rank, e.mesh.pp_rank), "state": _local_state(e)}
-    e.close()
-    return out
-
-
 def _load_only(rank: int, world: int, config: dict, root: str) -> dict:
     torch.set_num_threads(1)
     e = _engine(config, seed=7)
@@ -146,12 +137,14 @@ def _load_only(rank: int, world: int, config: dict, root: str) -> dict:
 
 
 @pytest.mark.timeout(400)
-def test_tp_pp_2x2x2_saves_and_reshards_to_data_parallel_1(tmp_path):
-    """Saved by tensor x pipeline x data = 2 x 2 x 2 at ZeRO-1, loaded into 2 x 2 x 1 at ZeRO-3: each rank's
-    parameters equal those of the saving rank with its tensor and pipeline coordinates, bit for bit."""
+def test_tp_pp_2x2x2_resumes_and_reshards_to_data_parallel_1(tmp_path):
+    """Saved by tensor x pipeline x data = 2 x 2 x 2 at ZeRO-1: it resumes bit-exactly in that layout, and loads into
+    2 x 2 x 1 at ZeRO-3, where each rank's parameters equal, bit for bit, those of the saving ranks with its tensor
+    and pipeline coordinates."""
     root = str(tmp_path / "ckpt")
     parallel = {"tensor": 2, "tensor_plan": TP_PLAN, "pipeline": 2, "microbatches": 2}
-    saved = run_distributed(_save_only, 8, {"zero_stage": 1, "parallel": parallel}, root, timeout=360)
+    saved = run_distributed(_resume, 8, {"zero_stage": 1, "parallel": parallel}, root, timeout=360)
+    _check_resume(saved, root)
     loaded = run_distributed(_load_only, 4, {"zero_stage": 3, "parallel": parallel}, root, timeout=240)
     by_coords = {(r["coords"][0], r["coords"][2]): r["state"] for r in saved if r["coords"][1] == 0}
     for r in loaded:
@@ -160,4 +153,3 @@ def test_tp_pp_2x2x2_saves_and_reshards_to_data_parallel_1(tmp_path):
         for k, v in ref.items():
             assert torch.equal(r["state"][k], v), (r["coords"], k)
     assert len({tuple(r["losses"]) for r in loaded}) == 1  # the same global loss on every rank
-    _check_consolidated(root)
