@@ -8,7 +8,9 @@ with AdamW's master weights and two states) is trained one step with hetero (sta
    files: a new directory holding files of the checkpoint's sizes (its rank file, state.pt, manifest.json and the
    `latest` pointer), each written with plain sequential `os.write` calls of 64 MiB and fsync'd once, then the
    directory fsync'd; in the same directory, in the same run. The raw side skips what makes a save atomic (the
-   rename and its directory fsyncs) and what makes it verifiable (checksums): that is the price being measured;
+   rename and its directory fsyncs) and what makes it verifiable (checksums): that is the price being measured.
+   The save writes each chunk with pwritev on I/O threads and starts the kernel's writeback after each one
+   (sync_file_range), so it can beat the plain write-then-fsync baseline, which leaves all writeback to the fsync;
  - load: `engine.load_checkpoint` (header and per-tensor CRC32 checks, filling every chunk) vs plain `os.preadv`
    of those raw files in 64 MiB blocks. Reads are made cold: the files are fsync'd, so their pages are clean, and
    POSIX_FADV_DONTNEED drops them from the page cache before every timed read on both sides;
