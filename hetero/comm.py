@@ -11,6 +11,8 @@ code written against the world.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -613,5 +615,15 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 600) -> Comm
             f"{os.environ['MASTER_ADDR']}:{port} within {timeout_s} s: {err}"
         ) from err
     _group_timeout = td
+    # The group we joined is ours to leave: a process that exits with it alive leaves the backend's threads to be
+    # torn down by static destructors, which can abort the process ("terminate called without an active exception")
+    # after the training script has finished correctly.
+    atexit.register(_leave_group)
     logger.info("joined %s process group: rank %d of %d (local rank %d)", backend, rank, world_size, lrank)
     return Comm.world()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
