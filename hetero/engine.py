@@ -37,6 +37,7 @@ log = logging.getLogger("hetero.engine")
 # Gradient reduce-scatters left running while backward goes on; each holds its full-size gradient buffer.
 _REDUCES_IN_FLIGHT = 2
 _UPDATE_LOOKAHEAD = 2  # chunks whose optimizer states are read ahead of the one stepping (NVMe offload)
+_UPDATE_ROOM = 0.85  # of the compute tier's budget, at most, for the chunks stepping and read ahead
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 
@@ -291,10 +292,19 @@ class Engine:
         spilled to NVMe) of chunks i+1 and i+2 are read and chunk i-1 is written back. A read that finds the host
         full is chained behind a write-back of the same size (see the manager's [Note: reads chained behind
         write-backs]), so it starts the moment that write ends, not at the next call into the manager."""
-        ahead = self._trainable[i : i + 1 + _UPDATE_LOOKAHEAD]  # chunk i first: room for the others is not its
+        # Chunk i first, then as many of the next _UPDATE_LOOKAHEAD as leave the tier room to spare (a read ahead
+        # that crowds out the chunk stepping now is evicted again before its use).
+        room = int(self.manager.ledgers[tier].budget * _UPDATE_ROOM)
+        ahead: list[ZeroChunk] = []
+        for zc in self._trainable[i : i + 1 + _UPDATE_LOOKAHEAD]:
+            room -= zc.grad.nbytes + zc.optim.nbytes + (zc.shard.nbytes if zc.shard is not None else 0)
+            if ahead and room < 0:
+                break
+            ahead.append(zc)
+        wanted = [c for zc in ahead for c in (zc.grad, zc.optim)]
         # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
-        later = [zc.grad for zc in self._trainable[i + 1 + _UPDATE_LOOKAHEAD :]]
-        self.manager.prefetch([c for zc in ahead for c in (zc.grad, zc.optim)], tier, keep=later)
+        later = [zc.grad for zc in self._trainable[i + len(ahead) :]]
+        self.manager.prefetch(wanted, tier, keep=wanted + later)
 
     def _grad_stats(self) -> tuple[float, bool]:
         """Sum of squares of the (scaled) gradient over all ranks, and whether it is finite everywhere."""

@@ -208,14 +208,14 @@ class ChunkManager:
     def prefetch(self, chunks: Iterable[Chunk], tier: Tier = Tier.DEVICE, *, keep: Iterable[Chunk] = ()) -> None:
         """Start moving chunks to `tier` and return at once; a later `access` waits only for what it needs.
 
-        Chunks come in the order they will be used; making room for one never evicts another of the list, nor a
-        chunk of `keep` (needed soon after them)."""
+        keep: chunks that making room must not evict (e.g. the others of the list, needed as soon)."""
         self._check_open()
         self._poll()
-        chunks = list(chunks)
-        keep = {c.id for c in chunks} | {c.id for c in keep}
+        protect = {c.id for c in keep}
         for chunk in chunks:
-            self._try_prefetch(chunk, tier, horizon=None, protect=keep)
+            # While the trace replays, evict only what is needed after this chunk (as the trace's own prefetch).
+            horizon = self.trace.next_use(chunk.id) if self.trace.replaying else None
+            self._try_prefetch(chunk, tier, horizon=horizon, protect=protect)
 
     def pin(self, chunk: Chunk) -> None:
         """Keep a chunk where it is until `unpin` (no eviction, no move), without marking it written."""
@@ -574,7 +574,13 @@ class ChunkManager:
                 if not leaving:
                     if not blocking:
                         return False
-                    raise self._oom(tier, nbytes)
+                    # What is left is arriving (prefetches, reads chained into handed-off buffers): once in, it
+                    # can be evicted.
+                    arriving = [c for c in self._moving.values() if tier in (c.move.src, c.move.dst)]
+                    if not arriving:
+                        raise self._oom(tier, nbytes)
+                    self._wait(arriving[0])
+                    continue
             if not blocking:
                 return False  # room is on its way; a later call tries again
             self._wait(leaving[0])

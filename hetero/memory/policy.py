@@ -121,7 +121,12 @@ def choose_victim(candidates: Sequence, trace: AccessTrace) -> object | None:
     if not candidates:
         return None
     if trace.replaying:
-        return max(candidates, key=lambda c: (trace.next_use(c.id), -c.last_access))
+        # Weighed by cost: evicting a dirty chunk writes it and reads it back, a clean one is only read back.
+        # A chunk prefetched and not yet used goes last: its read would be wasted.
+        return max(
+            candidates,
+            key=lambda c: (not c.prefetched, trace.next_use(c.id) * (2 if _free_to_evict(c) else 1), -c.last_access),
+        )
     return min(candidates, key=lambda c: (c.prefetched, not _free_to_evict(c), c.last_access))
 
 
