@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_s": step_s,
             "io_lower_bound_s": lower,
             "step_over_lower_bound": step_s / lower if lower else float("inf"),
+            # The fastest steady step: on a shared machine, the one least slowed by other processes.
+            "best_step_s": min(s["step_s"] for s in steady),
             "fwd_bwd_s": statistics.median(s["fwd_bwd_s"] for s in steady),
             "update_s": statistics.median(s["update_s"] for s in steady),
             "wait_s": statistics.median(s["wait_s"] for s in steady),
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raw disk: read {r['raw_read_GBps']:.2f} GB/s, write {r['raw_write_GBps']:.2f} GB/s ({r['raw_method']})")
     print(
         f"steady step {r['step_s']:.2f} s; I/O lower bound {r['io_lower_bound_s']:.2f} s; ratio "
-        f"{r['step_over_lower_bound']:.2f}x (target <= 1.3x)"
+        f"{r['step_over_lower_bound']:.2f}x (target <= 1.3x); fastest step {r['best_step_s']:.2f} s "
+        f"({r['best_step_s'] / r['io_lower_bound_s']:.2f}x)"
     )
     c = r["counters"]
     print(
