@@ -398,6 +398,8 @@ class ChunkManager:
         if dst > src and not chunk.movable:
             why = "is being computed on" if chunk.computing else "is pinned"
             raise RuntimeError(f"{chunk.describe()} {why}: it cannot leave the {src.label} tier")
+        if dst > src:
+            chunk.prefetched = False  # evicted before its use: no longer owed a place (see choose_victim)
         if chunk.transient:
             raise RuntimeError(f"{chunk.describe()} is transient: it is dropped, never moved, off the device")
         if chunk.all_free and dst is not Tier.NVME:

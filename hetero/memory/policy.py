@@ -113,10 +113,10 @@ class AccessTrace:
 def choose_victim(candidates: Sequence, trace: AccessTrace) -> object | None:
     """The chunk to evict: furthest next use while the trace is replaying (OPT), else least recently used.
 
-    Ties in OPT (e.g. several chunks never used again) are broken by LRU, so the choice is deterministic. Without
-    the trace (e.g. the update, outside the recorded step), a chunk prefetched and not yet used goes last (it was
-    brought because it is wanted next), and one whose eviction writes nothing (a clean swap copy exists, or it holds
-    no data) goes first: guessing wrong then costs one read, not a write and a read.
+    Ties in OPT (e.g. several chunks never used again) are broken by LRU, so the choice is deterministic. Either
+    way a chunk prefetched and not yet used goes last (it was brought because it is wanted soon), and one whose
+    eviction writes nothing (a clean swap copy exists, or it holds no data) is preferred: OPT counts its next use
+    as twice as far, LRU takes it first; a wrong guess then costs one read, not a write and a read.
     """
     if not candidates:
         return None
