@@ -85,6 +85,9 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
     engine = hetero.initialize(model, opt, config)
     init_s = time.perf_counter() - t0
     init_rss = rss_peak() - base
+    # The least NVMe traffic a step needs: every shard read once (forward) and written once (update), every optimizer
+    # chunk read and written once; gradients the host cannot hold until the update come on top.
+    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine._trainable)
     g = torch.Generator().manual_seed(1)
     steps = []
     try:
@@ -131,6 +134,8 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
         "host_peak": stats["host"]["peak"],
         "device_peak": stats["device"]["peak"],
         "counters": stats["counters"],
+        "min_nvme_read_bytes": minimum,
+        "min_nvme_write_bytes": minimum,
         "steps": steps,
     }
 
@@ -181,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     read = statistics.median(s["nvme_read_bytes"] for s in steady)
     write = statistics.median(s["nvme_write_bytes"] for s in steady)
     lower = read / (raw["raw_read_GBps"] * GB) + write / (raw["raw_write_GBps"] * GB)
+    # The same bound for the least traffic the algorithm needs: extra bytes moved count against the step here.
+    lower_min = result["min_nvme_read_bytes"] / (raw["raw_read_GBps"] * GB) + result["min_nvme_write_bytes"] / (
+        raw["raw_write_GBps"] * GB
+    )
     result.update(raw)
     result.update(
         {
@@ -190,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             "step_s": step_s,
             "io_lower_bound_s": lower,
             "step_over_lower_bound": step_s / lower if lower else float("inf"),
+            "io_lower_bound_min_bytes_s": lower_min,
+            "step_over_lower_bound_min_bytes": step_s / lower_min if lower_min else float("inf"),
+            # The fastest steady step: on a shared machine, the one least slowed by other processes.
+            "best_step_s": min(s["step_s"] for s in steady),
             "fwd_bwd_s": statistics.median(s["fwd_bwd_s"] for s in steady),
             "update_s": statistics.median(s["update_s"] for s in steady),
             "wait_s": statistics.median(s["wait_s"] for s in steady),
@@ -216,15 +229,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['wait_s']:.2f}); NVMe read {s['nvme_read_bytes'] / GB:.2f} GB, write {s['nvme_write_bytes'] / GB:.2f} "
             f"GB; loss {s['loss']:.3f}"
         )
+    print(
+        f"NVMe per steady step: read {read / GB:.2f} GB (minimum {r['min_nvme_read_bytes'] / GB:.2f}), write "
+        f"{write / GB:.2f} GB (minimum {r['min_nvme_write_bytes'] / GB:.2f}); waited {r['wait_s']:.2f} s for moves"
+    )
     print(f"raw disk: read {r['raw_read_GBps']:.2f} GB/s, write {r['raw_write_GBps']:.2f} GB/s ({r['raw_method']})")
     print(
         f"steady step {r['step_s']:.2f} s; I/O lower bound {r['io_lower_bound_s']:.2f} s; ratio "
-        f"{r['step_over_lower_bound']:.2f}x (target <= 1.3x)"
+        f"{r['step_over_lower_bound']:.2f}x (target <= 1.3x); fastest step {r['best_step_s']:.2f} s "
+        f"({r['best_step_s'] / r['io_lower_bound_s']:.2f}x)"
+    )
+    print(
+        f"I/O lower bound of the minimum traffic {r['io_lower_bound_min_bytes_s']:.2f} s; ratio "
+        f"{r['step_over_lower_bound_min_bytes']:.2f}x"
     )
     c = r["counters"]
     print(
         f"moves: {c.get('moves', 0)}, prefetch hits {c.get('prefetch_hits', 0)} / misses {c.get('prefetch_misses', 0)} "
-        f"(a miss copies inline, on the training thread), evictions {c.get('evictions', 0)}"
+        f"(a miss copies inline, on the training thread), reads chained behind write-backs "
+        f"{c.get('chained_reads', 0)}, evictions {c.get('evictions', 0)}"
     )
     if "reference_step_s" in r:
         print(f"plain PyTorch step, all in RAM (compute alone): {r['reference_step_s']:.2f} s")

@@ -22,7 +22,7 @@ from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import Device
 from hetero.errors import ConfigError
-from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
 from hetero.zero.activation import ActivationMemory
@@ -37,6 +37,8 @@ log = logging.getLogger("hetero.engine")
 
 # Gradient reduce-scatters left running while backward goes on; each holds its full-size gradient buffer.
 _REDUCES_IN_FLIGHT = 2
+_UPDATE_LOOKAHEAD = 2  # chunks whose optimizer states are read ahead of the one stepping (NVMe offload)
+_UPDATE_ROOM = 0.85  # of the compute tier's budget, at most, for the chunks stepping and read ahead
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 
@@ -189,7 +191,10 @@ class Engine:
             zc.settle()
         if self.activations is not None:
             self.activations.step_end()
-        self.manager.step_end()
+        if self.config.grad_accumulation_steps != 1:
+            self.manager.step_end()
+        # else: the update that follows belongs to the step's trace, so that prefetch and eviction see it coming
+        # (backward then keeps the gradients the update reads first); `_update`, or the next forward, ends it.
         self._in_step = False
 
     def step(self) -> None:
@@ -238,7 +243,16 @@ class Engine:
         for zc in self._trainable:
             zc.reduce_at_update()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        sq, finite = self._grad_stats()
+        # Without clipping or loss scaling the norm is only reported: summed during the update, so that gradients
+        # spilled to NVMe are read once, not twice (see [Note: the update pipeline]).
+        # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
+        fused_norm = (
+            self.scaler is None
+            and self.config.grad_clip_norm is None
+            and self.mesh.tp_size == 1
+            and self.mesh.pp_size == 1
+        )
+        sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self._grad_stats()
         if self.scaler is not None:
             overflow = not finite
             self.scaler.update(overflow)
@@ -246,21 +260,27 @@ class Engine:
                 self.skipped_steps += 1
                 log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
                 self._zero_grads()
+                self.manager.step_end()
                 return
         coef = inv_scale
         if self.config.grad_clip_norm is not None:
             norm = math.sqrt(sq) * inv_scale
             coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
-        self.last_grad_norm = math.sqrt(sq) * inv_scale  # before clipping, like clip_grad_norm_'s return
+        if not fused_norm:
+            self.last_grad_norm = math.sqrt(sq) * inv_scale  # before clipping, like clip_grad_norm_'s return
         names = self.algorithm.state_names
         used = torch.cat([zc.used for zc in self._trainable])
         self.comm.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
         used_of = used.split([len(zc.spec.params) for zc in self._trainable])
         for i, zc in enumerate(self._trainable):
-            if zc.homes.optim is Tier.NVME and i + 1 < len(self._trainable):
-                # Pipelined update: read the next chunk's states while this one steps.
-                self.manager.prefetch([self._trainable[i + 1].optim], zc.homes.compute)
+            if zc.homes.optim is Tier.NVME:
+                if self.stage == 3 and zc.shard.slots[0].state is TensorState.HOLD:
+                    # Overwritten whole by write_back below: say so now, before anything reads it ahead of use.
+                    zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
+                self._prefetch_update(i, zc.homes.compute)
             grad = zc.grad_view()
+            if fused_norm:
+                sq += torch.linalg.vector_norm(grad, dtype=torch.float64).cpu() ** 2
             with self.manager.pinned(zc.grad):
                 if coef != 1.0:
                     grad.mul_(coef)
@@ -274,7 +294,35 @@ class Engine:
                     zc.write_back(master)
             if zc.homes.optim is Tier.NVME:
                 self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
+                if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
+                    self.manager.release(zc.grad)  # zeroed (stages 2-3 hold no data until the next reduce)
+                self._prefetch_update(i + 1, zc.homes.compute)
+        if fused_norm:
+            if self.stage >= 1:
+                self.comm.all_reduce(sq, op="sum")
+            self.last_grad_norm = math.sqrt(float(sq))
         self.global_steps += 1
+        self.manager.step_end()  # a no-op unless backward left the step open for the update
+
+    def _prefetch_update(self, i: int, tier: Tier) -> None:
+        """[Note: the update pipeline]
+        With optimizer states on NVMe the update streams them: chunk i steps while the states (and any gradient
+        spilled to NVMe) of chunks i+1 and i+2 are read and chunk i-1 is written back. A read that finds the host
+        full is chained behind a write-back of the same size (see the manager's [Note: reads chained behind
+        write-backs]), so it starts the moment that write ends, not at the next call into the manager."""
+        # Chunk i first, then as many of the next _UPDATE_LOOKAHEAD as leave the tier room to spare (a read ahead
+        # that crowds out the chunk stepping now is evicted again before its use).
+        room = int(self.manager.ledgers[tier].budget * _UPDATE_ROOM)
+        ahead: list[ZeroChunk] = []
+        for zc in self._trainable[i : i + 1 + _UPDATE_LOOKAHEAD]:
+            room -= zc.grad.nbytes + zc.optim.nbytes + (zc.shard.nbytes if zc.shard is not None else 0)
+            if ahead and room < 0:
+                break
+            ahead.append(zc)
+        wanted = [c for zc in ahead for c in (zc.grad, zc.optim)]
+        # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
+        later = [zc.grad for zc in self._trainable[i + len(ahead) :]]
+        self.manager.prefetch(wanted, tier, keep=wanted + later)
 
     def _grad_stats(self) -> tuple[float, bool]:
         """Sum of squares of the (scaled) gradient over all ranks, and whether it is finite everywhere."""

@@ -50,6 +50,8 @@ class Move:
     new_payload: torch.Tensor | None  # the buffer at dst (None when dst is NVMe)
     staging: torch.Tensor | None = None  # a host buffer borrowed for a device<->NVMe hop
     prefetch: bool = False  # started ahead of use by the trace, not by an access
+    after: Future[tuple[float, float]] | None = None  # a write-back whose source buffer this read fills once it is done
+    handed_off: bool = False  # this write-back's source buffer goes to a chained read, not back to the pool
 
 
 @dataclass(eq=False)

@@ -18,6 +18,16 @@ go over budget in between). So each access looks `prefetch_depth` chunks ahead: 
 copy, whose room was freed by evictions started at an earlier access; for the farther ones it only starts those
 evictions, earmarking the bytes on their way out so that two prefetches do not count the same room. The lead of a
 prefetch over its use is therefore `prefetch_depth - 1` accesses once the device is full.
+
+[Note: reads chained behind write-backs]
+When the host is full of dirty chunks, the room a read from NVMe needs appears only once a write-back has finished,
+which is usually while the training thread is computing, not calling into the manager: a prefetch that waits for
+the next access to start would start late or not at all (and the access then reads inline). So a prefetch from NVMe
+to the host that finds no room may claim a write-back in flight of the same size and read into that chunk's host
+buffer as soon as its write is done, on the worker thread. The buffer changes hands without going back to the pool:
+the ledger keeps its bytes, now the incoming chunk's, so the budget holds throughout. If the write-back fails, its
+chunk keeps the buffer and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a job
+submitted before it, and the workers take jobs in order, so the wait cannot deadlock.
 """
 
 from __future__ import annotations
@@ -195,12 +205,17 @@ class ChunkManager:
         if wait:
             self._wait(chunk)
 
-    def prefetch(self, chunks: Iterable[Chunk], tier: Tier = Tier.DEVICE) -> None:
-        """Start moving chunks to `tier` and return at once; a later `access` waits only for what it needs."""
+    def prefetch(self, chunks: Iterable[Chunk], tier: Tier = Tier.DEVICE, *, keep: Iterable[Chunk] = ()) -> None:
+        """Start moving chunks to `tier` and return at once; a later `access` waits only for what it needs.
+
+        keep: chunks that making room must not evict (e.g. the others of the list, needed as soon)."""
         self._check_open()
         self._poll()
+        protect = {c.id for c in keep}
         for chunk in chunks:
-            self._try_prefetch(chunk, tier, horizon=None, protect=set())
+            # While the trace replays, evict only what is needed after this chunk (as the trace's own prefetch).
+            horizon = self.trace.next_use(chunk.id) if self.trace.replaying else None
+            self._try_prefetch(chunk, tier, horizon=horizon, protect=protect)
 
     def pin(self, chunk: Chunk) -> None:
         """Keep a chunk where it is until `unpin` (no eviction, no move), without marking it written."""
@@ -383,6 +398,8 @@ class ChunkManager:
         if dst > src and not chunk.movable:
             why = "is being computed on" if chunk.computing else "is pinned"
             raise RuntimeError(f"{chunk.describe()} {why}: it cannot leave the {src.label} tier")
+        if dst > src:
+            chunk.prefetched = False  # evicted before its use: no longer owed a place (see choose_victim)
         if chunk.transient:
             raise RuntimeError(f"{chunk.describe()} is transient: it is dropped, never moved, off the device")
         if chunk.all_free and dst is not Tier.NVME:
@@ -483,13 +500,15 @@ class ChunkManager:
         error = move.future.exception()
         if error is not None:
             # The source copy is intact: the chunk stays where it was, and what the move took is given back.
-            if move.new_payload is not None:
+            # A chained read's buffer is still its donor's if the donor's write-back failed.
+            donor_failed = move.after is not None and move.after.exception() is not None
+            if move.new_payload is not None and not donor_failed:
                 self._free_buffer(move.dst, move.new_payload)
             if move.dst is Tier.NVME:
                 self._drop_nvme_copy(chunk)
             raise error
         start, end = move.future.result()
-        if move.src is not Tier.NVME:
+        if move.src is not Tier.NVME and not move.handed_off:
             self._free_buffer(move.src, chunk.payload)
         # A chunk read back from NVMe keeps its swap copy: it is clean until a tensor is computed on.
         chunk.payload = move.new_payload
@@ -536,7 +555,7 @@ class ChunkManager:
             if ledger.cached:
                 self.pools[tier].trim(nbytes - ledger.free)
                 continue
-            leaving = [c for c in self._moving.values() if c.move.src == tier]
+            leaving = [c for c in self._moving.values() if c.move.src == tier and not c.move.handed_off]
             if self._room(tier, nbytes) + sum(c.nbytes for c in leaving) < nbytes + earmarked:
                 # Not enough on its way out: evict one more.
                 if tier is Tier.NVME:
@@ -557,7 +576,13 @@ class ChunkManager:
                 if not leaving:
                     if not blocking:
                         return False
-                    raise self._oom(tier, nbytes)
+                    # What is left is arriving (prefetches, reads chained into handed-off buffers): once in, it
+                    # can be evicted.
+                    arriving = [c for c in self._moving.values() if tier in (c.move.src, c.move.dst)]
+                    if not arriving:
+                        raise self._oom(tier, nbytes)
+                    self._wait(arriving[0])
+                    continue
             if not blocking:
                 return False  # room is on its way; a later call tries again
             self._wait(leaving[0])
@@ -571,7 +596,7 @@ class ChunkManager:
         return self.ledgers[tier].free
 
     def _leaving_bytes(self, tier: Tier) -> int:
-        return sum(c.nbytes for c in self._moving.values() if c.move.src == tier)
+        return sum(c.nbytes for c in self._moving.values() if c.move.src == tier and not c.move.handed_off)
 
     def _victim(self, tier: Tier, protect: set[int], horizon: float | None) -> Chunk | None:
         candidates = [
@@ -622,12 +647,52 @@ class ChunkManager:
             tier, chunk.nbytes, protect | {chunk.id}, blocking=False, horizon=horizon, earmarked=earmarked
         )
         if not room or earmarked > self._room(tier, chunk.nbytes) - chunk.nbytes:
-            return False
+            return self._chain_read(chunk, tier)
         started = self._start_move(chunk, tier, blocking=False, prefetch=True, protect=frozenset(protect))
         if started:
             chunk.prefetched = True
             self.counters["prefetches"] += 1
         return started
+
+    def _chain_read(self, chunk: Chunk, tier: Tier) -> bool:
+        """Read chunk from NVMe into the host buffer of a write-back in flight; see [Note: reads chained behind
+        write-backs]. True if started."""
+        if tier is not Tier.HOST or chunk.tier is not Tier.NVME or chunk.state is not ChunkState.RESIDENT:
+            return False
+        donor = next(
+            (
+                c
+                for c in self._moving.values()
+                if c.move.src is Tier.HOST
+                and c.move.dst is Tier.NVME
+                and not c.move.handed_off
+                and c.move.staging is None
+                and c.nbytes == chunk.nbytes
+                and not c.move.future.done()  # a finished one gives its buffer back at the next poll: use that
+            ),
+            None,
+        )
+        if donor is None:
+            return False
+        donor.move.handed_off = True
+        after = donor.move.future
+        buf = donor.payload.view(torch.uint8).view(chunk.dtype)
+        future = self._workers.submit(self._chained_read_job, after, chunk.id, buf)
+        chunk.move = Move(src=Tier.NVME, dst=tier, future=future, new_payload=buf, prefetch=True, after=after)
+        chunk.transition(ChunkState.MOVING)
+        self._moving[chunk.id] = chunk
+        self.counters["moves"] += 1
+        self.counters["chained_reads"] += 1
+        chunk.prefetched = True
+        self.counters["prefetches"] += 1
+        return True
+
+    def _chained_read_job(self, after: Future, key: int, dst_buf: torch.Tensor) -> tuple[float, float]:
+        """Runs on a worker thread: wait for the donor's write-back (raising its error), then read into its buffer."""
+        after.result()
+        start = time.perf_counter()
+        self._store.read(key, dst_buf).result()
+        return start, time.perf_counter()
 
     def _oom(self, tier: Tier, nbytes: int, extra: str = "") -> TierOutOfMemoryError:
         ledger = self.ledgers[tier]

@@ -36,6 +36,8 @@ class AccessTrace:
 
     # ---- step boundaries ----------------------------------------------------------------------------------
     def step_begin(self) -> None:
+        if self.in_step:
+            self.step_end()  # a step left open (e.g. for an update that never came) ends where the next begins
         self._recording = []
         self.pos = 0
         self.matching = self.trace is not None and len(self.trace) > 0
@@ -111,10 +113,22 @@ class AccessTrace:
 def choose_victim(candidates: Sequence, trace: AccessTrace) -> object | None:
     """The chunk to evict: furthest next use while the trace is replaying (OPT), else least recently used.
 
-    Ties in OPT (e.g. several chunks never used again) are broken by LRU, so the choice is deterministic.
+    Ties in OPT (e.g. several chunks never used again) are broken by LRU, so the choice is deterministic. Either
+    way a chunk prefetched and not yet used goes last (it was brought because it is wanted soon), and one whose
+    eviction writes nothing (a clean swap copy exists, or it holds no data) is preferred: OPT counts its next use
+    as twice as far, LRU takes it first; a wrong guess then costs one read, not a write and a read.
     """
     if not candidates:
         return None
     if trace.replaying:
-        return max(candidates, key=lambda c: (trace.next_use(c.id), -c.last_access))
-    return min(candidates, key=lambda c: c.last_access)
+        # Weighed by cost: evicting a dirty chunk writes it and reads it back, a clean one is only read back.
+        # A chunk prefetched and not yet used goes last: its read would be wasted.
+        return max(
+            candidates,
+            key=lambda c: (not c.prefetched, trace.next_use(c.id) * (2 if _free_to_evict(c) else 1), -c.last_access),
+        )
+    return min(candidates, key=lambda c: (c.prefetched, not _free_to_evict(c), c.last_access))
+
+
+def _free_to_evict(chunk: object) -> bool:
+    return chunk.transient or chunk.all_free or (chunk.on_nvme and not chunk.dirty)
