@@ -321,7 +321,13 @@ def _place(
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
             continue
-        resident[compute]["gradients"] += (cap if stage < 2 else shard) * 4
+        if stage >= 2 and optim == "nvme":
+            # Streamed update: each gradient shard is released once its chunk has stepped and holds no data until
+            # the next backward's reduce-scatter, so between steps it takes nothing (engine: [Note: the update
+            # pipeline]); from backward to the update they all live.
+            transient[compute]["gradients"] += shard * 4
+        else:
+            resident[compute]["gradients"] += (cap if stage < 2 else shard) * 4
         if stage >= 2:
             grad_full.append(cap * 4)
             reduce_targets.append(shard * 4)
