@@ -65,6 +65,16 @@ def test_unpaired_1f1b_would_deadlock_under_rendezvous(monkeypatch):
         S.check_rendezvous([S.build("1f1b", 2, 4, r) for r in range(2)])
 
 
+def test_nccl_refuses_a_schedule_that_could_deadlock_and_gloo_runs_it():
+    from hetero.parallel.pipeline.runtime import require_rendezvous
+
+    lists = [S.build("interleaved_1f1b", 2, 4, r, 2) for r in range(2)]
+    require_rendezvous("interleaved_1f1b", lists, 2, "gloo")  # gloo progresses sends in the background
+    with pytest.raises(ConfigError, match="can deadlock on NCCL"):
+        require_rendezvous("interleaved_1f1b", lists, 2, "nccl")
+    require_rendezvous("1f1b", [S.build("1f1b", 2, 4, r) for r in range(2)], 1, "nccl")  # paired: proven safe
+
+
 def test_pairs_are_symmetric():
     for name, v in LAYOUTS:
         p, m = 4, 8

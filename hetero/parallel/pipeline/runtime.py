@@ -14,8 +14,8 @@ On NCCL a rank's transfers to one peer share a stream and a large send waits for
 schedule pairs with the next action's receive on the same link goes out with it as one group on both sides
 ([Note: paired transfers] in schedule.py); `schedule.check_rendezvous` proves GPipe and 1F1B deadlock-free under
 that worst case. Known limit: the interleaved schedule's warm-up sends around the ring are not paired that way, so on
-NCCL it relies on activations fitting NCCL's buffers (sent eagerly); gloo progresses sends in the background and runs
-every schedule.
+NCCL it could stall once activations outgrow NCCL's eager buffers: there `require_rendezvous` refuses it with a clear
+error (use 1f1b or gpipe) instead of risking a hang; gloo progresses sends in the background and runs every schedule.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from hetero.comm import Comm, Handle
-from hetero.errors import HeteroError
-from hetero.parallel.pipeline.schedule import Action, build, paired
+from hetero.errors import ConfigError, HeteroError
+from hetero.parallel.pipeline.schedule import Action, build, check_rendezvous, paired
 from hetero.parallel.pipeline.split import StageChunk
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -52,6 +52,21 @@ class RunStats:
     actions: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) relative to start
 
 
+def require_rendezvous(schedule: str, lists: list[list[Action]], virtual: int, backend: str) -> None:
+    """On NCCL, refuse a schedule whose transfers could deadlock when sends wait for their receives (the known
+    limit above) with an error that says what to use instead, rather than hang in the first batch."""
+    if backend != "nccl":
+        return  # gloo progresses sends in the background: every schedule runs
+    try:
+        check_rendezvous(lists, virtual)
+    except RuntimeError as err:
+        raise ConfigError(
+            f"parallel.schedule: {schedule!r} with {len(lists)} stages, {virtual} virtual stages and these "
+            "micro-batches can deadlock on NCCL (its warm-up sends are not paired with receives yet); use "
+            '"1f1b" or "gpipe", which are proven deadlock-free there'
+        ) from err
+
+
 class PipelineRuntime:
     def __init__(
         self,
@@ -69,6 +84,7 @@ class PipelineRuntime:
         self.actions: list[Action] = build(schedule, self.p, microbatches, pp.rank, virtual)
         self.last_stage = self.p * self.v - 1
         lists = [build(schedule, self.p, microbatches, r, virtual) for r in range(self.p)]
+        require_rendezvous(schedule, lists, virtual, pp.backend)
         self.paired = paired(lists, virtual)[pp.rank]  # actions whose send goes with the next receive
         self.device = device  # where received tensors are allocated
         # NCCL sets a group's communicator up at its first collective: make that one every rank takes part in.
