@@ -51,6 +51,18 @@ class _CopyBack:
         return True
 
 
+class _AllOf:
+    """One handle for several works that complete together (a coalesced group of point-to-point operations)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+
 class _Done:
     """Handle of an operation that already finished."""
 
@@ -484,8 +496,8 @@ class Comm:
         """Start sends and receives together: ``ops`` are ("send" | "recv", contiguous tensor, group rank, tag).
 
         NCCL runs them as one group, so a send and a receive between the same two ranks cannot wait on each other
-        (each rank's point-to-point operations share one stream); other backends issue them one by one. Wait on
-        every handle returned."""
+        (each rank's point-to-point operations share one stream); other backends issue them one by one. Returns one
+        handle per operation, in order (on NCCL each stands for the whole group, which completes as one)."""
         p2p = []
         for kind, t, peer, tag in ops:
             self._check_p2p(peer, "peer")
@@ -493,7 +505,13 @@ class Comm:
                 raise ValueError(f"batch_p2p: expected ('send' | 'recv', a contiguous tensor, ...), got {kind!r}")
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, self._global_ranks[peer], self.group, tag))
-        return list(dist.batch_isend_irecv(p2p)) if p2p else []
+        if not p2p:
+            return []
+        works = list(dist.batch_isend_irecv(p2p))
+        if len(works) == len(p2p):
+            return works
+        whole = _AllOf(works)  # a coalesced group returns fewer handles than operations
+        return [whole] * len(p2p)
 
     def _check_p2p(self, peer: int, name: str) -> None:
         if self.size == 1:

@@ -428,3 +428,25 @@ def test_harness_timeout_kills_hung_rank() -> None:
     if info.value.running == [1]:
         assert info.value.results == {0: 0}
     assert _children() == []
+
+
+def test_batch_p2p_gives_one_handle_per_operation_when_the_backend_coalesces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL returns one work for a whole batched group; the pipeline waits on the handle of each receive it needs.
+    comm = Comm()
+    comm.rank, comm.size, comm._global_ranks = 0, 2, [0, 1]
+    waited = []
+
+    class Work:
+        def wait(self) -> bool:
+            waited.append(1)
+            return True
+
+    monkeypatch.setattr(dist, "P2POp", lambda *args: args)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [Work()])
+    t = torch.zeros(2)
+    handles = comm.batch_p2p([("send", t, 1, 0), ("recv", torch.zeros(2), 1, 1), ("recv", torch.zeros(2), 1, 2)])
+    assert len(handles) == 3
+    handles[2].wait()
+    assert waited == [1]
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [Work() for _ in ops])  # gloo: one work per operation
+    assert len(comm.batch_p2p([("send", t, 1, 0), ("recv", torch.zeros(2), 1, 1)])) == 2

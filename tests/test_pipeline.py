@@ -50,49 +50,69 @@ def test_schedule_is_complete_ordered_and_deadlock_free(name, v, p, m):
         assert sim.peak_in_flight == [m] * p
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 6), (4, 8)])
-def test_transfers_cannot_deadlock_when_sends_wait_for_receives(name, p, m):
-    lists = [S.build(name, p, m, r) for r in range(p)]
-    S.check_rendezvous(lists)  # NCCL's worst case: every send waits until its receive is posted
-    if name == "1f1b" and m > 1:
-        assert S.paired(lists) != [set()] * p  # the steady state's send-forward / receive-backward pairs
+@pytest.mark.parametrize("name,v", LAYOUTS + [("interleaved_1f1b", 4)])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (3, 6), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_transfers_cannot_deadlock_when_sends_wait_for_receives(name, p, m, v):
+    progs = S.programs(name, p, m, v)
+    S.check_rendezvous(progs)  # NCCL's worst case: every send waits until its receive is posted; orders agree
+    # the programs hold exactly the schedule's actions, and every message is sent once and received once
+    for r in range(p):
+        assert [a for a in progs[r] if isinstance(a, S.Action)] == S.build(name, p, m, r, v)
+    sent = sorted(
+        (r, peer, msg) for r in range(p) for x in progs[r] if isinstance(x, S.Exchange) for peer, msg in x.sends
+    )
+    got = sorted(
+        (peer, r, msg) for r in range(p) for x in progs[r] if isinstance(x, S.Exchange) for peer, msg in x.recvs
+    )
+    assert sent == got and len(set(sent)) == len(sent)
+    assert len(sent) == sum(1 for r in range(p) for a in S.build(name, p, m, r, v) if S.transfers(a, p, r, v)[1])
 
 
-def test_unpaired_1f1b_would_deadlock_under_rendezvous(monkeypatch):
-    monkeypatch.setattr(S, "paired", lambda lists, v=1: [set() for _ in lists])
+def test_interleaved_steps_are_what_keeps_it_from_deadlocking():
+    p, m, v = 2, 4, 2
+    # each action a step of its own: the ring's activation and gradient sends cross and wait for each other
+    flat = [S.program(S.build("interleaved_1f1b", p, m, r, v), p, r, v) for r in range(p)]
     with pytest.raises(RuntimeError, match="deadlock"):
-        S.check_rendezvous([S.build("1f1b", 2, 4, r) for r in range(2)])
+        S.check_rendezvous(flat)
+    steps = S.interleaved_steps(p, m, 0, v)
+    assert [len(s) for s in steps] == [1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1]  # warm-up, (F, B) pairs, cool-down
+    S.check_rendezvous(S.programs("interleaved_1f1b", p, m, v))
 
 
-def test_nccl_refuses_a_schedule_that_could_deadlock_and_gloo_runs_it():
-    from hetero.parallel.pipeline.runtime import require_rendezvous
+def test_1f1b_steady_state_needs_sends_and_receives_in_one_group():
+    p, m = 2, 4
+    progs = S.programs("1f1b", p, m)
+    both = [x for x in progs[0] if isinstance(x, S.Exchange) and x.sends and x.recvs]
+    assert both  # forward send + backward receive on one link, mirrored on the peer
+    apart = []
+    for prog in progs:  # every exchange split, sends first: "send mine, then receive yours" on both sides
+        out = []
+        for x in prog:
+            if isinstance(x, S.Exchange) and x.sends and x.recvs:
+                out += [S.Exchange(x.sends, ()), S.Exchange((), x.recvs)]
+            else:
+                out.append(x)
+        apart.append(out)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        S.check_rendezvous(apart)
 
-    lists = [S.build("interleaved_1f1b", 2, 4, r, 2) for r in range(2)]
-    require_rendezvous("interleaved_1f1b", lists, 2, "gloo")  # gloo progresses sends in the background
-    with pytest.raises(ConfigError, match="can deadlock on NCCL"):
-        require_rendezvous("interleaved_1f1b", lists, 2, "nccl")
-    require_rendezvous("1f1b", [S.build("1f1b", 2, 4, r) for r in range(2)], 1, "nccl")  # paired: proven safe
+
+def test_exchanges_that_wait_on_their_own_payload_are_split():
+    # GPipe's last forward sends its activation and would receive the first gradient in the same exchange; the
+    # gradient needs that activation's payload, which goes only after the headers: merged, it deadlocks.
+    p, m = 2, 2
+    merged = [S.program(S.build_steps("gpipe", p, m, r), p, r) for r in range(p)]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        S.check_rendezvous(merged)
+    progs = S.programs("gpipe", p, m)
+    S.check_rendezvous(progs)
+    assert sum(isinstance(x, S.Exchange) for x in progs[0]) == sum(isinstance(x, S.Exchange) for x in merged[0]) + 1
 
 
-def test_pairs_are_symmetric():
-    for name, v in LAYOUTS:
-        p, m = 4, 8
-        lists = [S.build(name, p, m, r, v) for r in range(p)]
-        for r, indices in enumerate(S.paired(lists, v)):
-            for i in indices:
-                (peer, received), (peer2, sent) = (
-                    S.transfers(lists[r][i + 1], p, r, v)[0],
-                    S.transfers(lists[r][i], p, r, v)[1],
-                )
-                assert peer == peer2  # one link, and the peer pairs the mirror image
-                mirror = [
-                    j
-                    for j in S.paired(lists, v)[peer]
-                    if S.transfers(lists[peer][j], p, peer, v)[1][1] == received
-                    and S.transfers(lists[peer][j + 1], p, peer, v)[0][1] == sent
-                ]
-                assert len(mirror) == 1
+def test_orders_on_a_link_must_agree():
+    a, b = S.Exchange(((1, (0, 0, 1)), (1, (0, 1, 1))), ()), S.Exchange((), ((0, (0, 1, 1)), (0, (0, 0, 1))))
+    with pytest.raises(RuntimeError, match="orders differ"):
+        S.check_rendezvous([[a], [b]])
 
 
 @pytest.mark.parametrize("name,v", LAYOUTS)

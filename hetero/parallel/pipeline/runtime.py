@@ -2,20 +2,14 @@
 point-to-point between neighbouring stages.
 
 [Note: transfers]
-Every transfer is a fixed-size header (micro-batch, destination virtual stage, dtype, shape) followed by the
-payload, so the receiver can allocate without knowing the model; the header is checked, so a schedule whose ranks
-disagree fails with a clear error instead of computing with the wrong tensor. Both carry a tag unique to the
-(kind, micro-batch, virtual stage), so gloo pairs them even when activations and gradients share a link (the
-interleaved schedule's ring); NCCL ignores tags and relies on the schedules' send and receive orders agreeing, which
-`schedule.simulate` and the tests check. Sends are non-blocking and waited at the end of the batch (see
-[Note: why these orders cannot deadlock] in schedule.py).
-
-On NCCL a rank's transfers to one peer share a stream and a large send waits for its receive, so a send that the
-schedule pairs with the next action's receive on the same link goes out with it as one group on both sides
-([Note: paired transfers] in schedule.py); `schedule.check_rendezvous` proves GPipe and 1F1B deadlock-free under
-that worst case. Known limit: the interleaved schedule's warm-up sends around the ring are not paired that way, so on
-NCCL it could stall once activations outgrow NCCL's eager buffers: there `require_rendezvous` refuses it with a clear
-error (use 1f1b or gpipe) instead of risking a hang; gloo progresses sends in the background and runs every schedule.
+The rank runs its `schedule.program`: actions, and between steps an Exchange that starts the step's sends and the
+next step's receives as one group ([Note: steps and exchanges] in schedule.py). An exchange goes in two groups:
+fixed-size headers (micro-batch, destination virtual stage, dtype, shape), then the payloads, so the receiver can
+allocate without knowing the model; each header is checked, so ranks that disagree fail with a clear error instead
+of computing with the wrong tensor. Every transfer carries a tag unique to its message, which gloo matches by; NCCL
+matches by order, which `schedule.programs` proves consistent on both sides of every link and free of deadlock even
+when every send waits for its receive (it replays them, splitting exchanges where needed: [Note: split exchanges]).
+Receives are waited before the step that needs them, sends at the end of the batch.
 """
 
 from __future__ import annotations
@@ -27,9 +21,9 @@ from typing import Any
 
 import torch
 
-from hetero.comm import Comm, Handle
-from hetero.errors import ConfigError, HeteroError
-from hetero.parallel.pipeline.schedule import Action, build, check_rendezvous, paired
+from hetero.comm import Comm
+from hetero.errors import HeteroError
+from hetero.parallel.pipeline.schedule import Action, Exchange, Message, build, programs
 from hetero.parallel.pipeline.split import StageChunk
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -52,21 +46,6 @@ class RunStats:
     actions: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) relative to start
 
 
-def require_rendezvous(schedule: str, lists: list[list[Action]], virtual: int, backend: str) -> None:
-    """On NCCL, refuse a schedule whose transfers could deadlock when sends wait for their receives (the known
-    limit above) with an error that says what to use instead, rather than hang in the first batch."""
-    if backend != "nccl":
-        return  # gloo progresses sends in the background: every schedule runs
-    try:
-        check_rendezvous(lists, virtual)
-    except RuntimeError as err:
-        raise ConfigError(
-            f"parallel.schedule: {schedule!r} with {len(lists)} stages, {virtual} virtual stages and these "
-            "micro-batches can deadlock on NCCL (its warm-up sends are not paired with receives yet); use "
-            '"1f1b" or "gpipe", which are proven deadlock-free there'
-        ) from err
-
-
 class PipelineRuntime:
     def __init__(
         self,
@@ -83,9 +62,9 @@ class PipelineRuntime:
         self.p, self.v, self.m = pp.size, virtual, microbatches
         self.actions: list[Action] = build(schedule, self.p, microbatches, pp.rank, virtual)
         self.last_stage = self.p * self.v - 1
-        lists = [build(schedule, self.p, microbatches, r, virtual) for r in range(self.p)]
-        require_rendezvous(schedule, lists, virtual, pp.backend)
-        self.paired = paired(lists, virtual)[pp.rank]  # actions whose send goes with the next receive
+        # Every rank derives every rank's program, replayed under NCCL's worst case (schedule.programs): a schedule
+        # that could hang never starts, on any backend.
+        self.program = programs(schedule, self.p, microbatches, virtual)[pp.rank]
         self.device = device  # where received tensors are allocated
         # NCCL sets a group's communicator up at its first collective: make that one every rank takes part in.
         pp.barrier()
@@ -109,22 +88,27 @@ class PipelineRuntime:
 
         loss_scale multiplies each micro-batch's loss before its backward (1 / micro-batches, times a loss scale)."""
         saved: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (chunk, micro-batch) -> (input, output)
-        sends: list[tuple[Handle, torch.Tensor]] = []
+        inbox: dict[Message, torch.Tensor] = {}  # received, not yet used
+        outbox: dict[Message, torch.Tensor] = {}  # computed, to go out at the next exchange
+        sends: list[Any] = []  # handles and the tensors they read, waited at the end of the batch
         total = torch.zeros((), dtype=torch.float32)
         stats = self.stats = RunStats()
         alive: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per (chunk, micro-batch), when measuring
         t0 = time.perf_counter()
-        pending: tuple | None = None  # a send held for the next action's receive (schedule.paired)
-        for i, a in enumerate(self.actions):
-            start = time.perf_counter()
+        for item in self.program:
+            if isinstance(item, Exchange):
+                start = time.perf_counter()
+                sends += self._exchange(item, outbox, inbox)
+                stats.wait_s += time.perf_counter() - start
+                continue
+            a, start = item, time.perf_counter()
             s = self._stage(a.chunk)
             key = (a.chunk, a.microbatch)
             if a.kind == "F":
                 if s == 0:
                     x = inputs[a.microbatch]
                 else:
-                    x = self._recv(a.microbatch, s, kind=0, src=(s - 1) % self.p, send=pending)
-                    pending = None
+                    x = inbox.pop((0, a.microbatch, s))
                     if x.is_floating_point():
                         x.requires_grad_(True)
                 last = s == self.last_stage
@@ -140,11 +124,7 @@ class PipelineRuntime:
                             f"virtual stage {s} returned {type(y).__name__}; a stage must return one tensor to pass "
                             "to the next (split the model where a single tensor flows between units)"
                         )
-                    out = (y.detach(), a.microbatch, s + 1, 0, (s + 1) % self.p)
-                    if i in self.paired:
-                        pending = out
-                    else:
-                        sends.append(self._send(*out))
+                    outbox[(0, a.microbatch, s + 1)] = y.detach()
                 saved[key] = (x, y)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
                 stats.peak_saved_bytes = max(stats.peak_saved_bytes, sum(alive.values()))
@@ -154,22 +134,15 @@ class PipelineRuntime:
                 if s == self.last_stage:
                     torch.autograd.backward(y * loss_scale)
                 else:
-                    g = self._recv(a.microbatch, s, kind=1, src=(s + 1) % self.p, send=pending)
-                    pending = None
-                    torch.autograd.backward(y, g)
+                    torch.autograd.backward(y, inbox.pop((1, a.microbatch, s)))
                 alive.pop(key, None)
                 if s > 0:
-                    gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                    out = (gx, a.microbatch, s - 1, 1, (s - 1) % self.p)
-                    if i in self.paired:
-                        pending = out
-                    else:
-                        sends.append(self._send(*out))
+                    outbox[(1, a.microbatch, s - 1)] = x.grad if x.grad is not None else torch.zeros_like(x)
                 del x, y
                 after_backward()
             if self.measure:
                 stats.actions.append((repr(a), start - t0, time.perf_counter() - t0))
-        assert pending is None, "a paired send outlived the schedule"  # paired() never pairs the last action
+        assert not inbox and not outbox, "the program left messages unused"  # check_rendezvous rules this out
         for handle, _ in sends:
             handle.wait()
         stats.wall_s = time.perf_counter() - t0
@@ -179,55 +152,49 @@ class PipelineRuntime:
     def _tag(self, kind: int, microbatch: int, stage: int) -> int:
         return (microbatch * (self.last_stage + 1) + stage) * 2 + kind
 
-    def _message(self, t: torch.Tensor, microbatch: int, stage: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The header (on the payload's device: NCCL reads GPU memory only) and the contiguous payload."""
+    def _header(self, t: torch.Tensor, msg: Message) -> torch.Tensor:
+        """The header (on the payload's device: NCCL reads GPU memory only)."""
         if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
             raise PipelineError(f"cannot pass a {t.dtype} tensor of {t.dim()} dims between stages")
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[:4] = torch.tensor([microbatch, stage, _DTYPES.index(t.dtype), t.dim()])
+        header[:4] = torch.tensor([msg[1], msg[2], _DTYPES.index(t.dtype), t.dim()])
         header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        return header.to(t.device), t.contiguous()
+        return header.to(t.device)
 
-    def _send(self, t: torch.Tensor, microbatch: int, stage: int, kind: int, dst: int) -> tuple[Handle, Any]:
-        header, payload = self._message(t, microbatch, stage, kind)
-        tag = self._tag(kind, microbatch, stage)
-        h1 = self.pp.isend(header, dst, tag=tag)
-        h2 = self.pp.isend(payload, dst, tag=tag)
-        return _Both(h1, h2), (header, payload)  # the tensors must outlive the transfers
-
-    def _recv(self, microbatch: int, stage: int, *, kind: int, src: int, send: tuple | None = None) -> torch.Tensor:
-        """Receive a message; with `send` (a paired send to the same peer), as two groups: both headers, then both
-        payloads (see [Note: paired transfers] in schedule.py)."""
-        tag = self._tag(kind, microbatch, stage)
-        device = self.device
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        t0 = time.perf_counter()
-        out: list[tuple] = []
-        if send is not None:
-            t_out, mb_out, stage_out, kind_out, dst = send
-            if dst != src:
-                raise PipelineError(f"a paired send to rank {dst} cannot go with a receive from rank {src}")
-            h_out, p_out = self._message(t_out, mb_out, stage_out, kind_out)
-            tag_out = self._tag(kind_out, mb_out, stage_out)
-            out = [("send", p_out, dst, tag_out)]
-            _wait_all(self.pp.batch_p2p([("send", h_out, dst, tag_out), ("recv", header, src, tag)]))
-        else:
-            self.pp.irecv(header, src, tag=tag).wait()
-        mb, st, code, ndim = (int(v) for v in header[:4].tolist())
-        if (mb, st) != (microbatch, stage):
-            what = ("activation", "gradient")[kind]
-            raise PipelineError(
-                f"pipeline rank {self.pp.rank} expected the {what} of micro-batch {microbatch} for virtual stage "
-                f"{stage} and received micro-batch {mb} for stage {st}: the ranks run different schedules"
-            )
-        shape = [int(d) for d in header[4 : 4 + ndim].tolist()]
-        t = torch.empty(shape, dtype=_DTYPES[code], device=device)
-        if out:
-            _wait_all(self.pp.batch_p2p([*out, ("recv", t, src, tag)]))
-        else:
-            self.pp.irecv(t, src, tag=tag).wait()
-        self.stats.wait_s += time.perf_counter() - t0
-        return t
+    def _exchange(
+        self, ex: Exchange, outbox: dict[Message, torch.Tensor], inbox: dict[Message, torch.Tensor]
+    ) -> list[tuple[Any, Any]]:
+        """Start the exchange's sends, complete its receives into `inbox`; return the sends' handles."""
+        out = [(peer, msg, outbox.pop(msg).contiguous()) for peer, msg in ex.sends]
+        headers_out = [self._header(t, msg) for _, msg, t in out]
+        headers_in = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in ex.recvs]
+        ops = [("send", h, peer, self._tag(*msg)) for (peer, msg, _), h in zip(out, headers_out)]
+        ops += [("recv", h, peer, self._tag(*msg)) for (peer, msg), h in zip(ex.recvs, headers_in)]
+        handles = self.pp.batch_p2p(ops)
+        for h in handles[len(out) :]:
+            h.wait()
+        pending = [(h, headers_out) for h in handles[: len(out)]]
+        payloads = []
+        for (peer, msg), header in zip(ex.recvs, headers_in):
+            mb, st, code, ndim = (int(v) for v in header[:4].tolist())
+            if (mb, st) != (msg[1], msg[2]):
+                what = ("activation", "gradient")[msg[0]]
+                raise PipelineError(
+                    f"pipeline rank {self.pp.rank} expected the {what} of micro-batch {msg[1]} for virtual stage "
+                    f"{msg[2]} from rank {peer} and received micro-batch {mb} for stage {st}: the ranks run "
+                    "different schedules"
+                )
+            shape = [int(d) for d in header[4 : 4 + ndim].tolist()]
+            payloads.append(torch.empty(shape, dtype=_DTYPES[code], device=self.device))
+        ops = [("send", t, peer, self._tag(*msg)) for peer, msg, t in out]
+        ops += [("recv", t, peer, self._tag(*msg)) for (peer, msg), t in zip(ex.recvs, payloads)]
+        handles = self.pp.batch_p2p(ops)
+        for h in handles[len(out) :]:
+            h.wait()
+        pending += [(h, [t for _, _, t in out]) for h in handles[: len(out)]]  # the tensors outlive the sends
+        for (_, msg), t in zip(ex.recvs, payloads):
+            inbox[msg] = t
+        return pending
 
     # ---- measuring ------------------------------------------------------------------------------------------
     def _saving(self, alive: dict, key: tuple[int, int]) -> Any:
@@ -245,21 +212,6 @@ class PipelineRuntime:
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
-class _Both:
-    def __init__(self, a: Handle, b: Handle) -> None:
-        self.a, self.b = a, b
-
-    def wait(self) -> bool:
-        self.a.wait()
-        self.b.wait()
-        return True
-
-
-def _wait_all(handles: list[Handle]) -> None:
-    for h in handles:
-        h.wait()
 
 
 class _Null:

@@ -1,16 +1,28 @@
-"""Pipeline schedules as per-rank lists of actions: pure data, unit-testable without any process.
+"""Pipeline schedules as per-rank lists of actions and the transfers between them: pure data, unit-testable
+without any process.
 
-An action is a forward (F) or backward (B) of one micro-batch through one of the rank's model chunks. The runtime
-derives every transfer from the actions: F on virtual stage s > 0 first receives its input from stage s - 1, and
-sends its output on unless s is the last; B on a stage below the last first receives its output's gradient, and
-sends its input's gradient back unless s is the first. Rank r's chunk c is virtual stage c * p + r (Megatron's
-interleaved layout; c = 0 for the non-interleaved schedules).
+An action is a forward (F) or backward (B) of one micro-batch through one of the rank's model chunks. The transfers
+follow from the actions: F on virtual stage s > 0 needs its input from stage s - 1, and passes its output on unless
+s is the last; B on a stage below the last needs its output's gradient, and passes its input's gradient back unless
+s is the first. Rank r's chunk c is virtual stage c * p + r (Megatron's interleaved layout; c = 0 for the
+non-interleaved schedules).
 
-[Note: why these orders cannot deadlock]
-Sends never block (they are isend, waited at the end of the batch), so a rank only ever waits in a receive, for a
-send that an earlier action of another rank issues. `simulate` executes every rank's list against exactly these
-dependencies; the schedules below are checked by it in the tests, and it also yields their idle ("bubble")
-fraction for given forward and backward durations.
+[Note: steps and exchanges]
+A rank's actions are cut into steps: one action each, except the interleaved schedule's steady state, where a
+forward and the backward after it form one step (Megatron's). A rank's `program` is its steps with one `Exchange`
+between consecutive steps: the sends of the step just computed and the receives of the step about to run, posted
+together as one group (NCCL: one batched group; gloo: tagged sends and receives started together). The runtime
+waits for the receives before the step and for the sends at the end of the batch.
+
+Why groups of this shape: on NCCL a rank's transfers share one stream and a large send does not finish until its
+receive is posted, so "send mine, then receive yours" on both sides of a link deadlocks (1F1B's steady state sends
+an activation forward while the next stage sends a gradient back). Posting the next step's receives with the
+current step's sends resolves that for GPipe and 1F1B; the interleaved schedule also routes activations and
+gradients of different chunks around the ring, and only the merged forward+backward step lines its groups up on
+both sides of every link. `check_rendezvous` replays a program under that worst case (every send waits for its
+receive, each rank's groups in order, header then payload), and also checks that every link carries its messages
+in the same order on both sides (NCCL matches by order, not by tag). `simulate` runs the programs against time to
+give the idle ("bubble") fraction and the micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -54,6 +66,12 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
 def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
     """Megatron's interleaved 1F1B: v model chunks per rank, micro-batches taken in groups of p through each chunk
     in turn, which shrinks the bubble by about v. Needs m to be a multiple of p."""
+    return [a for step in interleaved_steps(p, m, rank, v) for a in step]
+
+
+def interleaved_steps(p: int, m: int, rank: int, v: int) -> list[tuple[Action, ...]]:
+    """`interleaved_1f1b` cut into steps: warm-up forwards one by one, then (forward, backward) pairs, then the
+    remaining backwards one by one ([Note: steps and exchanges])."""
     _check(p, m, rank)
     if v < 1:
         raise ValueError(f"virtual stages v = {v} must be >= 1")
@@ -68,31 +86,33 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[Action]:
         return Action("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
     warm = total if m == p else min(total, (p - rank - 1) * 2 + (v - 1) * p)
-    out = [forward(k) for k in range(warm)]
-    f, b = warm, 0
-    while f < total:
-        out.append(forward(f))
-        f += 1
-        out.append(backward(b))
-        b += 1
-    out += [backward(k) for k in range(b, total)]
+    out: list[tuple[Action, ...]] = [(forward(k),) for k in range(warm)]
+    out += [(forward(warm + k), backward(k)) for k in range(total - warm)]
+    out += [(backward(k),) for k in range(total - warm, total)]
     return out
 
 
 def build(name: str, p: int, m: int, rank: int, v: int = 1) -> list[Action]:
     """The action list of `rank` for schedule `name` ("gpipe", "1f1b", "interleaved_1f1b")."""
+    return [a for step in build_steps(name, p, m, rank, v) for a in step]
+
+
+def build_steps(name: str, p: int, m: int, rank: int, v: int = 1) -> list[tuple[Action, ...]]:
+    """The actions of `rank` for schedule `name`, cut into the steps its transfers are grouped by."""
     if name == "gpipe":
-        return gpipe(p, m, rank)
+        return [(a,) for a in gpipe(p, m, rank)]
     if name == "1f1b":
-        return one_f_one_b(p, m, rank)
+        return [(a,) for a in one_f_one_b(p, m, rank)]
     if name == "interleaved_1f1b":
-        return interleaved_1f1b(p, m, rank, v)
+        return interleaved_steps(p, m, rank, v)
     raise ValueError(f"unknown schedule {name!r}: choose gpipe, 1f1b or interleaved_1f1b")
 
 
-def transfers(a: Action, p: int, rank: int, v: int) -> tuple[tuple | None, tuple | None]:
-    """(what `a` receives, what it sends) on `rank`: each (peer rank, (kind, micro-batch, destination stage)), or
-    None. Kinds: 0 an activation, 1 a gradient."""
+Message = tuple[int, int, int]  # (0 an activation | 1 a gradient, micro-batch, destination virtual stage)
+
+
+def transfers(a: Action, p: int, rank: int, v: int) -> tuple[tuple[int, Message] | None, tuple[int, Message] | None]:
+    """(what `a` receives, what it sends) on `rank`: each (peer rank, message), or None."""
     s, last = a.chunk * p + rank, p * v - 1
     if a.kind == "F":
         recv = ((s - 1) % p, (0, a.microbatch, s)) if s > 0 else None
@@ -103,95 +123,122 @@ def transfers(a: Action, p: int, rank: int, v: int) -> tuple[tuple | None, tuple
     return recv, send
 
 
-def paired(lists: list[list[Action]], v: int = 1) -> list[set[int]]:
-    """Per rank, the indices of actions whose send goes out together with the next action's receive.
+@dataclass(frozen=True)
+class Exchange:
+    """Transfers started together as one group: each (peer rank, message), in message order (on NCCL the order of
+    transfers between two ranks in one direction is how they are matched)."""
 
-    [Note: paired transfers]
-    On NCCL a rank's sends and receives to one peer are queued on one stream and a large send waits until its
-    receive is posted, so "send mine, then receive yours" on both sides of a link stalls (1F1B's steady state:
-    activation forward, gradient back). Issuing the two as one group (Comm.batch_p2p) on both sides resolves it, as
-    Megatron's send_forward_recv_backward does. Both sides must agree: action i's send is paired with action i + 1's
-    receive only when they are on the same link and the peer, for the message it sends us, pairs it with the receive
-    of ours in the same way. Everything else is sent and received on its own.
+    sends: tuple[tuple[int, Message], ...]
+    recvs: tuple[tuple[int, Message], ...]
+
+
+Item = Action | Exchange
+
+
+def program(steps: list[tuple[Action, ...] | Action], p: int, rank: int, v: int = 1) -> list[Item]:
+    """One rank's actions with an Exchange between consecutive steps: the sends of the step before and the receives
+    of the step after ([Note: steps and exchanges]). A bare Action in `steps` is a step of its own."""
+    steps = [st if isinstance(st, tuple) else (st,) for st in steps]
+    moves = [[transfers(a, p, rank, v) for a in st] for st in steps]
+    out: list[Item] = []
+    for j in range(len(steps) + 1):
+        sends = [mv[1] for mv in moves[j - 1] if mv[1] is not None] if j > 0 else []
+        recvs = [mv[0] for mv in moves[j] if mv[0] is not None] if j < len(steps) else []
+        if sends or recvs:
+            out.append(Exchange(tuple(sorted(sends, key=_order)), tuple(sorted(recvs, key=_order))))
+        if j < len(steps):
+            out += steps[j]
+    return out
+
+
+def programs(name: str, p: int, m: int, v: int = 1) -> list[list[Item]]:
+    """Every pipeline rank's program for schedule `name`, proven by `check_rendezvous`.
+
+    [Note: split exchanges]
+    An exchange whose receives wait on a peer that first needs one of the exchange's own payloads deadlocks: the
+    headers go first, and the payloads only once all headers, ours included, have arrived (GPipe's last forward
+    sends its activation and receives the first gradient, which the next stage computes from that activation).
+    Where the replay finds ranks stuck in such an exchange, it is split in two, sends first; this repeats until
+    nothing is stuck. Exchanges where both sides send and receive to each other (1F1B's steady state, the
+    interleaved steps) stay whole, which is what keeps them from deadlocking.
     """
-    p = len(lists)
-    moves = [[transfers(a, p, r, v) for a in lists[r]] for r in range(p)]
+    progs = [program(build_steps(name, p, m, r, v), p, r, v) for r in range(p)]
+    while True:
+        stuck = _replay(progs)
+        if not stuck:
+            return progs
+        split = False
+        for r, (i, _) in stuck.items():
+            ex = progs[r][i]
+            assert isinstance(ex, Exchange)
+            if ex.sends and ex.recvs:
+                progs[r][i : i + 1] = [Exchange(ex.sends, ()), Exchange((), ex.recvs)]
+                split = True
+                break  # indices of later stuck ranks are unaffected, but replay again: one split may free others
+        if not split:
+            raise RuntimeError(f"schedule {name} (p={p}, m={m}, v={v}): transfers deadlock: {stuck}")
 
-    def candidates(r: int) -> dict[tuple, tuple]:
-        # (message sent, message received next) for every adjacent pair on one link
-        out = {}
-        for i in range(len(lists[r]) - 1):
-            send, recv = moves[r][i][1], moves[r][i + 1][0]
-            if send is not None and recv is not None and send[0] == recv[0]:
-                out[(send[1], recv[1])] = i
-        return out
 
-    cands = [candidates(r) for r in range(p)]
-    result: list[set[int]] = [set() for _ in range(p)]
+def _order(transfer: tuple[int, Message]) -> tuple:
+    return transfer[1]
+
+
+def check_rendezvous(progs: list[list[Item]]) -> None:
+    """Raise if these programs can deadlock or mismatch when every send waits for its receive and each rank's groups
+    run in order on one stream (NCCL's worst case; [Note: steps and exchanges])."""
+    stuck = _replay(progs)
+    if stuck:
+        raise RuntimeError(f"transfers deadlock when sends wait for their receives: {stuck}")
+
+
+def _streams(progs: list[list[Item]]) -> list[list[tuple[int, list[tuple]]]]:
+    """Per rank, the groups of transfers the runtime issues, in order: (index of the Exchange in the program, its
+    operations ("send" | "recv", peer, (phase, message))). An exchange is two groups: the headers (micro-batch,
+    stage, dtype, shape), then the payloads, which the receiver can only allocate once it has the headers."""
+    out = []
+    for prog in progs:
+        groups = []
+        for i, item in enumerate(prog):
+            if isinstance(item, Exchange):
+                for phase in ("header", "payload"):
+                    ops = [("send", peer, (phase, msg)) for peer, msg in item.sends]
+                    groups.append((i, ops + [("recv", peer, (phase, msg)) for peer, msg in item.recvs]))
+        out.append(groups)
+    return out
+
+
+def _replay(progs: list[list[Item]]) -> dict[int, tuple[int, list[tuple]]]:
+    """Replay the transfers under NCCL's worst case; return {rank: (exchange index, stuck group)} of the ranks that
+    cannot go on, or {} if every rank finishes. An operation completes once its peer has posted the matching one; a
+    group once all of its operations have (so a group may finish its operations at different moments, as NCCL's
+    grouped point-to-point calls do). Raise if the two sides of a link issue their messages in different orders
+    (NCCL matches them by order, not by tag)."""
+    p = len(progs)
+    streams = _streams(progs)
     for r in range(p):
-        for (sent, received), i in cands[r].items():
-            peer = moves[r][i][1][0]
-            if (received, sent) in cands[peer]:
-                result[r].add(i)
-    return result
-
-
-def check_rendezvous(lists: list[list[Action]], v: int = 1) -> None:
-    """Raise if the runtime's transfers for these lists can deadlock when every send waits for its receive and each
-    rank's transfers run in order on one stream (NCCL's worst case). Paired transfers (see `paired`) are one group,
-    which completes once both peers have reached it; a lone send or receive once its peer has reached its match."""
-    p = len(lists)
-    pairs = paired(lists, v)
-    streams: list[list[set]] = []  # per rank: groups of ("send" | "recv", peer, message)
-    for r in range(p):
-        ops: list[set] = []
-        held = None
-        for i, a in enumerate(lists[r]):
-            recv, send = transfers(a, p, r, v)
-            group = set()
-            if held is not None:
-                group.add(("send", *held))
-                held = None
-            if recv is not None:
-                group.add(("recv", *recv))
-            if group:
-                ops.append(group)
-            if send is not None:
-                if i in pairs[r]:
-                    held = send
-                else:
-                    ops.append({("send", *send)})
-        streams.append(ops)
-    where = [{(kind, peer, msg): k for k, g in enumerate(streams[r]) for kind, peer, msg in g} for r in range(p)]
+        for peer in range(p):
+            sent = [op[2] for _, g in streams[r] for op in g if op[0] == "send" and op[1] == peer]
+            received = [op[2] for _, g in streams[peer] for op in g if op[0] == "recv" and op[1] == r]
+            if sent != received:
+                raise RuntimeError(
+                    f"rank {r} sends {sent} to rank {peer}, which receives {received} from it: the orders differ"
+                )
+    where = [{(kind, peer, msg): k for k, (_, g) in enumerate(streams[r]) for kind, peer, msg in g} for r in range(p)]
     pos = [0] * p
     while any(pos[r] < len(streams[r]) for r in range(p)):
         moved = False
         for r in range(p):
-            if pos[r] == len(streams[r]):
-                continue
-            ok = True
-            for kind, peer, msg in streams[r][pos[r]]:
-                match = where[peer].get(("recv" if kind == "send" else "send", r, msg))
-                if match is None or match > pos[peer]:
-                    ok = False
-            if ok:
+            # The current group completes once every operation's match has been posted by its peer (in the peer's
+            # current group or in one the peer has finished).
+            if pos[r] < len(streams[r]) and all(
+                where[peer][("recv" if kind == "send" else "send", r, msg)] <= pos[peer]
+                for kind, peer, msg in streams[r][pos[r]][1]
+            ):
                 pos[r] += 1
                 moved = True
         if not moved:
-            # Peers blocked in one group reached each other: let such groups complete together.
-            done = [r for r in range(p) if pos[r] < len(streams[r]) and _reached(streams, where, pos, r)]
-            if not done:
-                stuck = {r: sorted(streams[r][pos[r]]) for r in range(p) if pos[r] < len(streams[r])}
-                raise RuntimeError(f"transfers deadlock when sends wait for their receives: {stuck}")
-            for r in done:
-                pos[r] += 1
-
-
-def _reached(streams: list, where: list, pos: list[int], r: int) -> bool:
-    return all(
-        where[peer].get(("recv" if kind == "send" else "send", r, msg), -1) == pos[peer]
-        for kind, peer, msg in streams[r][pos[r]]
-    )
+            return {r: streams[r][pos[r]] for r in range(p) if pos[r] < len(streams[r])}
+    return {}
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
@@ -207,38 +254,44 @@ class Simulation:
     peak_in_flight: list[int]  # per rank: most micro-batch chunks forwarded but not yet backwarded at once
 
 
-def simulate(p: int, lists: list[list[Action]], v: int = 1, *, t_f: float = 1.0, t_b: float = 2.0) -> Simulation:
-    """Run the ranks' action lists against the pipeline's data dependencies; raise if they deadlock."""
-    done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> finish time
-    last = p * v - 1
+def simulate(
+    p: int, steps: list[list[tuple[Action, ...] | Action]], v: int = 1, *, t_f: float = 1.0, t_b: float = 2.0
+) -> Simulation:
+    """Run the ranks' programs (from their steps, or plain action lists) against time as the runtime does: sends
+    leave when their exchange is reached, an exchange waits until the messages it receives were sent, a backward
+    follows its own forward. Raise if they deadlock."""
+    progs = [program(steps[r], p, r, v) for r in range(p)]
+    sent: dict[tuple[int, int, Message], float] = {}  # (from, to, message) -> when it left
+    done: set[tuple[int, int]] = set()  # forwards done: (micro-batch, virtual stage)
     pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     flight, peak = [0] * p, [0] * p
-    remaining = sum(len(a) for a in lists)
-    while remaining:
+    while any(pos[r] < len(progs[r]) for r in range(p)):
         progressed = False
         for r in range(p):
-            if pos[r] == len(lists[r]):
-                continue
-            a = lists[r][pos[r]]
-            s = a.chunk * p + r
-            if a.kind == "F":
-                deps = [("F", a.microbatch, s - 1)] if s > 0 else []
-            else:
-                deps = [("F", a.microbatch, s)] + ([("B", a.microbatch, s + 1)] if s < last else [])
-            if not all(d in done for d in deps):
-                continue
-            start = max([clock[r]] + [done[d] for d in deps])
-            dur = t_f if a.kind == "F" else t_b
-            clock[r] = start + dur
-            busy[r] += dur
-            done[(a.kind, a.microbatch, s)] = clock[r]
-            flight[r] += 1 if a.kind == "F" else -1
-            peak[r] = max(peak[r], flight[r])
-            pos[r] += 1
-            remaining -= 1
-            progressed = True
+            while pos[r] < len(progs[r]):
+                item = progs[r][pos[r]]
+                if isinstance(item, Exchange):
+                    for peer, msg in item.sends:
+                        sent.setdefault((r, peer, msg), clock[r])
+                    arrivals = [sent.get((peer, r, msg)) for peer, msg in item.recvs]
+                    if any(t is None for t in arrivals):
+                        break
+                    clock[r] = max([clock[r], *arrivals])
+                else:
+                    s = item.chunk * p + r
+                    if item.kind == "B" and (item.microbatch, s) not in done:
+                        break  # a backward before its own forward: waits forever
+                    dur = t_f if item.kind == "F" else t_b
+                    clock[r] += dur
+                    busy[r] += dur
+                    if item.kind == "F":
+                        done.add((item.microbatch, s))
+                    flight[r] += 1 if item.kind == "F" else -1
+                    peak[r] = max(peak[r], flight[r])
+                pos[r] += 1
+                progressed = True
         if not progressed:
-            stuck = {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
+            stuck = {r: progs[r][pos[r]] for r in range(p) if pos[r] < len(progs[r])}
             raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on each other at {stuck}")
     makespan = max(clock)
     return Simulation(makespan, 1 - sum(busy) / (p * makespan), peak)
