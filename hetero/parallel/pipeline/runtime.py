@@ -176,7 +176,8 @@ class PipelineRuntime:
         pending = [(h, headers_out) for h in handles[: len(out)]]
         payloads = []
         for (peer, msg), header in zip(ex.recvs, headers_in):
-            mb, st, code, ndim = (int(v) for v in header[:4].tolist())
+            values = header.tolist()  # one copy to the host per header
+            mb, st, code, ndim = values[:4]
             if (mb, st) != (msg[1], msg[2]):
                 what = ("activation", "gradient")[msg[0]]
                 raise PipelineError(
@@ -184,7 +185,7 @@ class PipelineRuntime:
                     f"{msg[2]} from rank {peer} and received micro-batch {mb} for stage {st}: the ranks run "
                     "different schedules"
                 )
-            shape = [int(d) for d in header[4 : 4 + ndim].tolist()]
+            shape = values[4 : 4 + ndim]
             payloads.append(torch.empty(shape, dtype=_DTYPES[code], device=self.device))
         ops = [("send", t, peer, self._tag(*msg)) for peer, msg, t in out]
         ops += [("recv", t, peer, self._tag(*msg)) for (peer, msg), t in zip(ex.recvs, payloads)]
