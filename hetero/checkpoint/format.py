@@ -6,8 +6,8 @@ optional "__metadata__" of strings), then the raw little-endian bytes of every t
 header comes first, a writer must know every tensor's name, dtype and shape before it writes a byte of data:
 `TensorWriter` takes that plan up front, writes the header, then takes the tensors in plan order, alone or as runs
 that it writes on I/O threads (see [Note: overlapped writes]). `TensorReader` parses the header and reads any
-tensor, or any element range of one, straight into a caller's buffer with `preadv`, so a reader never holds more
-than it asks for.
+tensor, or any element range of one, straight into a caller's buffer with `preadv` (O_DIRECT where the file's
+layout and the buffer allow, see [Note: direct reads]), so a reader never holds more than it asks for.
 """
 
 from __future__ import annotations
@@ -97,10 +97,18 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 class TensorWriter:
-    """Writes one safetensors file: `plan` fixes every (name, dtype, shape) in order; `write` streams one tensor,
-    `submit` a run of them on the I/O threads.
+    """Writes one safetensors file: `plan` fixes every (name, dtype, shape[, residue]) in order; `write` streams one
+    tensor, `submit` a run of them on the I/O threads.
 
     The file is fsync'd on `close`. `crcs` holds each tensor's CRC32 once written; `header_crc` the header's.
+
+    [Note: aligned layout]
+    The header is padded with spaces so that the data area starts at a multiple of `align` (8 by default, as the
+    reference writer does). A planned `residue` asks for the tensor to start at a file offset equal to it modulo
+    `align`: where the previous tensor ends elsewhere, a zero-filled U8 tensor named `__padding__:<offset>` fills
+    the gap, because the format allows no holes in the data area. Checkpoints use align=DIRECT_ALIGN with each
+    chunk tensor's residue in its chunk buffer, so that a load reads chunks with O_DIRECT in place ([Note: direct
+    reads]); padding tensors are in no manifest, and the file stays readable by any safetensors reader.
 
     [Note: overlapped writes]
     Every tensor's place in the file is fixed by the plan, so a run can be written with `pwritev` (one call for many
@@ -122,7 +130,7 @@ class TensorWriter:
         self.path = os.fspath(path)
         header: dict[str, object] = {}
         self._order: list[Entry] = []
-        self._gaps: dict[str, int] = {}  # padding bytes written just before a tensor (see [Note: aligned layout])
+        self._gaps: dict[str, int] = {}  # padding bytes written just before a tensor ([Note: aligned layout])
         offset = 0
         for item in plan:
             name, dtype, shape = item[:3]
@@ -377,8 +385,9 @@ class TensorReader:
 
     @property
     def direct(self) -> bool:
-        """Whether large aligned reads bypass the page cache (O_DIRECT) on this file."""
-        return self._direct_ok
+        """Whether this file's large runs bypass the page cache (O_DIRECT): its file system takes the flag and it has
+        the aligned layout (its data area starts at a multiple of DIRECT_ALIGN; an older file's, by chance only)."""
+        return self._direct_ok and len(self.header_bytes) % DIRECT_ALIGN == 0
 
     def read_into(self, name: str, out: torch.Tensor, *, start: int = 0, crc: int | None = None) -> None:
         """Read elements [start, start + out.numel()) of tensor `name` into the contiguous CPU tensor `out`
@@ -426,10 +435,12 @@ class TensorReader:
         file and in memory whose memory address and file offset agree modulo DIRECT_ALIGN: a checkpoint saved
         with `align=DIRECT_ALIGN` places every chunk's tensors so (padding tensors in between), and the chunk
         buffers of the host tier (and of a CPU compute device) are page-aligned, so loading into the layout that
-        saved a checkpoint reads each chunk in place. The aligned middle of such a stretch goes direct, its
-        ragged ends (under DIRECT_ALIGN bytes each) through the page cache; anything else (older or unaligned
-        files, other layouts' scratch buffers, small stretches, a file whose pages are mostly cached already,
-        file systems without O_DIRECT) is read through the page cache with vectored reads as before."""
+        saved a checkpoint reads each chunk in place. Those buffers also use huge pages (`Device.empty_host`):
+        a direct read into 4 KiB pages scattered over physical memory was measured slower than a buffered one.
+        The aligned middle of a stretch goes direct, its ragged ends (under DIRECT_ALIGN bytes each) through the
+        page cache; anything else (older or unaligned files, other layouts' scratch buffers, small stretches, a
+        file whose pages are mostly cached already, file systems without O_DIRECT) is read through the page
+        cache with vectored reads as before."""
         pending: list[memoryview] = []  # buffered reads gathered into one vectored call, from file offset `start`
         start = end = 0
         scratch = None
