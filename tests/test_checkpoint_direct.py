@@ -241,3 +241,20 @@ def test_resident_share_sees_the_page_cache(tmp_path):
         assert RESIDENT_SHARE(fd, 4096, (1 << 20) - 8192) == 1.0
     finally:
         os.close(fd)
+
+
+def test_rank_file_is_valid_safetensors(tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    e = make_engine(0, _cfg(1))
+    train(e, 0, 1, 0, 1)
+    path = e.save_checkpoint(str(tmp_path / "root"))
+    e.close()
+    rank = os.path.join(path, mf.rank_file(0))
+    listed = mf.read_manifest(path)["files"][mf.rank_file(0)]["tensors"]
+    with fmt.TensorReader(rank) as r, safetensors.safe_open(rank, framework="pt") as f:
+        assert len(r.header_bytes) % fmt.DIRECT_ALIGN == 0
+        names = set(f.keys())
+        assert names == set(r.entries)
+        assert {k for k in names if not k.startswith(fmt._PAD_PREFIX)} == set(listed)
+        for k in listed:
+            assert torch.equal(f.get_tensor(k).view(-1), r.read(k, crc=listed[k][1]).view(-1)), k
