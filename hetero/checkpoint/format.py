@@ -303,12 +303,13 @@ def _mapper() -> tuple | None:
 
 
 _MAPPER = _mapper()
-_LOW_BIT = bytes(b & 1 for b in range(256))
+_SAMPLES = 16  # pages of a range whose residency is asked for
 
 
 def _resident_share(fd: int, offset: int, length: int) -> float:
-    """The share of a file range's pages that are in the page cache now (0 where that cannot be told): reading
-    cached pages through the cache is a memory copy, reading them with O_DIRECT would go to the disk again."""
+    """The share of a file range's pages that are in the page cache now, from a sample of _SAMPLES pages (0 where that
+    cannot be told): reading cached pages through the cache is a memory copy, reading them with O_DIRECT would go to
+    the disk again. Sampled because asking for every page took 20 us per MiB, 7% of a warm load."""
     if _MAPPER is None or length <= 0:
         return 0.0
     mmap_, mincore, munmap = _MAPPER
@@ -319,10 +320,15 @@ def _resident_share(fd: int, offset: int, length: int) -> float:
     if addr is None or addr == ctypes.c_void_p(-1).value:
         return 0.0
     try:
-        vec = (ctypes.c_ubyte * (-(-size // page)))()
-        if mincore(addr, size, vec) != 0:
-            return 0.0
-        return bytes(vec).translate(_LOW_BIT).count(1) / len(vec)  # bit 0: resident; the others are reserved
+        pages = -(-size // page)
+        picks = sorted({k * (pages - 1) // max(_SAMPLES - 1, 1) for k in range(_SAMPLES)})
+        vec = ctypes.c_ubyte()
+        resident = 0
+        for k in picks:
+            if mincore(addr + k * page, page, ctypes.byref(vec)) != 0:
+                return 0.0
+            resident += vec.value & 1  # bit 0: resident; the others are reserved
+        return resident / len(picks)
     finally:
         munmap(addr, size)
 
