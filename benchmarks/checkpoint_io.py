@@ -12,8 +12,10 @@ with AdamW's master weights and two states) is trained one step with hetero (sta
    The save writes each chunk with pwritev on I/O threads and starts the kernel's writeback after each one
    (sync_file_range), so it can beat the plain write-then-fsync baseline, which leaves all writeback to the fsync;
  - load: `engine.load_checkpoint` (header and per-tensor CRC32 checks, filling every chunk) vs plain `os.preadv`
-   of those raw files in 64 MiB blocks. Reads are made cold: the files are fsync'd, so their pages are clean, and
-   POSIX_FADV_DONTNEED drops them from the page cache before every timed read on both sides;
+   of those raw files in 64 MiB blocks through the page cache. Reads are made cold: the files are fsync'd, so their
+   pages are clean, and POSIX_FADV_DONTNEED drops them from the page cache before every timed read on both sides.
+   The load reads each chunk with O_DIRECT straight into its buffer where the rank file's aligned layout allows,
+   bypassing the page cache the baseline goes through: either way every byte comes from the disk;
  - consolidation: `hetero.checkpoint.consolidate` to .safetensors in a subprocess; its peak RSS (VmHWM, reset
    after the imports, minus the RSS before) against the largest tensor and the whole model (Linux only).
 Each side runs --repeats times, alternating; the best time is reported (the machine may be shared). GB = 1e9 bytes.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hetero.checkpoint.format import TensorReader
+from hetero.checkpoint.format import PAD_MAX, TensorReader
 from hetero.errors import CheckpointError
 
 FORMAT = "hetero-checkpoint"
@@ -224,12 +224,14 @@ class Index:
 
     def fill_async(self, requests: list[tuple[str, str, int, torch.Tensor]]) -> list[Future]:
         """`fill` for many (kind, name, lo, out) at once; returns at once with futures to wait on. Whole segments
-        bound for CPU memory are sorted by file offset and read in runs of adjacent segments, each run one vectored
-        read on an I/O thread, in order, and checksummed on a second one (preadv and zlib.crc32 release the GIL), so
-        checking run k overlaps reading run k+1; the rest goes through `fill` on the reading thread. One thread reads
-        so that the disk sees one sequential stream: two threads at two offsets of one file descriptor share its
-        read-ahead state, which then takes them for random reads. With the layout that saved the checkpoint, every
-        request is a whole segment: the file is read front to back in large requests."""
+        bound for CPU memory are sorted by file offset and read in runs of adjacent segments (or with only padding
+        between), each run in large requests on an I/O thread, in order, and checksummed on a second one (preadv and
+        zlib.crc32 release the GIL), so checking run k overlaps reading run k+1; the rest goes through `fill` on the
+        reading thread. One thread reads through the page cache, so that the disk sees one sequential stream: two
+        threads at two offsets of one file descriptor share its read-ahead state, which then takes them for random
+        reads. Files read with O_DIRECT ([Note: direct reads] in format.py) get two reading threads: no read-ahead
+        to confuse, and the disk stays busy while one request completes. With the layout that saved the checkpoint,
+        every request is a whole segment: the file is read front to back in large requests."""
         direct: dict[str, list[tuple[int, int, str, torch.Tensor, int]]] = defaultdict(list)
         rest = []
         for kind, name, lo, out in requests:
@@ -248,7 +250,7 @@ class Index:
             items.sort(key=lambda it: it[0])
             run: list = []
             for it in items:
-                if run and (it[0] != run[-1][1] or it[1] - run[0][0] > _RUN_BYTES):
+                if run and (not 0 <= it[0] - run[-1][1] < PAD_MAX or it[1] - run[0][0] > _RUN_BYTES):
                     runs.append((fname, run))
                     run = []
                 run.append(it)
@@ -257,7 +259,10 @@ class Index:
         for fname in {f for f, _ in runs} | {s.file for k, n, _, _ in rest for s in self.segments.get((k, n), ())}:
             self.reader(fname)  # opened here: the reader cache is not shared between threads
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-ckpt-read")
+            # Direct reads keep no read-ahead state, and a second one in flight keeps the disk busy while the first
+            # completes: two threads then. Through the page cache, one (see above).
+            uncached = any(self.reader(f).direct for f, _ in runs)
+            self._pool = ThreadPoolExecutor(2 if uncached else 1, thread_name_prefix="hetero-ckpt-read")
             self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-ckpt-check")
         futures = []
         for fname, run in runs:

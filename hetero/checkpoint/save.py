@@ -30,7 +30,7 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import parallel as par
-from hetero.checkpoint.format import TensorWriter
+from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.errors import CheckpointError
 from hetero.memory import Tier
 
@@ -201,8 +201,18 @@ def _buffers(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def _file_size(plan: list[_Item]) -> int:
-    # The header is a few dozen bytes per tensor: estimate it generously.
-    return sum(it.numel * it.dtype.itemsize + 160 + len(it.key) for it in plan) + 4096
+    # The header is a few dozen bytes per tensor: estimate it generously; padding is under DIRECT_ALIGN per tensor.
+    return sum(it.numel * it.dtype.itemsize + 160 + len(it.key) + DIRECT_ALIGN for it in plan) + DIRECT_ALIGN
+
+
+def _residue(it: _Item) -> int | None:
+    """Where the tensor's first byte sits in its chunk's buffer, modulo DIRECT_ALIGN: the file places it at the same
+    residue, so that a load into the same layout (page-aligned chunk buffers) can read it with O_DIRECT in place
+    ([Note: direct reads] in format.py)."""
+    if it.chunk is None:
+        return None
+    first = (it.chunk.slots[it.slot].offset if it.slot is not None else 0) + it.offset
+    return first * it.chunk.dtype.itemsize % DIRECT_ALIGN
 
 
 def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
@@ -225,7 +235,7 @@ def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
         if was_nvme:
             m.move(chunk, Tier.NVME)  # back home; clean, so no write
 
-    with TensorWriter(path, [(it.key, it.dtype, (it.numel,)) for it in plan]) as w:
+    with TensorWriter(path, [(it.key, it.dtype, (it.numel,), _residue(it)) for it in plan], align=DIRECT_ALIGN) as w:
         try:
             i = 0
             while i < len(plan):

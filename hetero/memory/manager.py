@@ -102,8 +102,11 @@ class ChunkManager:
             Tier.HOST: TierLedger(Tier.HOST, _default_host_budget(host_budget)),
             Tier.NVME: TierLedger(Tier.NVME, self._nvme_budget(nvme_budget)),
         }
+        # On a CPU compute device its chunks take page-aligned memory as the host's do, so that checkpoint loads and
+        # the NVMe tier can read into them with O_DIRECT in place (torch.empty is only 64-byte aligned).
+        device_alloc = self.device.empty_host if self.device.torch_device.type == "cpu" else self.device.empty_bytes
         self.pools = {  # reused chunk buffers, per tier
-            Tier.DEVICE: BufferPool(self.device.empty_bytes, self.ledgers[Tier.DEVICE]),
+            Tier.DEVICE: BufferPool(device_alloc, self.ledgers[Tier.DEVICE]),
             Tier.HOST: BufferPool(self.device.empty_host, self.ledgers[Tier.HOST]),
         }
         self.trace = AccessTrace()  # recorded chunk order: prefetch and OPT eviction
