@@ -291,9 +291,8 @@ class Comm:
         native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
         try:
             with torch.no_grad():
-                work = dist.reduce_scatter_tensor(
-                    out.view(-1), inp.view(-1), op=_reduce_op(native_op), group=self.group, async_op=True
-                )
+                fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # newer name first
+                work = fn(out.view(-1), inp.view(-1), op=_reduce_op(native_op), group=self.group, async_op=True)
             self._native_rs = True
         except (RuntimeError, NotImplementedError) as err:
             if self._native_rs or not _unsupported(err):
