@@ -152,7 +152,7 @@ def program(steps: list[tuple[Action, ...] | Action], p: int, rank: int, v: int 
 
 
 def programs(name: str, p: int, m: int, v: int = 1) -> list[list[Item]]:
-    """Every pipeline rank's program for schedule `name`, proven by `check_rendezvous`.
+    """Every pipeline rank's program for schedule `name`, replayed free of deadlock (see `check_rendezvous`).
 
     [Note: split exchanges]
     An exchange whose receives wait on a peer that first needs one of the exchange's own payloads deadlocks: the
@@ -174,7 +174,7 @@ def programs(name: str, p: int, m: int, v: int = 1) -> list[list[Item]]:
             if ex.sends and ex.recvs:
                 progs[r][i : i + 1] = [Exchange(ex.sends, ()), Exchange((), ex.recvs)]
                 split = True
-                break  # indices of later stuck ranks are unaffected, but replay again: one split may free others
+                break  # one split at a time, then replay: it may free the other stuck ranks as well
         if not split:
             raise RuntimeError(f"schedule {name} (p={p}, m={m}, v={v}): transfers deadlock: {stuck}")
 
@@ -259,7 +259,8 @@ def simulate(
 ) -> Simulation:
     """Run the ranks' programs (from their steps, or plain action lists) against time as the runtime does: sends
     leave when their exchange is reached, an exchange waits until the messages it receives were sent, a backward
-    follows its own forward. Raise if they deadlock."""
+    follows its own forward. Raise if they deadlock. (An exchange that `programs` splits, sends first, times the
+    same here: sends never wait in this model.)"""
     progs = [program(steps[r], p, r, v) for r in range(p)]
     sent: dict[tuple[int, int, Message], float] = {}  # (from, to, message) -> when it left
     done: set[tuple[int, int]] = set()  # forwards done: (micro-batch, virtual stage)
