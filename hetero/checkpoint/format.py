@@ -217,11 +217,7 @@ class TensorWriter:
                     break
             n = os.pwritev(self._fd, batch, offset)
             offset += n
-            while i < len(views) and n >= len(views[i]):  # drop the buffers written; trim a partly written one
-                n -= len(views[i])
-                i += 1
-            if n:
-                views[i] = views[i][n:]
+            i = _consume(views, i, n)
         if _START_WRITEBACK is not None and offset > start:
             _START_WRITEBACK(self._fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)  # only a hint: ignore errors
         for e, c in zip(entries, crcs):
@@ -276,6 +272,17 @@ class TensorWriter:
             while len(block):
                 n = os.write(self._fd, block)
                 block = block[n:]
+
+
+def _consume(views: list[memoryview], i: int, n: int) -> int:
+    """After a vectored call from views[i] moved n bytes: drop the buffers it finished, trim a partly done one, and
+    return the index of the first unfinished buffer."""
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    if n:
+        views[i] = views[i][n:]
+    return i
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -513,11 +520,7 @@ class TensorReader:
             if n <= 0:
                 raise CheckpointError(f"{self.path}: short read near {name!r}: the file is truncated")
             offset += n
-            while i < len(views) and n >= len(views[i]):  # drop the buffers filled; trim a partly filled one
-                n -= len(views[i])
-                i += 1
-            if n:
-                views[i] = views[i][n:]
+            i = _consume(views, i, n)
 
     def check_many(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
         """Check the CRC32 of tensors read by `read_many(..., check=False)`."""
