@@ -14,7 +14,6 @@ of once per micro-batch. Stages 0-1 accumulate locally and reduce at the update 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -166,34 +165,6 @@ def _run_micro_batches(
         del loss
         after_backward()
     return total
-
-
-def grad_stats(engine: Engine) -> tuple[float, bool]:
-    """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards, pipeline
-    stages and tensor ranks. A tensor-sharded parameter's pieces add up; a replicated one (no `_hetero_tp`) has the
-    same gradient on every tensor rank, so each rank counts 1 / degree of it."""
-    mesh = engine.mesh
-    tp = mesh.tp_size
-    sq = torch.zeros((), dtype=torch.float64)
-    for zc in engine._trainable:
-        g = zc.grad_view()
-        if tp == 1:
-            sq += engine.device.to_host(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-            continue
-        lo = 0 if engine.stage == 0 else engine.comm.rank * zc.shard_numel
-        for info in zc.spec.params:
-            a, b = max(info.offset, lo), min(info.offset + info.numel, lo + g.numel())
-            if a >= b:
-                continue
-            weight = 1.0 if getattr(info.param, "_hetero_tp", None) is not None else 1.0 / tp
-            norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)
-            sq += weight * engine.device.to_host(norm) ** 2
-    if engine.stage >= 1:  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
-        engine.comm.control.all_reduce(sq, op="sum")
-    mesh.tp.control.all_reduce(sq, op="sum")
-    mesh.pp.control.all_reduce(sq, op="sum")
-    value = float(sq)
-    return value, math.isfinite(value)
 
 
 def make_runtime(engine: Engine) -> PipelineRuntime:

@@ -21,6 +21,7 @@ shard only, and the full chunk is gathered again at its next use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -405,7 +406,7 @@ class ZeroChunk:
         """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk)."""
         m = self.manager
         if values.numel() == self.spec.capacity:
-            values = self.master_range(values)
+            values = self.kept(values)
         tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
         slot = self.shard.slots[0]
         if slot.state is _T.HOLD:
@@ -417,12 +418,37 @@ class ZeroChunk:
         if self.homes.params is Tier.NVME:
             m.move(self.shard, Tier.NVME, wait=False)
 
-    def master_range(self, full: torch.Tensor) -> torch.Tensor:
-        """The part of a full-chunk tensor that this rank's master weights cover (all of it at stage 0)."""
+    def kept_range(self) -> tuple[int, int]:
+        """The chunk elements [lo, hi) this rank keeps master weights and optimizer states for: all of them at
+        stage 0, its shard otherwise."""
         if self.stage == 0:
-            return full
+            return 0, self.spec.capacity
         r, s = self.comm.rank, self.shard_numel
-        return full[r * s : (r + 1) * s]
+        return r * s, (r + 1) * s
+
+    def kept(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full-chunk tensor that this rank's master weights cover."""
+        lo, hi = self.kept_range()
+        return full[lo:hi]
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this chunk besides its buffers: each parameter's step count, which parameters
+        got a gradient since the last update, and whether the accumulated gradient is still all zeros."""
+        return {
+            "param_steps": list(self.param_steps),
+            "used": [int(u) for u in self.used.tolist()],
+            "grad_is_zero": self.grad_is_zero,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; keys left out keep their values (a checkpoint without pending gradients)."""
+        if "param_steps" in state:
+            self.param_steps = list(state["param_steps"])
+        if "used" in state:
+            self.used = torch.tensor(state["used"], dtype=torch.uint8)
+        if "grad_is_zero" in state:
+            self.grad_is_zero = bool(state["grad_is_zero"])
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (CPU copies). At stage 3 the chunk must be gathered (`unshard`)."""
