@@ -1,0 +1,168 @@
+"""The process grid of a 2D, 2.5D or 3D tensor-parallel layout, carved out of the mesh's tensor group.
+
+[Note: grid layouts]
+The tensor group of T ranks is arranged as a grid, and every activation [batch, seq, hidden] of the residual stream
+is cut over two groups of it: `main.hidden` splits the hidden dimension and `main.batch` the batch (the sequence
+stays whole). Tensor ranks are numbered (fastest last):
+
+| mode | T | tensor rank | main.hidden | main.batch | weight sub-parts over |
+| --- | --- | --- | --- | --- | --- |
+| 2d (Optimus, SUMMA) | q^2 | i q + j | row i: j varies | column j: i varies | the column |
+| 2.5d (Tesseract) | q^2 d | k q^2 + i q + j | as 2d within depth layer k | as 2d; the depth group cuts the batch first | the column |
+| 3d (Bian et al.) | q^3 | a q^2 + b q + c | b varies | the plane of fixed b (a, c vary) | the a-line |
+
+2D: rank (i, j) holds X_ij (batch part i, hidden part j) and W_ij; SUMMA's q broadcast steps along a row and a
+column deliver the row's X blocks and the column's W blocks, so a product is an all-gather of X over the row and of
+W over the column, a local product, nothing more: the output has the input's layout. 2.5D runs d such grids, each
+on its own slice of the batch, with the same weights (replicated over the depth group, their gradients summed over
+it). 3D runs Agarwal's product: C_ab = sum_c A_ac B_cb with rank (a, b, c) computing one term, so an output leaves
+the product reduce-scattered over the third axis and the roles of the b and c axes swap (`alt`): a column-parallel
+layer of the plan takes the stream in `main` and leaves its output in `alt` (heads split over c), the row-parallel
+layer after it returns to `main`. In 2D and 2.5D, `alt` is `main`.
+
+Within every group, group rank order is global rank order (Comm.split), which the numbering above makes the order of
+the parts: the plane of fixed b lists (a, c) as a q + c, the plane of fixed c lists (a, b) as a q + b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.comm import Comm
+from hetero.errors import ConfigError
+
+MODES = ("1d", "2d", "2.5d", "3d")
+
+
+def grid_shape(mode: str, tensor: int, depth: int | None) -> tuple[int, int]:
+    """(q, d) of a grid mode at this tensor degree; a ConfigError says what degree would fit."""
+    if mode not in MODES:
+        raise ConfigError(f"parallel.tensor_mode: {mode!r} is not a mode; choose one of {', '.join(map(repr, MODES))}")
+    if mode != "2.5d" and depth not in (None, 1):
+        raise ConfigError(f"parallel.tensor_depth = {depth} applies to tensor_mode '2.5d' only (mode is {mode!r})")
+    if mode == "1d":
+        return tensor, 1
+    power, d = (3, 1) if mode == "3d" else (2, 1)
+    if mode == "2.5d":
+        if depth is None or isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"parallel.tensor_depth: tensor_mode '2.5d' needs an integer depth >= 1, got {depth!r}")
+        d = depth
+        if tensor % d:
+            raise ConfigError(
+                f"parallel.tensor = {tensor} must be q^2 x tensor_depth ({d}) for tensor_mode '2.5d'; it does not "
+                f"divide by {d}"
+            )
+    q = round((tensor // d) ** (1 / power))
+    while q**power < tensor // d:
+        q += 1
+    if q**power * d != tensor or q < 2:
+        shape = {"2d": "q^2 (4, 9, 16, ...)", "3d": "q^3 (8, 27, 64, ...)", "2.5d": f"q^2 x {d} with q >= 2"}[mode]
+        raise ConfigError(f"parallel.tensor = {tensor} does not fit tensor_mode {mode!r}: it must be {shape}")
+    return q, d
+
+
+@dataclass(frozen=True)
+class Place:
+    """A tensor rank's block indices in each layout (pure arithmetic; the same table on every rank)."""
+
+    main_h: int  # hidden part of the residual stream
+    main_b: int  # batch part within main.batch
+    alt_h: int  # hidden part between a column- and a row-parallel layer (3D; = main_h otherwise)
+    alt_b: int
+    w: int  # sub-part of a weight block (its rank in the weight-gather group)
+    outer: int  # depth layer (2.5D; 0 otherwise)
+
+
+@dataclass(frozen=True, eq=False)
+class Orient:
+    """One layout of activations: which group splits the hidden dimension, which the batch."""
+
+    hidden: Any  # a Comm (or a shape-only stand-in with .rank and .size)
+    batch: Any
+
+
+@dataclass(frozen=True, eq=False)
+class Grid:
+    mode: str
+    q: int
+    depth: int
+    tp: Any  # the tensor group
+    main: Orient  # the residual stream's layout
+    alt: Orient  # between a column-parallel layer and the row-parallel one after it (3D); main otherwise
+    wgroup: Any  # the group over which a weight block's sub-parts are gathered
+    outer: Any  # 2.5D: the depth group (cuts the batch first; weights replicated over it); size 1 otherwise
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def batch_parts(self) -> int:
+        """Parts the batch is cut into: a rank holds part `batch_index` of them."""
+        return self.outer.size * self.main.batch.size
+
+    @property
+    def batch_index(self) -> int:
+        return self.outer.rank * self.main.batch.size + self.main.batch.rank
+
+    def place(self, r: int) -> Place:
+        q = self.q
+        if self.mode == "3d":
+            a, b, c = r // (q * q), (r // q) % q, r % q
+            return Place(main_h=b, main_b=a * q + c, alt_h=c, alt_b=a * q + b, w=a, outer=0)
+        k, i, j = r // (q * q), (r // q) % q, r % q
+        return Place(main_h=j, main_b=i, alt_h=j, alt_b=i, w=i, outer=k)
+
+    def places(self) -> list[Place]:
+        return [self.place(r) for r in range(self.tp.size)]
+
+    @classmethod
+    def build(cls, tp: Comm, mode: str, depth: int | None = None) -> Grid:
+        """Split the tensor group into the grid's groups. Every rank of `tp` calls this with the same arguments."""
+        q, d = grid_shape(mode, tp.size, depth)
+        if mode == "3d":
+            at = lambda a, b, c: a * q * q + b * q + c  # noqa: E731
+            r = range(q)
+            a_line = tp.split([[at(a, b, c) for a in r] for b in r for c in r])
+            b_line = tp.split([[at(a, b, c) for b in r] for a in r for c in r])
+            c_line = tp.split([[at(a, b, c) for c in r] for a in r for b in r])
+            plane_b = tp.split([[at(a, b, c) for a in r for c in r] for b in r])
+            plane_c = tp.split([[at(a, b, c) for a in r for b in r] for c in r])
+            main, alt = Orient(hidden=b_line, batch=plane_b), Orient(hidden=c_line, batch=plane_c)
+            return cls(mode=mode, q=q, depth=1, tp=tp, main=main, alt=alt, wgroup=a_line, outer=Comm())
+        at2 = lambda k, i, j: k * q * q + i * q + j  # noqa: E731
+        r, rd = range(q), range(d)
+        row = tp.split([[at2(k, i, j) for j in r] for k in rd for i in r])
+        col = tp.split([[at2(k, i, j) for i in r] for k in rd for j in r])
+        depth_group = tp.split([[at2(k, i, j) for k in rd] for i in r for j in r]) if d > 1 else Comm()
+        main = Orient(hidden=row, batch=col)
+        return cls(mode=mode, q=q, depth=d, tp=tp, main=main, alt=main, wgroup=col, outer=depth_group)
+
+    @classmethod
+    def shape_only(cls, mode: str, tensor: int, depth: int | None = None, rank: int = 0) -> Grid:
+        """A grid with the sizes and this rank's indices but no process groups: for checks before anything changes,
+        and for the estimator's shapes. Its groups are `Slot`s."""
+        q, d = grid_shape(mode, tensor, depth)
+        probe = cls(mode=mode, q=q, depth=d, tp=Slot(rank, tensor), main=None, alt=None, wgroup=None, outer=None)  # type: ignore[arg-type]
+        p = probe.place(rank)
+        if mode == "3d":
+            main = Orient(hidden=Slot(p.main_h, q), batch=Slot(p.main_b, q * q))
+            alt = Orient(hidden=Slot(p.alt_h, q), batch=Slot(p.alt_b, q * q))
+            return cls(mode=mode, q=q, depth=1, tp=Slot(rank, tensor), main=main, alt=alt, wgroup=Slot(p.w, q), outer=Slot(0, 1))
+        main = Orient(hidden=Slot(p.main_h, q), batch=Slot(p.main_b, q))
+        return cls(
+            mode=mode, q=q, depth=d, tp=Slot(rank, tensor), main=main, alt=main, wgroup=Slot(p.w, q), outer=Slot(p.outer, d)
+        )
+
+    def __repr__(self) -> str:
+        p = self.place(self.rank)
+        return f"Grid({self.mode}, q={self.q}, depth={self.depth}, rank={self.rank}, {p})"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A group's size and this rank's place in it, without a process group (shape-only grids)."""
+
+    rank: int
+    size: int
