@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+
 import torch
 from torch import nn
 
@@ -160,7 +161,9 @@ def _shard(param: nn.Parameter, cut: BlockShard, name: str) -> None:
 def _swap(module: nn.Module, mixin: type, role: GridRole) -> None:
     key = (mixin, type(module))
     if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"Grid{mixin.__name__.strip('_')}{type(module).__name__}", key, {"__module__": __name__})
+        _SUBCLASSES[key] = type(
+            f"Grid{mixin.__name__.strip('_')}{type(module).__name__}", key, {"__module__": __name__}
+        )
     module.__class__ = _SUBCLASSES[key]
     module._hetero_grid = role
 
@@ -227,4 +230,3 @@ def apply_grid_parallel(
     _install_loss(model, grid)
     log.info("tensor mode %s: %d modules planned over %s", grid.mode, len(resolved), grid)
     return resolved
-

@@ -8,7 +8,7 @@ stays whole). Tensor ranks are numbered (fastest last):
 | mode | T | tensor rank | main.hidden | main.batch | weight sub-parts over |
 | --- | --- | --- | --- | --- | --- |
 | 2d (Optimus, SUMMA) | q^2 | i q + j | row i: j varies | column j: i varies | the column |
-| 2.5d (Tesseract) | q^2 d | k q^2 + i q + j | as 2d within depth layer k | as 2d; the depth group cuts the batch first | the column |
+| 2.5d (Tesseract) | q^2 d | k q^2 + i q + j | as 2d, in depth layer k | depth, then column | the column |
 | 3d (Bian et al.) | q^3 | a q^2 + b q + c | b varies | the plane of fixed b (a, c vary) | the a-line |
 
 2D: rank (i, j) holds X_ij (batch part i, hidden part j) and W_ij; SUMMA's q broadcast steps along a row and a
@@ -149,10 +149,26 @@ class Grid:
         if mode == "3d":
             main = Orient(hidden=Slot(p.main_h, q), batch=Slot(p.main_b, q * q))
             alt = Orient(hidden=Slot(p.alt_h, q), batch=Slot(p.alt_b, q * q))
-            return cls(mode=mode, q=q, depth=1, tp=Slot(rank, tensor), main=main, alt=alt, wgroup=Slot(p.w, q), outer=Slot(0, 1))
+            return cls(
+                mode=mode,
+                q=q,
+                depth=1,
+                tp=Slot(rank, tensor),
+                main=main,
+                alt=alt,
+                wgroup=Slot(p.w, q),
+                outer=Slot(0, 1),
+            )
         main = Orient(hidden=Slot(p.main_h, q), batch=Slot(p.main_b, q))
         return cls(
-            mode=mode, q=q, depth=d, tp=Slot(rank, tensor), main=main, alt=main, wgroup=Slot(p.w, q), outer=Slot(p.outer, d)
+            mode=mode,
+            q=q,
+            depth=d,
+            tp=Slot(rank, tensor),
+            main=main,
+            alt=main,
+            wgroup=Slot(p.w, q),
+            outer=Slot(p.outer, d),
         )
 
     def __repr__(self) -> str:

@@ -83,7 +83,9 @@ class BlockShard:
         by_rank = dict(enumerate(shards)) if not isinstance(shards, Mapping) else dict(shards)
         wanted = self.stored_ranks()
         if not set(wanted) <= by_rank.keys():
-            raise ValueError(f"joining {self.full_shape} needs the shards of tensor ranks {wanted}, got {sorted(by_rank)}")
+            raise ValueError(
+                f"joining {self.full_shape} needs the shards of tensor ranks {wanted}, got {sorted(by_rank)}"
+            )
         first = by_rank[wanted[0]]
         full = first.new_empty(self.full_shape)
         for r in wanted:
