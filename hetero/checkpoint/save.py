@@ -145,14 +145,14 @@ def _plan(engine: Engine) -> list[_Item]:
             for j, kind in enumerate(kinds):
                 for info in zc.spec.params:
                     a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                    if a < b and (replicas or par.tp_cut(info.param) is not None):
+                    if a < b and par.saves(info, replicas):
                         k = mf.key(kind, par.stored_name(info), a - info.offset)
                         items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info in zc.spec.params:
                 a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                if a < b and (replicas or par.tp_cut(info.param) is not None):
+                if a < b and par.saves(info, replicas):
                     k = mf.key("frozen", par.stored_name(info), a - info.offset)
                     items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
@@ -455,9 +455,11 @@ def _model_table(engine: Engine) -> dict[str, Any]:
                 "group": zc.spec.group,
                 "dtype": str(zc.dtype).removeprefix("torch."),
                 "stage": stage,
-                "tp_rank": cut.rank if cut is not None else None,
+                "tp_rank": cut.stored_rank if cut is not None else None,
             }
-            if cut is not None:
+            if cut is not None and hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
+                cuts[info.name] = cut.to_dict()
+            elif cut is not None:
                 cuts[info.name] = {
                     "dim": cut.dim,
                     "parts": cut.parts,

@@ -38,7 +38,15 @@ def setup_parallel(
 ) -> tuple[Mesh, list[StageChunk] | None]:
     """The mesh over `world`, and this rank's pipeline chunks (None without a pipeline); the model is cut and
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
-    mesh = Mesh.build(world, tensor=cfg.tensor, pipeline=cfg.pipeline)
+    split = cfg.split_sequence  # Ulysses / ring: the `tensor` ranks split the sequence, inside ZeRO's group
+    mesh = Mesh.build(
+        world,
+        tensor=1 if split else cfg.tensor,
+        pipeline=cfg.pipeline,
+        sequence=cfg.tensor if split else 1,
+        tensor_mode=cfg.tensor_mode,
+        tensor_depth=cfg.tensor_depth,
+    )
     chunks = None
     plan: Any = cfg.tensor_plan
     if cfg.tensor > 1:
@@ -53,12 +61,25 @@ def setup_parallel(
         kept = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
             group["params"] = [p for p in group["params"] if id(p) in kept]
-    if cfg.tensor > 1:
+    if split:
+        from hetero.parallel.ring import apply_ring
+        from hetero.parallel.ulysses import apply_ulysses
+
+        apply = apply_ring if cfg.sequence == "ring" else apply_ulysses
+        # ZeRO's data-parallel group holds the sequence group: its mean completes the parts' sum (seq_split.py).
+        apply(model, mesh.sp, plan=plan, reduce_grads=False)
+    elif cfg.tensor > 1:
+        present = {n for n, _ in model.named_modules()}
+        plan = {n: st for n, st in plan.items() if n in present}
+        if mesh.grid is not None:
+            from hetero.parallel.grid import apply_grid_parallel
+
+            apply_grid_parallel(model, plan, mesh.grid)
+            return mesh, chunks
         from hetero.parallel.tensor import apply_tensor_parallel
         from hetero.parallel.vocab import AlignedLMLoss
 
-        present = {n for n, _ in model.named_modules()}
-        apply_tensor_parallel(model, {n: st for n, st in plan.items() if n in present}, mesh.tp, sequence=cfg.sequence)
+        apply_tensor_parallel(model, plan, mesh.tp, sequence=cfg.sequence == "megatron")
         for m in model.modules():
             # A pipelined GPT computes its loss in its last unit: give it the vocabulary-parallel loss too.
             head = getattr(m, "lm_head", None)
@@ -160,8 +181,9 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
 
 def grad_stats(engine: Engine) -> tuple[float, bool]:
     """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards, pipeline
-    stages and tensor ranks. A tensor-sharded parameter's pieces add up; a replicated one (no `_hetero_tp`) has the
-    same gradient on every tensor rank, so each rank counts 1 / degree of it."""
+    stages and tensor ranks. A tensor-sharded parameter's pieces add up (a block that `replicas` tensor ranks hold
+    alike counts 1 / replicas on each); a replicated one (no `_hetero_tp`) has the same gradient on every tensor
+    rank, so each rank counts 1 / degree of it."""
     mesh = engine.mesh
     tp = mesh.tp_size
     sq = torch.zeros((), dtype=torch.float64, device=engine.device.torch_device)
@@ -175,7 +197,8 @@ def grad_stats(engine: Engine) -> tuple[float, bool]:
             a, b = max(info.offset, lo), min(info.offset + info.numel, lo + g.numel())
             if a >= b:
                 continue
-            weight = 1.0 if getattr(info.param, "_hetero_tp", None) is not None else 1.0 / tp
+            cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
+            weight = 1.0 / (cut.replicas if cut is not None else tp)
             sq += weight * torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64).to(sq.device) ** 2
     if engine.stage >= 1:  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
         engine.comm.all_reduce(sq, op="sum")

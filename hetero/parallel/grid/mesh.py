@@ -30,36 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetero.comm import Comm
-from hetero.errors import ConfigError
+from hetero.config import TENSOR_MODES, grid_shape
 
-MODES = ("1d", "2d", "2.5d", "3d")
-
-
-def grid_shape(mode: str, tensor: int, depth: int | None) -> tuple[int, int]:
-    """(q, d) of a grid mode at this tensor degree; a ConfigError says what degree would fit."""
-    if mode not in MODES:
-        raise ConfigError(f"parallel.tensor_mode: {mode!r} is not a mode; choose one of {', '.join(map(repr, MODES))}")
-    if mode != "2.5d" and depth not in (None, 1):
-        raise ConfigError(f"parallel.tensor_depth = {depth} applies to tensor_mode '2.5d' only (mode is {mode!r})")
-    if mode == "1d":
-        return tensor, 1
-    power, d = (3, 1) if mode == "3d" else (2, 1)
-    if mode == "2.5d":
-        if depth is None or isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"parallel.tensor_depth: tensor_mode '2.5d' needs an integer depth >= 1, got {depth!r}")
-        d = depth
-        if tensor % d:
-            raise ConfigError(
-                f"parallel.tensor = {tensor} must be q^2 x tensor_depth ({d}) for tensor_mode '2.5d'; it does not "
-                f"divide by {d}"
-            )
-    q = round((tensor // d) ** (1 / power))
-    while q**power < tensor // d:
-        q += 1
-    if q**power * d != tensor or q < 2:
-        shape = {"2d": "q^2 (4, 9, 16, ...)", "3d": "q^3 (8, 27, 64, ...)", "2.5d": f"q^2 x {d} with q >= 2"}[mode]
-        raise ConfigError(f"parallel.tensor = {tensor} does not fit tensor_mode {mode!r}: it must be {shape}")
-    return q, d
+MODES = TENSOR_MODES
 
 
 @dataclass(frozen=True)
