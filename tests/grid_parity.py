@@ -84,6 +84,7 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     model = build(family)
     config = copy.deepcopy(config)
     config.setdefault("chunk_size", CHUNK)
+    save_to = config.pop("_checkpoint", None)  # a root to save a checkpoint to after training (tests consolidate it)
     engine = hetero.initialize(model, optimizer(model), config)
     dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
     local = ROWS // dp
@@ -91,6 +92,8 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
         float(engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
         for x, y in batches(family)
     ]
+    if save_to is not None:
+        engine.save_checkpoint(save_to)
     mesh = engine.mesh
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
     out = {
