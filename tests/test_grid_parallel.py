@@ -227,3 +227,32 @@ def test_2d_checkpoint_resumes_bit_exactly_and_consolidates(tmp_path):
     }
     results = run_distributed(test_checkpoint_parallel._resume, 4, config, root, timeout=240)
     test_checkpoint_parallel._check_resume(results, root)
+
+
+def test_estimator_counts_each_modes_rank():
+    """`hetero.estimate` builds the chunks of tensor rank 0's cut parameters (the same cut the engine applies, here
+    with shape-only groups) and shards them over the data-parallel group; activations come from a meta forward
+    through the layout's own layers."""
+    from hetero.profiler.estimator import estimate
+
+    def run(parallel: dict) -> object:
+        return estimate(
+            grid_parity.build("llama"),
+            {"zero_stage": 1, "chunk_size": 1024, "parallel": parallel},
+            world_size=8,
+            batch_size=8,
+            seq_len=16,
+            machine=False,
+        )
+
+    whole = run({})
+    for parallel, zero_world, share in [
+        ({"tensor": 4, "tensor_mode": "2d"}, 2, 4),
+        ({"tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}, 1, 4),  # replicated over depth
+        ({"tensor": 8, "tensor_mode": "3d"}, 1, 8),
+        ({"tensor": 4, "sequence": "ring"}, 8, 1),  # weights whole; ZeRO over the sequence ranks too
+    ]:
+        est = run(parallel)
+        assert est.parallel["zero_world"] == zero_world, parallel
+        assert est.n_params * share == whole.n_params, (parallel, est.n_params)
+        assert 0 < est.bytes("device", "activations") < whole.bytes("device", "activations"), parallel

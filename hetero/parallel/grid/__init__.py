@@ -2,7 +2,7 @@
 
 from hetero.parallel.grid.apply import apply_grid_parallel
 from hetero.parallel.grid.loss import grid_cross_entropy
-from hetero.parallel.grid.mesh import MODES, Grid, Slot, grid_shape
+from hetero.parallel.grid.mesh import MODES, Grid, grid_shape
 from hetero.parallel.grid.shard import BlockShard
 
-__all__ = ["MODES", "BlockShard", "Grid", "Slot", "apply_grid_parallel", "grid_cross_entropy", "grid_shape"]
+__all__ = ["MODES", "BlockShard", "Grid", "apply_grid_parallel", "grid_cross_entropy", "grid_shape"]

@@ -84,7 +84,7 @@ def own_rows(t: torch.Tensor, grid: Grid, what: str) -> torch.Tensor:
     parts = grid.batch_parts
     if t.shape[0] % parts:
         raise ValueError(
-            f"tensor_mode {grid.mode!r} cuts the batch into {parts} parts; {what} has {t.shape[0]} rows: use a "
+            f"tensor_mode {grid.mode!r} cuts the batch into {parts} parts, {what}: {t.shape[0]} rows; use a "
             f"multiple of {parts} rows per data-parallel rank and micro-batch"
         )
     return t.chunk(parts, 0)[grid.batch_index]

@@ -31,6 +31,7 @@ from typing import Any
 
 from hetero.comm import Comm
 from hetero.config import TENSOR_MODES, grid_shape
+from hetero.parallel.shape_comm import ShapeComm
 
 MODES = TENSOR_MODES
 
@@ -47,11 +48,20 @@ class Place:
     outer: int  # depth layer (2.5D; 0 otherwise)
 
 
+def place_of(mode: str, q: int, r: int) -> Place:
+    """Tensor rank r's indices ([Note: grid layouts])."""
+    if mode == "3d":
+        a, b, c = r // (q * q), (r // q) % q, r % q
+        return Place(main_h=b, main_b=a * q + c, alt_h=c, alt_b=a * q + b, w=a, outer=0)
+    k, i, j = r // (q * q), (r // q) % q, r % q
+    return Place(main_h=j, main_b=i, alt_h=j, alt_b=i, w=i, outer=k)
+
+
 @dataclass(frozen=True, eq=False)
 class Orient:
     """One layout of activations: which group splits the hidden dimension, which the batch."""
 
-    hidden: Any  # a Comm (or a shape-only stand-in with .rank and .size)
+    hidden: Any  # a Comm, or a ShapeComm (shape_comm.py)
     batch: Any
 
 
@@ -80,12 +90,7 @@ class Grid:
         return self.outer.rank * self.main.batch.size + self.main.batch.rank
 
     def place(self, r: int) -> Place:
-        q = self.q
-        if self.mode == "3d":
-            a, b, c = r // (q * q), (r // q) % q, r % q
-            return Place(main_h=b, main_b=a * q + c, alt_h=c, alt_b=a * q + b, w=a, outer=0)
-        k, i, j = r // (q * q), (r // q) % q, r % q
-        return Place(main_h=j, main_b=i, alt_h=j, alt_b=i, w=i, outer=k)
+        return place_of(self.mode, self.q, r)
 
     def places(self) -> list[Place]:
         return [self.place(r) for r in range(self.tp.size)]
@@ -115,43 +120,34 @@ class Grid:
     @classmethod
     def shape_only(cls, mode: str, tensor: int, depth: int | None = None, rank: int = 0) -> Grid:
         """A grid with the sizes and this rank's indices but no process groups: for checks before anything changes,
-        and for the estimator's shapes. Its groups are `Slot`s."""
+        and for the estimator's shapes. Its groups are `ShapeComm`s."""
         q, d = grid_shape(mode, tensor, depth)
-        probe = cls(mode=mode, q=q, depth=d, tp=Slot(rank, tensor), main=None, alt=None, wgroup=None, outer=None)  # type: ignore[arg-type]
-        p = probe.place(rank)
+        p = place_of(mode, q, rank)
         if mode == "3d":
-            main = Orient(hidden=Slot(p.main_h, q), batch=Slot(p.main_b, q * q))
-            alt = Orient(hidden=Slot(p.alt_h, q), batch=Slot(p.alt_b, q * q))
+            main = Orient(hidden=ShapeComm(p.main_h, q), batch=ShapeComm(p.main_b, q * q))
+            alt = Orient(hidden=ShapeComm(p.alt_h, q), batch=ShapeComm(p.alt_b, q * q))
             return cls(
                 mode=mode,
                 q=q,
                 depth=1,
-                tp=Slot(rank, tensor),
+                tp=ShapeComm(rank, tensor),
                 main=main,
                 alt=alt,
-                wgroup=Slot(p.w, q),
-                outer=Slot(0, 1),
+                wgroup=ShapeComm(p.w, q),
+                outer=ShapeComm(0, 1),
             )
-        main = Orient(hidden=Slot(p.main_h, q), batch=Slot(p.main_b, q))
+        main = Orient(hidden=ShapeComm(p.main_h, q), batch=ShapeComm(p.main_b, q))
         return cls(
             mode=mode,
             q=q,
             depth=d,
-            tp=Slot(rank, tensor),
+            tp=ShapeComm(rank, tensor),
             main=main,
             alt=main,
-            wgroup=Slot(p.w, q),
-            outer=Slot(p.outer, d),
+            wgroup=ShapeComm(p.w, q),
+            outer=ShapeComm(p.outer, d),
         )
 
     def __repr__(self) -> str:
         p = self.place(self.rank)
         return f"Grid({self.mode}, q={self.q}, depth={self.depth}, rank={self.rank}, {p})"
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A group's size and this rank's place in it, without a process group (shape-only grids)."""
-
-    rank: int
-    size: int
