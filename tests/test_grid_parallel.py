@@ -256,3 +256,31 @@ def test_estimator_counts_each_modes_rank():
         assert est.parallel["zero_world"] == zero_world, parallel
         assert est.n_params * share == whole.n_params, (parallel, est.n_params)
         assert 0 < est.bytes("device", "activations") < whole.bytes("device", "activations"), parallel
+
+
+@pytest.mark.timeout(240)
+def test_tp_comm_measures_the_formulas():
+    """benchmarks/tp_comm.py on tiny settings, 4 gloo ranks: for 2D, ring and Ulysses every layer's recorded bytes
+    (both directions) equal the papers' formulas, and 2D holds a quarter of a layer's parameters."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--json", "--model", "gpt", "--modes", "2d,ring,ulysses", "--seq", "16", "--hidden", "32", "--heads", "4"]
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks/tp_comm.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {r["mode"] for r in report["results"]} == {"2d", "ring", "ulysses"}
+    for r in report["results"]:
+        for phase in ("forward", "backward"):
+            assert r[f"{phase}_ratio"] == pytest.approx(1.0, rel=1e-12), (r["mode"], phase, r[f"{phase}_bytes"])
+    layer = 12 * 32 * 32 + 9 * 32 + 2 * 2 * 32  # a GPT block's elements: weights, biases (4h + 4h + h), two norms
+    assert next(r for r in report["results"] if r["mode"] == "2d")["param_bytes"] == layer // 4 * 4  # fp32, 1/q^2

@@ -169,18 +169,14 @@ def _swap(module: nn.Module, mixin: type, role: GridRole) -> None:
 
 
 def _install_loss(model: nn.Module, grid: Grid) -> None:
-    from hetero.models.gpt import GPT  # a leaf module: imported here to keep this package free of model code
-
+    """Every module whose `lm_head` is the grid's vocabulary head computes its loss on grid logits: transformers'
+    models (a settable `loss_function` property, per instance), hetero's GPT and its pipelined head (a method)."""
     for m in model.modules():
         head = getattr(m, "lm_head", None)
         if not isinstance(getattr(head, "_hetero_grid", None), GridRole) or not hasattr(m, "loss_function"):
             continue
-        if isinstance(getattr(type(m), "loss_function", None), property):
-            m.loss_function = GridCausalLMLoss(grid)  # transformers' PreTrainedModel: settable per instance
-        else:
-            m.loss_function = GridAlignedLMLoss(grid)  # hetero's GPT and its pipelined head
-            if not isinstance(m, GPT) and m is model:
-                log.info("%s: its loss_function now takes aligned labels on grid logits", type(m).__name__)
+        causal = isinstance(getattr(type(m), "loss_function", None), property)
+        m.loss_function = GridCausalLMLoss(grid) if causal else GridAlignedLMLoss(grid)
 
 
 def apply_grid_parallel(
