@@ -83,6 +83,14 @@ def degrees(engine: Engine) -> tuple[int, int]:
     return (mesh.tp_size, mesh.pp_size) if mesh is not None else (1, 1)
 
 
+def tensor_mode(engine: Engine) -> str:
+    """How the layout cuts its layers: "1d", or a grid's "2d" / "2.5d:<depth>" / "3d" (shards differ between them)."""
+    grid = getattr(getattr(engine, "mesh", None), "grid", None)
+    if grid is None:
+        return "1d"
+    return f"2.5d:{grid.depth}" if grid.mode == "2.5d" else grid.mode
+
+
 def saves_replicated(engine: Engine) -> bool:
     """Whether this rank saves what every tensor rank holds alike (replicated parameters, buffers)."""
     return coordinates(engine)["tp"] == 0

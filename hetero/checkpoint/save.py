@@ -433,6 +433,7 @@ def _layout(engine: Engine) -> dict[str, Any]:
         "state_names": list(engine.algorithm.state_names),
         "tensor_parallel": mesh.tp_size if mesh is not None else 1,
         "pipeline_parallel": mesh.pp_size if mesh is not None else 1,
+        "tensor_mode": par.tensor_mode(engine),
         "chunks": [zc.spec.capacity for zc in engine.chunks],
         "ranks": par.world(engine).size,  # every rank of the job: one file each
     }

@@ -51,6 +51,10 @@ class _HFAttention:
         return all_to_all(out, self.comm, 1, 2)  # per-rank attention weights would be a fraction: none returned
 
 
+def _check_heads(module: nn.Module, name: str, size: int) -> None:
+    _heads(module, name, size)  # raises unless heads and key/value heads divide by the group size
+
+
 def apply_ulysses(
     model: nn.Module, comm: Comm, *, plan: Mapping[str, str] | str = "auto", reduce_grads: bool = True
 ) -> None:
@@ -69,6 +73,6 @@ def apply_ulysses(
         layout=SeqLayout("contiguous", comm.size),
         gpt_attend=lambda module: _Attend(comm, module.attend),
         hf_attention=lambda module, name: _HFAttention(comm, hf_inner(module, name)),
-        check_attention=lambda module, name: _heads(module, name, comm.size) and None,
+        check_attention=lambda module, name: _check_heads(module, name, comm.size),
         reduce_grads=reduce_grads,
     )

@@ -79,23 +79,26 @@ class _Head:
         return y if self.bias is None else y + hidden_vector(self.bias, role.orient, 0)
 
 
-def own_rows(t: torch.Tensor, grid: Grid, what: str) -> torch.Tensor:
-    """This rank's part of a whole batch ([b, ...] -> [b/B, ...]): depth layer first, then main.batch."""
+def check_rows(t: torch.Tensor, grid: Grid, what: str) -> None:
     parts = grid.batch_parts
     if t.shape[0] % parts:
         raise ValueError(
             f"tensor_mode {grid.mode!r} cuts the batch into {parts} parts, {what}: {t.shape[0]} rows; use a "
             f"multiple of {parts} rows per data-parallel rank and micro-batch"
         )
-    return t.chunk(parts, 0)[grid.batch_index]
+
+
+def own_rows(t: torch.Tensor, grid: Grid, what: str) -> torch.Tensor:
+    """This rank's part of a whole batch ([b, ...] -> [b/B, ...]): depth layer first, then main.batch."""
+    check_rows(t, grid, what)
+    return t.chunk(grid.batch_parts, 0)[grid.batch_index]
 
 
 class _VocabEmbedding:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         grid = self._hetero_grid.grid
         batch = grid.main.batch
-        if ids.shape[0] % grid.batch_parts:
-            own_rows(ids, grid, "the input ids")  # raises
+        check_rows(ids, grid, "the input ids")
         ids = ids.chunk(grid.outer.size, 0)[grid.outer.rank]  # 2.5D: this depth layer's slab
         n_local = self.weight.shape[0]
         local = ids - batch.rank * n_local
