@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "seconds": seconds,
         "world_size": mesh.world.size,
-        "mesh": {"tensor": mesh.tp_size, "data": mesh.dp_size, "pipeline": mesh.pp_size, "repr": repr(mesh)},
+        "mesh": {"tensor": mesh.tp_size, "data": mesh.dp_size, "pipeline": mesh.pp_size},
+        "layout": repr(mesh),
         "grad_norm": engine.last_grad_norm,
     }
     engine.close()

@@ -135,7 +135,7 @@ GPT_PIPE_2D = {"tensor": 4, "tensor_mode": "2d", "tensor_plan": TP_PLAN, "pipeli
 D2 = {"tensor": 4, "tensor_mode": "2d"}
 D25 = {"tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}
 D3 = {"tensor": 8, "tensor_mode": "3d"}
-RING4, ULYSSES2 = {"tensor": 4, "sequence": "ring"}, {"tensor": 2, "sequence": "ulysses"}
+RING4, RING2, ULYSSES2 = ({"tensor": t, "sequence": m} for t, m in ((4, "ring"), (2, "ring"), (2, "ulysses")))
 
 
 def _case(family: str, stage: int, parallel: dict, *, clip: bool = False, **extra: object) -> tuple[str, dict]:
@@ -166,10 +166,12 @@ def test_2d_and_ring_on_4_ranks(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_ulysses_2_ranks_zero2():
+def test_ulysses_and_ring_on_2_ranks_zero0_to_2():
     cases = {
         "ulysses2-llama-zero2-clip": _case("llama", 2, ULYSSES2, clip=True),
         "ulysses2-gpt2-zero2": _case("gpt2", 2, ULYSSES2),
+        "ring2-llama-zero0": _case("llama", 0, RING2),
+        "ring2-gpt2-zero1-clip": _case("gpt2", 1, RING2, clip=True),
     }
     results = run_distributed(grid_parity.matrix, 2, list(cases.values()), timeout=240)
     grid_parity.check_all(cases, results)

@@ -7,6 +7,11 @@ Ranks are laid out tensor-fastest, then data, then pipeline:
 so a tensor group (the chattiest: collectives inside every layer) is a run of neighbouring ranks, on one node when
 T divides the GPUs per node, and pipeline neighbours (point-to-point once per micro-batch) are furthest apart. The
 mesh is passed explicitly to whoever needs a group; nothing is global, so two meshes can coexist in one process.
+
+Two refinements: a grid tensor mode (2D, 2.5D, 3D) carves its row, column, depth or cube groups out of the tensor
+group (`grid`, hetero/parallel/grid/mesh.py); Ulysses or ring sequence parallelism splits the data-parallel group
+into consecutive sequence groups (`sp`), whose ranks read the same samples (`batch_rank`) while ZeRO shards over
+all of dp.
 """
 
 from __future__ import annotations

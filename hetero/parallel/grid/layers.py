@@ -125,10 +125,11 @@ class _LayerNorm:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         role = self._hetero_grid
         comm = role.orient.hidden
-        mean = sum_shared(x.sum(-1, keepdim=True), comm) / role.size
-        centred = x - mean
+        xf = x.to(torch.float32)  # statistics in fp32, as torch's layer_norm computes them for bf16/fp16 inputs
+        mean = sum_shared(xf.sum(-1, keepdim=True), comm) / role.size
+        centred = xf - mean
         var = sum_shared(centred.square().sum(-1, keepdim=True), comm) / role.size
-        y = centred * torch.rsqrt(var + self.eps)
+        y = (centred * torch.rsqrt(var + self.eps)).to(x.dtype)
         if self.weight is not None:
             y = y * hidden_vector(self.weight, role.orient)
         if getattr(self, "bias", None) is not None:
