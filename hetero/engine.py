@@ -389,11 +389,11 @@ class Engine:
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.comm.rank
+        return self.mesh.batch_rank  # which part of the global batch this rank takes (a sequence group shares one)
 
     @property
     def data_parallel_size(self) -> int:
-        return self.comm.size
+        return self.mesh.batch_size
 
     def close(self) -> None:
         """Remove the hooks, free every chunk and delete swap files. The model's parameters are left empty."""

@@ -203,7 +203,7 @@ def test_plan_errors():
     # the resolved plan: later patterns override earlier ones
     plan = resolve_plan(model, "auto")
     assert plan["layers.1.attn.o_proj"] == "rowwise" and plan["layers.1.attn.k_proj"] == "colwise"
-    assert plan["ln_f"] == "norm+sequence_gather" and "pos_embed" not in plan
+    assert plan["ln_f"] == "norm+sequence_gather" and plan["pos_embed"] == "embedding"
 
 
 def test_llama_kv_heads_not_divisible():

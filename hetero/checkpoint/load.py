@@ -147,6 +147,13 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
             "them, consolidate it (python -m hetero.checkpoint consolidate) and load the full state_dict into the "
             "model before wrapping it"
         )
+    saved_mode, mode = layout.get("tensor_mode", "1d"), par.tensor_mode(engine)
+    if saved_mode != mode:
+        raise CheckpointError(
+            f"{directory} was saved with tensor_mode {saved_mode}, this engine runs {mode}: their shards are cut "
+            "differently. Consolidate it (python -m hetero.checkpoint consolidate) and load the full state_dict into "
+            "the model before wrapping it"
+        )
     me = par.coordinates(engine)
     # Under pipeline (tensor) parallelism this rank holds one stage (one shard): only that part must match.
     unexpected = [

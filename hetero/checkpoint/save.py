@@ -144,13 +144,13 @@ def _plan(engine: Engine) -> list[_Item]:
             # back in the same order: sequential on both sides.
             for j, kind in enumerate(kinds):
                 for info, a, b in zc.spec.overlaps(lo, hi):
-                    if replicas or par.tp_cut(info.param) is not None:
+                    if par.saves(info, replicas):
                         k = mf.key(kind, par.stored_name(info), a - info.offset)
                         items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info, a, b in zc.spec.overlaps(lo, hi):
-                if replicas or par.tp_cut(info.param) is not None:
+                if par.saves(info, replicas):
                     k = mf.key("frozen", par.stored_name(info), a - info.offset)
                     items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
@@ -420,6 +420,7 @@ def _layout(engine: Engine) -> dict[str, Any]:
         "state_names": list(engine.algorithm.state_names),
         "tensor_parallel": mesh.tp_size if mesh is not None else 1,
         "pipeline_parallel": mesh.pp_size if mesh is not None else 1,
+        "tensor_mode": par.tensor_mode(engine),
         "chunks": [zc.spec.capacity for zc in engine.chunks],
         "ranks": par.world(engine).size,  # every rank of the job: one file each
     }
@@ -442,9 +443,11 @@ def _model_table(engine: Engine) -> dict[str, Any]:
                 "group": zc.spec.group,
                 "dtype": str(zc.dtype).removeprefix("torch."),
                 "stage": stage,
-                "tp_rank": cut.rank if cut is not None else None,
+                "tp_rank": cut.stored_rank if cut is not None else None,
             }
-            if cut is not None:
+            if cut is not None and hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
+                cuts[info.name] = cut.to_dict()
+            elif cut is not None:
                 cuts[info.name] = {
                     "dim": cut.dim,
                     "parts": cut.parts,

@@ -38,7 +38,15 @@ def setup_parallel(
 ) -> tuple[Mesh, list[StageChunk] | None]:
     """The mesh over `world`, and this rank's pipeline chunks (None without a pipeline); the model is cut and
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
-    mesh = Mesh.build(world, tensor=cfg.tensor, pipeline=cfg.pipeline)
+    split = cfg.split_sequence  # Ulysses / ring: the `tensor` ranks split the sequence, inside ZeRO's group
+    mesh = Mesh.build(
+        world,
+        tensor=1 if split else cfg.tensor,
+        pipeline=cfg.pipeline,
+        sequence=cfg.tensor if split else 1,
+        tensor_mode=cfg.tensor_mode,
+        tensor_depth=cfg.tensor_depth,
+    )
     chunks = None
     plan: Any = cfg.tensor_plan
     if cfg.tensor > 1:
@@ -53,12 +61,25 @@ def setup_parallel(
         kept = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
             group["params"] = [p for p in group["params"] if id(p) in kept]
-    if cfg.tensor > 1:
+    if split:
+        from hetero.parallel.ring import apply_ring
+        from hetero.parallel.ulysses import apply_ulysses
+
+        apply = apply_ring if cfg.sequence == "ring" else apply_ulysses
+        # ZeRO's data-parallel group holds the sequence group: its mean completes the parts' sum (seq_split.py).
+        apply(model, mesh.sp, plan=plan, reduce_grads=False)
+    elif cfg.tensor > 1:
+        present = {n for n, _ in model.named_modules()}
+        plan = {n: st for n, st in plan.items() if n in present}
+        if mesh.grid is not None:
+            from hetero.parallel.grid import apply_grid_parallel
+
+            apply_grid_parallel(model, plan, mesh.grid)
+            return mesh, chunks
         from hetero.parallel.tensor import apply_tensor_parallel
         from hetero.parallel.vocab import AlignedLMLoss
 
-        present = {n for n, _ in model.named_modules()}
-        apply_tensor_parallel(model, {n: st for n, st in plan.items() if n in present}, mesh.tp, sequence=cfg.sequence)
+        apply_tensor_parallel(model, plan, mesh.tp, sequence=cfg.sequence == "megatron")
         for m in model.modules():
             # A pipelined GPT computes its loss in its last unit: give it the vocabulary-parallel loss too.
             head = getattr(m, "lm_head", None)

@@ -18,6 +18,8 @@ Styles:
 - ``heads``: an attention module; its head counts are divided by the degree (checked), and it is a
   ``parallel_input`` (under sequence parallelism attention must see the whole sequence).
 - ``norm``: a LayerNorm/RMSNorm inside the sequence-parallel region (its gradients are all-reduced under SP).
+- ``embedding``: a position embedding (not cut by vocabulary). 1D leaves it whole; the grid modes (2D, 2.5D, 3D),
+  which cut every activation along the hidden dimension, cut its columns (``grid/apply.py``).
 - ``sequence_scatter`` / ``sequence_gather``: where the sequence-parallel region begins (the module's input is cut)
   and ends (its output is gathered). Both do nothing without sequence parallelism.
 """
@@ -41,6 +43,7 @@ STYLES = (
     "heads",
     "parallel_input",
     "norm",
+    "embedding",
     "sequence_scatter",
     "sequence_gather",
 )
@@ -51,6 +54,7 @@ def _gpt(prefix: str = "") -> dict[str, str]:
     p = prefix
     return {
         f"{p}embed": "vocab",
+        f"{p}pos_embed": "embedding",
         f"{p}drop": "sequence_scatter",
         f"{p}layers.*.ln_?": "norm",
         f"{p}layers.*.attn": "heads",
@@ -69,6 +73,7 @@ def _gpt2(prefix: str, head: bool) -> dict[str, str]:
     p = prefix
     plan = {
         f"{p}wte": "vocab",
+        f"{p}wpe": "embedding",
         f"{p}drop": "sequence_scatter",
         f"{p}h.*.ln_?": "norm",
         f"{p}h.*.attn": "heads",

@@ -48,9 +48,22 @@ class TPShard:
     rank: int
     full_shape: tuple[int, ...]
 
+    @property
+    def replicas(self) -> int:
+        """Tensor ranks holding this same shard: 1 (a 2.5D block may have more, see grid/shard.py)."""
+        return 1
+
+    @property
+    def stored_rank(self) -> int:
+        """The tensor rank whose copy a checkpoint stores: this one."""
+        return self.rank
+
 
 def unshard(shards: Sequence[torch.Tensor], info: TPShard) -> torch.Tensor:
-    """The full tensor from every tensor rank's shard, in rank order (for checkpoints and tests)."""
+    """The full tensor from every tensor rank's shard, in rank order (for checkpoints and tests); a grid layout's
+    `BlockShard` joins its blocks."""
+    if not isinstance(info, TPShard):
+        return info.join(shards)
     if len(shards) != info.degree:
         raise ValueError(f"unshard needs {info.degree} shards (one per tensor rank), got {len(shards)}")
     blocks = [s.chunk(info.parts, info.dim) for s in shards]

@@ -28,6 +28,7 @@ from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
 from hetero.profiler.layouts import default_seq_len, gpt_for_params, hf_model_from_config
 from hetero.profiler.machine import Machine
+from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -96,6 +97,7 @@ class Estimate:
     activations: ActivationEstimate | None = None
     machine: Machine | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    parallel: dict[str, Any] = field(default_factory=dict)  # the tensor / sequence layout (empty without one)
 
     # ---- figures ------------------------------------------------------------------------------------------
     def bytes(self, tier: str, kind: str | None = None) -> int:
@@ -141,6 +143,7 @@ class Estimate:
                 "offload": {"params": self.offload_params, "optimizer": self.offload_optimizer},
             },
             "optimizer": self.optimizer,
+            "parallel": dict(self.parallel),
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "per_rank": {t: {k: self.bytes(t, k) for k in KINDS} | {"total": self.bytes(t)} for t in TIERS},
@@ -162,6 +165,12 @@ class Estimate:
             f" ({self.ranks_per_node} per node), ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}, offload"
             f" params={self.offload_params} optimizer={self.offload_optimizer}"
         )
+        if self.parallel:
+            p = self.parallel
+            head += (
+                f"; per tensor rank of tensor {p['tensor']} ({p['tensor_mode']}, sequence {p['sequence']}), ZeRO over"
+                f" {p['zero_world']} ranks"
+            )
         act = self.activations
         sub = f"micro-batch {self.batch_size} x {self.seq_len} tokens per rank"
         if act is not None:
@@ -234,9 +243,11 @@ def estimate(
         )
     model = _as_model(model_or_param_count)
     opt = _as_optimizer(optimizer, model)
+    # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
+    model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
     algo = algorithm_of(opt)
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
-    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=world_size)
+    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world)
     dtype = COMPUTE_DTYPES[cfg.precision]
     seq = seq_len if seq_len is not None else default_seq_len(model)
     act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
@@ -258,7 +269,7 @@ def estimate(
             specs,
             gathered=gathered,
             stage=stage,
-            world=world_size,
+            world=zero_world,
             dtype=dtype,
             n_states=len(algo.state_names),
             params=params,
@@ -285,6 +296,15 @@ def estimate(
         activations=act,
         machine=machine,
     )
+    if cfg.parallel.tensor > 1:
+        p = cfg.parallel
+        est.parallel = {
+            "tensor": p.tensor,
+            "tensor_mode": p.tensor_mode,
+            "tensor_depth": p.tensor_depth,
+            "sequence": p.sequence,
+            "zero_world": zero_world,
+        }
     est.resident, est.transient = placed(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer)
     if machine is not None:
         for stage, params, optim in CANDIDATES:

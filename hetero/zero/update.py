@@ -149,8 +149,9 @@ class Updater:
     # ---- the gradient's norm --------------------------------------------------------------------------------
     def grad_stats(self) -> tuple[float, bool]:
         """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards,
-        pipeline stages and tensor ranks. A tensor-sharded parameter's pieces add up; a replicated one (no
-        `_hetero_tp`) has the same gradient on every tensor rank, so each rank counts 1 / degree of it."""
+        pipeline stages and tensor ranks. A tensor-sharded parameter's pieces add up (a block that `replicas` tensor
+        ranks hold alike counts 1 / replicas on each); a replicated one (no `_hetero_tp`) has the same gradient on
+        every tensor rank, so each rank counts 1 / degree of it."""
         mesh = self.mesh
         tp = mesh.tp_size
         sq = torch.zeros((), dtype=torch.float64)
@@ -161,7 +162,8 @@ class Updater:
                 continue
             lo, _ = zc.kept_range()
             for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
-                weight = 1.0 if getattr(info.param, "_hetero_tp", None) is not None else 1.0 / tp
+                cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
+                weight = 1.0 / (cut.replicas if cut is not None else tp)
                 norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)
                 sq += weight * zc.device.to_host(norm) ** 2
         if zc_sharded(self.chunks):  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
