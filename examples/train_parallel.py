@@ -23,10 +23,10 @@ import time
 from typing import Any
 
 import torch
+from corpus import VOCAB_SIZE, batches, load_corpus
 from tqdm import tqdm
 
 import hetero
-from hetero.data import VOCAB_SIZE, batches, load_corpus
 from hetero.models.gpt import GPTConfig
 from hetero.models.gpt_pipe import TP_PLAN, GPTPipe
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.activation import ActivationMemory
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
@@ -24,8 +25,6 @@ from hetero.events import Events
 from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
-from hetero.zero.activation import ActivationMemory
-from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
@@ -35,6 +34,7 @@ from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
+from hetero.zero.zero_chunk import Homes, ZeroChunk
 
 log = logging.getLogger("hetero.engine")
 
@@ -149,7 +149,7 @@ class Engine:
         self.hooks = Hooks(
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
         )
-        self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/zero/activation.py)
+        self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
                 model,

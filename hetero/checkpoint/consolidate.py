@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import manifest as mf
-from hetero.checkpoint import parallel as par
+from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.format import TensorWriter
 from hetero.errors import CheckpointError
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.checkpoint import manifest as mf
-from hetero.checkpoint import parallel as par
+from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.save import _buffers
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier

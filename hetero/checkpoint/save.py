@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.checkpoint import manifest as mf
-from hetero.checkpoint import parallel as par
+from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.errors import CheckpointError
 from hetero.memory import Tier

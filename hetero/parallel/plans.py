@@ -113,14 +113,34 @@ def _llama(prefix: str, head: bool) -> dict[str, str]:
     return plan
 
 
-# Model class name -> its plan. Later patterns override earlier ones for the modules both match.
-BUILTIN_PLANS: dict[str, dict[str, str]] = {
-    "GPT": _gpt(),
-    "GPT2LMHeadModel": _gpt2("transformer.", head=True),
-    "GPT2Model": _gpt2("", head=False),
-    "LlamaForCausalLM": _llama("model.", head=True),
-    "LlamaModel": _llama("", head=False),
-}
+# Known model families, recognised by what the model is (module names it must have), not by its class: a fine-tuned
+# subclass, or a relative with the same layout (Mistral, Qwen2 are Llama's), gets the same plan. Tried in order.
+# Later patterns of a plan override earlier ones for the modules both match.
+BUILTIN_PLANS: list[tuple[str, tuple[str, ...], dict[str, str]]] = [
+    ("hetero GPT", ("embed", "layers.*.attn.q_proj", "layers.*.mlp.fc", "lm_head"), _gpt()),
+    ("GPT-2 with LM head", ("transformer.h.*.attn.c_attn", "lm_head"), _gpt2("transformer.", head=True)),
+    ("GPT-2", ("h.*.attn.c_attn", "wte"), _gpt2("", head=False)),
+    (
+        "Llama-like with LM head",
+        ("model.layers.*.self_attn.q_proj", "model.embed_tokens", "lm_head"),
+        _llama("model.", head=True),
+    ),
+    ("Llama-like", ("layers.*.self_attn.q_proj", "embed_tokens"), _llama("", head=False)),
+]
+
+
+def auto_plan(model: nn.Module) -> dict[str, str]:
+    """The built-in plan of the first known family whose module names the model has; a ConfigError otherwise."""
+    names = [n for n, _ in model.named_modules() if n]
+    for _, signature, plan in BUILTIN_PLANS:
+        if all(any(_compile(p).match(n) for n in names) for p in signature):
+            return plan
+    families = "; ".join(f"{family} ({', '.join(sig)})" for family, sig, _ in BUILTIN_PLANS)
+    raise ConfigError(
+        f"tensor_plan = 'auto' recognises no known layout in {type(model).__name__}; the families it knows, by the "
+        f"module names they have: {families}. Give a mapping of module patterns to styles instead (see "
+        "hetero.parallel.plans)"
+    )
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -152,13 +172,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str, *, strict: boo
     if isinstance(plan, str):
         if plan != "auto":
             raise ConfigError(f"tensor_plan = {plan!r}: expected 'auto' or a mapping of module patterns to styles")
-        name = type(model).__name__
-        if name not in BUILTIN_PLANS:
-            raise ConfigError(
-                f"tensor_plan = 'auto' has no built-in plan for {name}; known: {', '.join(BUILTIN_PLANS)}. "
-                "Give a mapping of module patterns to styles instead (see hetero.parallel.plans)"
-            )
-        plan = BUILTIN_PLANS[name]
+        plan = auto_plan(model)
     if not isinstance(plan, Mapping):
         raise ConfigError(f"tensor_plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
     names = [n for n, _ in model.named_modules() if n]

@@ -3,7 +3,7 @@
 [Note: the engine's own arithmetic]
 The estimate is not a rule of thumb: it builds the chunk layout the engine would build (`build_layout` on the
 model's parameter shapes, with the same optimizer param groups, chunk size and world size) and then, per chunk, the
-buffers each ZeRO stage keeps (`hetero/zero/chunks.py`, [Note: what each stage keeps]) on the tier the offload
+buffers each ZeRO stage keeps (`hetero/zero/zero_chunk.py`, [Note: what each stage keeps]) on the tier the offload
 config puts them. These *resident* model states are what the engine's tier ledgers hold between steps, byte for
 byte. On top come *transient* buffers that exist only during a step: stage-3 chunks gathered for use (the one in use
 plus `prefetch_depth` arriving and one being released), per-micro-batch gradient buffers and the reduce-scatters in
@@ -26,8 +26,8 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
-from hetero.profiler.layouts import default_seq_len, gpt_for_params, hf_model_from_config
 from hetero.profiler.machine import Machine
+from hetero.profiler.meta_models import default_seq_len, gpt_for_params, hf_model_from_config
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of

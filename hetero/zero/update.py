@@ -22,10 +22,10 @@ import torch
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
-from hetero.zero.chunks import ZeroChunk
 from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
+from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
 
