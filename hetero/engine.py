@@ -32,9 +32,10 @@ from hetero.zero.optim import algorithm_of
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
+from hetero.zero.stages import Placement
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
-from hetero.zero.zero_chunk import Homes, ZeroChunk
+from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.engine")
 
@@ -100,7 +101,7 @@ class Engine:
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
         self.stage = config.zero_stage
-        homes = _homes(config)
+        placement = Placement.of(config.offload.params, config.offload.optimizer)
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
         specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size)
@@ -113,7 +114,7 @@ class Engine:
                 comm=self.comm,
                 stage=self.stage,
                 dtype=self.dtype,
-                homes=homes,
+                placement=placement,
                 state_names=self.algorithm.state_names,
             )
             self.chunks.append(zc)
@@ -432,12 +433,3 @@ class Engine:
                     continue
                 cast = buf.is_floating_point() and self.dtype != torch.float32
                 module._buffers[name] = self.device.to_device(buf, self.dtype if cast else None)
-
-
-def _homes(config: Config) -> Homes:
-    # "auto": home on the device, evicted down as the step's activations need the room (hetero/memory/auto.py).
-    # Config checks that offloaded parameters come with stage 3.
-    params = _TIERS.get(config.offload.params, Tier.DEVICE)
-    optim = _TIERS.get(config.offload.optimizer, Tier.DEVICE)
-    compute = Tier.DEVICE if optim is Tier.DEVICE else Tier.HOST
-    return Homes(params=params, optim=optim, compute=compute)

@@ -90,8 +90,8 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                     _fill_frozen(engine, zc, index)
                     zc.load_state_dict({"param_steps": [steps.get(par.stored_name(i), 0) for i in zc.spec.params]})
                     continue
-                ledger = engine.manager.ledgers[zc.homes.compute]
-                while reading and zc.optim.tier is not zc.homes.compute and ledger.free < 2 * zc.optim.nbytes:
+                ledger = engine.manager.ledgers[zc.placement.compute]
+                while reading and zc.optim.tier is not zc.placement.compute and ledger.free < 2 * zc.optim.nbytes:
                     finish()  # no room to bring this chunk in beside those being read: let them go first
                 reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
                 while len(reading) > _AHEAD:
@@ -204,7 +204,7 @@ def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[st
         zc.reshard()  # a gathered copy would be stale once the shard is replaced
     lo, hi = zc.kept_range()
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
-    m.access(zc.optim, zc.homes.compute)
+    m.access(zc.optim, zc.placement.compute)
     m.pin(zc.optim)
     requests = []
     for j, kind in enumerate(kinds):
@@ -235,7 +235,7 @@ def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
             zc.zero_grad()
     finally:
         m.unpin(zc.optim)
-    if zc.homes.optim is Tier.NVME:
+    if zc.placement.optim is Tier.NVME:
         m.move(zc.optim, Tier.NVME)
 
 
@@ -245,7 +245,7 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
     if engine.stage == 3:
         zc.reshard()
         lo, hi = zc.kept_range()
-        tier = Tier.DEVICE if zc.homes.params is Tier.DEVICE else Tier.HOST
+        tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
         buf = m.access(zc.shard, tier)
         chunk, base = zc.shard, lo
     else:
@@ -261,7 +261,7 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
         slot = zc.shard.slots[0]
         if slot.state is TensorState.FREE:
             zc.shard.set_state(slot, TensorState.HOLD)
-        if zc.homes.params is Tier.NVME:
+        if zc.placement.params is Tier.NVME:
             m.move(zc.shard, Tier.NVME)
 
 

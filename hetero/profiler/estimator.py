@@ -33,6 +33,7 @@ from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 from hetero.zero.protocol import KEEP_UNITS, gathered_peak
+from hetero.zero.stages import STAGES, Placement
 from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
@@ -237,10 +238,6 @@ def estimate(
     for key, value in (("offload.params", cfg.offload.params), ("offload.optimizer", cfg.offload.optimizer)):
         if value == "auto":
             raise ConfigError(f'{key}: "auto" has no fixed placement to estimate; the candidates list shows each one')
-    if cfg.offload.params != "device" and cfg.zero_stage != 3:
-        raise ConfigError(
-            f"offload.params: {cfg.offload.params!r} needs zero_stage 3 (as in the engine); got {cfg.zero_stage}"
-        )
     model = _as_model(model_or_param_count)
     opt = _as_optimizer(optimizer, model)
     # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
@@ -340,9 +337,11 @@ def _place(
     optim: str,
     prefetch_depth: int,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Per tier and kind: the resident bytes of every chunk's buffers, and the transient peak of a step."""
+    """Per tier and kind: the resident bytes of every chunk's buffers (the engine's table: [Note: what each stage
+    keeps]), and the transient peak of a step."""
     resident, transient = _zeros(), _zeros()
-    compute = "device" if optim == "device" else "host"  # where gradients accumulate and the optimizer steps
+    layout = STAGES[stage]
+    compute = Placement.of(params, optim).compute.label  # where gradients accumulate and the optimizer steps
     full_chunks: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
     shards: list[int] = []  # stage 3: bytes of each parameter shard
     grad_full: list[int] = []  # stages 2-3: each chunk's per-micro-batch fp32 gradient buffer
@@ -351,7 +350,7 @@ def _place(
     for spec in specs:
         cap = spec.capacity
         shard = cap // world
-        if stage < 3:
+        if not layout.params_sharded:
             resident["device"]["parameters"] += cap * dtype.itemsize
         else:
             resident[params]["parameters"] += shard * dtype.itemsize
@@ -359,17 +358,17 @@ def _place(
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
             continue
-        if stage >= 2 and optim == "nvme":
+        if layout.grads_sharded and optim == "nvme":
             # Streamed update: each gradient shard is released once its chunk has stepped and holds no data until
             # the next backward's reduce-scatter, so between steps it takes nothing (engine: [Note: the update
             # pipeline]); from backward to the update they all live.
             transient[compute]["gradients"] += shard * 4
         else:
-            resident[compute]["gradients"] += (cap if stage < 2 else shard) * 4
-        if stage >= 2:
+            resident[compute]["gradients"] += layout.grad_numel(cap, world) * 4
+        if layout.grads_sharded:
             grad_full.append(cap * 4)
             reduce_targets.append(shard * 4)
-        s = cap if stage == 0 else shard
+        s = layout.optim_numel(cap, world)
         resident[optim]["master_weights"] += s * 4
         resident[optim]["optimizer_states"] += n_states * s * 4
         optim_chunks.append(s * 4 * (1 + n_states))
@@ -377,7 +376,7 @@ def _place(
     def largest(sizes: list[int], n: int) -> int:
         return sum(sorted(sizes, reverse=True)[:n])
 
-    if stage == 3:
+    if layout.params_sharded:
         working = prefetch_depth + 2  # in use, arriving ahead of use, being released
         transient["device"]["parameters"] += gathered + largest(full_chunks, prefetch_depth)
         if params != "device":

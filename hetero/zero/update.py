@@ -93,12 +93,12 @@ class Updater:
         self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
         used_of = used.split([len(zc.spec.params) for zc in self.chunks])
         for i, zc in enumerate(self.chunks):
-            streamed = zc.homes.optim is Tier.NVME
+            streamed = zc.placement.optim is Tier.NVME
             if streamed:
                 if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
                     # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
                     zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
-                self._prefetch(i, zc.homes.compute)
+                self._prefetch(i, zc.placement.compute)
             grad = zc.grad_view()
             if fused_norm:
                 sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
@@ -107,7 +107,7 @@ class Updater:
                 self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
                 if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
                     self.manager.release(zc.grad)  # zeroed (stages 2-3 hold no data until the next reduce)
-                self._prefetch(i + 1, zc.homes.compute)
+                self._prefetch(i + 1, zc.placement.compute)
         if fused_norm:
             if zc_sharded(self.chunks):
                 self.comm.control.all_reduce(sq, op="sum")
