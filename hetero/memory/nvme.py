@@ -5,7 +5,7 @@ reused, so the file grows only to the high-water mark of live data (and is preal
 read or write is cut into `block_bytes` blocks. Blocks move through two thread pools: `io_threads` workers
 that only sit in os.pwrite/os.preadv, so that many requests are always queued on the device (what an NVMe
 drive needs to reach its bandwidth), and `cpu_threads` workers that do the staging copies and the per-block
-crc32 around them. All of these release the GIL.
+checksums around them ([Note: checksum algorithms]). All of these release the GIL.
 
 O_DIRECT is used when the file system accepts it, keeping swap traffic out of the page cache (which would
 otherwise compete with the host tier for RAM). It needs aligned memory, so tensors whose memory the probe
@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 import weakref
-import zlib
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +35,12 @@ from types import TracebackType
 import torch
 
 from hetero.errors import NvmeCorruptError, NvmeError, NvmeSpaceError, NvmeUnavailableError
-from hetero.memory.aligned import ALIGN, AlignedBuffer, StagingPool, align_up
+from hetero.io.checksum import DEFAULT, checksum_fn
+from hetero.io.direct import ALIGN, AlignedBuffer, align_up, open_direct, probe_mem_align, read_full, write_full
+from hetero.memory.aligned import StagingPool
 
 log = logging.getLogger("hetero.memory.nvme")
 
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _FADVISE = getattr(os, "posix_fadvise", None)
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -193,38 +193,18 @@ def _make_private_dir(directory: str | os.PathLike) -> str:
         raise NvmeUnavailableError(f"cannot create a swap directory in {d!r} ({e}); {hint}") from e
 
 
-def _probe_mem_align(fd: int) -> int:
-    """The smallest memory alignment (64, 512 or 4096) O_DIRECT accepts on fd.
-
-    Since Linux 6.0 the block layer asks only for the device's DMA alignment (4 bytes on NVMe), so torch's
-    64-byte aligned tensors can often be written straight from their own memory, with no staging copy.
-    """
-    buf = AlignedBuffer(2 * ALIGN)
-    for align in (64, 512):
-        view = buf.view[align : align + ALIGN]
-        try:
-            if os.pwrite(fd, view, 0) == ALIGN and os.preadv(fd, [view], 0) == ALIGN:
-                return align
-        except OSError:
-            continue
-    return ALIGN
-
-
 def _open_swap(path: str, direct: bool | None) -> tuple[int, bool, int]:
     """Create the swap file (0600); use O_DIRECT if asked, or if direct is None and a probe write works.
 
     Returns the fd, whether it is O_DIRECT, and the memory alignment its I/O needs.
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    reason = "this platform has no O_DIRECT"
-    if direct is not False and _O_DIRECT:
+    reason = ""
+    if direct is not False:
         fd = -1
         try:
-            fd = os.open(path, flags | _O_DIRECT, 0o600)
-            # Some file systems accept the flag at open and fail only on I/O: probe with one aligned block.
-            if os.pwrite(fd, AlignedBuffer(ALIGN).view, 0) != ALIGN:
-                raise OSError(errno.EIO, "short probe write")
-            mem_align = _probe_mem_align(fd)
+            fd = open_direct(path, flags, 0o600, probe=True)  # [Note: direct I/O]
+            mem_align = probe_mem_align(fd)
             os.ftruncate(fd, 0)
             return fd, True, mem_align
         except OSError as e:
@@ -260,8 +240,9 @@ class NvmeStore:
     """Key -> bytes store on NVMe. write()/read() return futures at once; requests on one key run in order.
 
     Besides the documented arguments, `cpu_threads` sets the workers that copy and checksum blocks (default:
-    half the cores, at least 2, at most io_threads). After construction `direct` says whether O_DIRECT is in
-    use and `mem_align` the memory alignment it needs for a tensor to skip staging.
+    half the cores, at least 2, at most io_threads) and `checksum` the algorithm of the per-block checksums
+    (`hetero.io.checksum.ALGORITHMS`). After construction `direct` says whether O_DIRECT is in use and `mem_align`
+    the memory alignment it needs for a tensor to skip staging.
     Do not call close() from a future's done-callback: it waits for those very requests.
     """
 
@@ -276,6 +257,7 @@ class NvmeStore:
         direct: bool | None = None,
         verify: bool = True,
         cpu_threads: int | None = None,
+        checksum: str = DEFAULT,
     ) -> None:
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
@@ -292,6 +274,8 @@ class NvmeStore:
         self.block_bytes = block_bytes
         self.budget = budget
         self.verify = verify
+        self.checksum = checksum  # the algorithm of every block's checksum ([Note: checksum algorithms])
+        self._checksum = checksum_fn(checksum)
         self.stats = NvmeStats()
         self.directory = _make_private_dir(directory)
         self.path = os.path.join(self.directory, "swap")
@@ -633,14 +617,18 @@ class NvmeStore:
         else:
             data = op.mem[b.start : b.stop]
         if self.verify:
-            op.entry.crcs[b.index] = zlib.crc32(data)  # releases the GIL for large buffers
+            op.entry.crcs[b.index] = self._checksum(data)  # releases the GIL for large buffers
         return self._io, self._write_io
 
     def _write_io(self, op: _Op, b: _Block) -> _Next:
         n = b.stop - b.start
         data = op.mem[b.start : b.stop] if b.buf is None else b.buf.view[: align_up(n)]
+        offset = op.entry.offset + b.start
         t0 = time.perf_counter()
-        self._pwrite_all(data, op.entry.offset + b.start, op.key)
+        try:
+            write_full(self._fd_box[0], data, offset)
+        except OSError as e:
+            raise self._io_error(e, "writing", op.key, offset, len(data)) from e
         b.io_seconds = time.perf_counter() - t0
         return None
 
@@ -652,7 +640,10 @@ class NvmeStore:
         else:
             data = op.mem[b.start : b.stop]
         t0 = time.perf_counter()
-        got = self._pread_all(data, offset, op.key)
+        try:
+            got = read_full(self._fd_box[0], data, offset, direct=self.direct)
+        except OSError as e:
+            raise self._io_error(e, "reading", op.key, offset, len(data)) from e
         b.io_seconds = time.perf_counter() - t0
         if got < n:  # checked whether or not verify is on: a short file must never pass as data
             raise NvmeCorruptError(
@@ -669,11 +660,11 @@ class NvmeStore:
         n = b.stop - b.start
         data = op.mem[b.start : b.stop] if b.buf is None else b.buf.view[:n]
         if self.verify:
-            crc = zlib.crc32(data)
+            crc = self._checksum(data)
             if crc != op.entry.crcs[b.index]:
                 raise NvmeCorruptError(
                     f"checksum mismatch in swap file {self.path!r}: key {op.key}, {n} B at offset "
-                    f"{op.entry.offset + b.start} (crc32 {crc:#010x}, expected {op.entry.crcs[b.index]:#010x})"
+                    f"{op.entry.offset + b.start} ({self.checksum} {crc:#x}, expected {op.entry.crcs[b.index]:#x})"
                 )
         if b.buf is not None:
             op.tensor[b.start : b.stop].copy_(b.buf.tensor[:n])
@@ -684,27 +675,3 @@ class NvmeStore:
         if e.errno in _SPACE_ERRNOS:
             return NvmeSpaceError(f"{msg}; free disk space or point nvme_dir at a larger drive")
         return NvmeError(msg)
-
-    def _pwrite_all(self, data: memoryview, offset: int, key: int) -> None:
-        done = 0
-        while done < len(data):
-            try:
-                k = os.pwrite(self._fd_box[0], data[done:], offset + done)
-            except OSError as e:
-                raise self._io_error(e, "writing", key, offset + done, len(data) - done) from e
-            if k <= 0:  # cannot happen for a regular file, but a zero return must not loop forever
-                raise NvmeError(f"writing key {key} at offset {offset + done} of {self.path!r} made no progress")
-            done += k
-
-    def _pread_all(self, data: memoryview, offset: int, key: int) -> int:
-        """Read into data; returns the byte count, short only at end of file (truncation)."""
-        got = 0
-        while got < len(data):
-            try:
-                k = os.preadv(self._fd_box[0], [data[got:]], offset + got)
-            except OSError as e:
-                raise self._io_error(e, "reading", key, offset + got, len(data) - got) from e
-            got += k
-            if k == 0 or (self.direct and k % ALIGN):  # EOF; an O_DIRECT retry would be misaligned anyway
-                break
-        return got
