@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hetero.io import hugepages
+
 _HUGE_PAGE = 2 << 20  # buffers at least this large ask for transparent huge pages (see `Device.empty_host`)
 
 
@@ -76,7 +78,10 @@ class Device:
         if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages then
                 buf.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        if nbytes >= _HUGE_PAGE:  # memory_stats() says whether the kernel granted them ([Note: huge host pages])
+            hugepages.track(buf, t.data_ptr(), nbytes)
+        return t
 
     def total_memory(self) -> int:
         """Bytes of memory the compute device has (physical RAM for the CPU)."""

@@ -48,6 +48,7 @@ import torch
 from hetero.config import MemoryConfig, format_size, parse_size
 from hetero.device import Device
 from hetero.errors import TierOutOfMemoryError
+from hetero.io import hugepages
 from hetero.memory.chunk import Chunk, Move
 from hetero.memory.policy import AccessTrace, choose_victim
 from hetero.memory.pool import BufferPool
@@ -290,6 +291,7 @@ class ChunkManager:
             }
         # The swap store's own O_DIRECT staging (bounded, outside the ledgers: only unaligned I/O uses it).
         out["nvme"]["staging"] = self._store.staging_bytes if self._store is not None else 0
+        out["host"]["huge_pages"] = hugepages.report()  # [Note: huge host pages]: granted, or fallen back to 4 KiB
         out["moved"] = {f"{s.label}->{d.label}": n for (s, d), n in sorted(self.moved.items())}
         out["counters"] = dict(self.counters)
         out["wait_seconds"] = self.wait_seconds
