@@ -92,9 +92,10 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
     total = sum(s.numel() * s.element_size() for s in srcs)
     for d in dsts:
         d.zero_()
+    options = {} if args.threads is None else {"io_threads": args.threads}
     store = NvmeStore(
         args.dir,
-        io_threads=args.threads,
+        **options,
         block_bytes=args.block,
         staging_buffers=args.staging,
         direct={"auto": None, "on": True, "off": False}[args.direct],
@@ -131,9 +132,10 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
             "tier_read_GBps": gbps(total, t_read),
             # Share of the timed region the I/O threads spent inside pwrite/preadv: near 1 means the
             # tier kept `threads` requests on the device all along (copies and checksums were overlapped).
-            "tier_write_queue_busy": store.stats.write_io_seconds / (t_write * args.threads),
-            "tier_read_queue_busy": store.stats.read_io_seconds / (t_read * args.threads),
+            "tier_write_queue_busy": store.stats.write_io_seconds / (t_write * store.io_threads),
+            "tier_read_queue_busy": store.stats.read_io_seconds / (t_read * store.io_threads),
             "direct": store.direct,
+            "threads": store.io_threads,
             "verified_chunks": sample,
         }
     finally:
@@ -291,7 +293,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", default="1GiB", help="total bytes to write and read (default 1GiB)")
     p.add_argument("--chunk", default="64MiB", help="chunk size (default 64MiB)")
     p.add_argument("--block", default="8MiB", help="NvmeStore block_bytes and raw block size (default 8MiB)")
-    p.add_argument("--threads", type=int, default=8, help="NvmeStore io_threads (default 8)")
+    p.add_argument("--threads", type=int, default=None, help="NvmeStore io_threads (default: the store's)")
     p.add_argument("--fio-depth", type=int, default=8, help="fio iodepth, and the Python raw loop's threads (8)")
     p.add_argument("--staging", type=int, default=8, help="NvmeStore staging buffers (default 8)")
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="NvmeStore O_DIRECT mode")
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     res["read_ratio"] = res["tier_read_GBps"] / res["raw_read_GBps"]
     res.update(direct=runs[0]["direct"], raw_method=runs[-1]["raw_method"], size_bytes=total)
     res.update(verify=not args.no_verify, checksum=args.checksum, chunk_bytes=args.chunk, block_bytes=args.block)
-    res.update(threads=args.threads, fio_depth=args.fio_depth, pageable=args.pageable, repeat=args.repeat)
+    res.update(threads=runs[0]["threads"], fio_depth=args.fio_depth, pageable=args.pageable, repeat=args.repeat)
     res["verified_chunks"] = runs[0]["verified_chunks"]
     res["tier_huge_pages"] = hugepages.report()  # the tier's buffers: did the kernel give them huge pages?
     res["loadavg"] = {"before": list(load_before), "after": list(os.getloadavg())}
@@ -387,7 +389,7 @@ def report(args: argparse.Namespace, res: dict, nchunks: int) -> None:
     share = "unknown" if hp["huge_share"] is None else f"{hp['huge_share']:.0%}"
     print(f"dir {args.dir}: {res['size_bytes'] / 1e9:.2f} GB in {nchunks} chunks of {args.chunk / 2**20:g} MiB")
     print(
-        f"tier: {mode}, verify={res['verify']} ({res['checksum']}), {args.threads} threads x "
+        f"tier: {mode}, verify={res['verify']} ({res['checksum']}), {res['threads']} threads x "
         f"{args.block / 2**20:g} MiB blocks, host buffers on huge pages: {share} (THP {hp['thp']})"
     )
     print(f"raw : {res['raw_method']}")
