@@ -195,7 +195,36 @@ _MMAP = _libc(
 )
 _MINCORE = _libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int)
 _MUNMAP = _libc("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
+_FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int)
+_STATFS = _libc("statfs", [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int)
+_IN_MEMORY = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type of the file systems held in RAM
 _SAMPLES = 16  # pages of a range whose residency is asked for
+
+
+def fallocate(fd: int, offset: int, length: int) -> bool:
+    """Allocate [offset, offset + length) of the file, extending it, as Linux's fallocate does: extents are mapped and
+    no byte is written. False where the platform or the file system cannot; OSError for a full disk and other
+    failures. Never glibc's posix_fallocate, which writes zeros where the file system cannot, doubling the write
+    traffic of what follows."""
+    if _FALLOCATE is None or length <= 0:
+        return _FALLOCATE is not None
+    if _FALLOCATE(fd, 0, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+def memory_file_system(path: str) -> str | None:
+    """ "tmpfs" or "ramfs" when `path` is on a file system held in RAM (preallocating a file there takes memory), else
+    None (also where that cannot be told)."""
+    if _STATFS is None:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on x86-64); f_type, a long, comes first
+    if _STATFS(os.fsencode(path), buf) != 0:
+        return None
+    return _IN_MEMORY.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

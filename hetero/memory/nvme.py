@@ -36,17 +36,23 @@ import torch
 
 from hetero.errors import NvmeCorruptError, NvmeError, NvmeSpaceError, NvmeUnavailableError
 from hetero.io.checksum import DEFAULT, checksum_fn
-from hetero.io.direct import ALIGN, AlignedBuffer, align_up, open_direct, probe_mem_align, read_full, write_full
+from hetero.io.direct import (
+    ALIGN,
+    AlignedBuffer,
+    align_up,
+    fallocate,
+    memory_file_system,
+    open_direct,
+    probe_mem_align,
+    read_full,
+    write_full,
+)
 from hetero.memory.aligned import StagingPool
 
 log = logging.getLogger("hetero.memory.nvme")
 
 _FADVISE = getattr(os, "posix_fadvise", None)
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-# [Note: preallocating ahead]: a swap file under _AHEAD_MIN grows exactly; a larger one by as much again, at most
-# _AHEAD_MAX per step.
-_AHEAD_MIN = 64 << 20
-_AHEAD_MAX = 4 << 30
 
 
 @dataclass
@@ -306,8 +312,8 @@ class NvmeStore:
         self._slots = _Slots()
         self._used = 0
         self._closed = False
-        self._prealloc = hasattr(os, "posix_fallocate")
-        self._file_end = 0  # bytes of swap file preallocated (or, without preallocation, the slots' end)
+        # [Note: preallocating the swap file], except where files are held in RAM (tmpfs): that would take memory early.
+        self._prealloc = memory_file_system(self.directory) is None
         log.debug(
             "NVMe store at %s: direct=%s (memory alignment %d), %d I/O + %d CPU threads, %d B blocks",
             self.path,
@@ -445,71 +451,38 @@ class NvmeStore:
         """Offset of a free slot of length bytes, growing the swap file if none fits (lock held)."""
         if length == 0:
             return 0
-        short = self._slots.end + self._slots.growth(length) - self._file_end  # bytes the file lacks for it
-        free = 0
-        if short > 0:
+        growth = self._slots.growth(length)
+        if growth:
             # Check before queueing anything, so a full disk is a clear error now rather than a failed write.
             free = shutil.disk_usage(self.directory).free
-            if short > free:
+            if growth > free:
                 raise NvmeSpaceError(
-                    f"not enough free space for the NVMe tier in {self.directory!r}: key {key} needs {short} B "
+                    f"not enough free space for the NVMe tier in {self.directory!r}: key {key} needs {growth} B "
                     f"more swap file but the file system has {free} B free; free disk space or point nvme_dir "
                     "at a larger drive"
                 )
         offset = self._slots.alloc(length)
-        if short > 0:
+        if growth and self._prealloc:
+            # [Note: preallocating the swap file]
+            # Preallocating turns the block writes into overwrites of allocated extents, which file systems run in
+            # parallel (appending direct writes serialize on the inode), and reserves the space. Whether to is
+            # decided from what the file system is, never from how long a call took: a former check that turned
+            # preallocation off when fallocate ran under 50 GB/s (to catch tmpfs, which allocates RAM, and glibc's
+            # emulation, which writes zeros) fired on a busy ext4 too, after which appending writes cost the tier a
+            # quarter of its write bandwidth (1.6-1.8 vs 2.3 GB/s for 4 GiB). Now tmpfs is known by its statfs type
+            # and `fallocate` never emulates.
+            start = self._slots.end - growth
             try:
-                self._grow(key, free)
-            except BaseException:
-                self._slots.release(offset, length)
-                raise
-        return offset
-
-    def _grow(self, key: int, free: int) -> None:
-        """Make the swap file reach the slots' high-water mark, preallocated, and as much again ahead.
-
-        [Note: preallocating ahead]
-        Preallocating turns the block writes into overwrites of allocated extents, which file systems run in
-        parallel (appending direct writes serialize on the inode), and reserves the space. But a file system
-        extends a file only once every direct request in flight on it has completed (ext4's fallocate waits
-        for them), so each growth empties the device queue. Grown by each key's slot in turn, a 1 GiB swap file
-        written afresh reached 1.6 GB/s where the same writes into a file preallocated at once reached 2.1 (and
-        the Python raw loop 2.3). So the file grows ahead: by as much again as it will hold (doubling, a few
-        queue drains while it fills), at most _AHEAD_MAX per step, within the budget, and taking at most half
-        the free space that is left; the space ahead is the file's high-water mark, reused like freed slots. A
-        file under _AHEAD_MIN grows exactly: a small store gains little from it and keeps no space it does not use.
-        """
-        end = self._slots.end
-        if not self._prealloc:
-            self._file_end = end  # extending writes grow it
-            return
-        ahead = min(end, _AHEAD_MAX, max(0, free - (end - self._file_end)) // 2) if end >= _AHEAD_MIN else 0
-        if self.budget is not None:
-            ahead = min(ahead, max(0, align_up(self.budget) - end))
-        start = self._file_end
-        t0 = time.perf_counter()
-        try:
-            try:
-                os.posix_fallocate(self._fd_box[0], start, end + ahead - start)
+                done = fallocate(self._fd_box[0], start, growth)
             except OSError as e:
-                if e.errno not in _SPACE_ERRNOS or not ahead:
-                    raise
-                ahead = 0  # the disk filled meanwhile: only what is needed now
-                os.posix_fallocate(self._fd_box[0], start, end - start)
-        except OSError as e:
-            if e.errno in _SPACE_ERRNOS:
-                raise self._io_error(e, "preallocating", key, start, end - start) from e
-            self._prealloc = False  # not supported here: extending writes grow the file instead
-            self._file_end = end
-            log.debug("posix_fallocate unsupported for %s (%s); not preallocating", self.path, e)
-            return
-        self._file_end = end + ahead
-        dt = time.perf_counter() - t0
-        if dt > 1e-3 and (end + ahead - start) / dt < 50e9:
-            # A real fallocate only maps extents (~1 TB/s); this one wrote memory or zeros (tmpfs, glibc's
-            # emulation), doubling the write traffic while blocking the caller: stop it.
-            self._prealloc = False
-            log.debug("preallocation on %s runs at %.1f GB/s; not preallocating", self.path, (end - start) / dt / 1e9)
+                if e.errno in _SPACE_ERRNOS:
+                    self._slots.release(offset, length)
+                    raise self._io_error(e, "preallocating", key, start, growth) from e
+                done = False
+            if not done:
+                self._prealloc = False  # not supported here: extending writes grow the file instead
+                log.debug("fallocate unsupported for %s; not preallocating", self.path)
+        return offset
 
     def _retire(self, key: int, entry: _Entry) -> None:
         """Free entry's slot once the requests already queued on key (which may still use it) are done."""
