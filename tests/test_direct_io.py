@@ -207,7 +207,7 @@ def test_slow_preallocation_stays_on(tmp_path, fallocates):
         pytest.skip(f"{tmp_path} is in RAM")
     with NvmeStore(tmp_path) as s:
         _round_trips(s, 3)
-        assert s._prealloc
+        assert s._file.prealloc
         assert [n for _, n in fallocates["calls"]] == [MiB, MiB + 4096, MiB + 4096]
 
 
@@ -216,14 +216,14 @@ def test_no_preallocation_in_ram(fallocates):
         pytest.skip("no tmpfs at /dev/shm")
     with NvmeStore("/dev/shm") as s:
         _round_trips(s, 2)
-        assert not s._prealloc and fallocates["calls"] == []
+        assert not s._file.prealloc and fallocates["calls"] == []
 
 
 def test_unsupported_preallocation_falls_back_to_appending(tmp_path, fallocates):
     fallocates["errno"] = errno.EOPNOTSUPP
     with NvmeStore(tmp_path) as s:
         _round_trips(s, 3)
-        assert not s._prealloc and len(fallocates["calls"]) == 1  # asked once, then the file grows by writing
+        assert not s._file.prealloc and len(fallocates["calls"]) == 1  # asked once, then the file grows by writing
 
 
 def test_full_disk_while_preallocating(tmp_path, fallocates):
