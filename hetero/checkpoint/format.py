@@ -235,10 +235,6 @@ class TensorWriter:
             self.abort()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class TensorReader:
     """Reads tensors, or element ranges of them, from one safetensors file by offset; checks what it can."""
 
@@ -366,9 +362,9 @@ class TensorReader:
         while i < len(spans):
             # the stretch [i, j): adjacent in the file and in memory
             j, begin, ptr = i + 1, spans[i][0], spans[i][1].data_ptr()
-            stop = begin + _nbytes(spans[i][1])
+            stop = begin + spans[i][1].nbytes
             while j < len(spans) and spans[j][0] == stop and spans[j][1].data_ptr() == ptr + stop - begin:
-                stop += _nbytes(spans[j][1])
+                stop += spans[j][1].nbytes
                 j += 1
             lo, hi = align_up(begin), align_down(stop)
             if (
