@@ -47,7 +47,7 @@ def _installed(engine: hetero.Engine) -> dict:
         "ledger attrs": [sorted(vars(ledger)) for ledger in engine.manager.ledgers.values()],
         "engine attrs": sorted(k for k in vars(engine) if k in ("step", "backward", "close")),
         "manager attrs": sorted(k for k in vars(engine.manager) if k in ("access", "move", "prefetch", "release")),
-        "observers": len(engine.manager.observers),
+        "observers": len(engine.manager.on_move),
         "module hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()),
     }
 

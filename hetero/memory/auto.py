@@ -80,8 +80,8 @@ class AutoPlacement:
         self._chunk_ptrs: dict[int, weakref.ref] = {}  # storage pointer -> chunk memory, refreshed at each access
         chunk_bytes = [c.nbytes for c in manager.chunks]
         self.floor = 2 * max(chunk_bytes, default=0)  # the least device budget a step can run with
-        manager.before_access = self._before_access
-        manager.on_step_begin = self._step_begin
+        manager.on_access.append(self._before_access)
+        manager.on_step_begin.append(self._step_begin)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def nonmodel(self) -> int:

@@ -129,15 +129,8 @@ class NvmeStore:
             raise
         self.path, self.direct, self.mem_align = self._file.path, self._file.direct, self._file.mem_align
         try:
-            self._blocks = BlockPipeline(
-                self._file,
-                block_bytes=block_bytes,
-                io_threads=io_threads,
-                cpu_threads=cpu_threads,
-                staging_buffers=staging_buffers,
-                verify=verify,
-                checksum=checksum,
-            )
+            checks = checksum if verify else None
+            self._blocks = BlockPipeline(self._file, block_bytes, (io_threads, cpu_threads), staging_buffers, checks)
         except BaseException:
             self._file.close()
             raise

@@ -91,21 +91,15 @@ class BlockPipeline:
     """The thread pools, the staging pool and the block stages of one store's swap file."""
 
     def __init__(
-        self,
-        swap: SwapFile,
-        *,
-        block_bytes: int,
-        io_threads: int,
-        cpu_threads: int,
-        staging_buffers: int,
-        verify: bool,
-        checksum: str,
+        self, swap: SwapFile, block_bytes: int, threads: tuple[int, int], staging_buffers: int, checksum: str | None
     ) -> None:
+        """threads: (I/O, CPU) workers; checksum: the algorithm every block is checked with, None for no checks."""
+        io_threads, cpu_threads = threads
         self.swap = swap
         self.block_bytes = block_bytes
-        self.verify = verify
+        self.verify = checksum is not None
         self.checksum = checksum  # the algorithm of every block's checksum ([Note: checksum algorithms])
-        self._checksum = checksum_fn(checksum)
+        self._checksum = checksum_fn(checksum) if checksum is not None else None
         self.staging = StagingPool(staging_buffers, block_bytes)
         # Two pools, so the copies and checksums never hold an I/O thread: io_threads requests stay queued
         # on the device while cpu_threads workers stage and check the blocks around them.

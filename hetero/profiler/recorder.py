@@ -153,10 +153,10 @@ class Profile:
             self._wrap_ledger(tier, ledger)
             self.series[tier.label].append((0.0, ledger.used))
             self._new_peak(tier, ledger.used, 0.0)
-        self.manager.observers.append(self._on_move)
+        self.manager.on_move.append(self._on_move)
         for name in _MANAGER_METHODS:
             self._wrap_manager(name)
-        self._undo.append(lambda: self.manager.observers.remove(self._on_move))
+        self._undo.append(lambda: self.manager.on_move.remove(self._on_move))
         self._hook_modules(self.engine.module)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -402,7 +402,7 @@ def by_kind(manager: Any) -> dict[str, dict[str, int]]:
     per_tier: tuple[dict[str, int], ...] = ({}, {}, {})  # indexed by Tier value
     nvme = per_tier[Tier.NVME]
     empty, nvme_tier = ChunkState.EMPTY, Tier.NVME
-    for c in manager._chunks.values():
+    for c in manager.chunks:
         n = c.capacity * c.dtype.itemsize
         k = c.kind
         if c.on_nvme:
