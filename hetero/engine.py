@@ -21,6 +21,7 @@ from torch import nn
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
+from hetero.events import Events
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
@@ -93,6 +94,19 @@ class Engine:
         weights: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
+        # Hook points, any number of subscribers each (the profiler): the phases of a step, then close.
+        self.events = Events(
+            (
+                "forward_begin",
+                "forward_end",
+                "backward_begin",
+                "backward_end",
+                "update_begin",
+                "update_end",
+                "micro_step",
+                "close",
+            )
+        )
         if comm is None:
             world = init_from_env(timeout_s=config.comm_timeout)
         else:
@@ -176,6 +190,7 @@ class Engine:
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
+        self.events.emit("forward_begin")
         args, kwargs = self._to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
         with self.device.compute_context(), saving:
@@ -185,12 +200,14 @@ class Engine:
         if not training:
             self.manager.step_end()
             self._in_step = False
+        self.events.emit("forward_end")
         return out
 
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
+        self.events.emit("backward_begin")
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with self.device.compute_context():
             (loss * (scale / self.config.grad_accumulation_steps)).backward()
@@ -208,12 +225,16 @@ class Engine:
         # else: the update that follows belongs to the step's trace, so that prefetch and eviction see it coming
         # (backward then keeps the gradients the update reads first); `_update`, or the next forward, ends it.
         self._in_step = False
+        self.events.emit("backward_end")
 
     def step(self) -> None:
         """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary."""
         self.micro_steps += 1
         if self.micro_steps % self.config.grad_accumulation_steps == 0:
+            self.events.emit("update_begin")
             self.optimizer.step()
+            self.events.emit("update_end")
+        self.events.emit("micro_step")
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
@@ -470,6 +491,7 @@ class Engine:
         """Remove the hooks, free every chunk and delete swap files. The model's parameters are left empty."""
         if self._closed:
             return
+        self.events.emit("close")
         self._closed = True
         self.hooks.remove()
         if self.activations is not None:

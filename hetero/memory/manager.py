@@ -49,7 +49,7 @@ import contextlib
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ import torch
 from hetero.config import MemoryConfig, parse_size
 from hetero.device import Device, make_device
 from hetero.errors import TierOutOfMemoryError
+from hetero.events import Events
 from hetero.memory.chunk import Chunk
 from hetero.memory.moves import MoveEvent, Mover
 from hetero.memory.policy import AccessTrace
@@ -113,11 +114,12 @@ class ChunkManager:
         self._next_id = 0
         self._clock = 0  # access counter, for LRU
         self._closed = False
-        # Subscribers, any number each. on_access: at every access and step_begin, before anything moves (automatic
-        # placement adjusts the device budget there, hetero/memory/auto.py); on_move: every finished move.
-        self.on_access: list[Callable[[], None]] = []
-        self.on_step_begin: list[Callable[[], None]] = []
-        self.on_move = self._mover.observers
+        # Hook points, any number of subscribers each: "access" and "step_begin" run before anything moves
+        # (automatic placement adjusts the device budget there, hetero/memory/auto.py); "move" gets every finished
+        # move (a MoveEvent); "done" runs when a call into the manager that may have changed a ledger returns (the
+        # profiler samples there, when every chunk touched is labelled with its tier).
+        self.events = Events(("access", "step_begin", "move", "done"))
+        self._mover.observers.append(lambda event: self.events.emit("move", event))
         self._finalizer = weakref.finalize(self, _shutdown, self._mover, self.storage.store)
 
     @classmethod
@@ -165,6 +167,7 @@ class ChunkManager:
         self.storage.drop_payload(chunk)
         self.storage.drop_nvme_copy(chunk)
         del self._chunks[chunk.id]
+        self.events.emit("done")
 
     # ---- access and movement ------------------------------------------------------------------------------
     def access(self, chunk: Chunk, tier: Tier = Tier.DEVICE, *, write: bool = True) -> torch.Tensor | None:
@@ -177,8 +180,7 @@ class ChunkManager:
         self._check_open()
         mover = self._mover
         mover.poll()
-        for fn in self.on_access:
-            fn()
+        self.events.emit("access")
         self._clock += 1
         self.counters["accesses"] += 1
         self.trace.record(chunk.id, tier)
@@ -198,6 +200,7 @@ class ChunkManager:
             chunk.dirty = True
         chunk.last_access = self._clock
         self._prefetcher.ahead(protect={chunk.id})
+        self.events.emit("done")
         return chunk.payload
 
     def move(self, chunk: Chunk, tier: Tier, *, wait: bool = True) -> None:
@@ -211,6 +214,7 @@ class ChunkManager:
         mover.start(chunk, tier, blocking=True, inline=wait)
         if wait:
             mover.wait(chunk)
+        self.events.emit("done")
 
     def prefetch(self, chunks: Iterable[Chunk], tier: Tier = Tier.DEVICE, *, keep: Iterable[Chunk] = ()) -> None:
         """Start moving chunks to `tier` and return at once; a later `access` waits only for what it needs.
@@ -223,6 +227,7 @@ class ChunkManager:
             # While the trace replays, evict only what is needed after this chunk (as the trace's own prefetch).
             horizon = self.trace.next_use(chunk.id) if self.trace.replaying else None
             self._prefetcher.start(chunk, tier, horizon=horizon, protect=protect)
+        self.events.emit("done")
 
     def pin(self, chunk: Chunk) -> None:
         """Keep a chunk where it is until `unpin` (no eviction, no move), without marking it written."""
@@ -252,6 +257,7 @@ class ChunkManager:
         self._mover.wait(chunk)
         self.storage.drop_payload(chunk)
         self.storage.drop_nvme_copy(chunk)
+        self.events.emit("done")
 
     def set_budget(self, tier: Tier, budget: int) -> int:
         """Change a tier's budget (automatic placement), evicting what no longer fits. Chunks that cannot move now
@@ -268,13 +274,14 @@ class ChunkManager:
     def synchronize(self) -> None:
         """Wait for every move in flight."""
         self._mover.synchronize()
+        self.events.emit("done")
 
     # ---- steps and trace ----------------------------------------------------------------------------------
     def step_begin(self) -> None:
-        for fn in self.on_step_begin:
-            fn()
+        self.events.emit("step_begin")
         self.trace.step_begin()
         self._prefetcher.ahead(protect=set())
+        self.events.emit("done")
 
     def step_end(self) -> None:
         self.trace.step_end()

@@ -103,16 +103,19 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     def after_forward() -> None:
         if gathers is not None:
             gathers.end_forward(training=True)
+        engine.events.emit("forward_end")
 
     def after_backward() -> None:
         if gathers is not None:
             gathers.release_all()
+        engine.events.emit("backward_end")
 
     engine.manager.step_begin()  # one trace step per batch, whatever the schedule's order
     engine._in_step = True
     accumulate = [zc for zc in engine._trainable if zc.grad_full is not None]
     for zc in accumulate:
         zc.accumulate_full = True
+    engine.events.emit("forward_begin")
     try:
         with engine.device.compute_context():
             total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
@@ -122,7 +125,8 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     finally:
         for zc in accumulate:
             zc.accumulate_full = False
-        after_backward()
+        if gathers is not None:
+            gathers.release_all()
         engine.manager.step_end()
         engine._in_step = False
     engine.step()
