@@ -138,7 +138,7 @@ def test_sharded_stages_load_with_o_direct(tmp_path, counted, stage):
 def test_unpadded_file_still_loads(tmp_path, monkeypatch, counted):
     """A checkpoint written before the aligned layout (data 8-byte aligned, no padding tensors) loads bit-exact."""
     monkeypatch.setattr(sv, "DIRECT_ALIGN", 8)
-    monkeypatch.setattr(sv, "_residue", lambda it: None)
+    monkeypatch.setattr(sv, "residue", lambda it: None)
     root = str(tmp_path / "root")
     want, got = _save_and_reload(root)
     _assert_same(want, got)
