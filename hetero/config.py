@@ -112,6 +112,27 @@ class OffloadConfig:
             _check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Where `engine.metrics()` also goes after every `every`-th update (rank 0 only); see hetero/metrics.py."""
+
+    tensorboard: str | None = None
+    """A directory for torch.utils.tensorboard event files (needs the tensorboard package)."""
+    wandb: str | None = None
+    """A Weights & Biases project name (needs the wandb package); an active wandb run is used as it is."""
+    every: int = 1
+    """Updates between two writes."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensorboard", "wandb"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise ConfigError(f"log.{name}: expected a string, got {type(v).__name__}")
+            if v is not None:
+                object.__setattr__(self, name, os.fspath(v))
+        _check_int("log.every", self.every, minimum=1)
+
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -212,6 +233,11 @@ class Config:
     """Keep the checkpointed blocks' inputs in host memory between forward and backward (needs checkpointing)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor, pipeline and data parallelism (see ParallelConfig)."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
+    progress: bool = True
+    """Progress bars for long work (initialisation, weight streaming, checkpoints) on a terminal, rank 0 only; the
+    environment variable HETERO_PROGRESS=0 turns them off too (hetero/progress.py)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
@@ -227,6 +253,8 @@ class Config:
             _check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
         _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
         _check_activation(self.activation_checkpointing, self.activation_offload)
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"progress: expected true or false, got {self.progress!r}")
         uses_nvme = "nvme" in (self.offload.params, self.offload.optimizer)
         if uses_nvme and self.memory.nvme_dir is None:
             raise ConfigError(
@@ -261,6 +289,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (Config, "offload"): OffloadConfig,
     (Config, "memory"): MemoryConfig,
     (Config, "parallel"): ParallelConfig,
+    (Config, "log"): LogConfig,
 }
 
 

@@ -24,13 +24,14 @@ from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
+from hetero.metrics import Monitor
 from hetero.parallel import engine_glue
 from hetero.zero.activation import ActivationMemory
 from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
-from hetero.zero.optim import algorithm_of, update
+from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler, update
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 
 log = logging.getLogger("hetero.engine")
@@ -44,12 +45,14 @@ _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     config: Config | dict[str, Any] | str | os.PathLike | None = None,
+    lr_scheduler: Any = None,
     *,
     comm: Comm | None = None,
     device: torch.device | str | None = None,
     weights: str | os.PathLike | None = None,
+    strict_weights: bool = False,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
@@ -57,9 +60,21 @@ def initialize(
     world, joined from torchrun's environment when not yet initialised); `config.parallel`'s tensor and pipeline
     degrees split it into a mesh (`engine.mesh`) and the rest is data parallel. device: default cuda:LOCAL_RANK, else
     CPU. The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights:
-    a .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
+    a .safetensors or .bin file, a directory of them or a Hugging Face index, streamed into the chunks instead
+    (hetero/zero/weights.py); strict_weights makes keys the model does not have an error rather than a warning.
+    optimizer None: an inference engine (forward only, no gradients). lr_scheduler: a scheduler built on `optimizer`;
+    the engine steps it once per real update (see `Engine.step`) and saves it in checkpoints.
     """
-    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
+    return Engine(
+        model,
+        optimizer,
+        Config.from_any(config),
+        lr_scheduler=lr_scheduler,
+        comm=comm,
+        device=device,
+        weights=weights,
+        strict_weights=strict_weights,
+    )
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -84,14 +99,17 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         config: Config,
         *,
+        lr_scheduler: Any = None,
         comm: Comm | None = None,
         device: torch.device | str | None = None,
         weights: str | os.PathLike | None = None,
+        strict_weights: bool = False,
     ) -> None:
         self.config = config
+        self.inference = optimizer is None  # forward only: every chunk frozen, no gradients, no update
         world = comm if comm is not None else init_from_env()
         # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
         self.mesh, self._stages = engine_glue.setup_parallel(model, optimizer, config.parallel, world)
@@ -121,17 +139,31 @@ class Engine:
             for info, slot in zip(spec.params, zc.slots):
                 self._entries[id(info.param)] = (zc, info, slot)
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
-        load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
+        load_values(
+            model,
+            self.chunks,
+            manager=self.manager,
+            comm=self.comm,
+            weights=weights,
+            strict=strict_weights,
+            progress=config.progress,
+        )
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):
             self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
         self._move_buffers(model)
-        self.optimizer = ZeroOptimizer(self, optimizer)
+        self.optimizer = ZeroOptimizer(self, optimizer) if optimizer is not None else None
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
         self.micro_steps = 0  # micro-batches seen (engine.step calls)
+        self.accumulated = 0  # micro-batches since the last update (0: at an accumulation boundary)
         self.global_steps = 0  # optimizer updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
+        self.last_grad_norm: float | None = None  # global gradient norm of the last update, before clipping
+        self.last_update_skipped = False  # the last update was skipped for fp16 overflow
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override of the count
+        self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
+        self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
         self._reducing: deque[ZeroChunk] = deque()  # chunks whose gradient reduce-scatter is in flight
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
@@ -154,14 +186,17 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own.
-        training = torch.is_grad_enabled()
+        training = torch.is_grad_enabled() and not self.inference
         if self._stages is not None:
             raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
         args, kwargs = self._to_device((args, kwargs))
-        with self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext():
+        with (
+            self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext(),
+            torch.no_grad() if self.inference else contextlib.nullcontext(),
+        ):
             out = self.module(*args, **kwargs)
         if self.stage == 3:
             for zc in self.chunks:
@@ -176,10 +211,16 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean.
+        scale_wrt_gas False: backward of the loss as given (a caller that already divided it, like HF's Trainer)."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to compute")
+        self.monitor.loss(loss)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        (loss * (scale / self.config.grad_accumulation_steps)).backward()
+        if scale_wrt_gas:
+            scale /= self.config.grad_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward()
         while self._reducing:
             self._reducing.popleft().finish_reduce()
         # Chunks whose gradients did not all arrive (parameters unused this step) are reduced now, in layout order,
@@ -197,11 +238,39 @@ class Engine:
         # (backward then keeps the gradients the update reads first); `_update`, or the next forward, ends it.
         self._in_step = False
 
-    def step(self) -> None:
-        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary."""
+    def step(self, *, tokens: int | None = None) -> None:
+        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary, then steps the
+        LR scheduler given to `initialize`. An update skipped for fp16 overflow is no optimizer step, so the
+        scheduler does not advance (torch's convention: a schedule counts `optimizer.step()`s, and GradScaler skips
+        that call on overflow). tokens: this micro-batch's token count, for `metrics()["tokens_per_s"]`."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): there is no update to step")
+        boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        if self.micro_steps % self.config.grad_accumulation_steps == 0:
+        self.accumulated += 1
+        self.monitor.micro_batch(tokens)
+        if boundary:
             self.optimizer.step()
+            self.accumulated = 0
+            if self.lr_scheduler is not None and not self.last_update_skipped:
+                step_scheduler(self.lr_scheduler)
+            self.monitor.update()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the micro-batch being computed is the last of its accumulation: the next `step()` updates."""
+        if self._boundary is not None:
+            return self._boundary
+        return self.accumulated + 1 >= self.config.grad_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the count: the next `step()` updates (True) or only accumulates (False); None: count again.
+        A loop whose last accumulation is shorter (the end of an epoch) ends it with True."""
+        self._boundary = is_boundary
+
+    def metrics(self) -> dict[str, Any]:
+        """Step, loss scale, last gradient norm, skipped steps, learning rate, tokens/s (when `step` is given tokens),
+        per-tier memory and bytes moved between tiers (hetero/metrics.py)."""
+        return self.monitor.metrics()
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
@@ -253,9 +322,11 @@ class Engine:
             and self.mesh.pp_size == 1
         )
         sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self._grad_stats()
+        self.last_update_skipped = False
         if self.scaler is not None:
             overflow = not finite
             self.scaler.update(overflow)
+            self.last_update_skipped = overflow
             if overflow:
                 self.skipped_steps += 1
                 log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
@@ -287,10 +358,13 @@ class Engine:
                 master, states = zc.optimizer_views()
                 with self.manager.pinned(zc.optim):
                     group = self.optimizer.param_groups[zc.spec.group]
-                    for a, b, steps in zc.update_segments(used_of[i]):
-                        seg_states = {n: st[a:b] for n, st in zip(names, states)}
-                        step = torch.tensor(float(steps), device=master.device)
-                        update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
+                    if self.algorithm.generic is not None:  # any elementwise torch optimizer, per parameter
+                        self.algorithm.generic.update(zc, used_of[i], group, master, grad, dict(zip(names, states)))
+                    else:
+                        for a, b, steps in zc.update_segments(used_of[i]):
+                            seg_states = {n: st[a:b] for n, st in zip(names, states)}
+                            step = torch.tensor(float(steps), device=master.device)
+                            update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
                     zc.write_back(master)
             if zc.homes.optim is Tier.NVME:
                 self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
@@ -394,6 +468,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.monitor.close()
         self.hooks.remove()
         if self.activations is not None:
             self.activations.remove()

@@ -33,6 +33,7 @@ from hetero.checkpoint import parallel as par
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.errors import CheckpointError
 from hetero.memory import Tier
+from hetero.progress import bar
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
@@ -50,7 +51,10 @@ def save_checkpoint(
     lr_scheduler: Any = None,
     tag: str | None = None,
 ) -> str:
-    """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory."""
+    """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory.
+    lr_scheduler: default, the one given to `hetero.initialize`."""
+    if lr_scheduler is None:
+        lr_scheduler = getattr(engine, "lr_scheduler", None)
     comm = par.world(engine)  # every rank of the job; engine.comm is the data-parallel group
     root = os.path.abspath(os.fspath(path))
     tag = tag if tag is not None else default_tag(engine)
@@ -70,11 +74,11 @@ def save_checkpoint(
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
         raise CheckpointError(value)
-    tmp = value
+    tmp = os.path.join(root, os.path.basename(value))  # rank 0's directory, as this rank sees the root
+    _check_shared(comm, root, tmp)
     # 2. every rank writes its shard
     fname = mf.rank_file(comm.global_rank(comm.rank))
     try:
-        os.makedirs(tmp, exist_ok=True)  # present already on a shared file system
         info = _write_rank(engine, os.path.join(tmp, fname), plan)
         info.update(_rank_info(engine, fname))
         _test_pause("shard-written")
@@ -98,9 +102,28 @@ def save_checkpoint(
     return os.path.join(root, tag)
 
 
+def _check_shared(comm: Any, root: str, tmp: str) -> None:
+    """[Note: a shared file system]
+    Every rank writes its file into the temporary directory rank 0 made, and a load reads every rank's file: across
+    nodes the root must be one file system that all of them mount at the same path (NFS, Lustre, GPFS, ...). A rank
+    that does not see rank 0's directory is on another file system; every rank stops with the same error before a
+    byte is written."""
+    seen = comm.all_gather_object(os.path.isdir(tmp))
+    if all(seen):
+        return
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    raise CheckpointError(
+        f"{root} is not one shared directory: ranks {blind} do not see the directory rank 0 made in it "
+        f"({os.path.basename(tmp)}). Checkpoints of a job on several nodes need a file system every node mounts at "
+        "the same path (NFS, Lustre, GPFS, ...): save under such a path. Nothing was written"
+    )
+
+
 def default_tag(engine: Engine) -> str:
     tag = f"step-{engine.global_steps:08d}"
-    if engine.micro_steps % engine.config.grad_accumulation_steps:
+    if engine.accumulated:
         tag += f"-micro-{engine.micro_steps:08d}"  # saved in the middle of gradient accumulation
     return tag
 
@@ -133,7 +156,7 @@ def _owned(zc: Any, rank: int) -> tuple[int, int]:
 def _plan(engine: Engine) -> list[_Item]:
     rank, stage = engine.comm.rank, engine.stage
     replicas = par.saves_replicated(engine)  # see [Note: parallel layouts in a checkpoint]
-    pending = engine.micro_steps % engine.config.grad_accumulation_steps != 0
+    pending = engine.accumulated != 0
     items: list[_Item] = []
     for zc in engine.chunks:
         lo, hi = _owned(zc, rank)
@@ -224,6 +247,13 @@ def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
     one when the host has no room for a second."""
     m = engine.manager
     in_flight: list[tuple[Any, bool, Any]] = []  # (chunk or None, read back from NVMe, future), in submission order
+    total = sum(it.numel * it.dtype.itemsize for it in plan)
+    shown = bar(
+        total, "hetero: saving checkpoint", unit="B", rank=par.world(engine).rank, config=engine.config.progress
+    )
+    sizes = {}  # chunk id -> bytes of its run, for the bar
+    for it in plan:
+        sizes[id(it.chunk)] = sizes.get(id(it.chunk), 0) + it.numel * it.dtype.itemsize
 
     def retire() -> None:
         chunk, was_nvme, future = in_flight.pop(0)
@@ -232,6 +262,7 @@ def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
         finally:
             if chunk is not None:
                 m.unpin(chunk)
+        shown.update(sizes.get(id(chunk), 0) if chunk is not None else 0)
         if was_nvme:
             m.move(chunk, Tier.NVME)  # back home; clean, so no write
 
@@ -270,6 +301,7 @@ def _write_rank(engine: Engine, path: str, plan: list[_Item]) -> dict[str, Any]:
             while in_flight:
                 retire()
         finally:
+            shown.close()
             for chunk, _, future in in_flight:  # after an error: wait for the threads before letting go of memory
                 future.exception()
                 if chunk is not None:
@@ -304,6 +336,12 @@ def _rank_info(engine: Engine, fname: str) -> dict[str, Any]:
         "param_steps": {
             par.stored_name(info): zc.param_steps[i] for zc in engine.chunks for i, info in enumerate(zc.spec.params)
         },
+        # 0-d per-parameter states of an optimizer on the generic path (NAdam's mu_product, ...), by name.
+        "optim_scalars": (
+            engine.algorithm.generic.scalars_by_name(engine.chunks, par.stored_name)
+            if engine.algorithm.generic is not None
+            else {}
+        ),
     }
 
 
@@ -402,17 +440,26 @@ def _latest(root: str) -> str | None:
         return None
 
 
-_NOT_PER_RANK = ("size", "header_crc32", "tensors", "model", "param_steps")  # in the manifest's files and model
+_NOT_PER_RANK = (
+    "size",
+    "header_crc32",
+    "tensors",
+    "model",
+    "param_steps",
+    "optim_scalars",
+)  # in the manifest's files and model
 
 
 def _engine_state(engine: Engine, infos: list[dict[str, Any]]) -> dict[str, Any]:
     steps = {k: v for i in infos for k, v in i["param_steps"].items()}
     return {
         "micro_steps": engine.micro_steps,
+        "accumulated": engine.accumulated,
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "grad_accumulation_steps": engine.config.grad_accumulation_steps,
-        "pending_grads": engine.micro_steps % engine.config.grad_accumulation_steps != 0,
+        "pending_grads": engine.accumulated != 0,
+        "optim_scalars": {k: v for i in infos for k, v in i["optim_scalars"].items()},
         "scaler": dataclasses.asdict(engine.scaler) if engine.scaler is not None else None,
         "last_grad_norm": getattr(engine, "last_grad_norm", None),
         "param_steps": steps,
