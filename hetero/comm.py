@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import CommError, RankTimeoutError
+from hetero.launch import adopt_launcher_env
 
 logger = logging.getLogger("hetero.comm")
 
@@ -588,14 +589,16 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 600) -> Comm
     """Join the process group described by torchrun's environment variables and return the world Comm.
 
     If ``torch.distributed`` is already initialised, that group is used as is. WORLD_SIZE unset or 1 gives a
-    size-1 Comm with no group. ``backend`` defaults to "nccl" with CUDA, else "gloo". ``timeout_s`` bounds
-    every collective, so a dead or hung rank ends in an error instead of a hang.
+    size-1 Comm with no group, unless SLURM or MPI started several tasks: then their variables say where this
+    process is (``hetero.launch``, [Note: launchers]). ``backend`` defaults to "nccl" with CUDA, else "gloo".
+    ``timeout_s`` bounds every collective, so a dead or hung rank ends in an error instead of a hang.
     """
     global _group_timeout
     if timeout_s <= 0:
         raise ValueError(f"timeout_s = {timeout_s} must be positive")
     if dist.is_available() and dist.is_initialized():
         return Comm.world()
+    adopt_launcher_env()  # srun / mpirun without torchrun: join their tasks, never train alone silently
     world_size = _env_int("WORLD_SIZE", required=False)
     if world_size is None or world_size == 1:
         return Comm()

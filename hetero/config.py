@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hetero.config_deepspeed import from_deepspeed, key_hint, value_hint
 from hetero.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -279,6 +280,14 @@ class Config:
     def from_dict(cls, d: Mapping[str, Any]) -> Config:
         return _build(cls, d, prefix="")
 
+    @classmethod
+    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> Config:
+        """Translate a DeepSpeed config (a dict or a .json path): ZeRO stage, offload devices and nvme_path,
+        fp16/bf16, gradient accumulation and clipping, tensorboard/wandb. What has no translation (the optimizer,
+        the scheduler, batch sizes, tuning knobs) is named in a warning with what to do instead; strict=True makes
+        that a ConfigError. See [Note: translating a DeepSpeed config] in hetero/config_deepspeed.py."""
+        return cls.from_dict(from_deepspeed(ds_config, strict=strict))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -302,7 +311,9 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys here: {', '.join(names)}")
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'{hint}{key_hint(str(key))} Valid keys here: {', '.join(names)}"
+            )
         sub = _NESTED.get((cls, key))
         if sub is not None and not isinstance(value, sub):
             value = _build(sub, value, prefix=f"{prefix}{key}.")
@@ -312,7 +323,9 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
 
 def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+        raise ConfigError(
+            f"{key}: {value!r} is not valid{value_hint(value)}; choose one of {', '.join(map(repr, choices))}"
+        )
 
 
 def _check_activation(checkpointing: object, offload: object) -> None:
