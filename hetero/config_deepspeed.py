@@ -73,6 +73,7 @@ _ZERO_TUNING = {
     "zero_quantized_weights": "not available",
     "zero_quantized_gradients": "not available",
     "mics_shard_size": "not available",
+    "aio": "hetero sizes its NVMe I/O itself (O_DIRECT, its own thread pool)",
 }
 _OFFLOAD_TUNING = ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read",
                    "pipeline_write", "ratio")  # fmt: skip
