@@ -69,9 +69,8 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer | None) -> 
             "(scheduler.step(val_loss)) and leave lr_scheduler unset"
         )
     target = getattr(scheduler, "optimizer", None)
-    if target is not None and [g["params"] for g in target.param_groups] != [
-        g["params"] for g in optimizer.param_groups
-    ]:
+    ids = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+    if target is not None and [[id(p) for p in g["params"]] for g in target.param_groups] != ids:
         raise ConfigError(
             "lr_scheduler: it was built on another optimizer; build it on the optimizer you pass to "
             "hetero.initialize (its param groups are the ones the engine updates)"
