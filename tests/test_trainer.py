@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("accelerate")
 
 from hetero.errors import ConfigError  # noqa: E402

@@ -42,6 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import hetero
+from hetero.config import Config
+from hetero.errors import ConfigError
+
 try:
     import transformers
 except ImportError as e:  # an optional extra
@@ -49,9 +53,14 @@ except ImportError as e:  # an optional extra
         "hetero.integrations.transformers needs transformers and accelerate: pip install 'hetero[transformers]'"
     ) from e
 
-import hetero
-from hetero.config import Config
-from hetero.errors import ConfigError
+# The Trainer methods overridden here (_clip_grad_norm, _get_grad_norm, loss_is_scaled_for_ga, ...) are those of
+# transformers 5; 4.x computes the gradient norm inline in its loop, where hetero's could not be reported.
+MIN_TRANSFORMERS = (5, 0)
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+    raise ImportError(
+        f"HeteroTrainer needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (found "
+        f"{transformers.__version__}): pip install -U 'hetero[transformers]'"
+    )
 
 log = logging.getLogger("hetero.integrations")
 
@@ -219,7 +228,7 @@ class HeteroTrainer(transformers.Trainer):
         if self.args.n_gpu > 1:
             loss = loss.mean()
         # The Trainer's own scaling for accumulation (transformers.Trainer.training_step).
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                 self.compute_loss_func is not None
