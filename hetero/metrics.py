@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ log = logging.getLogger("hetero.metrics")
 
 class Monitor:
     def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+        self._engine_ref = weakref.ref(engine)  # the engine owns its monitor: no cycle that delays freeing it
         self._losses: list[torch.Tensor] = []  # detached losses of the micro-batches since the last update
         self._tokens = 0  # tokens of the micro-batches since the last update
         self._given_tokens = False  # step() has been given token counts
@@ -60,13 +61,14 @@ class Monitor:
         self._losses.clear()
         self._tokens = 0
         self._since = now
-        if self._sinks and self._engine.global_steps % self._engine.config.log.every == 0:
+        e = self._engine_ref()
+        if self._sinks and e.global_steps % e.config.log.every == 0:
             values = _scalars(self.metrics())
             for sink in self._sinks:
-                sink.write(values, self._engine.global_steps)
+                sink.write(values, e.global_steps)
 
     def metrics(self) -> dict[str, Any]:
-        e = self._engine
+        e = self._engine_ref()
         stats = e.manager.memory_stats()
         groups = e.optimizer.param_groups if e.optimizer is not None else []
         return {
