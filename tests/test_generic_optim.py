@@ -128,19 +128,14 @@ def test_checkpoint_keeps_states_and_hyperparameters(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("make", "why"),
-    [
-        (lambda ps: torch.optim.Adafactor(ps, lr=0.01), "row and column"),
-        (lambda ps: torch.optim.LBFGS(ps), "closure"),
-        (lambda ps: torch.optim.SparseAdam(ps), "sparse"),
-    ],
+    ("name", "why"), [("Adafactor", "row and column"), ("LBFGS", "closure"), ("SparseAdam", "sparse")]
 )
-def test_non_elementwise_optimizers_are_refused(make, why):
-    if "Adafactor" in repr(make) and not hasattr(torch.optim, "Adafactor"):
-        pytest.skip("this torch has no torch.optim.Adafactor")
+def test_non_elementwise_optimizers_are_refused(name, why):
+    if not hasattr(torch.optim, name):
+        pytest.skip(f"this torch has no torch.optim.{name}")
     model = parity.build()
     with pytest.raises(ConfigError, match=why):
-        hetero.initialize(model, make(list(model.parameters())), {})
+        hetero.initialize(model, getattr(torch.optim, name)(list(model.parameters())), {})
 
 
 class _RowNormalized(torch.optim.Optimizer):

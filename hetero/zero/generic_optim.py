@@ -8,8 +8,9 @@ and get torch's fused kernels on whole runs (hetero/zero/optim.py). Any other op
 `step()` on a shadow instance whose param group holds one flat view per parameter piece of the shard: the view
 writes into the master shard, `.grad` views the reduced gradient, and the state dict handed in views the chunk's
 state buffers, so the class's own code (foreach or not, every hyperparameter of the user's param group) does the
-arithmetic. A parameter's first step gets an empty state, which the class initialises its own way (Adagrad's
-`initial_accumulator_value`, ...), then copied into the chunk. 0-d states other than "step" (NAdam's `mu_product`,
+arithmetic. A parameter's first step gets the state the class initialises its own way (Adagrad's
+`initial_accumulator_value`, ...; in step(), or in the constructor of a throwaway instance), then copied into the
+chunk. 0-d states other than "step" (NAdam's `mu_product`,
 ASGD's `eta`, `mu`) are per parameter, kept here by (chunk, parameter) and saved in checkpoints by name.
 
 Whether a class qualifies is probed once, on a small matrix, before anything is built: two steps on the whole
@@ -151,7 +152,13 @@ class GenericUpdate:
             p = master[a - lo : b - lo]
             p.grad = grad[a - lo : b - lo]
             views = {n: states[n][a - lo : b - lo] for n in self.state_names}
-            if steps_before[i] > 0:
+            if steps_before[i] == 0:
+                # Some classes make a parameter's state in their constructor, not in step() (Adagrad in older torch):
+                # a throwaway instance over this view gives it its first state either way.
+                first = _shadow(self.cls, [p], hyper).state.get(p)
+                if first:
+                    shadow.state[p] = dict(first)
+            else:
                 st: dict[str, Any] = dict(views)
                 st.update(self.scalars.get((zc.spec.index, i), {}))
                 step = float(steps_before[i])
