@@ -53,7 +53,7 @@ def train(engine: hetero.Engine, rank: int, world: int, start: int, stop: int) -
         engine.backward(loss)
         engine.step()
         mean = loss.detach().float().reshape(1).clone()
-        engine.comm.all_reduce(mean, op="avg")
+        engine.comm.control.all_reduce(mean, op="avg")
         out.append(mean.item())
     return out
 

@@ -15,8 +15,8 @@ import torch  # noqa: F401
 import hetero
 from hetero import progress
 from hetero.checkpoint import consolidate, verify
+from hetero.comm.launchers import adopt_launcher_env
 from hetero.errors import CheckpointError, CommError
-from hetero.launch import adopt_launcher_env
 from tests import parity
 from tests.dist import free_port, run_distributed
 
