@@ -17,6 +17,11 @@ import torch
 import hetero
 from hetero.models.gpt import GPT, GPTConfig
 
+try:
+    from tests import tolerance
+except ImportError:  # tests/ itself on sys.path
+    import tolerance  # type: ignore[no-redef]
+
 # No biases: a key projection's bias gets a zero gradient in exact arithmetic (softmax ignores a per-query constant),
 # so Adam turns its rounding noise into full-size updates and no two summation orders agree on it.
 GPT_CFG = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False)
@@ -107,6 +112,32 @@ def reference(
         losses.append(total)
     state = {k: v.detach().clone() if full else v.detach().float().clone() for k, v in model.state_dict().items()}
     return losses, state
+
+
+_REFERENCES: dict[str, tuple] = {}
+
+
+def cached_reference(precision: str, **kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    key = repr((precision, sorted(kwargs.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference(precision=precision, **kwargs)
+    return _REFERENCES[key]
+
+
+def check(result: dict, precision: str = "fp32", **kwargs: Any) -> None:
+    """hetero's losses and weights against plain PyTorch in float64 (the exact run), with plain PyTorch in the same
+    precision setting the scale of rounding error (see [Note: tolerances from the arithmetic] in tests/tolerance.py).
+    kwargs: the run, as `reference` takes it (steps, rows, accum, clip, optimizer, freeze, model_overrides)."""
+    exact_losses, exact = cached_reference("fp64", **kwargs)
+    plain_losses, plain = cached_reference(precision, **kwargs)
+    dtype = DTYPES[precision]
+    tolerance.assert_losses(result["losses"], exact_losses, plain_losses, dtype=dtype)
+    if dtype == torch.float32:
+        tolerance.assert_weights(result["state"], exact, plain, dtype=dtype)
+    else:
+        initial = initial_state(**(kwargs.get("model_overrides") or {}))
+        tolerance.assert_learns(exact, plain, initial)
+        tolerance.assert_weights(result["state"], exact, plain, dtype=dtype, initial=initial)
 
 
 def run_hetero(

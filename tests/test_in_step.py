@@ -51,6 +51,8 @@ def _run_budgets(rank: int, world: int, nvme_root: str, ratio: int) -> dict:
         device, host = SMALL[stage]
         if offload == "device":
             device = 200  # everything on the device: room for all of it on both ranks, still 100x apart below
+        if offload == "host":
+            host = 200  # the host holds every optimizer state: the device is the squeezed tier
         big = ratio if rank == 0 else 1
         cfg = _config(stage, offload, device * big, host * big)
         nvme = os.path.join(nvme_root, f"{stage}-{offload}") if offload == "nvme" else None
@@ -101,6 +103,7 @@ def _run_branchy(rank: int, world: int, nvme_root: str) -> dict:
         cfg = {"zero_stage": stage, "chunk_size": 512}
         out[stage] = branchy.run(rank, world, cfg, steps=4)
     cfg = {"zero_stage": 3, "chunk_size": 512, "offload": {"params": "nvme", "optimizer": "nvme"}}
+    os.makedirs(os.path.join(nvme_root, str(rank)), exist_ok=True)
     cfg["memory"] = {"nvme_dir": os.path.join(nvme_root, str(rank)), "device_budget": 6 * 512 * 4}
     out["3-nvme"] = branchy.run(rank, world, cfg, steps=4)
     return out
@@ -194,7 +197,7 @@ def test_a_hung_rank_is_named_after_comm_timeout():
 @pytest.mark.timeout(120)
 def test_a_dead_rank_is_an_error_not_a_hang():
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_run_one_rank_stops, 2, "dies", timeout=60)
+        run_distributed(_run_one_rank_stops, 2, "dies", timeout=60, report_grace=30)
     report = info.value.results.get(0)
     assert report is not None and report != "no error", info.value
     seconds, _, message = report.partition("|")

@@ -14,11 +14,10 @@ import hetero
 from hetero.errors import ConfigError
 
 try:
-    from tests import parity, tolerance
+    from tests import parity
     from tests.dist import run_distributed
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
-    import tolerance  # type: ignore[no-redef]
     from dist import run_distributed  # type: ignore[no-redef]
 
 STEPS, ROWS = 10, 4
@@ -47,17 +46,7 @@ def _run_matrix(rank: int, world: int, configs: list[dict], nvme_root: str) -> d
     return out
 
 
-_REFERENCE: dict[str, tuple] = {}
 _RESULTS: dict[int, dict] = {}
-
-
-def _reference(precision: str, **kwargs: object) -> tuple:
-    """Plain PyTorch on one process (cached): the run hetero must match, in `precision` or "fp64"."""
-    kwargs = {"steps": STEPS, "rows": ROWS, **kwargs}
-    key = repr((precision, sorted(kwargs.items())))
-    if key not in _REFERENCE:
-        _REFERENCE[key] = parity.reference(precision=precision, **kwargs)
-    return _REFERENCE[key]
 
 
 def _results(world: int) -> dict:
@@ -72,19 +61,8 @@ def _results(world: int) -> dict:
 
 
 def _assert_parity(result: dict, precision: str, **kwargs: object) -> None:
-    """hetero against plain PyTorch in float64 (the exact run), with plain PyTorch in the same precision setting the
-    scale of rounding error; see [Note: tolerances from the arithmetic] in tests/tolerance.py."""
-    exact_losses, exact = _reference("fp64", **kwargs)
-    plain_losses, plain = _reference(precision, **kwargs)
-    dtype = parity.DTYPES[precision]
-    tolerance.assert_losses(result["losses"], exact_losses, plain_losses, dtype=dtype)
-    if dtype == torch.float32:
-        tolerance.assert_weights(result["state"], exact, plain, dtype=dtype)
-    else:
-        overrides = kwargs.get("model_overrides") or {}
-        initial = parity.initial_state(**overrides)
-        tolerance.assert_learns(exact, plain, initial)
-        tolerance.assert_weights(result["state"], exact, plain, dtype=dtype, initial=initial)
+    kwargs = {"steps": STEPS, "rows": ROWS, **kwargs}
+    parity.check(result, precision, **kwargs)
 
 
 @pytest.mark.timeout(900)
