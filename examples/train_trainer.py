@@ -29,7 +29,9 @@ try:
 except ImportError:
     sys.exit("this example needs transformers and accelerate: pip install 'hetero[transformers]'")
 
-from hetero.data import VOCAB_SIZE, encode, load_corpus
+# corpus.py, next to this file (on sys.path when run as a script), reads the shipped byte-level corpus.
+from corpus import VOCAB_SIZE, encode, load_corpus
+
 from hetero.integrations.transformers import HeteroTrainer
 
 # Why --compare's tolerance is what it is: both runs do the same fp32 arithmetic except the order of a few

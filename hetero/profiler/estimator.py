@@ -3,7 +3,7 @@
 [Note: the engine's own arithmetic]
 The estimate is not a rule of thumb: it builds the chunk layout the engine would build (`build_layout` on the
 model's parameter shapes, with the same optimizer param groups, chunk size and world size) and then, per chunk, the
-buffers each ZeRO stage keeps (`hetero/zero/chunks.py`, [Note: what each stage keeps]) on the tier the offload
+buffers each ZeRO stage keeps (`hetero/zero/zero_chunk.py`, [Note: what each stage keeps]) on the tier the offload
 config puts them. These *resident* model states are what the engine's tier ledgers hold between steps, byte for
 byte. On top come *transient* buffers that exist only during a step: stage-3 chunks gathered for use (the one in use
 plus `prefetch_depth` arriving and one being released), per-micro-batch gradient buffers and the reduce-scatters in
@@ -26,12 +26,14 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
-from hetero.profiler.layouts import default_seq_len, gpt_for_params, hf_model_from_config
 from hetero.profiler.machine import Machine
+from hetero.profiler.meta_models import default_seq_len, gpt_for_params, hf_model_from_config
+from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 from hetero.zero.protocol import KEEP_UNITS, gathered_peak
+from hetero.zero.stages import STAGES, Placement
 from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
@@ -96,6 +98,7 @@ class Estimate:
     activations: ActivationEstimate | None = None
     machine: Machine | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    parallel: dict[str, Any] = field(default_factory=dict)  # the tensor / sequence layout (empty without one)
 
     # ---- figures ------------------------------------------------------------------------------------------
     def bytes(self, tier: str, kind: str | None = None) -> int:
@@ -141,6 +144,7 @@ class Estimate:
                 "offload": {"params": self.offload_params, "optimizer": self.offload_optimizer},
             },
             "optimizer": self.optimizer,
+            "parallel": dict(self.parallel),
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "per_rank": {t: {k: self.bytes(t, k) for k in KINDS} | {"total": self.bytes(t)} for t in TIERS},
@@ -162,6 +166,12 @@ class Estimate:
             f" ({self.ranks_per_node} per node), ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}, offload"
             f" params={self.offload_params} optimizer={self.offload_optimizer}"
         )
+        if self.parallel:
+            p = self.parallel
+            head += (
+                f"; per tensor rank of tensor {p['tensor']} ({p['tensor_mode']}, sequence {p['sequence']}), ZeRO over"
+                f" {p['zero_world']} ranks"
+            )
         act = self.activations
         sub = f"micro-batch {self.batch_size} x {self.seq_len} tokens per rank"
         if act is not None:
@@ -228,15 +238,13 @@ def estimate(
     for key, value in (("offload.params", cfg.offload.params), ("offload.optimizer", cfg.offload.optimizer)):
         if value == "auto":
             raise ConfigError(f'{key}: "auto" has no fixed placement to estimate; the candidates list shows each one')
-    if cfg.offload.params != "device" and cfg.zero_stage != 3:
-        raise ConfigError(
-            f"offload.params: {cfg.offload.params!r} needs zero_stage 3 (as in the engine); got {cfg.zero_stage}"
-        )
     model = _as_model(model_or_param_count)
     opt = _as_optimizer(optimizer, model)
+    # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
+    model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
     algo = algorithm_of(opt)
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
-    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=world_size)
+    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world)
     dtype = COMPUTE_DTYPES[cfg.precision]
     seq = seq_len if seq_len is not None else default_seq_len(model)
     act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
@@ -258,7 +266,7 @@ def estimate(
             specs,
             gathered=gathered,
             stage=stage,
-            world=world_size,
+            world=zero_world,
             dtype=dtype,
             n_states=len(algo.state_names),
             params=params,
@@ -285,6 +293,15 @@ def estimate(
         activations=act,
         machine=machine,
     )
+    if cfg.parallel.tensor > 1:
+        p = cfg.parallel
+        est.parallel = {
+            "tensor": p.tensor,
+            "tensor_mode": p.tensor_mode,
+            "tensor_depth": p.tensor_depth,
+            "sequence": p.sequence,
+            "zero_world": zero_world,
+        }
     est.resident, est.transient = placed(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer)
     if machine is not None:
         for stage, params, optim in CANDIDATES:
@@ -320,9 +337,11 @@ def _place(
     optim: str,
     prefetch_depth: int,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Per tier and kind: the resident bytes of every chunk's buffers, and the transient peak of a step."""
+    """Per tier and kind: the resident bytes of every chunk's buffers (the engine's table: [Note: what each stage
+    keeps]), and the transient peak of a step."""
     resident, transient = _zeros(), _zeros()
-    compute = "device" if optim == "device" else "host"  # where gradients accumulate and the optimizer steps
+    layout = STAGES[stage]
+    compute = Placement.of(params, optim).compute.label  # where gradients accumulate and the optimizer steps
     full_chunks: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
     shards: list[int] = []  # stage 3: bytes of each parameter shard
     grad_full: list[int] = []  # stages 2-3: each chunk's per-micro-batch fp32 gradient buffer
@@ -331,7 +350,7 @@ def _place(
     for spec in specs:
         cap = spec.capacity
         shard = cap // world
-        if stage < 3:
+        if not layout.params_sharded:
             resident["device"]["parameters"] += cap * dtype.itemsize
         else:
             resident[params]["parameters"] += shard * dtype.itemsize
@@ -339,17 +358,17 @@ def _place(
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
             continue
-        if stage >= 2 and optim == "nvme":
+        if layout.grads_sharded and optim == "nvme":
             # Streamed update: each gradient shard is released once its chunk has stepped and holds no data until
             # the next backward's reduce-scatter, so between steps it takes nothing (engine: [Note: the update
             # pipeline]); from backward to the update they all live.
             transient[compute]["gradients"] += shard * 4
         else:
-            resident[compute]["gradients"] += (cap if stage < 2 else shard) * 4
-        if stage >= 2:
+            resident[compute]["gradients"] += layout.grad_numel(cap, world) * 4
+        if layout.grads_sharded:
             grad_full.append(cap * 4)
             reduce_targets.append(shard * 4)
-        s = cap if stage == 0 else shard
+        s = layout.optim_numel(cap, world)
         resident[optim]["master_weights"] += s * 4
         resident[optim]["optimizer_states"] += n_states * s * 4
         optim_chunks.append(s * 4 * (1 + n_states))
@@ -357,7 +376,7 @@ def _place(
     def largest(sizes: list[int], n: int) -> int:
         return sum(sorted(sizes, reverse=True)[:n])
 
-    if stage == 3:
+    if layout.params_sharded:
         working = prefetch_depth + 2  # in use, arriving ahead of use, being released
         transient["device"]["parameters"] += gathered + largest(full_chunks, prefetch_depth)
         if params != "device":

@@ -44,7 +44,7 @@ from hetero.errors import WeightsError
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.progress import bar as make_bar
 from hetero.zero import weights
-from hetero.zero.chunks import ZeroChunk, flat_values
+from hetero.zero.zero_chunk import ZeroChunk, flat_values
 
 log = logging.getLogger("hetero.zero")
 
