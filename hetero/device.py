@@ -317,6 +317,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def select_gpu(index: int) -> None:
+    """Make GPU `index` this process's current CUDA device (NCCL's groups use it)."""
+    torch.cuda.set_device(index)
+
+
 def gpu_count() -> int:
     """CUDA devices visible to this process (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

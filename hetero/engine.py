@@ -501,8 +501,6 @@ class Engine:
 
     def _move_buffers(self, model: nn.Module) -> None:
         for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is None:
-                    continue
+            for name, buf in list(module.named_buffers(recurse=False)):
                 cast = buf.is_floating_point() and self.dtype != torch.float32
-                module._buffers[name] = self.device.to_device(buf, self.dtype if cast else None)
+                setattr(module, name, self.device.to_device(buf, self.dtype if cast else None))  # keeps persistence

@@ -11,9 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "hetero"
 MAX_LINES = 450
 # Files allowed past MAX_LINES, each with its reason (say why, or split the file).
-LONG_FILES: dict[str, str] = {}
+LONG_FILES: dict[str, str] = {
+    "hetero/engine.py": "the composition plus the user-facing loop API (initialize's options, the accumulation "
+    "boundary and LR scheduler, metrics, the inference mode); each mechanism behind it lives in a file of its own",
+}
 # Roots of expressions whose private names are other projects' (PyTorch's C bindings, the standard library).
 EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "threading", "weakref", "functools"}
+# Private names of other projects' objects that hetero must read: a storage's identity (PyTorch), the attention
+# implementation a transformers config selects.
+EXTERNAL_ATTRS = {"_cdata", "_attn_implementation"}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -93,8 +99,10 @@ def test_no_module_touches_another_objects_private_attributes():
                     if _private(a.name)
                 ]
                 continue
-            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr) or node.attr in EXTERNAL_ATTRS:
                 continue
+            if node.attr.startswith("_hetero"):
+                continue  # hetero's own marks on torch objects (a parameter's shard, a module's region)
             value = node.value
             if isinstance(value, ast.Name) and value.id in ("self", "cls"):
                 continue  # its own attribute

@@ -21,7 +21,7 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
-from hetero.checkpoint.save import _buffers
+from hetero.checkpoint.plan import model_buffers
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
 from hetero.progress import bar
@@ -198,7 +198,7 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
         if n in saved and tuple(saved[n]["shape"]) != tuple(mine[n].shape)
     ]
     buffers = manifest["model"]["buffers"]
-    my_buffers = _buffers(engine)
+    my_buffers = model_buffers(engine)
     missing += [f"buffer {n}" for n in my_buffers if n not in buffers]
     shapes += [
         f"buffer {n}: checkpoint {tuple(buffers[n]['shape'])}, model {tuple(t.shape)}"
@@ -306,7 +306,7 @@ def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
 
 
 def _fill_buffers(engine: Engine, index: mf.Index) -> None:
-    for name, t in _buffers(engine).items():
+    for name, t in model_buffers(engine).items():
         tmp = torch.empty(t.numel(), dtype=index.reader(_buffer_file(index, name)).entry(mf.key("buffer", name)).dtype)
         index.fill("buffer", name, 0, tmp)
         with torch.no_grad():

@@ -346,16 +346,18 @@ class Collectives:
             raise ValueError(f"timeout = {timeout} must be positive seconds (or None for the group's own)")
         if self._local:
             return
+        if self.control is not self:  # a barrier moves no data: the control group's
+            self.control.barrier(timeout)
+            return
         if timeout is None:
-            self.control._run("barrier", dist.barrier)
+            self._run("barrier", dist.barrier)
             return
         td = datetime.timedelta(seconds=timeout)
         try:
-            ctl = self.control
-            if ctl._backend == "gloo" and hasattr(dist, "monitored_barrier"):
-                dist.monitored_barrier(group=ctl.group, timeout=td, wait_all_ranks=True)
+            if self._backend == "gloo" and hasattr(dist, "monitored_barrier"):
+                dist.monitored_barrier(group=self.group, timeout=td, wait_all_ranks=True)
             else:
-                work = dist.barrier(group=ctl.group, async_op=True)
+                work = dist.barrier(group=self.group, async_op=True)
                 if work is not None and work.wait(timeout=td) is False:
                     raise RuntimeError(f"barrier not completed within {timeout} s")
         except RuntimeError as err:

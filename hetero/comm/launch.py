@@ -8,12 +8,12 @@ import datetime
 import logging
 import os
 
-import torch
 import torch.distributed as dist
 
 from hetero.comm.group import Comm
 from hetero.comm.launchers import adopt_launcher_env
 from hetero.comm.rules import rules_for, set_world_rules
+from hetero.device import gpu_count, select_gpu
 from hetero.errors import CommError
 
 logger = logging.getLogger("hetero.comm")
@@ -79,14 +79,14 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
         raise CommError(f"environment variable MASTER_PORT = {port} is not a TCP port (1-65535)")
     lrank = local_rank()
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if gpu_count() else "gloo"
     if backend == "nccl":
-        if not torch.cuda.is_available():
+        if not gpu_count():
             raise CommError("backend 'nccl' needs CUDA, which is not available; use backend='gloo'")
         if "LOCAL_RANK" not in os.environ:
             # Without it every rank would pick GPU 0; torchrun always sets it.
             raise CommError("environment variable LOCAL_RANK is not set; nccl needs it to pick a GPU")
-        torch.cuda.set_device(lrank)
+        select_gpu(lrank)
     td = datetime.timedelta(seconds=timeout_s)
     try:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=td)

@@ -79,7 +79,7 @@ class EngineModule(nn.Module):
         return self.engine(*args, **kwargs)
 
     def _get_name(self) -> str:  # the Trainer's label smoother looks up the model class by this name
-        return self.module._get_name()
+        return type(self.module).__name__
 
 
 class _TrainerOptimizer(torch.optim.Optimizer):

@@ -187,7 +187,7 @@ def _initialise(
     by_index = {zc.spec.index: zc for zc in chunks}
     loaded: set[int] = set()
     sums = torch.zeros(len(chunks), dtype=torch.float64)
-    buffers = {id(b): (m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and b.is_meta}
+    buffers = {id(b): (m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False) if b.is_meta}
     real_buffers: dict[int, torch.Tensor] = {}
     written_any: set[int] = set()  # ids of params and buffers written (to skip subtrees an ancestor initialised)
 
@@ -253,7 +253,7 @@ def _initialise(
         )
     for key, value in real_buffers.items():
         module, name, _ = buffers[key]
-        module._buffers[name] = value
+        setattr(module, name, value)  # a registered buffer's slot: persistence kept
     _check_same_everywhere(sums, comm)
 
 
@@ -373,9 +373,9 @@ def _stream_weights(
         # Buffers first, while parameters still have no memory: an initialiser run for non-persistent buffers
         # (rotary tables) then writes nothing that matters.
         for module in model.modules():
-            for name, b in module._buffers.items():
-                if b is not None and id(b) in m.chosen:
-                    module._buffers[name] = read(b).to(b.dtype)
+            for name, b in list(module.named_buffers(recurse=False)):
+                if id(b) in m.chosen:
+                    setattr(module, name, read(b).to(b.dtype))
         _initialise_buffers(model)
         staging = _Staging(manager)
         progress = bar(sum(zc.spec.capacity * 4 for zc in chunks), "hetero: loading weights", unit="B")
@@ -394,7 +394,7 @@ def _initialise_buffers(model: nn.Module) -> None:
     """Run the own initialiser of each module that still has meta buffers (non-persistent ones: not in files)."""
     hf_init = getattr(model, "_init_weights", None)
     for module in model.modules():
-        metas = {id(b): (n, b) for n, b in module._buffers.items() if b is not None and b.is_meta}
+        metas = {id(b): (n, b) for n, b in module.named_buffers(recurse=False) if b.is_meta}
         if not metas:
             continue
         real: dict[int, torch.Tensor] = {}
@@ -410,4 +410,4 @@ def _initialise_buffers(model: nn.Module) -> None:
             elif callable(getattr(module, "reset_parameters", None)) and not list(module.parameters()):
                 module.reset_parameters()
         for key, value in real.items():
-            module._buffers[metas[key][0]] = value
+            setattr(module, metas[key][0], value)

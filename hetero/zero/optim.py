@@ -10,6 +10,7 @@ own `step()` on views of the flat shards (hetero/zero/generic_optim.py).
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,14 +80,12 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer | None) -> 
 
 
 def step_scheduler(scheduler: Any) -> None:
-    """Step an LR scheduler after a real update. The engine's update is an optimizer step that torch's scheduler
-    did not see (it watches the user's optimizer.step()): say so, or it warns that the schedule skipped a value."""
-    opt = getattr(scheduler, "optimizer", None)
-    if opt is not None:
-        opt._opt_called = True  # what torch's wrapped optimizer.step() sets
-        if getattr(opt, "_step_count", 1) < 1:  # the older (torch < 2.2) form of the same check
-            opt._step_count = 1
-    scheduler.step()
+    """Step an LR scheduler after a real update. The update is an optimizer step that torch's scheduler did not see
+    (it watches the user's `optimizer.step()`, which the engine never calls), so torch's warning that the schedule
+    was stepped before the optimizer would be wrong here: it is silenced for this call only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
 
 
 def _fused_ok(t: torch.Tensor) -> bool:

@@ -128,7 +128,7 @@ def keep_stages(
         if id(unit) not in kept:
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            parent._modules[leaf] = None  # nn.Module skips None children: parameters and state_dict drop it
+            setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
     return [StageChunk(i, count, groups[i]) for i in mine]
 
 
