@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hetero.config_deepspeed import from_deepspeed, key_hint, value_hint
 from hetero.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -110,6 +111,27 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for name in ("params", "optimizer"):
             _check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Where `engine.metrics()` also goes after every `every`-th update (rank 0 only); see hetero/metrics.py."""
+
+    tensorboard: str | None = None
+    """A directory for torch.utils.tensorboard event files (needs the tensorboard package)."""
+    wandb: str | None = None
+    """A Weights & Biases project name (needs the wandb package); an active wandb run is used as it is."""
+    every: int = 1
+    """Updates between two writes."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensorboard", "wandb"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise ConfigError(f"log.{name}: expected a string, got {type(v).__name__}")
+            if v is not None:
+                object.__setattr__(self, name, os.fspath(v))
+        _check_int("log.every", self.every, minimum=1)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -280,6 +302,11 @@ class Config:
     check_collectives: bool = True
     """Before each collective of the chunk protocol the ranks compare what they are about to run (a few bytes on a
     host-side group), so a rank that took another path fails at once with an error naming the module."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
+    progress: bool = True
+    """Progress bars for long work (initialisation, weight streaming, checkpoints) on a terminal, rank 0 only; the
+    environment variable HETERO_PROGRESS=0 turns them off too (hetero/progress.py)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
@@ -306,6 +333,8 @@ class Config:
                 f"offload.params: {self.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered "
                 f"for use only at stage 3); got zero_stage {self.zero_stage}"
             )
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"progress: expected true or false, got {self.progress!r}")
         uses_nvme = "nvme" in (self.offload.params, self.offload.optimizer)
         if uses_nvme and self.memory.nvme_dir is None:
             raise ConfigError(
@@ -330,6 +359,14 @@ class Config:
     def from_dict(cls, d: Mapping[str, Any]) -> Config:
         return _build(cls, d, prefix="")
 
+    @classmethod
+    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> Config:
+        """Translate a DeepSpeed config (a dict or a .json path): ZeRO stage, offload devices and nvme_path,
+        fp16/bf16, gradient accumulation and clipping, tensorboard/wandb. What has no translation (the optimizer,
+        the scheduler, batch sizes, tuning knobs) is named in a warning with what to do instead; strict=True makes
+        that a ConfigError. See [Note: translating a DeepSpeed config] in hetero/config_deepspeed.py."""
+        return cls.from_dict(from_deepspeed(ds_config, strict=strict))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -340,6 +377,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (Config, "offload"): OffloadConfig,
     (Config, "memory"): MemoryConfig,
     (Config, "parallel"): ParallelConfig,
+    (Config, "log"): LogConfig,
 }
 
 
@@ -352,7 +390,9 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys here: {', '.join(names)}")
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'{hint}{key_hint(str(key))} Valid keys here: {', '.join(names)}"
+            )
         sub = _NESTED.get((cls, key))
         if sub is not None and not isinstance(value, sub):
             value = _build(sub, value, prefix=f"{prefix}{key}.")
@@ -362,7 +402,9 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
 
 def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+        raise ConfigError(
+            f"{key}: {value!r} is not valid{value_hint(value)}; choose one of {', '.join(map(repr, choices))}"
+        )
 
 
 def _check_activation(checkpointing: object, offload: object) -> None:

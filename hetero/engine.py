@@ -24,11 +24,12 @@ from hetero.device import make_device
 from hetero.events import Events
 from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
+from hetero.metrics import Monitor
 from hetero.parallel import engine_glue
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
-from hetero.zero.optim import algorithm_of
+from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
@@ -46,12 +47,14 @@ _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     config: Config | dict[str, Any] | str | os.PathLike | None = None,
+    lr_scheduler: Any = None,
     *,
     comm: Comm | None = None,
     device: torch.device | str | None = None,
     weights: str | os.PathLike | None = None,
+    strict_weights: bool = False,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
@@ -59,23 +62,38 @@ def initialize(
     world, joined from torchrun's environment when not yet initialised); `config.parallel`'s tensor and pipeline
     degrees split it into a mesh (`engine.mesh`) and the rest is data parallel. device: default cuda:LOCAL_RANK, else
     CPU. The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights:
-    a .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
+    a .safetensors or .bin file, a directory of them or a Hugging Face index, streamed into the chunks instead
+    (hetero/zero/weights.py); strict_weights makes keys the model does not have an error rather than a warning.
+    optimizer None: an inference engine (forward only, no gradients). lr_scheduler: a scheduler built on `optimizer`;
+    the engine steps it once per real update (see `Engine.step`) and saves it in checkpoints.
     """
-    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
+    return Engine(
+        model,
+        optimizer,
+        Config.from_any(config),
+        lr_scheduler=lr_scheduler,
+        comm=comm,
+        device=device,
+        weights=weights,
+        strict_weights=strict_weights,
+    )
 
 
 class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         config: Config,
         *,
+        lr_scheduler: Any = None,
         comm: Comm | None = None,
         device: torch.device | str | None = None,
         weights: str | os.PathLike | None = None,
+        strict_weights: bool = False,
     ) -> None:
         self.config = config
+        self.inference = optimizer is None  # forward only: every chunk frozen, no gradients, no update
         # Hook points, any number of subscribers each (the profiler): the phases of a step, then close.
         self.events = Events(
             (
@@ -121,13 +139,23 @@ class Engine:
             for info, slot in zip(spec.params, zc.slots):
                 self._entries[id(info.param)] = Entry(zc, info, slot)
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
-        load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
+        load_values(
+            model,
+            self.chunks,
+            manager=self.manager,
+            comm=self.comm,
+            weights=weights,
+            strict=strict_weights,
+            progress=config.progress,
+        )
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):
             self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
         self._move_buffers(model)
         self.micro_steps = 0  # micro-batches seen (engine.step calls)
+        self.accumulated = 0  # micro-batches since the last update (0: at an accumulation boundary)
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override of the count
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
         # The collective protocol ([Note: every rank in step]): units and gathers at stage 3, the reduce order at
         # stages 2-3, and the check that every rank is about to run the same collective.
@@ -143,7 +171,9 @@ class Engine:
         self.updater = Updater(
             self.chunks, manager=self.manager, mesh=self.mesh, config=config, algorithm=self.algorithm, check=self.check
         )
-        self.optimizer = ZeroOptimizer(self.updater, optimizer)
+        self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
+        self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
+        self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
@@ -166,7 +196,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own.
-        training = torch.is_grad_enabled()
+        training = torch.is_grad_enabled() and not self.inference
         if self._stages is not None:
             raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
         if not self._in_step:
@@ -175,7 +205,8 @@ class Engine:
         self.events.emit("forward_begin")
         args, kwargs = self._to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
-        with self.device.compute_context(), saving:
+        no_grad = torch.no_grad() if self.inference else contextlib.nullcontext()
+        with self.device.compute_context(), saving, no_grad:
             out = self.module(*args, **kwargs)
         if self.gathers is not None:
             self.gathers.end_forward(training=training)
@@ -187,12 +218,18 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean.
+        scale_wrt_gas False: backward of the loss as given (a caller that already divided it, like HF's Trainer)."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to compute")
         self.events.emit("backward_begin")
+        self.monitor.loss(loss)
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        if scale_wrt_gas:
+            scale /= self.config.grad_accumulation_steps
         with self.device.compute_context():
-            (loss * (scale / self.config.grad_accumulation_steps)).backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
@@ -209,14 +246,42 @@ class Engine:
         self._in_step = False
         self.events.emit("backward_end")
 
-    def step(self) -> None:
-        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary."""
+    def step(self, *, tokens: int | None = None) -> None:
+        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary, then steps the
+        LR scheduler given to `initialize`. An update skipped for fp16 overflow is no optimizer step, so the
+        scheduler does not advance (torch's convention: a schedule counts `optimizer.step()`s, and GradScaler skips
+        that call on overflow). tokens: this micro-batch's token count, for `metrics()["tokens_per_s"]`."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): there is no update to step")
+        boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        if self.micro_steps % self.config.grad_accumulation_steps == 0:
+        self.accumulated += 1
+        self.monitor.micro_batch(tokens)
+        if boundary:
             self.events.emit("update_begin")
             self.optimizer.step()
+            self.accumulated = 0
+            if self.lr_scheduler is not None and not self.updater.last_update_skipped:
+                step_scheduler(self.lr_scheduler)
+            self.monitor.update()
             self.events.emit("update_end")
         self.events.emit("micro_step")
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the micro-batch being computed is the last of its accumulation: the next `step()` updates."""
+        if self._boundary is not None:
+            return self._boundary
+        return self.accumulated + 1 >= self.config.grad_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the count: the next `step()` updates (True) or only accumulates (False); None: count again.
+        A loop whose last accumulation is shorter (the end of an epoch) ends it with True."""
+        self._boundary = is_boundary
+
+    def metrics(self) -> dict[str, Any]:
+        """Step, loss scale, last gradient norm, skipped steps, learning rate, tokens/s (when `step` is given tokens),
+        per-tier memory and bytes moved between tiers (hetero/metrics.py)."""
+        return self.monitor.metrics()
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
@@ -378,14 +443,21 @@ class Engine:
         """The global gradient norm of the last update, before clipping (None before the first)."""
         return self.updater.last_grad_norm
 
+    @property
+    def last_update_skipped(self) -> bool:
+        """Whether the last update was skipped for fp16 overflow."""
+        return self.updater.last_update_skipped
+
     # ---- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The engine's own counters and the update's (steps, loss scale, last gradient norm); the chunks and the
         optimizer hold the rest, and `save_checkpoint` keeps all of it."""
-        return {"micro_steps": self.micro_steps, **self.updater.state_dict()}
+        return {"micro_steps": self.micro_steps, "accumulated": self.accumulated, **self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_steps = state["micro_steps"]
+        # Checkpoints from before the counter: every accumulation there had grad_accumulation_steps micro-batches.
+        self.accumulated = state.get("accumulated", self.micro_steps % self.config.grad_accumulation_steps)
         self.updater.load_state_dict(state)
 
     @property
@@ -402,6 +474,7 @@ class Engine:
             return
         self.events.emit("close")
         self._closed = True
+        self.monitor.close()
         self.hooks.remove()
         if self.activations is not None:
             self.activations.remove()

@@ -11,7 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "hetero"
 MAX_LINES = 450
 # Files allowed past MAX_LINES, each with its reason (say why, or split the file).
-LONG_FILES: dict[str, str] = {}
+LONG_FILES: dict[str, str] = {
+    "hetero/engine.py": "the composition plus the user-facing loop API (initialize's options, the accumulation "
+    "boundary and LR scheduler, metrics, the inference mode); each mechanism behind it lives in a file of its own",
+}
 # Roots of expressions whose private names are other projects' (PyTorch's C bindings, the standard library).
 EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "threading", "weakref", "functools"}
 # Private names of other projects' objects that hetero must read: a storage's identity (PyTorch), the attention

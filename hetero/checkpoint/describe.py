@@ -41,19 +41,33 @@ def rank_info(engine: Engine, fname: str) -> dict[str, Any]:
             for zc, st in zip(engine.chunks, states)
             for info, n in zip(zc.spec.params, st["param_steps"])
         },
+        # 0-d per-parameter states of an optimizer on the generic path (NAdam's mu_product, ...), by name.
+        "optim_scalars": (
+            engine.algorithm.generic.scalars_by_name(engine.chunks, par.stored_name)
+            if engine.algorithm.generic is not None
+            else {}
+        ),
     }
 
 
 # ---- rank 0: checks and commit -----------------------------------------------------------------------------------
-NOT_PER_RANK = ("size", "header_crc32", "tensors", "model", "param_steps")  # in the manifest's files and model
+NOT_PER_RANK = (
+    "size",
+    "header_crc32",
+    "tensors",
+    "model",
+    "param_steps",
+    "optim_scalars",
+)  # in the manifest's files and model
 
 
 def engine_state(engine: Engine, infos: list[dict[str, Any]]) -> dict[str, Any]:
     steps = {k: v for i in infos for k, v in i["param_steps"].items()}
     return {
-        **engine.state_dict(),  # micro_steps, global_steps, skipped_steps, last_grad_norm, scaler
+        **engine.state_dict(),  # micro_steps, accumulated, global_steps, skipped_steps, last_grad_norm, scaler
         "grad_accumulation_steps": engine.config.grad_accumulation_steps,
-        "pending_grads": engine.micro_steps % engine.config.grad_accumulation_steps != 0,
+        "pending_grads": engine.accumulated != 0,
+        "optim_scalars": {k: v for i in infos for k, v in i["optim_scalars"].items()},
         "param_steps": steps,
         "config": engine.config.to_dict(),
     }

@@ -38,7 +38,7 @@ def owned_range(zc: Any, rank: int) -> tuple[int, int]:
 def plan_items(engine: Engine) -> list[Item]:
     rank, stage = engine.comm.rank, engine.stage
     replicas = par.saves_replicated(engine)  # see [Note: parallel layouts in a checkpoint]
-    pending = engine.micro_steps % engine.config.grad_accumulation_steps != 0
+    pending = engine.accumulated != 0
     items: list[Item] = []
     for zc in engine.chunks:
         lo, hi = owned_range(zc, rank)

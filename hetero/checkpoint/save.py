@@ -33,6 +33,7 @@ from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, file_size, plan_items, residue
 from hetero.errors import CheckpointError
 from hetero.memory import Tier
+from hetero.progress import bar
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
@@ -50,7 +51,10 @@ def save_checkpoint(
     lr_scheduler: Any = None,
     tag: str | None = None,
 ) -> str:
-    """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory."""
+    """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory.
+    lr_scheduler: default, the one given to `hetero.initialize`."""
+    if lr_scheduler is None:
+        lr_scheduler = getattr(engine, "lr_scheduler", None)
     comm = par.world(engine)  # every rank of the job; engine.comm is the data-parallel group
     root = os.path.abspath(os.fspath(path))
     tag = tag if tag is not None else default_tag(engine)
@@ -70,11 +74,11 @@ def save_checkpoint(
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
         raise CheckpointError(value)
-    tmp = value
+    tmp = os.path.join(root, os.path.basename(value))  # rank 0's directory, as this rank sees the root
+    _check_shared(comm, root, tmp)
     # 2. every rank writes its shard
     fname = mf.rank_file(comm.global_rank(comm.rank))
     try:
-        os.makedirs(tmp, exist_ok=True)  # present already on a shared file system
         info = _write_rank(engine, os.path.join(tmp, fname), plan)
         info.update(rank_info(engine, fname))
         _test_pause("shard-written")
@@ -98,9 +102,28 @@ def save_checkpoint(
     return os.path.join(root, tag)
 
 
+def _check_shared(comm: Any, root: str, tmp: str) -> None:
+    """[Note: a shared file system]
+    Every rank writes its file into the temporary directory rank 0 made, and a load reads every rank's file: across
+    nodes the root must be one file system that all of them mount at the same path (NFS, Lustre, GPFS, ...). A rank
+    that does not see rank 0's directory is on another file system; every rank stops with the same error before a
+    byte is written."""
+    seen = comm.all_gather_object(os.path.isdir(tmp))
+    if all(seen):
+        return
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    raise CheckpointError(
+        f"{root} is not one shared directory: ranks {blind} do not see the directory rank 0 made in it "
+        f"({os.path.basename(tmp)}). Checkpoints of a job on several nodes need a file system every node mounts at "
+        "the same path (NFS, Lustre, GPFS, ...): save under such a path. Nothing was written"
+    )
+
+
 def default_tag(engine: Engine) -> str:
     tag = f"step-{engine.global_steps:08d}"
-    if engine.micro_steps % engine.config.grad_accumulation_steps:
+    if engine.accumulated:
         tag += f"-micro-{engine.micro_steps:08d}"  # saved in the middle of gradient accumulation
     return tag
 
@@ -121,6 +144,13 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
     one when the host has no room for a second."""
     m = engine.manager
     in_flight: list[tuple[Any, bool, Any]] = []  # (chunk or None, read back from NVMe, future), in submission order
+    total = sum(it.numel * it.dtype.itemsize for it in plan)
+    shown = bar(
+        total, "hetero: saving checkpoint", unit="B", rank=par.world(engine).rank, config=engine.config.progress
+    )
+    sizes: dict[int, int] = {}  # chunk id -> bytes of its run, for the bar
+    for it in plan:
+        sizes[id(it.chunk)] = sizes.get(id(it.chunk), 0) + it.numel * it.dtype.itemsize
 
     def retire() -> None:
         chunk, was_nvme, future = in_flight.pop(0)
@@ -129,6 +159,7 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
         finally:
             if chunk is not None:
                 m.unpin(chunk)
+        shown.update(sizes.get(id(chunk), 0) if chunk is not None else 0)
         if was_nvme:
             m.move(chunk, Tier.NVME)  # back home; clean, so no write
 
@@ -167,6 +198,7 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
             while in_flight:
                 retire()
         finally:
+            shown.close()
             for chunk, _, future in in_flight:  # after an error: wait for the threads before letting go of memory
                 future.exception()
                 if chunk is not None:

@@ -11,6 +11,7 @@ import os
 import torch.distributed as dist
 
 from hetero.comm.group import Comm
+from hetero.comm.launchers import adopt_launcher_env
 from hetero.comm.rules import rules_for, set_world_rules
 from hetero.device import gpu_count, select_gpu
 from hetero.errors import CommError
@@ -49,14 +50,16 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     """Join the process group described by torchrun's environment variables and return the world Comm.
 
     If ``torch.distributed`` is already initialised, that group is used as is (with ``timeout_s`` bounding hetero's
-    own waits). WORLD_SIZE unset or 1 gives a size-1 Comm with no group. ``backend`` defaults to "nccl" with CUDA,
-    else "gloo". ``timeout_s`` bounds every collective, so a dead or hung rank ends in an error naming it instead
-    of a hang.
+    own waits). WORLD_SIZE unset or 1 gives a size-1 Comm with no group, unless SLURM or MPI started several tasks:
+    then their variables say where this process is (`launchers.py`, [Note: launchers]). ``backend`` defaults to
+    "nccl" with CUDA, else "gloo". ``timeout_s`` bounds every collective, so a dead or hung rank ends in an error
+    naming it instead of a hang.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s = {timeout_s} must be positive")
     if dist.is_available() and dist.is_initialized():
         return Comm.world().with_timeout(timeout_s)
+    adopt_launcher_env()  # srun / mpirun without torchrun: join their tasks, never train alone silently
     world_size = _env_int("WORLD_SIZE", required=False)
     if world_size is None or world_size == 1:
         return Comm()

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def setup_parallel(
-    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ParallelConfig, world: Comm
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: ParallelConfig, world: Comm
 ) -> tuple[Mesh, list[StageChunk] | None]:
     """The mesh over `world`, and this rank's pipeline chunks (None without a pipeline); the model is cut and
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
@@ -59,7 +59,8 @@ def setup_parallel(
             model, rank=mesh.pp_rank, ranks=cfg.pipeline, virtual=cfg.virtual_stages, split=cfg.pipeline_split
         )
         kept = {id(p) for p in model.parameters()}
-        for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
+        # Groups stay (possibly empty): their indices name hyperparameters.
+        for group in optimizer.param_groups if optimizer is not None else []:
             group["params"] = [p for p in group["params"] if id(p) in kept]
     if split:
         from hetero.parallel.ring import apply_ring
