@@ -112,7 +112,8 @@ class OffloadConfig:
             _check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera")
+SPLITS = ("auto", "params")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,9 +129,14 @@ class ParallelConfig:
     pipeline: int = 1
     """Pipeline stages."""
     pipeline_split: tuple[str, ...] | str = "auto"
-    """FQNs where a new stage begins (pipeline * virtual_stages - 1 of them), or "auto": balanced by parameters."""
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    """Pipeline schedule."""
+    """FQNs where a new stage begins (pipeline * virtual_stages - 1 of them); "auto": stages balanced by each unit's
+    time, measured in a short warm-up (or `pipeline_costs`); "params": balanced by parameter count."""
+    pipeline_costs: Mapping[str, float] | tuple[float, ...] | None = None
+    """With pipeline_split "auto": each unit's cost instead of timing it, one number per unit in model order, or
+    unit-name patterns ("layers.*") -> cost (unmatched units cost 1)."""
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "chimera"] = "1f1b"
+    """Pipeline schedule; "chimera" runs two pipelines in opposite directions (an even number of stages, micro-batches
+    a multiple of it)."""
     microbatches: int = 1
     """Micro-batches train_batch splits each batch into (gradient accumulation within the batch)."""
     virtual_stages: int | None = None
@@ -149,9 +155,9 @@ class ParallelConfig:
         elif not isinstance(self.tensor_plan, Mapping):
             raise ConfigError(f'parallel.tensor_plan: expected a mapping or "auto", got {self.tensor_plan!r}')
         if isinstance(self.pipeline_split, str):
-            if self.pipeline_split != "auto":
+            if self.pipeline_split not in SPLITS:
                 raise ConfigError(
-                    f'parallel.pipeline_split: expected "auto" or a list of FQNs, got {self.pipeline_split!r}'
+                    f'parallel.pipeline_split: expected "auto", "params" or a list of FQNs, got {self.pipeline_split!r}'
                 )
         else:
             if not all(isinstance(s, str) for s in self.pipeline_split):
@@ -163,7 +169,15 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.schedule: {self.schedule!r} is not a schedule{hint} Choose one of {', '.join(SCHEDULES)}"
             )
+        self._check_costs()
         interleaved = self.schedule == "interleaved_1f1b"
+        uneven = self.pipeline % 2 or self.microbatches % self.pipeline
+        if self.schedule == "chimera" and self.pipeline > 1 and uneven:
+            raise ConfigError(
+                f"parallel.schedule 'chimera' needs an even parallel.pipeline (got {self.pipeline}) and "
+                f"parallel.microbatches a multiple of it (got {self.microbatches}): half of the micro-batches run "
+                "each direction, in basic units of pipeline / 2"
+            )
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", 2 if interleaved else 1)
         _check_int("parallel.virtual_stages", self.virtual_stages, minimum=1)
@@ -182,6 +196,23 @@ class ParallelConfig:
                 f"parallel.pipeline_split names {len(self.pipeline_split)} FQNs; {self.stages} stages "
                 f"(pipeline {self.pipeline} x virtual_stages {self.virtual_stages}) begin at {self.stages - 1}"
             )
+
+    def _check_costs(self) -> None:
+        costs = self.pipeline_costs
+        if costs is None:
+            return
+        if self.pipeline_split != "auto":
+            raise ConfigError(
+                f'parallel.pipeline_costs balances pipeline_split "auto"; pipeline_split is {self.pipeline_split!r}'
+            )
+        values = list(costs.values()) if isinstance(costs, Mapping) else costs
+        if isinstance(costs, (str, bytes)) or not isinstance(values, (list, tuple)):
+            raise ConfigError(f"parallel.pipeline_costs: expected a list of numbers or a mapping, got {costs!r}")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"parallel.pipeline_costs: every cost must be a number > 0, got {v!r}")
+        if not isinstance(costs, Mapping):
+            object.__setattr__(self, "pipeline_costs", tuple(float(v) for v in costs))
 
     @property
     def stages(self) -> int:

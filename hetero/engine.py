@@ -25,7 +25,7 @@ from hetero.errors import ConfigError
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
-from hetero.zero.activation import ActivationMemory
+from hetero.zero.activation import ActivationMemory, choose_blocks
 from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
@@ -93,10 +93,13 @@ class Engine:
     ) -> None:
         self.config = config
         world = comm if comm is not None else init_from_env()
-        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
-        self.mesh, self._stages = engine_glue.setup_parallel(model, optimizer, config.parallel, world)
-        self.comm = self.mesh.dp  # the data-parallel group: ZeRO shards and reduces over it
         self.device = Device(device)
+        if config.activation_checkpointing and config.parallel.pipeline > 1:
+            choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
+        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
+        self.mesh, self._stages, self.comm = engine_glue.setup_parallel(
+            model, optimizer, config.parallel, world, self.device
+        )  # comm: the group ZeRO shards and reduces over (data-parallel; with Chimera, both replicas' ranks)
         self.module = model  # the user's model, modified in place: parameter names unchanged
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
@@ -146,6 +149,7 @@ class Engine:
                 offload=config.activation_offload,
                 manager=self.manager,
                 device=self.device,
+                strict=self._stages is None,
             )
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
@@ -156,7 +160,9 @@ class Engine:
         # without autograd (evaluation, generation) is a step of its own.
         training = torch.is_grad_enabled()
         if self._stages is not None:
-            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
+            raise RuntimeError(
+                "with parallel.pipeline > 1 the model runs in stages: call engine.train_batch or engine.eval_batch"
+            )
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -219,6 +225,15 @@ class Engine:
         mean = loss.detach().float().clone()
         self.comm.all_reduce(mean, op="avg")
         return mean
+
+    def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
+        """A forward only, through every stage and shard (no gradients, weights unchanged). With labels: the mean
+        loss over the global batch, on every rank (loss_fn None: the model's own `.loss` with labels=). Without:
+        the outputs of this data-parallel rank's batch (the last stage's, whole logits), on every rank. See
+        `hetero/parallel/evaluation.py`."""
+        from hetero.parallel.evaluation import eval_batch
+
+        return eval_batch(self, inputs, labels, loss_fn)
 
     # ---- the update ---------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -383,11 +398,11 @@ class Engine:
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.comm.rank
+        return self.mesh.dp_rank
 
     @property
     def data_parallel_size(self) -> int:
-        return self.comm.size
+        return self.mesh.dp_size
 
     def close(self) -> None:
         """Remove the hooks, free every chunk and delete swap files. The model's parameters are left empty."""

@@ -28,8 +28,16 @@ def build(seed: int = 0) -> GPTPipe:
     return GPTPipe(GPTConfig(**CFG))
 
 
-def reference(steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> tuple[list[float], dict, float]:
-    """Plain PyTorch on the global batch: losses, final weights, and the last step's gradient norm."""
+def eval_data(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch the models are evaluated on after training (not one they trained on)."""
+    return parity.batches(1, rows, seed=7)[0]
+
+
+def reference(
+    steps: int = STEPS, rows: int = ROWS, clip: float | None = None
+) -> tuple[list[float], dict, float, dict[str, Any]]:
+    """Plain PyTorch on the global batch: losses, final weights, the last step's gradient norm, and the trained
+    model's evaluation on `eval_data` (its loss and logits)."""
     model = build()
     opt = parity.make_optimizer(model)
     losses, norm = [], float("nan")
@@ -40,7 +48,10 @@ def reference(steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+    x, y = eval_data(rows)
+    with torch.no_grad():
+        evals = {"loss": model(x, labels=y).loss.item(), "logits": model(x).logits}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm, evals
 
 
 def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROWS) -> dict[str, Any]:
@@ -59,6 +70,10 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
     for x, y in parity.batches(steps, rows):
         loss = engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local])
         losses.append(float(loss))
+    x, y = eval_data(rows)
+    mine = slice(dpr * local, (dpr + 1) * local)
+    eval_loss = float(engine.eval_batch(x[mine], y[mine]))
+    eval_logits = engine.eval_batch(x[mine])  # this data-parallel rank's rows, whole, on every rank
     mesh = engine.mesh
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
     if mesh.dp_rank != 0:
@@ -72,6 +87,9 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
         "reductions": reductions[0],
         "trainable_chunks": len(engine._trainable),
         "shards": shards,
+        "eval_loss": eval_loss,
+        "eval_logits": eval_logits.logits if hasattr(eval_logits, "logits") else eval_logits,
+        "rows": (mine.start, mine.stop),
     }
     engine.close()
     return out
@@ -99,12 +117,17 @@ def check(results: list[dict], ref: tuple[list[float], dict, float], *, weight_a
     """Losses and gradient norm at rel 1e-5 on every rank; the final weights, merged over stages and unsharded over
     tensor ranks. weight_atol: tensor parallelism sums each gradient in another order, and Adam turns a near-zero
     gradient's rounding into a visible step, so its layouts compare weights at 1e-5 absolute."""
-    ref_losses, ref_state, ref_norm = ref
+    ref_losses, ref_state, ref_norm, ref_eval = ref
     merged: dict[str, torch.Tensor] = {}
     by_stage: dict[int, list[dict]] = {}  # pipeline rank -> the first data-parallel rank's results, by tensor rank
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), **TOL)
         assert abs(r["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (r["grad_norm"], ref_norm)
+        # eval_batch: the global mean loss, and this data-parallel rank's whole logits, on every rank
+        assert abs(r["eval_loss"] - ref_eval["loss"]) <= TOL["rtol"] * ref_eval["loss"], (r["eval_loss"], ref_eval)
+        a, b = r["rows"]
+        logits = r["eval_logits"].float()
+        torch.testing.assert_close(logits, ref_eval["logits"][a:b], rtol=TOL["rtol"], atol=weight_atol)
         if r["state"] is not None:
             by_stage.setdefault(r["coords"][2], []).append(r)
     for ranks in by_stage.values():

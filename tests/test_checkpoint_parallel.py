@@ -101,7 +101,7 @@ def _check_consolidated(root: str) -> None:
     state = load_file(out)
     model = pipe_parity.build(seed=3)
     model.load_state_dict(state, strict=True)
-    _, ref, _ = pipe_parity.reference(steps=N, rows=ROWS)
+    _, ref, _, _ = pipe_parity.reference(steps=N, rows=ROWS)
     for k, v in ref.items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 

@@ -14,6 +14,7 @@ of once per micro-batch. Stages 0-1 accumulate locally and reduce at the update 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,22 +24,30 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.config import ParallelConfig
+from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.memory import TensorState
 from hetero.parallel.mesh import Mesh
+from hetero.parallel.pipeline.balance import unit_costs
+from hetero.parallel.pipeline.chimera import replica_group
 from hetero.parallel.pipeline.runtime import PipelineRuntime
-from hetero.parallel.pipeline.split import StageChunk, keep_stages
+from hetero.parallel.pipeline.split import StageChunk, keep_stages, units_of
+
+log = logging.getLogger("hetero.parallel")
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
 
 
 def setup_parallel(
-    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ParallelConfig, world: Comm
-) -> tuple[Mesh, list[StageChunk] | None]:
-    """The mesh over `world`, and this rank's pipeline chunks (None without a pipeline); the model is cut and
+    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ParallelConfig, world: Comm, device: Device
+) -> tuple[Mesh, list[StageChunk] | None, Comm]:
+    """The mesh over `world`, this rank's pipeline chunks (None without a pipeline) and the group ZeRO shards over
+    (the data-parallel group; with Chimera, that of both replicas of this rank's stages); the model is cut and
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
     mesh = Mesh.build(world, tensor=cfg.tensor, pipeline=cfg.pipeline)
+    chimera = cfg.schedule == "chimera" and cfg.pipeline > 1
+    zero = replica_group(mesh, world) if chimera else mesh.dp
     chunks = None
     plan: Any = cfg.tensor_plan
     if cfg.tensor > 1:
@@ -47,8 +56,18 @@ def setup_parallel(
         # Resolved on the whole model: a pattern must match somewhere in it, not on every stage.
         plan = resolve_plan(model, plan)
     if cfg.pipeline > 1:
+        costs = None
+        if cfg.pipeline_split == "auto":
+            costs, basis = unit_costs(model, units_of(model), given=cfg.pipeline_costs, world=world, device=device)
+            log.info("pipeline stages balanced by %s%s", basis, f": {[f'{c:.3g}' for c in costs]}" if costs else "")
         chunks = keep_stages(
-            model, rank=mesh.pp_rank, ranks=cfg.pipeline, virtual=cfg.virtual_stages, split=cfg.pipeline_split
+            model,
+            rank=mesh.pp_rank,
+            ranks=cfg.pipeline,
+            virtual=cfg.virtual_stages,
+            split=cfg.pipeline_split,
+            costs=costs,
+            bidirectional=chimera,
         )
         kept = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
@@ -64,7 +83,7 @@ def setup_parallel(
             head = getattr(m, "lm_head", None)
             if m is not model and hasattr(m, "loss_function") and hasattr(getattr(head, "weight", None), "_hetero_tp"):
                 m.loss_function = AlignedLMLoss(mesh.tp)
-    return mesh, chunks
+    return mesh, chunks, zero
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -97,6 +116,10 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     ys = [_to(y, engine.device.torch_device) for y in split_batch(labels, m)]
     scale = engine.scaler.scale if engine.scaler is not None else 1.0
     loss_scale = scale / (m * engine.config.grad_accumulation_steps)  # the mean over micro-batches and steps
+    if engine.comm.size > engine.mesh.dp_size:
+        # Chimera: each stage's gradient is split between its two replicas, which ZeRO averages as if they were
+        # data-parallel ranks; doubling makes that average their sum ([Note: Chimera's layout]).
+        loss_scale *= 2
     stage3 = engine.stage == 3
 
     def after_forward() -> None:
@@ -145,6 +168,8 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
             zc.accumulate_full = False
         for zc in engine.chunks:
             zc.settle()
+        if engine.activations is not None:
+            engine.activations.step_end()  # offloaded inputs of blocks whose recomputation never ran
         engine.manager.step_end()
         engine._in_step = False
     engine.step()
@@ -154,7 +179,7 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
         mean = mean.to(engine.device.torch_device)
         mesh.pp.all_reduce(mean, op="sum")  # only the last stage's is not zero
     mean = mean.to(engine.device.torch_device)
-    engine.comm.all_reduce(mean, op="avg")
+    mesh.dp.all_reduce(mean, op="avg")
     return mean.cpu()
 
 
@@ -181,6 +206,8 @@ def grad_stats(engine: Engine) -> tuple[float, bool]:
         engine.comm.all_reduce(sq, op="sum")
     mesh.tp.all_reduce(sq, op="sum")
     mesh.pp.all_reduce(sq, op="sum")
+    if engine.comm.size > mesh.dp_size:
+        sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
     value = float(sq)
     return value, math.isfinite(value)
 

@@ -23,7 +23,7 @@ import torch
 
 from hetero.comm import Comm
 from hetero.errors import HeteroError
-from hetero.parallel.pipeline.schedule import Action, Exchange, Message, build, programs
+from hetero.parallel.pipeline.schedule import Action, Exchange, Message, build, programs, stage
 from hetero.parallel.pipeline.split import StageChunk
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -57,8 +57,9 @@ class PipelineRuntime:
         virtual: int,
         device: torch.device,
     ) -> None:
-        self.chunks = chunks  # this rank's model chunks; chunks[c] is virtual stage c * p + rank
+        self.chunks = chunks  # this rank's model chunks; chunks[c] is virtual stage c * p + rank (Chimera: see there)
         self.pp = pp
+        self.schedule = schedule
         self.p, self.v, self.m = pp.size, virtual, microbatches
         self.actions: list[Action] = build(schedule, self.p, microbatches, pp.rank, virtual)
         self.last_stage = self.p * self.v - 1
@@ -70,9 +71,6 @@ class PipelineRuntime:
         pp.barrier()
         self.measure = False  # fill `stats` (saved-tensor accounting costs a hook per saved tensor)
         self.stats = RunStats()
-
-    def _stage(self, chunk: int) -> int:
-        return chunk * self.p + self.pp.rank
 
     def run(
         self,
@@ -102,7 +100,7 @@ class PipelineRuntime:
                 stats.wait_s += time.perf_counter() - start
                 continue
             a, start = item, time.perf_counter()
-            s = self._stage(a.chunk)
+            s = stage(a, self.p, self.pp.rank)
             key = (a.chunk, a.microbatch)
             if a.kind == "F":
                 if s == 0:
