@@ -73,13 +73,15 @@ def unit_costs(
     given: Mapping[str, float] | Sequence[float] | None,
     world: Comm,
     device: Device,
+    sample: torch.Tensor | None = None,
 ) -> tuple[list[float] | None, str]:
     """(cost per unit, how it was found: "given" | "timed" | "flops"), or (None, why) to balance by parameters.
-    Identical on every rank of `world` (every rank calls it)."""
+    Identical on every rank of `world` (every rank calls it). sample: the first unit's input (default: guessed,
+    see the note)."""
     names = [n for n, _ in units]
     if given is not None:
         return given_costs(names, given), "given"
-    sample = sample_input(model, units)
+    sample = sample if sample is not None else sample_input(model, units)
     if sample is None:
         return None, "no sample input to time the units with (give parallel.pipeline_costs)"
     meta = any(p.is_meta for p in model.parameters())

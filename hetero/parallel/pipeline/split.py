@@ -102,20 +102,23 @@ def boundaries(
 
 
 def _balanced(sizes: list[float], k: int) -> list[int]:
-    """Starts of k non-empty runs of `sizes` minimising the largest run's sum (dynamic programming)."""
+    """Starts of k non-empty runs of `sizes` minimising the largest run's sum, then (among cuts with the same
+    largest run) the sum of the runs' squares, so that the runs besides the largest are balanced too (dynamic
+    programming)."""
     n = len(sizes)
-    prefix = [0]
+    prefix = [0.0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
-    inf = float("inf")
-    # best[j][i]: smallest possible largest-run sum cutting the first i units into j runs
-    best: list[list[float]] = [[inf] * (n + 1) for _ in range(k + 1)]
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: (largest run, sum of squares) of the best cut of the first i units into j runs
+    best: list[list[tuple[float, float]]] = [[inf] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for j in range(1, k + 1):
         for i in range(j, n + 1):
             for a in range(j - 1, i):
-                cost = max(best[j - 1][a], prefix[i] - prefix[a])
+                run = prefix[i] - prefix[a]
+                cost = (max(best[j - 1][a][0], run), best[j - 1][a][1] + run * run)
                 if cost < best[j][i]:
                     best[j][i], cut[j][i] = cost, a
     starts, i = [], n
