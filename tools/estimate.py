@@ -3,6 +3,9 @@
     python tools/estimate.py --hf-config config.json --zero-stage 3 --world-size 8
     python tools/estimate.py --params 13e9 --zero-stage 3 --offload-optimizer nvme --nvme-dir /mnt/nvme
     python tools/estimate.py --params 7e9 --device-memory 80GiB --host-memory 1TiB --nvme-space 4TiB --json
+    python tools/estimate.py --hf-config llama-70b.json --world-size 8 --tensor 4 --pipeline 2 --microbatches 8
+    python tools/estimate.py --hf-config llama-7b.json --world-size 8 --recommend --device-memory 80GiB \
+        --host-memory 1TiB --nvme-space 4TiB      # layouts that fit, ranked by predicted step time
 
 Without --device-memory / --host-memory / --nvme-space it checks this machine (its first GPU, its RAM and the free
 space of --nvme-dir). --json prints one JSON object (hetero.Estimate.to_dict()) instead of the table.
@@ -33,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-optimizer", choices=("device", "host", "nvme"))
     ap.add_argument("--nvme-dir", help="swap directory: its free space is the NVMe tier's capacity")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
-    ap.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks in all (data x tensor x pipeline)")
+    ap.add_argument("--tensor", type=int, help="tensor-parallel degree")
+    ap.add_argument("--tensor-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"), help="tensor-parallel mode")
+    ap.add_argument("--pipeline", type=int, help="pipeline degree")
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"), help="pipeline schedule")
+    ap.add_argument("--microbatches", type=int, help="micro-batches per batch (each of --batch-size sequences)")
+    ap.add_argument("--sequence", choices=("none", "megatron", "ulysses", "ring"), help="sequence parallelism")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     ap.add_argument(
         "--ranks-per-node", type=int, help="ranks sharing a node's RAM and NVMe (default: min(world, GPUs))"
     )
@@ -59,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     config["offload"] = offload
     if args.nvme_dir:
         config["memory"] = {**config.get("memory", {}), "nvme_dir": args.nvme_dir}
+    if args.schedule:
+        config["parallel"] = {**config.get("parallel", {}), "schedule": args.schedule}
+    if args.checkpointing:
+        config["activation_checkpointing"] = True
 
     given = (args.device_memory, args.host_memory, args.nvme_space)
     if any(given) and not all(given[:2]):
@@ -82,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             optimizer=args.optimizer,
             machine=machine,
             ranks_per_node=args.ranks_per_node,
+            tensor=args.tensor,
+            tensor_mode=args.tensor_mode,
+            pipeline=args.pipeline,
+            microbatches=args.microbatches,
+            sequence=args.sequence,
         )
     except hetero.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -28,6 +28,7 @@ from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
 from hetero.profiler.layouts import default_seq_len, gpt_for_params, hf_model_from_config
 from hetero.profiler.machine import Machine
+from hetero.profiler.parallel_layout import describe, layout_from, layout_ranks
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -79,7 +80,7 @@ class Estimate:
 
     n_params: int
     n_chunks: int
-    chunk_elements: int  # the chunks' total capacity: parameters plus padding
+    chunk_elements: int  # the chunks' total capacity: parameters plus padding (of the busiest rank, with a layout)
     world_size: int
     ranks_per_node: int
     zero_stage: int
@@ -94,6 +95,9 @@ class Estimate:
     activations: ActivationEstimate | None = None
     machine: Machine | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    chunk_params: int = 0  # parameters in this rank's chunks (n_params without a layout)
+    layout: dict[str, Any] = field(default_factory=dict)  # tensor, tensor_mode, sequence, pipeline, ... , data
+    per_pipeline_rank: list[dict[str, Any]] = field(default_factory=list)  # each pipeline rank's bytes (layouts)
 
     # ---- figures ------------------------------------------------------------------------------------------
     def bytes(self, tier: str, kind: str | None = None) -> int:
@@ -151,12 +155,14 @@ class Estimate:
             "short": list(self.short),
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
             "recommendation": None if rec is None else dataclasses.asdict(rec),
+            "layout": self.layout,
+            "per_pipeline_rank": self.per_pipeline_rank,
         }
 
     def table(self) -> str:
         head = (
-            f"hetero estimate: {self.n_params / 1e6:,.1f}M parameters in {self.n_chunks} chunks "
-            f"({100 * (self.chunk_elements / max(1, self.n_params) - 1):.1f}% padding), world {self.world_size}"
+            f"hetero estimate: {self.n_params / 1e6:,.1f}M parameters, {self.n_chunks} chunks per rank "
+            f"({100 * (self.chunk_elements / max(1, self.chunk_params) - 1):.1f}% padding), world {self.world_size}"
             f" ({self.ranks_per_node} per node), ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}, offload"
             f" params={self.offload_params} optimizer={self.offload_optimizer}"
         )
@@ -167,7 +173,10 @@ class Estimate:
             if act.note.startswith("not counted"):
                 sub += f" ({act.note}; pass inputs= as meta tensors)"
         cols = ("params", "grads", "master", "optim st.", "activ.", "buffers", "per rank", "needed")
-        lines = [head, sub, "", f"{'bytes':<8}" + "".join(f"{c:>12}" for c in cols) + f"{'usable':>12}  fits"]
+        lines = [head, sub]
+        if self.layout:
+            lines += describe(self.layout, self.per_pipeline_rank)
+        lines += ["", f"{'bytes':<8}" + "".join(f"{c:>12}" for c in cols) + f"{'usable':>12}  fits"]
         for t in TIERS:
             cells = [format_size(self.bytes(t, k)) for k in KINDS]
             cells += [format_size(self.bytes(t)), format_size(self.needed(t))]
@@ -209,6 +218,11 @@ def estimate(
     inputs: dict[str, Any] | None = None,
     machine: Machine | None | bool = True,
     ranks_per_node: int | None = None,
+    tensor: int | None = None,
+    tensor_mode: str = "1d",
+    pipeline: int | None = None,
+    microbatches: int | None = None,
+    sequence: bool | str | None = None,
 ) -> Estimate:
     """Bytes per tier and kind a training run of this model under `config` needs, and whether it fits.
 
@@ -219,6 +233,12 @@ def estimate(
     `input_ids` (default: input_ids and labels of [batch_size, seq_len]). machine: True reads this machine, a
     `Machine` describes another, False/None checks nothing. ranks_per_node: ranks sharing a node's host RAM and NVMe
     (default: the world size, at most the node's GPU count when it has GPUs).
+
+    Layouts (default: the config's "parallel" section): tensor degree and tensor_mode ("1d", "2d", "2.5d", "3d"),
+    pipeline degree (schedule, split and virtual stages from the config), microbatches, and sequence (None, True or
+    "megatron", "ulysses", "ring"); world_size counts every rank, the data-parallel degree is what is left. The bytes
+    are then those of the busiest pipeline rank, each rank's in `per_pipeline_rank` (see
+    `parallel_layout.py`, [Note: a layout's bytes per rank]); batch_size is the rows of one micro-batch.
     """
     cfg = Config.from_any(config)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -234,10 +254,25 @@ def estimate(
     opt = _as_optimizer(optimizer, model)
     algo = algorithm_of(opt)
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
-    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=world_size)
     dtype = COMPUTE_DTYPES[cfg.precision]
     seq = seq_len if seq_len is not None else default_seq_len(model)
-    act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+    layout = layout_from(cfg, tensor, tensor_mode, pipeline, microbatches, sequence)
+    zero_world, ranks = world_size, []
+    if layout is None:
+        specs = build_layout(model, opt, chunk_numel=chunk_numel, world=world_size)
+        act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+    else:
+        if inputs is None:
+            ids = torch.zeros(batch_size, seq, dtype=torch.long, device="meta")
+            inputs = {"input_ids": ids, "labels": ids}
+        checkpointing = bool(getattr(cfg, "activation_checkpointing", False))
+        ranks = layout_ranks(
+            model, opt, layout, world=world_size, chunk_numel=chunk_numel, inputs=inputs, dtype=dtype,
+            checkpointing=checkpointing,
+        )  # fmt: skip
+        zero_world = layout.check(world_size) * (2 if layout.chimera else 1)
+        specs = ranks[0][1]
+        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=checkpointing, note="")
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
     if machine is True:
@@ -248,11 +283,11 @@ def estimate(
         gpus = machine.gpus if machine is not None else 0
         ranks_per_node = min(world_size, gpus) if gpus else world_size
 
-    def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:
+    def placed_rank(stage: int, params: str, optim: str, rank_specs: list, activations: int) -> tuple[dict, dict]:
         resident, transient = _place(
-            specs,
+            rank_specs,
             stage=stage,
-            world=world_size,
+            world=zero_world,
             dtype=dtype,
             n_states=len(algo.state_names),
             params=params,
@@ -260,13 +295,21 @@ def estimate(
             prefetch_depth=cfg.prefetch_depth,
         )
         resident["device"]["buffers"] += buffers
-        transient["device"]["activations"] += act.bytes
+        transient["device"]["activations"] += activations
         return resident, transient
 
+    def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:
+        """The busiest rank's bytes (the only rank without a layout)."""
+        if not ranks:
+            return placed_rank(stage, params, optim, specs, act.bytes)
+        options = [placed_rank(stage, params, optim, sp, part.activations) for part, sp in ranks]
+        return max(options, key=lambda rt: sum(rt[0]["device"].values()) + sum(rt[1]["device"].values()))
+
     est = Estimate(
-        n_params=sum(p.numel for s in specs for p in s.params),
+        n_params=sum(p.numel() for p in model.parameters()),
         n_chunks=len(specs),
         chunk_elements=sum(s.capacity for s in specs),
+        chunk_params=sum(p.numel for s in specs for p in s.params),
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         zero_stage=cfg.zero_stage,
@@ -280,6 +323,26 @@ def estimate(
         machine=machine,
     )
     est.resident, est.transient = placed(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer)
+    if layout is not None:
+        est.layout = {**dataclasses.asdict(layout), "data": layout.check(world_size)}
+        est.layout.pop("plan")
+        for part, sp in ranks:
+            res, tra = placed_rank(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer, sp, part.activations)
+            est.per_pipeline_rank.append(
+                {
+                    "pipeline_rank": part.pipeline_rank,
+                    "units": part.units,
+                    "model_state": {t: sum(res[t][k] for k in MODEL_STATE_KINDS) for t in TIERS},
+                    "activations": part.activations,
+                    "device": sum(res["device"].values()) + sum(tra["device"].values()),
+                }
+            )
+        worst = max(est.per_pipeline_rank, key=lambda r: r["device"])
+        busiest = ranks[worst["pipeline_rank"]][1]
+        est.n_chunks, est.chunk_elements = len(busiest), sum(sp.capacity for sp in busiest)
+        est.chunk_params = sum(info.numel for sp in busiest for info in sp.params)
+        note = f"pipeline rank {worst['pipeline_rank']}"
+        est.activations = dataclasses.replace(act, bytes=worst["activations"], note=note)
     if machine is not None:
         for stage, params, optim in CANDIDATES:
             if "nvme" in (params, optim) and machine.nvme_bytes == 0:
