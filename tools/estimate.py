@@ -54,6 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-space", help="free NVMe space of one node, e.g. 4TiB")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target machine (with --device-memory)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    rec = ap.add_argument_group("--recommend: rank every layout that fits (hetero.plan)")
+    rec.add_argument("--recommend", action="store_true", help="list the layouts that fit, fastest predicted first")
+    rec.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 2 per rank)")
+    rec.add_argument("--top", type=int, default=15, help="layouts to print")
+    rec.add_argument("--max-tensor", type=int, help="largest tensor degree to try (default: GPUs per node)")
+    rec.add_argument(
+        "--tensor-modes",
+        help="tensor modes to try, e.g. 1d,2d,2.5d,3d (default: those hetero's config runs; others from their papers)",
+    )
+    for flag, what in (
+        ("--device-flops", "FLOP/s one GPU sustains, e.g. 445e12"),
+        ("--link-bandwidth", "collective bytes/s per GPU inside a node, e.g. 360GB"),
+        ("--network-bandwidth", "collective bytes/s per GPU across nodes, e.g. 25GB"),
+        ("--pcie-bandwidth", "GPU <-> host bytes/s, e.g. 50GB"),
+        ("--host-bandwidth", "host memory bytes/s for one rank's CPU optimizer step"),
+        ("--nvme-bandwidth", "a node's NVMe bytes/s"),
+    ):
+        rec.add_argument(flag, help=f"{what} (default: an 8-GPU H100 node's with --device-memory, else measured)")
     args = ap.parse_args(argv)
 
     config = dict(hetero.Config.from_any(args.config).to_dict()) if args.config else {}
@@ -86,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             gpus=args.gpus,
         )
     model = args.hf_config if args.hf_config is not None else args.params
+    if args.recommend:
+        return _recommend(args, model, config, machine)
     try:
         est = hetero.estimate(
             model,
@@ -106,6 +126,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(est.to_dict()) if args.json else est.table())
+    return 0
+
+
+def _recommend(args: argparse.Namespace, model: object, config: dict, machine: Machine | bool) -> int:
+    from hetero.profiler import Rates
+
+    overrides = {
+        "device_flops": args.device_flops,
+        "intra_bandwidth": args.link_bandwidth,
+        "inter_bandwidth": args.network_bandwidth,
+        "pcie_bandwidth": args.pcie_bandwidth,
+        "host_bandwidth": args.host_bandwidth,
+        "nvme_bandwidth": args.nvme_bandwidth,
+    }
+    if machine is True:
+        machine = Machine.detect(nvme_dir=args.nvme_dir)
+        rates = Rates.measure(nvme_dir=args.nvme_dir)
+        rates = Rates(**{**rates.to_dict(), **{k: float(v) for k, v in overrides.items() if v is not None}})
+    else:
+        rates = Rates.node(**overrides)
+    try:
+        result = hetero.plan(
+            model,
+            args.world_size,
+            machine=machine,
+            rates=rates,
+            global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            precision=config.get("precision", "bf16"),
+            optimizer=args.optimizer,
+            checkpointing=True if args.checkpointing else config.get("activation_checkpointing", True),
+            max_tensor=args.max_tensor,
+            tensor_modes=tuple(args.tensor_modes.split(",")) if args.tensor_modes else None,
+            nvme_dir=args.nvme_dir,
+        )
+    except hetero.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict()) if args.json else result.table(args.top))
     return 0
 
 

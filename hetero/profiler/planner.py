@@ -1,0 +1,465 @@
+"""`hetero.plan`: the layouts that fit a machine, ranked by the step time a stated cost model predicts.
+
+[Note: the planner's cost model]
+A layout is a tensor degree t and mode (and sequence form), a pipeline degree p and schedule, micro-batches m of b
+sequences, ZeRO stage and offload placement; the data-parallel degree is d = world / (t p), and d m b sequences of s
+tokens make the global batch. Whether it fits is the estimator's arithmetic for every pipeline rank (the engine's
+own chunk layout, [Note: a layout's bytes per rank]). Its step time, with the machine's `Rates`, is
+
+  compute   6 N + 12 L s h FLOPs per token (the matrices, forward and backward, plus attention's scores; 8/6 of
+            it with activation checkpointing), over all ranks at the device's rate;
+  bubble    the compute stretched by 1 / (1 - idle), idle the schedule's idle fraction simulated with the backward
+            taking twice the forward (`schedule.simulate_programs`);
+  tensor    per block and micro-batch, 4 linear layers each moving the mode's share of their activation
+            (`tensor_modes.py`), over the node's links (across nodes when t exceeds the node), plus a latency per
+            collective; not overlapped;
+  pipeline  per micro-batch, one activation forward and one gradient back per rank, plus latencies;
+  data      ZeRO's collectives over the d (2d under Chimera) replicas: stage 0 all-reduces fp32 gradients, stages 1-2
+            reduce-scatter them and all-gather the updated parameters, stage 3 reduce-scatters once and gathers the
+            parameters in every micro-batch's forward and backward;
+  offload   optimizer states on the host: gradients down and parameters up over PCIe and the update streaming 28
+            bytes per element through host memory (on the device: through device memory); on NVMe the states read
+            and written at the node's NVMe rate shared by its ranks; parameters on the host or NVMe read for every
+            forward and backward.
+
+The terms add up (nothing is assumed to overlap), and the ranking is what the model is for: the benchmark
+`benchmarks/planner_ranking.py` measures a handful of layouts on a machine and reports the rank correlation of
+predicted against measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.config import Config, format_size
+from hetero.errors import ConfigError
+from hetero.parallel.pipeline import schedule as S
+from hetero.profiler import estimator as E
+from hetero.profiler.layouts import default_seq_len
+from hetero.profiler.machine import Machine
+from hetero.profiler.parallel_layout import (
+    Layout,
+    ParamView,
+    _starts,
+    measure_units,
+    optimizer_view,
+    pipeline_units,
+    shard,
+)
+from hetero.profiler.rates import Rates
+from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES
+from hetero.zero.layout import build_layout
+from hetero.zero.optim import algorithm_of
+from hetero.zero.precision import COMPUTE_DTYPES
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "chimera", "gpipe")
+
+
+@dataclass(frozen=True)
+class Option:
+    layout: dict[str, Any]  # tensor, tensor_mode, sequence, pipeline, schedule, microbatches, data, rows
+    zero_stage: int
+    offload: dict[str, str]
+    needed: dict[str, int]  # per tier: device per rank, host and NVMe per node (the busiest pipeline rank)
+    fits: bool
+    seconds: float  # predicted step time
+    terms: dict[str, float]  # the cost model's terms ([Note: the planner's cost model])
+    config: dict[str, Any]  # hetero.initialize's config for this option
+
+    def label(self) -> str:
+        lay = self.layout
+        seq = f"+{lay['sequence']}" if lay["sequence"] else ""
+        pipe = f"pp{lay['pipeline']} {lay['schedule']}" if lay["pipeline"] > 1 else "pp1"
+        return (
+            f"tp{lay['tensor']} {lay['tensor_mode']}{seq} x {pipe} x dp{lay['data']}, m={lay['microbatches']} "
+            f"x {lay['rows']} rows, ZeRO-{self.zero_stage} params={self.offload['params']} "
+            f"optimizer={self.offload['optimizer']}"
+        )
+
+
+@dataclass
+class Plan:
+    world_size: int
+    global_batch: int
+    seq_len: int
+    machine: Machine
+    rates: Rates
+    options: list[Option] = field(default_factory=list)  # fitting ones first, fastest first
+    considered: int = 0
+
+    @property
+    def best(self) -> Option | None:
+        return next((o for o in self.options if o.fits), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "machine": dataclasses.asdict(self.machine),
+            "rates": self.rates.to_dict(),
+            "considered": self.considered,
+            "options": [dataclasses.asdict(o) for o in self.options],
+            "best": None if self.best is None else dataclasses.asdict(self.best),
+        }
+
+    def table(self, top: int = 15) -> str:
+        lines = [
+            f"hetero plan: world {self.world_size}, global batch {self.global_batch} x {self.seq_len} tokens; "
+            f"{self.considered} layouts considered, {sum(o.fits for o in self.options)} fit",
+            f"machine: {self.machine.describe()}",
+            f"rates: {self.rates.describe()}",
+            "cost model: compute / (1 - bubble) + tensor + pipeline + data + offload communication (hetero/profiler/"
+            "planner.py, [Note: the planner's cost model])",
+            "",
+        ]
+        fitting = [o for o in self.options if o.fits][:top]
+        for i, o in enumerate(fitting, 1):
+            terms = " ".join(f"{k} {v:.3g}" for k, v in o.terms.items() if v)
+            lines.append(f"{i:>3}. {o.seconds:9.3f} s  {o.label()}")
+            need = f"device {format_size(o.needed['device'])}, host {format_size(o.needed['host'])}"
+            lines.append(f"       {need}; {terms}")
+        if not fitting:
+            lines.append("nothing fits this machine: more ranks, more host memory or NVMe space")
+        if self.best is not None:
+            lines += ["", "config to paste (hetero.initialize):", _pretty(self.best.config)]
+        return "\n".join(lines)
+
+
+def _pretty(config: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(config, indent=2)
+
+
+def plan(
+    model_or_config: nn.Module | int | float | str | os.PathLike,
+    world_size: int,
+    *,
+    machine: Machine | None = None,
+    rates: Rates | None = None,
+    global_batch: int | None = None,
+    seq_len: int | None = None,
+    precision: str = "bf16",
+    optimizer: torch.optim.Optimizer | str = "adamw",
+    checkpointing: bool = True,
+    tensor_modes: tuple[str, ...] | None = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+    max_tensor: int | None = None,
+    chunk_size: int | str = "auto",
+    nvme_dir: str | None = None,
+) -> Plan:
+    """Every layout of `world_size` ranks, checked against `machine` and ranked by `rates` (see the note).
+
+    model_or_config: as `hetero.estimate` (a model, a Hugging Face config.json, a parameter count). machine:
+    default this machine; rates: default measured here (`Rates.measure`). global_batch: sequences per step
+    (default 2 per rank); the micro-batch rows follow from it. checkpointing: activation checkpointing of the blocks.
+    max_tensor: the largest tensor degree tried (default the node's GPUs, or the world). tensor_modes: the modes
+    tried (default: those this hetero's config accepts, `available_modes()`; others are ranked from their papers'
+    figures, and their config is for the keys of hetero's tensor-mode work). nvme_dir: written into the configs
+    that offload to NVMe (default a placeholder to replace).
+    """
+    tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    model = E._as_model(model_or_config)
+    opt = E._as_optimizer(optimizer, model)
+    machine = machine if machine is not None else Machine.detect()
+    rates = rates if rates is not None else Rates.measure()
+    seq = seq_len if seq_len is not None else default_seq_len(model)
+    batch = global_batch if global_batch is not None else 2 * world_size
+    dtype = COMPUTE_DTYPES[precision]
+    gpus = machine.gpus or world_size
+    ranks_per_node = min(world_size, gpus)
+    n_states = len(algorithm_of(opt).state_names)
+    chunk_numel = None if chunk_size == "auto" else Config.from_dict({"chunk_size": chunk_size}).chunk_size
+    shape = _shape(model)
+    prefetch = Config().prefetch_depth
+    buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
+    out = Plan(world_size, batch, seq, machine, rates)
+
+    @functools.cache
+    def sharded_for(t: int, mode: str, sequence: str | None) -> nn.Module:
+        return shard(model, Layout(tensor=t, tensor_mode=mode, sequence=sequence))
+
+    @functools.cache
+    def units_for(t: int, mode: str, sequence: str | None, rows: int = 1) -> tuple[Any, list, float]:
+        sharded = sharded_for(t, mode, sequence)
+        units, _ = pipeline_units(sharded)
+        ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+        share = (
+            SEQUENCE_FORMS[sequence][1](t)
+            if sequence in ("ulysses", "ring")
+            else TENSOR_MODES[mode].activation_share(t)
+            if mode != "1d"
+            else 1.0
+        )
+        measure_units(sharded, units, {"input_ids": ids, "labels": ids}, dtype, share)
+        return sharded, units, share
+
+    @functools.cache
+    def ranks_for(t: int, mode: str, sequence: str | None, p: int, chimera: bool, virtual: int) -> list | None:
+        sharded, units, _ = units_for(t, mode, sequence)
+        lay = Layout(tensor=t, tensor_mode=mode, sequence=sequence, pipeline=p, virtual=virtual,
+                     schedule="chimera" if chimera else "1f1b", split="params")  # fmt: skip
+        if len(units) < lay.stages:
+            return None
+        starts = _starts(units, lay, {}) + [len(units)]
+        stage_units = [units[starts[s] : starts[s + 1]] for s in range(lay.stages)]
+        data = world_size // (t * p)
+        zero_world = 2 * data if chimera else data
+        result = []
+        for k in range(p):
+            mine = lay.stages_of(k)
+            held = {id(q) for s in mine for u in stage_units[s] for _, q in u.params}
+            params = [(n, q) for n, q in sharded.named_parameters() if id(q) in held]
+            specs = build_layout(ParamView(params), optimizer_view(opt, model, params),  # type: ignore[arg-type]
+                                 chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
+            result.append((k, mine, stage_units, specs))
+        return result
+
+    for t, mode, sequence, p, sched, m in _grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules):
+        data = world_size // (t * p)
+        if batch % (data * m):
+            continue
+        rows = batch // (data * m)
+        chimera = sched == "chimera" and p > 1
+        virtual = 2 if sched == "interleaved_1f1b" and p > 1 else 1
+        try:
+            ranks = ranks_for(t, mode, sequence, p, chimera, virtual)
+        except ConfigError:
+            continue  # a degree the model's shapes do not divide by
+        if ranks is None:
+            continue
+        _, units_rows, _ = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
+        by_name = {u.name: u for u in units_rows}
+        acts = [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
+        idle = _idle(sched, p, m, virtual)
+        lay = {"tensor": t, "tensor_mode": mode, "sequence": sequence, "pipeline": p, "schedule": sched if p > 1
+               else "1f1b", "microbatches": m, "data": data, "rows": rows, "virtual_stages": virtual}  # fmt: skip
+        zero_world = 2 * data if chimera else data
+        for stage, params_at, optim_at in E.CANDIDATES:
+            if "nvme" in (params_at, optim_at) and machine.nvme_bytes == 0:
+                continue
+            out.considered += 1
+            # The busiest pipeline rank, as the estimator reports it: per rank on the device, per node elsewhere.
+            needed = {tier: -1 for tier in E.TIERS}
+            psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
+            for (_, _, _, specs), act in zip(ranks, acts):
+                resident, transient = E._place(specs, stage=stage, world=zero_world, dtype=dtype, n_states=n_states,
+                                               params=params_at, optim=optim_at, prefetch_depth=prefetch)  # fmt: skip
+                resident["device"]["buffers"] += buffers
+                transient["device"]["activations"] += act
+                per = {tier: sum(resident[tier].values()) + sum(transient[tier].values()) for tier in E.TIERS}
+                if per["device"] > needed["device"]:
+                    needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in E.TIERS}
+            fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in E.TIERS)
+            terms = _cost(shape, lay, stage, params_at, optim_at, psi, zero_world, idle, rates, dtype, gpus,
+                          ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
+            config = _config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
+            out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
+                                      sum(terms.values()), terms, config))  # fmt: skip
+    # Equal times: the option needing less device memory first (room for a larger batch).
+    out.options.sort(key=lambda o: (not o.fits, round(o.seconds, 9), o.needed["device"]))
+    return out
+
+
+def available_modes() -> tuple[str, ...]:
+    """The tensor modes `hetero.initialize` can run: 1D, and the others once the config has `tensor_mode`."""
+    from hetero.config import ParallelConfig
+
+    has = "tensor_mode" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    return tuple(TENSOR_MODES) if has else ("1d",)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
+def _shape(model: nn.Module) -> _Shape:
+    cfg = getattr(model, "config", None)
+
+    def get(*names: str, default: int = 0) -> int:
+        return next((int(v) for n in names if isinstance(v := getattr(cfg, n, None), int)), default)
+
+    heads = get("num_attention_heads", "n_head", default=1)
+    return _Shape(
+        params=sum(p.numel() for p in model.parameters()),
+        layers=get("num_hidden_layers", "n_layer", default=1),
+        hidden=get("hidden_size", "n_embd", default=1),
+        heads=heads,
+        kv_heads=get("num_key_value_heads", default=heads),
+        vocab=get("vocab_size", default=1),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _grid(
+    shape: _Shape,
+    world: int,
+    gpus: int,
+    max_tensor: int | None,
+    modes: tuple[str, ...],
+    schedules: tuple[str, ...],
+) -> Any:
+    top = max_tensor if max_tensor is not None else min(world, gpus)
+    for t in _divisors(world):
+        if t > top:
+            continue
+        for mode in modes if t > 1 else ("1d",):
+            if t > 1 and TENSOR_MODES[mode].check(t):
+                continue
+            forms: tuple[str | None, ...] = (None, "megatron") if t > 1 and mode == "1d" else (None,)
+            for sequence in forms:
+                for p in _divisors(world // t):
+                    if p > shape.layers:
+                        continue
+                    for sched in schedules if p > 1 else ("1f1b",):
+                        if sched == "chimera" and p % 2:
+                            continue
+                        for m in sorted({p, 2 * p, 4 * p}) if p > 1 else (1, 2):
+                            yield t, mode, sequence, p, sched, m
+
+
+def _activations(
+    rank: tuple, p: int, sched: str, m: int, virtual: int, checkpointing: bool, units: dict[str, Any]
+) -> int:
+    """Peak activation bytes the rank keeps (its schedule walked; see parallel_layout); `units`: by name, measured
+    at the micro-batch's rows."""
+    k, mine, stage_units, _ = rank
+    stage_units = [[units[u.name] for u in su] for su in stage_units]
+
+    def kept(s: int) -> int:
+        return sum(u.input if checkpointing and u.block else u.saved for u in stage_units[s])
+
+    if p == 1:
+        peak = sum(kept(s) for s in mine)
+    else:
+        alive = peak = 0
+        for a in S.build(sched, p, m, k, virtual):
+            alive += kept(S.stage(a, p, k)) * (1 if a.kind == "F" else -1)
+            peak = max(peak, alive)
+    if checkpointing:
+        peak += max((u.saved for s in mine for u in stage_units[s] if u.block), default=0)
+    return peak
+
+
+@functools.cache
+def _idle(sched: str, p: int, m: int, virtual: int) -> float:
+    if p == 1:
+        return 0.0
+    return S.simulate_programs(p, S.programs(sched, p, m, virtual), t_f=1.0, t_b=2.0).idle_fraction
+
+
+def _cap(machine: Machine, tier: str) -> int:
+    return {"device": machine.device_bytes, "host": machine.host_bytes, "nvme": machine.nvme_bytes}[tier]
+
+
+def _cost(
+    shape: _Shape,
+    lay: dict[str, Any],
+    stage: int,
+    params_at: str,
+    optim_at: str,
+    psi: int,
+    zero_world: int,
+    idle: float,
+    r: Rates,
+    dtype: torch.dtype,
+    gpus: int,
+    ranks_per_node: int,
+    seq: int,
+    batch: int,
+    world: int,
+    checkpointing: bool,
+) -> dict[str, float]:
+    """The cost model's terms in seconds ([Note: the planner's cost model]); psi: elements in the busiest rank's
+    chunks."""
+    t, p, m, rows = lay["tensor"], lay["pipeline"], lay["microbatches"], lay["rows"]
+    tokens = batch * seq
+    flops = (6 * shape.params + 12 * shape.layers * seq * shape.hidden) * tokens * (8 / 6 if checkpointing else 1)
+    compute = flops / (world * r.device_flops)
+    bubble = compute * idle / (1 - idle) if idle < 1 else float("inf")
+    size = dtype.itemsize
+    x = rows * seq * shape.hidden * size  # one micro-batch's activation at a block boundary
+    blocks = shape.layers / p
+    link = r.intra_bandwidth if t <= gpus else r.inter_bandwidth
+    tensor = 0.0
+    if t > 1:
+        factor = SEQUENCE_FORMS[lay["sequence"]][2](t) if lay["sequence"] else TENSOR_MODES[lay["tensor_mode"]].comm(t)
+        tensor = m * blocks * (4 * factor * x / link + 4 * 2 * r.latency)
+    pipe = 0.0
+    if p > 1:
+        per = x / t if lay["sequence"] == "megatron" else x
+        pipe = m * 2 * (per / (r.intra_bandwidth if t * p <= gpus else r.inter_bandwidth) + 2 * r.latency)
+    d = zero_world
+    span = r.intra_bandwidth if world <= gpus else r.inter_bandwidth
+    share = (d - 1) / d if d > 1 else 0.0
+    if stage == 0:
+        moved = 2 * share * 4 * psi
+    elif stage < 3:
+        moved = share * (4 + size) * psi
+    else:
+        moved = share * (4 * psi + m * 2 * size * psi)
+    data = moved / span + (2 * r.latency if d > 1 else 0.0)
+    shard = psi if stage == 0 else psi / d
+    offload = 0.0
+    if optim_at == "device":
+        offload += 28 * shard / r.device_memory_bandwidth
+    else:
+        offload += (4 + size) * shard / r.pcie_bandwidth + 28 * shard / r.host_bandwidth
+        if optim_at == "nvme":
+            offload += 24 * shard * ranks_per_node / max(r.nvme_bandwidth, 1.0)
+    if stage == 3 and params_at != "device":
+        reads = m * 2 * size * shard
+        offload += reads / r.pcie_bandwidth
+        if params_at == "nvme":
+            offload += reads * ranks_per_node / max(r.nvme_bandwidth, 1.0)
+    return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipe, "data": data, "offload": offload}
+
+
+def _config(
+    lay: dict[str, Any],
+    stage: int,
+    params_at: str,
+    optim_at: str,
+    precision: str,
+    checkpointing: bool,
+    nvme_dir: str | None,
+) -> dict[str, Any]:
+    parallel: dict[str, Any] = {"microbatches": lay["microbatches"]}
+    if lay["tensor"] > 1:
+        parallel.update(tensor=lay["tensor"], sequence=lay["sequence"] == "megatron")
+        if lay["tensor_mode"] != "1d" or lay["sequence"] not in (None, "megatron"):
+            # Modes beyond 1D and Ulysses / ring sequences: keys of hetero's tensor-mode work (issue 16).
+            parallel.update(tensor_mode=lay["tensor_mode"], sequence=lay["sequence"] or False)
+    if lay["pipeline"] > 1:
+        parallel.update(pipeline=lay["pipeline"], schedule=lay["schedule"], pipeline_split="auto")
+        if lay["virtual_stages"] > 1:
+            parallel["virtual_stages"] = lay["virtual_stages"]
+    config = {
+        "zero_stage": stage,
+        "precision": precision,
+        "offload": {"params": params_at, "optimizer": optim_at},
+        "activation_checkpointing": checkpointing,
+        "parallel": parallel,
+    }
+    if "nvme" in (params_at, optim_at):
+        config["memory"] = {"nvme_dir": nvme_dir or "/path/on/nvme"}
+    return config
