@@ -16,7 +16,8 @@ own chunk layout, [Note: a layout's bytes per rank]). Its step time, with the ma
   pipeline  per micro-batch, one activation forward and one gradient back per rank, plus latencies;
   data      ZeRO's collectives over the d (2d under Chimera) replicas: stage 0 all-reduces fp32 gradients, stages 1-2
             reduce-scatter them and all-gather the updated parameters, stage 3 reduce-scatters once and gathers the
-            parameters in every micro-batch's forward and backward;
+            parameters in every micro-batch's forward and backward; one collective per chunk each time, each with
+            its latency;
   offload   optimizer states on the host: gradients down and parameters up over PCIe and the update streaming 28
             bytes per element through host memory (on the device: through device memory); on NVMe the states read
             and written at the node's NVMe rate shared by its ranks; parameters on the host or NVMe read for every
@@ -155,6 +156,7 @@ def plan(
     max_tensor: int | None = None,
     chunk_size: int | str = "auto",
     nvme_dir: str | None = None,
+    tensor_plan: Any = "auto",
 ) -> Plan:
     """Every layout of `world_size` ranks, checked against `machine` and ranked by `rates` (see the note).
 
@@ -164,7 +166,8 @@ def plan(
     max_tensor: the largest tensor degree tried (default the node's GPUs, or the world). tensor_modes: the modes
     tried (default: those this hetero's config accepts, `available_modes()`; others are ranked from their papers'
     figures, and their config is for the keys of hetero's tensor-mode work). nvme_dir: written into the configs
-    that offload to NVMe (default a placeholder to replace).
+    that offload to NVMe (default a placeholder to replace). tensor_plan: as parallel.tensor_plan (default "auto":
+    the known model families'); a layout the plan cannot shard is left out.
     """
     tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -187,7 +190,7 @@ def plan(
 
     @functools.cache
     def sharded_for(t: int, mode: str, sequence: str | None) -> nn.Module:
-        return shard(model, Layout(tensor=t, tensor_mode=mode, sequence=sequence))
+        return shard(model, Layout(tensor=t, tensor_mode=mode, sequence=sequence, plan=tensor_plan))
 
     @functools.cache
     def units_for(t: int, mode: str, sequence: str | None, rows: int = 1) -> tuple[Any, list, float]:
@@ -252,6 +255,7 @@ def plan(
             # The busiest pipeline rank, as the estimator reports it: per rank on the device, per node elsewhere.
             needed = {tier: -1 for tier in E.TIERS}
             psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
+            n_chunks = max(len(rk[3]) for rk in ranks)
             for (_, _, _, specs), act in zip(ranks, acts):
                 resident, transient = E._place(specs, stage=stage, world=zero_world, dtype=dtype, n_states=n_states,
                                                params=params_at, optim=optim_at, prefetch_depth=prefetch)  # fmt: skip
@@ -261,8 +265,8 @@ def plan(
                 if per["device"] > needed["device"]:
                     needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in E.TIERS}
             fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in E.TIERS)
-            terms = _cost(shape, lay, stage, params_at, optim_at, psi, zero_world, idle, rates, dtype, gpus,
-                          ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
+            terms = _cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
+                          gpus, ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
             config = _config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
             out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
                                       sum(terms.values()), terms, config))  # fmt: skip
@@ -377,7 +381,7 @@ def _cost(
     stage: int,
     params_at: str,
     optim_at: str,
-    psi: int,
+    chunks: tuple[int, int],
     zero_world: int,
     idle: float,
     r: Rates,
@@ -389,8 +393,9 @@ def _cost(
     world: int,
     checkpointing: bool,
 ) -> dict[str, float]:
-    """The cost model's terms in seconds ([Note: the planner's cost model]); psi: elements in the busiest rank's
-    chunks."""
+    """The cost model's terms in seconds ([Note: the planner's cost model]); chunks: elements in the busiest rank's
+    chunks, and how many (each a collective of its own)."""
+    psi, n_chunks = chunks
     t, p, m, rows = lay["tensor"], lay["pipeline"], lay["microbatches"], lay["rows"]
     tokens = batch * seq
     flops = (6 * shape.params + 12 * shape.layers * seq * shape.hidden) * tokens * (8 / 6 if checkpointing else 1)
@@ -403,7 +408,7 @@ def _cost(
     tensor = 0.0
     if t > 1:
         factor = SEQUENCE_FORMS[lay["sequence"]][2](t) if lay["sequence"] else TENSOR_MODES[lay["tensor_mode"]].comm(t)
-        tensor = m * blocks * (4 * factor * x / link + 4 * 2 * r.latency)
+        tensor = m * blocks * 4 * (factor * x / link + r.latency)  # 4 linear layers, one collective each
     pipe = 0.0
     if p > 1:
         per = x / t if lay["sequence"] == "megatron" else x
@@ -412,12 +417,12 @@ def _cost(
     span = r.intra_bandwidth if world <= gpus else r.inter_bandwidth
     share = (d - 1) / d if d > 1 else 0.0
     if stage == 0:
-        moved = 2 * share * 4 * psi
+        moved, calls = 2 * share * 4 * psi, 1
     elif stage < 3:
-        moved = share * (4 + size) * psi
+        moved, calls = share * (4 + size) * psi, 2
     else:
-        moved = share * (4 * psi + m * 2 * size * psi)
-    data = moved / span + (2 * r.latency if d > 1 else 0.0)
+        moved, calls = share * (4 * psi + m * 2 * size * psi), 1 + 2 * m
+    data = moved / span + (calls * n_chunks * r.latency if d > 1 else 0.0)  # a collective per chunk, each time
     shard = psi if stage == 0 else psi / d
     offload = 0.0
     if optim_at == "device":
