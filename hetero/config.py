@@ -243,6 +243,12 @@ class Config:
     """Keep the checkpointed blocks' inputs in host memory between forward and backward (needs checkpointing)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor, pipeline and data parallelism (see ParallelConfig)."""
+    comm_timeout: float = 600.0
+    """Seconds a collective or transfer may wait for the other ranks; then the step fails with an error naming the
+    operation and the ranks that did not arrive (dead, hung, or on another path) instead of hanging."""
+    check_collectives: bool = True
+    """Before each collective of the chunk protocol the ranks compare what they are about to run (a few bytes on a
+    host-side group), so a rank that took another path fails at once with an error naming the module."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
@@ -258,6 +264,17 @@ class Config:
             _check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
         _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
         _check_activation(self.activation_checkpointing, self.activation_offload)
+        if isinstance(self.comm_timeout, bool) or not isinstance(self.comm_timeout, (int, float)):
+            raise ConfigError(f"comm_timeout: expected a number of seconds, got {self.comm_timeout!r}")
+        if not self.comm_timeout > 0:
+            raise ConfigError(f"comm_timeout: must be > 0 seconds, got {self.comm_timeout!r}")
+        if not isinstance(self.check_collectives, bool):
+            raise ConfigError(f"check_collectives: expected true or false, got {self.check_collectives!r}")
+        if self.offload.params in ("host", "nvme") and self.zero_stage != 3:
+            raise ConfigError(
+                f"offload.params: {self.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered "
+                f"for use only at stage 3); got zero_stage {self.zero_stage}"
+            )
         uses_nvme = "nvme" in (self.offload.params, self.offload.optimizer)
         if uses_nvme and self.memory.nvme_dir is None:
             raise ConfigError(

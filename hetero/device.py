@@ -10,6 +10,13 @@ stream, after that stream has waited for an event recorded on the compute stream
 gradient written by a kernel that is still queued is copied only once written), and then blocks on the copy
 stream: the worker, not the compute stream, waits. When the manager later sees the move finished, the bytes are
 already in place, so the compute stream needs no further wait and never blocks on a copy.
+
+[Note: pinned host memory counted as it is]
+PyTorch's caching host allocator (`pin_memory=True`) rounds every request up to a power of two and keeps freed
+blocks for itself, so a ledger of the bytes asked for undercounts what is pinned by up to half, and freeing a buffer
+gives nothing back to the system. Host buffers are instead our own page-aligned anonymous mappings (huge pages for
+large ones), registered with CUDA (`cudaHostRegister`) for exactly their size and unregistered when the pool frees
+them (`free_host`): the host ledger is what is pinned, and `trim` returns it. `pinned_bytes()` says how much is.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ import contextlib
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from hetero import standin
 
 _HUGE_PAGE = 2 << 20  # buffers at least this large ask for transparent huge pages (see `Device.empty_host`)
 
@@ -44,39 +54,97 @@ class Device:
         self.is_cuda = self.torch_device.type == "cuda"  # selects every CUDA-specific path below
         # One copy stream per worker thread: copies from different workers may overlap each other.
         self._streams = threading.local()
+        self._registered: dict[int, tuple[mmap.mmap, int]] = {}  # pinned host buffers: address -> (mapping, bytes)
 
     def __repr__(self) -> str:
         return f"Device({self.torch_device})"
 
-    # ---- memory -------------------------------------------------------------------------------------------
+    # ---- what kind of device ------------------------------------------------------------------------------
+    @property
+    def separate_memory(self) -> bool:
+        """The device tier's memory is not host memory: moves between them are copies through a bus, NVMe traffic
+        is staged through host memory, and NCCL's collectives read device memory only."""
+        return self.is_cuda
+
     @property
     def pins_host_memory(self) -> bool:
         """Host buffers are page-locked only with CUDA: without it `pin_memory=True` raises."""
         return self.is_cuda
 
+    # ---- memory -------------------------------------------------------------------------------------------
     def empty_bytes(self, nbytes: int) -> torch.Tensor:
         """An uninitialised flat uint8 buffer on the compute device."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
+    def free_bytes(self, buf: torch.Tensor) -> None:
+        """A buffer from `empty_bytes` is no longer used (its memory goes when its last view does)."""
+
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on the compute device (hetero allocates device memory only through here)."""
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`t` on the compute device (the same tensor where it already is), optionally cast."""
+        return t.to(self.torch_device, dtype=dtype, non_blocking=True)
+
+    def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
+        """`t` in host memory (the same tensor where it already is, unless `copy`), optionally cast."""
+        return t.to("cpu", dtype=dtype, copy=copy)
+
     def empty_host(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 host buffer, page-aligned: pinned when CUDA is present, else anonymous mmap memory.
+        """A flat uint8 host buffer, page-aligned: anonymous mmap memory, registered with CUDA (pinned) when CUDA is
+        present; see [Note: pinned host memory counted as it is]. Give it back with `free_host`.
 
         Page alignment lets the NVMe tier and checkpoint loads read into it with O_DIRECT straight, with no staging
         copy. A large buffer asks for transparent huge pages: an O_DIRECT read into 4 KiB pages that first touch
         scattered over physical memory goes out as one DMA segment per page, and was measured at a third of the
         speed of one into huge pages (0.9 vs 3.1 GB/s on a virtio disk); first touch also faults once per 2 MiB.
         """
-        if self.pins_host_memory:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         private = getattr(mmap, "MAP_PRIVATE", None)
         anonymous = getattr(mmap, "MAP_ANONYMOUS", None)
         if private is None or anonymous is None:  # Windows: its mmap takes no flags
+            if self.pins_host_memory:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8, count=nbytes)
         buf = mmap.mmap(-1, max(nbytes, 1), flags=private | anonymous)
         if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages then
                 buf.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        if self.pins_host_memory and nbytes:
+            self._pin(t, buf)
+        return t
+
+    def free_host(self, buf: torch.Tensor) -> None:
+        """A host buffer from `empty_host` is no longer used: unpin it (its memory goes when its last view does)."""
+        entry = self._registered.pop(buf.data_ptr(), None)
+        if entry is not None:
+            self._unpin(buf, entry[1])
+
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory this device has pinned now."""
+        return sum(n for _, n in self._registered.values())
+
+    def released(self, buf: torch.Tensor) -> None:
+        """A buffer went back to a pool for reuse (the stand-in poisons it here)."""
+
+    def regrow(self, kept: torch.Tensor, nbytes: int) -> None:
+        """Give a transient chunk's storage its bytes back (contents undefined)."""
+        kept.untyped_storage().resize_(nbytes)
+
+    @contextlib.contextmanager
+    def compute_context(self) -> Iterator[None]:
+        """Around the engine's compute (forward, backward, update); the stand-in checks device placement in it."""
+        yield
+
+    def _pin(self, t: torch.Tensor, buf: mmap.mmap) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel()} bytes failed (error {int(err)})")
+        self._registered[t.data_ptr()] = (buf, t.numel())
+
+    def _unpin(self, t: torch.Tensor, nbytes: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def total_memory(self) -> int:
         """Bytes of memory the compute device has (physical RAM for the CPU)."""
@@ -120,7 +188,8 @@ class Device:
         """Copy src into dst and return once the bytes are in place. Safe to call from worker threads.
 
         On CUDA the copy runs on this thread's copy stream after `after` (a `compute_marker`), never on the compute
-        stream; see [Note: copies off the compute stream].
+        stream; see [Note: copies off the compute stream]. A copy touching device memory must be given the marker
+        recorded when it was submitted (the stand-in enforces it).
         """
         if not self.is_cuda or (dst.device.type == "cpu" and src.device.type == "cpu"):
             dst.copy_(src)
@@ -157,6 +226,85 @@ class Device:
             stream = torch.cuda.Stream(self.torch_device)
             self._streams.stream = stream
         return stream
+
+
+class StandinDevice(Device):
+    """The CPU acting as a separate accelerator under strict rules: see [Note: the CPU stand-in] in
+    `hetero/standin.py`. Chosen by `make_device()` when `HETERO_STANDIN=1`."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__("cpu")
+        self.standin = standin.Standin(seed)
+
+    def __repr__(self) -> str:
+        return "StandinDevice(cpu)"
+
+    @property
+    def separate_memory(self) -> bool:
+        return True
+
+    def empty_bytes(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        standin.poison(buf)
+        return standin.register(buf, standin.DEVICE, strong=True)
+
+    def free_bytes(self, buf: torch.Tensor) -> None:
+        standin.unregister(buf)
+
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        standin.poison(t)
+        return standin.register(t, standin.DEVICE)
+
+    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if standin.kind_of(t) == standin.DEVICE:
+            return t if dtype is None or t.dtype == dtype else standin.register(t.to(dtype), standin.DEVICE)
+        with torch._C._DisableTorchDispatch():
+            out = self.empty(t.shape, dtype or t.dtype)
+            out.copy_(t)
+        return out
+
+    def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
+        if standin.kind_of(t) == standin.HOST and not copy:
+            return t if dtype is None or t.dtype == dtype else standin.register(t.to(dtype), standin.HOST)
+        with torch._C._DisableTorchDispatch():  # a host copy is not device memory, whatever the compute context
+            out = torch.empty(t.shape, dtype=dtype or t.dtype)
+            out.copy_(t)
+        return standin.register(out, standin.HOST)
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        t = super().empty_host(nbytes)
+        self.standin.pinned += nbytes
+        self._registered[t.data_ptr()] = (None, nbytes)  # type: ignore[assignment]
+        return standin.register(t, standin.HOST, strong=True)
+
+    def _unpin(self, t: torch.Tensor, nbytes: int) -> None:
+        self.standin.pinned -= nbytes
+        standin.unregister(t)
+
+    def released(self, buf: torch.Tensor) -> None:
+        self.standin.released(buf)
+
+    def regrow(self, kept: torch.Tensor, nbytes: int) -> None:
+        kept.untyped_storage().resize_(nbytes)
+        standin.poison(kept)
+        standin.register(kept, standin.DEVICE, strong=True)
+
+    def compute_context(self) -> Any:
+        return self.standin.compute()
+
+    def compute_marker(self) -> Any:
+        return self.standin.marker()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> None:
+        self.standin.copy(dst, src, after)
+
+
+def make_device(device: torch.device | str | int | None = None) -> Device:
+    """The engine's device: the stand-in when `HETERO_STANDIN=1` asks for it and no GPU is named, else `Device`."""
+    if standin.active() and (device is None or torch.device(device).type == "cpu"):
+        return StandinDevice()
+    return Device(device)
 
 
 def default_device() -> torch.device:

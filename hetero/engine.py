@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import weakref
-from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,8 +20,7 @@ from torch import nn
 
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
-from hetero.device import Device
-from hetero.errors import ConfigError
+from hetero.device import make_device
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
@@ -32,6 +31,8 @@ from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, update
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
+from hetero.zero.protocol import SUMMON, UPDATE, Checker, Gathers, Reducer, keep_units
+from hetero.zero.units import Entry, find_units
 
 log = logging.getLogger("hetero.engine")
 
@@ -92,8 +93,11 @@ class Engine:
         weights: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
-        world = comm if comm is not None else init_from_env()
-        self.device = Device(device)
+        if comm is None:
+            world = init_from_env(timeout_s=config.comm_timeout)
+        else:
+            world = comm.with_timeout(config.comm_timeout)
+        self.device = make_device(device)
         if config.activation_checkpointing and config.parallel.pipeline > 1:
             choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
         # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
@@ -104,12 +108,12 @@ class Engine:
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
         self.stage = config.zero_stage
-        homes = _homes(config, self.device)
+        homes = _homes(config)
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
         specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size)
         self.chunks: list[ZeroChunk] = []
-        self._entries: dict[int, tuple] = {}  # param id -> (ZeroChunk, ParamInfo, TensorSlot)
+        self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives
         for spec in specs:
             zc = ZeroChunk(
                 spec,
@@ -122,7 +126,7 @@ class Engine:
             )
             self.chunks.append(zc)
             for info, slot in zip(spec.params, zc.slots):
-                self._entries[id(info.param)] = (zc, info, slot)
+                self._entries[id(info.param)] = Entry(zc, info, slot)
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
         load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
@@ -136,11 +140,23 @@ class Engine:
         self.global_steps = 0  # optimizer updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
-        self._reducing: deque[ZeroChunk] = deque()  # chunks whose gradient reduce-scatter is in flight
+        # The collective protocol ([Note: every rank in step]): units and gathers at stage 3, the reduce order at
+        # stages 2-3, and the check that every rank is about to run the same collective.
+        self.units = find_units(model, self._entries) if self.stage == 3 else []
+        self.check = Checker(self.comm, enabled=config.check_collectives, units=self.units, chunks=self.chunks)
+        self.gathers = None
+        if self.stage == 3:
+            keep = keep_units(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
+            self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep)
+        self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
+        sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
+        self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
-        self.hooks = Hooks(model, self._entries, stage=self.stage, on_grad=lambda p: on_grad()(p))
+        self.hooks = Hooks(
+            self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
+        )
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/zero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
@@ -167,15 +183,12 @@ class Engine:
             self.manager.step_begin()
             self._in_step = True
         args, kwargs = self._to_device((args, kwargs))
-        with self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext():
+        saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
+        with self.device.compute_context(), saving:
             out = self.module(*args, **kwargs)
-        if self.stage == 3:
-            for zc in self.chunks:
-                if zc.full.computing == 0:
-                    zc.maybe_release(TensorState.HOLD_AFTER_FWD)
+        if self.gathers is not None:
+            self.gathers.end_forward(training=training)
         if not training:
-            for zc in self.chunks:
-                zc.settle()
             self.manager.step_end()
             self._in_step = False
         return out
@@ -185,16 +198,15 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        (loss * (scale / self.config.grad_accumulation_steps)).backward()
-        while self._reducing:
-            self._reducing.popleft().finish_reduce()
-        # Chunks whose gradients did not all arrive (parameters unused this step) are reduced now, in layout order,
-        # which is the same on every rank.
+        with self.device.compute_context():
+            (loss * (scale / self.config.grad_accumulation_steps)).backward()
+        # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
+        # reduce order, which is the same on every rank.
+        self.reducer.flush()
         for zc in self._trainable:
-            if zc.grads_seen and self.stage >= 2:
-                zc.reduce_micro_batch()
-        for zc in self.chunks:
-            zc.settle()
+            zc.grads_seen.clear()
+        if self.gathers is not None:
+            self.gathers.release_all()
         if self.activations is not None:
             self.activations.step_end()
         if self.config.grad_accumulation_steps != 1:
@@ -222,8 +234,8 @@ class Engine:
             loss = loss_fn(self(inputs), labels.to(self.device.torch_device))
         self.backward(loss)
         self.step()
-        mean = loss.detach().float().clone()
-        self.comm.all_reduce(mean, op="avg")
+        mean = self.device.to_host(loss.detach(), torch.float32, copy=True)
+        self.comm.control.all_reduce(mean, op="avg")
         return mean
 
     def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
@@ -237,24 +249,24 @@ class Engine:
 
     # ---- the update ---------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
-        zc, info, slot = self._entries[id(param)]
+        e = self._entries[id(param)]
         grad = param.grad
         param.grad = None
-        complete = zc.add_grad(info, slot, grad)
-        if self.stage == 3:
-            zc.exit(info, slot, TensorState.HOLD_AFTER_BWD)
-        if complete:
-            if self.stage >= 2 and not zc.accumulate_full:  # accumulate_full: reduced once per batch
-                zc.start_reduce()
-                self._reducing.append(zc)
-                # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare.
-                roomy = self.manager.ledgers[Tier.DEVICE].free >= 4 * zc.grad_full.nbytes
-                while len(self._reducing) > (_REDUCES_IN_FLIGHT if roomy else 0):
-                    self._reducing.popleft().finish_reduce()
-            zc.maybe_release(TensorState.HOLD_AFTER_BWD)
+        complete = e.chunk.add_grad(e, grad)
+        if self.gathers is not None:
+            self.gathers.grad_arrived(e, self._unit_of[id(param)])
+        if complete and self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
+            self.reducer.ready(e.chunk)
+
+    def _reduces_in_flight(self, zc: ZeroChunk) -> int:
+        # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This
+        # decides only when a rank waits, never what it issues or in which order.
+        roomy = self.manager.ledgers[Tier.DEVICE].free >= 4 * zc.grad_full.nbytes
+        return _REDUCES_IN_FLIGHT if roomy else 0
 
     @torch.no_grad()
     def _update(self) -> None:
+        self.check(UPDATE)
         for zc in self._trainable:
             zc.reduce_at_update()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
@@ -285,7 +297,7 @@ class Engine:
             self.last_grad_norm = math.sqrt(sq) * inv_scale  # before clipping, like clip_grad_norm_'s return
         names = self.algorithm.state_names
         used = torch.cat([zc.used for zc in self._trainable])
-        self.comm.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
+        self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
         used_of = used.split([len(zc.spec.params) for zc in self._trainable])
         for i, zc in enumerate(self._trainable):
             if zc.homes.optim is Tier.NVME:
@@ -314,7 +326,7 @@ class Engine:
                 self._prefetch_update(i + 1, zc.homes.compute)
         if fused_norm:
             if self.stage >= 1:
-                self.comm.all_reduce(sq, op="sum")
+                self.comm.control.all_reduce(sq, op="sum")
             self.last_grad_norm = math.sqrt(float(sq))
         self.global_steps += 1
         self.manager.step_end()  # a no-op unless backward left the step open for the update
@@ -347,7 +359,7 @@ class Engine:
         for zc in self._trainable:
             sq += torch.linalg.vector_norm(zc.grad_view(), dtype=torch.float64).cpu() ** 2
         if self.stage >= 1:  # shards are disjoint: sum them; at stage 0 every rank holds the whole reduced gradient
-            self.comm.all_reduce(sq, op="sum")
+            self.comm.control.all_reduce(sq, op="sum")
         value = float(sq)
         return value, math.isfinite(value)
 
@@ -358,15 +370,80 @@ class Engine:
     # ---- views of the model ---------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with full values (CPU copies, compute dtype), gathered chunk by chunk; the keys
-        are the model's own, tied parameters under each of their names."""
+        are the model's own, tied parameters under each of their names. Every rank calls it (it gathers)."""
         values: dict[int, torch.Tensor] = {}
         for zc in self.chunks:
-            for info, value in zip(zc.spec.params, zc.full_values().values()):
-                values[id(info.param)] = value
+            with self._summoned([zc]):
+                for info, value in zip(zc.spec.params, zc.full_values().values()):
+                    values[id(info.param)] = value
         return {
             name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
             for name, t in self.module.state_dict(keep_vars=True).items()
         }
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Iterator[None]:
+        """Make the full values of `params` (default: every parameter) readable through the model's own parameters,
+        on every rank, for the duration of the block. Every rank must enter it with the same parameters (it
+        gathers). With `modify=True`, what rank 0 writes to them inside the block is what every rank holds after it:
+        rank 0's values are broadcast, and the fp32 master weights take every element that changed.
+
+        At stage 3, outside such a block (and outside forward and backward) a parameter's values are not on the
+        rank: reading one raises `ReleasedParameterError`, and `model.state_dict()` does too; use this block, or
+        `full_state_dict()` for a copy of every weight."""
+        if params is None:
+            chunks = list(self.chunks)
+        else:
+            wanted = {id(p) for p in params}
+            unknown = wanted - set(self._entries)
+            if unknown:
+                raise ValueError(
+                    f"gathered_parameters: {len(unknown)} of the tensors given are not parameters this engine manages"
+                )
+            chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
+        with self._summoned(chunks):
+            yield
+            if modify:
+                self._adopt_rank0(chunks)
+
+    @contextlib.contextmanager
+    def _summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
+        """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
+        for the purpose on the way out."""
+        fresh = [zc for zc in chunks if not zc.gathered]
+        entries = [self._entries[id(i.param)] for zc in chunks for i in zc.spec.params]
+        for zc in chunks:
+            if not zc.gathered:
+                self.check(SUMMON, chunk=zc.spec.index)
+            zc.unshard()
+            for e in entries:
+                if e.chunk is zc:
+                    zc.enter(e)
+        try:
+            yield
+        finally:
+            for e in entries:
+                e.chunk.exit(e, TensorState.HOLD)
+            for zc in fresh:
+                zc.reshard()
+
+    def _adopt_rank0(self, chunks: list[ZeroChunk]) -> None:
+        """After `gathered_parameters(modify=True)`: every rank takes rank 0's values, shards and master weights
+        included (an element whose compute-dtype value did not change keeps its fp32 master)."""
+        for zc in chunks:
+            full = zc.full.payload
+            self.comm.broadcast(full, src=0)
+            if zc.optim is None:  # frozen: no master weights
+                if zc.stage == 3:
+                    zc.write_shard(full)
+                continue
+            master, _ = zc.optimizer_views()
+            mine = zc.master_range(full)
+            new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
+            changed = new != master.to(self.dtype).to(torch.float32)
+            master[changed] = new[changed]
+            if zc.stage == 3:
+                zc.write_shard(full)
 
     # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, **kwargs: Any) -> str:
@@ -424,10 +501,9 @@ class Engine:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _to_device(self, obj: Any) -> Any:
-        dev = self.device.torch_device
         if isinstance(obj, torch.Tensor):
-            t = obj.to(dev, non_blocking=True)
-            return t.to(self.dtype) if t.is_floating_point() and self.dtype != torch.float32 else t
+            cast = obj.is_floating_point() and self.dtype != torch.float32
+            return self.device.to_device(obj, self.dtype if cast else None)
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._to_device(v) for v in obj)
         if isinstance(obj, dict):
@@ -439,20 +515,14 @@ class Engine:
             for name, buf in module._buffers.items():
                 if buf is None:
                     continue
-                buf = buf.to(self.device.torch_device)
-                if buf.is_floating_point() and self.dtype != torch.float32:
-                    buf = buf.to(self.dtype)
-                module._buffers[name] = buf
+                cast = buf.is_floating_point() and self.dtype != torch.float32
+                module._buffers[name] = self.device.to_device(buf, self.dtype if cast else None)
 
 
-def _homes(config: Config, device: Device) -> Homes:
+def _homes(config: Config) -> Homes:
     # "auto": home on the device, evicted down as the step's activations need the room (hetero/memory/auto.py).
+    # Config checks that offloaded parameters come with stage 3.
     params = _TIERS.get(config.offload.params, Tier.DEVICE)
     optim = _TIERS.get(config.offload.optimizer, Tier.DEVICE)
-    if params is not Tier.DEVICE and config.zero_stage != 3:
-        raise ConfigError(
-            f"offload.params: {config.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered for "
-            f"use only at stage 3); got zero_stage {config.zero_stage}"
-        )
     compute = Tier.DEVICE if optim is Tier.DEVICE else Tier.HOST
     return Homes(params=params, optim=optim, compute=compute)

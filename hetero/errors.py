@@ -67,3 +67,12 @@ class CheckpointError(HeteroError, RuntimeError):
 class WeightsError(HeteroError, ValueError):
     """A model's first values could not be made: a meta-device model its initialiser leaves incomplete, or weight
     files that do not match the model."""
+
+
+class ReleasedParameterError(HeteroError, RuntimeError):
+    """A ZeRO-3 parameter's values were read while only a shard of them is on this rank."""
+
+
+class CollectiveMismatchError(CommError):
+    """The ranks of a group were about to run different collectives (different chunks, units or operations): the
+    program took a different path on some rank, which would hang or corrupt the exchange."""

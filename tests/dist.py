@@ -99,6 +99,7 @@ def run_distributed(
     *args: Any,
     timeout: float = 120,
     backend: str = "gloo",
+    report_grace: float = _REPORT_GRACE_S,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return values by rank.
@@ -118,7 +119,7 @@ def run_distributed(
     deadline = time.monotonic() + timeout
     for attempt in range(2):
         try:
-            return _run_once(fn, world_size, args, kwargs, deadline, timeout, backend)
+            return _run_once(fn, world_size, args, kwargs, deadline, timeout, backend, report_grace)
         except DistributedTestError as err:
             # The port was free when picked but another process may have taken it since: try once more.
             busy = any("address already in use" in tb.lower() for tb in err.errors.values())
@@ -136,6 +137,7 @@ def _run_once(
     deadline: float,
     timeout: float,
     backend: str,
+    report_grace: float,
 ) -> list[Any]:
     ctx = mp.get_context(_START_METHOD)
     reports = ctx.Queue()
@@ -158,7 +160,7 @@ def _run_once(
         first_error_at: float | None = None
         while len(results) + len(errors) < world_size:
             now = time.monotonic()
-            if first_error_at is not None and now - first_error_at > _REPORT_GRACE_S:
+            if first_error_at is not None and now - first_error_at > report_grace:
                 break
             if now >= deadline:
                 running = [r for r in range(world_size) if r not in results and r not in errors]

@@ -17,11 +17,16 @@ import torch
 import hetero
 from hetero.models.gpt import GPT, GPTConfig
 
+try:
+    from tests import tolerance
+except ImportError:  # tests/ itself on sys.path
+    import tolerance  # type: ignore[no-redef]
+
 # No biases: a key projection's bias gets a zero gradient in exact arithmetic (softmax ignores a per-query constant),
 # so Adam turns its rounding noise into full-size updates and no two summation orders agree on it.
 GPT_CFG = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False)
 CHUNK = 4096  # elements: the tiny model spreads over several chunks
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build(seed: int = 0, **overrides: Any) -> GPT:
@@ -30,12 +35,23 @@ def build(seed: int = 0, **overrides: Any) -> GPT:
 
 
 def batches(steps: int, rows: int, seed: int = 1, seq: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable sequences: each row counts up from a random start by a random stride of 1-3 (mod the vocabulary),
+    so the model can predict the next token from the two before it, and training moves the weights far more than
+    rounding does (see [Note: tolerances from the arithmetic])."""
     g = torch.Generator().manual_seed(seed)
+    vocab = GPT_CFG["vocab_size"]
     out = []
     for _ in range(steps):
-        x = torch.randint(0, GPT_CFG["vocab_size"], (rows, seq + 1), generator=g)
+        start = torch.randint(0, vocab, (rows, 1), generator=g)
+        stride = torch.randint(1, 4, (rows, 1), generator=g)
+        x = (start + stride * torch.arange(seq + 1)) % vocab
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
+
+
+def initial_state(**overrides: Any) -> dict[str, torch.Tensor]:
+    """The weights every run starts from (the model `build` makes)."""
+    return {k: v.detach().clone() for k, v in build(**overrides).state_dict().items()}
 
 
 def make_optimizer(model: torch.nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
@@ -68,7 +84,8 @@ def reference(
         if any(n.startswith(f) for f in freeze):
             p.requires_grad_(False)
     dtype = DTYPES[precision]
-    master = copy.deepcopy(model) if dtype != torch.float32 else model
+    full = dtype in (torch.float32, torch.float64)  # no separate master weights
+    master = copy.deepcopy(model) if not full else model
     model = model.to(dtype)
     opt = make_optimizer(master, optimizer)
     losses: list[float] = []
@@ -80,7 +97,7 @@ def reference(
             loss = model(x, labels=y).loss
             (loss / accum).backward()
             total += loss.item() / accum
-        if dtype != torch.float32:
+        if not full:
             for pm, p in zip(master.parameters(), model.parameters()):
                 pm.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
@@ -88,12 +105,39 @@ def reference(
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        if dtype != torch.float32:
+        if not full:
             with torch.no_grad():
                 for pm, p in zip(master.parameters(), model.parameters()):
                     p.copy_(pm)
         losses.append(total)
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() if full else v.detach().float().clone() for k, v in model.state_dict().items()}
+    return losses, state
+
+
+_REFERENCES: dict[str, tuple] = {}
+
+
+def cached_reference(precision: str, **kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    key = repr((precision, sorted(kwargs.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference(precision=precision, **kwargs)
+    return _REFERENCES[key]
+
+
+def check(result: dict, precision: str = "fp32", **kwargs: Any) -> None:
+    """hetero's losses and weights against plain PyTorch in float64 (the exact run), with plain PyTorch in the same
+    precision setting the scale of rounding error (see [Note: tolerances from the arithmetic] in tests/tolerance.py).
+    kwargs: the run, as `reference` takes it (steps, rows, accum, clip, optimizer, freeze, model_overrides)."""
+    exact_losses, exact = cached_reference("fp64", **kwargs)
+    plain_losses, plain = cached_reference(precision, **kwargs)
+    dtype = DTYPES[precision]
+    tolerance.assert_losses(result["losses"], exact_losses, plain_losses, dtype=dtype)
+    if dtype == torch.float32:
+        tolerance.assert_weights(result["state"], exact, plain, dtype=dtype)
+    else:
+        initial = initial_state(**(kwargs.get("model_overrides") or {}))
+        tolerance.assert_learns(exact, plain, initial)
+        tolerance.assert_weights(result["state"], exact, plain, dtype=dtype, initial=initial)
 
 
 def run_hetero(
@@ -133,7 +177,7 @@ def run_hetero(
             engine.backward(loss)
             engine.step()
             total += loss.detach().float().cpu() / accum
-        engine.comm.all_reduce(total, op="avg")
+        engine.comm.control.all_reduce(total, op="avg")
         losses.append(total.item())
     state = {k: v.float() for k, v in engine.full_state_dict().items()}
     out = {

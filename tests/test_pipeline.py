@@ -259,7 +259,12 @@ def test_auto_split_times_the_units():
     units = units_of(model)
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    costs, basis = balance.unit_costs(model, units, given=None, world=Comm(), device=Device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a loaded machine, intra-op threads wait on each other for tens of ms
+    try:
+        costs, basis = balance.unit_costs(model, units, given=None, world=Comm(), device=Device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
     assert basis == "timed" and torch.equal(torch.get_rng_state(), before)
     assert costs[3] > 0.045 and costs[3] > sum(costs[:3])
     assert boundaries(units, 2, "auto", costs) == [0, 3]  # the slow unit alone
@@ -345,9 +350,8 @@ def test_bad_layouts_at_initialize():
 def test_microbatches_single_process_matches_whole_batch():
     """train_batch with 2 micro-batches (ZeRO-3: gradients summed over the batch, one reduction) and with one (the
     backward-compatible path) both train like the plain loop on the whole batch."""
-    ref = pipe_parity.reference()
     for config in ({"zero_stage": 3, "parallel": {"microbatches": 2}}, {"zero_stage": 0}):
-        pipe_parity.check([pipe_parity.run(0, 1, config)], ref)
+        pipe_parity.check([pipe_parity.run(0, 1, config)])
 
 
 def _matrix(rank: int, world: int, configs: list[dict]) -> list[dict]:
@@ -376,17 +380,16 @@ WORLD2 = {
 def test_pipeline_and_data_parallel_parity():
     names = list(WORLD2)
     results = run_distributed(_matrix, 2, [WORLD2[n] for n in names], timeout=500)
-    refs = {None: pipe_parity.reference(), 0.5: pipe_parity.reference(clip=0.5)}
     for i, name in enumerate(names):
         per_rank = [r[i] for r in results]
-        pipe_parity.check(per_rank, refs[WORLD2[name].get("grad_clip_norm")])
+        pipe_parity.check(per_rank, clip=WORLD2[name].get("grad_clip_norm"))
         if WORLD2[name]["zero_stage"] >= 2:
             # gradients reduced once per batch, not once per micro-batch
             for r in per_rank:
                 assert r["reductions"] == r["trainable_chunks"] * pipe_parity.STEPS, (name, r)
     coords = [r[0]["coords"] for r in results]
     assert coords == [(0, 0, 0), (0, 0, 1)]  # pipeline ranks, not data-parallel ones, in the pipeline configs
-    assert refs[0.5][2] > 0.5  # clipping was in effect
+    assert pipe_parity.reference(clip=0.5)[2] > 0.5  # clipping was in effect
 
 
 def _chimera(stage: int, pipeline: int, microbatches: int, **extra) -> dict:
@@ -408,21 +411,18 @@ WORLD4_CHIMERA = {
 @pytest.mark.timeout(600)
 def test_chimera_parity_4_stages_and_2_stages_x_data_2():
     """Chimera at 4 stages on 4 processes and at 2 stages x data 2, ZeRO-1 and ZeRO-3 (and 2 stages x tensor 2 with
-    sequence parallelism): the losses, gradient norm, weights and eval_batch of plain PyTorch (fp32, rel 1e-5; 1e-5
-    absolute on weights with tensor parallelism, see pipe_parity.check); both replicas of every stage hold the same
-    weights."""
+    sequence parallelism): the losses, gradient norm, weights and eval_batch of plain PyTorch (fp32, within fp32's
+    own error of the float64 run: tests/tolerance.py); both replicas of every stage hold the same weights."""
     from hetero.models.gpt_pipe import TP_PLAN
 
     names = list(WORLD4_CHIMERA)
     configs = [WORLD4_CHIMERA[n] for n in names]
     configs[-1] = {**configs[-1], "parallel": {**configs[-1]["parallel"], "tensor_plan": TP_PLAN}}
     results = run_distributed(_matrix, 4, configs, timeout=540)
-    refs = {None: pipe_parity.reference(), 0.5: pipe_parity.reference(clip=0.5)}
     for i, name in enumerate(names):
         per_rank = [r[i] for r in results]
-        tensor = configs[i]["parallel"].get("tensor", 1) > 1
         try:
-            pipe_parity.check(per_rank, refs[configs[i].get("grad_clip_norm")], weight_atol=1e-5 if tensor else 1e-6)
+            pipe_parity.check(per_rank, clip=configs[i].get("grad_clip_norm"))
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from err
         p = configs[i]["parallel"]["pipeline"]
@@ -459,10 +459,9 @@ def test_checkpointed_stages_match_for_every_schedule():
     layers twice (forward, then recomputed in backward)."""
     names = list(CKPT)
     results = run_distributed(_ckpt_matrix, 2, [CKPT[n] for n in names], timeout=540)
-    ref = pipe_parity.reference()
     for i, name in enumerate(names):
         try:
-            pipe_parity.check([r[i][0] for r in results], ref)
+            pipe_parity.check([r[i][0] for r in results])
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from err
         for _, blocks, layers, offloaded in (r[i] for r in results):

@@ -24,7 +24,6 @@ STEPS, ROWS = 10, 4
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("device", "host", "nvme")
 PRECISIONS = ("fp32", "bf16")
-TOL = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=2e-2, atol=2e-2)}
 
 
 def _config(stage: int, offload: str, precision: str) -> dict:
@@ -47,14 +46,7 @@ def _run_matrix(rank: int, world: int, configs: list[dict], nvme_root: str) -> d
     return out
 
 
-_REFERENCE: dict[str, tuple] = {}
 _RESULTS: dict[int, dict] = {}
-
-
-def _reference(precision: str) -> tuple:
-    if precision not in _REFERENCE:
-        _REFERENCE[precision] = parity.reference(steps=STEPS, rows=ROWS, precision=precision)
-    return _REFERENCE[precision]
 
 
 def _results(world: int) -> dict:
@@ -68,12 +60,9 @@ def _results(world: int) -> dict:
     return _RESULTS[world]
 
 
-def _assert_parity(result: dict, ref: tuple, precision: str) -> None:
-    ref_losses, ref_state = ref
-    tol = TOL[precision]
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), **tol)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(result["state"][name], value, **tol, msg=lambda m, n=name: f"{n}: {m}")
+def _assert_parity(result: dict, precision: str, **kwargs: object) -> None:
+    kwargs = {"steps": STEPS, "rows": ROWS, **kwargs}
+    parity.check(result, precision, **kwargs)
 
 
 @pytest.mark.timeout(900)
@@ -84,7 +73,7 @@ def _assert_parity(result: dict, ref: tuple, precision: str) -> None:
 def test_parity_matrix(world, cfg):
     result = _results(world)[parity.key(cfg)]
     assert result["chunks"] > 2  # the model really spans several chunks
-    _assert_parity(result, _reference(cfg["precision"]), cfg["precision"])
+    _assert_parity(result, cfg["precision"])
     if cfg["offload"]["optimizer"] == "nvme":
         assert result["stats"]["moved"].get("host->nvme", 0) > 0  # the states really went to disk
 
@@ -98,9 +87,8 @@ def _run_world4(rank: int, world: int, nvme_root: str) -> dict:
 @pytest.mark.timeout(600)
 def test_parity_world4(tmp_path):
     results = run_distributed(_run_world4, 4, str(tmp_path), timeout=500)[0]
-    ref = parity.reference(steps=STEPS, rows=ROWS, precision="fp32")
     for result in results.values():
-        _assert_parity(result, ref, "fp32")
+        _assert_parity(result, "fp32")
 
 
 def _run_variants(rank: int, world: int, nvme_root: str) -> dict:
@@ -122,13 +110,10 @@ def _run_variants(rank: int, world: int, nvme_root: str) -> dict:
 @pytest.mark.timeout(600)
 def test_accumulation_clipping_frozen_and_sgd_world2(tmp_path):
     results = run_distributed(_run_variants, 2, str(tmp_path), timeout=500)[0]
-    ref_accum = parity.reference(steps=6, rows=4, accum=2, clip=0.05)
-    ref_frozen = parity.reference(steps=6, rows=4, freeze=("layers.0.", "pos_embed"))
-    ref_sgd = parity.reference(steps=6, rows=4, optimizer="sgd")
     for stage in STAGES:
-        _assert_parity(results[f"accum-clip-{stage}"], ref_accum, "fp32")
-        _assert_parity(results[f"frozen-{stage}"], ref_frozen, "fp32")
-        _assert_parity(results[f"sgd-{stage}"], ref_sgd, "fp32")
+        _assert_parity(results[f"accum-clip-{stage}"], "fp32", steps=6, rows=4, accum=2, clip=0.05)
+        _assert_parity(results[f"frozen-{stage}"], "fp32", steps=6, rows=4, freeze=("layers.0.", "pos_embed"))
+        _assert_parity(results[f"sgd-{stage}"], "fp32", steps=6, rows=4, optimizer="sgd")
     # Frozen parameters really stayed put.
     init = parity.build().state_dict()
     assert torch.equal(results["frozen-3"]["state"]["layers.0.attn.q_proj.weight"], init["layers.0.attn.q_proj.weight"])
@@ -169,8 +154,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     engine.close()
     engine, before, losses = _fp16_run(6, scale=2.0**10)
     assert engine.skipped_steps == 0 and engine.global_steps == 6
-    ref_losses, _ = parity.reference(steps=6, rows=4, precision="fp16")
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+    _assert_parity({"losses": losses, "state": engine.full_state_dict()}, "fp16", steps=6, rows=4)
     engine.close()
 
 
@@ -266,8 +250,7 @@ def test_tight_budgets_on_every_tier_with_nvme(tmp_path):
         "memory": {"device_budget": 4 * nb, "host_budget": 10 * nb},
     }
     result = parity.run_hetero(0, 1, steps=5, rows=4, config=cfg, nvme_dir=str(tmp_path))
-    ref = parity.reference(steps=5, rows=4)
-    _assert_parity(result, ref, "fp32")
+    _assert_parity(result, "fp32", steps=5, rows=4)
     stats = result["stats"]
     assert stats["device"]["peak"] <= 4 * nb and stats["host"]["peak"] <= 10 * nb
     assert stats["moved"]["nvme->host"] > 0 and stats["counters"]["prefetch_hits"] > 0

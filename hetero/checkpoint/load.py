@@ -71,7 +71,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             if pending and zc.grad is not None:
                 _fill_grad(engine, zc, index, mine["file"])
                 zc.used = torch.tensor([1 if p.name in used else 0 for p in zc.spec.params], dtype=torch.uint8)
-                zc.grad_fresh = bool(mine["grad_fresh"][i])
+                zc.grad_is_zero = bool(mine["grad_fresh"][i])
 
         threads = torch.get_num_threads()
         if engine.device.torch_device.type == "cpu":
@@ -209,7 +209,7 @@ def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[st
     m = engine.manager
     saved = manifest["model"]["params"]
     if engine.stage == 3:
-        zc.release()  # a gathered copy would be stale once the shard is replaced
+        zc.reshard()  # a gathered copy would be stale once the shard is replaced
     lo, hi = _kept_range(engine, zc)
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
     m.access(zc.optim, zc.homes.compute)
@@ -242,7 +242,7 @@ def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
         mf.wait_all(futures)
         # Parameters from the master, as after an update; the gradient is cleared only if it is not zero already.
         zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False)
-        if not zc.grad_fresh or bool(zc.used.any()) or zc.grads_seen:
+        if not zc.grad_is_zero or bool(zc.used.any()) or zc.grads_seen:
             zc.zero_grad()
     finally:
         m.unpin(zc.optim)
@@ -254,7 +254,7 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
     m = engine.manager
     saved = index.manifest["model"]["params"]
     if engine.stage == 3:
-        zc.release()
+        zc.reshard()
         lo, hi = _kept_range(engine, zc)
         tier = Tier.DEVICE if zc.homes.params is Tier.DEVICE else Tier.HOST
         buf = m.access(zc.shard, tier)
@@ -280,7 +280,7 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
 
 def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
     m = engine.manager
-    buf = zc._grad_buffer()  # valid (HOLD) from here, so the next accumulation adds to what is loaded
+    buf = zc.grad_buffer()  # valid (HOLD) from here, so the next accumulation adds to what is loaded
     with m.pinned(zc.grad):
         buf.zero_()
         glo, ghi = _kept_range(engine, zc) if engine.stage >= 2 else (0, zc.spec.capacity)

@@ -159,7 +159,7 @@ def _plan(engine: Engine) -> list[_Item]:
             # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
             # reduced shard at stages 2-3. Read back only by the same rank of the same layout. A chunk that holds no
             # data yet (stages 2-3 before their first reduce-scatter) is given its zeros first.
-            zc._grad_buffer()
+            zc.grad_buffer()
             glo, ghi = (lo, hi) if stage >= 2 else (0, zc.spec.capacity)
             for info in zc.spec.params:
                 a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
@@ -298,7 +298,7 @@ def _rank_info(engine: Engine, fname: str) -> dict[str, Any]:
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         },
         "used": used,
-        "grad_fresh": [bool(zc.grad_fresh) for zc in engine.chunks],
+        "grad_fresh": [bool(zc.grad_is_zero) for zc in engine.chunks],
         # This rank's part of the model and its step counts, merged on rank 0 (each stage knows only its own).
         "model": _model_table(engine),
         "param_steps": {

@@ -60,7 +60,7 @@ class Chunk:
     dtype: torch.dtype
     capacity: int  # elements
     kind: str = "param"  # what it holds (param, grad, master, optim, ...): for accounting and profiles
-    transient: bool = False  # a device-only cache of data kept elsewhere: dropped, never moved (manager note)
+    transient: bool = False  # device payload is one storage that shrinks and grows back ([Note: transient chunks])
     kept: torch.Tensor | None = None  # a transient chunk's payload, kept across drops (its storage resized to 0)
     slots: list[TensorSlot] = field(default_factory=list)
     state: ChunkState = ChunkState.EMPTY

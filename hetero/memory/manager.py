@@ -28,6 +28,16 @@ buffer as soon as its write is done, on the worker thread. The buffer changes ha
 the ledger keeps its bytes, now the incoming chunk's, so the budget holds throughout. If the write-back fails, its
 chunk keeps the buffer and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a job
 submitted before it, and the workers take jobs in order, so the wait cannot deadlock.
+
+[Note: transient chunks]
+A transient chunk holds, on the device, a copy of data whose home is elsewhere (ZeRO-3's gathered parameters: the
+home is each rank's shard). Tensors outside hetero view its payload: module parameters, and views autograd saved in
+forward for backward. So its device payload is always the same storage object (`chunk.kept`): dropping the chunk
+resizes that storage to zero bytes, and giving it memory again grows the same storage back, so every view of it is
+valid again once the bytes are back, without anyone re-pointing it. A transient chunk whose tensors are all FREE is
+released, never copied, when room is needed; one whose tensors hold data (gathered, but not being computed on) is
+moved down like any chunk, and coming back to the device its bytes are copied into the regrown storage. Whether the
+data is gathered is the owner's decision, taken from state every rank shares; where its bytes sit is this rank's.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from typing import Any
 import torch
 
 from hetero.config import MemoryConfig, format_size, parse_size
-from hetero.device import Device
+from hetero.device import Device, make_device
 from hetero.errors import TierOutOfMemoryError
 from hetero.memory.chunk import Chunk, Move
 from hetero.memory.policy import AccessTrace, choose_victim
@@ -86,7 +96,7 @@ class ChunkManager:
         move_workers: int = 2,
         nvme_options: dict[str, Any] | None = None,
     ) -> None:
-        self.device = device if device is not None else Device()
+        self.device = device if device is not None else make_device()
         device_budget, host_budget, nvme_budget = (
             None if b is None else parse_size(b, key=k)
             for b, k in ((device_budget, "device_budget"), (host_budget, "host_budget"), (nvme_budget, "nvme_budget"))
@@ -104,10 +114,16 @@ class ChunkManager:
         }
         # On a CPU compute device its chunks take page-aligned memory as the host's do, so that checkpoint loads and
         # the NVMe tier can read into them with O_DIRECT in place (torch.empty is only 64-byte aligned).
-        device_alloc = self.device.empty_host if self.device.torch_device.type == "cpu" else self.device.empty_bytes
+        dev = self.device
+        shared = not dev.separate_memory
         self.pools = {  # reused chunk buffers, per tier
-            Tier.DEVICE: BufferPool(device_alloc, self.ledgers[Tier.DEVICE]),
-            Tier.HOST: BufferPool(self.device.empty_host, self.ledgers[Tier.HOST]),
+            Tier.DEVICE: BufferPool(
+                dev.empty_host if shared else dev.empty_bytes,
+                self.ledgers[Tier.DEVICE],
+                free=dev.free_host if shared else dev.free_bytes,
+                on_release=dev.released,
+            ),
+            Tier.HOST: BufferPool(dev.empty_host, self.ledgers[Tier.HOST], free=dev.free_host, on_release=dev.released),
         }
         self.trace = AccessTrace()  # recorded chunk order: prefetch and OPT eviction
         self.prefetch_depth = prefetch_depth  # chunks to move ahead of use while the trace replays
@@ -309,6 +325,8 @@ class ChunkManager:
             self._closed = True
             for chunk in list(self._chunks.values()):
                 self._drop_payload(chunk)
+                if chunk.kept is not None:
+                    self.device.free_bytes(chunk.kept)
             self._chunks.clear()
             for pool in self.pools.values():
                 pool.trim()
@@ -327,9 +345,14 @@ class ChunkManager:
         if chunk.transient and tier is not Tier.DEVICE:
             raise ValueError(f"{chunk.describe()} is transient: it lives on the device tier only")
         self._make_room(tier, chunk.nbytes, {chunk.id}, blocking=True)
-        if chunk.transient:
-            # See [Note: transient chunks]: the same storage object grows back. It takes no pooled buffer, so a
-            # cached one that made room above must be freed for real.
+        chunk.payload = self._new_buffer(tier, chunk)
+        chunk.tier = tier
+        chunk.transition(ChunkState.RESIDENT)
+
+    def _new_buffer(self, tier: Tier, chunk: Chunk) -> torch.Tensor:
+        if chunk.transient and tier is Tier.DEVICE:
+            # [Note: transient chunks] The same storage object grows back. It takes no pooled buffer, so a cached one
+            # that made room must be freed for real.
             ledger = self.ledgers[tier]
             if ledger.free < chunk.nbytes:
                 self.pools[tier].trim(chunk.nbytes - ledger.free)
@@ -337,27 +360,22 @@ class ChunkManager:
             if chunk.kept is None:
                 chunk.kept = self.device.empty_bytes(chunk.nbytes).view(chunk.dtype)
             else:
-                chunk.kept.untyped_storage().resize_(chunk.nbytes)
-            chunk.payload = chunk.kept
-        else:
-            chunk.payload = self._new_buffer(tier, chunk)
-        chunk.tier = tier
-        chunk.transition(ChunkState.RESIDENT)
-
-    def _new_buffer(self, tier: Tier, chunk: Chunk) -> torch.Tensor:
+                self.device.regrow(chunk.kept, chunk.nbytes)
+            return chunk.kept
         return self.pools[tier].acquire(chunk.nbytes).view(chunk.dtype)
 
-    def _free_buffer(self, tier: Tier, buf: torch.Tensor) -> None:
+    def _free_buffer(self, tier: Tier, buf: torch.Tensor, chunk: Chunk | None = None) -> None:
+        if chunk is not None and chunk.transient and tier is Tier.DEVICE:
+            self.ledgers[tier].give(chunk.nbytes)
+            buf.untyped_storage().resize_(0)  # frees the memory; views of it stay valid objects
+            return
         self.pools[tier].release(buf)
 
     def _drop_payload(self, chunk: Chunk) -> None:
         if chunk.state is ChunkState.EMPTY:
             return
-        if chunk.transient:
-            self.ledgers[chunk.tier].give(chunk.nbytes)
-            chunk.payload.untyped_storage().resize_(0)  # frees the memory; views of it stay valid objects
-        elif chunk.payload is not None:
-            self._free_buffer(chunk.tier, chunk.payload)
+        if chunk.payload is not None:
+            self._free_buffer(chunk.tier, chunk.payload, chunk)
         chunk.payload = None
         chunk.tier = None
         chunk.transition(ChunkState.EMPTY)
@@ -403,8 +421,6 @@ class ChunkManager:
             raise RuntimeError(f"{chunk.describe()} {why}: it cannot leave the {src.label} tier")
         if dst > src:
             chunk.prefetched = False  # evicted before its use: no longer owed a place (see choose_victim)
-        if chunk.transient:
-            raise RuntimeError(f"{chunk.describe()} is transient: it is dropped, never moved, off the device")
         if chunk.all_free and dst is not Tier.NVME:
             # Nothing worth copying: give it fresh memory where it is wanted.
             if not self._make_room(dst, chunk.nbytes, protect, blocking=blocking):
@@ -414,11 +430,13 @@ class ChunkManager:
             return True
         if dst is Tier.NVME and chunk.on_nvme and not chunk.dirty:
             # The swap store already holds these exact bytes: evicting costs no write.
-            self._free_buffer(src, chunk.payload)
+            self._free_buffer(src, chunk.payload, chunk)
             chunk.payload, chunk.tier = None, Tier.NVME
             self.counters["clean_evictions"] += 1
             return True
-        needs_staging = self.device.is_cuda and {src, dst} == {Tier.DEVICE, Tier.NVME}
+        # Swap I/O reads and writes host memory through a numpy view, which pins a storage's size for good: a
+        # transient chunk's storage must stay resizable, so it goes through a host buffer as device memory does.
+        needs_staging = (self.device.separate_memory or chunk.transient) and {src, dst} == {Tier.DEVICE, Tier.NVME}
         if dst is Tier.NVME:
             if self._store is None:
                 raise self._oom(Tier.HOST, chunk.nbytes, extra="no memory.nvme_dir is set to spill to")
@@ -474,7 +492,8 @@ class ChunkManager:
         elif src is Tier.NVME:
             if staging is not None:  # NVMe -> host staging -> device
                 self._store.read(key, staging).result()
-                self.device.copy(dst_buf, staging)
+                # The device buffer may be one compute just gave back: order the copy after that compute.
+                self.device.copy(dst_buf, staging, after=marker)
             else:
                 self._store.read(key, dst_buf).result()
         else:
@@ -506,13 +525,13 @@ class ChunkManager:
             # A chained read's buffer is still its donor's if the donor's write-back failed.
             donor_failed = move.after is not None and move.after.exception() is not None
             if move.new_payload is not None and not donor_failed:
-                self._free_buffer(move.dst, move.new_payload)
+                self._free_buffer(move.dst, move.new_payload, chunk)
             if move.dst is Tier.NVME:
                 self._drop_nvme_copy(chunk)
             raise error
         start, end = move.future.result()
         if move.src is not Tier.NVME and not move.handed_off:
-            self._free_buffer(move.src, chunk.payload)
+            self._free_buffer(move.src, chunk.payload, chunk)
         # A chunk read back from NVMe keeps its swap copy: it is clean until a tensor is computed on.
         chunk.payload = move.new_payload
         chunk.tier = move.dst
@@ -568,7 +587,7 @@ class ChunkManager:
                         continue
                 else:
                     victim = self._victim(tier, protect, horizon)
-                    if victim is not None and (victim.all_free or victim.transient):
+                    if victim is not None and victim.all_free:
                         self._drop_payload(victim)
                         self.counters["released"] += 1
                         continue

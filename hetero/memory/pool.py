@@ -18,9 +18,18 @@ from hetero.memory.tier import TierLedger
 
 
 class BufferPool:
-    def __init__(self, alloc: Callable[[int], torch.Tensor], ledger: TierLedger) -> None:
+    def __init__(
+        self,
+        alloc: Callable[[int], torch.Tensor],
+        ledger: TierLedger,
+        *,
+        free: Callable[[torch.Tensor], None] | None = None,
+        on_release: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         self._alloc = alloc  # nbytes -> a flat uint8 buffer on this pool's tier
         self._ledger = ledger  # the tier's ledger: buffers in use and cached both count
+        self._free_buf = free  # gives a buffer's memory back for real (unpins it), when trimmed
+        self._on_release = on_release  # sees every buffer handed back (the stand-in poisons it)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> cached free buffers
         self.allocations = 0  # buffers actually allocated since creation: what the pool saves
 
@@ -40,7 +49,10 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel() * buf.element_size()
         self._ledger.to_cache(nbytes)
-        self._free[nbytes].append(buf.view(torch.uint8).view(-1))
+        flat = buf.view(torch.uint8).view(-1)
+        if self._on_release is not None:
+            self._on_release(flat)
+        self._free[nbytes].append(flat)
 
     def trim(self, nbytes: int | None = None) -> int:
         """Free cached buffers until at least nbytes are returned (all of them if None). Returns bytes freed."""
@@ -48,7 +60,9 @@ class BufferPool:
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and (nbytes is None or freed < nbytes):
-                bufs.pop()
+                buf = bufs.pop()
+                if self._free_buf is not None:
+                    self._free_buf(buf)
                 self._ledger.drop_cache(size)
                 freed += size
         return freed

@@ -26,17 +26,17 @@ from hetero.comm import Comm
 from hetero.config import ParallelConfig
 from hetero.device import Device
 from hetero.errors import ConfigError
-from hetero.memory import TensorState
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.balance import unit_costs
 from hetero.parallel.pipeline.chimera import replica_group
 from hetero.parallel.pipeline.runtime import PipelineRuntime
 from hetero.parallel.pipeline.split import StageChunk, keep_stages, units_of
-
-log = logging.getLogger("hetero.parallel")
+from hetero.zero.protocol import BATCH_REDUCE
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
+
+log = logging.getLogger("hetero.parallel")
 
 
 def setup_parallel(
@@ -113,24 +113,22 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     cfg = engine.config.parallel
     m = cfg.microbatches
     xs = [engine._to_device(x) for x in split_batch(inputs, m)]
-    ys = [_to(y, engine.device.torch_device) for y in split_batch(labels, m)]
+    ys = [_to(y, engine.device) for y in split_batch(labels, m)]
     scale = engine.scaler.scale if engine.scaler is not None else 1.0
     loss_scale = scale / (m * engine.config.grad_accumulation_steps)  # the mean over micro-batches and steps
     if engine.comm.size > engine.mesh.dp_size:
         # Chimera: each stage's gradient is split between its two replicas, which ZeRO averages as if they were
         # data-parallel ranks; doubling makes that average their sum ([Note: Chimera's layout]).
         loss_scale *= 2
-    stage3 = engine.stage == 3
+    gathers = engine.gathers
 
     def after_forward() -> None:
-        if stage3:
-            for zc in engine.chunks:
-                if zc.full.computing == 0:
-                    zc.maybe_release(TensorState.HOLD_AFTER_FWD)
+        if gathers is not None:
+            gathers.end_forward(training=True)
 
     def after_backward() -> None:
-        for zc in engine.chunks:
-            zc.settle()
+        if gathers is not None:
+            gathers.release_all()
 
     engine.manager.step_begin()  # one trace step per batch, whatever the schedule's order
     engine._in_step = True
@@ -138,49 +136,56 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     for zc in accumulate:
         zc.accumulate_full = True
     try:
-        if engine._stages is not None:
-            rt = engine._pipeline_runtime()
-            total = rt.run(
-                xs,
-                ys,
-                loss_fn=loss_fn,
-                loss_scale=loss_scale,
-                after_forward=after_forward,
-                after_backward=after_backward,
-            )
-        else:
-            total = torch.zeros((), dtype=torch.float32)
-            for x, y in zip(xs, ys):
-                if loss_fn is None:
-                    out = engine.module(x, labels=y)
-                    loss = out.loss if hasattr(out, "loss") else out["loss"]
-                else:
-                    loss = loss_fn(engine.module(x), y)
-                after_forward()
-                (loss * loss_scale).backward()
-                total += loss.detach().float().cpu()
-                del loss
-                after_backward()
+        with engine.device.compute_context():
+            total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
         for zc in accumulate:
+            engine.check(BATCH_REDUCE, chunk=zc.spec.index)
             zc.reduce_batch()  # layout order: the same on every data-parallel rank
     finally:
         for zc in accumulate:
             zc.accumulate_full = False
-        for zc in engine.chunks:
-            zc.settle()
+        after_backward()
         if engine.activations is not None:
             engine.activations.step_end()  # offloaded inputs of blocks whose recomputation never ran
         engine.manager.step_end()
         engine._in_step = False
     engine.step()
-    mean = total / m
+    mean = (total / m).to(torch.float32)
     mesh = engine.mesh
     if mesh.pp_size > 1:
-        mean = mean.to(engine.device.torch_device)
-        mesh.pp.all_reduce(mean, op="sum")  # only the last stage's is not zero
-    mean = mean.to(engine.device.torch_device)
-    mesh.dp.all_reduce(mean, op="avg")
-    return mean.cpu()
+        mesh.pp.control.all_reduce(mean, op="sum")  # only the last stage's is not zero
+    mesh.dp.control.all_reduce(mean, op="avg")
+    return mean
+
+
+def _run_micro_batches(
+    engine: Engine,
+    xs: list[Any],
+    ys: list[Any],
+    loss_fn: Callable | None,
+    loss_scale: float,
+    after_forward: Callable[[], None],
+    after_backward: Callable[[], None],
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch, through the pipeline when there is one; the summed loss (host)."""
+    if engine._stages is not None:
+        rt = engine._pipeline_runtime()
+        return rt.run(
+            xs, ys, loss_fn=loss_fn, loss_scale=loss_scale, after_forward=after_forward, after_backward=after_backward
+        )
+    total = torch.zeros((), dtype=torch.float32)
+    for x, y in zip(xs, ys):
+        if loss_fn is None:
+            out = engine.module(x, labels=y)
+            loss = out.loss if hasattr(out, "loss") else out["loss"]
+        else:
+            loss = loss_fn(engine.module(x), y)
+        after_forward()
+        (loss * loss_scale).backward()
+        total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
+        del loss
+        after_backward()
+    return total
 
 
 def grad_stats(engine: Engine) -> tuple[float, bool]:
@@ -189,11 +194,11 @@ def grad_stats(engine: Engine) -> tuple[float, bool]:
     same gradient on every tensor rank, so each rank counts 1 / degree of it."""
     mesh = engine.mesh
     tp = mesh.tp_size
-    sq = torch.zeros((), dtype=torch.float64, device=engine.device.torch_device)
+    sq = torch.zeros((), dtype=torch.float64)
     for zc in engine._trainable:
         g = zc.grad_view()
         if tp == 1:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float64).to(sq.device) ** 2
+            sq += engine.device.to_host(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
             continue
         lo = 0 if engine.stage == 0 else engine.comm.rank * zc.shard_numel
         for info in zc.spec.params:
@@ -201,11 +206,12 @@ def grad_stats(engine: Engine) -> tuple[float, bool]:
             if a >= b:
                 continue
             weight = 1.0 if getattr(info.param, "_hetero_tp", None) is not None else 1.0 / tp
-            sq += weight * torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64).to(sq.device) ** 2
+            norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)
+            sq += weight * engine.device.to_host(norm) ** 2
     if engine.stage >= 1:  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
-        engine.comm.all_reduce(sq, op="sum")
-    mesh.tp.all_reduce(sq, op="sum")
-    mesh.pp.all_reduce(sq, op="sum")
+        engine.comm.control.all_reduce(sq, op="sum")
+    mesh.tp.control.all_reduce(sq, op="sum")
+    mesh.pp.control.all_reduce(sq, op="sum")
     if engine.comm.size > mesh.dp_size:
         sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
     value = float(sq)
@@ -224,9 +230,9 @@ def make_runtime(engine: Engine) -> PipelineRuntime:
     )
 
 
-def _to(obj: Any, device: torch.device) -> Any:
+def _to(obj: Any, device: Device) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return device.to_device(obj)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to(v, device) for v in obj)
     if isinstance(obj, dict):

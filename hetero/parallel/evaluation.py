@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.comm import Comm
-from hetero.memory import TensorState
 from hetero.parallel.pipeline.runtime import _DTYPES, _HEADER, _MAX_DIMS, PipelineError, PipelineRuntime, _loss_of
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
@@ -45,19 +44,19 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
                 return engine(engine._to_device(inputs))  # one forward: the model's own outputs
             total = torch.zeros((), dtype=torch.float32)
             for x, y in zip(split_batch(inputs, m), split_batch(labels, m)):
-                y = _to(y, engine.device.torch_device)
+                y = _to(y, engine.device)
                 loss = _loss_of(engine(x, labels=y)) if loss_fn is None else loss_fn(engine(x), y)
-                total += loss.float().cpu()
+                total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
         else:
             xs = [engine._to_device(x) for x in split_batch(inputs, m)]
-            ys = [_to(y, engine.device.torch_device) for y in split_batch(labels, m)]
+            ys = [_to(y, engine.device) for y in split_batch(labels, m)]
             total, outputs = _run(engine, xs, ys if labels is not None else None, loss_fn)
             if labels is None:
                 return _share(outputs, engine._pipeline_runtime(), m)
-    mean = (total / m).to(engine.device.torch_device)
-    mesh.pp.all_reduce(mean, op="sum")  # only the ranks holding last stages have a non-zero sum
-    mesh.dp.all_reduce(mean, op="avg")
-    return mean.cpu()
+    mean = (total / m).to(torch.float32)
+    mesh.pp.control.all_reduce(mean, op="sum")  # only the ranks holding last stages have a non-zero sum
+    mesh.dp.control.all_reduce(mean, op="avg")
+    return mean
 
 
 @functools.lru_cache(maxsize=32)
@@ -86,6 +85,7 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
     began = not engine._in_step
     if began:
         engine.manager.step_begin()
+    gathers = engine.gathers
     try:
         for item in prog:
             if isinstance(item, Exchange):
@@ -96,22 +96,22 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
             x = xs[mb] if s == 0 else inbox.pop((0, mb, s))
             last = s == rt.last_stage
             with_labels = last and ys is not None and loss_fn is None
-            y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
+            with engine.device.compute_context():
+                y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
             if last and ys is not None:
-                total += (_loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])).float().cpu()
+                loss = _loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
+                total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
             elif last:
                 outputs[mb] = _tensor_of(y)
             else:
                 outbox[(0, mb, s + 1)] = y
-            if engine.stage == 3:
-                for zc in engine.chunks:
-                    if zc.full.computing == 0:
-                        zc.maybe_release(TensorState.HOLD_AFTER_FWD)
+            if gathers is not None:
+                gathers.end_forward(training=False)  # stage 3: nothing will need the chunks gathered for it
         for handle, _ in sends:
             handle.wait()
     finally:
-        for zc in engine.chunks:
-            zc.settle()
+        if gathers is not None:
+            gathers.release_all()
         if began:
             engine.manager.step_end()
     return total, outputs

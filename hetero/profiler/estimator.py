@@ -32,6 +32,8 @@ from hetero.profiler.parallel_layout import describe, layout_from, layout_ranks
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
+from hetero.zero.protocol import KEEP_UNITS, gathered_peak
+from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -283,9 +285,18 @@ def estimate(
         gpus = machine.gpus if machine is not None else 0
         ranks_per_node = min(world_size, gpus) if gpus else world_size
 
-    def placed_rank(stage: int, params: str, optim: str, rank_specs: list, activations: int) -> tuple[dict, dict]:
+    # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
+    budget = cfg.memory.device_budget
+    gathered = [_gathered_bytes(part.model, sp, dtype, budget) for part, sp in ranks] or [
+        _gathered_bytes(model, specs, dtype, budget)
+    ]
+
+    def placed_rank(
+        stage: int, params: str, optim: str, rank_specs: list, activations: int, gathered_peak: int
+    ) -> tuple[dict, dict]:
         resident, transient = _place(
             rank_specs,
+            gathered=gathered_peak,
             stage=stage,
             world=zero_world,
             dtype=dtype,
@@ -301,8 +312,8 @@ def estimate(
     def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:
         """The busiest rank's bytes (the only rank without a layout)."""
         if not ranks:
-            return placed_rank(stage, params, optim, specs, act.bytes)
-        options = [placed_rank(stage, params, optim, sp, part.activations) for part, sp in ranks]
+            return placed_rank(stage, params, optim, specs, act.bytes, gathered[0])
+        options = [placed_rank(stage, params, optim, sp, part.activations, g) for (part, sp), g in zip(ranks, gathered)]
         return max(options, key=lambda rt: sum(rt[0]["device"].values()) + sum(rt[1]["device"].values()))
 
     est = Estimate(
@@ -326,8 +337,8 @@ def estimate(
     if layout is not None:
         est.layout = {**dataclasses.asdict(layout), "data": layout.check(world_size)}
         est.layout.pop("plan")
-        for part, sp in ranks:
-            res, tra = placed_rank(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer, sp, part.activations)
+        for (part, sp), g in zip(ranks, gathered):
+            res, tra = placed_rank(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer, sp, part.activations, g)
             est.per_pipeline_rank.append(
                 {
                     "pipeline_rank": part.pipeline_rank,
@@ -354,9 +365,21 @@ def estimate(
     return est
 
 
+def _gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
+    """Stage 3's peak of gathered parameter bytes, as `Gathers` keeps them: units in module order forward, reverse
+    backward, the last KEEP_UNITS kept after forward where the device budget has room for them."""
+    index = {id(info.param): spec.index for spec in specs for info in spec.params}
+    per_unit = [sorted({index[id(p)] for p in ps if id(p) in index}) for _, _, ps in unit_parameters(model)]
+    nbytes = {spec.index: spec.capacity * dtype.itemsize for spec in specs}
+    sizes = sorted((sum(nbytes[c] for c in u) for u in per_unit), reverse=True)
+    keep = KEEP_UNITS if budget is None or budget >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
+    return gathered_peak(per_unit, nbytes, keep)
+
+
 def _place(
     specs: list[ChunkSpec],
     *,
+    gathered: int,
     stage: int,
     world: int,
     dtype: torch.dtype,
@@ -368,7 +391,7 @@ def _place(
     """Per tier and kind: the resident bytes of every chunk's buffers, and the transient peak of a step."""
     resident, transient = _zeros(), _zeros()
     compute = "device" if optim == "device" else "host"  # where gradients accumulate and the optimizer steps
-    gathered: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
+    full_chunks: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
     shards: list[int] = []  # stage 3: bytes of each parameter shard
     grad_full: list[int] = []  # stages 2-3: each chunk's per-micro-batch fp32 gradient buffer
     reduce_targets: list[int] = []
@@ -380,7 +403,7 @@ def _place(
             resident["device"]["parameters"] += cap * dtype.itemsize
         else:
             resident[params]["parameters"] += shard * dtype.itemsize
-            gathered.append(cap * dtype.itemsize)
+            full_chunks.append(cap * dtype.itemsize)
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
             continue
@@ -404,7 +427,7 @@ def _place(
 
     if stage == 3:
         working = prefetch_depth + 2  # in use, arriving ahead of use, being released
-        transient["device"]["parameters"] += largest(gathered, working)
+        transient["device"]["parameters"] += gathered + largest(full_chunks, prefetch_depth)
         if params != "device":
             # Shards read up for a gather: onto the host from NVMe (and onto the device for NCCL to read).
             transient["host" if params == "nvme" else "device"]["parameters"] += largest(shards, working)

@@ -188,6 +188,7 @@ class RankPart:
     params: list[tuple[str, nn.Parameter]]
     activations: int
     units: list[str]
+    model: nn.Module  # the sharded meta copy the parameters belong to
 
 
 def shard(model: nn.Module, layout: Layout) -> nn.Module:
@@ -322,7 +323,7 @@ def rank_parts(
         if checkpointing:
             peak += max((u.saved for s in mine for u in stage_units[s] if u.block), default=0)
         names = [u.name for s in mine for u in stage_units[s]]
-        parts.append(RankPart(k, params, peak, names))
+        parts.append(RankPart(k, params, peak, names, sharded))
     return parts
 
 

@@ -225,7 +225,7 @@ def plan(
             params = [(n, q) for n, q in sharded.named_parameters() if id(q) in held]
             specs = build_layout(ParamView(params), optimizer_view(opt, model, params),  # type: ignore[arg-type]
                                  chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
-            result.append((k, mine, stage_units, specs))
+            result.append((k, mine, stage_units, specs, E._gathered_bytes(sharded, specs, dtype, None)))
         return result
 
     for t, mode, sequence, p, sched, m in _grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules):
@@ -256,9 +256,10 @@ def plan(
             needed = {tier: -1 for tier in E.TIERS}
             psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
             n_chunks = max(len(rk[3]) for rk in ranks)
-            for (_, _, _, specs), act in zip(ranks, acts):
-                resident, transient = E._place(specs, stage=stage, world=zero_world, dtype=dtype, n_states=n_states,
-                                               params=params_at, optim=optim_at, prefetch_depth=prefetch)  # fmt: skip
+            for (_, _, _, specs, gathered), act in zip(ranks, acts):
+                resident, transient = E._place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
+                                               n_states=n_states, params=params_at, optim=optim_at,
+                                               prefetch_depth=prefetch)  # fmt: skip
                 resident["device"]["buffers"] += buffers
                 transient["device"]["activations"] += act
                 per = {tier: sum(resident[tier].values()) + sum(transient[tier].values()) for tier in E.TIERS}
@@ -346,7 +347,7 @@ def _activations(
 ) -> int:
     """Peak activation bytes the rank keeps (its schedule walked; see parallel_layout); `units`: by name, measured
     at the micro-batch's rows."""
-    k, mine, stage_units, _ = rank
+    k, mine, stage_units = rank[:3]
     stage_units = [[units[u.name] for u in su] for su in stage_units]
 
     def kept(s: int) -> int:

@@ -109,7 +109,7 @@ class ActivationMemory:
         self.device = device
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="hetero-act") if offload else None
         self._stack: list[_Saved] = []  # offloaded inputs of this step, in forward order
-        self._token = torch.empty(0, device=device.torch_device)  # see the note: carries the device's RNG state
+        self._token = device.empty((0,), torch.float32)  # see the note: carries the device's RNG state
         self.offloaded_bytes = 0  # bytes copied to the host (cumulative)
         for _, module in self.blocks:
             module.forward = functools.partial(self._forward, module, module.forward)
@@ -182,12 +182,15 @@ class ActivationMemory:
         jobs = []
         for i, chunk in saved.host:
             shape, requires_grad = saved.meta[i]
-            dev = torch.empty(shape, dtype=chunk.dtype, device=self.device.torch_device)
+            dev = self.device.empty(shape, chunk.dtype)
             jobs.append((dev.reshape(-1), chunk.payload.narrow(0, 0, dev.numel())))
             args[i] = (dev, requires_grad)
+        # The fresh device memory may be what compute just freed, still read by queued kernels: the copy waits for
+        # the compute stream's progress now.
+        marker = self.device.compute_marker()
 
         def fetch() -> tuple:
-            self._copy_all(jobs, None)
+            self._copy_all(jobs, marker)
             return tuple(a[0].requires_grad_(a[1]) if isinstance(a, tuple) else a for a in args)
 
         saved.coming = self._copier.submit(fetch)

@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from hetero.comm import Comm
-from hetero.memory import Chunk, ChunkManager, ChunkState, TensorSlot, TensorState, Tier
-from hetero.zero.layout import ChunkSpec, ParamInfo
+from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
+from hetero.zero import released
+from hetero.zero.layout import ChunkSpec
+from hetero.zero.units import Entry
 
 _T = TensorState
-KEEP_HORIZON = 8  # accesses: a gathered chunk needed again this soon is kept (see maybe_release)
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,19 @@ class ZeroChunk:
         state_names: tuple[str, ...],
     ) -> None:
         self.spec = spec
-        self.m = manager
+        self.manager = manager
         self.comm = comm
         self.stage = stage
         self.dtype = dtype  # compute dtype of the parameters
         self.homes = homes
+        self.device = manager.device
         n = comm.size
         self.shard_numel = spec.capacity // n  # elements of one rank's shard
-        self.in_use: dict[int, int] = {}  # param id -> active uses (a parameter may be used twice at once)
-        self.device = manager.device.torch_device
+        self._uses: dict[int, int] = {}  # param id -> uses in progress (a parameter may be used twice at once)
 
         self.full = manager.new_chunk(dtype=dtype, capacity=spec.capacity, kind="param", transient=stage == 3)
         self.slots: list[TensorSlot] = [self.full.add_tensor(p.name, p.shape) for p in spec.params]
+        self.gathered = stage < 3  # stage 3: the full parameters are here (a state every rank shares)
         self.shard: Chunk | None = None
         if stage == 3:
             self.shard = manager.new_chunk(dtype=dtype, capacity=self.shard_numel, kind="param_shard")
@@ -80,8 +82,8 @@ class ZeroChunk:
         self.grads_seen: set[int] = set()  # trainable param ids whose gradient this micro-batch has arrived
         self.n_trainable = sum(1 for p in spec.params if p.trainable)
         self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
-        self.grad_fresh = True  # the accumulated gradient is all zeros (nothing added since the update)
-        self._reducing: tuple | None = None  # a reduce-scatter in flight: (handle, target, wrote into grad directly)
+        self.grad_is_zero = True  # nothing accumulated into the gradient since the last update
+        self._reducing: tuple | None = None  # a reduce-scatter in flight: (handle, target, into the gradient itself)
         # Stages 2-3 in train_batch: sum the full gradient over the batch's micro-batches, reduce once at its end.
         self.accumulate_full = False
         self.batch_seen: set[int] = set()  # param ids with a gradient in grad_full this batch (accumulate_full)
@@ -99,136 +101,133 @@ class ZeroChunk:
             for name in state_names:
                 self.optim.add_tensor(f"{spec.params[0].name}..{name}", (s,))
 
+    @property
+    def label(self) -> str:
+        """How errors name this chunk."""
+        return f"chunk {self.spec.index} ({self.spec.params[0].name}...)"
+
     # ---- set-up -------------------------------------------------------------------------------------------
     def load(self, flat: torch.Tensor) -> None:
         """Fill every buffer from the full flat fp32 parameter values (the same on every rank)."""
+        m = self.manager
         r, s = self.comm.rank, self.shard_numel
         mine = flat if self.stage == 0 else flat[r * s : (r + 1) * s]
         if self.stage < 3:
             # Stages 0-2 keep full parameters on the device for the model's whole life: pinned, so that nothing
             # autograd saved in forward can move before backward.
-            self.m.access(self.full, Tier.DEVICE)
+            m.access(self.full, Tier.DEVICE)
             self.full.payload.copy_(flat)
             for slot in self.slots:
                 self.full.set_state(slot, _T.HOLD)
                 self.full.set_state(slot, _T.COMPUTE)
             self._point_params()
         else:
-            self.m.access(self.shard, Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST)
+            m.access(self.shard, Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST)
             self.shard.payload.copy_(mine)
             self.shard.set_state(self.shard.slots[0], _T.HOLD)
             if self.homes.params is Tier.NVME:
-                self.m.move(self.shard, Tier.NVME)
+                m.move(self.shard, Tier.NVME)
             # Point the parameters at the transient full chunk once; dropped, its storage has zero bytes until the
-            # next gather (see [Note: transient chunks] in the manager).
-            self.m.access(self.full, Tier.DEVICE)
+            # next gather (see [Note: transient chunks] in the manager), and the parameters are released.
+            m.access(self.full, Tier.DEVICE)
             self._point_params()
-            self.m.release(self.full)
+            m.release(self.full)
+            released.release([i.param for i in self.spec.params], [i.name for i in self.spec.params])
         if self.optim is not None:
-            self.m.access(self.optim, self.homes.compute)
+            m.access(self.optim, self.homes.compute)
             self.optim.payload.zero_()
             self.optim.view(self.optim.slots[0]).copy_(mine)
             for slot in self.optim.slots:
                 self.optim.set_state(slot, _T.HOLD)
             if self.homes.optim is Tier.NVME:
-                self.m.move(self.optim, Tier.NVME)
+                m.move(self.optim, Tier.NVME)
         if self.grad is not None:
             self.zero_grad()
 
     # ---- parameters ---------------------------------------------------------------------------------------
-    def fetch(self) -> None:
-        """Stage 3: make the full parameters resident on the device (the module's parameters view them already)."""
-        full = self.full
-        if full.state is not ChunkState.EMPTY:
-            self.m.access(full, Tier.DEVICE)  # records the use for the trace; a transient chunk never moves
+    def unshard(self) -> None:
+        """Stage 3: the full parameters resident on the device, gathered from every rank's shard if they are not
+        gathered yet. Gathering is a collective: see [Note: every rank in step] for who decides when."""
+        m, full = self.manager, self.full
+        if self.gathered:
+            m.access(full, Tier.DEVICE)  # back from wherever this rank's memory pressure moved it
             return
-        shard = self.m.access(self.shard, self._readable(self.shard), write=False)
-        with self.m.pinned(self.shard):  # making room for `full` must not evict the shard being read
-            self.m.access(full, Tier.DEVICE)
-            with self.m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
-                self.comm.all_gather(full.payload, shard.to(self.device))
+        shard = m.access(self.shard, self._readable(self.shard), write=False)
+        with m.pinned(self.shard):  # making room for `full` must not evict the shard being read
+            m.access(full, Tier.DEVICE)
+            with m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
+                src = shard if self.shard.tier is Tier.DEVICE else self.device.to_device(shard)
+                self.comm.all_gather(full.payload, src, what=f"the parameters of {self.label}")
         for slot in self.slots:
-            if slot.state is not _T.HOLD:  # FREE after a release; HOLD_AFTER_* if the manager dropped it
-                full.set_state(slot, _T.HOLD)
+            full.set_state(slot, _T.HOLD)
+        self.gathered = True
 
-    def enter(self, info: ParamInfo, slot: TensorSlot) -> None:
-        k = id(info.param)
-        self.in_use[k] = self.in_use.get(k, 0) + 1
-        if self.in_use[k] == 1:
-            self.full.set_state(slot, _T.COMPUTE)
-
-    def exit(self, info: ParamInfo, slot: TensorSlot, after: TensorState) -> None:
-        k = id(info.param)
-        uses = self.in_use.get(k, 0)
-        if uses == 0:
+    def reshard(self) -> None:
+        """Stage 3: drop the gathered parameters (no use may be in progress); only this rank's shard stays."""
+        if self.stage < 3 or not self.gathered:
             return
-        self.in_use[k] = uses - 1
-        if uses == 1:
-            self.full.set_state(slot, after)
-
-    def maybe_release(self, phase: TensorState) -> None:
-        """Stage 3: drop the gathered parameters once every one of them has finished this phase.
-
-        [Note: keeping the tail of forward]
-        The chunks forward uses last are the ones backward needs first: dropping them at the end of forward only to
-        gather them again a moment later doubles their communication. While the access trace replays, a chunk
-        whose next use lies within KEEP_HORIZON accesses stays gathered after forward (it is droppable, like any
-        transient chunk, if the device budget needs the room). After backward a chunk is always dropped: the
-        update is about to change its shard, so the gathered copy would be stale.
-        """
-        if self.stage < 3 or self.full.state is ChunkState.EMPTY:
-            return
-        if not all(s.state is phase for s in self.slots):
-            return
-        trace = self.m.trace
-        if phase is _T.HOLD_AFTER_FWD and trace.replaying and trace.next_use(self.full.id) <= KEEP_HORIZON:
-            return
-        self.release()
-
-    def release(self) -> None:
-        """Stage 3: drop the gathered parameters (every use must have ended)."""
-        if self.stage < 3 or self.full.state is ChunkState.EMPTY:
-            return
+        busy = [s.name for s in self.slots if s.state is _T.COMPUTE]
+        if busy:
+            raise RuntimeError(f"{self.label} cannot be released while {busy[:3]} are being computed on")
         for slot in self.slots:
-            if slot.state is _T.COMPUTE:
-                self.full.set_state(slot, _T.HOLD)
             if slot.state is not _T.FREE:
                 self.full.set_state(slot, _T.FREE)
-        self.in_use.clear()
-        self.m.release(self.full)
+        self._uses.clear()
+        self.manager.release(self.full)
+        self.gathered = False
 
-    def settle(self) -> None:
-        """End of a backward pass: stage 3 drops what is still gathered (frozen or unused parameters)."""
-        self.grads_seen.clear()
-        self.release()
+    def enter(self, e: Entry) -> None:
+        """A use of a parameter begins: its slot is COMPUTE (pinned to the device), its values readable. Stages 0-2
+        hold every parameter in use for the model's whole life."""
+        if self.stage < 3:
+            return
+        k = id(e.info.param)
+        uses = self._uses.get(k, 0)
+        self._uses[k] = uses + 1
+        if uses == 0:
+            self.full.set_state(e.slot, _T.COMPUTE)
+            released.restore([e.info.param])
+
+    def exit(self, e: Entry, after: TensorState) -> None:
+        """A use of a parameter ends (after: HOLD_AFTER_FWD, HOLD_AFTER_BWD or HOLD)."""
+        if self.stage < 3:
+            return
+        k = id(e.info.param)
+        uses = self._uses.get(k, 0)
+        if uses == 0:
+            return
+        self._uses[k] = uses - 1
+        if uses == 1:
+            self.full.set_state(e.slot, after)
+            released.release([e.info.param], [e.info.name])
 
     def _point_params(self) -> None:
         for info, slot in zip(self.spec.params, self.slots):
             if info.param.is_meta:
                 # A meta tensor cannot take another device's data: swap in an empty one first, which keeps the
                 # Parameter object (the optimizer's and every tied module's reference) and its attributes.
-                empty = torch.empty(0, dtype=self.dtype, device=self.device)
+                empty = torch.empty(0, dtype=self.dtype, device=self.device.torch_device)
                 torch.utils.swap_tensors(info.param, nn.Parameter(empty, requires_grad=info.param.requires_grad))
             info.param.data = self.full.view(slot)
 
     def _readable(self, chunk: Chunk) -> Tier:
-        """The nearest tier a collective can read the chunk on: NCCL reads the GPU; gloo and the CPU "device" read
-        host memory, where a chunk already on the device or the host stays."""
-        if self.m.device.is_cuda:
-            return Tier.DEVICE if self.comm.backend == "nccl" or self.comm.size == 1 else Tier.HOST
+        """The nearest tier a collective can read the chunk on: NCCL (and the stand-in) reads device memory; gloo
+        reads host memory, where a chunk already on the device or the host stays."""
+        if self.comm.needs_device_tensors:
+            return Tier.DEVICE
+        if self.device.separate_memory:
+            return Tier.HOST  # gloo with CUDA tensors would copy them to the host itself
         return chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) else Tier.HOST
 
     # ---- gradients ----------------------------------------------------------------------------------------
-    def add_grad(self, info: ParamInfo, slot: TensorSlot, grad: torch.Tensor) -> bool:
+    def add_grad(self, e: Entry, grad: torch.Tensor) -> bool:
         """Take one parameter's gradient of this micro-batch. True when the chunk has all of them."""
+        info = e.info
         flat = grad.reshape(-1)
         if self.grad_full is not None:
             # A fresh buffer each micro-batch: each parameter's gradient is copied in once (autograd has already
             # summed a parameter used twice); regions no gradient reached are zeroed before the reduction.
-            if self.grad_full.state is ChunkState.EMPTY:
-                self.m.access(self.grad_full, Tier.DEVICE)
-                self.grad_full.set_state(self.grad_full.slots[0], _T.COMPUTE)
-            region = self.grad_full.payload.narrow(0, info.offset, info.numel)
+            region = self._micro_grad().narrow(0, info.offset, info.numel)
             if self.accumulate_full and id(info.param) in self.batch_seen:
                 region.add_(flat)
             else:
@@ -236,40 +235,51 @@ class ZeroChunk:
             if self.accumulate_full:
                 self.batch_seen.add(id(info.param))
         else:
-            buf = self._grad_buffer()
-            buf.narrow(0, info.offset, info.numel).add_(flat.to(buf.device, torch.float32))
-            self.grad_fresh = False
+            buf = self.grad_buffer()
+            buf.narrow(0, info.offset, info.numel).add_(self._to(flat, self.grad.tier))
+            self.grad_is_zero = False
         self.grads_seen.add(id(info.param))
         self.used[self._index[id(info.param)]] = 1
         return len(self.grads_seen) == self.n_trainable
 
-    def reduce_micro_batch(self) -> None:
-        """Stages 2-3: reduce-scatter this micro-batch's gradient into the accumulated shard (mean over ranks)."""
-        self.start_reduce()
-        self.finish_reduce()
+    def _micro_grad(self) -> torch.Tensor:
+        """Stages 2-3: this micro-batch's full gradient on the device (unwritten regions hold garbage)."""
+        chunk = self.grad_full
+        buf = self.manager.access(chunk, Tier.DEVICE)
+        if chunk.slots[0].state is _T.FREE:
+            chunk.set_state(chunk.slots[0], _T.HOLD)
+        return buf
+
+    def _to(self, t: torch.Tensor, tier: Tier | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`t` (device memory) where a buffer on `tier` can take it."""
+        if tier is Tier.DEVICE:
+            return self.device.to_device(t, dtype)
+        return self.device.to_host(t, dtype)
 
     def start_reduce(self) -> None:
-        """Issue the reduce-scatter of this micro-batch's gradient; `finish_reduce` completes it. Backward goes on
-        meanwhile: the collective runs on the backend's own thread, in the order issued on every rank."""
-        if self.grad_full is None or self.grad_full.state is ChunkState.EMPTY:
-            self.grads_seen.clear()
-            return
-        full = self.grad_full.payload
+        """Issue the reduce-scatter of this micro-batch's gradient (mean over ranks); `finish_reduce` completes it.
+        Backward goes on meanwhile: the collective runs on the backend's own thread, in the order issued on every
+        rank. A chunk no gradient of this rank reached takes part with zeros: another rank's may have."""
+        m = self.manager
+        full = self._micro_grad()
         for info in self.spec.params:
             if id(info.param) not in self.grads_seen:
                 full.narrow(0, info.offset, info.numel).zero_()
         self.grads_seen.clear()
         full[self.used_numel :].zero_()  # padding
-        acc = self.m.access(self.grad, self.homes.compute)
-        direct = self.grad_fresh and acc.device == full.device  # the first micro-batch lands in place
+        m.pin(self.grad_full)  # the collective reads it until finish_reduce
+        acc = m.access(self.grad, self.homes.compute)
+        # The first micro-batch since the update lands in place, where the gradient's buffer is device memory.
+        direct = self.grad_is_zero and self.grad.tier is Tier.DEVICE
         if direct:
-            self.m.pin(self.grad)  # the collective writes it until finish_reduce
+            m.pin(self.grad)  # the collective writes it until finish_reduce
             self._grad_holds()
             target = acc
         else:
-            target = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
-        self.grad_fresh = False
-        self._reducing = (self.comm.reduce_scatter_async(target, full, op="avg"), target, direct)
+            target = self.device.empty((self.shard_numel,), torch.float32)
+        self.grad_is_zero = False
+        what = f"the gradients of {self.label}"
+        self._reducing = (self.comm.reduce_scatter_async(target, full, op="avg", what=what), target, direct)
 
     def finish_reduce(self) -> None:
         if self._reducing is None:
@@ -277,33 +287,43 @@ class ZeroChunk:
         handle, target, direct = self._reducing
         self._reducing = None
         handle.wait()
+        m = self.manager
         if direct:
-            self.m.unpin(self.grad)
+            m.unpin(self.grad)
         else:
-            acc = self._grad_buffer()
-            acc.add_(target.to(acc.device))
-        self.grad_full.set_state(self.grad_full.slots[0], _T.HOLD)
+            acc = self.grad_buffer()
+            acc.add_(self._to(target, self.grad.tier))
+        m.unpin(self.grad_full)
         self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
-        self.m.release(self.grad_full)
+        m.release(self.grad_full)
 
     def reduce_batch(self) -> None:
         """Stages 2-3, accumulate_full: reduce-scatter the gradient summed over the batch's micro-batches (mean over
         ranks) into the accumulated shard, once; regions no micro-batch reached are zeroed first."""
         self.grads_seen, self.batch_seen = self.batch_seen, set()
-        self.reduce_micro_batch()
+        self.start_reduce()
+        self.finish_reduce()
 
     def reduce_at_update(self) -> None:
         """Stages 0-1: reduce the gradient accumulated over the micro-batches (mean over ranks), in place."""
-        acc = self._grad_buffer()
+        if self.stage > 1:
+            return
+        acc = self.grad_buffer()
+        staged = self.comm.needs_device_tensors and self.grad.tier is not Tier.DEVICE
+        # NCCL reduces device memory only: a gradient kept on the host (optimizer offload) goes through the device.
+        buf = self.device.to_device(acc) if staged else acc
+        what = f"the gradients of {self.label}"
         if self.stage == 0:
-            self.comm.all_reduce(acc, op="avg")
-        elif self.stage == 1:
+            self.comm.all_reduce(buf, op="avg")
+        else:
             r, s = self.comm.rank, self.shard_numel
-            self.comm.reduce_scatter(acc[r * s : (r + 1) * s], acc, op="avg")
+            self.comm.reduce_scatter(buf[r * s : (r + 1) * s], buf, op="avg", what=what)
+        if staged:
+            acc.copy_(self.device.to_host(buf))
 
     def grad_view(self) -> torch.Tensor:
         """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier."""
-        acc = self._grad_buffer()
+        acc = self.grad_buffer()
         if self.stage == 1:
             r, s = self.comm.rank, self.shard_numel
             return acc[r * s : (r + 1) * s]
@@ -312,7 +332,7 @@ class ZeroChunk:
     def zero_grad(self) -> None:
         self.grads_seen.clear()
         self.used.zero_()
-        self.grad_fresh = True
+        self.grad_is_zero = True
         slot = self.grad.slots[0]
         if slot.state is _T.HOLD:
             self.grad.set_state(slot, _T.FREE)
@@ -320,11 +340,11 @@ class ZeroChunk:
             # Nothing is accumulated until the first reduce-scatter, which writes the buffer whole: meanwhile the
             # chunk holds no data, so evicting it costs nothing (released, not written to NVMe and read back).
             return
-        self._grad_buffer()  # zeros; one on NVMe gets fresh memory rather than being read back
+        self.grad_buffer()  # zeros; one on NVMe gets fresh memory rather than being read back
 
-    def _grad_buffer(self) -> torch.Tensor:
+    def grad_buffer(self) -> torch.Tensor:
         """The accumulated gradient on the compute tier: zeros where nothing has been accumulated yet."""
-        acc = self.m.access(self.grad, self.homes.compute)
+        acc = self.manager.access(self.grad, self.homes.compute)
         if self.grad.slots[0].state is _T.FREE:
             acc.zero_()
             self._grad_holds()
@@ -361,47 +381,56 @@ class ZeroChunk:
         return runs
 
     def optimizer_views(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        self.m.access(self.optim, self.homes.compute)
+        self.manager.access(self.optim, self.homes.compute)
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
 
     def write_back(self, master: torch.Tensor, *, clear_grad: bool = True) -> None:
         """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
         clear_grad is False: a checkpoint load clears it only where it is not already zero)."""
-        r, s = self.comm.rank, self.shard_numel
         if self.stage == 3:
-            tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
-            slot = self.shard.slots[0]
-            if slot.state is _T.HOLD:
-                self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
-            shard = self.m.access(self.shard, tier)
-            self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
-            shard.copy_(master)
-            self.shard.set_state(slot, _T.HOLD)
-            if self.homes.params is Tier.NVME:
-                self.m.move(self.shard, Tier.NVME, wait=False)
+            self.write_shard(master)
         else:
-            full = self.m.access(self.full, Tier.DEVICE)
+            r, s = self.comm.rank, self.shard_numel
+            full = self.manager.access(self.full, Tier.DEVICE)
             if self.stage == 0:
                 full.copy_(master)
             else:
                 full[r * s : (r + 1) * s].copy_(master)
-                self.comm.all_gather(full, full[r * s : (r + 1) * s])
+                self.comm.all_gather(full, full[r * s : (r + 1) * s], what=f"the parameters of {self.label}")
         if clear_grad:
             self.zero_grad()
 
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk)."""
+        m = self.manager
+        if values.numel() == self.spec.capacity:
+            values = self.master_range(values)
+        tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
+        slot = self.shard.slots[0]
+        if slot.state is _T.HOLD:
+            self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
+        shard = m.access(self.shard, tier)
+        self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
+        shard.copy_(values)
+        self.shard.set_state(slot, _T.HOLD)
+        if self.homes.params is Tier.NVME:
+            m.move(self.shard, Tier.NVME, wait=False)
+
+    def master_range(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full-chunk tensor that this rank's master weights cover (all of it at stage 0)."""
+        if self.stage == 0:
+            return full
+        r, s = self.comm.rank, self.shard_numel
+        return full[r * s : (r + 1) * s]
+
     def full_values(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (CPU copies), gathering a stage-3 chunk for the purpose."""
-        gathered = self.full.state is ChunkState.EMPTY
-        if gathered:
-            self.fetch()
-        out = {
-            info.name: self.full.view(slot).detach().to("cpu", copy=True)
-            for info, slot in zip(self.spec.params, self.slots)
+        """Every parameter's full value (CPU copies). At stage 3 the chunk must be gathered (`unshard`)."""
+        full = self.manager.access(self.full, Tier.DEVICE, write=False)
+        return {
+            info.name: self.device.to_host(full.narrow(0, info.offset, info.numel).view(info.shape), copy=True)
+            for info in self.spec.params
         }
-        if gathered:
-            self.release()
-        return out
 
 
 def flat_values(spec: ChunkSpec) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Module and parameter hooks that drive the chunks through forward and backward.
 
-Stage 3 gathers a chunk just before a module that owns one of its parameters runs, and drops it once every
-parameter of the chunk has been used in that pass. Backward needs the parameters again: a module's outputs pass
-through `_PreBackward`, an identity whose backward runs before the module's own, and gathers them there (the same
-device as PyTorch FSDP and DeepSpeed use, since modules have no reliable pre-backward hook). Every stage takes
-gradients from a post-accumulate-grad hook: the moment a parameter's gradient of this micro-batch is complete it is
-added into the chunk's gradient buffer and `param.grad` is cleared, so no per-parameter gradient outlives its use.
+Stage 3 gathers a unit's chunks just before the unit runs (see [Note: units]) and lets the collective protocol
+decide when to release them (`hetero/zero/protocol.py`). Backward needs the parameters again: a unit's outputs pass
+through `_PreBackward`, an identity whose backward runs before the unit's own, and gathers them there (modules have
+no reliable pre-backward hook); its inputs pass through `_PostBackward`, whose backward runs once the unit's
+backward is done. Every stage takes gradients from a post-accumulate-grad hook: the moment a parameter's gradient of
+this micro-batch is complete it is added into the chunk's gradient buffer and `param.grad` is cleared, so no
+per-parameter gradient outlives its use.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hetero.memory import TensorState
-
-Entry = tuple[Any, Any, Any]  # (ZeroChunk, ParamInfo, TensorSlot)
+from hetero.zero.protocol import Gathers, in_backward
+from hetero.zero.units import Entry, Unit
 
 
 class _PreBackward(torch.autograd.Function):
@@ -35,13 +35,13 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def wrap_outputs(output: Any, hook: Callable[[], None]) -> Any:
-    """Pass every floating tensor of output that requires grad through one _PreBackward."""
+def wrap_outputs(output: Any, hook: Callable[[], None], fn: type = _PreBackward) -> Any:
+    """Pass every floating tensor of output that requires grad through one `fn` (_PreBackward by default)."""
     found: list[torch.Tensor] = []
     _collect(output, found)
     if not found:
         return output
-    wrapped = iter(_PreBackward.apply(hook, *found))
+    wrapped = iter(fn.apply(hook, *found))
     return _replace(output, lambda t: next(wrapped))
 
 
@@ -82,45 +82,51 @@ def _replace(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return x
 
 
+class _PostBackward(torch.autograd.Function):
+    """An identity on a unit's inputs whose backward runs once the unit's backward is done (the gradients of its
+    inputs are computed): the moment the unit's parameters can be released."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hook()
+        return (None, *grads)
+
+
 class Hooks:
-    """Installs and removes the hooks for one engine."""
+    """Installs and removes the hooks for one engine: gradient hooks on every trainable parameter, and at stage 3
+    the hooks that gather at unit events and pin parameters while their module runs (see [Note: units],
+    [Note: every rank in step])."""
 
-    def __init__(self, module: nn.Module, entries: dict[int, Entry], *, stage: int, on_grad: Callable) -> None:
+    def __init__(
+        self,
+        entries: dict[int, Entry],
+        *,
+        model: nn.Module,
+        units: list[Unit],
+        gathers: Gathers | None,
+        on_grad: Callable,
+    ) -> None:
         self.handles: list[RemovableHandle] = []
-        for _, info, _ in entries.values():
-            if info.trainable:
-                self.handles.append(info.param.register_post_accumulate_grad_hook(on_grad))
-        if stage == 3:
-            for m in module.modules():
-                own = [entries[id(p)] for p in m.parameters(recurse=False) if id(p) in entries]
-                if own:
-                    self.handles.append(m.register_forward_pre_hook(self._pre_forward(own)))
-                    self.handles.append(m.register_forward_hook(self._post_forward(own)))
-
-    @staticmethod
-    def _pre_forward(own: list[Entry]) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
-            _enter(own)
-
-        return hook
-
-    @staticmethod
-    def _post_forward(own: list[Entry]) -> Callable:
-        chunks = list({id(zc): zc for zc, _, _ in own}.values())
-
-        def pre_backward() -> None:
-            _enter(own)
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            for zc, info, slot in own:
-                zc.exit(info, slot, TensorState.HOLD_AFTER_FWD)
-            for zc in chunks:
-                zc.maybe_release(TensorState.HOLD_AFTER_FWD)
-            if torch.is_grad_enabled():
-                return wrap_outputs(output, pre_backward)
-            return output
-
-        return hook
+        for e in entries.values():
+            if e.info.trainable:
+                self.handles.append(e.info.param.register_post_accumulate_grad_hook(on_grad))
+        if gathers is None:
+            return
+        root_of = {id(u.module): u for u in units}
+        unit_of = {id(e.info.param): u for u in units for e in u.entries}
+        for m in model.modules():
+            own = [entries[id(p)] for p in m.parameters(recurse=False) if id(p) in entries]
+            unit = root_of.get(id(m))
+            if unit is None and not own:
+                continue
+            owner = unit if unit is not None else unit_of[id(own[0].info.param)]
+            self.handles.append(m.register_forward_pre_hook(_pre_forward(unit, owner, own, gathers), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(_post_forward(unit, owner, own, gathers)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -128,14 +134,39 @@ class Hooks:
         self.handles.clear()
 
 
-def _enter(own: list[Entry]) -> None:
-    # Chunk by chunk: gather, then mark its parameters COMPUTE at once, so fetching the next chunk cannot evict it.
-    done: set[int] = set()
-    for zc, _, _ in own:
-        if id(zc) in done:
-            continue
-        done.add(id(zc))
-        zc.fetch()
-        for zc2, info, slot in own:
-            if zc2 is zc:
-                zc.enter(info, slot)
+def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers) -> Callable:
+    """unit: the unit this module is the root of, if any; owner: the unit its parameters are gathered with."""
+
+    def post_backward() -> None:
+        gathers.exit_unit_backward(unit)
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if unit is not None:
+            gathers.enter_unit(unit)
+        if own:
+            gathers.use(own, owner)
+        if unit is not None and torch.is_grad_enabled() and not in_backward():
+            args, kwargs = wrap_outputs((args, kwargs), post_backward, fn=_PostBackward)
+        return args, kwargs
+
+    return hook
+
+
+def _post_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers) -> Callable:
+    def pre_backward() -> None:
+        if unit is not None:
+            gathers.enter_unit(unit)
+        if own:
+            gathers.use(own, owner)
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        training = torch.is_grad_enabled()
+        if own:
+            gathers.done_using(own)
+        if unit is not None:
+            gathers.exit_unit_forward(unit, training=training)
+        if training and not in_backward():
+            return wrap_outputs(output, pre_backward)
+        return output
+
+    return hook

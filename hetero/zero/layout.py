@@ -29,6 +29,7 @@ class ParamInfo:
     param: nn.Parameter
     offset: int = 0  # first element within its chunk
     trainable: bool = True  # gets a gradient and an update
+    registered: int = 0  # position in model.named_parameters(): roughly forward order (see reduce_order)
 
     @property
     def numel(self) -> int:
@@ -68,13 +69,14 @@ def build_layout(
                 raise ValueError(f"parameter {names[id(p)]!r} appears in two optimizer param groups")
             group_of[id(p)] = g
     buckets: dict[int | None, list[ParamInfo]] = {}
-    for name, p in model.named_parameters():
+    for position, (name, p) in enumerate(model.named_parameters()):
         g = group_of.get(id(p)) if p.requires_grad else None
         if p.requires_grad and g is None:
             log.warning("parameter %r requires grad but is in no optimizer group: it is treated as frozen", name)
         if p.numel() == 0:
             continue
-        buckets.setdefault(g, []).append(ParamInfo(name=name, param=p, trainable=g is not None))
+        info = ParamInfo(name=name, param=p, trainable=g is not None, registered=position)
+        buckets.setdefault(g, []).append(info)
     if not buckets:
         raise ValueError("the model has no parameters to place")
     all_numels = [info.numel for infos in buckets.values() for info in infos]

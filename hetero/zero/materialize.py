@@ -68,8 +68,9 @@ def load_values(
         _initialise(model, chunks, manager, comm)
     else:
         for zc in chunks:
-            flat = flat_values(zc.spec)
-            comm.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as DDP does
+            # Every rank starts from rank 0's weights, as DDP does (on the device: NCCL broadcasts device memory).
+            flat = manager.device.to_device(flat_values(zc.spec)) if comm.size > 1 else flat_values(zc.spec)
+            comm.broadcast(flat, src=0)
             zc.load(flat)
             del flat
     still = [n for n, b in model.named_buffers() if b.is_meta]
@@ -296,8 +297,8 @@ def _check_same_everywhere(sums: torch.Tensor, comm: Comm) -> None:
     if comm.size == 1:
         return
     lo, hi = sums.clone(), sums.clone()
-    comm.all_reduce(lo, op="min")
-    comm.all_reduce(hi, op="max")
+    comm.control.all_reduce(lo, op="min")  # a few host numbers: the control group ([Note: data and control groups])
+    comm.control.all_reduce(hi, op="max")
     # The same values summed in the same order agree exactly; a tolerance only guards against thread-count effects.
     if not torch.allclose(lo, hi, rtol=1e-9, atol=1e-6):
         bad = (lo != hi).nonzero().flatten().tolist()

@@ -6,8 +6,8 @@ embedding holds many parameters and costs almost nothing, a language-model head 
 balances the units' costs, taken, in this order, from
  - `parallel.pipeline_costs`: one number per unit, or unit-name patterns -> cost (unmatched units cost 1);
  - a short warm-up on the real device: each unit's forward and backward on a sample micro-batch, one unit at a
-   time (moved to the device for it and back), the median of a few repeats; the output of one unit is the next
-   one's input, so every unit sees the shapes it will train on;
+   time (moved to the device for it and back), the least of a few repeats (interference from other processes only
+   adds time); the output of one unit is the next one's input, so every unit sees the shapes it will train on;
  - the FLOPs of the same forward and backward counted on the meta device, for a model built on meta (nothing to
    time).
 The sample is one sequence of token ids when the first unit begins with an embedding (its length the model's
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -86,14 +85,14 @@ def unit_costs(
         return None, "no sample input to time the units with (give parallel.pipeline_costs)"
     meta = any(p.is_meta for p in model.parameters())
     measured = flop_costs(units, sample) if meta else timed_costs(units, sample, device)
-    t = torch.tensor(measured, dtype=torch.float64, device=device.torch_device)
-    world.all_reduce(t, op="avg")
-    world.broadcast(t, src=0)  # bit-identical on every rank, whatever the reduction's rounding
-    return [max(float(c), 1e-12) for c in t.cpu()], "flops" if meta else "timed"
+    t = torch.tensor(measured, dtype=torch.float64)  # host numbers: the control group's
+    world.control.all_reduce(t, op="avg")
+    world.control.broadcast(t, src=0)  # bit-identical on every rank, whatever the reduction's rounding
+    return [max(float(c), 1e-12) for c in t], "flops" if meta else "timed"
 
 
 def timed_costs(units: Sequence[tuple[str, nn.Module]], sample: torch.Tensor, device: Device) -> list[float]:
-    """Median seconds of each unit's forward and backward on the device, the units run in order."""
+    """Seconds of each unit's forward and backward on the device (the least of a few repeats), in order."""
     dev = device.torch_device
     cpu_state = torch.get_rng_state()
     dev_state = device.rng_state()
@@ -117,7 +116,7 @@ def timed_costs(units: Sequence[tuple[str, nn.Module]], sample: torch.Tensor, de
             for p in unit.parameters():
                 if p.device != homes[id(p)]:
                     p.data = p.data.to(homes[id(p)])
-            out.append(statistics.median(times))
+            out.append(min(times))
             x = _tensor_of(y).detach()
     finally:
         torch.set_rng_state(cpu_state)

@@ -1,0 +1,71 @@
+"""Handles of asynchronous operations: what `Comm`'s non-blocking calls return; `wait()` completes them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class Handle(Protocol):
+    """What isend / irecv and the asynchronous collectives return: wait() blocks until the transfer is done."""
+
+    def wait(self) -> Any: ...
+
+
+class CopyBack:
+    """Handle of a transfer through a temporary contiguous buffer; a receive copies it out on wait()."""
+
+    def __init__(self, work: Handle, buf: torch.Tensor, dest: torch.Tensor | None) -> None:
+        self._work, self._buf, self._dest = work, buf, dest  # dest None: only keep buf alive (a send)
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._dest is not None:
+            self._dest.copy_(self._buf)
+        return True
+
+
+class AllOf:
+    """One handle for several works that complete together (a coalesced group of point-to-point operations)."""
+
+    def __init__(self, works: list[Handle]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+
+class Done:
+    """Handle of an operation that already finished."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class ThenDivide:
+    """Handle of an asynchronous sum that becomes a mean on wait() (backends without a native AVG)."""
+
+    def __init__(self, work: Handle, out: torch.Tensor, divisor: int | None) -> None:
+        self._work, self._out, self._divisor = work, out, divisor
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._divisor is not None:
+            self._out.div_(self._divisor)
+        return True
+
+
+class Timed:
+    """A backend's work whose wait() is bounded: `waiter(work, what)` waits with the group's timeout and turns an
+    expiry into an error naming the operation and the ranks that did not arrive."""
+
+    def __init__(self, work: Any, waiter: Callable[[Any, str], None], what: str) -> None:
+        self._work, self._waiter, self._what = work, waiter, what
+
+    def wait(self) -> bool:
+        self._waiter(self._work, self._what)
+        return True

@@ -1,0 +1,261 @@
+"""A strict CPU stand-in for an accelerator: GPU-only bugs fail on a machine without a GPU.
+
+[Note: the CPU stand-in]
+On a CPU-only machine the "device" tier is the CPU under its own budget: host and device memory are the same, copies
+are synchronous and gloo takes any tensor, so a collective on a host tensor, a copy ordered after nothing, or a read
+of a buffer already handed back all pass silently, and fail on the first GPU node. With `HETERO_STANDIN=1` in the
+environment, `hetero.device.make_device()` returns a `StandinDevice` instead, and every process group hetero makes
+follows NCCL's rules. It behaves like a separate accelerator:
+
+  - Device memory comes from its own allocator and is told apart from host memory: every buffer hetero allocates
+    through the device is registered as device memory, every host-tier buffer as host memory (`kind_of`).
+  - Inside the engine's compute (`compute_context`: forward, backward, the update) every tensor an operation makes
+    is device memory, as on a GPU, and an operation that mixes a host-tier tensor with device memory fails, as CUDA
+    refuses to compute across devices (0-dim tensors excepted, as CUDA accepts CPU scalars).
+  - A collective on anything but device memory fails (NCCL's rule, `collective_rule`); small host-side messages go
+    through the control group, as they must with NCCL.
+  - A copy that touches device memory runs on a copy engine thread after a random delay and must carry a compute
+    marker recorded after the destination buffer was last handed back to a pool: a copy ordered after nothing, or
+    after a marker older than its buffer's reuse, fails (`StandinOrderingError`), where a GPU would give wrong
+    values some of the time.
+  - Buffers given back to a pool, and transient storage grown back, are poisoned (all bytes 0xFF: NaN in floating
+    point), so a read of memory that is no longer the reader's gives NaN instead of yesterday's values.
+  - Host buffers are "pinned": the bytes registered are counted (`pinned_bytes`), so the host ledger can be checked
+    against what is really pinned, as it is against cudaHostRegister on a GPU.
+
+Everything here is process-wide by nature (memory is), keyed by storage address, with weak references so that a
+freed and reused address is never mistaken for the old buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+ENV = "HETERO_STANDIN"
+DEVICE, HOST = "device", "host"
+_MAX_DELAY_S = 0.002  # a copy waits up to this long on the copy engine before it runs
+
+
+def active() -> bool:
+    """Whether this process runs with the stand-in (`HETERO_STANDIN=1`)."""
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+class StandinError(RuntimeError):
+    """A rule of the stand-in was broken: code that would fail, or compute wrong values, on a GPU."""
+
+
+class StandinOrderingError(StandinError):
+    """A copy touching device memory was not ordered after the compute that last used its buffers."""
+
+
+# ---- the memory registry -------------------------------------------------------------------------------------------
+class _Registry:
+    """Storage address -> (kind, the storage's identity, the tensor that owns it).
+
+    hetero's own buffers (pools, transient storage, host tier) are held strongly until the device frees them;
+    anything else (compute outputs, copies to and from the device) weakly, its entry dropped the moment its tensor
+    dies, so that a freed address taken by a new allocation is never mistaken for the old one. The storage's
+    identity (its C++ object) guards the one case left: a storage that grew elsewhere (transient chunks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # copy workers register and look up too
+        self._entries: dict[int, tuple[str, int, Any]] = {}
+        self._released: dict[int, int] = {}  # storage address -> compute clock when last handed back to a pool
+
+    def add(self, t: torch.Tensor, kind: str, *, strong: bool) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        owner: Any = t if strong else weakref.ref(t, lambda _, k=key: self._forget(k))
+        with self._lock:
+            self._entries[key] = (kind, storage._cdata, owner)
+            self._released.pop(key, None)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and isinstance(entry[2], weakref.ref) and entry[2]() is None:
+                del self._entries[key]
+                self._released.pop(key, None)
+
+    def remove(self, t: torch.Tensor) -> None:
+        key = _address(t)
+        with self._lock:
+            self._entries.pop(key, None)
+            self._released.pop(key, None)
+
+    def kind(self, t: torch.Tensor) -> str | None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry[1] != storage._cdata:  # another storage at this address: the registered one moved on
+                del self._entries[key]
+                self._released.pop(key, None)
+                return None
+            return entry[0]
+
+    def mark_released(self, t: torch.Tensor, clock: int) -> None:
+        with self._lock:
+            self._released[_address(t)] = clock
+
+    def released_at(self, t: torch.Tensor) -> int:
+        with self._lock:
+            return self._released.get(_address(t), -1)
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+_registry = _Registry()
+
+
+def kind_of(t: torch.Tensor) -> str | None:
+    """DEVICE, HOST, or None for memory the stand-in never saw (made outside the engine's compute)."""
+    if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
+        return None
+    return _registry.kind(t)
+
+
+def register(t: torch.Tensor, kind: str, *, strong: bool = False) -> torch.Tensor:
+    """Record `t`'s memory as DEVICE or HOST. strong: hetero's own buffer, held until `unregister`."""
+    _registry.add(t, kind, strong=strong)
+    return t
+
+
+def unregister(t: torch.Tensor) -> None:
+    _registry.remove(t)
+
+
+def collective_rule(t: torch.Tensor) -> str | None:
+    """Why NCCL would refuse `t` in a collective, or None: only device memory is accepted."""
+    kind = kind_of(t)
+    if kind == DEVICE:
+        return None
+    if kind == HOST:
+        return "a host-tier tensor (host memory): NCCL takes device tensors only"
+    return "a tensor not on the device (made outside the device's compute): NCCL takes device tensors only"
+
+
+def poison(buf: torch.Tensor) -> None:
+    """Fill with 0xFF bytes: NaN in every floating dtype, -1 in integers."""
+    buf.view(torch.uint8).view(-1).fill_(0xFF)
+
+
+# ---- events and the copy engine ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Marker:
+    """The compute stream's progress when recorded: everything computed before `clock` is done."""
+
+    clock: int
+
+
+class _CopyEngine:
+    """One thread that runs copies in submission order, each after a random delay (a DMA engine's latency)."""
+
+    def __init__(self, seed: int) -> None:
+        self._jobs: SimpleQueue = SimpleQueue()
+        self._random = random.Random(seed)
+        self._thread = threading.Thread(target=self._run, name="hetero-standin-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        done: Future = Future()
+        self._jobs.put((dst, src, done, self._random.uniform(0, _MAX_DELAY_S)))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            dst, src, done, delay = self._jobs.get()
+            time.sleep(delay)
+            try:
+                with torch.no_grad():
+                    dst.copy_(src)
+                done.set_result(None)
+            except BaseException as e:  # reported to the waiter
+                done.set_exception(e)
+
+
+# ---- compute on the device ----------------------------------------------------------------------------------------
+class _Compute(TorchDispatchMode):
+    """See the note: outputs of operations are device memory; host-tier operands next to device memory fail."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        kinds = [kind_of(t) if t.dim() > 0 else None for t in tensors]
+        if DEVICE in kinds and HOST in kinds:
+            host = next(t for t, k in zip(tensors, kinds) if k == HOST)
+            raise StandinError(
+                f"{func} computes on device memory and a host-tier tensor of shape {tuple(host.shape)} at once: on "
+                "a GPU this fails (tensors on different devices). Move the host tensor to the device first "
+                "(Device.to_device) or keep the whole operation on the host"
+            )
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
+                register(t, DEVICE)
+        return out
+
+
+class Standin:
+    """The stand-in's clock, copy engine and pinned-byte count; one per StandinDevice."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._clock = 0  # compute markers recorded so far
+        self._lock = threading.Lock()
+        self._engine = _CopyEngine(seed)
+        self.pinned = 0  # bytes of host memory registered as pinned
+
+    def marker(self) -> Marker:
+        with self._lock:
+            self._clock += 1
+            return Marker(self._clock)
+
+    def released(self, buf: torch.Tensor) -> None:
+        """A buffer went back to a pool: compute queued before now may still read it; poison it."""
+        with self._lock:
+            clock = self._clock
+        _registry.mark_released(buf, clock)
+        poison(buf)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        touches = [t for t in (dst, src) if kind_of(t) != HOST]  # unknown memory counts as device: the strict side
+        if touches:
+            if not isinstance(after, Marker):
+                raise StandinOrderingError(
+                    f"a copy of {src.numel()} elements touching device memory was issued with no compute marker: on "
+                    "a GPU it would race the kernels still queued on that memory. Pass "
+                    "after=device.compute_marker(), recorded when the copy is submitted"
+                )
+            stale = max(_registry.released_at(t) for t in (dst, src))
+            if after.clock <= stale:
+                raise StandinOrderingError(
+                    f"a copy of {src.numel()} elements was ordered after compute marker {after.clock}, but its buffer "
+                    f"was handed back to a pool at {stale}, after that marker: record the marker when the copy is "
+                    "submitted, after the buffer was acquired"
+                )
+        self._engine.submit(dst, src).result()
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        with _Compute():
+            yield

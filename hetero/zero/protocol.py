@@ -1,0 +1,323 @@
+"""The collective protocol of ZeRO: which chunk is gathered, kept, released and reduced, and in which order.
+
+[Note: every rank in step]
+A collective completes only when every rank of the group issues it, with the same sizes, in the same order.
+So every decision that issues one is taken from state every rank shares, never from a rank's own budget,
+eviction, timing or data:
+  - Gathers (stage 3) follow units (see [Note: units]): a unit's chunks are gathered when the unit starts, in
+    layout order, unless they are gathered already. "Gathered" is a logical state, changed only at unit events
+    (which every rank sees in the same order) and at step ends. Where a gathered chunk's bytes sit is the rank's
+    own business: under memory pressure the manager moves it to the host like any chunk (see [Note: transient
+    chunks]) and brings it back at its next use without a collective.
+  - Release after forward keeps the last `KEEP_UNITS` units gathered (backward starts with them) when every rank's
+    device budget has room for them (`keep_units`: the smallest budget, agreed by a collective at initialisation);
+    a chunk is released once every unit using it has finished the phase (or, for units that did not run, at the
+    step's end). After backward everything is released: the update changes the shards.
+  - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`); a chunk is issued
+    once its gradients are all in and every chunk before it in the order has been issued. Chunks with parameters
+    this rank did not use in the step are completed with zeros at the end of backward, in the same order, so a
+    branch one rank took, or experts it routed no token to, cost a delay, never a mismatch.
+  - Before each such collective, when `check_collectives` is on, the ranks compare what they are about to do (a
+    tiny all-gather on the control group, [Note: data and control groups]): a rank that took another path (a
+    block skipped by some ranks, a different number of forwards) stops with an error naming the units and chunks
+    of every rank, within one collective of the divergence, instead of hanging or mixing up data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetero.comm import Comm
+from hetero.errors import CollectiveMismatchError
+from hetero.memory import TensorState
+from hetero.zero.units import Entry, Unit
+
+if TYPE_CHECKING:
+    from hetero.zero.chunks import ZeroChunk
+
+log = logging.getLogger("hetero.zero")
+
+KEEP_UNITS = 2  # units left gathered at the end of forward (the first ones backward needs), where memory allows
+_FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase
+OPS = ("?", "gather", "reduce-scatter", "update", "read (gathered_parameters)", "batch reduce-scatter")
+GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE = 1, 2, 3, 4, 5
+PHASES = ("?", "forward", "backward", "outside a step")
+FORWARD, BACKWARD, OUTSIDE = 1, 2, 3
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (a checkpoint's recomputation runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Checker:
+    """Compares, across the ranks of a group, the next collective each is about to issue; see [Note: every rank in
+    step]."""
+
+    def __init__(self, comm: Comm, *, enabled: bool, units: list[Unit], chunks: list[ZeroChunk]) -> None:
+        self.comm = comm
+        self.enabled = enabled and comm.size > 1
+        self.seq = 0  # checks made: the same on every rank while they agree
+        self._units = units
+        self._chunks = chunks
+
+    def __call__(self, op: int, *, chunk: int = -1, unit: int = -1, phase: int = OUTSIDE) -> None:
+        self.seq += 1
+        if not self.enabled:
+            return
+        mine = torch.tensor([self.seq, op, chunk, unit, phase], dtype=torch.int64)
+        rows = torch.empty(self.comm.size * _FIELDS, dtype=torch.int64)
+        what = f"the collective schedule's check before {self._describe(op, chunk, unit, phase)}"
+        self.comm.control.all_gather(rows, mine, what=what)
+        rows = rows.view(self.comm.size, _FIELDS)
+        if bool((rows == mine).all()):
+            return
+        raise CollectiveMismatchError(self._explain(rows))
+
+    def _explain(self, rows: torch.Tensor) -> str:
+        lines = [
+            "the ranks of the data-parallel group are about to run different collectives (global ranks "
+            f"{self.comm.global_ranks}):"
+        ]
+        for r, (seq, op, chunk, unit, phase) in enumerate(rows.tolist()):
+            doing = self._describe(op, chunk, unit, phase)
+            lines.append(f"  rank {self.comm.global_rank(r)}: collective #{seq}, {doing}")
+        lines.append(
+            "At zero_stage 3 every rank must run the same units (blocks, and modules outside blocks) in the same "
+            "order in every step, because each gathers its parameters collectively. Data-dependent code belongs "
+            "inside a block (a child of a ModuleList, e.g. a transformer layer): branches and expert routing there "
+            "are fine. A module that only some ranks run at the top level cannot be sharded at stage 3: move it "
+            "into a block, make every rank call it, or use zero_stage <= 2."
+        )
+        return "\n".join(lines)
+
+    def _describe(self, op: int, chunk: int, unit: int, phase: int) -> str:
+        what = OPS[op] if 0 <= op < len(OPS) else f"operation {op}"
+        if 0 <= chunk < len(self._chunks):
+            names = [p.name for p in self._chunks[chunk].spec.params]
+            what += f" of chunk {chunk} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        if 0 <= unit < len(self._units):
+            what += f" for module {self._units[unit].name or '(root)'!r}"
+        if 0 <= phase < len(PHASES):
+            what += f", in {PHASES[phase]}"
+        return what
+
+
+class Gathers:
+    """Stage 3: gathers and releases chunks at unit events; see [Note: every rank in step].
+
+    Two kinds of events drive it. A unit's start and end (every rank sees the same ones) decide what is gathered:
+    every chunk the unit uses, in layout order, by its end at the latest. A module's use of its parameters (which
+    a branch may skip on one rank) pins them to the device while it runs, and decides only *when* the gathers
+    happen: a module needing chunk k gathers the unit's pending chunks up to k, in order, and the unit's end
+    gathers the rest. Every rank therefore issues the same gathers in the same order, each as late as its own
+    modules allow, which keeps the device's working set to what runs now rather than the whole unit. A module
+    called outside its unit gathers on the spot, and the check covers that too.
+    """
+
+    def __init__(self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int) -> None:
+        self.units = units
+        self.check = check
+        self.keep = keep  # units kept gathered after their forward: the same on every rank (see keep_units)
+        self._users = {id(zc): [u for u in units if zc in u.chunks] for zc in chunks}  # units using each chunk
+        self._window: deque[Unit] = deque()  # units done with forward and still gathered, oldest first
+        self._done: dict[int, set[int]] = {FORWARD: set(), BACKWARD: set()}  # unit indices done this step
+        self._active: dict[int, int] = {}  # unit index -> calls in progress (a unit may be running twice)
+        self._held: dict[int, list[Entry]] = {}  # unit index -> parameters its modules use in backward, until it ends
+        self._pending: dict[int, list[ZeroChunk]] = {}  # unit index -> its chunks still to gather, in layout order
+        self._chunks = chunks
+
+    # ---- unit events --------------------------------------------------------------------------------------
+    def enter_unit(self, unit: Unit) -> None:
+        """A unit starts (forward, or backward): every chunk it uses will be gathered, in layout order."""
+        self._pending[unit.index] = [zc for zc in unit.chunks if not zc.gathered]
+        self._active[unit.index] = self._active.get(unit.index, 0) + 1
+
+    def exit_unit_forward(self, unit: Unit, *, training: bool) -> None:
+        self._flush(unit, BACKWARD if in_backward() else FORWARD)
+        self._leave(unit)
+        if in_backward():
+            return  # a checkpoint's recomputation: the unit's backward releases
+        self._done[FORWARD].add(unit.index)
+        if not training:
+            self._release_idle(unit.chunks, FORWARD)
+            return
+        if unit in self._window:
+            self._window.remove(unit)
+        self._window.append(unit)
+        while len(self._window) > self.keep:
+            self._release_idle(self._window.popleft().chunks, FORWARD)
+
+    def exit_unit_backward(self, unit: Unit) -> None:
+        self._flush(unit, BACKWARD)
+        for e in self._held.pop(unit.index, []):
+            e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
+        self._leave(unit)
+        self._done[BACKWARD].add(unit.index)
+        self._release_idle(unit.chunks, BACKWARD)
+
+    def _leave(self, unit: Unit) -> None:
+        n = self._active.get(unit.index, 0) - 1
+        if n > 0:
+            self._active[unit.index] = n
+        else:
+            self._active.pop(unit.index, None)
+
+    # ---- a module's use of its parameters -------------------------------------------------------------------
+    def use(self, entries: list[Entry], unit: Unit) -> None:
+        """A module of `unit` starts using its parameters: resident on the device and pinned there."""
+        phase = BACKWARD if in_backward() else FORWARD
+        for zc in sorted({id(e.chunk): e.chunk for e in entries}.values(), key=lambda c: c.spec.index):
+            pending = self._pending.get(unit.index, [])
+            upto = next((i for i, c in enumerate(pending) if c is zc), -1)
+            for c in pending[: upto + 1]:  # the unit's gathers before this one come first, on every rank
+                self._gather(c, unit, phase)
+            del pending[: upto + 1]
+            self._gather(zc, unit, phase)
+            zc.unshard()  # resident on the device (if this rank moved it away since)
+            for e in entries:
+                if e.chunk is zc:
+                    zc.enter(e)
+        if phase == BACKWARD:
+            self._held.setdefault(unit.index, []).extend(entries)  # until the unit's backward ends
+
+    def done_using(self, entries: list[Entry]) -> None:
+        """A module's forward ended."""
+        for e in entries:
+            e.chunk.exit(e, TensorState.HOLD_AFTER_FWD)
+
+    def grad_arrived(self, e: Entry, unit: Unit) -> None:
+        """A parameter's gradient is complete: its backward use is over (the unit's end settles any other)."""
+        held = self._held.get(unit.index)
+        if held is not None and e in held:
+            held.remove(e)
+            e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
+
+    def _gather(self, zc: ZeroChunk, unit: Unit, phase: int) -> None:
+        if not zc.gathered:
+            self.check(GATHER, chunk=zc.spec.index, unit=unit.index, phase=phase)
+            zc.unshard()
+
+    def _flush(self, unit: Unit, phase: int) -> None:
+        """The unit's gathers its modules did not need on this rank: another rank's modules may have."""
+        for zc in self._pending.pop(unit.index, []):
+            self._gather(zc, unit, phase)
+
+    def _release_idle(self, chunks: Iterable[ZeroChunk], phase: int) -> None:
+        """Release each chunk that no unit is using and that every unit using it has finished this phase with."""
+        kept = {id(zc) for u in self._window for zc in u.chunks} if phase == FORWARD else set()
+        for zc in chunks:
+            users = self._users[id(zc)]
+            if id(zc) in kept or any(u.index in self._active for u in users):
+                continue
+            if all(u.index in self._done[phase] for u in users):
+                zc.reshard()
+
+    # ---- step ends (the engine) ---------------------------------------------------------------------------
+    def end_forward(self, *, training: bool) -> None:
+        """After the model's forward: without autograd nothing will need the gathered chunks."""
+        if not training:
+            self.release_all()
+
+    def release_all(self) -> None:
+        """End of backward (or of a forward without one): everything still gathered is released, in layout order;
+        units whose backward never ended (no input needed a gradient) are left first."""
+        for entries in self._held.values():
+            for e in entries:
+                e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
+        self._held.clear()
+        self._pending.clear()
+        self._active.clear()
+        self._window.clear()
+        for zc in self._chunks:
+            zc.reshard()
+        for done in self._done.values():
+            done.clear()
+
+
+def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> int:
+    """The most bytes gathered at once when `units` (each a list of chunk indices) run forward in order and backward
+    in reverse, under the rules of `Gathers`: what the estimator counts for a stage-3 step."""
+    users: dict[int, set[int]] = {}
+    for u, chunks in enumerate(units):
+        for c in chunks:
+            users.setdefault(c, set()).add(u)
+    gathered: set[int] = set()
+    peak = 0
+    for order, windowed in ((range(len(units)), True), (range(len(units) - 1, -1, -1), False)):
+        done: set[int] = set()
+        window: deque[int] = deque()
+        for u in order:
+            gathered.update(units[u])
+            peak = max(peak, sum(nbytes[c] for c in gathered))
+            done.add(u)
+            if windowed:
+                window.append(u)
+                ending = [window.popleft()] if len(window) > keep else []
+            else:
+                ending = [u]
+            kept = {c for w in window for c in units[w]} if windowed else set()
+            for e in ending:
+                gathered -= {c for c in units[e] if c not in kept and users[c] <= done}
+        gathered.clear()  # the end of backward releases everything
+    return peak
+
+
+def keep_units(units: list[Unit], comm: Comm, device_budget: int) -> int:
+    """How many units stay gathered after forward: KEEP_UNITS where the smallest device budget of the group holds
+    them and the largest unit besides, with half as much again to spare, else none (gathered chunks that do not
+    fit would only be moved to the host and back). Agreed by a collective: the same on every rank."""
+    smallest = torch.tensor([device_budget], dtype=torch.int64)
+    comm.control.all_reduce(smallest, op="min")
+    sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
+    need = sum(sizes[: KEEP_UNITS + 1])
+    return KEEP_UNITS if int(smallest) >= 1.5 * need else 0
+
+
+class Reducer:
+    """Stages 2-3: issues the chunks' gradient reduce-scatters in one fixed order; see [Note: every rank in step]."""
+
+    def __init__(self, chunks: list[ZeroChunk], check: Checker, *, in_flight: Callable[[ZeroChunk], int]) -> None:
+        self.order = reduce_order(chunks)  # the issue order, the same on every rank
+        self.check = check
+        self._in_flight = in_flight  # how many reduces may stay in flight, given the chunk about to be issued
+        self._next = 0  # position in `order` of the next chunk to issue
+        self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
+        self._running: deque[ZeroChunk] = deque()  # issued, not yet completed
+
+    def ready(self, zc: ZeroChunk) -> None:
+        """All of `zc`'s gradients of this micro-batch are in: issue what the order allows."""
+        self._ready.add(id(zc))
+        while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
+            self._issue(self.order[self._next])
+
+    def flush(self) -> None:
+        """End of backward: issue the rest in order (parameters without a gradient count as zero), complete all."""
+        while self._next < len(self.order):
+            self._issue(self.order[self._next])
+        while self._running:
+            self._running.popleft().finish_reduce()
+        self._next = 0
+        self._ready.clear()
+
+    def _issue(self, zc: ZeroChunk) -> None:
+        # Every chunk, every micro-batch, also one no gradient of this rank reached: another rank's may have.
+        self._next += 1
+        self.check(REDUCE, chunk=zc.spec.index, phase=BACKWARD)
+        zc.start_reduce()
+        self._running.append(zc)
+        while len(self._running) > self._in_flight(zc):
+            self._running.popleft().finish_reduce()
+
+
+def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:
+    """The order gradients are reduced in: backward finishes a chunk when its earliest-registered parameter gets its
+    gradient (models register parameters in forward order, and backward runs it in reverse), so chunks go by that
+    parameter's position, latest first. Computed from the layout alone: the same on every rank."""
+    first = {id(zc): min(info.registered for info in zc.spec.params) for zc in chunks}
+    return sorted(chunks, key=lambda zc: (-first[id(zc)], zc.spec.index))

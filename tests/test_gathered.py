@@ -1,0 +1,133 @@
+"""Parameters outside forward and backward: `engine.gathered_parameters()` makes them readable (and writable from
+rank 0) on every rank; outside it, a ZeRO-3 parameter's values are not on the rank, and reading one is a Python
+error that says what to do, never a crash."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hetero
+from hetero.errors import ReleasedParameterError
+
+try:
+    from tests import parity, tolerance
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+    import tolerance  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+
+WEIGHT = "layers.0.attn.q_proj.weight"
+
+
+def _step(engine: hetero.Engine, batch: tuple, rank: int, world: int) -> None:
+    x, y = batch
+    local = x.shape[0] // world
+    engine.backward(engine(x[rank * local : (rank + 1) * local], labels=y[rank * local : (rank + 1) * local]).loss)
+    engine.step()
+
+
+def _run_gathered(rank: int, world: int, stage: int) -> dict:
+    torch.set_num_threads(1)
+    model = parity.build()
+    cfg = {"zero_stage": stage, "chunk_size": parity.CHUNK, "offload": {"optimizer": "host"}}
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    data = parity.batches(4, 4)
+    for batch in data[:2]:
+        _step(engine, batch, rank, world)
+    full = engine.full_state_dict()
+    out: dict = {}
+    with engine.gathered_parameters():
+        seen = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["equal_to_full_state_dict"] = all(torch.equal(seen[n], full[n]) for n in seen)
+        out["state_dict_inside"] = sorted(model.state_dict()) == sorted(full)
+    weight = dict(model.named_parameters())[WEIGHT]
+    try:
+        weight.sum()
+        out["read_outside"] = "no error"
+    except ReleasedParameterError as err:
+        out["read_outside"] = str(err)
+    # Rank 0 halves one weight; the others write junk that must not survive.
+    with engine.gathered_parameters([weight], modify=True), torch.no_grad():
+        if rank == 0:
+            weight.mul_(0.5)
+        else:
+            weight.fill_(123.0)
+    out["after_modify"] = engine.full_state_dict()[WEIGHT]
+    for batch in data[2:]:
+        _step(engine, batch, rank, world)
+    out["final"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def _reference_with_halving() -> dict[str, torch.Tensor]:
+    """Plain PyTorch: two steps, halve the weight, two more steps (Adam's state carries on)."""
+    out = {}
+    for name, dtype in (("exact", torch.float64), ("plain", torch.float32)):
+        model = parity.build().to(dtype)
+        opt = parity.make_optimizer(model)
+        for i, (x, y) in enumerate(parity.batches(4, 4)):
+            if i == 2:
+                with torch.no_grad():
+                    dict(model.named_parameters())[WEIGHT].mul_(0.5)
+            model(x, labels=y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gathered_parameters_read_and_modify(stage):
+    results = run_distributed(_run_gathered, 2, stage, timeout=240)
+    ref = _reference_with_halving()
+    for r in results:
+        assert r["equal_to_full_state_dict"] and r["state_dict_inside"]
+        if stage == 3:
+            assert "gathered_parameters" in r["read_outside"], r["read_outside"]
+        else:
+            assert r["read_outside"] == "no error"  # stages 0-2 keep full parameters on every rank
+        assert torch.equal(r["after_modify"], results[0]["after_modify"])  # every rank holds rank 0's values
+        assert not (r["after_modify"] == 123.0).any()
+        # Training went on from the halved weight: the master weights took it.
+        tolerance.assert_weights(r["final"], ref["exact"], ref["plain"], dtype=torch.float32)
+
+
+_READ_AFTER_STEP = textwrap.dedent(
+    """
+    import sys, torch, hetero
+    sys.path.insert(0, {tests!r})
+    import parity
+    model = parity.build()
+    engine = hetero.initialize(model, parity.make_optimizer(model), {{"zero_stage": 3, "chunk_size": parity.CHUNK}})
+    x, y = parity.batches(1, 2)[0]
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()
+    {read}
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        "print(model.layers[0].attn.q_proj.weight.sum())",
+        "print(model.layers[0].attn.q_proj.weight)",
+        "model.state_dict()['embed.weight'].numpy()",
+        "ema = [p.detach().clone() for p in model.parameters()]",
+    ],
+)
+def test_reading_a_released_parameter_is_a_python_error_not_a_crash(read):
+    """In a subprocess: a crash would be a signal (negative exit status), a Python error exits 1 with a traceback."""
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    code = _READ_AFTER_STEP.format(tests=tests, read=read)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "ReleasedParameterError" in proc.stderr and "gathered_parameters" in proc.stderr, proc.stderr[-2000:]

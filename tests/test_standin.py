@@ -1,0 +1,162 @@
+"""The CPU stand-in for an accelerator (`HETERO_STANDIN=1`, [Note: the CPU stand-in]): its rules fail where a GPU
+would, and every ZeRO path trains under them, bit for bit as without them, with torch's own collective checks on
+(TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hetero
+from hetero import standin
+from hetero.device import StandinDevice
+from hetero.errors import CommError
+from hetero.memory import ChunkManager, Tier
+from hetero.memory.pool import BufferPool
+from hetero.memory.tier import TierLedger
+
+try:
+    from tests import parity
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+
+
+# ---- the rules, one by one ------------------------------------------------------------------------------------------
+def test_a_copy_touching_device_memory_needs_a_fresh_compute_marker():
+    dev = StandinDevice()
+    d, h = dev.empty((8,), torch.float32), dev.to_host(torch.arange(8.0), copy=True)
+    with pytest.raises(standin.StandinOrderingError, match="no compute marker"):
+        dev.copy(d, h)
+    old = dev.compute_marker()
+    dev.copy(d, h, after=old)
+    assert torch.equal(d, h)
+    pool = BufferPool(dev.empty_bytes, TierLedger(Tier.DEVICE, 1 << 20), on_release=dev.released)
+    buf = pool.acquire(32).view(torch.float32)
+    pool.release(buf)  # compute may still read it until a marker recorded after this
+    assert torch.isnan(buf).all()  # and it is poisoned
+    reused = pool.acquire(32).view(torch.float32)
+    with pytest.raises(standin.StandinOrderingError, match="handed back to a pool"):
+        dev.copy(reused, h, after=old)
+    dev.copy(reused, h, after=dev.compute_marker())
+    assert torch.equal(reused, h)
+
+
+def test_device_and_host_memory_are_told_apart_and_not_mixed():
+    dev = StandinDevice()
+    d = dev.to_device(torch.ones(4))
+    h = dev.to_host(torch.ones(4), copy=True)
+    assert standin.kind_of(d) == standin.DEVICE and standin.kind_of(h) == standin.HOST
+    assert standin.kind_of(dev.to_host(d)) == standin.HOST and standin.kind_of(dev.to_device(h)) == standin.DEVICE
+    with dev.compute_context():
+        y = d * 2  # computed on the device: device memory
+        assert standin.kind_of(y) == standin.DEVICE
+        assert standin.kind_of(torch.zeros(3)) == standin.DEVICE  # made inside the compute: on the device
+        with pytest.raises(standin.StandinError, match="host-tier tensor"):
+            d + h
+        d * torch.tensor(3.0)  # a 0-dim host scalar is fine, as with CUDA
+    assert standin.collective_rule(h) is not None and standin.collective_rule(torch.ones(2)) is not None
+    assert standin.collective_rule(d) is None
+
+
+def test_pinned_host_bytes_follow_the_ledger_and_trim_gives_them_back(monkeypatch):
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    model = parity.build()
+    cfg = {"zero_stage": 3, "chunk_size": parity.CHUNK, "offload": {"params": "host", "optimizer": "host"}}
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    assert isinstance(engine.device, StandinDevice)
+    for x, y in parity.batches(2, 4):
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+    host = engine.manager.ledgers[Tier.HOST]
+    assert host.current > 0
+    assert engine.device.pinned_bytes() == host.current + host.cached
+    engine.manager.pools[Tier.HOST].trim()
+    assert host.cached == 0 and engine.device.pinned_bytes() == host.current
+    engine.close()
+    assert engine.device.pinned_bytes() == 0
+
+
+def test_manager_moves_under_the_standin(tmp_path, monkeypatch):
+    """Device <-> host <-> NVMe moves through the stand-in's copy engine, with staging and markers."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    with ChunkManager(device_budget=3 << 16, host_budget=4 << 16, nvme_dir=str(tmp_path)) as m:
+        chunks = []
+        for i in range(8):
+            c = m.new_chunk(dtype=torch.float32, capacity=1 << 14)
+            s = c.add_tensor(f"t{i}", (1 << 14,))
+            m.access(c, Tier.DEVICE)
+            c.payload.fill_(float(i))
+            c.set_state(s, hetero.memory.TensorState.HOLD)
+            chunks.append(c)
+        for i, c in enumerate(chunks):
+            assert standin.kind_of(m.access(c, Tier.DEVICE)) == standin.DEVICE
+            assert torch.equal(c.payload, torch.full((1 << 14,), float(i)))
+        assert m.memory_stats()["moved"].get("host->nvme", 0) > 0
+
+
+def _run_comm_rule(rank: int, world: int) -> list[str]:
+    from hetero.comm import init_from_env
+
+    comm = init_from_env()
+    seen = []
+    for t in (torch.ones(4), StandinDevice().empty_host(16).view(torch.float32)):
+        try:
+            comm.all_reduce(t)
+            seen.append("accepted")
+        except CommError as err:
+            seen.append(str(err))
+    comm.all_reduce(StandinDevice().to_device(torch.ones(4)))  # device memory: fine
+    comm.control.all_reduce(torch.ones(4))  # small host values go through the control group
+    seen.append(str(comm.control is comm))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_collectives_take_device_memory_only(monkeypatch):
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    for seen in run_distributed(_run_comm_rule, 2, timeout=100):
+        assert "NCCL takes device tensors only" in seen[0] and "host-tier tensor" in seen[1], seen
+        assert seen[2] == "False"  # a separate control group, as with NCCL
+
+
+# ---- every ZeRO path under the rules ---------------------------------------------------------------------------------
+CONFIGS = {
+    "z0-host": {"zero_stage": 0, "offload": {"optimizer": "host"}},
+    "z1-nvme": {"zero_stage": 1, "offload": {"optimizer": "nvme"}},
+    "z2-host-accum": {"zero_stage": 2, "offload": {"optimizer": "host"}, "grad_accumulation_steps": 2},
+    "z3-device": {"zero_stage": 3},
+    "z3-nvme": {"zero_stage": 3, "offload": {"params": "nvme", "optimizer": "nvme"}},
+    "z3-tight": {
+        "zero_stage": 3,
+        "offload": {"params": "host", "optimizer": "host"},
+        "memory": {"device_budget": 5 * parity.CHUNK * 4},
+    },
+    "z3-act-offload": {"zero_stage": 3, "activation_checkpointing": True, "activation_offload": True},
+    "z2-bf16-clip": {"zero_stage": 2, "precision": "bf16", "grad_clip_norm": 0.05},
+}
+
+
+def _run_configs(rank: int, world: int, nvme_root: str) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name, cfg in CONFIGS.items():
+        nvme = os.path.join(nvme_root, name) if "nvme" in name else None
+        r = parity.run_hetero(rank, world, steps=3, rows=4, config=cfg, nvme_dir=nvme)
+        out[name] = {"losses": r["losses"], "state": r["state"]}
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_every_zero_path_trains_under_the_standin_as_without_it(tmp_path, monkeypatch):
+    plain = run_distributed(_run_configs, 2, str(tmp_path / "plain"), timeout=400)[0]
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    strict = run_distributed(_run_configs, 2, str(tmp_path / "strict"), timeout=800)[0]
+    for name in CONFIGS:
+        assert strict[name]["losses"] == plain[name]["losses"], name
+        for k, v in plain[name]["state"].items():
+            assert torch.equal(strict[name]["state"][k], v), (name, k)
