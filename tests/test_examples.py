@@ -27,7 +27,6 @@ def run_example(script: str, tmp_path: Path, *extra: str) -> dict:
 def check(result: dict) -> None:
     assert result["steps"] == 3 and result["world_size"] == 1
     assert math.isfinite(result["final_loss"]) and result["final_loss"] < result["first_loss"]
-    assert math.isfinite(result["eval_loss"]) and 1 <= len(result["generated"]) <= 4  # 4 byte tokens, decoded
     assert {"device", "host", "nvme", "moved"} <= result["memory"].keys()
     assert result["memory"]["moved"].get("host->nvme", 0) > 0  # the optimizer states went to the swap files
     assert result["sample"].startswith("Once upon a time")
