@@ -26,9 +26,9 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
-from hetero.profiler.layouts import default_seq_len, gpt_for_params, hf_model_from_config
+from hetero.profiler.layouts import as_model, as_optimizer, default_seq_len
 from hetero.profiler.machine import Machine
-from hetero.profiler.parallel_layout import describe, layout_from, layout_ranks
+from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -252,8 +252,8 @@ def estimate(
         raise ConfigError(
             f"offload.params: {cfg.offload.params!r} needs zero_stage 3 (as in the engine); got {cfg.zero_stage}"
         )
-    model = _as_model(model_or_param_count)
-    opt = _as_optimizer(optimizer, model)
+    model = as_model(model_or_param_count)
+    opt = as_optimizer(optimizer, model)
     algo = algorithm_of(opt)
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
     dtype = COMPUTE_DTYPES[cfg.precision]
@@ -264,17 +264,11 @@ def estimate(
         specs = build_layout(model, opt, chunk_numel=chunk_numel, world=world_size)
         act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
     else:
-        if inputs is None:
-            ids = torch.zeros(batch_size, seq, dtype=torch.long, device="meta")
-            inputs = {"input_ids": ids, "labels": ids}
-        checkpointing = bool(getattr(cfg, "activation_checkpointing", False))
-        ranks = layout_ranks(
-            model, opt, layout, world=world_size, chunk_numel=chunk_numel, inputs=inputs, dtype=dtype,
-            checkpointing=checkpointing,
-        )  # fmt: skip
-        zero_world = layout.check(world_size) * (2 if layout.chimera else 1)
-        specs = ranks[0][1]
-        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=checkpointing, note="")
+        ckpt = bool(getattr(cfg, "activation_checkpointing", False))
+        ranks = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
+                             inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt)  # fmt: skip
+        zero_world, specs = layout.check(world_size) * (2 if layout.chimera else 1), ranks[0][1]
+        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
     if machine is True:
@@ -287,16 +281,13 @@ def estimate(
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
     budget = cfg.memory.device_budget
-    gathered = [_gathered_bytes(part.model, sp, dtype, budget) for part, sp in ranks] or [
-        _gathered_bytes(model, specs, dtype, budget)
-    ]
+    per_rank = [(sp, part.activations, _gathered_bytes(part.model, sp, dtype, budget)) for part, sp in ranks]
+    per_rank = per_rank or [(specs, act.bytes, _gathered_bytes(model, specs, dtype, budget))]
 
-    def placed_rank(
-        stage: int, params: str, optim: str, rank_specs: list, activations: int, gathered_peak: int
-    ) -> tuple[dict, dict]:
+    def placed_rank(stage: int, params: str, optim: str, rank_specs: list, acts: int, gathered: int) -> tuple:
         resident, transient = _place(
             rank_specs,
-            gathered=gathered_peak,
+            gathered=gathered,
             stage=stage,
             world=zero_world,
             dtype=dtype,
@@ -306,14 +297,12 @@ def estimate(
             prefetch_depth=cfg.prefetch_depth,
         )
         resident["device"]["buffers"] += buffers
-        transient["device"]["activations"] += activations
+        transient["device"]["activations"] += acts
         return resident, transient
 
     def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:
         """The busiest rank's bytes (the only rank without a layout)."""
-        if not ranks:
-            return placed_rank(stage, params, optim, specs, act.bytes, gathered[0])
-        options = [placed_rank(stage, params, optim, sp, part.activations, g) for (part, sp), g in zip(ranks, gathered)]
+        options = [placed_rank(stage, params, optim, *args) for args in per_rank]
         return max(options, key=lambda rt: sum(rt[0]["device"].values()) + sum(rt[1]["device"].values()))
 
     est = Estimate(
@@ -335,25 +324,8 @@ def estimate(
     )
     est.resident, est.transient = placed(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer)
     if layout is not None:
-        est.layout = {**dataclasses.asdict(layout), "data": layout.check(world_size)}
-        est.layout.pop("plan")
-        for (part, sp), g in zip(ranks, gathered):
-            res, tra = placed_rank(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer, sp, part.activations, g)
-            est.per_pipeline_rank.append(
-                {
-                    "pipeline_rank": part.pipeline_rank,
-                    "units": part.units,
-                    "model_state": {t: sum(res[t][k] for k in MODEL_STATE_KINDS) for t in TIERS},
-                    "activations": part.activations,
-                    "device": sum(res["device"].values()) + sum(tra["device"].values()),
-                }
-            )
-        worst = max(est.per_pipeline_rank, key=lambda r: r["device"])
-        busiest = ranks[worst["pipeline_rank"]][1]
-        est.n_chunks, est.chunk_elements = len(busiest), sum(sp.capacity for sp in busiest)
-        est.chunk_params = sum(info.numel for sp in busiest for info in sp.params)
-        note = f"pipeline rank {worst['pipeline_rank']}"
-        est.activations = dataclasses.replace(act, bytes=worst["activations"], note=note)
+        rows = [placed_rank(est.zero_stage, est.offload_params, est.offload_optimizer, *args) for args in per_rank]
+        describe_ranks(est, layout, ranks, rows, world_size)
     if machine is not None:
         for stage, params, optim in CANDIDATES:
             if "nvme" in (params, optim) and machine.nvme_bytes == 0:
@@ -443,39 +415,16 @@ def _place(
     return resident, transient
 
 
-def _as_model(obj: Any) -> nn.Module:
-    if isinstance(obj, nn.Module):
-        return obj
-    if isinstance(obj, bool):
-        raise ConfigError(f"model_or_param_count: expected a model, a parameter count or a config path, got {obj!r}")
-    if isinstance(obj, (int, float)):
-        return gpt_for_params(obj)
-    if isinstance(obj, (str, os.PathLike)):
-        return hf_model_from_config(obj)
-    raise ConfigError(
-        f"model_or_param_count: expected an nn.Module, a parameter count or a path to a Hugging Face config.json, "
-        f"got {type(obj).__name__}"
-    )
-
-
-def _as_optimizer(optimizer: torch.optim.Optimizer | str, model: nn.Module) -> torch.optim.Optimizer:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    if optimizer not in makers:
-        raise ConfigError(f"optimizer: {optimizer!r} is not known; give an optimizer instance or one of {list(makers)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = {"lr": 1e-3, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-3}
-    return makers[optimizer](params, **kwargs)
+def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids}
 
 
 def _activations(
     model: nn.Module, inputs: dict[str, Any] | None, *, batch_size: int, seq_len: int, dtype: torch.dtype, cfg: Config
 ) -> ActivationEstimate:
     checkpointing = bool(getattr(cfg, "activation_checkpointing", False))
-    if inputs is None:
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "labels": ids}
+    inputs = inputs if inputs is not None else _lm_inputs(batch_size, seq_len)
     try:
         return meta_activation_bytes(model, inputs, dtype=dtype, checkpointing=checkpointing)
     except Exception as e:  # a forward that cannot run on meta tensors: say so, count nothing

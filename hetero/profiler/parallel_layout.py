@@ -81,14 +81,6 @@ class Layout:
             return [rank, self.pipeline - 1 - rank]
         return [rank + c * self.pipeline for c in range(self.virtual)]
 
-    def comm_per_layer(self) -> float:
-        """Bytes per rank per linear layer (forward and backward) in units of that layer's activation."""
-        if self.tensor == 1:
-            return 0.0
-        if self.sequence is not None:
-            return SEQUENCE_FORMS[self.sequence][2](self.tensor)
-        return TENSOR_MODES[self.tensor_mode].comm(self.tensor)
-
 
 def layout_from(
     cfg: Any,
@@ -119,6 +111,32 @@ def layout_from(
             raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
     trivial = layout.tensor == 1 and layout.pipeline == 1 and form is None and tensor_mode == "1d"
     return None if trivial else layout
+
+
+def describe_ranks(est: Any, layout: Layout, ranks: list, placed: list[tuple[dict, dict]], world: int) -> None:
+    """Fill an Estimate's layout, per_pipeline_rank and busiest-rank figures from each rank's (resident, transient)
+    bytes."""
+    import dataclasses
+
+    est.layout = {**dataclasses.asdict(layout), "data": layout.check(world)}
+    est.layout.pop("plan")
+    for (part, _), (res, tra) in zip(ranks, placed):
+        states = ("parameters", "gradients", "master_weights", "optimizer_states")
+        est.per_pipeline_rank.append(
+            {
+                "pipeline_rank": part.pipeline_rank,
+                "units": part.units,
+                "model_state": {t: sum(res[t][k] for k in states) for t in res},
+                "activations": part.activations,
+                "device": sum(res["device"].values()) + sum(tra["device"].values()),
+            }
+        )
+    worst = max(est.per_pipeline_rank, key=lambda r: r["device"])
+    busiest = ranks[worst["pipeline_rank"]][1]
+    est.n_chunks, est.chunk_elements = len(busiest), sum(sp.capacity for sp in busiest)
+    est.chunk_params = sum(info.numel for sp in busiest for info in sp.params)
+    note = f"pipeline rank {worst['pipeline_rank']}"
+    est.activations = dataclasses.replace(est.activations, bytes=worst["activations"], note=note)
 
 
 def describe(layout: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[str]:
@@ -237,7 +255,9 @@ def _is_block(m: nn.Module, blocks: list[nn.Module]) -> bool:
 def _dedupe(units: list[Unit]) -> list[Unit]:
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for u in units:
-        u.params = [(n, p) for n, p in u.params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+        mine = [(n, p) for n, p in u.params if id(p) not in seen]
+        seen.update(id(p) for _, p in mine)
+        u.params = mine
     return units
 
 

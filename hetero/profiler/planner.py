@@ -1,31 +1,11 @@
 """`hetero.plan`: the layouts that fit a machine, ranked by the step time a stated cost model predicts.
 
-[Note: the planner's cost model]
-A layout is a tensor degree t and mode (and sequence form), a pipeline degree p and schedule, micro-batches m of b
-sequences, ZeRO stage and offload placement; the data-parallel degree is d = world / (t p), and d m b sequences of s
-tokens make the global batch. Whether it fits is the estimator's arithmetic for every pipeline rank (the engine's
-own chunk layout, [Note: a layout's bytes per rank]). Its step time, with the machine's `Rates`, is
-
-  compute   6 N + 12 L s h FLOPs per token (the matrices, forward and backward, plus attention's scores; 8/6 of
-            it with activation checkpointing), over all ranks at the device's rate;
-  bubble    the compute stretched by 1 / (1 - idle), idle the schedule's idle fraction simulated with the backward
-            taking twice the forward (`schedule.simulate_programs`);
-  tensor    per block and micro-batch, 4 linear layers each moving the mode's share of their activation
-            (`tensor_modes.py`), over the node's links (across nodes when t exceeds the node), plus a latency per
-            collective; not overlapped;
-  pipeline  per micro-batch, one activation forward and one gradient back per rank, plus latencies;
-  data      ZeRO's collectives over the d (2d under Chimera) replicas: stage 0 all-reduces fp32 gradients, stages 1-2
-            reduce-scatter them and all-gather the updated parameters, stage 3 reduce-scatters once and gathers the
-            parameters in every micro-batch's forward and backward; one collective per chunk each time, each with
-            its latency;
-  offload   optimizer states on the host: gradients down and parameters up over PCIe and the update streaming 28
-            bytes per element through host memory (on the device: through device memory); on NVMe the states read
-            and written at the node's NVMe rate shared by its ranks; parameters on the host or NVMe read for every
-            forward and backward.
-
-The terms add up (nothing is assumed to overlap), and the ranking is what the model is for: the benchmark
-`benchmarks/planner_ranking.py` measures a handful of layouts on a machine and reports the rank correlation of
-predicted against measured step times.
+Every layout of the world (tensor degree and mode, sequence form, pipeline degree and schedule, micro-batches, ZeRO
+stage, offload placement) is checked against the machine with the estimator's arithmetic for every pipeline rank
+([Note: a layout's bytes per rank]); the sharded model, its units and each pipeline rank's chunk layout are built
+once per tensor layout and pipeline degree and reused by the options that share them. The step time comes from the
+cost model of `cost_model.py` ([Note: the planner's cost model]); `benchmarks/planner_ranking.py` measures a
+handful of layouts on a machine and reports the rank correlation of predicted against measured step times.
 """
 
 from __future__ import annotations
@@ -43,7 +23,8 @@ from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.parallel.pipeline import schedule as S
 from hetero.profiler import estimator as E
-from hetero.profiler.layouts import default_seq_len
+from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
+from hetero.profiler.layouts import as_model, as_optimizer, default_seq_len
 from hetero.profiler.machine import Machine
 from hetero.profiler.parallel_layout import (
     Layout,
@@ -172,8 +153,8 @@ def plan(
     tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
-    model = E._as_model(model_or_config)
-    opt = E._as_optimizer(optimizer, model)
+    model = as_model(model_or_config)
+    opt = as_optimizer(optimizer, model)
     machine = machine if machine is not None else Machine.detect()
     rates = rates if rates is not None else Rates.measure()
     seq = seq_len if seq_len is not None else default_seq_len(model)
@@ -183,7 +164,7 @@ def plan(
     ranks_per_node = min(world_size, gpus)
     n_states = len(algorithm_of(opt).state_names)
     chunk_numel = None if chunk_size == "auto" else Config.from_dict({"chunk_size": chunk_size}).chunk_size
-    shape = _shape(model)
+    shape = shape_of(model)
     prefetch = Config().prefetch_depth
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
     out = Plan(world_size, batch, seq, machine, rates)
@@ -244,7 +225,7 @@ def plan(
         _, units_rows, _ = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
         by_name = {u.name: u for u in units_rows}
         acts = [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
-        idle = _idle(sched, p, m, virtual)
+        idle = idle_fraction(sched, p, m, virtual)
         lay = {"tensor": t, "tensor_mode": mode, "sequence": sequence, "pipeline": p, "schedule": sched if p > 1
                else "1f1b", "microbatches": m, "data": data, "rows": rows, "virtual_stages": virtual}  # fmt: skip
         zero_world = 2 * data if chimera else data
@@ -266,7 +247,7 @@ def plan(
                 if per["device"] > needed["device"]:
                     needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in E.TIERS}
             fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in E.TIERS)
-            terms = _cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
+            terms = step_cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
                           gpus, ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
             config = _config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
             out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
@@ -284,39 +265,12 @@ def available_modes() -> tuple[str, ...]:
     return tuple(TENSOR_MODES) if has else ("1d",)
 
 
-@dataclass(frozen=True)
-class _Shape:
-    params: int
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-
-
-def _shape(model: nn.Module) -> _Shape:
-    cfg = getattr(model, "config", None)
-
-    def get(*names: str, default: int = 0) -> int:
-        return next((int(v) for n in names if isinstance(v := getattr(cfg, n, None), int)), default)
-
-    heads = get("num_attention_heads", "n_head", default=1)
-    return _Shape(
-        params=sum(p.numel() for p in model.parameters()),
-        layers=get("num_hidden_layers", "n_layer", default=1),
-        hidden=get("hidden_size", "n_embd", default=1),
-        heads=heads,
-        kv_heads=get("num_key_value_heads", default=heads),
-        vocab=get("vocab_size", default=1),
-    )
-
-
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _grid(
-    shape: _Shape,
+    shape: Shape,
     world: int,
     gpus: int,
     max_tensor: int | None,
@@ -365,79 +319,8 @@ def _activations(
     return peak
 
 
-@functools.cache
-def _idle(sched: str, p: int, m: int, virtual: int) -> float:
-    if p == 1:
-        return 0.0
-    return S.simulate_programs(p, S.programs(sched, p, m, virtual), t_f=1.0, t_b=2.0).idle_fraction
-
-
 def _cap(machine: Machine, tier: str) -> int:
     return {"device": machine.device_bytes, "host": machine.host_bytes, "nvme": machine.nvme_bytes}[tier]
-
-
-def _cost(
-    shape: _Shape,
-    lay: dict[str, Any],
-    stage: int,
-    params_at: str,
-    optim_at: str,
-    chunks: tuple[int, int],
-    zero_world: int,
-    idle: float,
-    r: Rates,
-    dtype: torch.dtype,
-    gpus: int,
-    ranks_per_node: int,
-    seq: int,
-    batch: int,
-    world: int,
-    checkpointing: bool,
-) -> dict[str, float]:
-    """The cost model's terms in seconds ([Note: the planner's cost model]); chunks: elements in the busiest rank's
-    chunks, and how many (each a collective of its own)."""
-    psi, n_chunks = chunks
-    t, p, m, rows = lay["tensor"], lay["pipeline"], lay["microbatches"], lay["rows"]
-    tokens = batch * seq
-    flops = (6 * shape.params + 12 * shape.layers * seq * shape.hidden) * tokens * (8 / 6 if checkpointing else 1)
-    compute = flops / (world * r.device_flops)
-    bubble = compute * idle / (1 - idle) if idle < 1 else float("inf")
-    size = dtype.itemsize
-    x = rows * seq * shape.hidden * size  # one micro-batch's activation at a block boundary
-    blocks = shape.layers / p
-    link = r.intra_bandwidth if t <= gpus else r.inter_bandwidth
-    tensor = 0.0
-    if t > 1:
-        factor = SEQUENCE_FORMS[lay["sequence"]][2](t) if lay["sequence"] else TENSOR_MODES[lay["tensor_mode"]].comm(t)
-        tensor = m * blocks * 4 * (factor * x / link + r.latency)  # 4 linear layers, one collective each
-    pipe = 0.0
-    if p > 1:
-        per = x / t if lay["sequence"] == "megatron" else x
-        pipe = m * 2 * (per / (r.intra_bandwidth if t * p <= gpus else r.inter_bandwidth) + 2 * r.latency)
-    d = zero_world
-    span = r.intra_bandwidth if world <= gpus else r.inter_bandwidth
-    share = (d - 1) / d if d > 1 else 0.0
-    if stage == 0:
-        moved, calls = 2 * share * 4 * psi, 1
-    elif stage < 3:
-        moved, calls = share * (4 + size) * psi, 2
-    else:
-        moved, calls = share * (4 * psi + m * 2 * size * psi), 1 + 2 * m
-    data = moved / span + (calls * n_chunks * r.latency if d > 1 else 0.0)  # a collective per chunk, each time
-    shard = psi if stage == 0 else psi / d
-    offload = 0.0
-    if optim_at == "device":
-        offload += 28 * shard / r.device_memory_bandwidth
-    else:
-        offload += (4 + size) * shard / r.pcie_bandwidth + 28 * shard / r.host_bandwidth
-        if optim_at == "nvme":
-            offload += 24 * shard * ranks_per_node / max(r.nvme_bandwidth, 1.0)
-    if stage == 3 and params_at != "device":
-        reads = m * 2 * size * shard
-        offload += reads / r.pcie_bandwidth
-        if params_at == "nvme":
-            offload += reads * ranks_per_node / max(r.nvme_bandwidth, 1.0)
-    return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipe, "data": data, "offload": offload}
 
 
 def _config(
