@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
         }
 
     results = {}
-    for name in SCHEDULES:
+    for name in args.schedules:
         vs = v if name == "interleaved_1f1b" else 1
         torch.manual_seed(0)
         model = nn.Sequential(*[unit() for _ in range(p * v)])
@@ -125,7 +125,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
         chunks = keep_stages(model, rank=rank, ranks=p, virtual=vs, split=split, bidirectional=name == "chimera")
         results[name] = measure(name, model, chunks, vs)
     # Uneven units: stages by time ("auto", timed here) against stages by parameters.
-    for split in ("auto", "params"):
+    for split in ("auto", "params") if args.uneven else ():
         torch.manual_seed(0)
         heavy = SleepUnit(t_f / 50, t_b / 50, params=args.embedding_params)
         model = nn.Sequential(heavy, *[SleepUnit(t_f / 2, t_b / 2) for _ in range(2 * p)])
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backward_ratio": args.backward_ratio,
         "schedules": {},
     }
-    for name in SCHEDULES:
+    for name in args.schedules:
         ranks = [per_rank[r][name] for r in range(p)]
         v = ranks[0]["virtual"]
         makespan = max(x["wall_s"] for x in ranks)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "saved_bytes_per_microbatch_chunk": per_mb,
         }
     out["uneven"] = {}
-    for split in ("auto", "params"):
+    for split in ("auto", "params") if args.uneven else ():
         ranks = [per_rank[r][f"uneven-{split}"] for r in range(p)]
         makespan = max(x["wall_s"] for x in ranks)
         out["uneven"][split] = {
@@ -220,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=256, help="activation width (compute mode: MLP width)")
     ap.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
     ap.add_argument("--iters", type=int, default=3, help="measured batches per schedule (median)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated schedules to run")
+    ap.add_argument("--no-uneven", dest="uneven", action="store_false", help="skip the uneven-units comparison")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
     args = ap.parse_args(argv)
+    args.schedules = [x for x in args.schedules.split(",") if x]
+    unknown = sorted(set(args.schedules) - set(SCHEDULES))
+    if unknown:
+        ap.error(f"--schedules: unknown {unknown}; choose from {', '.join(SCHEDULES)}")
     if args.microbatches % args.stages or args.stages % 2:
         ap.error("--stages must be even and --microbatches a multiple of it (interleaved and Chimera need it)")
     out = run(args)
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  [{args.mode}] {'':<17} peak micro-batches in flight per stage {r['peak_in_flight_per_stage']}, "
             f"peak saved activations per stage {', '.join(f'{x:.2f}' for x in mib)} MiB"
         )
-    print(f"uneven units (first unit {args.embedding_params:,} parameters, 1/50 of a unit's time), 1F1B:")
+    if args.uneven:
+        print(f"uneven units (first unit {args.embedding_params:,} parameters, 1/50 of a unit's time), 1F1B:")
     for split, r in out["uneven"].items():
         stages = " | ".join(",".join(units) for units in r["stages"])
         print(
