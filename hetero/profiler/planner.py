@@ -99,14 +99,14 @@ class Plan:
             f"machine: {self.machine.describe()}",
             f"rates: {self.rates.describe()}",
             "cost model: compute / (1 - bubble) + tensor + pipeline + data + offload communication (hetero/profiler/"
-            "planner.py, [Note: the planner's cost model])",
+            "cost_model.py, [Note: the planner's cost model])",
             "",
         ]
         fitting = [o for o in self.options if o.fits][:top]
         for i, o in enumerate(fitting, 1):
             terms = " ".join(f"{k} {v:.3g}" for k, v in o.terms.items() if v)
             lines.append(f"{i:>3}. {o.seconds:9.3f} s  {o.label()}")
-            need = f"device {format_size(o.needed['device'])}, host {format_size(o.needed['host'])}"
+            need = ", ".join(f"{t} {format_size(o.needed[t])}" for t in ("device", "host", "nvme"))
             lines.append(f"       {need}; {terms}")
         if not fitting:
             lines.append("nothing fits this machine: more ranks, more host memory or NVMe space")
