@@ -8,8 +8,11 @@ steps (the median after one to warm up); `hetero.plan` predicts each one's step 
 model (hetero/profiler/planner.py, [Note: the planner's cost model]). Printed: both times per layout, and the
 Spearman rank correlation of predicted against measured.
 
-    python benchmarks/planner_ranking.py [--world 2] [--layers 4] [--embd 256] [--seq 128] [--batch 8]
-                                         [--steps 3] [--json]
+    python benchmarks/planner_ranking.py [--world 2] [--layers 4] [--embd 512] [--seq 32] [--batch 4]
+                                         [--steps 5] [--json]
+
+The defaults keep compute from drowning the other terms on a CPU: a wide model on few tokens, so that data-parallel
+gradients, offload traffic, pipeline bubbles and tensor collectives separate the layouts.
 """
 
 from __future__ import annotations
@@ -188,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2, help="ranks (processes)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per layout (median), after one warm-up")
+    ap.add_argument("--embd", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per layout (median), after one warm-up")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
     ap.add_argument("--save", help="also write the JSON object to this file")
     args = ap.parse_args(argv)
