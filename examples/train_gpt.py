@@ -24,12 +24,12 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from corpus import VOCAB_SIZE, batches, decode, encode, load_corpus
 from torch import nn
 from tqdm import tqdm
 
 import hetero
 from hetero.config import format_size
-from hetero.data import VOCAB_SIZE, batches, decode, encode, load_corpus
 from hetero.models import GPT, GPTConfig, generate_greedy
 
 BLOCK_SIZE = 128

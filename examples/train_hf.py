@@ -15,12 +15,11 @@ import argparse
 import sys
 
 import torch
+from corpus import VOCAB_SIZE
 from torch import nn
 
 # train_gpt.py, next to this file (on sys.path when run as a script), holds the shared loop and report.
 from train_gpt import add_training_args, report, train
-
-from hetero.data import VOCAB_SIZE
 
 BLOCK_SIZE = 128
 

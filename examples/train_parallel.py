@@ -1,7 +1,8 @@
 """Train a small GPT with tensor x pipeline x data parallelism (and ZeRO over the data-parallel ranks), under torchrun.
 
-The world is split by the degrees given: `--tensor` ranks shard every layer Megatron-style, `--pipeline` ranks hold a
-run of the layers each, and the data-parallel degree is what is left of the world size. Every rank of a
+The world is split by the degrees given: `--tensor` ranks shard every layer (Megatron-style 1D, or on a 2D / 2.5D / 3D
+grid with `--tensor-mode`; with `--sequence ulysses` or `ring` they split the sequence instead), `--pipeline` ranks
+hold a run of the layers each, and the data-parallel degree is what is left of the world size. Every rank of a
 data-parallel group reads that group's slice of the global batch (`engine.data_parallel_rank` / `_size`);
 `engine.train_batch` splits it into micro-batches, runs the pipeline schedule and returns the global mean loss.
 After training, `engine.eval_batch` evaluates a held-out batch through the same layout and greedily generates a few
@@ -12,6 +13,9 @@ tokens from prompts of the corpus: each step runs a forward only across the stag
     torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule interleaved_1f1b --microbatches 8
     torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule chimera --microbatches 4
     torchrun --nproc_per_node=2 examples/train_parallel.py --tensor 2 --sequence --zero-stage 3
+    torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 4 --tensor-mode 2d --pipeline 2  # SUMMA x pp 2
+    torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 8 --tensor-mode 3d --zero-stage 3
+    torchrun --nproc_per_node=4 examples/train_parallel.py --tensor 4 --sequence ring --zero-stage 3
     python examples/train_parallel.py                        # one process: micro-batches only
 """
 
@@ -23,10 +27,10 @@ import time
 from typing import Any
 
 import torch
+from corpus import VOCAB_SIZE, batches, decode, load_corpus
 from tqdm import tqdm
 
 import hetero
-from hetero.data import VOCAB_SIZE, batches, decode, load_corpus
 from hetero.models.gpt import GPTConfig
 from hetero.models.gpt_pipe import TP_PLAN, GPTPipe
 
@@ -34,7 +38,17 @@ from hetero.models.gpt_pipe import TP_PLAN, GPTPipe
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
-    ap.add_argument("--sequence", action="store_true", help="sequence parallelism inside the tensor group")
+    ap.add_argument("--tensor-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"), help="how layers are cut")
+    ap.add_argument("--tensor-depth", type=int, default=None, help="depth of --tensor-mode 2.5d")
+    ap.add_argument(
+        "--sequence",
+        nargs="?",
+        const="megatron",
+        default=False,
+        choices=("megatron", "ulysses", "ring"),
+        help="sequence parallelism: megatron (the default when given alone) inside the tensor group; ulysses or ring "
+        "over the --tensor ranks, layers whole",
+    )
     ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages")
     ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"))
     ap.add_argument("--virtual-stages", type=int, default=None, help="model chunks per rank (interleaved only)")
@@ -67,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     parallel: dict[str, Any] = {
         "tensor": args.tensor,
+        "tensor_mode": args.tensor_mode,
+        "tensor_depth": args.tensor_depth,
         "tensor_plan": TP_PLAN,
         "sequence": args.sequence,
         "pipeline": args.pipeline,
@@ -113,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": seconds,
         "world_size": mesh.world.size,
         "mesh": {"tensor": mesh.tp_size, "data": mesh.dp_size, "pipeline": mesh.pp_size},
+        "layout": repr(mesh),
         "grad_norm": engine.last_grad_norm,
         "eval_loss": eval_loss,
         "generated": text,
@@ -123,8 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps(result))
         else:
             print(
-                f"\n{args.steps} batches in {seconds:.1f} s on tensor {mesh.tp_size} x data {mesh.dp_size} x pipeline "
-                f"{mesh.pp_size}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, held-out {eval_loss:.3f}"
+                f"\n{args.steps} batches in {seconds:.1f} s on {mesh!r}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                f"held-out {eval_loss:.3f}"
             )
             print(f"greedy continuation of the first prompt: {text!r}")
     return result

@@ -114,6 +114,33 @@ class OffloadConfig:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera")
 SPLITS = ("auto", "params")
+TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
+SEQUENCE_MODES = ("megatron", "ulysses", "ring")
+
+
+def grid_shape(mode: str, tensor: int, depth: int | None) -> tuple[int, int]:
+    """(q, d) of a tensor mode at this degree: 1d -> (tensor, 1), 2d -> tensor = q^2, 2.5d -> q^2 d, 3d -> q^3."""
+    if mode not in TENSOR_MODES:
+        close = difflib.get_close_matches(str(mode).lower(), TENSOR_MODES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"parallel.tensor_mode: {mode!r} is not a mode{hint}; choose one of {', '.join(TENSOR_MODES)}"
+        )
+    if mode != "2.5d" and depth not in (None, 1):
+        raise ConfigError(f"parallel.tensor_depth = {depth!r} applies to tensor_mode '2.5d' only (mode is {mode!r})")
+    if mode == "1d":
+        return tensor, 1
+    d = 1
+    if mode == "2.5d":
+        if depth is None or isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"parallel.tensor_depth: tensor_mode '2.5d' needs an integer depth >= 1, got {depth!r}")
+        d = depth
+    power = 3 if mode == "3d" else 2
+    q = round((tensor / d) ** (1 / power)) if tensor % d == 0 else 0
+    if q < 2 or q**power * d != tensor:
+        shape = {"2d": "q^2 (4, 9, 16, ...)", "3d": "q^3 (8, 27, 64, ...)", "2.5d": f"q^2 x tensor_depth {d}, q >= 2"}
+        raise ConfigError(f"parallel.tensor = {tensor} does not fit tensor_mode {mode!r}: it must be {shape[mode]}")
+    return q, d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,11 +148,18 @@ class ParallelConfig:
     """Tensor x pipeline x data parallelism; the data-parallel degree is what is left of the world size."""
 
     tensor: int = 1
-    """Tensor-parallel degree (Megatron-style 1D sharding of the layers named by tensor_plan)."""
+    """Tensor-parallel degree: the ranks that cut the layers named by tensor_plan (with "ulysses" or "ring"
+    sequence parallelism: the ranks that split the sequence, layers whole)."""
+    tensor_mode: Literal["1d", "2d", "2.5d", "3d"] = "1d"
+    """How layers are cut: "1d" (Megatron), "2d" (SUMMA on a q x q grid, tensor = q^2), "2.5d" (Tesseract,
+    tensor = q^2 x tensor_depth), "3d" (a q x q x q cube, tensor = q^3)."""
+    tensor_depth: int | None = None
+    """The depth d of "2.5d"."""
     tensor_plan: Mapping[str, str] | str = "auto"
     """FQN patterns -> style ("colwise", "rowwise", "vocab", ...), or "auto" for known model families."""
-    sequence: bool = False
-    """Megatron-style sequence parallelism inside the tensor group."""
+    sequence: bool | Literal["megatron", "ulysses", "ring"] = False
+    """Sequence parallelism: true or "megatron" (inside the 1d tensor group), "ulysses" (all-to-all around
+    attention) or "ring" (ring self-attention) over the `tensor` ranks, whose layers then stay whole."""
     pipeline: int = 1
     """Pipeline stages."""
     pipeline_split: tuple[str, ...] | str = "auto"
@@ -145,10 +179,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "microbatches"):
             _check_int(f"parallel.{name}", getattr(self, name), minimum=1)
-        if not isinstance(self.sequence, bool):
-            raise ConfigError(f"parallel.sequence: expected true or false, got {self.sequence!r}")
-        if self.sequence and self.tensor == 1:
-            raise ConfigError("parallel.sequence: sequence parallelism runs inside the tensor group; set tensor > 1")
+        self._check_modes()
         if isinstance(self.tensor_plan, str):
             if self.tensor_plan != "auto":
                 raise ConfigError(f'parallel.tensor_plan: expected "auto" or a mapping, got {self.tensor_plan!r}')
@@ -213,6 +244,37 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.pipeline_costs: every cost must be a number > 0, got {v!r}")
         if not isinstance(costs, Mapping):
             object.__setattr__(self, "pipeline_costs", tuple(float(v) for v in costs))
+
+    def _check_modes(self) -> None:
+        if self.sequence is True:
+            object.__setattr__(self, "sequence", "megatron")
+        if self.sequence is not False and self.sequence not in SEQUENCE_MODES:
+            close = difflib.get_close_matches(str(self.sequence), SEQUENCE_MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"parallel.sequence: {self.sequence!r} is not a sequence mode{hint}; choose false, true, "
+                f"{', '.join(map(repr, SEQUENCE_MODES))}"
+            )
+        grid_shape(self.tensor_mode, self.tensor, self.tensor_depth)
+        if self.sequence and self.tensor == 1:
+            raise ConfigError(
+                f"parallel.sequence = {self.sequence!r} splits the sequence over the `tensor` ranks; set tensor > 1"
+            )
+        if self.sequence and self.tensor_mode != "1d":
+            raise ConfigError(
+                f"parallel.sequence = {self.sequence!r} with tensor_mode {self.tensor_mode!r}: grid modes cut the "
+                "batch, not the sequence; sequence parallelism runs with tensor_mode '1d'"
+            )
+        if self.sequence in ("ulysses", "ring") and self.pipeline > 1:
+            raise ConfigError(
+                f"parallel.sequence = {self.sequence!r} with pipeline > 1 is not supported; use 'megatron' with a "
+                "pipeline, or no pipeline"
+            )
+
+    @property
+    def split_sequence(self) -> bool:
+        """Ulysses or ring: the `tensor` ranks split the sequence and hold whole layers."""
+        return self.sequence in ("ulysses", "ring")
 
     @property
     def stages(self) -> int:

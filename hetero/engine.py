@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 import weakref
@@ -18,28 +17,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
-from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
+from hetero.events import Events
+from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
-from hetero.zero.activation import ActivationMemory, choose_blocks
-from hetero.zero.chunks import Homes, ZeroChunk
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
-from hetero.zero.optim import algorithm_of, update
+from hetero.zero.optim import algorithm_of
+from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
-from hetero.zero.protocol import SUMMON, UPDATE, Checker, Gathers, Reducer, keep_units
+from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
+from hetero.zero.stages import Placement
 from hetero.zero.units import Entry, find_units
+from hetero.zero.update import Updater
+from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.engine")
 
 # Gradient reduce-scatters left running while backward goes on; each holds its full-size gradient buffer.
 _REDUCES_IN_FLIGHT = 2
-_UPDATE_LOOKAHEAD = 2  # chunks whose optimizer states are read ahead of the one stepping (NVMe offload)
-_UPDATE_ROOM = 0.85  # of the compute tier's budget, at most, for the chunks stepping and read ahead
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 
@@ -63,24 +64,6 @@ def initialize(
     return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
-    """`engine.optimizer`: the user's param groups and hyperparameters (LR schedulers drive them); `step` runs the
-    chunked update."""
-
-    def __init__(self, engine: Engine, user: torch.optim.Optimizer) -> None:
-        super().__init__(user.param_groups, user.defaults)
-        self._engine = weakref.ref(engine)  # the engine owns the optimizer, not the reverse
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise ValueError("hetero's optimizer takes no closure: call engine.backward(loss) and engine.step()")
-        self._engine()._update()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine()._zero_grads()
-
-
 class Engine:
     def __init__(
         self,
@@ -93,6 +76,19 @@ class Engine:
         weights: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
+        # Hook points, any number of subscribers each (the profiler): the phases of a step, then close.
+        self.events = Events(
+            (
+                "forward_begin",
+                "forward_end",
+                "backward_begin",
+                "backward_end",
+                "update_begin",
+                "update_end",
+                "micro_step",
+                "close",
+            )
+        )
         if comm is None:
             world = init_from_env(timeout_s=config.comm_timeout)
         else:
@@ -108,7 +104,7 @@ class Engine:
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
         self.stage = config.zero_stage
-        homes = _homes(config)
+        placement = Placement.of(config.offload.params, config.offload.optimizer)
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
         specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size)
@@ -121,7 +117,7 @@ class Engine:
                 comm=self.comm,
                 stage=self.stage,
                 dtype=self.dtype,
-                homes=homes,
+                placement=placement,
                 state_names=self.algorithm.state_names,
             )
             self.chunks.append(zc)
@@ -134,11 +130,7 @@ class Engine:
         if "auto" in (config.offload.params, config.offload.optimizer):
             self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
         self._move_buffers(model)
-        self.optimizer = ZeroOptimizer(self, optimizer)
-        self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
         self.micro_steps = 0  # micro-batches seen (engine.step calls)
-        self.global_steps = 0  # optimizer updates applied
-        self.skipped_steps = 0  # updates skipped for fp16 overflow
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
         # The collective protocol ([Note: every rank in step]): units and gathers at stage 3, the reduce order at
         # stages 2-3, and the check that every rank is about to run the same collective.
@@ -151,13 +143,23 @@ class Engine:
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
+        self.updater = Updater(
+            self.chunks,
+            manager=self.manager,
+            mesh=self.mesh,
+            config=config,
+            algorithm=self.algorithm,
+            check=self.check,
+            comm=self.comm,
+        )
+        self.optimizer = ZeroOptimizer(self.updater, optimizer)
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
         self.hooks = Hooks(
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
         )
-        self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/zero/activation.py)
+        self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
                 model,
@@ -182,6 +184,7 @@ class Engine:
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
+        self.events.emit("forward_begin")
         args, kwargs = self._to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
         with self.device.compute_context(), saving:
@@ -191,12 +194,14 @@ class Engine:
         if not training:
             self.manager.step_end()
             self._in_step = False
+        self.events.emit("forward_end")
         return out
 
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
+        self.events.emit("backward_begin")
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with self.device.compute_context():
             (loss * (scale / self.config.grad_accumulation_steps)).backward()
@@ -214,12 +219,16 @@ class Engine:
         # else: the update that follows belongs to the step's trace, so that prefetch and eviction see it coming
         # (backward then keeps the gradients the update reads first); `_update`, or the next forward, ends it.
         self._in_step = False
+        self.events.emit("backward_end")
 
     def step(self) -> None:
         """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary."""
         self.micro_steps += 1
         if self.micro_steps % self.config.grad_accumulation_steps == 0:
+            self.events.emit("update_begin")
             self.optimizer.step()
+            self.events.emit("update_end")
+        self.events.emit("micro_step")
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
@@ -263,109 +272,6 @@ class Engine:
         # decides only when a rank waits, never what it issues or in which order.
         roomy = self.manager.ledgers[Tier.DEVICE].free >= 4 * zc.grad_full.nbytes
         return _REDUCES_IN_FLIGHT if roomy else 0
-
-    @torch.no_grad()
-    def _update(self) -> None:
-        self.check(UPDATE)
-        for zc in self._trainable:
-            zc.reduce_at_update()
-        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        # Without clipping or loss scaling the norm is only reported: summed during the update, so that gradients
-        # spilled to NVMe are read once, not twice (see [Note: the update pipeline]).
-        # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
-        fused_norm = (
-            self.scaler is None
-            and self.config.grad_clip_norm is None
-            and self.mesh.tp_size == 1
-            and self.mesh.pp_size == 1
-        )
-        sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self._grad_stats()
-        if self.scaler is not None:
-            overflow = not finite
-            self.scaler.update(overflow)
-            if overflow:
-                self.skipped_steps += 1
-                log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
-                self._zero_grads()
-                self.manager.step_end()
-                return
-        coef = inv_scale
-        if self.config.grad_clip_norm is not None:
-            norm = math.sqrt(sq) * inv_scale
-            coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
-        if not fused_norm:
-            self.last_grad_norm = math.sqrt(sq) * inv_scale  # before clipping, like clip_grad_norm_'s return
-        names = self.algorithm.state_names
-        used = torch.cat([zc.used for zc in self._trainable])
-        self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
-        used_of = used.split([len(zc.spec.params) for zc in self._trainable])
-        for i, zc in enumerate(self._trainable):
-            if zc.homes.optim is Tier.NVME:
-                if self.stage == 3 and zc.shard.slots[0].state is TensorState.HOLD:
-                    # Overwritten whole by write_back below: say so now, before anything reads it ahead of use.
-                    zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
-                self._prefetch_update(i, zc.homes.compute)
-            grad = zc.grad_view()
-            if fused_norm:
-                sq += torch.linalg.vector_norm(grad, dtype=torch.float64).cpu() ** 2
-            with self.manager.pinned(zc.grad):
-                if coef != 1.0:
-                    grad.mul_(coef)
-                master, states = zc.optimizer_views()
-                with self.manager.pinned(zc.optim):
-                    group = self.optimizer.param_groups[zc.spec.group]
-                    for a, b, steps in zc.update_segments(used_of[i]):
-                        seg_states = {n: st[a:b] for n, st in zip(names, states)}
-                        step = torch.tensor(float(steps), device=master.device)
-                        update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
-                    zc.write_back(master)
-            if zc.homes.optim is Tier.NVME:
-                self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
-                if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
-                    self.manager.release(zc.grad)  # zeroed (stages 2-3 hold no data until the next reduce)
-                self._prefetch_update(i + 1, zc.homes.compute)
-        if fused_norm:
-            if self.stage >= 1:
-                self.comm.control.all_reduce(sq, op="sum")
-            self.last_grad_norm = math.sqrt(float(sq))
-        self.global_steps += 1
-        self.manager.step_end()  # a no-op unless backward left the step open for the update
-
-    def _prefetch_update(self, i: int, tier: Tier) -> None:
-        """[Note: the update pipeline]
-        With optimizer states on NVMe the update streams them: chunk i steps while the states (and any gradient
-        spilled to NVMe) of chunks i+1 and i+2 are read and chunk i-1 is written back. A read that finds the host
-        full is chained behind a write-back of the same size (see the manager's [Note: reads chained behind
-        write-backs]), so it starts the moment that write ends, not at the next call into the manager."""
-        # Chunk i first, then as many of the next _UPDATE_LOOKAHEAD as leave the tier room to spare (a read ahead
-        # that crowds out the chunk stepping now is evicted again before its use).
-        room = int(self.manager.ledgers[tier].budget * _UPDATE_ROOM)
-        ahead: list[ZeroChunk] = []
-        for zc in self._trainable[i : i + 1 + _UPDATE_LOOKAHEAD]:
-            room -= zc.grad.nbytes + zc.optim.nbytes + (zc.shard.nbytes if zc.shard is not None else 0)
-            if ahead and room < 0:
-                break
-            ahead.append(zc)
-        wanted = [c for zc in ahead for c in (zc.grad, zc.optim)]
-        # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
-        later = [zc.grad for zc in self._trainable[i + len(ahead) :]]
-        self.manager.prefetch(wanted, tier, keep=wanted + later)
-
-    def _grad_stats(self) -> tuple[float, bool]:
-        """Sum of squares of the (scaled) gradient over all ranks, and whether it is finite everywhere."""
-        if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
-            return engine_glue.grad_stats(self)
-        sq = torch.zeros((), dtype=torch.float64)
-        for zc in self._trainable:
-            sq += torch.linalg.vector_norm(zc.grad_view(), dtype=torch.float64).cpu() ** 2
-        if self.stage >= 1:  # shards are disjoint: sum them; at stage 0 every rank holds the whole reduced gradient
-            self.comm.control.all_reduce(sq, op="sum")
-        value = float(sq)
-        return value, math.isfinite(value)
-
-    def _zero_grads(self) -> None:
-        for zc in self._trainable:
-            zc.zero_grad()
 
     # ---- views of the model ---------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -438,7 +344,7 @@ class Engine:
                     zc.write_shard(full)
                 continue
             master, _ = zc.optimizer_views()
-            mine = zc.master_range(full)
+            mine = zc.kept(full)
             new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
             changed = new != master.to(self.dtype).to(torch.float32)
             master[changed] = new[changed]
@@ -474,17 +380,48 @@ class Engine:
         return self._runtime
 
     @property
+    def scaler(self) -> LossScaler | None:
+        """The dynamic loss scaler (fp16 only)."""
+        return self.updater.scaler
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer updates applied."""
+        return self.updater.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped for fp16 overflow."""
+        return self.updater.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last update, before clipping (None before the first)."""
+        return self.updater.last_grad_norm
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's own counters and the update's (steps, loss scale, last gradient norm); the chunks and the
+        optimizer hold the rest, and `save_checkpoint` keeps all of it."""
+        return {"micro_steps": self.micro_steps, **self.updater.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_steps = state["micro_steps"]
+        self.updater.load_state_dict(state)
+
+    @property
     def data_parallel_rank(self) -> int:
-        return self.mesh.dp_rank
+        return self.mesh.batch_rank  # which part of the global batch this rank takes (a sequence group shares one)
 
     @property
     def data_parallel_size(self) -> int:
-        return self.mesh.dp_size
+        return self.mesh.batch_size
 
     def close(self) -> None:
         """Remove the hooks, free every chunk and delete swap files. The model's parameters are left empty."""
         if self._closed:
             return
+        self.events.emit("close")
         self._closed = True
         self.hooks.remove()
         if self.activations is not None:
@@ -517,12 +454,3 @@ class Engine:
                     continue
                 cast = buf.is_floating_point() and self.dtype != torch.float32
                 module._buffers[name] = self.device.to_device(buf, self.dtype if cast else None)
-
-
-def _homes(config: Config) -> Homes:
-    # "auto": home on the device, evicted down as the step's activations need the room (hetero/memory/auto.py).
-    # Config checks that offloaded parameters come with stage 3.
-    params = _TIERS.get(config.offload.params, Tier.DEVICE)
-    optim = _TIERS.get(config.offload.optimizer, Tier.DEVICE)
-    compute = Tier.DEVICE if optim is Tier.DEVICE else Tier.HOST
-    return Homes(params=params, optim=optim, compute=compute)

@@ -99,7 +99,7 @@ def reference(steps: int, world: int, dtype: torch.dtype = torch.float32) -> tup
         total.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(total))
+        losses.append(float(total.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -47,8 +47,8 @@ def _check_ledgers(m):
         assert ledger.used <= ledger.budget and ledger.peak <= ledger.budget
     nv = m.ledgers[Tier.NVME]
     assert nv.current == sum(c.nbytes for c in m.chunks if c.on_nvme)
-    if m._store is not None:
-        assert nv.current == m._store.used_bytes
+    if m.storage.store is not None:
+        assert nv.current == m.storage.store.used_bytes
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -74,15 +74,15 @@ def test_access_brings_a_chunk_to_the_device_through_every_tier(make_manager):
     assert c.tier is Tier.DEVICE and payload.device == m.device.torch_device
     assert torch.equal(_bits(c, s), bits)
     # A chunk read back from NVMe and not computed on is clean: evicting it again costs no write.
-    writes = m._store.stats.writes
+    writes = m.storage.store.stats.writes
     m.move(c, Tier.NVME)
-    assert m._store.stats.writes == writes and m.counters["clean_evictions"] == 1
+    assert m.storage.store.stats.writes == writes and m.counters["clean_evictions"] == 1
     m.access(c)
     c.set_state(s, TensorState.COMPUTE)
     c.view(s).view(torch.uint8).view(-1)[0] ^= 1
     c.set_state(s, TensorState.HOLD)
     m.move(c, Tier.NVME)
-    assert m._store.stats.writes == writes + 1
+    assert m.storage.store.stats.writes == writes + 1
     m.access(c, Tier.HOST)
     assert _bits(c, s)[0] == bits[0] ^ 1
 
@@ -115,7 +115,7 @@ def test_replayed_trace_evicts_the_furthest_next_use(make_manager):
     assert [cid for cid, _ in m.trace.trace] == [ch.id for ch in order]
     # Replay: the step starts with a (on the device? c and b were last: LRU kept b, c).
     evicted = []
-    m.observers.append(lambda e: evicted.append(e.chunk_id) if e.dst is Tier.HOST else None)
+    m.events.subscribe("move", lambda e: evicted.append(e.chunk_id) if e.dst is Tier.HOST else None)
     m.step_begin()
     for ch in order:
         m.access(ch)
@@ -218,8 +218,8 @@ def test_prefetch_returns_before_io_and_access_waits_once(make_manager):
     m = make_manager(nvme=True)
     c, s, bits = _filled_chunk(m, tier=Tier.NVME)
     other, _, _ = _filled_chunk(m, tier=Tier.NVME)
-    gated = _GatedStore(m._store)
-    m._store = gated
+    gated = _GatedStore(m.storage.store)
+    m.storage.store = gated
     m.prefetch([c])
     assert c.moving and not c.move.future.done()  # returned while its read is held at the gate
     assert other.tier is Tier.NVME  # only what was asked for moves
@@ -229,7 +229,7 @@ def test_prefetch_returns_before_io_and_access_waits_once(make_manager):
     assert gated.reads == 1
     assert m.counters["prefetch_hits"] == 1 and m.counters.get("prefetch_misses", 0) == 0
     assert m.wait_seconds > 0.05
-    m._store = gated.store
+    m.storage.store = gated.store
 
 
 def test_many_moves_in_flight(make_manager):
@@ -338,7 +338,7 @@ def test_failed_move_leaves_the_chunk_where_it_was(make_manager, monkeypatch):
     def broken(key, src):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(m._store, "write", broken)
+    monkeypatch.setattr(m.storage.store, "write", broken)
     with pytest.raises(OSError, match="No space"):
         m.move(c, Tier.NVME)
     assert c.tier is Tier.HOST and c.state is ChunkState.RESIDENT and not c.on_nvme
@@ -350,12 +350,12 @@ def test_written_access_is_written_back_and_read_only_access_is_not(make_manager
     m = make_manager(nvme=True)
     c, s, bits = _filled_chunk(m, tier=Tier.NVME)
     m.access(c, Tier.HOST, write=False)  # read only: the swap copy stays valid
-    writes = m._store.stats.writes
+    writes = m.storage.store.stats.writes
     m.move(c, Tier.NVME)
-    assert m._store.stats.writes == writes
+    assert m.storage.store.stats.writes == writes
     payload = m.access(c, Tier.HOST)  # may be written (the default)
     payload.view(torch.uint8)[0] ^= 0xFF
     m.move(c, Tier.NVME)
-    assert m._store.stats.writes == writes + 1
+    assert m.storage.store.stats.writes == writes + 1
     m.access(c, Tier.HOST)
     assert _bits(c, s)[0] == bits[0] ^ 0xFF

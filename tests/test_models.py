@@ -1,16 +1,18 @@
-"""The reference GPT (hetero.models) and the corpus / batch helpers (hetero.data)."""
+"""The reference GPT (hetero.models) and the examples' corpus / batch helpers (examples/corpus.py)."""
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hetero.data import DEFAULT_CORPUS, VOCAB_SIZE, batches, decode, encode, load_corpus
 from hetero.models import GPT, GPTConfig, generate_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))  # the corpus reader is example code, not part of the library
+from corpus import DEFAULT_CORPUS, VOCAB_SIZE, batches, decode, encode, load_corpus  # noqa: E402
 
 
 def small_config(**overrides) -> GPTConfig:

@@ -67,8 +67,8 @@ def _full_host_with_a_write_back_in_flight(make_manager, fail=False):
     wanted, ws, wbits = _filled(m, tier=Tier.NVME, seed=1)
     a, sa, abits = _filled(m, seed=2)
     b, _, _ = _filled(m, seed=3)  # the host is full of dirty chunks
-    gated = _GatedWrites(m._store, fail=fail)
-    m._store = gated
+    gated = _GatedWrites(m.storage.store, fail=fail)
+    m.storage.store = gated
     m.move(a, Tier.NVME, wait=False)  # its write waits at the gate
     m.prefetch([wanted], Tier.HOST)
     return m, gated, (wanted, ws, wbits), (a, sa, abits), b
@@ -87,7 +87,7 @@ def test_prefetch_into_a_full_host_chains_behind_a_write_back(make_manager):
     assert torch.equal(wanted.view(ws), wbits)
     m.synchronize()
     assert a.tier is Tier.NVME and ledger.current == _host_held(m) == 2 * NUMEL * 4
-    m._store = gated.store
+    m.storage.store = gated.store
     m.access(a, Tier.HOST)  # the write-back that gave its buffer away wrote the right bytes
     assert torch.equal(a.view(sa), abits)
     assert ledger.peak <= ledger.budget and ledger.current == _host_held(m)
@@ -100,7 +100,7 @@ def test_a_failed_write_back_fails_its_chained_read_and_keeps_its_buffer(make_ma
     for _ in range(2):  # the write-back's error, then the chained read's
         with pytest.raises(NvmeError, match="injected"):
             m.synchronize()
-    m._store = gated.store
+    m.storage.store = gated.store
     assert a.tier is Tier.HOST and torch.equal(a.view(sa), abits)  # the donor keeps its buffer and data
     assert wanted.tier is Tier.NVME and wanted.payload is None
     assert m.ledgers[Tier.HOST].current == _host_held(m) == 2 * NUMEL * 4

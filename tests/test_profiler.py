@@ -44,10 +44,9 @@ def _train(engine: hetero.Engine, steps: int) -> None:
 def _installed(engine: hetero.Engine) -> dict:
     """Everything a profile could leave behind."""
     return {
-        "ledger attrs": [sorted(vars(ledger)) for ledger in engine.manager.ledgers.values()],
-        "engine attrs": sorted(k for k in vars(engine) if k in ("step", "backward", "close")),
-        "manager attrs": sorted(k for k in vars(engine.manager) if k in ("access", "move", "prefetch", "release")),
-        "observers": len(engine.manager.observers),
+        "ledger observers": [len(ledger.observers) for ledger in engine.manager.ledgers.values()],
+        "engine subscribers": [engine.events.has(n) for n in ("backward_end", "update_end", "close")],
+        "manager subscribers": [engine.manager.events.has(n) for n in ("move", "done")],
         "module hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()),
     }
 

@@ -185,7 +185,7 @@ def test_plan_errors():
     }
     with pytest.raises(ConfigError, match=r"unknown tensor-parallel style 'colwsie' \(did you mean 'colwise'\?\)"):
         resolve_plan(model, {"layers.*.attn.q_proj": "colwsie"})
-    with pytest.raises(ConfigError, match="no built-in plan for Linear"):
+    with pytest.raises(ConfigError, match="recognises no known layout in Linear"):
         resolve_plan(torch.nn.Linear(2, 2), "auto")
     torch.manual_seed(0)
     odd = GPT(GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=3, n_embd=24, block_size=8))
@@ -203,7 +203,7 @@ def test_plan_errors():
     # the resolved plan: later patterns override earlier ones
     plan = resolve_plan(model, "auto")
     assert plan["layers.1.attn.o_proj"] == "rowwise" and plan["layers.1.attn.k_proj"] == "colwise"
-    assert plan["ln_f"] == "norm+sequence_gather" and "pos_embed" not in plan
+    assert plan["ln_f"] == "norm+sequence_gather" and plan["pos_embed"] == "embedding"
 
 
 def test_llama_kv_heads_not_divisible():
@@ -254,3 +254,21 @@ def _engine(rank: int, world: int) -> None:
 @pytest.mark.timeout(300)
 def test_engine_zero3_on_tensor_parallel_model():
     run_distributed(_engine, 2, timeout=240)
+
+
+def test_auto_plan_is_keyed_by_layout_not_class():
+    """A relative with Llama's layout (Mistral, Qwen2) and a subclass of hetero's GPT get the built-in plans."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    for cls, conf in (
+        (transformers.MistralForCausalLM, transformers.MistralConfig),
+        (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    ):
+        plan = resolve_plan(cls(conf(**cfg, num_key_value_heads=1)), "auto")
+        assert plan["model.layers.0.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "vocab_head"
+
+    class MyGPT(GPT):
+        pass
+
+    plan = resolve_plan(MyGPT(GPTConfig(vocab_size=16, n_layer=1, n_head=2, n_embd=8, block_size=8)), "auto")
+    assert plan["layers.0.mlp.fc"] == "colwise"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import manifest as mf
-from hetero.checkpoint import parallel as par
+from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.format import TensorWriter
 from hetero.errors import CheckpointError
 
@@ -87,7 +87,7 @@ def _plan(manifest: dict[str, Any], target: torch.dtype | None) -> dict[str, dic
             spec = {"kind": kind, "name": entry[2], "shape": p["shape"], "dtype": src_dtype}
         elif role == "tp_param":  # joined from the tensor ranks' shards
             cut = manifest["model"]["tp"][entry[2]]
-            shards = par.shard_names(entry[2], cut["degree"])
+            shards = par.shard_names(entry[2], cut)
             p = params[shards[0]]
             kind = "master" if p["trainable"] else "frozen"
             src_dtype = torch.float32 if p["trainable"] else _dtype(p["dtype"])
@@ -130,6 +130,7 @@ def _assemble(index: mf.Index, spec: dict[str, Any], scratch: torch.Tensor | Non
 
 
 def _unshard(index: mf.Index, spec: dict[str, Any]) -> torch.Tensor:
+    from hetero.parallel.grid.shard import BlockShard
     from hetero.parallel.tensor import TPShard, unshard
 
     cut = spec["tp"]
@@ -138,6 +139,8 @@ def _unshard(index: mf.Index, spec: dict[str, Any]) -> torch.Tensor:
         t = torch.empty(shape, dtype=spec["dtype"])
         index.fill(spec["kind"], name, 0, t.view(-1))
         shards.append(t)
+    if "indices" in cut:  # a grid layout: blocks by their stored ranks
+        return BlockShard.from_dict(cut).join(dict(zip(par.stored_ranks(cut), shards)))
     info = TPShard(
         dim=cut["dim"], parts=cut["parts"], degree=cut["degree"], rank=0, full_shape=tuple(cut["full_shape"])
     )

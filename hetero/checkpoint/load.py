@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.checkpoint import manifest as mf
-from hetero.checkpoint import parallel as par
+from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.save import _buffers
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
@@ -67,11 +67,12 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
         def finish() -> None:
             i, zc, futures = reading.pop(0)
             _finish_trainable(engine, zc, futures)
-            zc.param_steps = [steps.get(par.stored_name(info), 0) for info in zc.spec.params]
+            state: dict[str, Any] = {"param_steps": [steps.get(par.stored_name(info), 0) for info in zc.spec.params]}
             if pending and zc.grad is not None:
                 _fill_grad(engine, zc, index, mine["file"])
-                zc.used = torch.tensor([1 if p.name in used else 0 for p in zc.spec.params], dtype=torch.uint8)
-                zc.grad_is_zero = bool(mine["grad_fresh"][i])
+                state["used"] = [1 if p.name in used else 0 for p in zc.spec.params]
+                state["grad_is_zero"] = bool(mine["grad_fresh"][i])
+            zc.load_state_dict(state)
 
         threads = torch.get_num_threads()
         if engine.device.torch_device.type == "cpu":
@@ -87,10 +88,10 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                     while reading:
                         finish()
                     _fill_frozen(engine, zc, index)
-                    zc.param_steps = [steps.get(par.stored_name(info), 0) for info in zc.spec.params]
+                    zc.load_state_dict({"param_steps": [steps.get(par.stored_name(i), 0) for i in zc.spec.params]})
                     continue
-                ledger = engine.manager.ledgers[zc.homes.compute]
-                while reading and zc.optim.tier is not zc.homes.compute and ledger.free < 2 * zc.optim.nbytes:
+                ledger = engine.manager.ledgers[zc.placement.compute]
+                while reading and zc.optim.tier is not zc.placement.compute and ledger.free < 2 * zc.optim.nbytes:
                     finish()  # no room to bring this chunk in beside those being read: let them go first
                 reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
                 while len(reading) > _AHEAD:
@@ -110,15 +111,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
     finally:
         index.close()
-    st = manifest["engine"]
-    engine.micro_steps = st["micro_steps"]
-    engine.global_steps = st["global_steps"]
-    engine.skipped_steps = st["skipped_steps"]
-    if st["last_grad_norm"] is not None:
-        engine.last_grad_norm = st["last_grad_norm"]
-    if engine.scaler is not None and st["scaler"] is not None:
-        for k, v in st["scaler"].items():
-            setattr(engine.scaler, k, v)
+    engine.load_state_dict(manifest["engine"])
     _restore_groups(engine, extra["param_groups"], directory)
     if lr_scheduler is not None:
         if extra["lr_scheduler"] is None:
@@ -153,6 +146,13 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
             "tensor and pipeline degrees (the data-parallel degree, ZeRO stage and offload may change). To change "
             "them, consolidate it (python -m hetero.checkpoint consolidate) and load the full state_dict into the "
             "model before wrapping it"
+        )
+    saved_mode, mode = layout.get("tensor_mode", "1d"), par.tensor_mode(engine)
+    if saved_mode != mode:
+        raise CheckpointError(
+            f"{directory} was saved with tensor_mode {saved_mode}, this engine runs {mode}: their shards are cut "
+            "differently. Consolidate it (python -m hetero.checkpoint consolidate) and load the full state_dict into "
+            "the model before wrapping it"
         )
     me = par.coordinates(engine)
     # Under pipeline (tensor) parallelism this rank holds one stage (one shard): only that part must match.
@@ -195,14 +195,6 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
 
 
 # ---- filling chunks --------------------------------------------------------------------------------------------
-def _kept_range(engine: Engine, zc: Any) -> tuple[int, int]:
-    """The elements of the chunk this rank keeps master weights for: all of it at stage 0, its shard otherwise."""
-    if engine.stage == 0:
-        return 0, zc.spec.capacity
-    r, s = engine.comm.rank, zc.shard_numel
-    return r * s, (r + 1) * s
-
-
 def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any]) -> list:
     """Make the chunk's optimizer buffer resident and pinned, zero what the checkpoint does not fill, and start
     reading the rest; `_finish_trainable` completes it."""
@@ -210,18 +202,15 @@ def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[st
     saved = manifest["model"]["params"]
     if engine.stage == 3:
         zc.reshard()  # a gathered copy would be stale once the shard is replaced
-    lo, hi = _kept_range(engine, zc)
+    lo, hi = zc.kept_range()
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
-    m.access(zc.optim, zc.homes.compute)
+    m.access(zc.optim, zc.placement.compute)
     m.pin(zc.optim)
     requests = []
     for j, kind in enumerate(kinds):
         view = zc.optim.view(zc.optim.slots[j])
         filled = lo  # every element not read from the checkpoint is zeroed: padding, fresh states
-        for info in zc.spec.params:
-            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-            if a >= b:
-                continue
+        for info, a, b in zc.spec.overlaps(lo, hi):
             target = view[a - lo : b - lo]
             sname = par.stored_name(info)
             if saved[sname]["trainable"]:
@@ -246,7 +235,7 @@ def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
             zc.zero_grad()
     finally:
         m.unpin(zc.optim)
-    if zc.homes.optim is Tier.NVME:
+    if zc.placement.optim is Tier.NVME:
         m.move(zc.optim, Tier.NVME)
 
 
@@ -255,8 +244,8 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
     saved = index.manifest["model"]["params"]
     if engine.stage == 3:
         zc.reshard()
-        lo, hi = _kept_range(engine, zc)
-        tier = Tier.DEVICE if zc.homes.params is Tier.DEVICE else Tier.HOST
+        lo, hi = zc.kept_range()
+        tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
         buf = m.access(zc.shard, tier)
         chunk, base = zc.shard, lo
     else:
@@ -264,17 +253,15 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
         buf = m.access(zc.full, Tier.DEVICE)
         chunk, base = zc.full, 0
     with m.pinned(chunk):
-        for info in zc.spec.params:
-            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-            if a < b:
-                sname = par.stored_name(info)
-                kind = "master" if saved[sname]["trainable"] else "frozen"
-                index.fill(kind, sname, a - info.offset, buf[a - base : b - base])
+        for info, a, b in zc.spec.overlaps(lo, hi):
+            sname = par.stored_name(info)
+            kind = "master" if saved[sname]["trainable"] else "frozen"
+            index.fill(kind, sname, a - info.offset, buf[a - base : b - base])
     if engine.stage == 3:
         slot = zc.shard.slots[0]
         if slot.state is TensorState.FREE:
             zc.shard.set_state(slot, TensorState.HOLD)
-        if zc.homes.params is Tier.NVME:
+        if zc.placement.params is Tier.NVME:
             m.move(zc.shard, Tier.NVME)
 
 
@@ -283,11 +270,9 @@ def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
     buf = zc.grad_buffer()  # valid (HOLD) from here, so the next accumulation adds to what is loaded
     with m.pinned(zc.grad):
         buf.zero_()
-        glo, ghi = _kept_range(engine, zc) if engine.stage >= 2 else (0, zc.spec.capacity)
-        for info in zc.spec.params:
-            a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
-            if a < b:
-                index.fill("grad", par.stored_name(info), a - info.offset, buf[a - glo : b - glo], grad_file=own_file)
+        glo, ghi = zc.kept_range() if engine.stage >= 2 else (0, zc.spec.capacity)
+        for info, a, b in zc.spec.overlaps(glo, ghi):
+            index.fill("grad", par.stored_name(info), a - info.offset, buf[a - glo : b - glo], grad_file=own_file)
 
 
 def _fill_buffers(engine: Engine, index: mf.Index) -> None:
@@ -328,10 +313,4 @@ def _restore_groups(engine: Engine, groups: list[dict[str, Any]], directory: str
             f"{directory}: the optimizer had {len(groups)} param groups, this one has {len(current)}: build the "
             "optimizer with the same groups"
         )
-    for group, saved in zip(current, groups):
-        for k, v in saved.items():
-            old = group.get(k)
-            if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor):
-                old.copy_(v)  # keep the tensor object a compiled step may hold
-            else:
-                group[k] = v
+    engine.optimizer.load_hyperparameters(groups)

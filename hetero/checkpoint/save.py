@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.checkpoint import manifest as mf
-from hetero.checkpoint import parallel as par
+from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.errors import CheckpointError
 from hetero.memory import Tier
@@ -143,16 +143,14 @@ def _plan(engine: Engine) -> list[_Item]:
             # In the optim buffer's own order (master, then each state), which a load of the same layout reads
             # back in the same order: sequential on both sides.
             for j, kind in enumerate(kinds):
-                for info in zc.spec.params:
-                    a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                    if a < b and (replicas or par.tp_cut(info.param) is not None):
+                for info, a, b in zc.spec.overlaps(lo, hi):
+                    if par.saves(info, replicas):
                         k = mf.key(kind, par.stored_name(info), a - info.offset)
                         items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
-            for info in zc.spec.params:
-                a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-                if a < b and (replicas or par.tp_cut(info.param) is not None):
+            for info, a, b in zc.spec.overlaps(lo, hi):
+                if par.saves(info, replicas):
                     k = mf.key("frozen", par.stored_name(info), a - info.offset)
                     items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
@@ -161,19 +159,9 @@ def _plan(engine: Engine) -> list[_Item]:
             # data yet (stages 2-3 before their first reduce-scatter) is given its zeros first.
             zc.grad_buffer()
             glo, ghi = (lo, hi) if stage >= 2 else (0, zc.spec.capacity)
-            for info in zc.spec.params:
-                a, b = max(info.offset, glo), min(info.offset + info.numel, ghi)
-                if a < b:
-                    items.append(
-                        _Item(
-                            mf.key("grad", par.stored_name(info), a - info.offset),
-                            torch.float32,
-                            b - a,
-                            zc.grad,
-                            0,
-                            a - glo,
-                        )
-                    )
+            for info, a, b in zc.spec.overlaps(glo, ghi):
+                k = mf.key("grad", par.stored_name(info), a - info.offset)
+                items.append(_Item(k, torch.float32, b - a, zc.grad, 0, a - glo))
     if rank == 0 and replicas:
         for name, t in _buffers(engine).items():
             items.append(_Item(mf.key("buffer", name), t.dtype, t.numel(), None, tensor=t.detach()))
@@ -288,7 +276,8 @@ def _rank_info(engine: Engine, fname: str) -> dict[str, Any]:
 
     py = random.getstate()
     npst = np.random.get_state(legacy=True)
-    used = [info.name for zc in engine.chunks for i, info in enumerate(zc.spec.params) if int(zc.used[i])]
+    states = [zc.state_dict() for zc in engine.chunks]
+    used = [info.name for zc, st in zip(engine.chunks, states) for info, u in zip(zc.spec.params, st["used"]) if u]
     return {
         "global_rank": par.world(engine).global_rank(par.world(engine).rank),
         "data_parallel_rank": engine.comm.rank,
@@ -298,11 +287,13 @@ def _rank_info(engine: Engine, fname: str) -> dict[str, Any]:
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         },
         "used": used,
-        "grad_fresh": [bool(zc.grad_is_zero) for zc in engine.chunks],
+        "grad_fresh": [st["grad_is_zero"] for st in states],
         # This rank's part of the model and its step counts, merged on rank 0 (each stage knows only its own).
         "model": _model_table(engine),
         "param_steps": {
-            par.stored_name(info): zc.param_steps[i] for zc in engine.chunks for i, info in enumerate(zc.spec.params)
+            par.stored_name(info): n
+            for zc, st in zip(engine.chunks, states)
+            for info, n in zip(zc.spec.params, st["param_steps"])
         },
     }
 
@@ -349,7 +340,7 @@ def _small_state(engine: Engine, client_state: Any, lr_scheduler: Any) -> bytes:
     """state.pt's bytes: param groups, client_state, LR scheduler. Checked to load back with weights_only=True now,
     before anything is written, since a checkpoint that cannot be loaded safely is worth nothing."""
     extra = {
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        "param_groups": engine.optimizer.hyperparameters(),
         "client_state": client_state,
         "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
     }
@@ -408,13 +399,9 @@ _NOT_PER_RANK = ("size", "header_crc32", "tensors", "model", "param_steps")  # i
 def _engine_state(engine: Engine, infos: list[dict[str, Any]]) -> dict[str, Any]:
     steps = {k: v for i in infos for k, v in i["param_steps"].items()}
     return {
-        "micro_steps": engine.micro_steps,
-        "global_steps": engine.global_steps,
-        "skipped_steps": engine.skipped_steps,
+        **engine.state_dict(),  # micro_steps, global_steps, skipped_steps, last_grad_norm, scaler
         "grad_accumulation_steps": engine.config.grad_accumulation_steps,
         "pending_grads": engine.micro_steps % engine.config.grad_accumulation_steps != 0,
-        "scaler": dataclasses.asdict(engine.scaler) if engine.scaler is not None else None,
-        "last_grad_norm": getattr(engine, "last_grad_norm", None),
         "param_steps": steps,
         "config": engine.config.to_dict(),
     }
@@ -433,6 +420,7 @@ def _layout(engine: Engine) -> dict[str, Any]:
         "state_names": list(engine.algorithm.state_names),
         "tensor_parallel": mesh.tp_size if mesh is not None else 1,
         "pipeline_parallel": mesh.pp_size if mesh is not None else 1,
+        "tensor_mode": par.tensor_mode(engine),
         "chunks": [zc.spec.capacity for zc in engine.chunks],
         "ranks": par.world(engine).size,  # every rank of the job: one file each
     }
@@ -455,9 +443,11 @@ def _model_table(engine: Engine) -> dict[str, Any]:
                 "group": zc.spec.group,
                 "dtype": str(zc.dtype).removeprefix("torch."),
                 "stage": stage,
-                "tp_rank": cut.rank if cut is not None else None,
+                "tp_rank": cut.stored_rank if cut is not None else None,
             }
-            if cut is not None:
+            if cut is not None and hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
+                cuts[info.name] = cut.to_dict()
+            elif cut is not None:
                 cuts[info.name] = {
                     "dim": cut.dim,
                     "parts": cut.parts,

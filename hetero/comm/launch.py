@@ -11,7 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from hetero.comm.group import Comm, rules_for, set_world_rules
+from hetero.comm.group import Comm
+from hetero.comm.rules import rules_for, set_world_rules
 from hetero.errors import CommError
 
 logger = logging.getLogger("hetero.comm")

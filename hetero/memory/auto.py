@@ -7,7 +7,7 @@ moment, to
 
     budget - (memory that is not model data at this moment of the step) - margin
 
-where a moment is a chunk access (the manager calls `before_access`), and on the CPU also every tensor autograd
+where a moment is a chunk access (the manager's "access" hook point), and on the CPU also every tensor autograd
 saves for backward. The first step is the warm-up: it records the non-model memory at each access. Later steps use
 the recorded profile, looking a few accesses ahead (the prefetch horizon), so chunks are evicted before the
 activations need the room rather than when they already do; where a step needs more than the profile says (longer
@@ -80,8 +80,8 @@ class AutoPlacement:
         self._chunk_ptrs: dict[int, weakref.ref] = {}  # storage pointer -> chunk memory, refreshed at each access
         chunk_bytes = [c.nbytes for c in manager.chunks]
         self.floor = 2 * max(chunk_bytes, default=0)  # the least device budget a step can run with
-        manager.before_access = self._before_access
-        manager.on_step_begin = self._step_begin
+        manager.events.subscribe("access", self._before_access)
+        manager.events.subscribe("step_begin", self._step_begin)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def nonmodel(self) -> int:

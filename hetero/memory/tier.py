@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 class Tier(enum.IntEnum):
@@ -41,6 +42,7 @@ class TierLedger:
     current: int = 0  # bytes held now by chunk payloads and buffers in use
     cached: int = 0  # bytes held by free buffers kept for reuse (host pool); counted against the budget too
     peak: int = 0  # highest current + cached ever reached
+    observers: list[Callable[[Tier, int], None]] = field(default_factory=list)  # told (tier, used) at every change
 
     @property
     def used(self) -> int:
@@ -59,24 +61,35 @@ class TierLedger:
             )
         self.current += nbytes
         self.peak = max(self.peak, self.used)
+        self._changed()
 
     def give(self, nbytes: int) -> None:
         if nbytes > self.current:
             raise AssertionError(f"{self.tier.label} ledger underrun: giving {nbytes} of {self.current}")
         self.current -= nbytes
+        self._changed()
 
     def to_cache(self, nbytes: int) -> None:
         """A buffer in use becomes a cached free buffer: still held, no longer by a chunk."""
-        self.give(nbytes)
+        if nbytes > self.current:
+            raise AssertionError(f"{self.tier.label} ledger underrun: caching {nbytes} of {self.current}")
+        self.current -= nbytes
         self.cached += nbytes
+        self._changed()
 
     def from_cache(self, nbytes: int) -> None:
         self.cached -= nbytes
         self.current += nbytes
         self.peak = max(self.peak, self.used)
+        self._changed()
 
     def drop_cache(self, nbytes: int) -> None:
         self.cached -= nbytes
+        self._changed()
+
+    def _changed(self) -> None:
+        for fn in self.observers:
+            fn(self.tier, self.used)
 
     def reset_peak(self) -> None:
         self.peak = self.used

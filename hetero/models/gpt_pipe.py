@@ -17,6 +17,7 @@ from hetero.models.gpt import GPT, GPTConfig, GPTOutput
 # Tensor-parallel plan (hetero.parallel.plans styles) for GPTPipe: GPT's built-in plan under its new names.
 TP_PLAN = {
     "embed.tok": "vocab",
+    "embed.pos": "embedding",
     "embed.drop": "sequence_scatter",
     "layers.*.ln_?": "norm",
     "layers.*.attn": "heads",

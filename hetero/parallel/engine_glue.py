@@ -15,7 +15,6 @@ of once per micro-batch. Stages 0-1 accumulate locally and reduce at the update 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +44,15 @@ def setup_parallel(
     """The mesh over `world`, this rank's pipeline chunks (None without a pipeline) and the group ZeRO shards over
     (the data-parallel group; with Chimera, that of both replicas of this rank's stages); the model is cut and
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
-    mesh = Mesh.build(world, tensor=cfg.tensor, pipeline=cfg.pipeline)
+    split = cfg.split_sequence  # Ulysses / ring: the `tensor` ranks split the sequence, inside ZeRO's group
+    mesh = Mesh.build(
+        world,
+        tensor=1 if split else cfg.tensor,
+        pipeline=cfg.pipeline,
+        sequence=cfg.tensor if split else 1,
+        tensor_mode=cfg.tensor_mode,
+        tensor_depth=cfg.tensor_depth,
+    )
     chimera = cfg.schedule == "chimera" and cfg.pipeline > 1
     zero = replica_group(mesh, world) if chimera else mesh.dp
     chunks = None
@@ -72,12 +79,25 @@ def setup_parallel(
         kept = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:  # groups stay (possibly empty): their indices name hyperparameters
             group["params"] = [p for p in group["params"] if id(p) in kept]
-    if cfg.tensor > 1:
+    if split:
+        from hetero.parallel.ring import apply_ring
+        from hetero.parallel.ulysses import apply_ulysses
+
+        apply = apply_ring if cfg.sequence == "ring" else apply_ulysses
+        # ZeRO's data-parallel group holds the sequence group: its mean completes the parts' sum (seq_split.py).
+        apply(model, mesh.sp, plan=plan, reduce_grads=False)
+    elif cfg.tensor > 1:
+        present = {n for n, _ in model.named_modules()}
+        plan = {n: st for n, st in plan.items() if n in present}
+        if mesh.grid is not None:
+            from hetero.parallel.grid import apply_grid_parallel
+
+            apply_grid_parallel(model, plan, mesh.grid)
+            return mesh, chunks, zero
         from hetero.parallel.tensor import apply_tensor_parallel
         from hetero.parallel.vocab import AlignedLMLoss
 
-        present = {n for n, _ in model.named_modules()}
-        apply_tensor_parallel(model, {n: st for n, st in plan.items() if n in present}, mesh.tp, sequence=cfg.sequence)
+        apply_tensor_parallel(model, plan, mesh.tp, sequence=cfg.sequence == "megatron")
         for m in model.modules():
             # A pipelined GPT computes its loss in its last unit: give it the vocabulary-parallel loss too.
             head = getattr(m, "lm_head", None)
@@ -125,16 +145,19 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     def after_forward() -> None:
         if gathers is not None:
             gathers.end_forward(training=True)
+        engine.events.emit("forward_end")
 
     def after_backward() -> None:
         if gathers is not None:
             gathers.release_all()
+        engine.events.emit("backward_end")
 
     engine.manager.step_begin()  # one trace step per batch, whatever the schedule's order
     engine._in_step = True
     accumulate = [zc for zc in engine._trainable if zc.grad_full is not None]
     for zc in accumulate:
         zc.accumulate_full = True
+    engine.events.emit("forward_begin")
     try:
         with engine.device.compute_context():
             total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
@@ -144,7 +167,8 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     finally:
         for zc in accumulate:
             zc.accumulate_full = False
-        after_backward()
+        if gathers is not None:
+            gathers.release_all()
         if engine.activations is not None:
             engine.activations.step_end()  # offloaded inputs of blocks whose recomputation never ran
         engine.manager.step_end()
@@ -154,7 +178,7 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     mesh = engine.mesh
     if mesh.pp_size > 1:
         mesh.pp.control.all_reduce(mean, op="sum")  # only the last stage's is not zero
-    mesh.dp.control.all_reduce(mean, op="avg")
+    engine.comm.control.all_reduce(mean, op="avg")
     return mean
 
 
@@ -186,36 +210,6 @@ def _run_micro_batches(
         del loss
         after_backward()
     return total
-
-
-def grad_stats(engine: Engine) -> tuple[float, bool]:
-    """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards, pipeline
-    stages and tensor ranks. A tensor-sharded parameter's pieces add up; a replicated one (no `_hetero_tp`) has the
-    same gradient on every tensor rank, so each rank counts 1 / degree of it."""
-    mesh = engine.mesh
-    tp = mesh.tp_size
-    sq = torch.zeros((), dtype=torch.float64)
-    for zc in engine._trainable:
-        g = zc.grad_view()
-        if tp == 1:
-            sq += engine.device.to_host(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-            continue
-        lo = 0 if engine.stage == 0 else engine.comm.rank * zc.shard_numel
-        for info in zc.spec.params:
-            a, b = max(info.offset, lo), min(info.offset + info.numel, lo + g.numel())
-            if a >= b:
-                continue
-            weight = 1.0 if getattr(info.param, "_hetero_tp", None) is not None else 1.0 / tp
-            norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)
-            sq += weight * engine.device.to_host(norm) ** 2
-    if engine.stage >= 1:  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
-        engine.comm.control.all_reduce(sq, op="sum")
-    mesh.tp.control.all_reduce(sq, op="sum")
-    mesh.pp.control.all_reduce(sq, op="sum")
-    if engine.comm.size > mesh.dp_size:
-        sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
-    value = float(sq)
-    return value, math.isfinite(value)
 
 
 def make_runtime(engine: Engine) -> PipelineRuntime:

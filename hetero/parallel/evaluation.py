@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.comm import Comm
+from hetero.errors import ConfigError
 from hetero.parallel.pipeline.runtime import _DTYPES, _HEADER, _MAX_DIMS, PipelineError, PipelineRuntime, _loss_of
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
@@ -37,6 +38,12 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
     cfg = engine.config.parallel
     m = cfg.microbatches
     mesh = engine.mesh
+    if labels is None and (cfg.tensor_mode != "1d" or cfg.split_sequence):
+        raise ConfigError(
+            f"eval_batch without labels returns whole outputs, which tensor_mode {cfg.tensor_mode!r} / sequence "
+            f"{cfg.sequence!r} leave cut over the tensor ranks (by rows and vocabulary, or by sequence); pass labels "
+            "to get the loss, or evaluate outputs with tensor_mode '1d' (Megatron sequence parallelism included)"
+        )
     # The vocabulary-parallel loss takes sharded logits: whole ones only when they are what is returned.
     with torch.no_grad(), _full_logits(engine.module, mesh.tp if labels is None else Comm()):
         if engine._stages is None:

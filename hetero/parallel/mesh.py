@@ -7,11 +7,17 @@ Ranks are laid out tensor-fastest, then data, then pipeline:
 so a tensor group (the chattiest: collectives inside every layer) is a run of neighbouring ranks, on one node when
 T divides the GPUs per node, and pipeline neighbours (point-to-point once per micro-batch) are furthest apart. The
 mesh is passed explicitly to whoever needs a group; nothing is global, so two meshes can coexist in one process.
+
+Two refinements: a grid tensor mode (2D, 2.5D, 3D) carves its row, column, depth or cube groups out of the tensor
+group (`grid`, hetero/parallel/grid/mesh.py); Ulysses or ring sequence parallelism splits the data-parallel group
+into consecutive sequence groups (`sp`), whose ranks read the same samples (`batch_rank`) while ZeRO shards over
+all of dp.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from hetero.comm import Comm
 from hetero.errors import ConfigError
@@ -38,6 +44,18 @@ class Mesh:
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    # Ulysses / ring: the ranks of dp that split one sample's sequence (consecutive in dp; ZeRO shards over all of dp).
+    sp: Comm = field(default_factory=Comm)
+    grid: Any = None  # the 2D / 2.5D / 3D grid carved out of tp (hetero/parallel/grid/mesh.py); None in 1D
+
+    @property
+    def batch_size(self) -> int:
+        """Data-parallel ranks that take different samples: dp without the sequence split."""
+        return self.dp.size // self.sp.size
+
+    @property
+    def batch_rank(self) -> int:
+        return self.dp_rank // self.sp.size
 
     @property
     def tp_size(self) -> int:
@@ -65,9 +83,19 @@ class Mesh:
         return tp + tensor * (dp + data * pp)
 
     @classmethod
-    def build(cls, world: Comm, *, tensor: int = 1, pipeline: int = 1) -> Mesh:
+    def build(
+        cls,
+        world: Comm,
+        *,
+        tensor: int = 1,
+        pipeline: int = 1,
+        sequence: int = 1,
+        tensor_mode: str = "1d",
+        tensor_depth: int | None = None,
+    ) -> Mesh:
         """Split `world` into its tensor, data and pipeline groups. Every rank of `world` must call this, with the
-        same degrees (new process groups are made collectively)."""
+        same degrees (new process groups are made collectively). `sequence`: Ulysses / ring degree, a split of the
+        data-parallel group (pass tensor=1 then). `tensor_mode`: a grid mode carves its groups out of tp."""
         t, p = tensor, pipeline
         d = check_degrees(world.size, tensor=t, pipeline=p)
         r = world.rank
@@ -87,10 +115,32 @@ class Mesh:
         tp = group(t, [[at(a, b, c) for a in range(t)] for c in range(p) for b in range(d)])
         dp = group(d, [[at(a, b, c) for b in range(d)] for c in range(p) for a in range(t)])
         pp = group(p, [[at(a, b, c) for c in range(p)] for b in range(d) for a in range(t)])
-        return cls(world=world, tp=tp, dp=dp, pp=pp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
+        sp = Comm()
+        if sequence > 1:
+            if d % sequence:
+                raise ConfigError(
+                    f"parallel: the sequence-parallel degree {sequence} must divide the data-parallel degree {d} "
+                    f"(world {world.size} / pipeline {p}); launch a multiple of {sequence * p} processes"
+                )
+            sp = (
+                dp
+                if sequence == d
+                else dp.split([[g * sequence + s for s in range(sequence)] for g in range(d // sequence)])
+            )
+        grid = None
+        if tensor_mode != "1d":
+            from hetero.parallel.grid.mesh import Grid
+
+            grid = Grid.build(tp, tensor_mode, tensor_depth)
+        return cls(
+            world=world, tp=tp, dp=dp, pp=pp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, sp=sp, grid=grid
+        )
 
     def __repr__(self) -> str:
         return (
             f"Mesh(world={self.world.size}, tp={self.tp_rank}/{self.tp_size}, dp={self.dp_rank}/{self.dp_size}, "
-            f"pp={self.pp_rank}/{self.pp_size})"
+            f"pp={self.pp_rank}/{self.pp_size}"
+            + (f", sp={self.sp.rank}/{self.sp.size}" if self.sp.size > 1 else "")
+            + (f", {self.grid.mode}" if self.grid is not None else "")
+            + ")"
         )

@@ -18,6 +18,8 @@ Styles:
 - ``heads``: an attention module; its head counts are divided by the degree (checked), and it is a
   ``parallel_input`` (under sequence parallelism attention must see the whole sequence).
 - ``norm``: a LayerNorm/RMSNorm inside the sequence-parallel region (its gradients are all-reduced under SP).
+- ``embedding``: a position embedding (not cut by vocabulary). 1D leaves it whole; the grid modes (2D, 2.5D, 3D),
+  which cut every activation along the hidden dimension, cut its columns (``grid/apply.py``).
 - ``sequence_scatter`` / ``sequence_gather``: where the sequence-parallel region begins (the module's input is cut)
   and ends (its output is gathered). Both do nothing without sequence parallelism.
 """
@@ -41,6 +43,7 @@ STYLES = (
     "heads",
     "parallel_input",
     "norm",
+    "embedding",
     "sequence_scatter",
     "sequence_gather",
 )
@@ -51,6 +54,7 @@ def _gpt(prefix: str = "") -> dict[str, str]:
     p = prefix
     return {
         f"{p}embed": "vocab",
+        f"{p}pos_embed": "embedding",
         f"{p}drop": "sequence_scatter",
         f"{p}layers.*.ln_?": "norm",
         f"{p}layers.*.attn": "heads",
@@ -69,6 +73,7 @@ def _gpt2(prefix: str, head: bool) -> dict[str, str]:
     p = prefix
     plan = {
         f"{p}wte": "vocab",
+        f"{p}wpe": "embedding",
         f"{p}drop": "sequence_scatter",
         f"{p}h.*.ln_?": "norm",
         f"{p}h.*.attn": "heads",
@@ -108,14 +113,34 @@ def _llama(prefix: str, head: bool) -> dict[str, str]:
     return plan
 
 
-# Model class name -> its plan. Later patterns override earlier ones for the modules both match.
-BUILTIN_PLANS: dict[str, dict[str, str]] = {
-    "GPT": _gpt(),
-    "GPT2LMHeadModel": _gpt2("transformer.", head=True),
-    "GPT2Model": _gpt2("", head=False),
-    "LlamaForCausalLM": _llama("model.", head=True),
-    "LlamaModel": _llama("", head=False),
-}
+# Known model families, recognised by what the model is (module names it must have), not by its class: a fine-tuned
+# subclass, or a relative with the same layout (Mistral, Qwen2 are Llama's), gets the same plan. Tried in order.
+# Later patterns of a plan override earlier ones for the modules both match.
+BUILTIN_PLANS: list[tuple[str, tuple[str, ...], dict[str, str]]] = [
+    ("hetero GPT", ("embed", "layers.*.attn.q_proj", "layers.*.mlp.fc", "lm_head"), _gpt()),
+    ("GPT-2 with LM head", ("transformer.h.*.attn.c_attn", "lm_head"), _gpt2("transformer.", head=True)),
+    ("GPT-2", ("h.*.attn.c_attn", "wte"), _gpt2("", head=False)),
+    (
+        "Llama-like with LM head",
+        ("model.layers.*.self_attn.q_proj", "model.embed_tokens", "lm_head"),
+        _llama("model.", head=True),
+    ),
+    ("Llama-like", ("layers.*.self_attn.q_proj", "embed_tokens"), _llama("", head=False)),
+]
+
+
+def auto_plan(model: nn.Module) -> dict[str, str]:
+    """The built-in plan of the first known family whose module names the model has; a ConfigError otherwise."""
+    names = [n for n, _ in model.named_modules() if n]
+    for _, signature, plan in BUILTIN_PLANS:
+        if all(any(_compile(p).match(n) for n in names) for p in signature):
+            return plan
+    families = "; ".join(f"{family} ({', '.join(sig)})" for family, sig, _ in BUILTIN_PLANS)
+    raise ConfigError(
+        f"tensor_plan = 'auto' recognises no known layout in {type(model).__name__}; the families it knows, by the "
+        f"module names they have: {families}. Give a mapping of module patterns to styles instead (see "
+        "hetero.parallel.plans)"
+    )
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -147,13 +172,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str, *, strict: boo
     if isinstance(plan, str):
         if plan != "auto":
             raise ConfigError(f"tensor_plan = {plan!r}: expected 'auto' or a mapping of module patterns to styles")
-        name = type(model).__name__
-        if name not in BUILTIN_PLANS:
-            raise ConfigError(
-                f"tensor_plan = 'auto' has no built-in plan for {name}; known: {', '.join(BUILTIN_PLANS)}. "
-                "Give a mapping of module patterns to styles instead (see hetero.parallel.plans)"
-            )
-        plan = BUILTIN_PLANS[name]
+        plan = auto_plan(model)
     if not isinstance(plan, Mapping):
         raise ConfigError(f"tensor_plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
     names = [n for n, _ in model.named_modules() if n]

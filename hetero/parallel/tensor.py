@@ -48,9 +48,22 @@ class TPShard:
     rank: int
     full_shape: tuple[int, ...]
 
+    @property
+    def replicas(self) -> int:
+        """Tensor ranks holding this same shard: 1 (a 2.5D block may have more, see grid/shard.py)."""
+        return 1
+
+    @property
+    def stored_rank(self) -> int:
+        """The tensor rank whose copy a checkpoint stores: this one."""
+        return self.rank
+
 
 def unshard(shards: Sequence[torch.Tensor], info: TPShard) -> torch.Tensor:
-    """The full tensor from every tensor rank's shard, in rank order (for checkpoints and tests)."""
+    """The full tensor from every tensor rank's shard, in rank order (for checkpoints and tests); a grid layout's
+    `BlockShard` joins its blocks."""
+    if not isinstance(info, TPShard):
+        return info.join(shards)
     if len(shards) != info.degree:
         raise ValueError(f"unshard needs {info.degree} shards (one per tensor rank), got {len(shards)}")
     blocks = [s.chunk(info.parts, info.dim) for s in shards]
@@ -248,13 +261,12 @@ def _set_features(module: nn.Module, *, out: int | None = None, inp: int | None 
 
 def _install_loss(model: nn.Module, comm: Comm) -> None:
     """Make ``model(inputs, labels=...).loss`` the vocabulary-parallel cross entropy of the sharded logits."""
-    from hetero.models.gpt import GPT  # a leaf module; imported here to keep this package free of model code
-
-    if isinstance(model, GPT):
-        model.loss_function = AlignedLMLoss(comm)
-    elif isinstance(getattr(type(model), "loss_function", None), property):
-        # transformers' PreTrainedModel: the property has a setter, per instance.
+    if isinstance(getattr(type(model), "loss_function", None), property):
+        # transformers' PreTrainedModel: the property has a setter, per instance; it shifts the labels itself.
         model.loss_function = CausalLMLoss(comm)
+    elif callable(getattr(model, "loss_function", None)):
+        # A loss_function method (hetero's GPT): called with labels already aligned to the logits.
+        model.loss_function = AlignedLMLoss(comm)
     else:
         log.warning(
             "%s has no loss_function to replace: its logits are sharded by vocabulary, so compute the loss with "

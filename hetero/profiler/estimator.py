@@ -3,7 +3,7 @@
 [Note: the engine's own arithmetic]
 The estimate is not a rule of thumb: it builds the chunk layout the engine would build (`build_layout` on the
 model's parameter shapes, with the same optimizer param groups, chunk size and world size) and then, per chunk, the
-buffers each ZeRO stage keeps (`hetero/zero/chunks.py`, [Note: what each stage keeps]) on the tier the offload
+buffers each ZeRO stage keeps (`hetero/zero/zero_chunk.py`, [Note: what each stage keeps]) on the tier the offload
 config puts them. These *resident* model states are what the engine's tier ledgers hold between steps, byte for
 byte. On top come *transient* buffers that exist only during a step: stage-3 chunks gathered for use (the one in use
 plus `prefetch_depth` arriving and one being released), per-micro-batch gradient buffers and the reduce-scatters in
@@ -26,13 +26,15 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
-from hetero.profiler.layouts import as_model, as_optimizer, default_seq_len
 from hetero.profiler.machine import Machine
-from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks
+from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
+from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks, with_layout
+from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 from hetero.zero.protocol import KEEP_UNITS, gathered_peak
+from hetero.zero.stages import STAGES, Placement
 from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
@@ -100,6 +102,7 @@ class Estimate:
     chunk_params: int = 0  # parameters in this rank's chunks (n_params without a layout)
     layout: dict[str, Any] = field(default_factory=dict)  # tensor, tensor_mode, sequence, pipeline, ... , data
     per_pipeline_rank: list[dict[str, Any]] = field(default_factory=list)  # each pipeline rank's bytes (layouts)
+    parallel: dict[str, Any] = field(default_factory=dict)  # the tensor / sequence layout (empty without one)
 
     # ---- figures ------------------------------------------------------------------------------------------
     def bytes(self, tier: str, kind: str | None = None) -> int:
@@ -145,6 +148,7 @@ class Estimate:
                 "offload": {"params": self.offload_params, "optimizer": self.offload_optimizer},
             },
             "optimizer": self.optimizer,
+            "parallel": dict(self.parallel),
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "per_rank": {t: {k: self.bytes(t, k) for k in KINDS} | {"total": self.bytes(t)} for t in TIERS},
@@ -168,6 +172,12 @@ class Estimate:
             f" ({self.ranks_per_node} per node), ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}, offload"
             f" params={self.offload_params} optimizer={self.offload_optimizer}"
         )
+        if self.parallel:
+            p = self.parallel
+            head += (
+                f"; per tensor rank of tensor {p['tensor']} ({p['tensor_mode']}, sequence {p['sequence']}), ZeRO over"
+                f" {p['zero_world']} ranks"
+            )
         act = self.activations
         sub = f"micro-batch {self.batch_size} x {self.seq_len} tokens per rank"
         if act is not None:
@@ -221,7 +231,7 @@ def estimate(
     machine: Machine | None | bool = True,
     ranks_per_node: int | None = None,
     tensor: int | None = None,
-    tensor_mode: str = "1d",
+    tensor_mode: str | None = None,
     pipeline: int | None = None,
     microbatches: int | None = None,
     sequence: bool | str | None = None,
@@ -236,38 +246,36 @@ def estimate(
     `Machine` describes another, False/None checks nothing. ranks_per_node: ranks sharing a node's host RAM and NVMe
     (default: the world size, at most the node's GPU count when it has GPUs).
 
-    Layouts (default: the config's "parallel" section): tensor degree and tensor_mode ("1d", "2d", "2.5d", "3d"),
-    pipeline degree (schedule, split and virtual stages from the config), microbatches, and sequence (None, True or
-    "megatron", "ulysses", "ring"); world_size counts every rank, the data-parallel degree is what is left. The bytes
-    are then those of the busiest pipeline rank, each rank's in `per_pipeline_rank` (see
-    `parallel_layout.py`, [Note: a layout's bytes per rank]); batch_size is the rows of one micro-batch.
+    tensor, tensor_mode, pipeline, microbatches, sequence: the layout (over the config's "parallel" section);
+    world_size counts every rank. With a pipeline the bytes are the busiest pipeline rank's, every rank's in
+    `per_pipeline_rank` ([Note: a layout's bytes per rank]); batch_size is the rows of one micro-batch.
     """
     cfg = Config.from_any(config)
+    cfg = with_layout(cfg, tensor=tensor, tensor_mode=tensor_mode, pipeline=pipeline, microbatches=microbatches,
+                      sequence=sequence)  # fmt: skip
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
     for key, value in (("offload.params", cfg.offload.params), ("offload.optimizer", cfg.offload.optimizer)):
         if value == "auto":
             raise ConfigError(f'{key}: "auto" has no fixed placement to estimate; the candidates list shows each one')
-    if cfg.offload.params != "device" and cfg.zero_stage != 3:
-        raise ConfigError(
-            f"offload.params: {cfg.offload.params!r} needs zero_stage 3 (as in the engine); got {cfg.zero_stage}"
-        )
     model = as_model(model_or_param_count)
     opt = as_optimizer(optimizer, model)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's
     algo = algorithm_of(opt)
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
     dtype = COMPUTE_DTYPES[cfg.precision]
     seq = seq_len if seq_len is not None else default_seq_len(model)
-    layout = layout_from(cfg, tensor, tensor_mode, pipeline, microbatches, sequence)
-    zero_world, ranks = world_size, []
+    layout, ranks = layout_from(cfg), []
     if layout is None:
-        specs = build_layout(model, opt, chunk_numel=chunk_numel, world=world_size)
+        # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
+        model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
+        specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world)
         act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
-    else:
+    else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
         ckpt = bool(getattr(cfg, "activation_checkpointing", False))
-        ranks = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
-                             inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt)  # fmt: skip
-        zero_world, specs = layout.check(world_size) * (2 if layout.chimera else 1), ranks[0][1]
+        ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
+                                         inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt)  # fmt: skip
+        specs = ranks[0][1]
         act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
@@ -306,7 +314,7 @@ def estimate(
         return max(options, key=lambda rt: sum(rt[0]["device"].values()) + sum(rt[1]["device"].values()))
 
     est = Estimate(
-        n_params=sum(p.numel() for p in model.parameters()),
+        n_params=n_params,
         n_chunks=len(specs),
         chunk_elements=sum(s.capacity for s in specs),
         chunk_params=sum(p.numel for s in specs for p in s.params),
@@ -322,6 +330,15 @@ def estimate(
         activations=act,
         machine=machine,
     )
+    if cfg.parallel.tensor > 1:
+        p = cfg.parallel
+        est.parallel = {
+            "tensor": p.tensor,
+            "tensor_mode": p.tensor_mode,
+            "tensor_depth": p.tensor_depth,
+            "sequence": p.sequence,
+            "zero_world": zero_world,
+        }
     est.resident, est.transient = placed(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer)
     if layout is not None:
         rows = [placed_rank(est.zero_stage, est.offload_params, est.offload_optimizer, *args) for args in per_rank]
@@ -360,9 +377,11 @@ def _place(
     optim: str,
     prefetch_depth: int,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Per tier and kind: the resident bytes of every chunk's buffers, and the transient peak of a step."""
+    """Per tier and kind: the resident bytes of every chunk's buffers (the engine's table: [Note: what each stage
+    keeps]), and the transient peak of a step."""
     resident, transient = _zeros(), _zeros()
-    compute = "device" if optim == "device" else "host"  # where gradients accumulate and the optimizer steps
+    layout = STAGES[stage]
+    compute = Placement.of(params, optim).compute.label  # where gradients accumulate and the optimizer steps
     full_chunks: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
     shards: list[int] = []  # stage 3: bytes of each parameter shard
     grad_full: list[int] = []  # stages 2-3: each chunk's per-micro-batch fp32 gradient buffer
@@ -371,7 +390,7 @@ def _place(
     for spec in specs:
         cap = spec.capacity
         shard = cap // world
-        if stage < 3:
+        if not layout.params_sharded:
             resident["device"]["parameters"] += cap * dtype.itemsize
         else:
             resident[params]["parameters"] += shard * dtype.itemsize
@@ -379,17 +398,17 @@ def _place(
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
             continue
-        if stage >= 2 and optim == "nvme":
+        if layout.grads_sharded and optim == "nvme":
             # Streamed update: each gradient shard is released once its chunk has stepped and holds no data until
             # the next backward's reduce-scatter, so between steps it takes nothing (engine: [Note: the update
             # pipeline]); from backward to the update they all live.
             transient[compute]["gradients"] += shard * 4
         else:
-            resident[compute]["gradients"] += (cap if stage < 2 else shard) * 4
-        if stage >= 2:
+            resident[compute]["gradients"] += layout.grad_numel(cap, world) * 4
+        if layout.grads_sharded:
             grad_full.append(cap * 4)
             reduce_targets.append(shard * 4)
-        s = cap if stage == 0 else shard
+        s = layout.optim_numel(cap, world)
         resident[optim]["master_weights"] += s * 4
         resident[optim]["optimizer_states"] += n_states * s * 4
         optim_chunks.append(s * 4 * (1 + n_states))
@@ -397,7 +416,7 @@ def _place(
     def largest(sizes: list[int], n: int) -> int:
         return sum(sorted(sizes, reverse=True)[:n])
 
-    if stage == 3:
+    if layout.params_sharded:
         working = prefetch_depth + 2  # in use, arriving ahead of use, being released
         transient["device"]["parameters"] += gathered + largest(full_chunks, prefetch_depth)
         if params != "device":

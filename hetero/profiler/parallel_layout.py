@@ -1,29 +1,23 @@
 """What one rank holds under a tensor x pipeline x data layout, computed on the meta device, for the estimator.
 
 [Note: a layout's bytes per rank]
-The engine cuts the model into pipeline stages, shards the planned layers over the tensor ranks, then builds ZeRO's
-chunks over the data-parallel ranks (`parallel/engine_glue.py`). The estimate does the same on a meta copy of the
-model: 1D tensor parallelism is applied for real (`apply_tensor_parallel` with `MetaComm`, a stand-in group that
-only produces the shapes a collective would), so the shards, the plan and the vocabulary-parallel loss are the
-engine's own; each pipeline rank's stages are chosen by the engine's own `boundaries` (pipeline_split "auto" balances
-the units' FLOPs counted on meta, where a real run times them); and the chunk layout of the rank's parameters is
-`build_layout` over the data-parallel degree (twice that under Chimera, whose two replicas of a stage are one ZeRO
-group). Activations: each unit's saved bytes for one micro-batch, counted on meta through the sharded model; a
-rank's peak is found by walking its schedule's actions, each forward adding what its stage keeps (its units' inputs
-only for checkpointed blocks, plus one block's activations for the recomputation), each backward releasing it.
+The engine cuts the model into pipeline stages, applies the tensor or sequence layout to what is left, then builds
+ZeRO's chunks (`parallel/engine_glue.py`). The estimate does the same on a meta copy: the layout is applied by the
+engine's own functions with `ShapeComm` groups (`parallel_shapes.per_rank_model`: 1D, 2D, 2.5D, 3D, Ulysses, ring),
+so the shards and the layers are the engine's; each pipeline rank's stages come from the engine's own boundaries
+(`pipeline_split` "auto" balances the units' FLOPs on meta, where a real run times them); and each rank's parameters
+are laid out by `build_layout` over ZeRO's group (twice the data-parallel degree under Chimera, whose two replicas
+of a stage are one group). Activations: each unit's saved bytes for one micro-batch, counted on meta through the
+laid-out model; a rank's peak is its schedule walked (`walk`).
 
 Models whose top-level children are not a chain of units (a Hugging Face causal LM: the blocks sit inside
 `model.layers`) are cut the way a pipelined transformer is: the embeddings join the first stage, the blocks are the
 units, the final norm and head join the last stage, and the activations outside the blocks (logits, loss) are the
 last stage's.
-
-The other tensor modes and sequence forms are modelled from their papers (`tensor_modes.py`): their parameters are
-the 1D shards of a degree that gives the same share, their activations the unsharded ones times their share.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -31,17 +25,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.config import Config
 from hetero.errors import ConfigError
 from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import _balanced, units_of
 from hetero.profiler.activations import SavedBytes, _FusedAttention, _meta_like, repeated_blocks, storage_key
-from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES
+from hetero.profiler.parallel_shapes import per_rank_model
+from hetero.profiler.tensor_modes import _depth
 
 
 @dataclass(frozen=True)
 class Layout:
     tensor: int = 1
     tensor_mode: str = "1d"
+    tensor_depth: int | None = None  # 2.5D's d
     sequence: str | None = None  # None | "megatron" | "ulysses" | "ring"
     pipeline: int = 1
     schedule: str = "1f1b"
@@ -49,24 +46,6 @@ class Layout:
     microbatches: int = 1
     split: Any = "auto"  # parallel.pipeline_split
     plan: Any = "auto"  # parallel.tensor_plan
-
-    def check(self, world: int) -> int:
-        """The data-parallel degree; a ConfigError for a layout that cannot exist."""
-        if self.tensor_mode not in TENSOR_MODES:
-            raise ConfigError(f"tensor_mode {self.tensor_mode!r}: choose one of {', '.join(TENSOR_MODES)}")
-        if self.sequence is not None and self.sequence not in SEQUENCE_FORMS:
-            raise ConfigError(f"sequence {self.sequence!r}: choose none or one of {', '.join(SEQUENCE_FORMS)}")
-        if self.tensor > 1 and (why := TENSOR_MODES[self.tensor_mode].check(self.tensor)):
-            raise ConfigError(f"tensor_mode: {why}")
-        if self.sequence is not None and self.tensor == 1:
-            raise ConfigError("sequence parallelism runs inside the tensor group: set tensor > 1")
-        if self.sequence == "megatron" and self.tensor_mode != "1d":
-            raise ConfigError("Megatron sequence parallelism goes with the 1d tensor mode")
-        if world % (self.tensor * self.pipeline):
-            raise ConfigError(
-                f"tensor ({self.tensor}) x pipeline ({self.pipeline}) must divide the world size ({world})"
-            )
-        return world // (self.tensor * self.pipeline)
 
     @property
     def chimera(self) -> bool:
@@ -81,36 +60,71 @@ class Layout:
             return [rank, self.pipeline - 1 - rank]
         return [rank + c * self.pipeline for c in range(self.virtual)]
 
+    def config(self) -> Config:
+        """The "parallel" section of this layout, validated (the config's own errors for layouts that cannot be)."""
+        return Config.from_dict(
+            {
+                "parallel": {
+                    "tensor": self.tensor,
+                    "tensor_mode": self.tensor_mode,
+                    "tensor_depth": self.tensor_depth,
+                    "sequence": self.sequence or False,
+                    "tensor_plan": self.plan,
+                    "pipeline": self.pipeline,
+                    "schedule": self.schedule,
+                    "microbatches": self.microbatches,
+                    "pipeline_split": self.split,
+                    **({"virtual_stages": self.virtual} if self.schedule == "interleaved_1f1b" else {}),
+                }
+            }
+        )
 
-def layout_from(
-    cfg: Any,
-    tensor: int | None,
-    tensor_mode: str,
-    pipeline: int | None,
-    microbatches: int | None,
-    sequence: bool | str | None,
-) -> Layout | None:
-    """The layout the arguments (over the config's "parallel" section) describe; None for plain data parallelism."""
+
+def with_layout(
+    cfg: Config,
+    *,
+    tensor: int | None = None,
+    tensor_mode: str | None = None,
+    pipeline: int | None = None,
+    microbatches: int | None = None,
+    sequence: bool | str | None = None,
+) -> Config:
+    """The config with these layout arguments (None: the config's own) in its "parallel" section, validated. A 2.5D
+    tensor mode without a depth gets the smallest that fits the degree."""
+    if all(v is None for v in (tensor, tensor_mode, pipeline, microbatches, sequence)):
+        return cfg
+    d = cfg.to_dict()
+    par = dict(d.get("parallel", {}))
+    for key, value in (("tensor", tensor), ("tensor_mode", tensor_mode), ("pipeline", pipeline),
+                       ("microbatches", microbatches)):  # fmt: skip
+        if value is not None:
+            par[key] = value
+    if sequence is not None:
+        par["sequence"] = False if sequence in ("none", None) else sequence
+    if par.get("tensor_mode") == "2.5d" and par.get("tensor_depth") is None and (qd := _depth(par.get("tensor", 1))):
+        par["tensor_depth"] = qd[1]
+    d["parallel"] = par
+    return Config.from_dict(d)
+
+
+def layout_from(cfg: Config) -> Layout | None:
+    """The config's pipeline layout, or None without a pipeline (the estimator's tensor-only path then applies)."""
     par = cfg.parallel
-    seq = sequence if sequence is not None else par.sequence
-    form = "megatron" if seq is True else None if seq in (False, None, "none") else str(seq)
-    layout = Layout(
-        tensor=tensor if tensor is not None else par.tensor,
-        tensor_mode=tensor_mode,
-        sequence=form,
-        pipeline=pipeline if pipeline is not None else par.pipeline,
+    if par.pipeline == 1:
+        return None
+    seq = par.sequence
+    return Layout(
+        tensor=par.tensor,
+        tensor_mode=par.tensor_mode,
+        tensor_depth=par.tensor_depth,
+        sequence="megatron" if seq is True else (seq or None),
+        pipeline=par.pipeline,
         schedule=par.schedule,
         virtual=par.virtual_stages or 1,
-        microbatches=microbatches if microbatches is not None else par.microbatches,
+        microbatches=par.microbatches,
         split=par.pipeline_split,
         plan=par.tensor_plan,
     )
-    for name in ("tensor", "pipeline", "microbatches"):
-        v = getattr(layout, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
-    trivial = layout.tensor == 1 and layout.pipeline == 1 and form is None and tensor_mode == "1d"
-    return None if trivial else layout
 
 
 def describe_ranks(est: Any, layout: Layout, ranks: list, placed: list[tuple[dict, dict]], world: int) -> None:
@@ -118,7 +132,7 @@ def describe_ranks(est: Any, layout: Layout, ranks: list, placed: list[tuple[dic
     bytes."""
     import dataclasses
 
-    est.layout = {**dataclasses.asdict(layout), "data": layout.check(world)}
+    est.layout = {**dataclasses.asdict(layout), "data": world // (layout.tensor * layout.pipeline)}
     est.layout.pop("plan")
     for (part, _), (res, tra) in zip(ranks, placed):
         states = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -158,36 +172,6 @@ def describe(layout: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[str
     return lines
 
 
-class MetaComm:
-    """A tensor group of `size` ranks seen from rank `rank`, for meta tensors: collectives give the shapes they would
-    give and move nothing ([Note: a layout's bytes per rank])."""
-
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self.size, self.rank = size, rank
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
-        return None
-
-    def broadcast(self, t: torch.Tensor, src: int) -> None:
-        return None
-
-    def all_gather_dim(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        shape = list(t.shape)
-        shape[dim] *= self.size
-        return t.new_empty(shape)
-
-    def reduce_scatter_dim(self, t: torch.Tensor, dim: int, op: str = "sum") -> torch.Tensor:
-        shape = list(t.shape)
-        shape[dim] //= self.size
-        return t.new_empty(shape)
-
-    def all_to_all_dim(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        shape = list(t.shape)
-        shape[scatter_dim] //= self.size
-        shape[gather_dim] *= self.size
-        return t.new_empty(shape)
-
-
 @dataclass
 class Unit:
     name: str
@@ -207,21 +191,6 @@ class RankPart:
     activations: int
     units: list[str]
     model: nn.Module  # the sharded meta copy the parameters belong to
-
-
-def shard(model: nn.Module, layout: Layout) -> nn.Module:
-    """A meta copy of the model with the layout's tensor parallelism applied as tensor rank 0."""
-    model = copy.deepcopy(model)
-    if layout.tensor == 1 or layout.sequence in ("ulysses", "ring"):
-        return model
-    from hetero.parallel.plans import resolve_plan
-    from hetero.parallel.tensor import apply_tensor_parallel
-
-    degree = TENSOR_MODES[layout.tensor_mode].param_degree(layout.tensor)
-    plan = resolve_plan(model, layout.plan)
-    sequence = layout.sequence == "megatron"
-    apply_tensor_parallel(model, plan, MetaComm(degree), sequence=sequence)  # type: ignore[arg-type]
-    return model
 
 
 def pipeline_units(model: nn.Module) -> tuple[list[Unit], bool]:
@@ -261,10 +230,8 @@ def _dedupe(units: list[Unit]) -> list[Unit]:
     return units
 
 
-def measure_units(
-    model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype, share: float
-) -> None:
-    """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note), times `share`."""
+def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> None:
+    """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note)."""
     params = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
     buffers = {n: _meta_like(b, dtype) for n, b in model.named_buffers()}
     meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
@@ -294,30 +261,28 @@ def measure_units(
         for h in handles:
             h.remove()
     for u in units:
-        u.saved = int(meter.by_owner.get(u.name, 0) * share)
-        u.input = int(firsts.get(u.name, 0) * share)
-    units[-1].saved += int(meter.by_owner.get("", 0) * share)  # outside every unit: the loss, the logits' tail
+        u.saved = meter.by_owner.get(u.name, 0)
+        u.input = firsts.get(u.name, 0)
+    units[-1].saved += meter.by_owner.get("", 0)  # outside every unit: the loss, the logits' tail
 
 
 def rank_parts(
     model: nn.Module,
+    optimizer: torch.optim.Optimizer,
     layout: Layout,
     *,
+    world: int,
     inputs: dict[str, Any],
     dtype: torch.dtype,
     checkpointing: bool,
-) -> list[RankPart]:
-    """What each pipeline rank holds under `layout` ([Note: a layout's bytes per rank])."""
-    sharded = shard(model, layout)
+) -> tuple[list[RankPart], torch.optim.Optimizer, int]:
+    """What each pipeline rank holds under `layout` ([Note: a layout's bytes per rank]), the optimizer over the
+    sharded copy's parameters, and the size of ZeRO's group."""
+    sharded, opt, _ = per_rank_model(model, optimizer, layout.config(), world)
+    split = layout.sequence in ("ulysses", "ring")  # the sequence ranks are inside ZeRO's group
+    zero_world = world // ((1 if split else layout.tensor) * layout.pipeline)
     units, _ = pipeline_units(sharded)
-    share = (
-        SEQUENCE_FORMS[layout.sequence][1](layout.tensor)
-        if layout.sequence in ("ulysses", "ring")
-        else TENSOR_MODES[layout.tensor_mode].activation_share(layout.tensor)
-        if layout.tensor_mode != "1d"
-        else 1.0
-    )
-    measure_units(sharded, units, inputs, dtype, share)
+    measure_units(sharded, units, inputs, dtype)
     if len(units) < layout.stages:
         raise ConfigError(
             f"pipeline: {layout.stages} stages need at least {layout.stages} units, the model has {len(units)}"
@@ -329,22 +294,28 @@ def rank_parts(
         mine = layout.stages_of(k)
         held = {id(p) for s in mine for u in stage_units[s] for _, p in u.params}
         params = [(n, p) for n, p in sharded.named_parameters() if id(p) in held]
-
-        def kept(s: int) -> int:
-            return sum(u.input if checkpointing and u.block else u.saved for u in stage_units[s])
-
-        if layout.pipeline == 1:
-            peak = max(sum(kept(s) for s in mine), 0)
-        else:
-            alive = peak = 0
-            for a in S.build(layout.schedule, layout.pipeline, layout.microbatches, k, layout.virtual):
-                alive += kept(S.stage(a, layout.pipeline, k)) * (1 if a.kind == "F" else -1)
-                peak = max(peak, alive)
-        if checkpointing:
-            peak += max((u.saved for s in mine for u in stage_units[s] if u.block), default=0)
+        peak = walk(stage_units, mine, layout, k, checkpointing)
         names = [u.name for s in mine for u in stage_units[s]]
         parts.append(RankPart(k, params, peak, names, sharded))
-    return parts
+    return parts, opt, zero_world * (2 if layout.chimera else 1)
+
+
+def walk(stage_units: list[list[Unit]], mine: list[int], layout: Layout, rank: int, checkpointing: bool) -> int:
+    """Peak activation bytes of a pipeline rank: its schedule's actions in order, each forward adding what its stage
+    keeps for one micro-batch (checkpointed blocks: their inputs), each backward releasing it; with checkpointing,
+    plus the largest block's activations (its recomputation)."""
+
+    def kept(s: int) -> int:
+        return sum(u.input if checkpointing and u.block else u.saved for u in stage_units[s])
+
+    alive = peak = 0
+    p = layout.pipeline
+    for a in S.build(layout.schedule, p, layout.microbatches, rank, layout.virtual):
+        alive += kept(S.stage(a, p, rank)) * (1 if a.kind == "F" else -1)
+        peak = max(peak, alive)
+    if checkpointing:
+        peak += max((u.saved for s in mine for u in stage_units[s] if u.block), default=0)
+    return peak
 
 
 def _starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> list[int]:
@@ -371,16 +342,10 @@ class ParamView:
         return list(self._params)
 
 
-def optimizer_view(
-    optimizer: torch.optim.Optimizer, original: nn.Module, params: list[tuple[str, nn.Parameter]]
-) -> SimpleNamespace:
-    """The optimizer's param groups (by the original model's names), holding this rank's parameters."""
-    name_of = {id(p): n for n, p in original.named_parameters()}
-    mine = dict(params)
-    groups = [
-        {"params": [mine[name_of[id(p)]] for p in g["params"] if name_of.get(id(p)) in mine]}
-        for g in optimizer.param_groups
-    ]
+def optimizer_view(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> SimpleNamespace:
+    """The optimizer's param groups restricted to these parameters (what a pipeline rank keeps of them)."""
+    mine = {id(p) for _, p in params}
+    groups = [{"params": [p for p in g["params"] if id(p) in mine]} for g in optimizer.param_groups]
     return SimpleNamespace(param_groups=groups)
 
 
@@ -394,15 +359,16 @@ def layout_ranks(
     inputs: dict[str, Any],
     dtype: torch.dtype,
     checkpointing: bool,
-) -> list[tuple[RankPart, list]]:
-    """Per pipeline rank: what it holds and the chunk layout ZeRO builds of it over the data-parallel degree."""
+) -> tuple[list[tuple[RankPart, list]], int]:
+    """Per pipeline rank: what it holds and the chunk layout ZeRO builds of it; and the size of ZeRO's group."""
     from hetero.zero.layout import build_layout
 
-    data = layout.check(world)
-    zero_world = 2 * data if layout.chimera else data
+    parts, opt, zero_world = rank_parts(
+        model, optimizer, layout, world=world, inputs=inputs, dtype=dtype, checkpointing=checkpointing
+    )
     out = []
-    for part in rank_parts(model, layout, inputs=inputs, dtype=dtype, checkpointing=checkpointing):
-        view = optimizer_view(optimizer, model, part.params)
+    for part in parts:
+        view = optimizer_view(opt, part.params)
         specs = build_layout(ParamView(part.params), view, chunk_numel=chunk_numel, world=zero_world)  # type: ignore[arg-type]
         out.append((part, specs))
-    return out
+    return out, zero_world

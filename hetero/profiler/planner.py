@@ -21,11 +21,10 @@ from torch import nn
 
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
-from hetero.parallel.pipeline import schedule as S
 from hetero.profiler import estimator as E
 from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
-from hetero.profiler.layouts import as_model, as_optimizer, default_seq_len
 from hetero.profiler.machine import Machine
+from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import (
     Layout,
     ParamView,
@@ -33,10 +32,11 @@ from hetero.profiler.parallel_layout import (
     measure_units,
     optimizer_view,
     pipeline_units,
-    shard,
+    walk,
 )
+from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.rates import Rates
-from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES
+from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, _depth
 from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -170,43 +170,40 @@ def plan(
     out = Plan(world_size, batch, seq, machine, rates)
 
     @functools.cache
-    def sharded_for(t: int, mode: str, sequence: str | None) -> nn.Module:
-        return shard(model, Layout(tensor=t, tensor_mode=mode, sequence=sequence, plan=tensor_plan))
+    def sharded_for(t: int, mode: str, sequence: str | None) -> tuple[nn.Module, Any, int]:
+        """The model as tensor rank 0 of this tensor layout holds it (the engine's own cut, on meta), the optimizer
+        over it, and the ranks its ZeRO group spans without a pipeline."""
+        lay = Layout(tensor=t, tensor_mode=mode, tensor_depth=_depth_of(mode, t), sequence=sequence, plan=tensor_plan)
+        return per_rank_model(model, opt, lay.config(), world_size)
 
     @functools.cache
-    def units_for(t: int, mode: str, sequence: str | None, rows: int = 1) -> tuple[Any, list, float]:
-        sharded = sharded_for(t, mode, sequence)
+    def units_for(t: int, mode: str, sequence: str | None, rows: int | None = None) -> tuple[Any, list]:
+        sharded = sharded_for(t, mode, sequence)[0]
+        rows = rows if rows is not None else _batch_parts(mode, t)
         units, _ = pipeline_units(sharded)
         ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
-        share = (
-            SEQUENCE_FORMS[sequence][1](t)
-            if sequence in ("ulysses", "ring")
-            else TENSOR_MODES[mode].activation_share(t)
-            if mode != "1d"
-            else 1.0
-        )
-        measure_units(sharded, units, {"input_ids": ids, "labels": ids}, dtype, share)
-        return sharded, units, share
+        measure_units(sharded, units, {"input_ids": ids, "labels": ids}, dtype)
+        return sharded, units
 
     @functools.cache
     def ranks_for(t: int, mode: str, sequence: str | None, p: int, chimera: bool, virtual: int) -> list | None:
-        sharded, units, _ = units_for(t, mode, sequence)
+        sharded, units = units_for(t, mode, sequence)
+        _, opt_t, zero_t = sharded_for(t, mode, sequence)
         lay = Layout(tensor=t, tensor_mode=mode, sequence=sequence, pipeline=p, virtual=virtual,
                      schedule="chimera" if chimera else "1f1b", split="params")  # fmt: skip
         if len(units) < lay.stages:
             return None
         starts = _starts(units, lay, {}) + [len(units)]
         stage_units = [units[starts[s] : starts[s + 1]] for s in range(lay.stages)]
-        data = world_size // (t * p)
-        zero_world = 2 * data if chimera else data
+        zero_world = zero_t // p * (2 if chimera else 1)
         result = []
         for k in range(p):
             mine = lay.stages_of(k)
             held = {id(q) for s in mine for u in stage_units[s] for _, q in u.params}
             params = [(n, q) for n, q in sharded.named_parameters() if id(q) in held]
-            specs = build_layout(ParamView(params), optimizer_view(opt, model, params),  # type: ignore[arg-type]
+            specs = build_layout(ParamView(params), optimizer_view(opt_t, params),  # type: ignore[arg-type]
                                  chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
-            result.append((k, mine, stage_units, specs, E._gathered_bytes(sharded, specs, dtype, None)))
+            result.append((k, mine, stage_units, specs, E._gathered_bytes(sharded, specs, dtype, None), zero_world))
         return result
 
     for t, mode, sequence, p, sched, m in _grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules):
@@ -214,21 +211,24 @@ def plan(
         if batch % (data * m):
             continue
         rows = batch // (data * m)
+        if rows % _batch_parts(mode, t):
+            continue  # a grid mode cuts each micro-batch's rows over its batch groups
         chimera = sched == "chimera" and p > 1
         virtual = 2 if sched == "interleaved_1f1b" and p > 1 else 1
         try:
             ranks = ranks_for(t, mode, sequence, p, chimera, virtual)
-        except ConfigError:
+        except (ConfigError, ValueError):
             continue  # a degree the model's shapes do not divide by
         if ranks is None:
             continue
-        _, units_rows, _ = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
+        _, units_rows = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
         by_name = {u.name: u for u in units_rows}
         acts = [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
         idle = idle_fraction(sched, p, m, virtual)
-        lay = {"tensor": t, "tensor_mode": mode, "sequence": sequence, "pipeline": p, "schedule": sched if p > 1
-               else "1f1b", "microbatches": m, "data": data, "rows": rows, "virtual_stages": virtual}  # fmt: skip
-        zero_world = 2 * data if chimera else data
+        lay = {"tensor": t, "tensor_mode": mode, "tensor_depth": _depth_of(mode, t), "sequence": sequence,
+               "pipeline": p, "schedule": sched if p > 1 else "1f1b", "microbatches": m, "data": data, "rows": rows,
+               "virtual_stages": virtual}  # fmt: skip
+        zero_world = ranks[0][5]
         for stage, params_at, optim_at in E.CANDIDATES:
             if "nvme" in (params_at, optim_at) and machine.nvme_bytes == 0:
                 continue
@@ -237,7 +237,7 @@ def plan(
             needed = {tier: -1 for tier in E.TIERS}
             psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
             n_chunks = max(len(rk[3]) for rk in ranks)
-            for (_, _, _, specs, gathered), act in zip(ranks, acts):
+            for (_, _, _, specs, gathered, _), act in zip(ranks, acts):
                 resident, transient = E._place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
                                                n_states=n_states, params=params_at, optim=optim_at,
                                                prefetch_depth=prefetch)  # fmt: skip
@@ -255,6 +255,21 @@ def plan(
     # Equal times: the option needing less device memory first (room for a larger batch).
     out.options.sort(key=lambda o: (not o.fits, round(o.seconds, 9), o.needed["device"]))
     return out
+
+
+def _batch_parts(mode: str, t: int) -> int:
+    """The parts a grid mode cuts a micro-batch's rows into (1 for 1D)."""
+    if mode == "1d" or t == 1:
+        return 1
+    from hetero.parallel.grid.mesh import Grid
+
+    return Grid.shape_only(mode, t, _depth_of(mode, t)).batch_parts
+
+
+def _depth_of(mode: str, t: int) -> int | None:
+    """2.5D's depth at degree t: the smallest that fits (`tensor_modes._depth`); None for the other modes."""
+    qd = _depth(t) if mode == "2.5d" else None
+    return qd[1] if qd else None
 
 
 def available_modes() -> tuple[str, ...]:
@@ -284,10 +299,10 @@ def _grid(
         for mode in modes if t > 1 else ("1d",):
             if t > 1 and TENSOR_MODES[mode].check(t):
                 continue
-            forms: tuple[str | None, ...] = (None, "megatron") if t > 1 and mode == "1d" else (None,)
+            forms: tuple[str | None, ...] = (None, *SEQUENCE_FORMS) if t > 1 and mode == "1d" else (None,)
             for sequence in forms:
                 for p in _divisors(world // t):
-                    if p > shape.layers:
+                    if p > shape.layers or (p > 1 and sequence in ("ulysses", "ring")):  # the config refuses these
                         continue
                     for sched in schedules if p > 1 else ("1f1b",):
                         if sched == "chimera" and p % 2:
@@ -299,24 +314,12 @@ def _grid(
 def _activations(
     rank: tuple, p: int, sched: str, m: int, virtual: int, checkpointing: bool, units: dict[str, Any]
 ) -> int:
-    """Peak activation bytes the rank keeps (its schedule walked; see parallel_layout); `units`: by name, measured
-    at the micro-batch's rows."""
+    """Peak activation bytes the rank keeps (`parallel_layout.walk`); `units`: by name, measured at the
+    micro-batch's rows."""
     k, mine, stage_units = rank[:3]
     stage_units = [[units[u.name] for u in su] for su in stage_units]
-
-    def kept(s: int) -> int:
-        return sum(u.input if checkpointing and u.block else u.saved for u in stage_units[s])
-
-    if p == 1:
-        peak = sum(kept(s) for s in mine)
-    else:
-        alive = peak = 0
-        for a in S.build(sched, p, m, k, virtual):
-            alive += kept(S.stage(a, p, k)) * (1 if a.kind == "F" else -1)
-            peak = max(peak, alive)
-    if checkpointing:
-        peak += max((u.saved for s in mine for u in stage_units[s] if u.block), default=0)
-    return peak
+    lay = Layout(pipeline=p, schedule=sched if p > 1 else "1f1b", microbatches=m, virtual=virtual)
+    return walk(stage_units, mine, lay, k, checkpointing)
 
 
 def _cap(machine: Machine, tier: str) -> int:
@@ -334,10 +337,11 @@ def _config(
 ) -> dict[str, Any]:
     parallel: dict[str, Any] = {"microbatches": lay["microbatches"]}
     if lay["tensor"] > 1:
-        parallel.update(tensor=lay["tensor"], sequence=lay["sequence"] == "megatron")
-        if lay["tensor_mode"] != "1d" or lay["sequence"] not in (None, "megatron"):
-            # Modes beyond 1D and Ulysses / ring sequences: keys of hetero's tensor-mode work (issue 16).
-            parallel.update(tensor_mode=lay["tensor_mode"], sequence=lay["sequence"] or False)
+        parallel.update(tensor=lay["tensor"], sequence=lay["sequence"] or False)
+        if lay["tensor_mode"] != "1d":
+            parallel["tensor_mode"] = lay["tensor_mode"]
+        if lay["tensor_depth"] is not None:
+            parallel["tensor_depth"] = lay["tensor_depth"]
     if lay["pipeline"] > 1:
         parallel.update(pipeline=lay["pipeline"], schedule=lay["schedule"], pipeline_split="auto")
         if lay["virtual_stages"] > 1:

@@ -1,14 +1,14 @@
 """`hetero.profile(engine, out_dir)`: record where every byte of a run lived, when, and what moved.
 
-[Note: observing without an engine hook]
-The profiler installs everything on enter and removes it on exit, so a run that is not profiled pays nothing. It
-observes through what already exists: the manager's `observers` (a `MoveEvent` per finished move), the manager's
-counters (prefetch hits and misses, evictions), module forward hooks, saved-tensor hooks (activations, attributed
-to the module running), and the tier ledgers, whose `take` / `give` / cache methods are wrapped on the ledger
-*instances* for the duration (every byte hetero holds passes through them, so the recorded per-tier series is exact
-and its maximum is the ledger's peak). `engine.step`, `engine.backward` and `engine.close` are wrapped on the engine
-instance the same way, to mark steps and to stop before the engine closes. On entry the ledgers' peaks are reset, so
-the summary's peaks and `engine.memory_stats()` peaks cover the same window.
+[Note: observing through hook points]
+The profiler subscribes on enter and unsubscribes on exit, so a run that is not profiled pays nothing. It observes
+only through the hook points its subjects offer: the engine's `events` (the phases of a step, and close, to stop
+before the engine does), the manager's `events` ("move": a `MoveEvent` per finished move; "done": a call into the
+manager returned, every chunk it touched now labelled with its tier), the tier ledgers' `observers` (every byte
+hetero holds passes through a ledger, so the recorded per-tier series is exact and its maximum is the ledger's
+peak), the manager's counters (prefetch hits and misses, evictions), module forward hooks and saved-tensor hooks
+(activations, attributed to the module running). On entry the ledgers' peaks are reset, so the summary's peaks and
+`engine.memory_stats()` peaks cover the same window.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from hetero.profiler.activations import storage_key
 
 log = logging.getLogger("hetero.profiler")
 
-_LEDGER_METHODS = ("take", "give", "to_cache", "from_cache", "drop_cache")
-_MANAGER_METHODS = ("access", "move", "prefetch", "release", "synchronize", "step_begin", "free_chunk")
 # Seconds between by-kind samples after manager operations, at most: a burst of operations (an update, evictions)
 # is sampled at its end; module boundaries, steps and new peaks are always sampled.
 SAMPLE_INTERVAL = 1e-3
@@ -129,6 +127,9 @@ class Profile:
         self._params: set[int] = set()
         self._bwd: dict[str, ModuleSpan] = {}  # module -> its backward span (first to last use of what it saved)
         self._phase_start: float | None = None
+        self._backward_start: float | None = None  # when the backward in progress began
+        self._update_start = 0.0  # when the update in progress began
+        self._stop_after_step = False  # max_steps reached: stop once the step's bookkeeping is done
         self._device = engine.device.torch_device
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -150,19 +151,25 @@ class Profile:
         self._steps0 = self.engine.global_steps
         self._params = {storage_key(p) for p in self.engine.module.parameters()}
         for tier, ledger in self.manager.ledgers.items():
-            self._wrap_ledger(tier, ledger)
+            ledger.observers.append(self._on_ledger)
+            self._undo.append(lambda ledger=ledger: ledger.observers.remove(self._on_ledger))
             self.series[tier.label].append((0.0, ledger.used))
             self._new_peak(tier, ledger.used, 0.0)
-        self.manager.observers.append(self._on_move)
-        for name in _MANAGER_METHODS:
-            self._wrap_manager(name)
-        self._undo.append(lambda: self.manager.observers.remove(self._on_move))
+        self._undo.append(self.manager.events.subscribe("move", self._on_move))
+        self._undo.append(self.manager.events.subscribe("done", self._after_manager))
         self._hook_modules(self.engine.module)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._undo.append(lambda: hooks.__exit__(None, None, None))
-        for name in ("step", "backward", "close"):
-            self._wrap_engine(name)
+        for name, fn in (
+            ("backward_begin", self._backward_begin),
+            ("backward_end", self._backward_end),
+            ("update_begin", self._update_begin),
+            ("update_end", self._update_end),
+            ("micro_step", self._micro_step),
+            ("close", self.stop),
+        ):
+            self._undo.append(self.engine.events.subscribe(name, fn))
         self._sample(0.0, force=True)
 
     def stop(self) -> None:
@@ -202,18 +209,7 @@ class Profile:
             else:
                 timeline_png(self, self.out_dir / "timeline.png")
 
-    # ---- ledgers ------------------------------------------------------------------------------------------
-    def _wrap_ledger(self, tier: Tier, ledger: Any) -> None:
-        for name in _LEDGER_METHODS:
-            original = getattr(ledger, name)
-
-            def wrapped(nbytes: int, _original: Callable[[int], None] = original, _tier: Tier = tier) -> None:
-                _original(nbytes)
-                self._on_ledger(_tier, ledger.used)
-
-            setattr(ledger, name, wrapped)
-            self._undo.append(lambda ledger=ledger, name=name: delattr(ledger, name))
-
+    # ---- ledgers and the manager ---------------------------------------------------------------------------
     def _on_ledger(self, tier: Tier, used: int) -> None:
         t = self._now()
         self.series[tier.label].append((t, used))
@@ -224,26 +220,18 @@ class Profile:
             self._sample(t, force=True)
             self._relabel[tier] = self._changes[tier]
 
-    def _wrap_manager(self, name: str) -> None:
+    def _after_manager(self) -> None:
         """Sample the by-kind breakdown when a manager operation that changed a ledger returns: by then every chunk
         it touched is labelled with its tier (inside, a buffer is taken before its chunk is marked resident)."""
-        original = getattr(self.manager, name)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            for tier, change in list(self._relabel.items()):
-                # A peak reached inside the operation: the buffer that made it was taken before its chunk was
-                # marked resident. If the ledger has not changed since, list the holders again, now labelled.
-                del self._relabel[tier]
-                if self._changes[tier] == change:
-                    peak = self.peaks[tier.label]
-                    self._new_peak(tier, peak.bytes, peak.time, where=peak.where)
-            if self._dirty:
-                self._sample(self._now())
-            return out
-
-        setattr(self.manager, name, wrapped)
-        self._undo.append(lambda: self.manager.__dict__.pop(name, None))
+        for tier, change in list(self._relabel.items()):
+            # A peak reached inside the operation: the buffer that made it was taken before its chunk was marked
+            # resident. If the ledger has not changed since, list the holders again, now labelled.
+            del self._relabel[tier]
+            if self._changes[tier] == change:
+                peak = self.peaks[tier.label]
+                self._new_peak(tier, peak.bytes, peak.time, where=peak.where)
+        if self._dirty:
+            self._sample(self._now())
 
     def _new_peak(self, tier: Tier, used: int, t: float, where: str | None = None) -> None:
         holders: list[tuple[str, str, int]] = []
@@ -336,34 +324,36 @@ class Profile:
         return t
 
     # ---- engine -------------------------------------------------------------------------------------------
-    def _wrap_engine(self, name: str) -> None:
-        original = getattr(self.engine, name)
+    def _backward_begin(self) -> None:
+        start = self._now()
+        if self._phase_start is not None:
+            self.phases.append(("forward", self._phase_start, start))
+            self._phase_start = None
+        self._backward_start = start
 
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if name == "close":
-                self.stop()
-                return original(*args, **kwargs)
-            start = self._now()
-            if name == "backward" and self._phase_start is not None:
-                self.phases.append(("forward", self._phase_start, start))
-                self._phase_start = None
-            out = original(*args, **kwargs)
-            end = self._now()
-            if name == "backward":
-                self.phases.append(("backward", start, end))
-                self._end_micro_batch()
-            elif name == "step":
-                self.micro_steps += 1
-                if self.engine.global_steps > (self.steps[-1][1] if self.steps else self._steps0):
-                    self.phases.append(("update", start, end))
-                    self.steps.append((end, self.engine.global_steps))
-                    self._sample(end, force=True)
-                    if self.max_steps is not None and self.engine.global_steps - self._steps0 >= self.max_steps:
-                        self.stop()
-            return out
+    def _backward_end(self) -> None:
+        end = self._now()
+        start = self._backward_start if self._backward_start is not None else end
+        self._backward_start = None
+        self.phases.append(("backward", start, end))
+        self._end_micro_batch()
 
-        setattr(self.engine, name, wrapped)
-        self._undo.append(lambda: self.engine.__dict__.pop(name, None))
+    def _update_begin(self) -> None:
+        self._update_start = self._now()
+
+    def _update_end(self) -> None:
+        end = self._now()
+        if self.engine.global_steps > (self.steps[-1][1] if self.steps else self._steps0):
+            self.phases.append(("update", self._update_start, end))
+            self.steps.append((end, self.engine.global_steps))
+            self._sample(end, force=True)
+            if self.max_steps is not None and self.engine.global_steps - self._steps0 >= self.max_steps:
+                self._stop_after_step = True
+
+    def _micro_step(self) -> None:
+        self.micro_steps += 1
+        if self._stop_after_step:
+            self.stop()
 
     def _end_micro_batch(self) -> None:
         # What backward did not use is freed with the graph.
@@ -402,7 +392,7 @@ def by_kind(manager: Any) -> dict[str, dict[str, int]]:
     per_tier: tuple[dict[str, int], ...] = ({}, {}, {})  # indexed by Tier value
     nvme = per_tier[Tier.NVME]
     empty, nvme_tier = ChunkState.EMPTY, Tier.NVME
-    for c in manager._chunks.values():
+    for c in manager.chunks:
         n = c.capacity * c.dtype.itemsize
         k = c.kind
         if c.on_nvme:

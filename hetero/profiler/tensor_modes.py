@@ -44,7 +44,7 @@ TENSOR_MODES: dict[str, TensorMode] = {
         "1d",
         lambda t: None,
         lambda t: t,
-        lambda t: 1.0,  # inputs of each layer replicated (Megatron without SP; the meta count is exact for 1D)
+        lambda t: (10 + 24 / t) / 34,  # Korthikanti et al.: sbh (10 + 24 / t) of a block's 34 sbh (fused attention)
         lambda t: 2 * (t - 1) / t,
         "Megatron-LM (Shoeybi et al. 2019): 1/t of the weights, an all-reduce forward and backward",
     ),

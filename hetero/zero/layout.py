@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,14 @@ class ChunkSpec:
     @property
     def trainable(self) -> bool:
         return self.group is not None
+
+    def overlaps(self, lo: int, hi: int) -> Iterator[tuple[ParamInfo, int, int]]:
+        """Each parameter that meets the chunk's element range [lo, hi), with the range [a, b) they share (in chunk
+        elements): how a rank's shard, a saved segment or a gradient region maps onto parameters."""
+        for info in self.params:
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a < b:
+                yield info, a, b
 
 
 def build_layout(

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 from hetero.comm import Comm
 from hetero.errors import WeightsError
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
-from hetero.zero.chunks import ZeroChunk, flat_values
+from hetero.zero.zero_chunk import ZeroChunk, flat_values
 
 log = logging.getLogger("hetero.zero")
 

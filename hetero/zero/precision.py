@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,3 +37,11 @@ class LossScaler:
         if self.good_steps >= self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:
+                setattr(self, f.name, state[f.name])

@@ -38,7 +38,7 @@ from hetero.memory import TensorState
 from hetero.zero.units import Entry, Unit
 
 if TYPE_CHECKING:
-    from hetero.zero.chunks import ZeroChunk
+    from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
 

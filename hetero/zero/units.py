@@ -23,7 +23,7 @@ from hetero.memory import TensorSlot
 from hetero.zero.layout import ParamInfo
 
 if TYPE_CHECKING:
-    from hetero.zero.chunks import ZeroChunk
+    from hetero.zero.zero_chunk import ZeroChunk
 
 
 @dataclass(eq=False, frozen=True)

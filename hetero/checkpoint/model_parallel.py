@@ -4,10 +4,12 @@
 Every global rank writes its own file, as without parallelism; what changes is how a tensor is named and who saves
 it. A tensor-parallel shard (a parameter carrying `_hetero_tp`) is stored under "NAME@tpR": tensor rank R's shard,
 with the shard's own (local) shape, split by element range over the data-parallel ranks exactly as a whole
-parameter is. A parameter replicated over the tensor ranks (a norm's weight, a row-parallel bias) is the same on
-each of them, so only tensor rank 0 saves it, under its plain name; pipeline stages hold disjoint parameters (a
-parameter shared between stages is refused when the model is cut), so their names never collide. Module buffers
-are saved by data-parallel rank 0 at tensor rank 0 of every stage.
+parameter is. In a grid layout (2D, 2.5D, 3D) a shard is a block (`BlockShard`); a block that several tensor
+ranks hold alike (2.5D's depth layers) is stored once, under and by the lowest of them. A parameter replicated over
+the tensor ranks (a norm's weight, a row-parallel bias) is the same on each of them, so only tensor rank 0 saves
+it, under its plain name; pipeline stages hold disjoint parameters (a parameter shared between stages is refused
+when the model is cut), so their names never collide. Module buffers are saved by data-parallel rank 0 at tensor
+rank 0 of every stage.
 
 Each rank describes its own part of the model (stored names, shapes, stage, tensor-parallel cut, state_dict keys);
 rank 0 merges these into the manifest's model table, so nothing needs a whole model on one rank. Consequences:
@@ -37,14 +39,29 @@ def tp_cut(param: Any) -> Any:
 
 
 def stored_name(info: Any) -> str:
-    """The name a parameter's tensors are stored under (see [Note: parallel layouts in a checkpoint])."""
+    """The name a parameter's tensors are stored under (see [Note: parallel layouts in a checkpoint]); a block that
+    several tensor ranks hold alike (2.5D) is stored under its lowest holder's rank."""
     cut = tp_cut(info.param)
-    return f"{info.name}{TP_MARK}{cut.rank}" if cut is not None else info.name
+    return f"{info.name}{TP_MARK}{cut.stored_rank}" if cut is not None else info.name
 
 
-def shard_names(name: str, degree: int) -> list[str]:
-    """The stored names of every tensor rank's shard of parameter `name`, in rank order."""
-    return [f"{name}{TP_MARK}{r}" for r in range(degree)]
+def saves(info: Any, replicas: bool) -> bool:
+    """Whether this rank writes the parameter: a shard by its stored rank only, a replicated parameter by the ranks
+    that save replicas (`saves_replicated`)."""
+    cut = tp_cut(info.param)
+    return replicas if cut is None else cut.stored_rank == cut.rank
+
+
+def stored_ranks(cut: dict[str, Any]) -> list[int]:
+    """The tensor ranks whose shards a manifest's cut is stored from, in rank order."""
+    if "indices" in cut:  # a grid layout's BlockShard: one rank per distinct block
+        return sorted({cut["indices"].index(ix) for ix in cut["indices"]})
+    return list(range(cut["degree"]))
+
+
+def shard_names(name: str, cut: dict[str, Any]) -> list[str]:
+    """The stored names of the shards of parameter `name`, in tensor rank order."""
+    return [f"{name}{TP_MARK}{r}" for r in stored_ranks(cut)]
 
 
 def world(engine: Engine) -> Comm:
@@ -64,6 +81,14 @@ def degrees(engine: Engine) -> tuple[int, int]:
     """(tensor, pipeline) degrees of the engine's layout."""
     mesh = getattr(engine, "mesh", None)
     return (mesh.tp_size, mesh.pp_size) if mesh is not None else (1, 1)
+
+
+def tensor_mode(engine: Engine) -> str:
+    """How the layout cuts its layers: "1d", or a grid's "2d" / "2.5d:<depth>" / "3d" (shards differ between them)."""
+    grid = getattr(getattr(engine, "mesh", None), "grid", None)
+    if grid is None:
+        return "1d"
+    return f"2.5d:{grid.depth}" if grid.mode == "2.5d" else grid.mode
 
 
 def saves_replicated(engine: Engine) -> bool:

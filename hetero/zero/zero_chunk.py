@@ -1,26 +1,12 @@
 """One chunk of a model under ZeRO: its parameters, gradients, master weights and optimizer states.
 
-[Note: what each stage keeps]
-Every chunk of `capacity` elements (a multiple of the data-parallel size N) has up to five buffers, all chunks of
-the manager, so each lives on a tier under a budget:
-
-  buffer      dtype    elements      stage 0      stage 1      stage 2        stage 3
-  full        compute  capacity      persistent   persistent   persistent     gathered for use, then released
-  shard       compute  capacity/N    -            -            -              persistent, on offload.params
-  grad        fp32     cap or cap/N  full, local  full, local  shard          shard
-  grad_full   fp32     capacity      -            -            per micro-batch, reduce-scattered into `grad`
-  optim       fp32     (1+k)*S       master + k optimizer states, S = capacity (stage 0) or capacity/N
-
-Stages 0 and 1 accumulate the full local gradient over micro-batches and communicate once, at the update (all-reduce
-at stage 0; reduce-scatter at stage 1, since each rank only updates its shard). Stages 2 and 3 reduce-scatter every
-micro-batch, so no rank ever holds more than a shard of accumulated gradient. After the update, stage 0 copies the
-master into the full parameters; stages 1 and 2 copy their shard in and all-gather the rest; stage 3 writes its
-shard only, and the full chunk is gathered again at its next use.
+Its buffers follow the stage's layout (`hetero/zero/stages.py`, [Note: what each stage keeps]); how and when its
+collectives run is the protocol's ([Note: every rank in step]).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,18 +15,10 @@ from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.layout import ChunkSpec
+from hetero.zero.stages import STAGES, Placement
 from hetero.zero.units import Entry
 
 _T = TensorState
-
-
-@dataclass(frozen=True)
-class Homes:
-    """Where each kind of buffer lives between uses, and where the optimizer computes."""
-
-    params: Tier  # the stage-3 shard's home (full chunks are on the device while used)
-    optim: Tier  # master weights and optimizer states
-    compute: Tier  # where the optimizer step runs and gradients accumulate: the device, or the host
 
 
 class ZeroChunk:
@@ -52,25 +30,29 @@ class ZeroChunk:
         comm: Comm,
         stage: int,
         dtype: torch.dtype,
-        homes: Homes,
+        placement: Placement,
         state_names: tuple[str, ...],
     ) -> None:
         self.spec = spec
         self.manager = manager
         self.comm = comm
         self.stage = stage
+        self.layout = STAGES[stage]  # what this stage keeps ([Note: what each stage keeps])
         self.dtype = dtype  # compute dtype of the parameters
-        self.homes = homes
+        self.placement = placement
         self.device = manager.device
         n = comm.size
         self.shard_numel = spec.capacity // n  # elements of one rank's shard
         self._uses: dict[int, int] = {}  # param id -> uses in progress (a parameter may be used twice at once)
 
-        self.full = manager.new_chunk(dtype=dtype, capacity=spec.capacity, kind="param", transient=stage == 3)
+        layout = self.layout
+        self.full = manager.new_chunk(
+            dtype=dtype, capacity=spec.capacity, kind="param", transient=layout.params_sharded
+        )
         self.slots: list[TensorSlot] = [self.full.add_tensor(p.name, p.shape) for p in spec.params]
-        self.gathered = stage < 3  # stage 3: the full parameters are here (a state every rank shares)
+        self.gathered = not layout.params_sharded  # the full parameters are here (a state every rank shares)
         self.shard: Chunk | None = None
-        if stage == 3:
+        if layout.params_sharded:
             self.shard = manager.new_chunk(dtype=dtype, capacity=self.shard_numel, kind="param_shard")
             self.shard.add_tensor(f"{spec.params[0].name}..shard", (self.shard_numel,))
         self.grad: Chunk | None = None
@@ -88,14 +70,13 @@ class ZeroChunk:
         self.accumulate_full = False
         self.batch_seen: set[int] = set()  # param ids with a gradient in grad_full this batch (accumulate_full)
         if spec.trainable:
-            sharded_grads = stage >= 2
-            grad_numel = self.shard_numel if sharded_grads else spec.capacity
+            grad_numel = layout.grad_numel(spec.capacity, n)
             self.grad = manager.new_chunk(dtype=torch.float32, capacity=grad_numel, kind="grad")
             self.grad.add_tensor(f"{spec.params[0].name}..grad", (grad_numel,))
-            if sharded_grads:
+            if layout.grads_sharded:
                 self.grad_full = manager.new_chunk(dtype=torch.float32, capacity=spec.capacity, kind="grad_full")
                 self.grad_full.add_tensor(f"{spec.params[0].name}..grad_full", (spec.capacity,))
-            s = spec.capacity if stage == 0 else self.shard_numel
+            s = layout.optim_numel(spec.capacity, n)
             self.optim = manager.new_chunk(dtype=torch.float32, capacity=s * (1 + len(state_names)), kind="optim")
             self.optim.add_tensor(f"{spec.params[0].name}..master", (s,))
             for name in state_names:
@@ -110,9 +91,8 @@ class ZeroChunk:
     def load(self, flat: torch.Tensor) -> None:
         """Fill every buffer from the full flat fp32 parameter values (the same on every rank)."""
         m = self.manager
-        r, s = self.comm.rank, self.shard_numel
-        mine = flat if self.stage == 0 else flat[r * s : (r + 1) * s]
-        if self.stage < 3:
+        mine = self.kept(flat)
+        if not self.layout.params_sharded:
             # Stages 0-2 keep full parameters on the device for the model's whole life: pinned, so that nothing
             # autograd saved in forward can move before backward.
             m.access(self.full, Tier.DEVICE)
@@ -122,10 +102,10 @@ class ZeroChunk:
                 self.full.set_state(slot, _T.COMPUTE)
             self._point_params()
         else:
-            m.access(self.shard, Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST)
+            m.access(self.shard, Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST)
             self.shard.payload.copy_(mine)
             self.shard.set_state(self.shard.slots[0], _T.HOLD)
-            if self.homes.params is Tier.NVME:
+            if self.placement.params is Tier.NVME:
                 m.move(self.shard, Tier.NVME)
             # Point the parameters at the transient full chunk once; dropped, its storage has zero bytes until the
             # next gather (see [Note: transient chunks] in the manager), and the parameters are released.
@@ -134,12 +114,12 @@ class ZeroChunk:
             m.release(self.full)
             released.release([i.param for i in self.spec.params], [i.name for i in self.spec.params])
         if self.optim is not None:
-            m.access(self.optim, self.homes.compute)
+            m.access(self.optim, self.placement.compute)
             self.optim.payload.zero_()
             self.optim.view(self.optim.slots[0]).copy_(mine)
             for slot in self.optim.slots:
                 self.optim.set_state(slot, _T.HOLD)
-            if self.homes.optim is Tier.NVME:
+            if self.placement.optim is Tier.NVME:
                 m.move(self.optim, Tier.NVME)
         if self.grad is not None:
             self.zero_grad()
@@ -164,7 +144,7 @@ class ZeroChunk:
 
     def reshard(self) -> None:
         """Stage 3: drop the gathered parameters (no use may be in progress); only this rank's shard stays."""
-        if self.stage < 3 or not self.gathered:
+        if not self.layout.params_sharded or not self.gathered:
             return
         busy = [s.name for s in self.slots if s.state is _T.COMPUTE]
         if busy:
@@ -179,7 +159,7 @@ class ZeroChunk:
     def enter(self, e: Entry) -> None:
         """A use of a parameter begins: its slot is COMPUTE (pinned to the device), its values readable. Stages 0-2
         hold every parameter in use for the model's whole life."""
-        if self.stage < 3:
+        if not self.layout.params_sharded:
             return
         k = id(e.info.param)
         uses = self._uses.get(k, 0)
@@ -190,7 +170,7 @@ class ZeroChunk:
 
     def exit(self, e: Entry, after: TensorState) -> None:
         """A use of a parameter ends (after: HOLD_AFTER_FWD, HOLD_AFTER_BWD or HOLD)."""
-        if self.stage < 3:
+        if not self.layout.params_sharded:
             return
         k = id(e.info.param)
         uses = self._uses.get(k, 0)
@@ -268,7 +248,7 @@ class ZeroChunk:
         self.grads_seen.clear()
         full[self.used_numel :].zero_()  # padding
         m.pin(self.grad_full)  # the collective reads it until finish_reduce
-        acc = m.access(self.grad, self.homes.compute)
+        acc = m.access(self.grad, self.placement.compute)
         # The first micro-batch since the update lands in place, where the gradient's buffer is device memory.
         direct = self.grad_is_zero and self.grad.tier is Tier.DEVICE
         if direct:
@@ -306,27 +286,26 @@ class ZeroChunk:
 
     def reduce_at_update(self) -> None:
         """Stages 0-1: reduce the gradient accumulated over the micro-batches (mean over ranks), in place."""
-        if self.stage > 1:
+        if self.layout.grads_sharded:
             return
         acc = self.grad_buffer()
         staged = self.comm.needs_device_tensors and self.grad.tier is not Tier.DEVICE
         # NCCL reduces device memory only: a gradient kept on the host (optimizer offload) goes through the device.
         buf = self.device.to_device(acc) if staged else acc
         what = f"the gradients of {self.label}"
-        if self.stage == 0:
+        if not self.layout.optim_sharded:  # every rank updates the whole chunk
             self.comm.all_reduce(buf, op="avg")
-        else:
-            r, s = self.comm.rank, self.shard_numel
-            self.comm.reduce_scatter(buf[r * s : (r + 1) * s], buf, op="avg", what=what)
+        else:  # each rank updates its shard: it needs only its shard's sum
+            lo, hi = self.kept_range()
+            self.comm.reduce_scatter(buf[lo:hi], buf, op="avg", what=what)
         if staged:
             acc.copy_(self.device.to_host(buf))
 
     def grad_view(self) -> torch.Tensor:
         """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier."""
         acc = self.grad_buffer()
-        if self.stage == 1:
-            r, s = self.comm.rank, self.shard_numel
-            return acc[r * s : (r + 1) * s]
+        if self.layout.optim_sharded and not self.layout.grads_sharded:  # stage 1: the shard of a full buffer
+            return self.kept(acc)
         return acc
 
     def zero_grad(self) -> None:
@@ -336,7 +315,7 @@ class ZeroChunk:
         slot = self.grad.slots[0]
         if slot.state is _T.HOLD:
             self.grad.set_state(slot, _T.FREE)
-        if self.stage >= 2:
+        if self.layout.grads_sharded:
             # Nothing is accumulated until the first reduce-scatter, which writes the buffer whole: meanwhile the
             # chunk holds no data, so evicting it costs nothing (released, not written to NVMe and read back).
             return
@@ -344,7 +323,7 @@ class ZeroChunk:
 
     def grad_buffer(self) -> torch.Tensor:
         """The accumulated gradient on the compute tier: zeros where nothing has been accumulated yet."""
-        acc = self.manager.access(self.grad, self.homes.compute)
+        acc = self.manager.access(self.grad, self.placement.compute)
         if self.grad.slots[0].state is _T.FREE:
             acc.zero_()
             self._grad_holds()
@@ -365,8 +344,7 @@ class ZeroChunk:
         parameter keeps its own step count for Adam's bias correction. In the common case, every parameter used and
         all counts equal, that is one run: the whole shard in one fused call.
         """
-        lo = 0 if self.stage == 0 else self.comm.rank * self.shard_numel
-        hi = lo + (self.spec.capacity if self.stage == 0 else self.shard_numel)
+        lo, hi = self.kept_range()
         runs: list[tuple[int, int, int]] = []
         for i, info in enumerate(self.spec.params):
             a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
@@ -381,23 +359,20 @@ class ZeroChunk:
         return runs
 
     def optimizer_views(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        self.manager.access(self.optim, self.homes.compute)
+        self.manager.access(self.optim, self.placement.compute)
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
 
     def write_back(self, master: torch.Tensor, *, clear_grad: bool = True) -> None:
         """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
         clear_grad is False: a checkpoint load clears it only where it is not already zero)."""
-        if self.stage == 3:
+        if self.layout.params_sharded:
             self.write_shard(master)
         else:
-            r, s = self.comm.rank, self.shard_numel
             full = self.manager.access(self.full, Tier.DEVICE)
-            if self.stage == 0:
-                full.copy_(master)
-            else:
-                full[r * s : (r + 1) * s].copy_(master)
-                self.comm.all_gather(full, full[r * s : (r + 1) * s], what=f"the parameters of {self.label}")
+            self.kept(full).copy_(master)
+            if self.layout.optim_sharded:  # each rank updated its shard: gather the others'
+                self.comm.all_gather(full, self.kept(full), what=f"the parameters of {self.label}")
         if clear_grad:
             self.zero_grad()
 
@@ -405,8 +380,8 @@ class ZeroChunk:
         """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk)."""
         m = self.manager
         if values.numel() == self.spec.capacity:
-            values = self.master_range(values)
-        tier = Tier.DEVICE if self.homes.params is Tier.DEVICE else Tier.HOST
+            values = self.kept(values)
+        tier = Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST
         slot = self.shard.slots[0]
         if slot.state is _T.HOLD:
             self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
@@ -414,15 +389,37 @@ class ZeroChunk:
         self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
         shard.copy_(values)
         self.shard.set_state(slot, _T.HOLD)
-        if self.homes.params is Tier.NVME:
+        if self.placement.params is Tier.NVME:
             m.move(self.shard, Tier.NVME, wait=False)
 
-    def master_range(self, full: torch.Tensor) -> torch.Tensor:
-        """The part of a full-chunk tensor that this rank's master weights cover (all of it at stage 0)."""
-        if self.stage == 0:
-            return full
-        r, s = self.comm.rank, self.shard_numel
-        return full[r * s : (r + 1) * s]
+    def kept_range(self) -> tuple[int, int]:
+        """The chunk elements [lo, hi) this rank keeps master weights and optimizer states for: all of them at
+        stage 0, its shard otherwise."""
+        return self.layout.kept_range(self.spec.capacity, self.comm.size, self.comm.rank)
+
+    def kept(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full-chunk tensor that this rank's master weights cover."""
+        lo, hi = self.kept_range()
+        return full[lo:hi]
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this chunk besides its buffers: each parameter's step count, which parameters
+        got a gradient since the last update, and whether the accumulated gradient is still all zeros."""
+        return {
+            "param_steps": list(self.param_steps),
+            "used": [int(u) for u in self.used.tolist()],
+            "grad_is_zero": self.grad_is_zero,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; keys left out keep their values (a checkpoint without pending gradients)."""
+        if "param_steps" in state:
+            self.param_steps = list(state["param_steps"])
+        if "used" in state:
+            self.used = torch.tensor(state["used"], dtype=torch.uint8)
+        if "grad_is_zero" in state:
+            self.grad_is_zero = bool(state["grad_is_zero"])
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (CPU copies). At stage 3 the chunk must be gathered (`unshard`)."""

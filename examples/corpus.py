@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 VOCAB_SIZE = 256
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "data" / "tiny_corpus.txt"
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
 
 def load_corpus(path: str | None = None) -> str:
     """The text of `path`, by default the corpus shipped in the repository's examples/data."""
     p = Path(path) if path is not None else DEFAULT_CORPUS
     if not p.is_file():
-        hint = " (it ships with the repository checkout, not with an installed wheel)" if path is None else ""
+        hint = " (it ships with the repository's examples/data)" if path is None else ""
         raise FileNotFoundError(f"corpus file {p} not found{hint}; pass a path to any UTF-8 text file")
     return p.read_text(encoding="utf-8")
 

@@ -1,0 +1,66 @@
+"""How a group's operations behave: NCCL's rule on data tensors, the control group, the timeout.
+
+See [Note: data and control groups] in `group.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hetero import standin
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How a group's operations behave; subgroups made by `split` inherit them."""
+
+    timeout_s: float | None = None  # bound on every blocking operation; None: the process group's own timeout
+    device_only: Callable[[torch.Tensor], str | None] | None = None  # why a data tensor is refused, or None
+    separate_control: bool = False  # small host messages go through a gloo group of their own
+
+
+def _cuda_only(t: torch.Tensor) -> str | None:
+    return None if t.is_cuda else f"a {t.device.type} tensor: NCCL takes CUDA tensors only"
+
+
+def rules_for(backend: str, timeout_s: float | None) -> Rules:
+    """NCCL's rules for an NCCL group; under the stand-in, the same rules for gloo."""
+    if backend == "nccl":
+        return Rules(timeout_s=timeout_s, device_only=_cuda_only, separate_control=True)
+    if standin.active():
+        return Rules(timeout_s=timeout_s, device_only=standin.collective_rule, separate_control=True)
+    return Rules(timeout_s=timeout_s)
+
+
+# The control group made for each process group, so that wrapping the same group twice (Comm.world() again) does
+# not make a second one: groups are made collectively and live as long as the job.
+CONTROL_OF: dict[Any, Any] = {}
+# The rules init_from_env chose for the world, reused by Comm.world() and inherited by every split.
+WORLD_RULES: list[Rules] = [Rules()]
+
+
+def world_rules(backend: str) -> Rules:
+    """The world's rules: those init_from_env chose, else the backend's own."""
+    chosen = WORLD_RULES[0]
+    return rules_for(backend, chosen.timeout_s)
+
+
+def set_world_rules(rules: Rules) -> None:
+    """Called once by init_from_env: the rules (timeout, device rule) of the world it joined."""
+    WORLD_RULES[0] = rules
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether a backend error is a wait that ran out of time."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether a backend error is a peer that closed its connection (it died, or gave up)."""
+    text = str(err).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "socket closed"))

@@ -1,0 +1,270 @@
+"""Moves between tiers: started on the driving thread, copied on worker threads, finished on the driving thread.
+
+Workers copy bytes and nothing else; every ledger, state and trace change happens when a move is started or seen
+finished (`poll`, `wait`), on the thread that drives the manager, so no lock guards the bookkeeping. See the
+manager's [Note: making room] for how a move gets its destination's bytes, and [Note: reads chained behind
+write-backs] for the chained reads started here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.device import Device
+from hetero.memory.chunk import Chunk, Move
+from hetero.memory.states import ChunkState
+from hetero.memory.storage import Storage
+from hetero.memory.tier import Tier
+
+if TYPE_CHECKING:
+    from hetero.memory.room import RoomMaker
+
+
+@dataclass(frozen=True)
+class MoveEvent:
+    """A finished move, as observers (the profiler) see it."""
+
+    chunk_id: int
+    kind: str
+    src: Tier
+    dst: Tier
+    nbytes: int
+    start: float  # time.perf_counter() when the worker began the copy
+    end: float  # when the bytes were in place
+    prefetch: bool
+
+
+class Mover:
+    """Starts, runs and finishes the moves of one manager's chunks."""
+
+    def __init__(self, storage: Storage, device: Device, counters: Counter[str], *, workers: int) -> None:
+        self.storage = storage
+        self.device = device
+        self.counters = counters  # the manager's: moves, evictions, chained reads, ...
+        self.room: RoomMaker | None = None  # set by the manager: the destination's room is made through it
+        self.moving: dict[int, Chunk] = {}  # chunks with a move in flight
+        self.moved: Counter[tuple[Tier, Tier]] = Counter()  # bytes moved per (src, dst)
+        self.observers: list[Callable[[MoveEvent], None]] = []  # called on every finished move
+        self.wait_seconds = 0.0  # time the driving thread spent waiting for moves
+        self.workers = ThreadPoolExecutor(workers, thread_name_prefix="hetero-move")
+
+    # ---- starting ---------------------------------------------------------------------------------------
+    def start(
+        self,
+        chunk: Chunk,
+        dst: Tier,
+        *,
+        blocking: bool,
+        prefetch: bool = False,
+        protect: frozenset[int] = frozenset(),
+        inline: bool = False,
+    ) -> bool:
+        """Start moving a RESIDENT chunk to dst. Returns False if (non-blocking) room could not be made yet.
+
+        inline: the caller waits for the move at once, so copy on this thread: no hand-off to a worker, and the
+        copy gets this thread's intra-op parallelism.
+
+        protect: chunks that making room must not evict: this one, and every chunk an outer call is moving (making
+        room for a victim must never evict the chunk the victim is making room for).
+        """
+        storage, room = self.storage, self.room
+        assert room is not None
+        protect = protect | {chunk.id}
+        src = chunk.tier
+        assert chunk.state is ChunkState.RESIDENT and src is not None and src != dst
+        if dst > src and not chunk.movable:
+            why = "is being computed on" if chunk.computing else "is pinned"
+            raise RuntimeError(f"{chunk.describe()} {why}: it cannot leave the {src.label} tier")
+        if dst > src:
+            chunk.prefetched = False  # evicted before its use: no longer owed a place (see choose_victim)
+        if chunk.all_free and dst is not Tier.NVME:
+            # Nothing worth copying: give it fresh memory where it is wanted.
+            if not room.make(dst, chunk.nbytes, protect, blocking=blocking):
+                return False
+            storage.drop_payload(chunk)
+            storage.allocate(chunk, dst)
+            return True
+        if dst is Tier.NVME and chunk.on_nvme and not chunk.dirty:
+            # The swap store already holds these exact bytes: evicting costs no write.
+            storage.free_buffer(src, chunk.payload, chunk)
+            chunk.payload, chunk.tier = None, Tier.NVME
+            self.counters["clean_evictions"] += 1
+            return True
+        # Swap I/O reads and writes host memory through a numpy view, which pins a storage's size for good: a
+        # transient chunk's storage must stay resizable, so it goes through a host buffer as device memory does.
+        needs_staging = (self.device.separate_memory or chunk.transient) and {src, dst} == {Tier.DEVICE, Tier.NVME}
+        if dst is Tier.NVME:
+            if storage.store is None:
+                raise room.oom(Tier.HOST, chunk.nbytes, extra="no memory.nvme_dir is set to spill to")
+            if not chunk.on_nvme and not room.make(Tier.NVME, chunk.nbytes, protect, blocking=blocking):
+                return False
+        elif not room.make(dst, chunk.nbytes, protect, blocking=blocking):
+            return False
+        if needs_staging and not room.make(Tier.HOST, chunk.nbytes, protect, blocking=blocking):
+            return False
+        if dst is Tier.NVME:
+            if not chunk.on_nvme:
+                storage.take_nvme_slot(chunk)
+            new_payload = None
+        else:
+            new_payload = storage.new_buffer(dst, chunk)
+        staging = storage.staging(chunk.nbytes).view(chunk.dtype) if needs_staging else None
+        # Order the copy after compute queued so far: it may read what compute writes, or write a buffer compute
+        # still reads (a pooled buffer's last user); see [Note: copies off the compute stream].
+        marker = self.device.compute_marker() if Tier.DEVICE in (src, dst) else None
+        args = (chunk.id, src, dst, chunk.payload, new_payload, staging, marker)
+        if inline:
+            future: Future[tuple[float, float]] = Future()
+            try:
+                future.set_result(self._copy_job(*args))
+            except Exception as e:  # reported by finish, after the rollback, like a worker's error
+                future.set_exception(e)
+        else:
+            future = self.workers.submit(self._copy_job, *args)
+        chunk.move = Move(src=src, dst=dst, future=future, new_payload=new_payload, staging=staging, prefetch=prefetch)
+        chunk.transition(ChunkState.MOVING)
+        self.moving[chunk.id] = chunk
+        self.counters["moves"] += 1
+        return True
+
+    def chain_read(self, chunk: Chunk, tier: Tier) -> bool:
+        """Read chunk from NVMe into the host buffer of a write-back in flight; see [Note: reads chained behind
+        write-backs]. True if started."""
+        if tier is not Tier.HOST or chunk.tier is not Tier.NVME or chunk.state is not ChunkState.RESIDENT:
+            return False
+        donor = next(
+            (
+                c
+                for c in self.moving.values()
+                if c.move.src is Tier.HOST
+                and c.move.dst is Tier.NVME
+                and not c.move.handed_off
+                and c.move.staging is None
+                and c.nbytes == chunk.nbytes
+                and not c.move.future.done()  # a finished one gives its buffer back at the next poll: use that
+            ),
+            None,
+        )
+        if donor is None:
+            return False
+        donor.move.handed_off = True
+        after = donor.move.future
+        buf = donor.payload.view(torch.uint8).view(chunk.dtype)
+        future = self.workers.submit(self._chained_read_job, after, chunk.id, buf)
+        chunk.move = Move(src=Tier.NVME, dst=tier, future=future, new_payload=buf, prefetch=True, after=after)
+        chunk.transition(ChunkState.MOVING)
+        self.moving[chunk.id] = chunk
+        self.counters["moves"] += 1
+        self.counters["chained_reads"] += 1
+        return True
+
+    # ---- worker side ------------------------------------------------------------------------------------
+    def _copy_job(
+        self,
+        key: int,
+        src: Tier,
+        dst: Tier,
+        src_buf: torch.Tensor | None,
+        dst_buf: torch.Tensor | None,
+        staging: torch.Tensor | None,
+        marker: Any,
+    ) -> tuple[float, float]:
+        """Runs on a worker thread: copy the bytes, nothing else (no bookkeeping)."""
+        store = self.storage.store
+        start = time.perf_counter()
+        if dst is Tier.NVME:
+            if staging is not None:  # device -> host staging -> NVMe
+                self.device.copy(staging, src_buf, after=marker)
+                src_buf = staging
+            store.write(key, src_buf).result()
+        elif src is Tier.NVME:
+            if staging is not None:  # NVMe -> host staging -> device
+                store.read(key, staging).result()
+                # The device buffer may be one compute just gave back: order the copy after that compute.
+                self.device.copy(dst_buf, staging, after=marker)
+            else:
+                store.read(key, dst_buf).result()
+        else:
+            self.device.copy(dst_buf, src_buf, after=marker)
+        return start, time.perf_counter()
+
+    def _chained_read_job(self, after: Future, key: int, dst_buf: torch.Tensor) -> tuple[float, float]:
+        """Runs on a worker thread: wait for the donor's write-back (raising its error), then read into its buffer."""
+        after.result()
+        start = time.perf_counter()
+        self.storage.store.read(key, dst_buf).result()
+        return start, time.perf_counter()
+
+    # ---- finishing ----------------------------------------------------------------------------------------
+    def wait(self, chunk: Chunk) -> None:
+        """Finish the chunk's move, if any, waiting for its bytes."""
+        move = chunk.move
+        if move is None:
+            return
+        if not move.future.done():
+            t0 = time.perf_counter()
+            wait([move.future])  # an error is raised by finish, after the rollback
+            self.wait_seconds += time.perf_counter() - t0
+        self.finish(chunk)
+
+    def poll(self) -> bool:
+        """Finish every move that is done; True if any was."""
+        done = [c for c in self.moving.values() if c.move.future.done()]
+        for chunk in done:
+            self.finish(chunk)
+        return bool(done)
+
+    def synchronize(self) -> None:
+        """Wait for every move in flight."""
+        for chunk in list(self.moving.values()):
+            self.wait(chunk)
+
+    def finish(self, chunk: Chunk) -> None:
+        move = chunk.move
+        assert move is not None and move.future.done()
+        storage = self.storage
+        del self.moving[chunk.id]
+        chunk.move = None
+        chunk.transition(ChunkState.RESIDENT)
+        if move.staging is not None:
+            storage.release_staging(move.staging)
+        error = move.future.exception()
+        if error is not None:
+            # The source copy is intact: the chunk stays where it was, and what the move took is given back.
+            # A chained read's buffer is still its donor's if the donor's write-back failed.
+            donor_failed = move.after is not None and move.after.exception() is not None
+            if move.new_payload is not None and not donor_failed:
+                storage.free_buffer(move.dst, move.new_payload, chunk)
+            if move.dst is Tier.NVME:
+                storage.drop_nvme_copy(chunk)
+            raise error
+        start, end = move.future.result()
+        if move.src is not Tier.NVME and not move.handed_off:
+            storage.free_buffer(move.src, chunk.payload, chunk)
+        # A chunk read back from NVMe keeps its swap copy: it is clean until a tensor is computed on.
+        chunk.payload = move.new_payload
+        chunk.tier = move.dst
+        if move.dst is Tier.NVME or move.src is Tier.NVME:
+            chunk.dirty = False
+        self.moved[(move.src, move.dst)] += chunk.nbytes
+        if move.dst > move.src:
+            self.counters["evictions"] += 1
+        event = MoveEvent(chunk.id, chunk.kind, move.src, move.dst, chunk.nbytes, start, end, move.prefetch)
+        for observer in self.observers:
+            observer(event)
+
+    # ---- views for room-making ----------------------------------------------------------------------------
+    def leaving(self, tier: Tier) -> list[Chunk]:
+        """Chunks whose move out of `tier` will give its bytes back when done (not handed to a chained read)."""
+        return [c for c in self.moving.values() if c.move.src == tier and not c.move.handed_off]
+
+    def arriving(self, tier: Tier) -> list[Chunk]:
+        """Chunks with a move into or out of `tier` in flight."""
+        return [c for c in self.moving.values() if tier in (c.move.src, c.move.dst)]

@@ -1,0 +1,152 @@
+"""Making room on a tier: free cached buffers, wait for moves leaving it, evict the chunk used furthest ahead.
+
+See the manager's [Note: making room]. Victims are chosen by `policy.choose_victim` (the trace's OPT order, else LRU);
+a victim whose tensors are all FREE is released instead of copied, and on NVMe only a swap copy that is not a
+chunk's only copy can go.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hetero.config import format_size
+from hetero.errors import TierOutOfMemoryError
+from hetero.memory.chunk import Chunk
+from hetero.memory.moves import Mover
+from hetero.memory.policy import AccessTrace, choose_victim
+from hetero.memory.states import ChunkState
+from hetero.memory.storage import Storage
+from hetero.memory.tier import Tier
+
+_ADVICE = {
+    Tier.DEVICE: "raise memory.device_budget, offload more to 'host'/'nvme', or use smaller chunks",
+    Tier.HOST: "raise memory.host_budget or set memory.nvme_dir to spill to NVMe",
+    Tier.NVME: "raise memory.nvme_budget or free space in memory.nvme_dir",
+}
+
+
+class RoomMaker:
+    """Frees bytes on a tier for a request, evicting one tier down as needed."""
+
+    def __init__(
+        self, storage: Storage, mover: Mover, chunks: dict[int, Chunk], trace: AccessTrace, counters: Counter[str]
+    ) -> None:
+        self.storage = storage
+        self.mover = mover
+        self.chunks = chunks  # the manager's live chunks, by id
+        self.trace = trace
+        self.counters = counters
+
+    def make(
+        self,
+        tier: Tier,
+        nbytes: int,
+        protect: set[int] | frozenset[int],
+        *,
+        blocking: bool,
+        horizon: float | None = None,
+        earmarked: int = 0,
+    ) -> bool:
+        """Make nbytes free on the tier (see [Note: making room]).
+
+        Non-blocking: start evictions and return whether the room is there now. horizon: only evict chunks next
+        used later than this many accesses ahead. earmarked: bytes already on their way out that belong to other
+        prefetches, so this one must free its own on top.
+        """
+        ledger = self.storage.ledgers[tier]
+        mover = self.mover
+        if nbytes > ledger.budget:
+            raise self.oom(tier, nbytes, extra="the request alone exceeds the budget")
+        while self.available(tier, nbytes) < nbytes:
+            if mover.poll():
+                continue
+            if ledger.cached:
+                self.storage.pools[tier].trim(nbytes - ledger.free)
+                continue
+            leaving = mover.leaving(tier)
+            if self.available(tier, nbytes) + sum(c.nbytes for c in leaving) < nbytes + earmarked:
+                if self._evict_one(tier, protect, horizon, blocking):  # not enough on its way out: evict one more
+                    continue
+                if not leaving:
+                    if not blocking:
+                        return False
+                    # What is left is arriving (prefetches, reads chained into handed-off buffers): once in, it
+                    # can be evicted.
+                    arriving = mover.arriving(tier)
+                    if not arriving:
+                        raise self.oom(tier, nbytes)
+                    mover.wait(arriving[0])
+                    continue
+            if not blocking:
+                return False  # room is on its way; a later call tries again
+            mover.wait(leaving[0])
+        return True
+
+    def _evict_one(self, tier: Tier, protect: set[int] | frozenset[int], horizon: float | None, blocking: bool) -> bool:
+        """Start evicting one chunk from the tier; False if none can go."""
+        if tier is Tier.NVME:
+            victim = self._nvme_victim(protect)
+            if victim is None:
+                return False
+            self.storage.drop_nvme_copy(victim)
+            return True
+        victim = self._victim(tier, protect, horizon)
+        if victim is None:
+            return False
+        if victim.all_free:
+            self.storage.drop_payload(victim)
+            self.counters["released"] += 1
+            return True
+        return self.mover.start(victim, tier.below, blocking=blocking, protect=frozenset(protect))
+
+    def available(self, tier: Tier, nbytes: int) -> int:
+        """Bytes a request of nbytes can have now: free budget, or a cached buffer of exactly its size."""
+        pool = self.storage.pools.get(tier)
+        free = self.storage.ledgers[tier].free
+        if pool is not None and pool.has_cached(nbytes):
+            return max(nbytes, free)
+        return free
+
+    def leaving_bytes(self, tier: Tier) -> int:
+        return sum(c.nbytes for c in self.mover.leaving(tier))
+
+    def _victim(self, tier: Tier, protect: set[int] | frozenset[int], horizon: float | None) -> Chunk | None:
+        candidates = [
+            c
+            for c in self.chunks.values()
+            if c.state is ChunkState.RESIDENT and c.tier == tier and c.movable and c.id not in protect
+        ]
+        if horizon is not None:
+            candidates = [c for c in candidates if self.trace.next_use(c.id) > horizon]
+        return choose_victim(candidates, self.trace)
+
+    def _nvme_victim(self, protect: set[int] | frozenset[int]) -> Chunk | None:
+        """A swap copy that is not the chunk's only copy (it is resident above): dropping it loses nothing."""
+        copies = [
+            c
+            for c in self.chunks.values()
+            if c.on_nvme and c.tier is not Tier.NVME and not c.moving and c.id not in protect
+        ]
+        return min(copies, key=lambda c: (not c.dirty, c.last_access), default=None)
+
+    def oom(self, tier: Tier, nbytes: int, extra: str = "") -> TierOutOfMemoryError:
+        """The error for a request the tier cannot hold, with what holds it and what to do."""
+        ledger = self.storage.ledgers[tier]
+        holders = sorted(
+            (c for c in self.chunks.values() if c.tier == tier or (c.move is not None and c.move.dst == tier)),
+            key=lambda c: -c.nbytes,
+        )
+        lines = []
+        for c in holders[:8]:
+            why = "being computed on" if not c.movable else ("moving" if c.moving else "resident")
+            lines.append(f"  {c.describe()} ({why})")
+        if len(holders) > 8:
+            lines.append(f"  ... and {len(holders) - 8} more chunks")
+        msg = (
+            f"{tier.label} tier out of memory: needed {format_size(nbytes)} ({nbytes} B) with "
+            f"{format_size(ledger.used)} held of a {format_size(ledger.budget)} budget"
+            f"{'; ' + extra if extra else ''}. Nothing more can be evicted. Held by:\n"
+            + ("\n".join(lines) if lines else "  (no chunks: cached buffers only)")
+            + f"\nTo fix: {_ADVICE[tier]}."
+        )
+        return TierOutOfMemoryError(msg, tier=tier.label, needed=nbytes, held=ledger.used, budget=ledger.budget)

@@ -1,0 +1,228 @@
+"""Apply a tensor-parallel plan in a grid mode (2D, 2.5D, 3D), in place: the plan's styles mapped onto grid layers.
+
+The plans are the 1D ones (`plans.py`); in a grid every layer is cut two ways, so a style names a role, not a cut:
+
+| style | grid layer |
+| --- | --- |
+| ``colwise``, ``colwise_qkv`` | grid product, input in `main`, output in `alt` (3D; 2D/2.5D: `main`) |
+| ``rowwise`` | grid product, input in `alt`, output in `main` |
+| ``vocab`` | vocabulary embedding: lookup on the block, reduce-scatter over main.batch |
+| ``vocab_head`` | logits [b/B, s, V/q]; the model's loss becomes the grid cross entropy |
+| ``embedding`` | position embedding: columns gathered for this rank's hidden part (1D: left whole) |
+| ``norm`` | layer/RMS norm: statistics summed over the hidden group |
+| ``heads`` | head counts divided by q (each rank holds q-th of the heads of its batch part) |
+| ``parallel_input``, ``sequence_*`` | nothing (each product gathers its own input) |
+
+Every module holding parameters must have one of the partitioning styles: a grid cuts the batch, so a module left
+whole would see a part of the batch and of the hidden dimension and compute nonsense. All checks (styles, module
+types, divisibility by the grid) run before anything changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from hetero.errors import ConfigError
+from hetero.parallel.grid.layers import MIXINS, GridRole, norm_kind
+from hetero.parallel.grid.loss import GridAlignedLMLoss, GridCausalLMLoss
+from hetero.parallel.grid.mesh import Grid, Orient, Place
+from hetero.parallel.grid.shard import BlockShard
+from hetero.parallel.plans import resolve_plan
+from hetero.parallel.sequence import all_reduce_grads
+from hetero.parallel.tensor import _heads, _linear_dims, check_untouched
+
+log = logging.getLogger("hetero.parallel")
+
+PARTITIONING = ("colwise", "colwise_qkv", "rowwise", "vocab", "vocab_head", "norm", "embedding")
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _linear(grid: Grid, part: str) -> tuple[GridRole, Callable[[Place], int], int, Callable[[Place], int]]:
+    """A linear layer's role, and its weight's blocks: (role, out index, in parts, in index) per place."""
+    q, fused = grid.q, 3 if part == "colwise_qkv" else 1
+    if grid.mode != "3d":
+        # SUMMA: X gathered over the row (hidden), W over the column (its input rows); the output has X's layout.
+        role = GridRole(grid=grid, orient=grid.main, gx=(grid.main.hidden, -1), gw=(grid.wgroup, 1), fused=fused)
+        return role, lambda p: p.main_h, q, lambda p: p.main_b
+    if part == "rowwise":  # alt -> main: X gathered over the b-line (batch), partial sums cut over the c-line
+        role = GridRole(
+            grid=grid, orient=grid.main, gx=(grid.main.hidden, 0), gw=(grid.wgroup, 1), gy=(grid.alt.hidden, 0)
+        )
+        return role, lambda p: p.main_h, q * q, lambda p: p.alt_h * q + p.w
+    role = GridRole(
+        grid=grid, orient=grid.alt, gx=(grid.alt.hidden, 0), gw=(grid.wgroup, 1), gy=(grid.main.hidden, 0), fused=fused
+    )
+    return role, lambda p: p.alt_h, q * q, lambda p: p.main_h * q + p.w
+
+
+def _vector_cut(grid: Grid, orient: Orient, shape: tuple[int, ...], dim: int, fused: int = 1) -> BlockShard:
+    """A hidden-dimension vector cut q x |batch| ways (see layers.py); `orient` names the layout it serves."""
+    m = orient.batch.size
+    alt = orient is grid.alt and grid.alt is not grid.main
+    index = [(p.alt_h if alt else p.main_h) * m + (p.alt_b if alt else p.main_b) for p in grid.places()]
+    return BlockShard(
+        full_shape=shape,
+        dims=(dim,),
+        parts=(grid.q * m,),
+        indices=tuple((i,) for i in index),
+        rank=grid.rank,
+        fused=fused,
+        fused_dim=dim,
+    )
+
+
+def _cuts(part: str, module: nn.Module, name: str, grid: Grid) -> tuple[GridRole | None, dict[str, BlockShard]]:
+    """The module's role and its parameters' cuts (raising ConfigError when a style does not fit the module)."""
+    places = grid.places()
+    if part in ("colwise", "colwise_qkv", "rowwise"):
+        out_dim, in_dim = _linear_dims(module, name, part)
+        role, out_ix, in_parts, in_ix = _linear(grid, part)
+        shape = tuple(module.weight.shape)
+        cuts = {
+            "weight": BlockShard(
+                full_shape=shape,
+                dims=(out_dim, in_dim),
+                parts=(grid.q, in_parts),
+                indices=tuple((out_ix(p), in_ix(p)) for p in places),
+                rank=grid.rank,
+                fused=role.fused,
+                fused_dim=out_dim,
+            )
+        }
+        if getattr(module, "bias", None) is not None:
+            cuts["bias"] = _vector_cut(grid, role.orient, tuple(module.bias.shape), 0, role.fused)
+        return role, cuts
+    if part in ("vocab", "vocab_head"):
+        kind = nn.Embedding if part == "vocab" else nn.Linear
+        if not isinstance(module, kind):
+            raise ConfigError(f"{name} is a {type(module).__name__}: style {part!r} needs an {kind.__name__}")
+        m = grid.main
+        role = GridRole(grid=grid, orient=m, gw=(m.batch, 0), gy=(m.hidden, -1))
+        cut = BlockShard(
+            full_shape=tuple(module.weight.shape),
+            dims=(0, 1),
+            parts=(m.batch.size, grid.q),
+            indices=tuple((p.main_b, p.main_h) for p in places),
+            rank=grid.rank,
+        )
+        cuts = {"weight": cut}
+        if part == "vocab_head" and module.bias is not None:
+            cuts["bias"] = _vector_cut(grid, grid.main, tuple(module.bias.shape), 0)
+        return role, cuts
+    if part == "embedding":
+        if not isinstance(module, nn.Embedding):
+            raise ConfigError(f"{name} is a {type(module).__name__}: style 'embedding' needs an nn.Embedding")
+        return GridRole(grid=grid, orient=grid.main), {
+            "weight": _vector_cut(grid, grid.main, tuple(module.weight.shape), 1)
+        }
+    if part == "norm":
+        if norm_kind(module) is None:
+            raise ConfigError(
+                f"{name} is a {type(module).__name__}: tensor_mode {grid.mode!r} knows nn.LayerNorm and RMS norms "
+                "(nn.RMSNorm, transformers' *RMSNorm); give this module a norm hetero knows or use tensor_mode '1d'"
+            )
+        shape = getattr(module, "normalized_shape", None)
+        size = int(shape[-1]) if shape else int(module.weight.shape[-1])
+        own = {n: p for n, p in module.named_parameters(recurse=False)}
+        return GridRole(grid=grid, orient=grid.main, size=size), {
+            n: _vector_cut(grid, grid.main, tuple(p.shape), 0) for n, p in own.items()
+        }
+    return None, {}
+
+
+def _check_divides(cut: BlockShard, name: str, grid: Grid) -> None:
+    for d, p in zip(cut.dims, cut.parts):
+        n = cut.full_shape[d] // (cut.fused if d == cut.fused_dim else 1)
+        if n % p:
+            split = f"{cut.fused} parts x {p}" if d == cut.fused_dim and cut.fused > 1 else str(p)
+            raise ConfigError(
+                f"{name}: dimension {d} of shape {cut.full_shape} does not divide into {split} blocks, as tensor_mode "
+                f"{grid.mode!r} with q = {grid.q} cuts it; choose a grid (parallel.tensor) whose q divides the model's "
+                "widths, or pad the layer"
+            )
+
+
+def _shard(param: nn.Parameter, cut: BlockShard, name: str) -> None:
+    done = getattr(param, "_hetero_tp", None)
+    if done is not None:  # a tied parameter, met a second time
+        if done != cut:
+            raise ConfigError(f"{name} is tied to a parameter already cut differently: plan them alike")
+        return
+    with torch.no_grad():
+        param.data = cut.shard_of(param.data)
+    param.grad = None
+    param._hetero_tp = cut
+
+
+def _swap(module: nn.Module, mixin: type, role: GridRole) -> None:
+    key = (mixin, type(module))
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(
+            f"Grid{mixin.__name__.strip('_')}{type(module).__name__}", key, {"__module__": __name__}
+        )
+    module.__class__ = _SUBCLASSES[key]
+    module._hetero_grid = role
+
+
+def _install_loss(model: nn.Module, grid: Grid) -> None:
+    """Every module whose `lm_head` is the grid's vocabulary head computes its loss on grid logits: transformers'
+    models (a settable `loss_function` property, per instance), hetero's GPT and its pipelined head (a method)."""
+    for m in model.modules():
+        head = getattr(m, "lm_head", None)
+        if not isinstance(getattr(head, "_hetero_grid", None), GridRole) or not hasattr(m, "loss_function"):
+            continue
+        causal = isinstance(getattr(type(m), "loss_function", None), property)
+        m.loss_function = GridCausalLMLoss(grid) if causal else GridAlignedLMLoss(grid)
+
+
+def apply_grid_parallel(
+    model: nn.Module, plan: Mapping[str, str] | str, grid: Grid, *, strict: bool = True
+) -> dict[str, str]:
+    """Cut ``model`` in place over ``grid`` following ``plan`` (patterns -> styles, or "auto"); returns the resolved
+    plan. The model must be complete (or this pipeline stage's part of it) and identical on every rank of the grid.
+    """
+    check_untouched(model)
+    resolved = resolve_plan(model, plan, strict=strict)
+    modules = dict(model.named_modules())
+    parts = {name: style.split("+") for name, style in resolved.items()}
+    for name, module in modules.items():
+        if any(True for _ in module.parameters(recurse=False)) and not set(parts.get(name, ())) & set(PARTITIONING):
+            raise ConfigError(
+                f"{name or type(model).__name__} ({type(module).__name__}) holds parameters but no tensor_plan style "
+                f"partitions them; tensor_mode {grid.mode!r} cuts the batch and the hidden dimension, so every such "
+                f"module needs one of {', '.join(PARTITIONING)} (or use tensor_mode '1d')"
+            )
+    work: list[tuple[str, nn.Module, str, GridRole | None, dict[str, BlockShard]]] = []
+    for name, styles in parts.items():
+        module = modules[name]
+        if "heads" in styles:
+            _heads(module, name, grid.q)  # checks only
+        layer = [s for s in styles if s in PARTITIONING]
+        if len(layer) > 1:
+            raise ConfigError(f"{name}: styles {layer} both cut its parameters; give it one of them")
+        for part in layer:
+            role, cuts = _cuts(part, module, name, grid)
+            for pname, cut in cuts.items():
+                _check_divides(cut, f"{name}.{pname}", grid)
+            work.append((name, module, part, role, cuts))
+    for name, styles in parts.items():  # nothing changed above this line
+        if "heads" in styles:
+            for attr, value in _heads(modules[name], name, grid.q).items():
+                setattr(modules[name], attr, value)
+    for name, module, part, role, cuts in work:
+        for pname, cut in cuts.items():
+            _shard(getattr(module, pname), cut, f"{name}.{pname}")
+        if part == "norm":
+            _swap(module, norm_kind(module), role)
+        else:
+            _swap(module, MIXINS["linear" if part.startswith(("colwise", "rowwise")) else part], role)
+    if grid.outer.size > 1:
+        # 2.5D: every depth layer holds the same weights and computes their gradient on its own slice of the batch.
+        all_reduce_grads([p for p in model.parameters() if hasattr(p, "_hetero_tp")], grid.outer)
+    _install_loss(model, grid)
+    log.info("tensor mode %s: %d modules planned over %s", grid.mode, len(resolved), grid)
+    return resolved

@@ -1,0 +1,171 @@
+"""The layers of grid layouts (2D, 2.5D, 3D), swapped in per instance as 1D tensor parallelism does: a subclass of
+the module's own class whose forward adds the grid's communication; names, hooks and state_dict keys unchanged.
+
+Each layer reads its `GridRole` (`module._hetero_grid`): the grid, and for a linear layer the three gathers of its
+product ([Note: the grid product]) and the layout its output leaves in. Shapes on a rank (b, s, h: the model's batch,
+sequence and hidden sizes; B: grid.batch_parts; q: the hidden split):
+
+| layer | input | weight held | output |
+| --- | --- | --- | --- |
+| linear (colwise, rowwise) | [b/B, s, in/q] | [out/q, in/q] (3D: [out/q, in/q^2]) | [b/B, s, out/q] |
+| vocab embedding | ids [b, s], whole | [V/|main.batch|, h/q] | [b/B, s, h/q] |
+| vocab head | [b/B, s, h/q] | the embedding's block | logits [b/B, s, V/q] |
+| position embedding | positions, whole | [P, h/(q |main.batch|)] | [.., s, h/q] |
+| layer norm, RMS norm | [b/B, s, h/q] | [h/(q |main.batch|)] | [b/B, s, h/q] |
+
+A vector along the hidden dimension (a bias, a norm's weight, a position embedding's rows) is cut q |batch| ways
+so that no two ranks hold the same values; it is all-gathered over the batch group of its layout before use (whose
+ranks need the same hidden part) and its gradient reduce-scattered back, which also sums the batch parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.parallel.grid.mesh import Grid, Orient
+from hetero.parallel.grid.ops import Spec, gather, grid_linear, scatter_sum, sum_shared
+
+
+@dataclass(frozen=True, eq=False)
+class GridRole:
+    grid: Grid
+    orient: Orient  # the layout of the module's output (a linear's) or of its input and output
+    gx: Spec = None  # a linear's gathers ([Note: the grid product])
+    gw: Spec = None
+    gy: Spec = None
+    fused: int = 1  # a fused q/k/v projection's bias is cut per third
+    size: int = 0  # a norm's full normalized size
+
+
+def hidden_vector(p: torch.Tensor, orient: Orient, dim: int = 0, fused: int = 1) -> torch.Tensor:
+    """A hidden-dimension vector's part for this rank's layout: its sub-parts gathered over the layout's batch group
+    (reduce-scattered in backward: every batch part adds its share of the gradient)."""
+    g = gather(p, orient.batch, dim)
+    if fused > 1 and orient.batch.size > 1:
+        # A fused q/k/v bias (1-D): gathered as [ranks, thirds, n], the product's output holds [thirds, ranks, n].
+        g = g.view(orient.batch.size, fused, -1).transpose(0, 1).reshape(-1)
+    return g
+
+
+def _conv1d(module: nn.Module) -> bool:
+    return hasattr(module, "nf") and hasattr(module, "nx") and not isinstance(module, nn.Linear)
+
+
+def weight_as_linear(module: nn.Module) -> torch.Tensor:
+    """The weight as [out, in] (a Conv1D stores [in, out])."""
+    return module.weight.t() if _conv1d(module) else module.weight
+
+
+class _Linear:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        role = self._hetero_grid
+        y = grid_linear(x, weight_as_linear(self), role.gx, role.gw, role.gy)
+        if self.bias is None:
+            return y
+        return y + hidden_vector(self.bias, role.orient, 0, role.fused)
+
+
+class _Head:
+    """The vocabulary head: logits cut by batch (rows) and vocabulary (the layout's hidden group)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        role = self._hetero_grid
+        y = grid_linear(x, self.weight, role.gx, role.gw, role.gy)
+        return y if self.bias is None else y + hidden_vector(self.bias, role.orient, 0)
+
+
+def check_rows(t: torch.Tensor, grid: Grid, what: str) -> None:
+    parts = grid.batch_parts
+    if t.shape[0] % parts:
+        raise ValueError(
+            f"tensor_mode {grid.mode!r} cuts the batch into {parts} parts, {what}: {t.shape[0]} rows; use a "
+            f"multiple of {parts} rows per data-parallel rank and micro-batch"
+        )
+
+
+def own_rows(t: torch.Tensor, grid: Grid, what: str) -> torch.Tensor:
+    """This rank's part of a whole batch ([b, ...] -> [b/B, ...]): depth layer first, then main.batch."""
+    check_rows(t, grid, what)
+    return t.chunk(grid.batch_parts, 0)[grid.batch_index]
+
+
+class _VocabEmbedding:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        grid = self._hetero_grid.grid
+        batch = grid.main.batch
+        check_rows(ids, grid, "the input ids")
+        ids = ids.chunk(grid.outer.size, 0)[grid.outer.rank]  # 2.5D: this depth layer's slab
+        n_local = self.weight.shape[0]
+        local = ids - batch.rank * n_local
+        outside = (local < 0) | (local >= n_local)
+        local = local.masked_fill(outside, 0)
+        pad = self.padding_idx
+        pad = pad - batch.rank * n_local if pad is not None and 0 <= pad - batch.rank * n_local < n_local else None
+        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        # Rows of other vocabulary parts read 0 here: the sum over the batch group completes every row, and the
+        # reduce-scatter keeps this rank's part of the batch (backward: all-gather, then the lookup's scatter-add).
+        return scatter_sum(out.masked_fill(outside.unsqueeze(-1), 0.0), batch, 0)
+
+
+class _Embedding:
+    """A position (or any non-vocabulary) embedding: rows whole, columns in the layout's hidden part."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        role = self._hetero_grid
+        weight = hidden_vector(self.weight, role.orient, 1)
+        return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
+
+
+class _LayerNorm:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        role = self._hetero_grid
+        comm = role.orient.hidden
+        xf = x.to(torch.float32)  # statistics in fp32, as torch's layer_norm computes them for bf16/fp16 inputs
+        mean = sum_shared(xf.sum(-1, keepdim=True), comm) / role.size
+        centred = xf - mean
+        var = sum_shared(centred.square().sum(-1, keepdim=True), comm) / role.size
+        y = (centred * torch.rsqrt(var + self.eps)).to(x.dtype)
+        if self.weight is not None:
+            y = y * hidden_vector(self.weight, role.orient)
+        if getattr(self, "bias", None) is not None:
+            y = y + hidden_vector(self.bias, role.orient)
+        return y
+
+
+class _RMSNorm:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        role = self._hetero_grid
+        dtype = x.dtype
+        xf = x.to(torch.float32)  # as Llama's RMSNorm: the statistic in fp32
+        var = sum_shared(xf.square().sum(-1, keepdim=True), role.orient.hidden) / role.size
+        eps = getattr(self, "variance_epsilon", None)
+        if eps is None:
+            eps = getattr(self, "eps", None)
+        if eps is None:
+            eps = torch.finfo(xf.dtype).eps
+        y = (xf * torch.rsqrt(var + eps)).to(dtype)
+        return y if self.weight is None else hidden_vector(self.weight, role.orient) * y
+
+
+def norm_kind(module: nn.Module) -> type | None:
+    """The grid forward for a norm module, or None when it is not a norm hetero knows."""
+    if isinstance(module, nn.LayerNorm):
+        return _LayerNorm
+    if isinstance(module, getattr(nn, "RMSNorm", ())) or (
+        type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
+    ):
+        return _RMSNorm
+    return None
+
+
+MIXINS: dict[str, Any] = {
+    "linear": _Linear,
+    "vocab": _VocabEmbedding,
+    "vocab_head": _Head,
+    "embedding": _Embedding,
+}

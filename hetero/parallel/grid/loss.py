@@ -1,0 +1,82 @@
+"""The language-model loss on grid-cut logits: [b/B, s, V/q] on each rank (batch part, vocabulary part).
+
+The cross entropy of one token needs its whole vocabulary row: the 1D vocabulary-parallel cross entropy over the
+group that cuts the vocabulary (the layout's hidden group) gives it without gathering the logits. The mean over the
+batch then sums the per-token losses and the token counts over the groups that cut the batch (main.batch, and the
+depth group in 2.5D). That sum is `reduce_from_region`: every rank computes the same mean from it, so each rank's
+gradient flows back to its own tokens unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hetero.parallel.grid.layers import own_rows
+from hetero.parallel.grid.mesh import Grid
+from hetero.parallel.tp_ops import reduce_from_region
+from hetero.parallel.vocab import vocab_parallel_cross_entropy
+
+
+def grid_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    grid: Grid,
+    *,
+    ignore_index: int = -100,
+    num_items: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Mean cross entropy of this rank's logits [b/B, s, V/q] against the whole batch's labels [b, s] (this rank's
+    rows are taken here); the same value on every rank of the tensor group."""
+    mine = own_rows(labels, grid, "the labels").to(logits.device)
+    total = vocab_parallel_cross_entropy(logits, mine, grid.main.hidden, ignore_index=ignore_index, reduction="sum")
+    total = reduce_from_region(reduce_from_region(total, grid.main.batch), grid.outer)
+    if num_items is None:
+        count = (mine != ignore_index).sum().to(torch.float32)
+        grid.main.batch.all_reduce(count)
+        grid.outer.all_reduce(count)
+    else:
+        count = torch.as_tensor(num_items, dtype=torch.float32, device=total.device)
+    return total / count
+
+
+class GridCausalLMLoss:
+    """Hugging Face's causal-LM loss (labels shifted left by one, mean over tokens not ignored) on grid logits;
+    installed as ``model.loss_function``."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        q = self.grid.main.hidden.size
+        if vocab_size is not None and logits.shape[-1] * q != vocab_size:
+            raise ValueError(
+                f"logits hold {logits.shape[-1]} of {vocab_size} vocabulary entries on each of {q} ranks: the LM head "
+                "is not cut by vocabulary as the grid loss expects"
+            )
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return grid_cross_entropy(
+            logits, shift_labels, self.grid, ignore_index=ignore_index, num_items=num_items_in_batch
+        )
+
+
+class GridAlignedLMLoss:
+    """The loss of ``hetero.models.gpt.GPT`` (labels aligned, -100 ignored) on grid logits."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return grid_cross_entropy(logits, labels, self.grid)

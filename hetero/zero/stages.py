@@ -1,0 +1,77 @@
+"""What each ZeRO stage keeps, and where: the one table the chunks, the engine and the estimator read.
+
+[Note: what each stage keeps]
+Every chunk of `capacity` elements (a multiple of the data-parallel size N) has up to five buffers, all chunks of
+the manager, so each lives on a tier under a budget:
+
+  buffer      dtype    elements      stage 0      stage 1      stage 2        stage 3
+  full        compute  capacity      persistent   persistent   persistent     gathered for use, then released
+  shard       compute  capacity/N    -            -            -              persistent, on offload.params
+  grad        fp32     cap or cap/N  full, local  full, local  shard          shard
+  grad_full   fp32     capacity      -            -            per micro-batch, reduce-scattered into `grad`
+  optim       fp32     (1+k)*S       master + k optimizer states, S = capacity (stage 0) or capacity/N
+
+Stages 0 and 1 accumulate the full local gradient over micro-batches and communicate once, at the update (all-reduce
+at stage 0; reduce-scatter at stage 1, since each rank only updates its shard). Stages 2 and 3 reduce-scatter every
+micro-batch, so no rank ever holds more than a shard of accumulated gradient. After the update, stage 0 copies the
+master into the full parameters; stages 1 and 2 copy their shard in and all-gather the rest; stage 3 writes its
+shard only, and the full chunk is gathered again at its next use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.memory.tier import Tier
+
+_TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One column of the table above."""
+
+    stage: int
+    optim_sharded: bool  # master weights and optimizer states cover this rank's shard only (stages 1-3)
+    grads_sharded: bool  # the accumulated gradient is this rank's shard, reduced every micro-batch (stages 2-3)
+    params_sharded: bool  # parameters live as a shard per rank and are gathered for use (stage 3)
+
+    def grad_numel(self, capacity: int, world: int) -> int:
+        """Elements of the accumulated gradient buffer."""
+        return capacity // world if self.grads_sharded else capacity
+
+    def optim_numel(self, capacity: int, world: int) -> int:
+        """Elements of the master weights (and of each optimizer state)."""
+        return capacity // world if self.optim_sharded else capacity
+
+    def kept_range(self, capacity: int, world: int, rank: int) -> tuple[int, int]:
+        """The chunk elements [lo, hi) this rank keeps master weights and optimizer states for."""
+        if not self.optim_sharded:
+            return 0, capacity
+        s = capacity // world
+        return rank * s, (rank + 1) * s
+
+
+STAGES = {
+    0: StageLayout(stage=0, optim_sharded=False, grads_sharded=False, params_sharded=False),
+    1: StageLayout(stage=1, optim_sharded=True, grads_sharded=False, params_sharded=False),
+    2: StageLayout(stage=2, optim_sharded=True, grads_sharded=True, params_sharded=False),
+    3: StageLayout(stage=3, optim_sharded=True, grads_sharded=True, params_sharded=True),
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each kind of buffer lives between uses, and where the optimizer computes."""
+
+    params: Tier  # the stage-3 shard's home (full chunks are on the device while used)
+    optim: Tier  # master weights and optimizer states
+    compute: Tier  # where the optimizer step runs and gradients accumulate: the device, or the host
+
+    @classmethod
+    def of(cls, params: str, optimizer: str) -> Placement:
+        """From the offload config's names. "auto" is the device: automatic placement then evicts down as the step's
+        activations need the room (hetero/memory/auto.py). The optimizer steps where its states live, the host
+        standing in for NVMe (states are streamed through it)."""
+        p, o = _TIERS.get(params, Tier.DEVICE), _TIERS.get(optimizer, Tier.DEVICE)
+        return cls(params=p, optim=o, compute=Tier.DEVICE if o is Tier.DEVICE else Tier.HOST)

@@ -1,0 +1,204 @@
+"""The optimizer update at an accumulation boundary: reduce, measure the gradient, scale, step every chunk, write
+the parameters back; and, with states on NVMe, stream them through the host.
+
+[Note: the update pipeline]
+With optimizer states on NVMe the update streams them: chunk i steps while the states (and any gradient spilled to
+NVMe) of chunks i+1 and i+2 are read and chunk i-1 is written back. A read that finds the host full is chained
+behind a write-back of the same size (see the manager's [Note: reads chained behind write-backs]), so it starts the
+moment that write ends, not at the next call into the manager. A stage-3 shard that the update overwrites whole is
+marked FREE before anything can read it ahead (it gets fresh memory, not a read), and a chunk's zeroed gradient is
+released as soon as it has stepped. Without clipping or loss scaling the gradient norm is only reported: it is
+summed during the update instead of in a pass of its own, which would read every spilled gradient twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from hetero.comm import Comm
+from hetero.config import Config
+from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
+from hetero.parallel.mesh import Mesh
+from hetero.zero.optim import Algorithm, update
+from hetero.zero.precision import LossScaler
+from hetero.zero.protocol import UPDATE, Checker
+from hetero.zero.zero_chunk import ZeroChunk
+
+log = logging.getLogger("hetero.zero")
+
+LOOKAHEAD = 2  # chunks whose optimizer states are read ahead of the one stepping (NVMe offload)
+ROOM = 0.85  # of the compute tier's budget, at most, for the chunks stepping and read ahead
+
+
+class Updater:
+    """Owns the update and its counters: steps taken and skipped, the last gradient norm, the loss scale."""
+
+    def __init__(
+        self,
+        chunks: list[ZeroChunk],
+        *,
+        manager: ChunkManager,
+        mesh: Mesh,
+        config: Config,
+        algorithm: Algorithm,
+        check: Checker,
+        comm: Comm | None = None,
+    ) -> None:
+        self.chunks = [zc for zc in chunks if zc.spec.trainable]  # in layout order: the same on every rank
+        self.manager = manager
+        self.mesh = mesh
+        self.comm = comm if comm is not None else mesh.dp  # ZeRO's group (Chimera: both replicas of the stages)
+        self.config = config
+        self.algorithm = algorithm
+        self.check = check
+        self.param_groups: list[dict[str, Any]] = []  # the user's hyperparameters (the optimizer's param groups)
+        self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
+        self.global_steps = 0  # updates applied
+        self.skipped_steps = 0  # updates skipped for fp16 overflow
+        self.last_grad_norm: float | None = None  # before clipping, like clip_grad_norm_'s return; None before any
+
+    # ---- the update -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        self.check(UPDATE)
+        for zc in self.chunks:
+            zc.reduce_at_update()
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
+        fused_norm = (
+            self.scaler is None
+            and self.config.grad_clip_norm is None
+            and self.mesh.tp_size == 1
+            and self.mesh.pp_size == 1
+        )
+        sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self.grad_stats()
+        if self.scaler is not None:
+            overflow = not finite
+            self.scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
+                self.zero_grads()
+                self.manager.step_end()
+                return
+        coef = inv_scale
+        if self.config.grad_clip_norm is not None:
+            norm = math.sqrt(sq) * inv_scale
+            coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
+        if not fused_norm:
+            self.last_grad_norm = math.sqrt(sq) * inv_scale
+        used = torch.cat([zc.used for zc in self.chunks])
+        self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
+        used_of = used.split([len(zc.spec.params) for zc in self.chunks])
+        for i, zc in enumerate(self.chunks):
+            streamed = zc.placement.optim is Tier.NVME
+            if streamed:
+                if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
+                    # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
+                    zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
+                self._prefetch(i, zc.placement.compute)
+            grad = zc.grad_view()
+            if fused_norm:
+                sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            self._step_chunk(zc, grad, coef, used_of[i])
+            if streamed:
+                self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
+                if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
+                    self.manager.release(zc.grad)  # zeroed (stages 2-3 hold no data until the next reduce)
+                self._prefetch(i + 1, zc.placement.compute)
+        if fused_norm:
+            if zc_sharded(self.chunks):
+                self.comm.control.all_reduce(sq, op="sum")
+            self.last_grad_norm = math.sqrt(float(sq))
+        self.global_steps += 1
+        self.manager.step_end()  # a no-op unless backward left the step open for the update
+
+    def _step_chunk(self, zc: ZeroChunk, grad: torch.Tensor, coef: float, used: torch.Tensor) -> None:
+        """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
+        names = self.algorithm.state_names
+        with self.manager.pinned(zc.grad):
+            if coef != 1.0:
+                grad.mul_(coef)
+            master, states = zc.optimizer_views()
+            with self.manager.pinned(zc.optim):
+                group = self.param_groups[zc.spec.group]
+                for a, b, steps in zc.update_segments(used):
+                    seg_states = {n: st[a:b] for n, st in zip(names, states)}
+                    step = torch.tensor(float(steps), device=master.device)
+                    update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
+                zc.write_back(master)
+
+    def _prefetch(self, i: int, tier: Tier) -> None:
+        """Bring chunk i's gradient and states (and the next ones') to `tier`; see [Note: the update pipeline]."""
+        # Chunk i first, then as many of the next LOOKAHEAD as leave the tier room to spare (a read ahead that crowds
+        # out the chunk stepping now is evicted again before its use).
+        room = int(self.manager.ledgers[tier].budget * ROOM)
+        ahead: list[ZeroChunk] = []
+        for zc in self.chunks[i : i + 1 + LOOKAHEAD]:
+            room -= zc.grad.nbytes + zc.optim.nbytes + (zc.shard.nbytes if zc.shard is not None else 0)
+            if ahead and room < 0:
+                break
+            ahead.append(zc)
+        wanted = [c for zc in ahead for c in (zc.grad, zc.optim)]
+        # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
+        later = [zc.grad for zc in self.chunks[i + len(ahead) :]]
+        self.manager.prefetch(wanted, tier, keep=wanted + later)
+
+    # ---- the gradient's norm --------------------------------------------------------------------------------
+    def grad_stats(self) -> tuple[float, bool]:
+        """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards,
+        pipeline stages and tensor ranks. A tensor-sharded parameter's pieces add up (a block that `replicas` tensor
+        ranks hold alike counts 1 / replicas on each); a replicated one (no `_hetero_tp`) has the same gradient on
+        every tensor rank, so each rank counts 1 / degree of it."""
+        mesh = self.mesh
+        tp = mesh.tp_size
+        sq = torch.zeros((), dtype=torch.float64)
+        for zc in self.chunks:
+            g = zc.grad_view()
+            if tp == 1:
+                sq += zc.device.to_host(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+                continue
+            lo, _ = zc.kept_range()
+            for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
+                cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
+                weight = 1.0 / (cut.replicas if cut is not None else tp)
+                norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)
+                sq += weight * zc.device.to_host(norm) ** 2
+        if zc_sharded(self.chunks):  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
+            self.comm.control.all_reduce(sq, op="sum")
+        mesh.tp.control.all_reduce(sq, op="sum")
+        mesh.pp.control.all_reduce(sq, op="sum")
+        if self.comm.size > mesh.dp_size:
+            sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
+        value = float(sq)
+        return value, math.isfinite(value)
+
+    def zero_grads(self) -> None:
+        for zc in self.chunks:
+            zc.zero_grad()
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_steps = state["global_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        if state.get("last_grad_norm") is not None:
+            self.last_grad_norm = state["last_grad_norm"]
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def zc_sharded(chunks: list[ZeroChunk]) -> bool:
+    """Whether ranks hold disjoint shards of the reduced gradient (stages 1-3): their squares add up."""
+    return bool(chunks) and chunks[0].stage >= 1

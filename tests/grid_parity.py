@@ -1,0 +1,189 @@
+"""Parity runs for the grid tensor modes (2D, 2.5D, 3D) and the sequence-split modes (Ulysses, ring) through
+`hetero.initialize`: a tiny Hugging Face GPT-2 or Llama (or the pipelineable GPTPipe) trained by plain PyTorch on
+the global batch, and by hetero's `train_batch` under a "parallel" config. Results are checked by
+`check` (losses and the gradient norm on every rank, weights merged over stages and
+unsharded over tensor ranks), against plain PyTorch in float64 with fp32's own error as the scale
+(tests/tolerance.py, [Note: tolerances from the arithmetic]), and at the issue's figure, rel 1e-5."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import hetero
+from hetero.parallel.tensor import unshard
+
+try:
+    from tests import pipe_parity, tolerance
+except ImportError:  # tests/ itself on sys.path
+    import pipe_parity  # type: ignore[no-redef]
+    import tolerance  # type: ignore[no-redef]
+
+VOCAB, SEQ, STEPS, ROWS = 64, 8, 3, 8
+LR = 1e-3  # see test_tensor_parallel: Adam turns rounding on near-zero gradients into lr-sized steps
+CHUNK = 4096
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if family == "gpt_pipe":
+        return pipe_parity.build(seed)
+    import transformers
+
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def batches(family: str, steps: int = STEPS, rows: int = ROWS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+        x = ids[:, :-1].clone()
+        y = ids[:, 1:].clone() if family == "gpt_pipe" else x.clone()  # transformers shift labels themselves
+        y[0, 2] = y[-1, 5] = -100
+        out.append((x, y))
+    return out
+
+
+_REFERENCES: dict[tuple, tuple] = {}
+_EVALS: dict[tuple, float] = {}
+
+
+def eval_data(family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch evaluated after training (eval_batch), not one trained on."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    x = ids[:, :-1].clone()
+    return x, ids[:, 1:].clone() if family == "gpt_pipe" else x.clone()
+
+
+def evaluation(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """The trained reference model's loss on `eval_data` (cached with `reference`)."""
+    reference(family, clip, dtype)
+    return _EVALS[(family, clip, dtype)]
+
+
+def reference(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[list, dict, float]:
+    """Plain PyTorch on the global batch (cached): losses, final weights, the last step's gradient norm (before
+    clipping)."""
+    key = (family, clip, dtype)
+    if key not in _REFERENCES:
+        model = build(family).to(dtype)
+        opt = optimizer(model)
+        losses, norm = [], float("nan")
+        for x, y in batches(family):
+            loss = model(x, labels=y).loss
+            loss.backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        _REFERENCES[key] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+        x, y = eval_data(family)
+        with torch.no_grad():
+            _EVALS[key] = model(x, labels=y).loss.item()
+    return _REFERENCES[key]
+
+
+def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
+    """hetero on this rank's share of each global batch: losses, this stage's weights (first data-parallel rank),
+    the coordinates, the gradient norm and the tensor cuts, for `check`."""
+    torch.manual_seed(1234 + rank)  # the model must not depend on a rank's RNG
+    model = build(family)
+    config = copy.deepcopy(config)
+    config.setdefault("chunk_size", CHUNK)
+    save_to = config.pop("_checkpoint", None)  # a root to save a checkpoint to after training (tests consolidate it)
+    engine = hetero.initialize(model, optimizer(model), config)
+    dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
+    local = ROWS // dp
+    losses = [
+        float(engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
+        for x, y in batches(family)
+    ]
+    x, y = eval_data(family)
+    eval_loss = float(engine.eval_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
+    if save_to is not None:
+        engine.save_checkpoint(save_to)
+    mesh = engine.mesh
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
+    out = {
+        "losses": losses,
+        "state": state if mesh.dp_rank == 0 else None,
+        "coords": (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank),
+        "grad_norm": engine.last_grad_norm,
+        "shards": {
+            n: p._hetero_tp for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_hetero_tp")
+        },
+        "mesh": repr(mesh),
+        "eval_loss": eval_loss,
+    }
+    engine.close()
+    return out
+
+
+def matrix(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
+    torch.set_num_threads(1)
+    return [run(rank, world, family, config) for family, config in cases]
+
+
+def check(results: list[dict], family: str, clip: float | None) -> None:
+    """Losses and gradient norm on every rank, and the final weights merged over stages and unsharded over tensor
+    ranks: within the float64 reference's fp32 scale (tests/tolerance.py; transformers computes the loss, and Llama
+    its norms' statistics, in fp32 even in a float64 model, as hetero's GPT its loss), and within rel 1e-5 of plain
+    fp32: each loss, and each weight tensor in norm beyond fp32's own noise on it (one element whose near-zero
+    gradient Adam turned into an lr-sized step must not decide alone, see tests/tolerance.py)."""
+    exact_losses, exact, exact_norm = reference(family, clip, torch.float64)
+    plain_losses, plain, plain_norm = reference(family, clip, torch.float32)
+    by_stage: dict[int, list[dict]] = {}  # pipeline rank -> the first data-parallel rank's results, by tensor rank
+    for r in results:
+        tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
+        tolerance.assert_losses([r["grad_norm"]], [exact_norm], [plain_norm], dtype=torch.float32)
+        # eval_batch after training: the global mean loss on a held-out batch, through the same layout
+        exact_eval, plain_eval = evaluation(family, clip, torch.float64), evaluation(family, clip, torch.float32)
+        tolerance.assert_losses([r["eval_loss"]], [exact_eval], [plain_eval], dtype=torch.float32)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+        assert abs(r["grad_norm"] - plain_norm) <= 1e-5 * plain_norm, (r["grad_norm"], plain_norm)
+        if r["state"] is not None:
+            by_stage.setdefault(r["coords"][2], []).append(r)
+    merged: dict[str, torch.Tensor] = {}
+    for ranks in by_stage.values():
+        ranks.sort(key=lambda r: r["coords"][0])
+        for name, value in ranks[0]["state"].items():
+            info = ranks[0]["shards"].get(name)
+            merged[name] = value if info is None else unshard([r["state"][name] for r in ranks], info)
+    assert merged.keys() == plain.keys(), sorted(set(plain) ^ set(merged))
+    tolerance.assert_weights(merged, exact, plain, dtype=torch.float32)
+    for name, value in plain.items():
+        # The issue's figure, per tensor: rel 1e-5 of its norm, on top of fp32's own noise on it (a key bias gets a
+        # zero gradient in exact arithmetic, so Adam makes its rounding an lr-sized step: plain fp32 is as far off).
+        noise = tolerance.FACTOR * float((value.double() - exact[name].double()).norm())
+        err, size = float((merged[name].double() - value.double()).norm()), float(value.double().norm())
+        assert err <= 1e-5 * size + noise, f"{name}: {err:.3g} from plain fp32 (norm {size:.3g}, noise {noise:.3g})"
+
+
+def check_all(cases: dict[str, tuple[str, dict]], results: list[list[dict]]) -> None:
+    for i, (name, (family, config)) in enumerate(cases.items()):
+        try:
+            check([r[i] for r in results], family, config.get("grad_clip_norm"))
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from err

@@ -1,0 +1,324 @@
+"""Grid tensor parallelism (2D, 2.5D, 3D) and the sequence-split modes (Ulysses, ring) through `hetero.initialize`:
+the same losses, global gradient norm (clipping included) and weights after several AdamW steps as plain PyTorch on
+the whole batch, for Hugging Face Llama and GPT-2 built from configs (and the pipelineable GPTPipe for the
+pipeline); every layout's blocks cover each parameter exactly once; 2D checkpoints resume bit-exactly and
+consolidate to the plain model's state_dict; ring attention's causal work is balanced; bad layouts fail clearly
+before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from hetero.config import ParallelConfig
+from hetero.errors import ConfigError
+from hetero.models.gpt import GPT, GPTConfig
+from hetero.models.gpt_pipe import TP_PLAN
+from hetero.parallel.grid import Grid, apply_grid_parallel
+from hetero.parallel.ring import _pairs
+
+try:
+    from tests import grid_parity, pipe_parity, test_checkpoint_parallel, tolerance
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    import grid_parity  # type: ignore[no-redef]
+    import pipe_parity  # type: ignore[no-redef]
+    import test_checkpoint_parallel  # type: ignore[no-redef]
+    import tolerance  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+
+transformers = pytest.importorskip("transformers")
+
+MODES = [("2d", 4, None), ("2.5d", 8, 2), ("3d", 8, None)]
+
+
+# ---- layouts, without processes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode, tensor, depth", MODES, ids=[m for m, _, _ in MODES])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_blocks_cover_every_parameter_once(family, mode, tensor, depth):
+    """Each rank's blocks, cut with the shape-only grid of its place, join back into every full parameter; blocks of
+    different places never overlap (each element is held by exactly `replicas` ranks); parameter names and
+    state_dict keys are unchanged."""
+    full = grid_parity.build(family)
+    names = [n for n, _ in full.named_parameters()]
+    shards: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    cuts: dict[str, object] = {}
+    for rank in range(tensor):
+        model = copy.deepcopy(full)
+        apply_grid_parallel(model, "auto", Grid.shape_only(mode, tensor, depth, rank))
+        assert [n for n, _ in model.named_parameters()] == names
+        assert list(model.state_dict()) == list(full.state_dict())
+        for n, p in model.named_parameters():
+            cut = p._hetero_tp
+            assert tuple(p.shape) == cut.local_shape(), n
+            shards[n].append(p.detach().clone())
+            cuts[n] = cut
+    for n, p in full.named_parameters():
+        cut = cuts[n]
+        torch.testing.assert_close(cut.join(shards[n]), p.detach(), rtol=0, atol=0, msg=n)
+        held = torch.zeros(cut.full_shape)
+        for r in range(tensor):
+            for s in cut._slices(r):
+                held[s] += 1
+        assert bool((held == cut.replicas).all()), n  # 2.5D: depth layers hold the same blocks
+    assert cut.replicas == (depth or 1)
+
+
+def test_grid_errors_before_anything_changes():
+    grid = Grid.shape_only("2d", 4, rank=1)
+    # a module with parameters that no style partitions
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=8))
+    model.extra = nn.Linear(32, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"extra \(Linear\) holds parameters but no tensor_plan style partitions"):
+        apply_grid_parallel(model, "auto", grid)
+    # a width the grid does not divide: the norms' vectors are cut q x q = 4 ways
+    odd = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=18, block_size=8))
+    with pytest.raises(ConfigError, match=r"does not divide into 4 blocks, as tensor_mode '2d' with q = 2"):
+        apply_grid_parallel(odd, "auto", grid)
+    # heads that do not divide by q
+    three = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=3, n_embd=24, block_size=8))
+    with pytest.raises(ConfigError, match="n_head = 3 does not divide by the tensor-parallel degree 2"):
+        apply_grid_parallel(three, "auto", grid)
+
+    class Scale(nn.Module):  # a norm hetero does not know
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+
+    unknown = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=8))
+    unknown.ln_f = Scale()
+    with pytest.raises(ConfigError, match="ln_f is a Scale: tensor_mode '2d' knows nn.LayerNorm and RMS norms"):
+        apply_grid_parallel(unknown, "auto", grid)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]) and not hasattr(v, "_hetero_tp")
+    assert all(not hasattr(p, "_hetero_tp") for m in (odd, three, unknown) for p in m.parameters())
+    # degrees and modes, at the config's edge
+    for kwargs, message in [
+        ({"tensor": 8, "tensor_mode": "2d"}, r"tensor = 8 does not fit tensor_mode '2d': it must be q\^2"),
+        ({"tensor": 4, "tensor_mode": "3d"}, r"tensor = 4 does not fit tensor_mode '3d': it must be q\^3"),
+        ({"tensor": 8, "tensor_mode": "2.5d"}, "tensor_mode '2.5d' needs an integer depth"),
+        ({"tensor": 12, "tensor_mode": "2.5d", "tensor_depth": 2}, r"q\^2 x tensor_depth 2"),
+        ({"tensor": 4, "tensor_mode": "2d", "tensor_depth": 2}, "applies to tensor_mode '2.5d' only"),
+        ({"tensor": 4, "tensor_mode": "2D"}, "did you mean '2d'"),
+        ({"tensor": 4, "tensor_mode": "2d", "sequence": True}, "grid modes cut the batch, not the sequence"),
+        ({"tensor": 4, "sequence": "rign"}, "did you mean 'ring'"),
+        ({"tensor": 1, "sequence": "ulysses"}, "set tensor > 1"),
+        ({"tensor": 2, "sequence": "ring", "pipeline": 2}, "with pipeline > 1 is not supported"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            ParallelConfig(**kwargs)
+    assert ParallelConfig(tensor=2, sequence=True).sequence == "megatron"  # true keeps meaning Megatron-SP
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_ring_zigzag_balances_the_causal_triangle(p):
+    """Every rank computes two whole blocks' worth per ring step (a triangle is half), and every (query, key) chunk
+    pair below the diagonal is computed exactly once, by the rank holding the queries."""
+    seen = set()
+    for r in range(p):
+        for t in range(p):
+            src = (r - t) % p
+            pairs = _pairs(r, src, p, causal=True)
+            assert sum(0.5 if tri else 1.0 for _, _, tri in pairs) == 2.0, (r, t, pairs)
+            mine, theirs = (r, 2 * p - 1 - r), (src, 2 * p - 1 - src)
+            for i, j, tri in pairs:
+                assert (theirs[j] == mine[i]) == tri and theirs[j] <= mine[i]
+                seen.add((mine[i], theirs[j]))
+    assert seen == {(a, b) for a in range(2 * p) for b in range(a + 1)}
+
+
+# ---- parity through hetero.initialize ----------------------------------------------------------------------------
+GPT_PIPE_2D = {"tensor": 4, "tensor_mode": "2d", "tensor_plan": TP_PLAN, "pipeline": 2, "microbatches": 2}
+D2 = {"tensor": 4, "tensor_mode": "2d"}
+D25 = {"tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}
+D3 = {"tensor": 8, "tensor_mode": "3d"}
+RING4, RING2, ULYSSES2 = ({"tensor": t, "sequence": m} for t, m in ((4, "ring"), (2, "ring"), (2, "ulysses")))
+
+
+def _case(family: str, stage: int, parallel: dict, *, clip: bool = False, **extra: object) -> tuple[str, dict]:
+    """A parity case: clipping at 0.5 clips (the tiny models' gradient norms are 1.2-1.6)."""
+    config = {"zero_stage": stage, "parallel": parallel, **extra}
+    if clip:
+        config["grad_clip_norm"] = 0.5
+    return family, config
+
+
+WORLD4 = {
+    "2d-llama-zero1-clip": _case("llama", 1, D2, clip=True),
+    "2d-gpt2-zero3-host": _case("gpt2", 3, D2, offload={"params": "host", "optimizer": "host"}),
+    "ring4-llama-zero3-clip": _case("llama", 3, RING4, clip=True),
+    "ring4-gpt2-zero3": _case("gpt2", 3, RING4),
+    "ulysses2xdp2-llama-zero1": _case("llama", 1, ULYSSES2),
+}
+
+
+@pytest.mark.timeout(400)
+def test_2d_and_ring_on_4_ranks(tmp_path, monkeypatch):
+    """Under the CPU stand-in (NCCL's rules: collectives on device memory only; [Note: the CPU stand-in])."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    cases = copy.deepcopy(WORLD4)
+    nvme = {"offload": {"params": "nvme", "optimizer": "nvme"}, "memory": {"nvme_dir": str(tmp_path)}}
+    cases["2d-gpt2-zero3-nvme"] = _case("gpt2", 3, D2, **nvme)
+    results = run_distributed(grid_parity.matrix, 4, list(cases.values()), timeout=360)
+    grid_parity.check_all(cases, results)
+    assert [r[0]["coords"] for r in results] == [(t, 0, 0) for t in range(4)]  # 2D: the tensor group is the world
+    assert [r[2]["coords"] for r in results] == [(0, d, 0) for d in range(4)]  # ring: ZeRO shards over all four
+    assert "sp=1/2" in results[1][4]["mesh"] and "sp=0/2" in results[2][4]["mesh"]  # two sequence groups of two
+
+
+@pytest.mark.timeout(300)
+def test_ulysses_and_ring_on_2_ranks_zero0_to_2():
+    cases = {
+        "ulysses2-llama-zero2-clip": _case("llama", 2, ULYSSES2, clip=True),
+        "ring2-llama-zero0": _case("llama", 0, RING2),
+        "ring2-gpt2-zero1-clip": _case("gpt2", 1, RING2, clip=True),
+    }
+    results = run_distributed(grid_parity.matrix, 2, list(cases.values()), timeout=240)
+    grid_parity.check_all(cases, results)
+
+
+@pytest.mark.timeout(900)
+def test_grid_modes_and_compositions_on_8_ranks(tmp_path):
+    """2.5D (q=2, d=2) and 3D (q=2) on both families; 2D x data 2 at ZeRO-3; 2D x pipeline 2 under 1F1B, GPipe and
+    the interleaved schedule; a 2.5D checkpoint (blocks replicated over depth, stored once) consolidates to the
+    plain model's weights."""
+    root = str(tmp_path / "ckpt25")
+    cases = {
+        "2.5d-llama-zero1-clip": _case("llama", 1, D25, clip=True),
+        "2.5d-gpt2-zero0": _case("gpt2", 0, D25, _checkpoint=root),
+        "3d-llama-zero2": _case("llama", 2, D3),
+        "3d-gpt2-zero3-clip": _case("gpt2", 3, D3, clip=True),
+        "2dxdp2-llama-zero3": _case("llama", 3, D2),
+        "2dxdp2-gpt2-zero3-clip": _case("gpt2", 3, D2, clip=True),
+        "2dxpp2-1f1b-zero1-clip": _case("gpt_pipe", 1, {**GPT_PIPE_2D, "schedule": "1f1b"}, clip=True),
+        "2dxpp2-gpipe-zero2": _case("gpt_pipe", 2, {**GPT_PIPE_2D, "schedule": "gpipe"}),
+        "2dxpp2-interleaved-zero3": _case("gpt_pipe", 3, {**GPT_PIPE_2D, "schedule": "interleaved_1f1b"}),
+    }
+    results = run_distributed(grid_parity.matrix, 8, list(cases.values()), timeout=840)
+    grid_parity.check_all(cases, results)
+    assert [r[4]["coords"] for r in results] == [(t, d, 0) for d in range(2) for t in range(4)]
+    assert [r[6]["coords"] for r in results] == [(t, 0, p) for p in range(2) for t in range(4)]
+    _check_consolidated(root, "gpt2", [r[1] for r in results], blocks=4 + 4)
+
+
+def _check_consolidated(root: str, family: str, results: list[dict], blocks: int) -> None:
+    """The consolidated export loads strictly into the plain model and holds, bit for bit, the blocks the tensor
+    ranks trained, joined (a replicated 2.5D block is stored once: `blocks` distinct stored names for wte and
+    ln_f.bias); those are plain PyTorch's weights (tests/tolerance.py)."""
+    from safetensors.torch import load_file
+
+    from hetero.checkpoint import consolidate
+    from hetero.checkpoint import manifest as mf
+
+    out = os.path.join(root, "full.safetensors")
+    consolidate(root, out)
+    state = load_file(out)
+    grid_parity.build(family, seed=3).load_state_dict(state, strict=True)  # the plain model's state_dict
+    by_rank = sorted((r for r in results if r["state"] is not None), key=lambda r: r["coords"][0])
+    for name, value in state.items():
+        cut = by_rank[0]["shards"][name]
+        assert torch.equal(value, cut.join([r["state"][name] for r in by_rank])), name
+    exact, plain = grid_parity.reference(family, None, torch.float64)[1], grid_parity.reference(family)[1]
+    tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
+    params = mf.read_manifest(mf.resolve(root))["model"]["params"]
+    assert len([n for n in params if n.startswith(("transformer.wte.weight@", "transformer.ln_f.bias@"))]) == blocks
+
+
+@pytest.mark.timeout(300)
+def test_2d_checkpoint_resumes_bit_exactly_and_consolidates(tmp_path):
+    """Saved by a 2D grid (q = 2) at ZeRO-1: a fresh engine loads it and continues with bit-identical losses and
+    weights; the consolidated export is the plain model's state_dict holding, bit for bit, the blocks the four
+    ranks saved, joined; and those are plain PyTorch's weights after the same batches (tests/tolerance.py)."""
+    from safetensors.torch import load_file
+
+    from hetero.checkpoint import consolidate
+
+    root = str(tmp_path / "ckpt")
+    config = {
+        "zero_stage": 1,
+        "parallel": {"tensor": 4, "tensor_mode": "2d", "tensor_plan": TP_PLAN, "microbatches": 2},
+    }
+    results = run_distributed(test_checkpoint_parallel._resume, 4, config, root, timeout=240)
+    for r in results:
+        assert r["client"] == {"batches": test_checkpoint_parallel.N}
+        assert r["saved_equal"] and r["final_equal"], r["coords"]
+        assert r["after"] == r["resumed"], (r["coords"], r["after"], r["resumed"])  # bit-exact losses
+    out = os.path.join(root, "full.safetensors")
+    consolidate(root, out)
+    state = load_file(out)
+    pipe_parity.build(seed=3).load_state_dict(state, strict=True)  # the plain model's state_dict
+    cuts = []
+    for rank in range(4):  # each rank's blocks, as the engine cut them
+        model = pipe_parity.build()
+        apply_grid_parallel(model, TP_PLAN, Grid.shape_only("2d", 4, rank=rank))
+        cuts.append({n: p._hetero_tp for n, p in model.named_parameters()})
+    by_rank = sorted(results, key=lambda r: r["coords"][0])
+    for name, value in state.items():
+        joined = cuts[0][name].join([r["state"][name] for r in by_rank])
+        assert torch.equal(value, joined), name
+    steps, rows = test_checkpoint_parallel.N, test_checkpoint_parallel.ROWS
+    exact, plain = pipe_parity.reference(steps, rows, precision="fp64")[1], pipe_parity.reference(steps, rows)[1]
+    tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
+
+
+def test_estimator_counts_each_modes_rank():
+    """`hetero.estimate` builds the chunks of tensor rank 0's cut parameters (the same cut the engine applies, here
+    with shape-only groups) and shards them over the data-parallel group; activations come from a meta forward
+    through the layout's own layers."""
+    from hetero.profiler.estimator import estimate
+
+    def run(parallel: dict) -> object:
+        return estimate(
+            grid_parity.build("llama"),
+            {"zero_stage": 1, "chunk_size": 1024, "parallel": parallel},
+            world_size=8,
+            batch_size=8,
+            seq_len=16,
+            machine=False,
+        )
+
+    whole = run({})
+    for parallel, zero_world, share in [
+        ({"tensor": 4, "tensor_mode": "2d"}, 2, 4),
+        ({"tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}, 1, 4),  # replicated over depth
+        ({"tensor": 8, "tensor_mode": "3d"}, 1, 8),
+        ({"tensor": 4, "sequence": "ring"}, 8, 1),  # weights whole; ZeRO over the sequence ranks too
+    ]:
+        est = run(parallel)
+        assert est.parallel["zero_world"] == zero_world, parallel
+        assert est.n_params * share == whole.n_params, (parallel, est.n_params)
+        assert 0 < est.bytes("device", "activations") < whole.bytes("device", "activations"), parallel
+
+
+@pytest.mark.timeout(240)
+def test_tp_comm_measures_the_formulas():
+    """benchmarks/tp_comm.py on tiny settings, 4 gloo ranks: for 2D and ring every layer's recorded bytes
+    (both directions) equal the papers' formulas, and 2D holds a quarter of a layer's parameters. (The full run,
+    every mode at 4 and 8 ranks on three models, is the benchmark's.)"""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--json", "--model", "gpt", "--modes", "2d,ring", "--seq", "16", "--hidden", "32", "--heads", "4"]
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks/tp_comm.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {r["mode"] for r in report["results"]} == {"2d", "ring"}
+    for r in report["results"]:
+        for phase in ("forward", "backward"):
+            assert r[f"{phase}_ratio"] == pytest.approx(1.0, rel=1e-12), (r["mode"], phase, r[f"{phase}_bytes"])
+    layer = 12 * 32 * 32 + 9 * 32 + 2 * 2 * 32  # a GPT block's elements: weights, biases (4h + 4h + h), two norms
+    assert next(r for r in report["results"] if r["mode"] == "2d")["param_bytes"] == layer // 4 * 4  # fp32, 1/q^2
