@@ -133,7 +133,7 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     cfg = engine.config.parallel
     m = cfg.microbatches
     xs = [engine._to_device(x) for x in split_batch(inputs, m)]
-    ys = [_to(y, engine.device) for y in split_batch(labels, m)]
+    ys = [to_device_tree(y, engine.device) for y in split_batch(labels, m)]
     scale = engine.scaler.scale if engine.scaler is not None else 1.0
     loss_scale = scale / (m * engine.config.grad_accumulation_steps)  # the mean over micro-batches and steps
     if engine.comm.size > engine.mesh.dp_size:
@@ -224,11 +224,11 @@ def make_runtime(engine: Engine) -> PipelineRuntime:
     )
 
 
-def _to(obj: Any, device: Device) -> Any:
+def to_device_tree(obj: Any, device: Device) -> Any:
     if isinstance(obj, torch.Tensor):
         return device.to_device(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
+        return type(obj)(to_device_tree(v, device) for v in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: to_device_tree(v, device) for k, v in obj.items()}
     return obj

@@ -24,7 +24,7 @@ import torch
 
 from hetero.comm import Comm
 from hetero.errors import ConfigError
-from hetero.parallel.pipeline.runtime import _DTYPES, _HEADER, _MAX_DIMS, PipelineError, PipelineRuntime, _loss_of
+from hetero.parallel.pipeline.runtime import DTYPES, HEADER, MAX_DIMS, PipelineError, PipelineRuntime, loss_of
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callable | None = None) -> Any:
     """See `Engine.eval_batch`."""
-    from hetero.parallel.engine_glue import _to, split_batch
+    from hetero.parallel.engine_glue import split_batch, to_device_tree
 
     cfg = engine.config.parallel
     m = cfg.microbatches
@@ -51,12 +51,12 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
                 return engine(engine._to_device(inputs))  # one forward: the model's own outputs
             total = torch.zeros((), dtype=torch.float32)
             for x, y in zip(split_batch(inputs, m), split_batch(labels, m)):
-                y = _to(y, engine.device)
-                loss = _loss_of(engine(x, labels=y)) if loss_fn is None else loss_fn(engine(x), y)
+                y = to_device_tree(y, engine.device)
+                loss = loss_of(engine(x, labels=y)) if loss_fn is None else loss_fn(engine(x), y)
                 total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
         else:
             xs = [engine._to_device(x) for x in split_batch(inputs, m)]
-            ys = [_to(y, engine.device) for y in split_batch(labels, m)]
+            ys = [to_device_tree(y, engine.device) for y in split_batch(labels, m)]
             total, outputs = _run(engine, xs, ys if labels is not None else None, loss_fn)
             if labels is None:
                 return _share(outputs, engine._pipeline_runtime(), m)
@@ -96,7 +96,7 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
     try:
         for item in prog:
             if isinstance(item, Exchange):
-                sends += rt._exchange(item, outbox, inbox)
+                sends += rt.exchange(item, outbox, inbox)
                 continue
             s = stage(item, rt.p, rt.pp.rank)
             mb = item.microbatch
@@ -106,7 +106,7 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
             with engine.device.compute_context():
                 y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
             if last and ys is not None:
-                loss = _loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
+                loss = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
                 total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
             elif last:
                 outputs[mb] = _tensor_of(y)
@@ -130,17 +130,17 @@ def _share(outputs: dict[int, torch.Tensor], rt: PipelineRuntime, m: int) -> tor
     parts = []
     for mb in range(m):
         owner = _last_stage_rank(rt, mb)
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = torch.zeros(HEADER, dtype=torch.int64)
         if rt.pp.rank == owner:
             t = outputs[mb].contiguous()
-            if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+            if t.dtype not in DTYPES or t.dim() > MAX_DIMS:
                 raise PipelineError(f"eval_batch cannot pass a {t.dtype} output of {t.dim()} dims between stages")
-            header[:2] = torch.tensor([_DTYPES.index(t.dtype), t.dim()])
+            header[:2] = torch.tensor([DTYPES.index(t.dtype), t.dim()])
             header[2 : 2 + t.dim()] = torch.tensor(t.shape)
         header = header.to(rt.device)
         rt.pp.broadcast(header, src=owner)
         code, ndim, *shape = header.tolist()
-        buf = t if rt.pp.rank == owner else torch.empty(shape[:ndim], dtype=_DTYPES[code], device=rt.device)
+        buf = t if rt.pp.rank == owner else torch.empty(shape[:ndim], dtype=DTYPES[code], device=rt.device)
         rt.pp.broadcast(buf, src=owner)
         parts.append(buf)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -162,10 +162,10 @@ class _full_logits:
     def __enter__(self) -> None:
         if self.tp.size == 1:
             return
-        from hetero.parallel.tensor import _VocabHead
+        from hetero.parallel.tensor import is_vocab_head
 
         for module in self.model.modules():
-            if isinstance(module, _VocabHead):
+            if is_vocab_head(module):
                 self.handles.append(module.register_forward_hook(self._gather))
 
     def _gather(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:

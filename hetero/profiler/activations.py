@@ -99,8 +99,8 @@ def meta_activation_bytes(
     Parameters and buffers are replaced by meta tensors of the compute dtype for the call (torch.func.functional_call),
     so this works on a real model as well as on one built on meta.
     """
-    params = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
-    buffers = {n: _meta_like(b, dtype) for n, b in model.named_buffers()}
+    params = {n: meta_like(p, dtype) for n, p in model.named_parameters()}
+    buffers = {n: meta_like(b, dtype) for n, b in model.named_buffers()}
     meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
     blocks = repeated_blocks(model) if checkpointing else []
     block_inputs = 0
@@ -120,7 +120,7 @@ def meta_activation_bytes(
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post))
     try:
-        with torch.device("meta"), _FusedAttention(), meter.active():
+        with torch.device("meta"), FusedAttention(), meter.active():
             torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
     finally:
         for h in handles:
@@ -149,19 +149,19 @@ def unit_activations(
     if x.is_floating_point():
         x = x.to(dtype)
     for i, (_, unit) in enumerate(units):
-        params = {n: _meta_like(p, dtype) for n, p in unit.named_parameters()}
-        buffers = {n: _meta_like(b, dtype) for n, b in unit.named_buffers()}
+        params = {n: meta_like(p, dtype) for n, p in unit.named_parameters()}
+        buffers = {n: meta_like(b, dtype) for n, b in unit.named_buffers()}
         meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
         kwargs = {"labels": labels.to("meta")} if labels is not None and i == len(units) - 1 else {}
         inp = x.detach().requires_grad_(x.is_floating_point())
-        with torch.device("meta"), _FusedAttention(), meter.active():
+        with torch.device("meta"), FusedAttention(), meter.active():
             y = torch.func.functional_call(unit, {**params, **buffers}, args=(inp,), kwargs=kwargs)
         out.append(UnitActivation(saved=meter.total, input=inp.untyped_storage().nbytes()))
         x = y if isinstance(y, torch.Tensor) else getattr(y, "logits", y)
     return out
 
 
-def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out_dtype = dtype if t.is_floating_point() else t.dtype
     return torch.empty(t.shape, dtype=out_dtype, device="meta").requires_grad_(t.requires_grad)
 
@@ -181,7 +181,7 @@ class _FlashStandIn(torch.autograd.Function):
         raise RuntimeError("the meta attention stand-in is for counting saved bytes only")
 
 
-class _FusedAttention(TorchFunctionMode):
+class FusedAttention(TorchFunctionMode):
     """Routes scaled_dot_product_attention to `_FlashStandIn` (see [Note: counting saved activations])."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -218,12 +218,12 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.paused:
             return out
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, tuple(kwargs.values())))}
+        inputs = {storage_key(t) for t in _tensors((args, tuple(kwargs.values())))}
         for t in _tensors(out):
             if t.device.type == "meta" or (self.device_type is not None and t.device.type != self.device_type):
                 continue
             storage = t.untyped_storage()
-            key = storage._cdata
+            key = storage_key(t)
             if key in self._alive or key in inputs:  # counted already, or a view / in-place result of an input
                 continue
             n = storage.nbytes()

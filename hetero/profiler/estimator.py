@@ -289,11 +289,11 @@ def estimate(
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
     budget = cfg.memory.device_budget
-    per_rank = [(sp, part.activations, _gathered_bytes(part.model, sp, dtype, budget)) for part, sp in ranks]
-    per_rank = per_rank or [(specs, act.bytes, _gathered_bytes(model, specs, dtype, budget))]
+    per_rank = [(sp, part.activations, gathered_bytes(part.model, sp, dtype, budget)) for part, sp in ranks]
+    per_rank = per_rank or [(specs, act.bytes, gathered_bytes(model, specs, dtype, budget))]
 
     def placed_rank(stage: int, params: str, optim: str, rank_specs: list, acts: int, gathered: int) -> tuple:
-        resident, transient = _place(
+        resident, transient = place(
             rank_specs,
             gathered=gathered,
             stage=stage,
@@ -354,7 +354,7 @@ def estimate(
     return est
 
 
-def _gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
+def gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
     """Stage 3's peak of gathered parameter bytes, as `Gathers` keeps them: units in module order forward, reverse
     backward, the last KEEP_UNITS kept after forward where the device budget has room for them."""
     index = {id(info.param): spec.index for spec in specs for info in spec.params}
@@ -365,7 +365,7 @@ def _gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype
     return gathered_peak(per_unit, nbytes, keep)
 
 
-def _place(
+def place(
     specs: list[ChunkSpec],
     *,
     gathered: int,

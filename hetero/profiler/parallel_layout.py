@@ -28,10 +28,10 @@ from torch import nn
 from hetero.config import Config
 from hetero.errors import ConfigError
 from hetero.parallel.pipeline import schedule as S
-from hetero.parallel.pipeline.split import _balanced, units_of
-from hetero.profiler.activations import SavedBytes, _FusedAttention, _meta_like, repeated_blocks, storage_key
+from hetero.parallel.pipeline.split import balanced, units_of
+from hetero.profiler.activations import FusedAttention, SavedBytes, meta_like, repeated_blocks, storage_key
 from hetero.profiler.parallel_shapes import per_rank_model
-from hetero.profiler.tensor_modes import _depth
+from hetero.profiler.tensor_modes import q_and_depth
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,8 @@ def with_layout(
             par[key] = value
     if sequence is not None:
         par["sequence"] = False if sequence in ("none", None) else sequence
-    if par.get("tensor_mode") == "2.5d" and par.get("tensor_depth") is None and (qd := _depth(par.get("tensor", 1))):
+    qd = q_and_depth(par.get("tensor", 1))
+    if par.get("tensor_mode") == "2.5d" and par.get("tensor_depth") is None and qd is not None:
         par["tensor_depth"] = qd[1]
     d["parallel"] = par
     return Config.from_dict(d)
@@ -232,8 +233,8 @@ def _dedupe(units: list[Unit]) -> list[Unit]:
 
 def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> None:
     """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note)."""
-    params = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
-    buffers = {n: _meta_like(b, dtype) for n, b in model.named_buffers()}
+    params = {n: meta_like(p, dtype) for n, p in model.named_parameters()}
+    buffers = {n: meta_like(b, dtype) for n, b in model.named_buffers()}
     meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
     modules = dict(model.named_modules())
     handles = []
@@ -255,7 +256,7 @@ def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], d
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post))
     try:
-        with torch.device("meta"), _FusedAttention(), meter.active():
+        with torch.device("meta"), FusedAttention(), meter.active():
             torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
     finally:
         for h in handles:
@@ -287,7 +288,7 @@ def rank_parts(
         raise ConfigError(
             f"pipeline: {layout.stages} stages need at least {layout.stages} units, the model has {len(units)}"
         )
-    starts = _starts(units, layout, inputs) + [len(units)]
+    starts = stage_starts(units, layout, inputs) + [len(units)]
     stage_units = [units[starts[s] : starts[s + 1]] for s in range(layout.stages)]
     parts = []
     for k in range(layout.pipeline):
@@ -318,7 +319,7 @@ def walk(stage_units: list[list[Unit]], mine: list[int], layout: Layout, rank: i
     return peak
 
 
-def _starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> list[int]:
+def stage_starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> list[int]:
     if not isinstance(layout.split, str):
         names = [u.name for u in units]
         missing = [n for n in layout.split if n not in names]
@@ -328,8 +329,8 @@ def _starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> list[i
     if layout.split == "auto":
         # The engine times the units; on meta their FLOPs stand in: 6 x parameters x tokens for the matrices.
         tokens = next((v.numel() for v in inputs.values() if isinstance(v, torch.Tensor)), 1)
-        return _balanced([max(1.0, 6.0 * tokens * sum(p.numel() for _, p in u.params)) for u in units], layout.stages)
-    return _balanced([float(sum(p.numel() for _, p in u.params)) for u in units], layout.stages)
+        return balanced([max(1.0, 6.0 * tokens * sum(p.numel() for _, p in u.params)) for u in units], layout.stages)
+    return balanced([float(sum(p.numel() for _, p in u.params)) for u in units], layout.stages)
 
 
 class ParamView:

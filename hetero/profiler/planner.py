@@ -28,15 +28,15 @@ from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import (
     Layout,
     ParamView,
-    _starts,
     measure_units,
     optimizer_view,
     pipeline_units,
+    stage_starts,
     walk,
 )
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.rates import Rates
-from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, _depth
+from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, q_and_depth
 from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -193,7 +193,7 @@ def plan(
                      schedule="chimera" if chimera else "1f1b", split="params")  # fmt: skip
         if len(units) < lay.stages:
             return None
-        starts = _starts(units, lay, {}) + [len(units)]
+        starts = stage_starts(units, lay, {}) + [len(units)]
         stage_units = [units[starts[s] : starts[s + 1]] for s in range(lay.stages)]
         zero_world = zero_t // p * (2 if chimera else 1)
         result = []
@@ -203,7 +203,7 @@ def plan(
             params = [(n, q) for n, q in sharded.named_parameters() if id(q) in held]
             specs = build_layout(ParamView(params), optimizer_view(opt_t, params),  # type: ignore[arg-type]
                                  chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
-            result.append((k, mine, stage_units, specs, E._gathered_bytes(sharded, specs, dtype, None), zero_world))
+            result.append((k, mine, stage_units, specs, E.gathered_bytes(sharded, specs, dtype, None), zero_world))
         return result
 
     for t, mode, sequence, p, sched, m in _grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules):
@@ -238,7 +238,7 @@ def plan(
             psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
             n_chunks = max(len(rk[3]) for rk in ranks)
             for (_, _, _, specs, gathered, _), act in zip(ranks, acts):
-                resident, transient = E._place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
+                resident, transient = E.place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
                                                n_states=n_states, params=params_at, optim=optim_at,
                                                prefetch_depth=prefetch)  # fmt: skip
                 resident["device"]["buffers"] += buffers
@@ -267,8 +267,8 @@ def _batch_parts(mode: str, t: int) -> int:
 
 
 def _depth_of(mode: str, t: int) -> int | None:
-    """2.5D's depth at degree t: the smallest that fits (`tensor_modes._depth`); None for the other modes."""
-    qd = _depth(t) if mode == "2.5d" else None
+    """2.5D's depth at degree t: the smallest that fits (`tensor_modes.q_and_depth`); None for the other modes."""
+    qd = q_and_depth(t) if mode == "2.5d" else None
     return qd[1] if qd else None
 
 

@@ -31,7 +31,7 @@ def _root(t: int, k: int) -> int | None:
     return next((c for c in (q - 1, q, q + 1) if c >= 2 and c**k == t), None)
 
 
-def _depth(t: int) -> tuple[int, int] | None:
+def q_and_depth(t: int) -> tuple[int, int] | None:
     """(q, d) with q^2 d = t, q >= 2, d >= 2 the smallest such depth (2.5D)."""
     for d in range(2, t + 1):
         if t % d == 0 and (q := _root(t // d, 2)) is not None:
@@ -58,10 +58,10 @@ TENSOR_MODES: dict[str, TensorMode] = {
     ),
     "2.5d": TensorMode(
         "2.5d",
-        lambda t: None if _depth(t) else f"2.5d needs a tensor degree q^2 x d with q, d >= 2 (8, 18, 16, ...), got {t}",
-        lambda t: _depth(t)[0] ** 2,  # type: ignore[index]
+        lambda t: None if q_and_depth(t) else f"2.5d needs a degree q^2 x d with q, d >= 2 (8, 16, 18, ...), got {t}",
+        lambda t: q_and_depth(t)[0] ** 2,  # type: ignore[index]
         lambda t: 1 / t,
-        lambda t: 3 * (_depth(t)[0] - 1) * (_depth(t)[1] + 1) / (_depth(t)[1] * _depth(t)[0]),  # type: ignore[index]
+        lambda t: 3 * (q_and_depth(t)[0] - 1) * (q_and_depth(t)[1] + 1) / (q_and_depth(t)[1] * q_and_depth(t)[0]),  # type: ignore[index]
         "Tesseract (Wang et al. 2021): 1/q^2 of weights, 1/(d q^2) of activations, 3(q-1)(d+1)/(d q)",
     ),
     "3d": TensorMode(

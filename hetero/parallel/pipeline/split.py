@@ -81,8 +81,8 @@ def boundaries(
                 raise ConfigError(
                     f"parallel.pipeline_costs: {len(costs)} costs for {len(units)} units ({', '.join(names)})"
                 )
-            return _balanced(list(costs), stages)
-        return _balanced([_numel(m) for _, m in units], stages)
+            return balanced(list(costs), stages)
+        return balanced([_numel(m) for _, m in units], stages)
     starts = [0]
     for fqn in split:
         if fqn not in names:
@@ -101,7 +101,7 @@ def boundaries(
     return starts
 
 
-def _balanced(sizes: list[float], k: int) -> list[int]:
+def balanced(sizes: list[float], k: int) -> list[int]:
     """Starts of k non-empty runs of `sizes` minimising the largest run's sum, then (among cuts with the same
     largest run) the sum of the runs' squares, so that the runs besides the largest are balanced too (dynamic
     programming)."""
