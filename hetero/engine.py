@@ -143,15 +143,8 @@ class Engine:
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
-        self.updater = Updater(
-            self.chunks,
-            manager=self.manager,
-            mesh=self.mesh,
-            config=config,
-            algorithm=self.algorithm,
-            check=self.check,
-            comm=self.comm,
-        )
+        self.updater = Updater(self.chunks, manager=self.manager, mesh=self.mesh, config=config,
+                               algorithm=self.algorithm, check=self.check, comm=self.comm)  # fmt: skip
         self.optimizer = ZeroOptimizer(self.updater, optimizer)
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
@@ -178,9 +171,7 @@ class Engine:
         # without autograd (evaluation, generation) is a step of its own.
         training = torch.is_grad_enabled()
         if self._stages is not None:
-            raise RuntimeError(
-                "with parallel.pipeline > 1 the model runs in stages: call engine.train_batch or engine.eval_batch"
-            )
+            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -248,10 +239,8 @@ class Engine:
         return mean
 
     def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
-        """A forward only, through every stage and shard (no gradients, weights unchanged). With labels: the mean
-        loss over the global batch, on every rank (loss_fn None: the model's own `.loss` with labels=). Without:
-        the outputs of this data-parallel rank's batch (the last stage's, whole logits), on every rank. See
-        `hetero/parallel/evaluation.py`."""
+        """A forward only through every stage and shard: with labels the global mean loss, else this data-parallel
+        rank's whole outputs, on every rank (`hetero/parallel/evaluation.py`)."""
         from hetero.parallel.evaluation import eval_batch
 
         return eval_batch(self, inputs, labels, loss_fn)

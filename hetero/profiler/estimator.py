@@ -308,8 +308,7 @@ def estimate(
         transient["device"]["activations"] += acts
         return resident, transient
 
-    def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:
-        """The busiest rank's bytes (the only rank without a layout)."""
+    def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:  # the busiest pipeline rank's bytes
         options = [placed_rank(stage, params, optim, *args) for args in per_rank]
         return max(options, key=lambda rt: sum(rt[0]["device"].values()) + sum(rt[1]["device"].values()))
 
@@ -435,8 +434,7 @@ def place(
 
 
 def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
-    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    return {"input_ids": ids, "labels": ids}
+    return dict.fromkeys(("input_ids", "labels"), torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta"))
 
 
 def _activations(
