@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.microbatches % args.stages or args.stages % 2:
         ap.error("--stages must be even and --microbatches a multiple of it (interleaved and Chimera need it)")
     out = run(args)
+    out["load_average"] = list(os.getloadavg())  # the machine is shared: the noise behind the figures
     if args.json:
         print(json.dumps(out))
         return 0
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "sleep"
         else f"MLP width {args.width}"
     )
+    print(f"load average {out['load_average'][0]:.1f} (1 min), {out['load_average'][1]:.1f} (5 min)")
     print(f"pipeline bubble, mode={args.mode} (p={p} stages, m={m} micro-batches, {work}, {args.rows} rows)")
     for name, r in out["schedules"].items():
         rel = r["measured_vs_theory"]

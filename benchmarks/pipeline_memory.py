@@ -177,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.stages % 2 or args.microbatches % args.stages:
         ap.error("--stages must be even and --microbatches a multiple of it (interleaved and Chimera need it)")
     out = run(args)
+    out["load_average"] = list(os.getloadavg())  # the machine is shared: the noise behind the figures
     if args.json:
         print(json.dumps(out))
         return 0
     p, m = args.stages, args.microbatches
+    print(f"load average {out['load_average'][0]:.1f} (1 min), {out['load_average'][1]:.1f} (5 min)")
     print(
         f"activation memory per stage (p={p}, m={m} micro-batches of {args.rows} x {args.seq} tokens, GPT of "
         f"{args.layers} blocks, width {args.embd}); measured peak of live activations / predicted"

@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", help="also write the JSON object to this file")
     args = ap.parse_args(argv)
     out = run(args)
+    out["load_average"] = list(os.getloadavg())  # the machine is shared: the noise behind the figures
     if args.save:
         with open(args.save, "w") as f:
             json.dump(out, f)
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hetero.profiler import Rates
 
+    print(f"load average {out['load_average'][0]:.1f} (1 min), {out['load_average'][1]:.1f} (5 min)")
     print(f"planner ranking on {args.world} ranks (GPT {args.layers} x {args.embd}, batch {args.batch} x {args.seq})")
     print(f"rates measured here: {Rates(**out['rates']).describe()}")
     rows = sorted(out["layouts"].items(), key=lambda kv: kv[1]["measured_s"])
