@@ -17,25 +17,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetero.activation import ActivationMemory
+from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
 from hetero.events import Events
-from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
-from hetero.parallel import engine_glue
+from hetero.parallel.batches import train_batch
+from hetero.parallel.pipeline.runtime import PipelineRuntime
+from hetero.parallel.setup import setup_parallel
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
-from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
+from hetero.zero.protocol import Checker, Gathers, Reducer, keep_units
 from hetero.zero.stages import Placement
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
+from hetero.zero.views import ParameterViews
 from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.engine")
@@ -111,10 +114,13 @@ class Engine:
             world = init_from_env(timeout_s=config.comm_timeout)
         else:
             world = comm.with_timeout(config.comm_timeout)
-        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
-        self.mesh, self._stages = engine_glue.setup_parallel(model, optimizer, config.parallel, world)
-        self.comm = self.mesh.dp  # the data-parallel group: ZeRO shards and reduces over it
         self.device = make_device(device)
+        if config.activation_checkpointing and config.parallel.pipeline > 1:
+            choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
+        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
+        self.mesh, self.stages, self.comm = setup_parallel(
+            model, optimizer, config.parallel, world, self.device
+        )  # comm: the group ZeRO shards and reduces over (data-parallel; with Chimera, both replicas' ranks)
         self.module = model  # the user's model, modified in place: parameter names unchanged
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
@@ -148,7 +154,7 @@ class Engine:
             strict=strict_weights,
             progress=config.progress,
         )
-        self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
+        self.trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):
             self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
@@ -166,10 +172,16 @@ class Engine:
             keep = keep_units(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
             self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep)
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
-        sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
+        sharded_grads = [zc for zc in self.trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
         self.updater = Updater(
-            self.chunks, manager=self.manager, mesh=self.mesh, config=config, algorithm=self.algorithm, check=self.check
+            self.chunks,
+            manager=self.manager,
+            mesh=self.mesh,
+            config=config,
+            algorithm=self.algorithm,
+            check=self.check,
+            comm=self.comm,
         )
         self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
@@ -180,6 +192,9 @@ class Engine:
         self.hooks = Hooks(
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
         )
+        self.views = ParameterViews(
+            model, self.chunks, self._entries, check=self.check, comm=self.comm, device=self.device, dtype=self.dtype
+        )
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
@@ -188,6 +203,7 @@ class Engine:
                 offload=config.activation_offload,
                 manager=self.manager,
                 device=self.device,
+                strict=self.stages is None,
             )
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
@@ -197,13 +213,13 @@ class Engine:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own.
         training = torch.is_grad_enabled() and not self.inference
-        if self._stages is not None:
-            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
+        if self.stages is not None:
+            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
         self.events.emit("forward_begin")
-        args, kwargs = self._to_device((args, kwargs))
+        args, kwargs = self.to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
         no_grad = torch.no_grad() if self.inference else contextlib.nullcontext()
         with self.device.compute_context(), saving, no_grad:
@@ -233,7 +249,7 @@ class Engine:
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
-        for zc in self._trainable:
+        for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
             self.gathers.release_all()
@@ -287,8 +303,8 @@ class Engine:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
         micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
         on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
-        if self._stages is not None or self.config.parallel.microbatches > 1:
-            return engine_glue.train_batch(self, inputs, labels, loss_fn)
+        if self.stages is not None or self.config.parallel.microbatches > 1:
+            return train_batch(self, inputs, labels, loss_fn)
         if loss_fn is None:
             out = self(inputs, labels=labels)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
@@ -299,6 +315,13 @@ class Engine:
         mean = self.device.to_host(loss.detach(), torch.float32, copy=True)
         self.comm.control.all_reduce(mean, op="avg")
         return mean
+
+    def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
+        """A forward only through every stage and shard: with labels the global mean loss, else this data-parallel
+        rank's whole outputs, on every rank (`hetero/parallel/evaluation.py`)."""
+        from hetero.parallel.evaluation import eval_batch
+
+        return eval_batch(self, inputs, labels, loss_fn)
 
     # ---- the update ---------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -317,83 +340,22 @@ class Engine:
         roomy = self.manager.ledgers[Tier.DEVICE].free >= 4 * zc.grad_full.nbytes
         return _REDUCES_IN_FLIGHT if roomy else 0
 
-    # ---- views of the model ---------------------------------------------------------------------------------
+    # ---- views of the model (hetero/zero/views.py) ----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with full values (CPU copies, compute dtype), gathered chunk by chunk; the keys
         are the model's own, tied parameters under each of their names. Every rank calls it (it gathers)."""
-        values: dict[int, torch.Tensor] = {}
-        for zc in self.chunks:
-            with self._summoned([zc]):
-                for info, value in zip(zc.spec.params, zc.full_values().values()):
-                    values[id(info.param)] = value
-        return {
-            name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
-            for name, t in self.module.state_dict(keep_vars=True).items()
-        }
+        return self.views.full_state_dict()
 
-    @contextlib.contextmanager
-    def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Iterator[None]:
-        """Make the full values of `params` (default: every parameter) readable through the model's own parameters,
-        on every rank, for the duration of the block. Every rank must enter it with the same parameters (it
-        gathers). With `modify=True`, what rank 0 writes to them inside the block is what every rank holds after it:
-        rank 0's values are broadcast, and the fp32 master weights take every element that changed.
+    def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Any:
+        """A context manager that makes the full values of `params` (default: every parameter) readable through the
+        model's own parameters, on every rank, for the duration of the block. Every rank must enter it with the same
+        parameters (it gathers). With `modify=True`, what rank 0 writes to them inside the block is what every rank
+        holds after it: rank 0's values are broadcast, and the fp32 master weights take every element that changed.
 
         At stage 3, outside such a block (and outside forward and backward) a parameter's values are not on the
         rank: reading one raises `ReleasedParameterError`, and `model.state_dict()` does too; use this block, or
         `full_state_dict()` for a copy of every weight."""
-        if params is None:
-            chunks = list(self.chunks)
-        else:
-            wanted = {id(p) for p in params}
-            unknown = wanted - set(self._entries)
-            if unknown:
-                raise ValueError(
-                    f"gathered_parameters: {len(unknown)} of the tensors given are not parameters this engine manages"
-                )
-            chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
-        with self._summoned(chunks):
-            yield
-            if modify:
-                self._adopt_rank0(chunks)
-
-    @contextlib.contextmanager
-    def _summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
-        """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
-        for the purpose on the way out."""
-        fresh = [zc for zc in chunks if not zc.gathered]
-        entries = [self._entries[id(i.param)] for zc in chunks for i in zc.spec.params]
-        for zc in chunks:
-            if not zc.gathered:
-                self.check(SUMMON, chunk=zc.spec.index)
-            zc.unshard()
-            for e in entries:
-                if e.chunk is zc:
-                    zc.enter(e)
-        try:
-            yield
-        finally:
-            for e in entries:
-                e.chunk.exit(e, TensorState.HOLD)
-            for zc in fresh:
-                zc.reshard()
-
-    def _adopt_rank0(self, chunks: list[ZeroChunk]) -> None:
-        """After `gathered_parameters(modify=True)`: every rank takes rank 0's values, shards and master weights
-        included (an element whose compute-dtype value did not change keeps its fp32 master)."""
-        for zc in chunks:
-            full = zc.full.payload
-            self.comm.broadcast(full, src=0)
-            if zc.optim is None:  # frozen: no master weights
-                if zc.stage == 3:
-                    zc.write_shard(full)
-                continue
-            master, _ = zc.optimizer_views()
-            mine = zc.kept(full)
-            new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
-            changed = new != master.to(self.dtype).to(torch.float32)
-            master[changed] = new[changed]
-            if zc.stage == 3:
-                zc.write_shard(full)
+        return self.views.gathered(params, modify=modify)
 
     # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, **kwargs: Any) -> str:
@@ -418,10 +380,37 @@ class Engine:
             stats["auto"] = self.auto.stats()
         return stats
 
-    def _pipeline_runtime(self) -> engine_glue.PipelineRuntime:
+    def pipeline_runtime(self) -> PipelineRuntime:
+        """The runtime that runs this rank's pipeline stages by the configured schedule (made at first use)."""
+        if self.stages is None:
+            raise RuntimeError("this engine has no pipeline (parallel.pipeline = 1)")
         if self._runtime is None:
-            self._runtime = engine_glue.make_runtime(self)
+            cfg = self.config.parallel
+            self._runtime = PipelineRuntime(
+                self.stages,
+                self.mesh.pp,
+                schedule=cfg.schedule,
+                microbatches=cfg.microbatches,
+                virtual=cfg.virtual_stages,
+                device=self.device.torch_device,
+            )
         return self._runtime
+
+    @contextlib.contextmanager
+    def trace_step(self) -> Iterator[None]:
+        """Hold one step of the access trace open around a whole batch (`train_batch`, `eval_batch` through the
+        stages), so that prefetch and eviction see its accesses as one step; inside an open micro-batch (a forward
+        whose backward has not run) it adds nothing."""
+        began = not self._in_step
+        if began:
+            self.manager.step_begin()
+            self._in_step = True
+        try:
+            yield
+        finally:
+            if began:
+                self.manager.step_end()
+                self._in_step = False
 
     @property
     def scaler(self) -> LossScaler | None:
@@ -489,14 +478,16 @@ class Engine:
             self.close()
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _to_device(self, obj: Any) -> Any:
+    def to_device(self, obj: Any) -> Any:
+        """Inputs (tensors in nested lists, tuples and dicts) on the compute device, floating ones in the compute
+        dtype."""
         if isinstance(obj, torch.Tensor):
             cast = obj.is_floating_point() and self.dtype != torch.float32
             return self.device.to_device(obj, self.dtype if cast else None)
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._to_device(v) for v in obj)
+            return type(obj)(self.to_device(v) for v in obj)
         if isinstance(obj, dict):
-            return {k: self._to_device(v) for k, v in obj.items()}
+            return {k: self.to_device(v) for k, v in obj.items()}
         return obj
 
     def _move_buffers(self, model: nn.Module) -> None:

@@ -132,6 +132,11 @@ class _VocabHead:
         return super().forward(self._hetero_region.enter(x, sequence=False), *args, **kwargs)
 
 
+def is_vocab_head(module: nn.Module) -> bool:
+    """Whether `module` is a vocabulary-parallel head: its outputs are this rank's part of the vocabulary."""
+    return isinstance(module, _VocabHead)
+
+
 class _Rowwise:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         region = self._hetero_region

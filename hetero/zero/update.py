@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
@@ -45,11 +46,12 @@ class Updater:
         config: Config,
         algorithm: Algorithm,
         check: Checker,
+        comm: Comm | None = None,
     ) -> None:
         self.chunks = [zc for zc in chunks if zc.spec.trainable]  # in layout order: the same on every rank
         self.manager = manager
         self.mesh = mesh
-        self.comm = mesh.dp
+        self.comm = comm if comm is not None else mesh.dp  # ZeRO's group (Chimera: both replicas of the stages)
         self.config = config
         self.algorithm = algorithm
         self.check = check
@@ -176,6 +178,8 @@ class Updater:
             self.comm.control.all_reduce(sq, op="sum")
         mesh.tp.control.all_reduce(sq, op="sum")
         mesh.pp.control.all_reduce(sq, op="sum")
+        if self.comm.size > mesh.dp_size:
+            sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
         value = float(sq)
         return value, math.isfinite(value)
 
