@@ -93,6 +93,10 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
     mine = slice(dpr * local, (dpr + 1) * local)
     eval_loss = float(engine.eval_batch(x[mine], y[mine]))
     eval_logits = engine.eval_batch(x[mine])  # this data-parallel rank's rows, whole, on every rank
+    # loss_fn on the last stage's outputs (logits whole only without a vocabulary-parallel head)
+    eval_fn_loss = (
+        float(engine.eval_batch(x[mine], y[mine], loss_fn=cross_entropy)) if engine.mesh.tp_size == 1 else None
+    )
     mesh = engine.mesh
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
     if mesh.dp_rank != 0:
@@ -107,11 +111,19 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
         "trainable_chunks": len(engine.trainable),
         "shards": shards,
         "eval_loss": eval_loss,
+        "eval_fn_loss": eval_fn_loss,
         "eval_logits": eval_logits.logits if hasattr(eval_logits, "logits") else eval_logits,
         "rows": (mine.start, mine.stop),
     }
     engine.close()
     return out
+
+
+def cross_entropy(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """A user's loss_fn: the model's own loss, computed from its outputs (the whole model's GPTOutput, or the logits
+    its last pipeline unit returns)."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
 def _count_reductions(comm: Any) -> list[int]:
@@ -135,7 +147,9 @@ def _count_reductions(comm: Any) -> list[int]:
 def check(results: list[dict], *, steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> None:
     """Losses and gradient norm on every rank, and the final weights merged over stages and unsharded over tensor
     ranks, against plain PyTorch in float64 with fp32's own error as the scale (tests/tolerance.py); and eval_batch
-    after training: the global mean loss and this data-parallel rank's whole logits, on every rank."""
+    after training: the global mean loss (the model's own, and through a loss_fn) and this data-parallel rank's
+    whole logits, on every rank. On top of that, the issues' figure: within rel 1e-5 of plain fp32 (each loss, the
+    gradient norm, each weight tensor in norm beyond fp32's own noise on it)."""
     exact_losses, exact, exact_norm = reference(steps, rows, clip, "fp64")
     plain_losses, plain, plain_norm = reference(steps, rows, clip, "fp32")
     exact_eval, plain_eval = evaluation(steps, rows, clip, "fp64"), evaluation(steps, rows, clip, "fp32")
@@ -145,6 +159,13 @@ def check(results: list[dict], *, steps: int = STEPS, rows: int = ROWS, clip: fl
         tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_losses([r["grad_norm"]], [exact_norm], [plain_norm], dtype=torch.float32)
         tolerance.assert_losses([r["eval_loss"]], [exact_eval["loss"]], [plain_eval["loss"]], dtype=torch.float32)
+        if r["eval_fn_loss"] is not None:  # eval_batch's loss_fn: the same loss, the same arithmetic
+            tolerance.assert_losses(
+                [r["eval_fn_loss"]], [exact_eval["loss"]], [plain_eval["loss"]], dtype=torch.float32
+            )
+        # the issues' figure too (Chimera's: fp32, rel 1e-5): each loss and the gradient norm against plain fp32
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+        assert abs(r["grad_norm"] - plain_norm) <= 1e-5 * plain_norm, (r["grad_norm"], plain_norm)
         a, b = r["rows"]
         tolerance.assert_weights(
             {"logits": r["eval_logits"]},
@@ -161,3 +182,8 @@ def check(results: list[dict], *, steps: int = STEPS, rows: int = ROWS, clip: fl
             merged[name] = value if info is None else unshard([r["state"][name] for r in ranks], info)
     assert merged.keys() == exact.keys(), sorted(set(exact) ^ set(merged))
     tolerance.assert_weights(merged, exact, plain, dtype=torch.float32)
+    for name, value in plain.items():
+        # rel 1e-5 of each tensor's norm from plain fp32, on top of fp32's own noise on it (as in grid_parity.check)
+        noise = tolerance.FACTOR * float((value.double() - exact[name].double()).norm())
+        err, size = float((merged[name].double() - value.double()).norm()), float(value.double().norm())
+        assert err <= 1e-5 * size + noise, f"{name}: {err:.3g} from plain fp32 (norm {size:.3g}, noise {noise:.3g})"

@@ -443,7 +443,17 @@ CKPT = {
         **CK,
         "activation_offload": True,
     },
+    "gpipe-ckpt-offload-zero3": {
+        **_p(3, pipeline=2, schedule="gpipe", microbatches=2, pipeline_split=["layers.1"]),
+        **CK,
+        "activation_offload": True,
+    },
     "interleaved-ckpt": {**_p(2, pipeline=2, schedule="interleaved_1f1b", microbatches=2), **CK},
+    "interleaved-ckpt-offload": {
+        **_p(1, pipeline=2, schedule="interleaved_1f1b", microbatches=4),
+        **CK,
+        "activation_offload": True,
+    },
     "chimera-ckpt-offload-zero3": {
         **_p(3, pipeline=2, schedule="chimera", microbatches=4, pipeline_split=["layers.1"]),
         **CK,
@@ -454,8 +464,8 @@ CKPT = {
 
 @pytest.mark.timeout(600)
 def test_checkpointed_stages_match_for_every_schedule():
-    """Activation checkpointing (and offload of the checkpointed blocks' inputs) inside pipeline stages, with all
-    four schedules: the same losses and weights as without it (plain PyTorch); every rank's blocks ran their
+    """Activation checkpointing, without and with offload of the checkpointed blocks' inputs, inside pipeline stages,
+    with all four schedules: the same losses and weights as without it (plain PyTorch); every rank's blocks ran their
     layers twice (forward, then recomputed in backward)."""
     names = list(CKPT)
     results = run_distributed(_ckpt_matrix, 2, [CKPT[n] for n in names], timeout=540)

@@ -74,3 +74,36 @@ def test_plan_respects_the_machine_and_the_modes():
     one = next(o for o in modes.options if o.layout["tensor_mode"] == "1d" and o.layout["tensor"] == 8
                and o.layout["microbatches"] == three.layout["microbatches"] and not o.layout["sequence"])  # fmt: skip
     assert three.terms["tensor"] < one.terms["tensor"]
+
+
+def _tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "estimate.py"
+    spec = importlib.util.spec_from_file_location("estimate_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_estimate_tool_takes_the_layout_flags_and_recommends(capsys):
+    """tools/estimate.py: --tensor, --tensor-mode, --pipeline, --microbatches and --sequence (bare: Megatron's) give
+    hetero.estimate's bytes for that layout; --recommend prints the ranked table and a config that pastes."""
+    tool = _tool()
+    machine = ["--device-memory", "80GiB", "--host-memory", "1TiB", "--nvme-space", "4TiB"]
+    flags = ["--params", "5e7", "--world-size", "8", "--tensor", "2", "--tensor-mode", "1d", "--pipeline", "2",
+             "--microbatches", "4", "--batch-size", "2", "--seq-len", "64", "--zero-stage", "3"]  # fmt: skip
+    assert tool.main([*flags, "--sequence", *machine, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = estimate(5e7, {"zero_stage": 3}, world_size=8, batch_size=2, seq_len=64, tensor=2, tensor_mode="1d",
+                    pipeline=2, microbatches=4, sequence="megatron",
+                    machine=Machine(device_bytes="80GiB", host_bytes="1TiB", nvme_bytes="4TiB", gpus=8))  # fmt: skip
+    assert got == json.loads(json.dumps(want.to_dict()))
+    assert got["layout"]["pipeline"] == 2 and got["layout"]["sequence"] == "megatron"
+    assert tool.main([*flags[:2], "--world-size", "4", "--recommend", "--global-batch", "8", "--seq-len", "64",
+                      "--tensor-modes", "1d", "--top", "3", *machine]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "config to paste" in text and " 1. " in text and " 4. " not in text
+    pasted = json.loads(text[text.index("config to paste") :].split("\n", 1)[1])
+    hetero.Config.from_dict(pasted)

@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", type=int, help="pipeline degree")
     ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"), help="pipeline schedule")
     ap.add_argument("--microbatches", type=int, help="micro-batches per batch (each of --batch-size sequences)")
-    ap.add_argument("--sequence", choices=("none", "megatron", "ulysses", "ring"), help="sequence parallelism")
+    ap.add_argument(
+        "--sequence",
+        nargs="?",
+        const="megatron",
+        choices=("none", "megatron", "ulysses", "ring"),
+        help="sequence parallelism (bare --sequence: megatron, with the tensor ranks)",
+    )
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     ap.add_argument(
         "--ranks-per-node", type=int, help="ranks sharing a node's RAM and NVMe (default: min(world, GPUs))"
