@@ -1,9 +1,11 @@
 """Grid tensor parallelism (2D, 2.5D, 3D) and the sequence-split modes (Ulysses, ring) through `hetero.initialize`:
 the same losses, global gradient norm (clipping included) and weights after several AdamW steps as plain PyTorch on
 the whole batch, for Hugging Face Llama and GPT-2 built from configs (and the pipelineable GPTPipe for the
-pipeline); every layout's blocks cover each parameter exactly once; 2D checkpoints resume bit-exactly and
-consolidate to the plain model's state_dict; ring attention's causal work is balanced; bad layouts fail clearly
-before anything changes."""
+pipeline, under every schedule, Ulysses and ring included); every layout's blocks cover each parameter exactly
+once; checkpoints of 2D, 2.5D, 3D, Ulysses and ring resume bit-exactly and consolidate to the plain model's
+state_dict; offloaded states (host, NVMe) train to the same weights under every mode; each rank's ledgers equal the
+estimator's bytes under grid and sequence modes with a pipeline; ring attention's causal work is balanced; bad
+layouts fail clearly before anything changes."""
 
 from __future__ import annotations
 
@@ -113,6 +115,12 @@ def test_grid_errors_before_anything_changes():
             ParallelConfig(**kwargs)
     assert ParallelConfig(tensor=2, sequence=True).sequence == "megatron"  # true keeps meaning Megatron-SP
     assert ParallelConfig(tensor=2, sequence="ring", pipeline=2).split_sequence  # each stage splits the sequence
+    # a split region's bounds are checked on the whole model's plan, before the pipeline cuts it
+    from hetero.parallel.seq_split import check_regions
+
+    with pytest.raises(ConfigError, match="needs a plan with a 'sequence_scatter' module"):
+        check_regions({"layers.0.attn": "heads", "head.ln_f": "norm+sequence_gather"})
+    check_regions({"embed.drop": "sequence_scatter", "layers.0.attn": "heads", "head.ln_f": "norm+sequence_gather"})
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
