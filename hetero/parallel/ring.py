@@ -187,7 +187,10 @@ class _Attend:
 
 
 def apply_ring(
-    model: nn.Module, comm: Comm, *, plan: Mapping[str, str] | str = "auto",
+    model: nn.Module,
+    comm: Comm,
+    *,
+    plan: Mapping[str, str] | str = "auto",
     reduce_grads: bool = True,
     whole_model: bool = True,
 ) -> None:

@@ -56,7 +56,10 @@ def _check_heads(module: nn.Module, name: str, size: int) -> None:
 
 
 def apply_ulysses(
-    model: nn.Module, comm: Comm, *, plan: Mapping[str, str] | str = "auto",
+    model: nn.Module,
+    comm: Comm,
+    *,
+    plan: Mapping[str, str] | str = "auto",
     reduce_grads: bool = True,
     whole_model: bool = True,
 ) -> None:
