@@ -164,11 +164,6 @@ class ParallelConfig:
                 f"parallel.sequence = {self.sequence!r} with tensor_mode {self.tensor_mode!r}: grid modes cut the "
                 "batch, not the sequence; sequence parallelism runs with tensor_mode '1d'"
             )
-        if self.sequence in ("ulysses", "ring") and self.pipeline > 1:
-            raise ConfigError(
-                f"parallel.sequence = {self.sequence!r} with pipeline > 1 is not supported; use 'megatron' with a "
-                "pipeline, or no pipeline"
-            )
 
     @property
     def split_sequence(self) -> bool:

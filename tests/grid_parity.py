@@ -105,14 +105,57 @@ def reference(family: str, clip: float | None = None, dtype: torch.dtype = torch
     return _REFERENCES[key]
 
 
+TIERS = ("device", "host", "nvme")
+
+
+def _estimate(family: str, config: dict, world: int) -> dict[str, int]:
+    """The estimator's model-state bytes per tier for this rank's pipeline rank (tensor rank 0's share), on meta."""
+    from hetero.profiler.estimator import estimate
+
+    with torch.device("meta"):
+        meta = build(family)
+    est = estimate(meta, config, world_size=world, batch_size=ROWS, seq_len=SEQ, optimizer=optimizer(meta),
+                   machine=False)  # fmt: skip
+    if est.per_pipeline_rank:
+        return {"per_pipeline_rank": [r["model_state"] for r in est.per_pipeline_rank]}  # type: ignore[dict-item]
+    return {t: est.model_state(t) for t in TIERS}
+
+
+def _resumed(family: str, config: dict, root: str, state: dict, rank: int) -> dict[str, Any]:
+    """A fresh engine (other initial weights) loads the checkpoint at `root` and trains one more batch: whether it
+    loaded `state` bit for bit, and its loss and weights after that batch."""
+    torch.manual_seed(99 + rank)
+    model = build(family, seed=7)
+    engine = hetero.initialize(model, optimizer(model), config)
+    engine.load_checkpoint(root)
+    loaded = {k: v.float() for k, v in engine.full_state_dict().items()}
+    equal = loaded.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in loaded.items())
+    loss = _extra_batch(engine, family)
+    out = {"loaded_equal": equal, "loss": loss, "state": {k: v.float() for k, v in engine.full_state_dict().items()}}
+    engine.close()
+    return out
+
+
+def _extra_batch(engine: hetero.Engine, family: str) -> float:
+    """One batch after the parity run's (the run goes on from the checkpoint with it)."""
+    x, y = batches(family, STEPS + 1)[-1]
+    local, dpr = ROWS // engine.data_parallel_size, engine.data_parallel_rank
+    return float(engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
+
+
 def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     """hetero on this rank's share of each global batch: losses, this stage's weights (first data-parallel rank),
-    the coordinates, the gradient norm and the tensor cuts, for `check`."""
+    the coordinates, the gradient norm and the tensor cuts, for `check`. Options in the config (popped): a
+    `_checkpoint` root saved to after training; `_resume` too: the run goes on one batch, and a fresh engine loads
+    the checkpoint and takes the same batch (`resume` in the result); `_estimate`: the estimator's model-state bytes
+    and this rank's ledgers after training (`estimate`, `ledgers`)."""
     torch.manual_seed(1234 + rank)  # the model must not depend on a rank's RNG
     model = build(family)
     config = copy.deepcopy(config)
     config.setdefault("chunk_size", CHUNK)
     save_to = config.pop("_checkpoint", None)  # a root to save a checkpoint to after training (tests consolidate it)
+    resume = config.pop("_resume", False)
+    estimated = _estimate(family, config, world) if config.pop("_estimate", False) else None
     engine = hetero.initialize(model, optimizer(model), config)
     dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
     local = ROWS // dp
@@ -120,6 +163,8 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
         float(engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
         for x, y in batches(family)
     ]
+    engine.manager.synchronize()
+    ledgers = {t: s["current"] for t, s in engine.memory_stats().items() if t in TIERS}
     x, y = eval_data(family)
     eval_loss = float(engine.eval_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
     if save_to is not None:
@@ -136,7 +181,21 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
         },
         "mesh": repr(mesh),
         "eval_loss": eval_loss,
+        "ledgers": ledgers,
+        "estimate": estimated,
     }
+    if resume:
+        loss = _extra_batch(engine, family)
+        final = {k: v.float() for k, v in engine.full_state_dict().items()}
+        engine.close()
+        again = _resumed(family, config, save_to, state, rank)
+        out["resume"] = {
+            "loaded_equal": again["loaded_equal"],
+            "losses": (loss, again["loss"]),
+            "final_equal": final.keys() == again["state"].keys()
+            and all(torch.equal(v, again["state"][k]) for k, v in final.items()),
+        }
+        return out
     engine.close()
     return out
 
@@ -181,9 +240,28 @@ def check(results: list[dict], family: str, clip: float | None) -> None:
         assert err <= 1e-5 * size + noise, f"{name}: {err:.3g} from plain fp32 (norm {size:.3g}, noise {noise:.3g})"
 
 
+def check_composed(results: list[dict], config: dict) -> None:
+    """What a case's options ask beyond parity: a resumed run bit-exact with the uninterrupted one (`_resume`); the
+    estimator's model-state bytes equal to every rank's ledgers, per tier (`_estimate`); an offloaded state held on
+    its tier (`offload`)."""
+    for r in results:
+        if config.get("_resume"):
+            res = r["resume"]
+            assert res["loaded_equal"], f"rank {r['coords']}: the loaded weights differ from the saved ones"
+            assert res["losses"][0] == res["losses"][1], (r["coords"], res["losses"])  # bit-exact
+            assert res["final_equal"], f"rank {r['coords']}: weights after the resumed batch differ"
+        if config.get("_estimate"):
+            est = r["estimate"]
+            want = est["per_pipeline_rank"][r["coords"][2]] if "per_pipeline_rank" in est else est
+            assert {t: want[t] for t in TIERS} == r["ledgers"], (r["coords"], want, r["ledgers"])
+        for tier in set(config.get("offload", {}).values()):
+            assert r["ledgers"][tier] > 0, f"rank {r['coords']}: nothing on {tier} under offload {config['offload']}"
+
+
 def check_all(cases: dict[str, tuple[str, dict]], results: list[list[dict]]) -> None:
     for i, (name, (family, config)) in enumerate(cases.items()):
         try:
             check([r[i] for r in results], family, config.get("grad_clip_norm"))
+            check_composed([r[i] for r in results], config)
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from err

@@ -187,7 +187,12 @@ class _Attend:
 
 
 def apply_ring(
-    model: nn.Module, comm: Comm, *, plan: Mapping[str, str] | str = "auto", reduce_grads: bool = True
+    model: nn.Module,
+    comm: Comm,
+    *,
+    plan: Mapping[str, str] | str = "auto",
+    reduce_grads: bool = True,
+    whole_model: bool = True,
 ) -> None:
     """Ring sequence parallelism over ``comm``, in place; weights stay whole, names unchanged. The plan bounds the
     region and names the attention modules as for Ulysses (``ulysses.apply_ulysses``); head counts need not divide.
@@ -201,4 +206,5 @@ def apply_ring(
         hf_attention=lambda module, name: _HFAttention(comm),
         check_attention=lambda module, name: None,
         reduce_grads=reduce_grads,
+        whole_model=whole_model,
     )

@@ -20,6 +20,18 @@ ranks of a sequence group hold different tokens of the same samples: for ZeRO th
 reduction is a mean over its ranks; the hook then multiplies the part by the group size p instead, so that the
 mean over the p ranks is their sum, and no collective is added. Parameters outside the region (embeddings, the
 LM head after the gather) see every position on every rank: their gradients are already complete and equal.
+
+[Note: the sequence split across pipeline stages]
+With a pipeline, each stage splits the sequence over the same group: the sequence ranks of a data-parallel group
+are the same positions of the pipeline on every stage (`Mesh.build` lays sp out inside dp, and pp links equal dp
+coordinates), so rank s of the group on stage i sends its positions to rank s on stage i + 1, and the activations
+that cross a stage boundary inside the region are that rank's part of the sequence (the pipeline's headers carry
+their shapes). The scatter is on the stage holding the plan's `sequence_scatter` module, the gather on the one
+holding `sequence_gather`; a middle stage has neither, and its attention and layers take the parts as they come.
+So the plan is resolved and its regions checked on the whole model, before the cut (`check_regions`), and each
+stage applies the part of it that it holds (`whole_model=False`). Every rank of a sequence group runs the same
+schedule, so their ring or all-to-all exchanges come in the same order; ZeRO's group on each stage is that stage's
+data-parallel group, which holds the sequence group as without a pipeline.
 """
 
 from __future__ import annotations
@@ -167,6 +179,14 @@ def _wrap_hf(module: nn.Module, comm: Comm, layout: SeqLayout, attention: Callab
     module.register_forward_pre_hook(slice_rotary, with_kwargs=True)
 
 
+def check_regions(resolved: Mapping[str, str]) -> None:
+    """A resolved plan (of the whole model) bounds a split region and names its attention modules."""
+    parts = [style.split("+") for style in resolved.values()]
+    for role in ("sequence_scatter", "sequence_gather", "heads"):
+        if not any(role in styles for styles in parts):
+            raise ConfigError(f"sequence parallelism needs a plan with a {role!r} module; this plan has none")
+
+
 def apply_sequence_split(
     model: nn.Module,
     comm: Comm,
@@ -177,19 +197,20 @@ def apply_sequence_split(
     hf_attention: Callable[[nn.Module, str], Callable[..., torch.Tensor]],
     check_attention: Callable[[nn.Module, str], None],
     reduce_grads: bool,
+    whole_model: bool = True,
 ) -> None:
     """Split the sequence over ``comm`` inside the plan's region, in place (see the module docstring).
+    ``whole_model`` False: ``model`` is one pipeline stage ([Note: the sequence split across pipeline stages]).
     ``gpt_attend(module)`` makes the new ``attend`` of a hetero GPT attention module (q, k, v [b, heads, s, d] in and
     out, causal), ``hf_attention(module, name)`` the attention function of a transformers module;
     ``check_attention`` raises before anything changes if a module cannot take part."""
     check_untouched(model)
-    resolved = resolve_plan(model, plan)
+    resolved = resolve_plan(model, plan, strict=whole_model)
+    if whole_model:
+        check_regions(resolved)
     modules = dict(model.named_modules())
     parts = {name: style.split("+") for name, style in resolved.items()}
     attention = [name for name, styles in parts.items() if "heads" in styles]
-    for role in ("sequence_scatter", "sequence_gather", "heads"):
-        if not any(role in styles for styles in parts.values()):
-            raise ConfigError(f"sequence parallelism needs a plan with a {role!r} module; this plan has none")
     for name in attention:
         module = modules[name]
         check_attention(module, name)

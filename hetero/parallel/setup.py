@@ -48,6 +48,10 @@ def setup_parallel(
 
         # Resolved on the whole model: a pattern must match somewhere in it, not on every stage.
         plan = resolve_plan(model, plan)
+        if split:
+            from hetero.parallel.seq_split import check_regions
+
+            check_regions(plan)  # before the cut: [Note: the sequence split across pipeline stages]
     if cfg.pipeline > 1:
         costs = None
         if cfg.pipeline_split == "auto":
@@ -72,7 +76,7 @@ def setup_parallel(
 
         apply = apply_ring if cfg.sequence == "ring" else apply_ulysses
         # ZeRO's data-parallel group holds the sequence group: its mean completes the parts' sum (seq_split.py).
-        apply(model, mesh.sp, plan=plan, reduce_grads=False)
+        apply(model, mesh.sp, plan=plan, reduce_grads=False, whole_model=chunks is None)
     elif cfg.tensor > 1:
         present = {n for n, _ in model.named_modules()}
         plan = {n: st for n, st in plan.items() if n in present}

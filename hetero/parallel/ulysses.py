@@ -56,7 +56,12 @@ def _check_heads(module: nn.Module, name: str, size: int) -> None:
 
 
 def apply_ulysses(
-    model: nn.Module, comm: Comm, *, plan: Mapping[str, str] | str = "auto", reduce_grads: bool = True
+    model: nn.Module,
+    comm: Comm,
+    *,
+    plan: Mapping[str, str] | str = "auto",
+    reduce_grads: bool = True,
+    whole_model: bool = True,
 ) -> None:
     """Ulysses sequence parallelism over ``comm``, in place; weights stay whole, names unchanged.
 
@@ -75,4 +80,5 @@ def apply_ulysses(
         hf_attention=lambda module, name: _HFAttention(comm, hf_inner(module, name)),
         check_attention=lambda module, name: _check_heads(module, name, comm.size),
         reduce_grads=reduce_grads,
+        whole_model=whole_model,
     )
