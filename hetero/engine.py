@@ -25,6 +25,7 @@ from hetero.events import Events
 from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
+from hetero.zero.buckets import DenseReduce
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
@@ -140,9 +141,13 @@ class Engine:
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
+        # Stages 0-1 reduce during the backward before an update ([Note: reducing during backward at stages 0-1]).
+        dense = [zc for zc in self._trainable if zc.grad_full is None]
+        self.dense = DenseReduce(dense, manager=self.manager, comm=self.comm, check=self.check)
         self.updater = Updater(
             self.chunks, manager=self.manager, mesh=self.mesh, config=config, algorithm=self.algorithm, check=self.check
         )
+        self.updater.reduced_early = self.dense.take
         self.optimizer = ZeroOptimizer(self.updater, optimizer)
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
@@ -191,11 +196,13 @@ class Engine:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
         self.events.emit("backward_begin")
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.dense.begin(last_micro_batch=(self.micro_steps + 1) % self.config.grad_accumulation_steps == 0)
         with self.device.compute_context():
             (loss * (scale / self.config.grad_accumulation_steps)).backward()
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
+        self.dense.end()
         for zc in self._trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
@@ -245,6 +252,8 @@ class Engine:
             self.gathers.grad_arrived(e, self._unit_of[id(param)])
         if complete and self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
             self.reducer.ready(e.chunk)
+        elif complete and self.stage < 2:
+            self.dense.ready(e.chunk)
 
     def _reduces_in_flight(self, zc: ZeroChunk) -> int:
         # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,13 +59,16 @@ class Updater:
         self.global_steps = 0  # updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self.last_grad_norm: float | None = None  # before clipping, like clip_grad_norm_'s return; None before any
+        # Stages 0-1: whether backward already reduced a chunk's gradient (hetero/zero/buckets.py); set by the engine.
+        self.reduced_early: Callable[[ZeroChunk], bool] = lambda zc: False
 
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
         self.check(UPDATE)
         for zc in self.chunks:
-            zc.reduce_at_update()
+            if not self.reduced_early(zc):
+                zc.reduce_at_update()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
         fused_norm = (

@@ -1,0 +1,81 @@
+"""Overlap: stage 0-1 gradients reduced during backward ([Note: reducing during backward at stages 0-1])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero
+
+try:
+    from tests import parity
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+
+CONFIGS = {
+    "z0-device": {"zero_stage": 0},
+    "z1-device": {"zero_stage": 1},
+    "z0-host-accum2": {"zero_stage": 0, "offload": {"optimizer": "host"}, "grad_accumulation_steps": 2},
+    "z1-host-clip": {"zero_stage": 1, "offload": {"optimizer": "host"}, "grad_clip_norm": 0.05},
+}
+
+
+def _reduced_after_backward(rank: int, world: int, cfg: dict) -> list[tuple[bool, int]]:
+    """For each micro-batch, right after its backward (before engine.step): whether every rank holds the same
+    gradient in the range rank 0 updates, and how many collectives backward issued per trainable chunk."""
+    model = parity.build()
+    engine = hetero.initialize(model, parity.make_optimizer(model), {**cfg, "chunk_size": parity.CHUNK})
+    accum = cfg.get("grad_accumulation_steps", 1)
+    out = []
+    for x, y in parity.batches(2 * accum, 4):
+        loss = engine(x[rank * 2 : rank * 2 + 2], labels=y[rank * 2 : rank * 2 + 2]).loss
+        before = engine.check.seq
+        engine.backward(loss)
+        issued = engine.check.seq - before
+        same = True
+        for zc in engine.updater.chunks:
+            g = zc.grad_buffer().clone()
+            both = torch.empty(world * g.numel())
+            engine.comm.control.all_gather(both, g)
+            lo, hi = (0, g.numel()) if zc.stage == 0 else (0, g.numel() // world)  # rank 0's range
+            a, b = both.view(world, -1)[:, lo:hi]
+            # Stage 1: only rank 0 holds the mean of its range; rank 1 keeps its local values there.
+            same &= bool(torch.equal(a, b)) if zc.stage == 0 else not torch.equal(a, b)
+        out.append((same, issued / len(engine.updater.chunks)))
+        engine.step()
+    engine.close()
+    return out
+
+
+def _run(rank: int, world: int, names: list[str]) -> dict:
+    torch.set_num_threads(1)
+    out = {name: parity.run_hetero(rank, world, steps=6, rows=4, config=CONFIGS[name]) for name in names}
+    out["probe-z0"] = _reduced_after_backward(rank, world, CONFIGS["z0-host-accum2"])
+    out["probe-z1"] = _reduced_after_backward(rank, world, {"zero_stage": 1})
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("standin", [False, True], ids=["cpu", "standin"])
+def test_stage01_gradients_are_reduced_during_backward_and_match_plain_pytorch(monkeypatch, standin):
+    if standin:
+        monkeypatch.setenv("HETERO_STANDIN", "1")
+    # Under the stand-in (NCCL's rules: the host gradients go through device copies) the host-offload cases only.
+    names = [n for n in CONFIGS if "host" in n] if standin else list(CONFIGS)
+    results = run_distributed(_run, 2, names, timeout=240)[0]
+    for name in names:
+        cfg = CONFIGS[name]
+        parity.check(
+            results[name],
+            "fp32",
+            steps=6,
+            rows=4,
+            accum=cfg.get("grad_accumulation_steps", 1),
+            clip=cfg.get("grad_clip_norm"),
+        )
+    # The first micro-batch of two leaves its gradient local (ranks differ, no collective); the last one's backward
+    # reduces every chunk (stage 0: equal everywhere; stage 1: rank 0's range reduced on rank 0 only).
+    assert results["probe-z0"] == [(False, 0), (True, 1), (False, 0), (True, 1)]
+    assert results["probe-z1"] == [(True, 1), (True, 1)]
