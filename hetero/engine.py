@@ -26,6 +26,7 @@ from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
 from hetero.zero.buckets import DenseReduce
+from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
@@ -155,6 +156,8 @@ class Engine:
         self.hooks = Hooks(
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
         )
+        if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
+            self.updater.delayed = DelayedUpdate(self.updater, model)
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
@@ -247,6 +250,8 @@ class Engine:
         e = self._entries[id(param)]
         grad = param.grad
         param.grad = None
+        if self.updater.delayed is not None:
+            self.updater.delayed.settle(e.chunk)  # the pending update reads the buffer this gradient goes into
         complete = e.chunk.add_grad(e, grad)
         if self.gathers is not None:
             self.gathers.grad_arrived(e, self._unit_of[id(param)])
@@ -304,6 +309,7 @@ class Engine:
     def _summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
         """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
         for the purpose on the way out."""
+        self.settle_update()
         fresh = [zc for zc in chunks if not zc.gathered]
         entries = [self._entries[id(i.param)] for zc in chunks for i in zc.spec.params]
         for zc in chunks:
@@ -345,6 +351,7 @@ class Engine:
         Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
+        self.settle_update()
         return save_checkpoint(self, path, client_state, **kwargs)
 
     def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> Any:
@@ -352,7 +359,14 @@ class Engine:
         saved client_state. Keyword-only extra: lr_scheduler=. See `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
+        self.settle_update()
         return load_checkpoint(self, path, **kwargs)
+
+    def settle_update(self) -> None:
+        """With `delayed_param_update`: apply the pending update now (every rank calls it: stages 1-2 gather), so
+        that parameters and states are those of the last `step()`. A no-op otherwise."""
+        if self.updater.delayed is not None:
+            self.updater.delayed.complete()
 
     def memory_stats(self) -> dict[str, Any]:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
@@ -412,6 +426,8 @@ class Engine:
         self.events.emit("close")
         self._closed = True
         self.hooks.remove()
+        if self.updater.delayed is not None:
+            self.updater.delayed.close()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()
