@@ -191,6 +191,8 @@ class DelayedUpdate:
         if zc.placement.optim is Tier.NVME:
             self.updater.release_stepped(zc)
             self._read_ahead(self.chunks.index(zc) + 1)
+        else:
+            self.updater.release_zeroed(zc)
 
     def _read_ahead(self, i: int) -> None:
         if i < len(self.chunks) and self.chunks[i].placement.optim is Tier.NVME:

@@ -93,6 +93,8 @@ class Updater:
             if streamed:
                 self.release_stepped(zc)
                 self._prefetch(i + 1, zc.placement.compute)
+            else:
+                self.release_zeroed(zc)
         self.finish(plan)
 
     def prepare(self) -> Plan | None:
@@ -142,12 +144,20 @@ class Updater:
                 self.comm.control.all_reduce(plan.sq, op="sum")
             self.last_grad_norm = math.sqrt(float(plan.sq))
         self.global_steps += 1
+        # [Note: memory between steps] Buffers cached for reuse would sit through the next forward, where the step's
+        # memory peaks (activations): give them back. Backward takes what it needs again.
+        self.manager.trim(Tier.DEVICE)
         self.manager.step_end()  # a no-op unless backward left the step open for the update
 
     def release_stepped(self, zc: ZeroChunk) -> None:
         """A streamed chunk has stepped: its states written back while the next chunk steps, its zeroed gradient
-        released (stages 2-3 hold no data until the next reduce)."""
+        released."""
         self.manager.move(zc.optim, Tier.NVME, wait=False)
+        self.release_zeroed(zc)
+
+    def release_zeroed(self, zc: ZeroChunk) -> None:
+        """Stages 2-3: a stepped chunk's gradient holds no data until the next reduce-scatter writes it whole, so it
+        holds no memory either (FSDP2 frees its sharded gradients at zero_grad too)."""
         if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
             self.manager.release(zc.grad)
 
