@@ -89,6 +89,7 @@ class Engine:
                 "update_end",
                 "micro_step",
                 "close",
+                "span",  # (track, name, start, end): background work, timed ([Note: measuring overlap])
             )
         )
         if comm is None:
@@ -149,6 +150,15 @@ class Engine:
             self.chunks, manager=self.manager, mesh=self.mesh, config=config, algorithm=self.algorithm, check=self.check
         )
         self.updater.reduced_early = self.dense.take
+        spans = weakref.WeakMethod(self._span)
+
+        def on_span(*a: object) -> None:
+            fn = spans()
+            if fn is not None:
+                fn(*a)
+
+        for part in (self.reducer, self.dense.reducer, self.updater):
+            part.on_span = on_span
         self.optimizer = ZeroOptimizer(self.updater, optimizer)
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
@@ -259,6 +269,10 @@ class Engine:
             self.reducer.ready(e.chunk)
         elif complete and self.stage < 2:
             self.dense.ready(e.chunk)
+
+    def _span(self, track: str, name: str, start: float, end: float) -> None:
+        if self.events.has("span"):
+            self.events.emit("span", track, name, start, end)
 
     def _reduces_in_flight(self, zc: ZeroChunk) -> int:
         # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This

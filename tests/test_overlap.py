@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import hetero
+from hetero.profiler.overlap import intersection, union
 
 try:
     from tests import parity
@@ -79,3 +82,37 @@ def test_stage01_gradients_are_reduced_during_backward_and_match_plain_pytorch(m
     # reduces every chunk (stage 0: equal everywhere; stage 1: rank 0's range reduced on rank 0 only).
     assert results["probe-z0"] == [(False, 0), (True, 1), (False, 0), (True, 1)]
     assert results["probe-z1"] == [(True, 1), (True, 1)]
+
+
+def test_interval_arithmetic_of_the_overlap_figures():
+    assert union([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+    assert intersection([(0, 2), (3, 4)], [(1, 3.5)]) == 1.5
+    assert intersection([(0, 1)], [(1, 2)]) == 0.0
+
+
+def test_the_profile_shows_collectives_and_the_delayed_update_beside_compute(tmp_path):
+    torch.set_num_threads(1)
+    model = parity.build()
+    cfg = {
+        "zero_stage": 1,
+        "offload": {"optimizer": "nvme"},
+        "memory": {"nvme_dir": str(tmp_path)},
+        "delayed_param_update": True,
+        "chunk_size": parity.CHUNK,
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    with hetero.profile(engine, tmp_path / "prof", plot=False):
+        for x, y in parity.batches(3, 2):
+            engine.backward(engine(x, labels=y).loss)
+            engine.step()
+    engine.close()
+    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
+    o = summary["overlap"]
+    # The delayed update's math ran while forward and backward did; the reduces were timed during backward.
+    assert o["optimizer"]["hidden_s"] > 0
+    assert o["collectives"]["busy_s"] > 0
+    assert o["move host->nvme"]["busy_s"] > 0 and o["move nvme->host"]["busy_s"] > 0
+    assert "overlap with compute" in (tmp_path / "prof" / "summary.txt").read_text()
+    trace = json.loads((tmp_path / "prof" / "trace.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"collectives", "optimizer", "host->nvme"} <= tracks

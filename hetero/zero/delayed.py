@@ -39,6 +39,7 @@ so `last_grad_norm` and `global_steps` count an update once it is applied.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -65,7 +66,8 @@ class DelayedUpdate:
         self.chunks = updater.chunks  # layout order: the update's order
         self.plan: Plan | None = None  # the update pending, if any
         self._next = 0  # index of the next chunk to step
-        self._running: tuple[ZeroChunk, Future[torch.Tensor]] | None = None  # the chunk whose math runs now
+        # The chunk whose math runs now, and its result: (sum of squares, start, end).
+        self._running: tuple[ZeroChunk, Future[tuple[torch.Tensor, float, float]]] | None = None
         self._stepped: set[int] = set()  # chunks of the pending update that have stepped (ids)
         # Per chunk: its new parameter values (compute dtype, this rank's range) until they are applied.
         self._values: dict[int, Chunk] = {}
@@ -162,12 +164,13 @@ class DelayedUpdate:
         group = plan.groups[zc.spec.group]
         algorithm, coef, fused = self.updater.algorithm, plan.coef, plan.fused_norm
 
-        def math() -> torch.Tensor:
+        def math() -> tuple[torch.Tensor, float, float]:
+            t0 = time.perf_counter()
             with torch.no_grad():
                 sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2 if fused else torch.zeros(())
                 step_runs(algorithm, group, master, grad, states, runs, coef)
                 values.copy_(master)
-            return sq
+            return sq, t0, time.perf_counter()
 
         self._running = (zc, self._worker.submit(math))
 
@@ -179,13 +182,15 @@ class DelayedUpdate:
         self._running = None
         m = self.manager
         try:
-            sq = future.result()
+            sq, t0, t1 = future.result()
         finally:
             m.unpin(zc.grad)
             m.unpin(zc.optim)
             m.unpin(self._values[id(zc)])
         if self.plan is not None and self.plan.fused_norm:
             self.plan.sq += sq.to(torch.float64)
+        if self.updater.on_span is not None:
+            self.updater.on_span("optimizer", f"step chunk {zc.spec.index} (delayed)", t0, t1)
         zc.zero_grad()
         self._stepped.add(id(zc))
         if zc.placement.optim is Tier.NVME:

@@ -26,6 +26,7 @@ eviction, timing or data:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -300,6 +301,8 @@ class Reducer:
         self._start = start or (lambda zc: zc.start_reduce())  # issues a chunk's collective
         self._finish = finish or (lambda zc: zc.finish_reduce())  # completes it
         self._op = op  # what the check calls the collective
+        self.on_span: Callable[[str, str, float, float], None] | None = None  # (track, name, issued, completed)
+        self._issued: dict[int, float] = {}  # chunk id -> when its collective was issued
         self._next = 0  # position in `order` of the next chunk to issue
         self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
         self._running: deque[ZeroChunk] = deque()  # issued, not yet completed
@@ -315,7 +318,7 @@ class Reducer:
         while self._next < len(self.order):
             self._issue(self.order[self._next])
         while self._running:
-            self._finish(self._running.popleft())
+            self._complete(self._running.popleft())
         self._next = 0
         self._ready.clear()
 
@@ -323,10 +326,17 @@ class Reducer:
         # Every chunk, every micro-batch, also one no gradient of this rank reached: another rank's may have.
         self._next += 1
         self.check(self._op, chunk=zc.spec.index, phase=BACKWARD)
+        self._issued[id(zc)] = time.perf_counter()
         self._start(zc)
         self._running.append(zc)
         while len(self._running) > self._in_flight(zc):
-            self._finish(self._running.popleft())
+            self._complete(self._running.popleft())
+
+    def _complete(self, zc: ZeroChunk) -> None:
+        self._finish(zc)
+        issued = self._issued.pop(id(zc), None)
+        if self.on_span is not None and issued is not None:
+            self.on_span("collectives", f"{OPS[self._op]} chunk {zc.spec.index}", issued, time.perf_counter())
 
 
 def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ class Updater:
         # Stages 0-1: whether backward already reduced a chunk's gradient (hetero/zero/buckets.py); set by the engine.
         self.reduced_early: Callable[[ZeroChunk], bool] = lambda zc: False
         self.delayed: DelayedUpdate | None = None  # delayed_param_update: the update runs during the next step
+        self.on_span: Callable[[str, str, float, float], None] | None = None  # a chunk's math, timed (profiler)
 
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -167,7 +169,10 @@ class Updater:
             master, states = zc.optimizer_views()
             with self.manager.pinned(zc.optim):
                 runs = zc.update_segments(used)
+                t0 = time.perf_counter()
                 step_runs(self.algorithm, self.param_groups[zc.spec.group], master, grad, states, runs, coef)
+                if self.on_span is not None:
+                    self.on_span("optimizer", f"step chunk {zc.spec.index}", t0, time.perf_counter())
                 zc.write_back(master)
 
     def _prefetch(self, i: int, tier: Tier) -> None:
