@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hetero.device import Device
+from hetero.io import hugepages
 from hetero.memory.chunk import Chunk
 from hetero.memory.pool import BufferPool
 from hetero.memory.states import ChunkState
@@ -143,6 +144,7 @@ class Storage:
             }
         # The swap store's own O_DIRECT staging (bounded, outside the ledgers: only unaligned I/O uses it).
         out["nvme"]["staging"] = self.store.staging_bytes if self.store is not None else 0
+        out["host"]["huge_pages"] = hugepages.report()  # [Note: huge host pages]: granted, or fallen back to 4 KiB
         return out
 
 

@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hetero.memory import Chunk, TensorState, Tier
-from hetero.zero.update import Plan, Updater, step_runs
+from hetero.zero.update import Plan, Updater, step_chunk
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
@@ -160,15 +160,17 @@ class DelayedUpdate:
         values = m.access(nxt, Tier.HOST)
         for c in (zc.grad, zc.optim, nxt):
             m.pin(c)  # the worker reads and writes them until _reap
-        runs = zc.update_segments(plan.used_of[i])
-        group = plan.groups[zc.spec.group]
+        used = plan.used_of[i]
         algorithm, coef, fused = self.updater.algorithm, plan.coef, plan.fused_norm
+        # The step is counted here, in order; the generic path counts it in its own update, on the worker.
+        runs = zc.update_segments(used) if algorithm.generic is None else None
+        group = plan.groups[zc.spec.group]
 
         def math() -> tuple[torch.Tensor, float, float]:
             t0 = time.perf_counter()
             with torch.no_grad():
                 sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2 if fused else torch.zeros(())
-                step_runs(algorithm, group, master, grad, states, runs, coef)
+                step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
                 values.copy_(master)
             return sq, t0, time.perf_counter()
 
@@ -201,4 +203,4 @@ class DelayedUpdate:
 
     def _read_ahead(self, i: int) -> None:
         if i < len(self.chunks) and self.chunks[i].placement.optim is Tier.NVME:
-            self.updater._prefetch(i, self.chunks[i].placement.compute)
+            self.updater.prefetch(i, self.chunks[i].placement.compute)

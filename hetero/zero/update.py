@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
@@ -51,11 +52,12 @@ class Updater:
         config: Config,
         algorithm: Algorithm,
         check: Checker,
+        comm: Comm | None = None,
     ) -> None:
         self.chunks = [zc for zc in chunks if zc.spec.trainable]  # in layout order: the same on every rank
         self.manager = manager
         self.mesh = mesh
-        self.comm = mesh.dp
+        self.comm = comm if comm is not None else mesh.dp  # ZeRO's group (Chimera: both replicas of the stages)
         self.config = config
         self.algorithm = algorithm
         self.check = check
@@ -64,6 +66,7 @@ class Updater:
         self.global_steps = 0  # updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self.last_grad_norm: float | None = None  # before clipping, like clip_grad_norm_'s return; None before any
+        self.last_update_skipped = False  # the last update was skipped for fp16 overflow (schedulers do not step)
         # Stages 0-1: whether backward already reduced a chunk's gradient (hetero/zero/buckets.py); set by the engine.
         self.reduced_early: Callable[[ZeroChunk], bool] = lambda zc: False
         self.delayed: DelayedUpdate | None = None  # delayed_param_update: the update runs during the next step
@@ -87,14 +90,14 @@ class Updater:
                 if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
                     # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
                     zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
-                self._prefetch(i, zc.placement.compute)
+                self.prefetch(i, zc.placement.compute)
             grad = zc.grad_view()
             if plan.fused_norm:
                 plan.sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
             self._step_chunk(zc, grad, plan.coef, plan.used_of[i])
             if streamed:
                 self.release_stepped(zc)
-                self._prefetch(i + 1, zc.placement.compute)
+                self.prefetch(i + 1, zc.placement.compute)
             else:
                 self.release_zeroed(zc)
         self.finish(plan)
@@ -116,9 +119,11 @@ class Updater:
             and self.mesh.pp_size == 1
         )
         sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self.grad_stats()
+        self.last_update_skipped = False
         if self.scaler is not None:
             overflow = not finite
             self.scaler.update(overflow)
+            self.last_update_skipped = overflow
             if overflow:
                 self.skipped_steps += 1
                 log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
@@ -168,14 +173,13 @@ class Updater:
         with self.manager.pinned(zc.grad):
             master, states = zc.optimizer_views()
             with self.manager.pinned(zc.optim):
-                runs = zc.update_segments(used)
                 t0 = time.perf_counter()
-                step_runs(self.algorithm, self.param_groups[zc.spec.group], master, grad, states, runs, coef)
+                step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)
                 if self.on_span is not None:
                     self.on_span("optimizer", f"step chunk {zc.spec.index}", t0, time.perf_counter())
                 zc.write_back(master)
 
-    def _prefetch(self, i: int, tier: Tier) -> None:
+    def prefetch(self, i: int, tier: Tier) -> None:
         """Bring chunk i's gradient and states (and the next ones') to `tier`; see [Note: the update pipeline]."""
         # Chunk i first, then as many of the next LOOKAHEAD as leave the tier room to spare (a read ahead that crowds
         # out the chunk stepping now is evicted again before its use).
@@ -215,6 +219,8 @@ class Updater:
             self.comm.control.all_reduce(sq, op="sum")
         mesh.tp.control.all_reduce(sq, op="sum")
         mesh.pp.control.all_reduce(sq, op="sum")
+        if self.comm.size > mesh.dp_size:
+            sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
         value = float(sq)
         return value, math.isfinite(value)
 
@@ -251,20 +257,27 @@ class Plan:
     groups: list[dict[str, Any]]  # the param groups' hyperparameters at the update
 
 
-def step_runs(
+def step_chunk(
     algorithm: Algorithm,
     group: dict[str, Any],
+    zc: ZeroChunk,
+    used: torch.Tensor,
     master: torch.Tensor,
     grad: torch.Tensor,
     states: list[torch.Tensor],
-    runs: list[tuple[int, int, int]],
     coef: float,
+    runs: list[tuple[int, int, int]] | None = None,
 ) -> None:
-    """The optimizer's step on runs (start, end, steps taken) of one chunk's flat master weights, in place."""
+    """The optimizer's step on one chunk's flat master weights, in place: on the runs (start, end, steps taken) of
+    used parameters (`runs`, or counted now from `used`), or per parameter through the generic path."""
     if coef != 1.0:
         grad.mul_(coef)
-    for a, b, steps in runs:
-        seg_states = {n: st[a:b] for n, st in zip(algorithm.state_names, states)}
+    names = algorithm.state_names
+    if algorithm.generic is not None:  # any other elementwise torch optimizer, per parameter (counts the step)
+        algorithm.generic.update(zc, used, group, master, grad, dict(zip(names, states)))
+        return
+    for a, b, steps in runs if runs is not None else zc.update_segments(used):
+        seg_states = {n: st[a:b] for n, st in zip(names, states)}
         step = torch.tensor(float(steps), device=master.device)
         update(algorithm, group, master[a:b], grad[a:b], seg_states, step)
 
