@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hetero
-from hetero.profiler.overlap import intersection, union
+from hetero.profiler.overlap import intersection, overlap, union
 
 try:
     from tests import parity
@@ -88,6 +89,26 @@ def test_interval_arithmetic_of_the_overlap_figures():
     assert union([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
     assert intersection([(0, 2), (3, 4)], [(1, 3.5)]) == 1.5
     assert intersection([(0, 1)], [(1, 2)]) == 0.0
+
+
+def test_work_waited_for_is_not_hidden_although_it_lies_inside_backward():
+    # A reduce issued at 0 and waited for from 3 to 4 (end of backward): 3 of its 4 seconds cost the step nothing.
+    # A move from 4 to 6 is measured against compute: backward ends at 4, the delayed update's math runs 5-7.
+    prof = SimpleNamespace(
+        moves=[SimpleNamespace(src="host", dst="nvme", start=4.0, end=6.0)],
+        spans=[
+            ("collectives", "r", 0.0, 4.0),
+            ("collectives waited", "r", 3.0, 4.0),
+            ("optimizer", "s", 5.0, 7.0),
+            ("optimizer waited", "s", 6.5, 7.0),
+        ],
+        phases=[("forward", -2.0, 0.0), ("backward", 0.0, 4.0)],
+    )
+    o = overlap(prof)
+    assert set(o) == {"collectives", "optimizer", "move host->nvme"}
+    assert o["collectives"]["hidden_s"] == 3.0 and o["collectives"]["hidden_fraction"] == 0.75
+    assert o["optimizer"]["hidden_s"] == 1.5
+    assert o["move host->nvme"]["hidden_s"] == 1.0
 
 
 def test_the_profile_shows_collectives_and_the_delayed_update_beside_compute(tmp_path):

@@ -3,11 +3,14 @@
 [Note: measuring overlap]
 Each kind of background work is a set of time intervals on its own track: chunk moves per tier pair (the worker's
 copy or swap I/O, from `MoveEvent`), gradient collectives (issued to completed, from the engine's "span" events) and
-the optimizer's math per chunk (the update's, or the delayed update's worker). Compute is the union of the forward
-and backward phases and the optimizer's math. For a track, `busy` is the length of the union of its intervals and
-`hidden` the part of it during which compute ran as well: hidden / busy is the share of that work the step did not
-wait for (1.0: fully overlapped; 0.0: serial). The optimizer's own track is measured against forward and backward
-only: that is what the delayed update overlaps it with.
+the optimizer's math per chunk (the update's, or the delayed update's worker). For a track, `busy` is the length of
+the union of its intervals. Where the driving thread records how long it blocked on that work (the "<track> waited"
+spans: waiting for a collective to complete, for the delayed update's worker), `hidden` is busy minus that blocked
+time: a collective issued during backward and complete before anyone waits for it cost the step nothing, one waited
+for at the end of backward did, although both lie inside the backward phase. For other tracks (chunk moves, and the
+optimizer's math on the driving thread) `hidden` is the part of busy during which compute ran: the union of the
+forward and backward phases and the optimizer's math, the optimizer's own track against forward and backward only.
+hidden / busy is the share of that work the step did not wait for (1.0: fully overlapped; 0.0: serial).
 """
 
 from __future__ import annotations
@@ -60,9 +63,13 @@ def overlap(prof: Any) -> dict[str, dict[str, float]]:
     compute = union(passes + optimizer)
     out = {}
     for track, intervals in sorted(tracks.items()):
+        if track.endswith(" waited"):
+            continue
         busy = union(intervals)
-        against = passes if track == "optimizer" else compute
-        hidden = intersection(busy, against)
         total = length(busy)
+        if f"{track} waited" in tracks:
+            hidden = total - intersection(busy, union(tracks[f"{track} waited"]))
+        else:
+            hidden = intersection(busy, passes if track == "optimizer" else compute)
         out[track] = {"busy_s": total, "hidden_s": hidden, "hidden_fraction": hidden / total if total else 0.0}
     return out

@@ -183,6 +183,7 @@ class DelayedUpdate:
         zc, future = self._running
         self._running = None
         m = self.manager
+        waited = time.perf_counter()
         try:
             sq, t0, t1 = future.result()
         finally:
@@ -192,7 +193,9 @@ class DelayedUpdate:
         if self.plan is not None and self.plan.fused_norm:
             self.plan.sq += sq.to(torch.float64)
         if self.updater.on_span is not None:
-            self.updater.on_span("optimizer", f"step chunk {zc.spec.index} (delayed)", t0, t1)
+            name = f"step chunk {zc.spec.index} (delayed)"
+            self.updater.on_span("optimizer", name, t0, t1)
+            self.updater.on_span("optimizer waited", name, waited, max(waited, t1))  # the driving thread blocked
         zc.zero_grad()
         self._stepped.add(id(zc))
         if zc.placement.optim is Tier.NVME:

@@ -333,10 +333,13 @@ class Reducer:
             self._complete(self._running.popleft())
 
     def _complete(self, zc: ZeroChunk) -> None:
+        waited = time.perf_counter()
         self._finish(zc)
         issued = self._issued.pop(id(zc), None)
         if self.on_span is not None and issued is not None:
-            self.on_span("collectives", f"{OPS[self._op]} chunk {zc.spec.index}", issued, time.perf_counter())
+            name, done = f"{OPS[self._op]} chunk {zc.spec.index}", time.perf_counter()
+            self.on_span("collectives", name, issued, done)
+            self.on_span("collectives waited", name, waited, done)  # the driving thread blocked on it
 
 
 def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:

@@ -151,8 +151,8 @@ class Updater:
                 self.comm.control.all_reduce(plan.sq, op="sum")
             self.last_grad_norm = math.sqrt(float(plan.sq))
         self.global_steps += 1
-        # [Note: memory between steps] Buffers cached for reuse would sit through the next forward, where the step's
-        # memory peaks (activations): give them back. Backward takes what it needs again.
+        # Buffers cached for reuse would sit through the next forward, where the step's memory peaks (activations):
+        # give them back. Backward takes what it needs again.
         self.manager.trim(Tier.DEVICE)
         self.manager.step_end()  # a no-op unless backward left the step open for the update
 
