@@ -76,6 +76,12 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
     ap.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate greedily at the end")
+    ap.add_argument(
+        "--delayed-param-update",
+        action="store_true",
+        help="ZeRO-Offload's delayed update: the host/NVMe optimizer step overlaps the next forward and backward "
+        "(parameters one step stale)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end instead of a report")
 
 
@@ -94,6 +100,7 @@ def build_config(args: argparse.Namespace, nvme_dir: str | None) -> dict[str, An
         "grad_clip_norm": args.grad_clip or None,
         "offload": {"params": args.offload_params, "optimizer": args.offload_optimizer},
         "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": nvme_dir},
+        "delayed_param_update": getattr(args, "delayed_param_update", False),
     }
 
 
@@ -183,6 +190,7 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
     return {
         "final_loss": losses[-1],
         "first_loss": losses[0],
+        "losses": losses,
         "steps": args.steps,
         "seconds": seconds,
         "init_seconds": init_seconds,

@@ -115,6 +115,10 @@ class Config:
     check_collectives: bool = True
     """Before each collective of the chunk protocol the ranks compare what they are about to run (a few bytes on a
     host-side group), so a rank that took another path fails at once with an error naming the module."""
+    delayed_param_update: bool = False
+    """ZeRO-Offload's delayed parameter update: the host/NVMe optimizer step of update t runs while the forward and
+    backward of the next micro-batch run, which therefore use the parameters of update t-1 (one step stale; see
+    [Note: the delayed parameter update]). Needs offload.optimizer "host" or "nvme"."""
     log: LogConfig = field(default_factory=LogConfig)
     """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
     progress: bool = True
@@ -141,6 +145,14 @@ class Config:
             raise ConfigError(f"comm_timeout: must be > 0 seconds, got {self.comm_timeout!r}")
         if not isinstance(self.check_collectives, bool):
             raise ConfigError(f"check_collectives: expected true or false, got {self.check_collectives!r}")
+        if not isinstance(self.delayed_param_update, bool):
+            raise ConfigError(f"delayed_param_update: expected true or false, got {self.delayed_param_update!r}")
+        if self.delayed_param_update and self.offload.optimizer not in ("host", "nvme"):
+            raise ConfigError(
+                "delayed_param_update: overlaps the optimizer step on the host with the device's next forward and "
+                f"backward, so it needs offload.optimizer 'host' or 'nvme' (got {self.offload.optimizer!r}); set "
+                "offload.optimizer, or leave delayed_param_update false"
+            )
         if self.offload.params in ("host", "nvme") and self.zero_stage != 3:
             raise ConfigError(
                 f"offload.params: {self.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered "

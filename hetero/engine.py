@@ -28,6 +28,8 @@ from hetero.metrics import Monitor
 from hetero.parallel.batches import train_batch
 from hetero.parallel.pipeline.runtime import PipelineRuntime
 from hetero.parallel.setup import setup_parallel
+from hetero.zero.buckets import DenseReduce
+from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout
 from hetero.zero.materialize import load_values
@@ -108,6 +110,7 @@ class Engine:
                 "update_end",
                 "micro_step",
                 "close",
+                "span",  # (track, name, start, end): background work, timed ([Note: measuring overlap])
             )
         )
         if comm is None:
@@ -174,6 +177,9 @@ class Engine:
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         sharded_grads = [zc for zc in self.trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
+        # Stages 0-1 reduce during the backward before an update ([Note: reducing during backward at stages 0-1]).
+        dense = [zc for zc in self.trainable if zc.grad_full is None]
+        self.dense = DenseReduce(dense, manager=self.manager, comm=self.comm, check=self.check)
         self.updater = Updater(
             self.chunks,
             manager=self.manager,
@@ -183,6 +189,16 @@ class Engine:
             check=self.check,
             comm=self.comm,
         )
+        self.updater.reduced_early = self.dense.take
+        spans = weakref.WeakMethod(self._span)
+
+        def on_span(*a: object) -> None:
+            fn = spans()
+            if fn is not None:
+                fn(*a)
+
+        for part in (self.reducer, self.dense.reducer, self.updater):
+            part.on_span = on_span
         self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
         self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
@@ -192,6 +208,8 @@ class Engine:
         self.hooks = Hooks(
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
         )
+        if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
+            self.updater.delayed = DelayedUpdate(self.updater, model)
         self.views = ParameterViews(
             model, self.chunks, self._entries, check=self.check, comm=self.comm, device=self.device, dtype=self.dtype
         )
@@ -244,11 +262,13 @@ class Engine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if scale_wrt_gas:
             scale /= self.config.grad_accumulation_steps
+        self.dense.begin(last_micro_batch=(self.micro_steps + 1) % self.config.grad_accumulation_steps == 0)
         with self.device.compute_context():
             (loss * scale if scale != 1.0 else loss).backward()
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
+        self.dense.end()
         for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
@@ -329,11 +349,19 @@ class Engine:
         e = self._entries[id(param)]
         grad = param.grad
         param.grad = None
+        if self.updater.delayed is not None:
+            self.updater.delayed.settle(e.chunk)  # the pending update reads the buffer this gradient goes into
         complete = e.chunk.add_grad(e, grad)
         if self.gathers is not None:
             self.gathers.grad_arrived(e, self._unit_of[id(param)])
         if complete and self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
             self.reducer.ready(e.chunk)
+        elif complete and self.stage < 2:
+            self.dense.ready(e.chunk)
+
+    def _span(self, track: str, name: str, start: float, end: float) -> None:
+        if self.events.has("span"):
+            self.events.emit("span", track, name, start, end)
 
     def _reduces_in_flight(self, zc: ZeroChunk) -> int:
         # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This
@@ -345,6 +373,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with full values (CPU copies, compute dtype), gathered chunk by chunk; the keys
         are the model's own, tied parameters under each of their names. Every rank calls it (it gathers)."""
+        self.settle_update()
         return self.views.full_state_dict()
 
     def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Any:
@@ -356,6 +385,7 @@ class Engine:
         At stage 3, outside such a block (and outside forward and backward) a parameter's values are not on the
         rank: reading one raises `ReleasedParameterError`, and `model.state_dict()` does too; use this block, or
         `full_state_dict()` for a copy of every weight."""
+        self.settle_update()
         return self.views.gathered(params, modify=modify)
 
     # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
@@ -364,6 +394,7 @@ class Engine:
         Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
+        self.settle_update()
         return save_checkpoint(self, path, client_state, **kwargs)
 
     def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> Any:
@@ -371,7 +402,14 @@ class Engine:
         saved client_state. Keyword-only extra: lr_scheduler=. See `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
+        self.settle_update()
         return load_checkpoint(self, path, **kwargs)
+
+    def settle_update(self) -> None:
+        """With `delayed_param_update`: apply the pending update now (every rank calls it: stages 1-2 gather), so
+        that parameters and states are those of the last `step()`. A no-op otherwise."""
+        if self.updater.delayed is not None:
+            self.updater.delayed.complete()
 
     def memory_stats(self) -> dict[str, Any]:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
@@ -466,6 +504,8 @@ class Engine:
         self._closed = True
         self.monitor.close()
         self.hooks.remove()
+        if self.updater.delayed is not None:
+            self.updater.delayed.close()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()

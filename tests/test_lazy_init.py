@@ -146,7 +146,7 @@ def _rank_meta(rank: int, world: int) -> dict:
         engine.comm.control.all_reduce(t, op="avg")
         losses.append(t.item())
     # At stage 3 a gradient chunk holds nothing until its first reduce-scatter: the share is shards and states.
-    share = sum(zc.shard.nbytes + zc.optim.nbytes for zc in engine.chunks)
+    share = sum((zc.shard.nbytes if zc.shard is not None else 0) + zc.optim.nbytes for zc in engine.chunks)
     engine.close()
     return {"losses": losses, "host": host, "share": share, "error": error}
 

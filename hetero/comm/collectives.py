@@ -90,6 +90,22 @@ class Collectives:
                 self._reduce_contiguous(buf, op)
                 t.copy_(buf)
 
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", *, what: str | None = None) -> Handle:
+        """Start an all-reduce of the contiguous ``t`` in place and return at once; ``wait()`` completes it (and
+        divides, for "avg" off NCCL). Collectives run in the order issued, so ranks issuing the same sequence stay
+        matched. Size 1: already done."""
+        _check_op(op, t)
+        if self._local:
+            return Done()
+        if not t.is_contiguous():
+            raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+        label = f"all_reduce of {what or f'{t.numel()} {t.dtype} elements'}"
+        self._check_data(label, t)
+        native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
+        with torch.no_grad():
+            work = dist.all_reduce(t, op=_reduce_op(native_op), group=self.group, async_op=True)
+        return ThenDivide(Timed(work, self._wait, label), t, self.size if native_op != op else None)
+
     def all_reduce_bucketed(
         self, tensors: Sequence[torch.Tensor], op: str = "sum", bucket_bytes: int = 25 << 20
     ) -> None:

@@ -306,6 +306,14 @@ class ChunkManager:
         """Bytes moved per (source, destination) tier pair."""
         return self._mover.moved
 
+    def trim(self, tier: Tier) -> int:
+        """Free the buffers cached for reuse on `tier` (they count in its ledger and in the process's memory);
+        returns the bytes freed."""
+        freed = self.pools[tier].trim()
+        if freed:
+            self.events.emit("done")
+        return freed
+
     def reset_peaks(self) -> None:
         for ledger in self.ledgers.values():
             ledger.reset_peak()

@@ -34,7 +34,7 @@ from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 from hetero.zero.protocol import KEEP_UNITS, gathered_peak
-from hetero.zero.stages import STAGES, Placement
+from hetero.zero.stages import STAGES, Placement, master_is_shard
 from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
@@ -392,15 +392,15 @@ def place(
         if not layout.params_sharded:
             resident["device"]["parameters"] += cap * dtype.itemsize
         else:
-            resident[params]["parameters"] += shard * dtype.itemsize
+            if not master_is_shard(layout, spec.trainable, dtype, Placement.of(params, optim)):  # see the note
+                resident[params]["parameters"] += shard * dtype.itemsize
             full_chunks.append(cap * dtype.itemsize)
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
             continue
-        if layout.grads_sharded and optim == "nvme":
-            # Streamed update: each gradient shard is released once its chunk has stepped and holds no data until
-            # the next backward's reduce-scatter, so between steps it takes nothing (engine: [Note: the update
-            # pipeline]); from backward to the update they all live.
+        if layout.grads_sharded:
+            # A gradient shard is released once its chunk has stepped (Updater.release_zeroed): between steps it
+            # takes nothing; from backward to the update they all live.
             transient[compute]["gradients"] += shard * 4
         else:
             resident[compute]["gradients"] += layout.grad_numel(cap, world) * 4

@@ -103,6 +103,7 @@ class Profile:
         self.series: dict[str, list[tuple[float, int]]] = {t.label: [] for t in Tier}  # exact ledger totals
         self.samples: list[tuple[float, dict[str, dict[str, int]]]] = []  # by-kind breakdown per tier
         self.moves: list[MoveRecord] = []
+        self.spans: list[tuple[str, str, float, float]] = []  # (track, name, start, end): collectives, optimizer math
         self.modules: list[ModuleSpan] = []
         self.steps: list[tuple[float, int]] = []  # (time, global step) after each optimizer update
         self.phases: list[tuple[str, float, float]] = []  # (forward / backward / update, start, end)
@@ -168,6 +169,7 @@ class Profile:
             ("update_end", self._update_end),
             ("micro_step", self._micro_step),
             ("close", self.stop),
+            ("span", self._on_span),
         ):
             self._undo.append(self.engine.events.subscribe(name, fn))
         self._sample(0.0, force=True)
@@ -258,6 +260,9 @@ class Profile:
         self.samples.append((t, by_kind(self.manager)))
 
     # ---- moves --------------------------------------------------------------------------------------------
+    def _on_span(self, track: str, name: str, start: float, end: float) -> None:
+        self.spans.append((track, name, start - self.t0, end - self.t0))
+
     def _on_move(self, e: MoveEvent) -> None:
         self.moves.append(
             MoveRecord(

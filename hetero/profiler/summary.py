@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from hetero.config import format_size
+from hetero.profiler.overlap import overlap
 
 TOP = 10  # holders and modules listed
 
@@ -71,6 +72,7 @@ def summary_data(prof: Any) -> dict[str, Any]:
             "hit_rate": hits / (hits + misses) if hits + misses else None,
             "started": c.get("prefetches", 0),
         },
+        "overlap": overlap(prof),
         "evictions": c.get("evictions", 0),
         "clean_evictions": c.get("clean_evictions", 0),
         "released": c.get("released", 0),
@@ -110,6 +112,14 @@ def summary_text(d: dict[str, Any]) -> str:
         lines.append(
             f"  {pair:<14}{format_size(m['bytes']):>12} in {m['moves']:>5} moves ({m['prefetched']} prefetched), "
             f"achieved {m['bandwidth'] / 1e9:.2f} GB/s (median move {m['median_bandwidth'] / 1e9:.2f} GB/s)"
+        )
+    if d["overlap"]:
+        lines.append("\noverlap with compute (share of each kind of background work the step did not wait for):")
+    for track, o in d["overlap"].items():
+        against = "forward and backward" if track == "optimizer" else "compute"
+        lines.append(
+            f"  {track:<22}{o['busy_s']:9.3f} s busy, {o['hidden_s']:9.3f} s hidden behind {against} "
+            f"({100 * o['hidden_fraction']:.0f}%)"
         )
     pf = d["prefetch"]
     rate = f"{100 * pf['hit_rate']:.1f}%" if pf["hit_rate"] is not None else "n/a (no misses or hits)"

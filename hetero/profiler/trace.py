@@ -3,7 +3,9 @@ chrome://tracing).
 
 Tracks (threads of one process per rank): the step phases, module forward spans (nested), module backward spans
 (async: a module's backward uses of what it saved may interleave with its neighbours'), and one track per tier
-pair for chunk moves. Counters: each tier's bytes by chunk kind, the exact ledger total, and activations held.
+pair for chunk moves, one for the gradient collectives (issued to completed) and one for the optimizer's math per
+chunk (the delayed update's runs beside forward and backward). Counters: each tier's bytes by chunk kind, the exact
+ledger total, and activations held.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tracks[pair], "args": {"name": pair}})
         args = {"chunk": m.chunk, "kind": m.kind, "bytes": m.nbytes, "GB/s": m.bandwidth / 1e9, "prefetch": m.prefetch}
         events.append(_span(f"chunk {m.chunk} {m.kind}", "move", m.start, m.end, pid, tracks[pair], args))
+    for track, name, start, end in prof.spans:
+        if track not in tracks:
+            tracks[track] = _MOVE_TRACKS + len(tracks)
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tracks[track], "args": {"name": track}})
+        events.append(_span(name, track, start, end, pid, tracks[track], {}))
     for t, tiers in prof.samples:
         for tier, kinds in tiers.items():
             events.append({"ph": "C", "name": f"{tier} by kind", "ts": _us(t), "pid": pid, "args": dict(kinds)})

@@ -26,6 +26,7 @@ eviction, timing or data:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -44,8 +45,8 @@ log = logging.getLogger("hetero.zero")
 
 KEEP_UNITS = 2  # units left gathered at the end of forward (the first ones backward needs), where memory allows
 _FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase
-OPS = ("?", "gather", "reduce-scatter", "update", "read (gathered_parameters)", "batch reduce-scatter")
-GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE = 1, 2, 3, 4, 5
+OPS = ("?", "gather", "reduce-scatter", "update", "read (gathered_parameters)", "batch reduce-scatter", "all-reduce")
+GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE = 1, 2, 3, 4, 5, 6
 PHASES = ("?", "forward", "backward", "outside a step")
 FORWARD, BACKWARD, OUTSIDE = 1, 2, 3
 
@@ -280,12 +281,28 @@ def keep_units(units: list[Unit], comm: Comm, device_budget: int) -> int:
 
 
 class Reducer:
-    """Stages 2-3: issues the chunks' gradient reduce-scatters in one fixed order; see [Note: every rank in step]."""
+    """Issues the chunks' gradient reductions in one fixed order; see [Note: every rank in step]. Stages 2-3
+    reduce-scatter every micro-batch (the chunk's own `start_reduce` / `finish_reduce`); stages 0-1 pass their own
+    `start` and `finish` (`hetero/zero/buckets.py`)."""
 
-    def __init__(self, chunks: list[ZeroChunk], check: Checker, *, in_flight: Callable[[ZeroChunk], int]) -> None:
+    def __init__(
+        self,
+        chunks: list[ZeroChunk],
+        check: Checker,
+        *,
+        in_flight: Callable[[ZeroChunk], int],
+        start: Callable[[ZeroChunk], None] | None = None,
+        finish: Callable[[ZeroChunk], None] | None = None,
+        op: int = REDUCE,
+    ) -> None:
         self.order = reduce_order(chunks)  # the issue order, the same on every rank
         self.check = check
         self._in_flight = in_flight  # how many reduces may stay in flight, given the chunk about to be issued
+        self._start = start or (lambda zc: zc.start_reduce())  # issues a chunk's collective
+        self._finish = finish or (lambda zc: zc.finish_reduce())  # completes it
+        self._op = op  # what the check calls the collective
+        self.on_span: Callable[[str, str, float, float], None] | None = None  # (track, name, issued, completed)
+        self._issued: dict[int, float] = {}  # chunk id -> when its collective was issued
         self._next = 0  # position in `order` of the next chunk to issue
         self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
         self._running: deque[ZeroChunk] = deque()  # issued, not yet completed
@@ -301,18 +318,28 @@ class Reducer:
         while self._next < len(self.order):
             self._issue(self.order[self._next])
         while self._running:
-            self._running.popleft().finish_reduce()
+            self._complete(self._running.popleft())
         self._next = 0
         self._ready.clear()
 
     def _issue(self, zc: ZeroChunk) -> None:
         # Every chunk, every micro-batch, also one no gradient of this rank reached: another rank's may have.
         self._next += 1
-        self.check(REDUCE, chunk=zc.spec.index, phase=BACKWARD)
-        zc.start_reduce()
+        self.check(self._op, chunk=zc.spec.index, phase=BACKWARD)
+        self._issued[id(zc)] = time.perf_counter()
+        self._start(zc)
         self._running.append(zc)
         while len(self._running) > self._in_flight(zc):
-            self._running.popleft().finish_reduce()
+            self._complete(self._running.popleft())
+
+    def _complete(self, zc: ZeroChunk) -> None:
+        waited = time.perf_counter()
+        self._finish(zc)
+        issued = self._issued.pop(id(zc), None)
+        if self.on_span is not None and issued is not None:
+            name, done = f"{OPS[self._op]} chunk {zc.spec.index}", time.perf_counter()
+            self.on_span("collectives", name, issued, done)
+            self.on_span("collectives waited", name, waited, done)  # the driving thread blocked on it
 
 
 def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:

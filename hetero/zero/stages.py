@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hetero.memory.tier import Tier
 
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
@@ -75,3 +77,22 @@ class Placement:
         standing in for NVMe (states are streamed through it)."""
         p, o = _TIERS.get(params, Tier.DEVICE), _TIERS.get(optimizer, Tier.DEVICE)
         return cls(params=p, optim=o, compute=Tier.DEVICE if o is Tier.DEVICE else Tier.HOST)
+
+
+def master_is_shard(layout: StageLayout, trainable: bool, dtype: torch.dtype, placement: Placement) -> bool:
+    """Whether a chunk's master weights double as its stage-3 parameter shard.
+
+    [Note: the master is the shard]
+    Stage 3 in fp32 with parameters and states on the device: this rank's shard of the parameters and its fp32 master
+    weights hold the same values at every moment outside the update (the write-back copies one into the other), so
+    the master slot of the optim chunk is the shard that gathers read: one copy, not two (FSDP2 keeps one too). Not
+    on the host or NVMe, where the shard and the states move separately (a gather would read the whole optim chunk
+    up), nor in fp16/bf16, nor for a frozen chunk (no master).
+    """
+    return (
+        layout.params_sharded
+        and trainable
+        and dtype == torch.float32
+        and placement.params is Tier.DEVICE
+        and placement.optim is Tier.DEVICE
+    )

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +30,9 @@ from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
 from hetero.zero.zero_chunk import ZeroChunk
+
+if TYPE_CHECKING:
+    from hetero.zero.delayed import DelayedUpdate
 
 log = logging.getLogger("hetero.zero")
 
@@ -61,13 +67,49 @@ class Updater:
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self.last_grad_norm: float | None = None  # before clipping, like clip_grad_norm_'s return; None before any
         self.last_update_skipped = False  # the last update was skipped for fp16 overflow (schedulers do not step)
+        # Stages 0-1: whether backward already reduced a chunk's gradient (hetero/zero/buckets.py); set by the engine.
+        self.reduced_early: Callable[[ZeroChunk], bool] = lambda zc: False
+        self.delayed: DelayedUpdate | None = None  # delayed_param_update: the update runs during the next step
+        self.on_span: Callable[[str, str, float, float], None] | None = None  # a chunk's math, timed (profiler)
 
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        if self.delayed is not None:
+            self.delayed.complete()  # the update before: its last chunks, its parameters written back
+        plan = self.prepare()
+        if plan is None:
+            return
+        if self.delayed is not None:
+            self.delayed.start(plan)  # runs during the next forward and backward
+            self.manager.step_end()
+            return
+        for i, zc in enumerate(self.chunks):
+            streamed = zc.placement.optim is Tier.NVME
+            if streamed:
+                if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
+                    # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
+                    zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
+                self.prefetch(i, zc.placement.compute)
+            grad = zc.grad_view()
+            if plan.fused_norm:
+                plan.sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            self._step_chunk(zc, grad, plan.coef, plan.used_of[i])
+            if streamed:
+                self.release_stepped(zc)
+                self.prefetch(i + 1, zc.placement.compute)
+            else:
+                self.release_zeroed(zc)
+        self.finish(plan)
+
+    def prepare(self) -> Plan | None:
+        """What every update does before its chunks step, collectives included: the reduction (stages 0-1, unless
+        backward did it), the gradient's norm and fp16 overflow, the scale, which parameters any rank used. None when
+        fp16 overflowed and the step is skipped."""
         self.check(UPDATE)
         for zc in self.chunks:
-            zc.reduce_at_update()
+            if not self.reduced_early(zc):
+                zc.reduce_at_update()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
         fused_norm = (
@@ -87,7 +129,7 @@ class Updater:
                 log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
                 self.zero_grads()
                 self.manager.step_end()
-                return
+                return None
         coef = inv_scale
         if self.config.grad_clip_norm is not None:
             norm = math.sqrt(sq) * inv_scale
@@ -97,48 +139,47 @@ class Updater:
         used = torch.cat([zc.used for zc in self.chunks])
         self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
         used_of = used.split([len(zc.spec.params) for zc in self.chunks])
-        for i, zc in enumerate(self.chunks):
-            streamed = zc.placement.optim is Tier.NVME
-            if streamed:
-                if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
-                    # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
-                    zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
-                self._prefetch(i, zc.placement.compute)
-            grad = zc.grad_view()
-            if fused_norm:
-                sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
-            self._step_chunk(zc, grad, coef, used_of[i])
-            if streamed:
-                self.manager.move(zc.optim, Tier.NVME, wait=False)  # written back while the next chunk steps
-                if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
-                    self.manager.release(zc.grad)  # zeroed (stages 2-3 hold no data until the next reduce)
-                self._prefetch(i + 1, zc.placement.compute)
-        if fused_norm:
+        sq_t = sq if fused_norm else torch.zeros((), dtype=torch.float64)
+        # The hyperparameters as they are now: a scheduler may change them before a delayed update runs.
+        groups = [dict(g) for g in self.param_groups]
+        return Plan(coef=coef, used_of=list(used_of), fused_norm=fused_norm, sq=sq_t, groups=groups)
+
+    def finish(self, plan: Plan) -> None:
+        """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
+        if plan.fused_norm:
             if zc_sharded(self.chunks):
-                self.comm.control.all_reduce(sq, op="sum")
-            self.last_grad_norm = math.sqrt(float(sq))
+                self.comm.control.all_reduce(plan.sq, op="sum")
+            self.last_grad_norm = math.sqrt(float(plan.sq))
         self.global_steps += 1
+        # Buffers cached for reuse would sit through the next forward, where the step's memory peaks (activations):
+        # give them back. Backward takes what it needs again.
+        self.manager.trim(Tier.DEVICE)
         self.manager.step_end()  # a no-op unless backward left the step open for the update
+
+    def release_stepped(self, zc: ZeroChunk) -> None:
+        """A streamed chunk has stepped: its states written back while the next chunk steps, its zeroed gradient
+        released."""
+        self.manager.move(zc.optim, Tier.NVME, wait=False)
+        self.release_zeroed(zc)
+
+    def release_zeroed(self, zc: ZeroChunk) -> None:
+        """Stages 2-3: a stepped chunk's gradient holds no data until the next reduce-scatter writes it whole, so it
+        holds no memory either (FSDP2 frees its sharded gradients at zero_grad too)."""
+        if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
+            self.manager.release(zc.grad)
 
     def _step_chunk(self, zc: ZeroChunk, grad: torch.Tensor, coef: float, used: torch.Tensor) -> None:
         """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
-        names = self.algorithm.state_names
         with self.manager.pinned(zc.grad):
-            if coef != 1.0:
-                grad.mul_(coef)
             master, states = zc.optimizer_views()
             with self.manager.pinned(zc.optim):
-                group = self.param_groups[zc.spec.group]
-                if self.algorithm.generic is not None:  # any other elementwise torch optimizer, per parameter
-                    self.algorithm.generic.update(zc, used, group, master, grad, dict(zip(names, states)))
-                else:
-                    for a, b, steps in zc.update_segments(used):
-                        seg_states = {n: st[a:b] for n, st in zip(names, states)}
-                        step = torch.tensor(float(steps), device=master.device)
-                        update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
+                t0 = time.perf_counter()
+                step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)
+                if self.on_span is not None:
+                    self.on_span("optimizer", f"step chunk {zc.spec.index}", t0, time.perf_counter())
                 zc.write_back(master)
 
-    def _prefetch(self, i: int, tier: Tier) -> None:
+    def prefetch(self, i: int, tier: Tier) -> None:
         """Bring chunk i's gradient and states (and the next ones') to `tier`; see [Note: the update pipeline]."""
         # Chunk i first, then as many of the next LOOKAHEAD as leave the tier room to spare (a read ahead that crowds
         # out the chunk stepping now is evicted again before its use).
@@ -203,6 +244,42 @@ class Updater:
             self.last_grad_norm = state["last_grad_norm"]
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+
+@dataclass
+class Plan:
+    """One update, decided before its chunks step (the same on every rank)."""
+
+    coef: float  # the gradient's multiplier: loss unscaling and clipping in one
+    used_of: list[torch.Tensor]  # per chunk: which parameters got a gradient on some rank
+    fused_norm: bool  # the norm is only reported: summed while the chunks step, into `sq`
+    sq: torch.Tensor  # float64 sum of squares (fused_norm)
+    groups: list[dict[str, Any]]  # the param groups' hyperparameters at the update
+
+
+def step_chunk(
+    algorithm: Algorithm,
+    group: dict[str, Any],
+    zc: ZeroChunk,
+    used: torch.Tensor,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    coef: float,
+    runs: list[tuple[int, int, int]] | None = None,
+) -> None:
+    """The optimizer's step on one chunk's flat master weights, in place: on the runs (start, end, steps taken) of
+    used parameters (`runs`, or counted now from `used`), or per parameter through the generic path."""
+    if coef != 1.0:
+        grad.mul_(coef)
+    names = algorithm.state_names
+    if algorithm.generic is not None:  # any other elementwise torch optimizer, per parameter (counts the step)
+        algorithm.generic.update(zc, used, group, master, grad, dict(zip(names, states)))
+        return
+    for a, b, steps in runs if runs is not None else zc.update_segments(used):
+        seg_states = {n: st[a:b] for n, st in zip(names, states)}
+        step = torch.tensor(float(steps), device=master.device)
+        update(algorithm, group, master[a:b], grad[a:b], seg_states, step)
 
 
 def zc_sharded(chunks: list[ZeroChunk]) -> bool:

@@ -15,7 +15,7 @@ from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.layout import ChunkSpec
-from hetero.zero.stages import STAGES, Placement
+from hetero.zero.stages import STAGES, Placement, master_is_shard
 from hetero.zero.units import Entry
 
 _T = TensorState
@@ -52,7 +52,8 @@ class ZeroChunk:
         self.slots: list[TensorSlot] = [self.full.add_tensor(p.name, p.shape) for p in spec.params]
         self.gathered = not layout.params_sharded  # the full parameters are here (a state every rank shares)
         self.shard: Chunk | None = None
-        if layout.params_sharded:
+        self.master_is_shard = master_is_shard(layout, spec.trainable, dtype, placement)  # see the note there
+        if layout.params_sharded and not self.master_is_shard:
             self.shard = manager.new_chunk(dtype=dtype, capacity=self.shard_numel, kind="param_shard")
             self.shard.add_tensor(f"{spec.params[0].name}..shard", (self.shard_numel,))
         self.grad: Chunk | None = None
@@ -102,11 +103,12 @@ class ZeroChunk:
                 self.full.set_state(slot, _T.COMPUTE)
             self._point_params()
         else:
-            m.access(self.shard, Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST)
-            self.shard.payload.copy_(mine)
-            self.shard.set_state(self.shard.slots[0], _T.HOLD)
-            if self.placement.params is Tier.NVME:
-                m.move(self.shard, Tier.NVME)
+            if self.shard is not None:  # else the master, filled below, is the shard
+                m.access(self.shard, Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST)
+                self.shard.payload.copy_(mine)
+                self.shard.set_state(self.shard.slots[0], _T.HOLD)
+                if self.placement.params is Tier.NVME:
+                    m.move(self.shard, Tier.NVME)
             # Point the parameters at the transient full chunk once; dropped, its storage has zero bytes until the
             # next gather (see [Note: transient chunks] in the manager), and the parameters are released.
             m.access(self.full, Tier.DEVICE)
@@ -132,11 +134,17 @@ class ZeroChunk:
         if self.gathered:
             m.access(full, Tier.DEVICE)  # back from wherever this rank's memory pressure moved it
             return
-        shard = m.access(self.shard, self._readable(self.shard), write=False)
-        with m.pinned(self.shard):  # making room for `full` must not evict the shard being read
+        if self.shard is None:  # [Note: the master is the shard]
+            held = self.optim
+            m.access(held, Tier.DEVICE, write=False)
+            shard = held.view(held.slots[0])
+        else:
+            held = self.shard
+            shard = m.access(held, self._readable(held), write=False)
+        with m.pinned(held):  # making room for `full` must not evict the shard being read
             m.access(full, Tier.DEVICE)
             with m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
-                src = shard if self.shard.tier is Tier.DEVICE else self.device.to_device(shard)
+                src = shard if held.tier is Tier.DEVICE else self.device.to_device(shard)
                 self.comm.all_gather(full.payload, src, what=f"the parameters of {self.label}")
         for slot in self.slots:
             full.set_state(slot, _T.HOLD)
@@ -381,6 +389,10 @@ class ZeroChunk:
         m = self.manager
         if values.numel() == self.spec.capacity:
             values = self.kept(values)
+        if self.shard is None:  # the master is the shard ([Note: the master is the shard])
+            if (master := self.optimizer_views()[0]).data_ptr() != values.data_ptr():
+                master.copy_(values)
+            return
         tier = Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST
         slot = self.shard.slots[0]
         if slot.state is _T.HOLD:

@@ -1,0 +1,105 @@
+"""Stages 0-1: the gradient reduction overlapped with backward, as DDP does it, with the chunks for buckets.
+
+[Note: reducing during backward at stages 0-1]
+Stages 0-1 accumulate the full local gradient over the micro-batches and need one reduction per update (stage 0 an
+all-reduce, stage 1 a reduce-scatter: each rank updates its shard). Left to the update, that reduction runs after
+backward with nothing to hide it. So the backward of the last micro-batch before an update reduces each chunk as
+soon as its gradients are all in, asynchronously, while backward goes on to earlier layers. Chunks are the buckets:
+a few MiB each, which is what DDP's 25 MiB buckets are for (few, large collectives, started early).
+
+The order is the one stages 2-3 use (`Reducer`, `reduce_order`, [Note: every rank in step]): a chunk is issued once
+its gradients are in and every chunk before it in the fixed order has been issued, so every rank issues the same
+collectives in the same order whatever order its own gradients arrive in; a chunk some rank never completes (a
+parameter it did not use) is reduced at the end of backward, in that order. Whether a backward reduces is decided
+from the micro-step count, which every rank shares. `train_batch`'s micro-batches keep the reduction at the update.
+
+Stage 0 all-reduces the gradient buffer in place (mean); stage 1 reduce-scatters it into a shard-size buffer and
+copies that into this rank's range (the rest of the buffer is never read before it is zeroed). A gradient on the
+host with a backend that reads device memory only (NCCL, the stand-in) goes through a device copy, as the update's
+reduction does. The gradient stays pinned while its collective runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetero.comm import Comm
+from hetero.comm.handles import Handle
+from hetero.memory import ChunkManager, Tier
+from hetero.zero.protocol import ALL_REDUCE, REDUCE, Checker, Reducer
+
+if TYPE_CHECKING:
+    from hetero.zero.zero_chunk import ZeroChunk
+
+IN_FLIGHT = 4  # collectives left running while backward goes on (stage 1 holds a shard-size buffer for each)
+
+
+class DenseReduce:
+    """Stages 0-1: the gradient reductions of one backward, issued in the fixed order as chunks complete."""
+
+    def __init__(self, chunks: list[ZeroChunk], *, manager: ChunkManager, comm: Comm, check: Checker) -> None:
+        self.manager = manager
+        self.comm = comm
+        stage0 = bool(chunks) and not chunks[0].layout.optim_sharded
+        self.reducer = Reducer(
+            chunks,
+            check,
+            in_flight=lambda zc: IN_FLIGHT,
+            start=self._start,
+            finish=self._finish,
+            op=ALL_REDUCE if stage0 else REDUCE,
+        )
+        self.active = False  # this backward reduces (the last micro-batch before an update): shared by every rank
+        self._running: dict[int, tuple[Handle, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = {}
+        self._reduced: set[int] = set()  # chunks reduced since the last update
+
+    def begin(self, *, last_micro_batch: bool) -> None:
+        """A backward starts; it reduces when its micro-batch is the last before an update."""
+        self.active = last_micro_batch
+
+    def ready(self, zc: ZeroChunk) -> None:
+        """All of `zc`'s gradients of this micro-batch are in."""
+        if self.active:
+            self.reducer.ready(zc)
+
+    def end(self) -> None:
+        """Backward is over: the chunks not yet issued are reduced now, in order, and every collective completes."""
+        if self.active:
+            self.reducer.flush()
+        self.active = False
+
+    def take(self, zc: ZeroChunk) -> bool:
+        """Whether `zc`'s gradient was reduced during backward (the update then skips its reduction); forgets it."""
+        if id(zc) in self._reduced:
+            self._reduced.discard(id(zc))
+            return True
+        return False
+
+    # ---- one chunk ----------------------------------------------------------------------------------------
+    def _start(self, zc: ZeroChunk) -> None:
+        acc = zc.grad_buffer()
+        self.manager.pin(zc.grad)  # the collective reads and writes it until _finish
+        staged = self.comm.needs_device_tensors and zc.grad.tier is not Tier.DEVICE
+        buf = zc.device.to_device(acc) if staged else acc
+        what = f"the gradients of {zc.label}"
+        target = None
+        if not zc.layout.optim_sharded:  # stage 0: every rank updates the whole chunk
+            handle = self.comm.all_reduce_async(buf, op="avg", what=what)
+        else:  # stage 1: each rank updates its shard and needs only its shard's mean
+            lo, hi = zc.kept_range()
+            target = zc.device.empty((hi - lo,), torch.float32)
+            handle = self.comm.reduce_scatter_async(target, buf, op="avg", what=what)
+        self._running[id(zc)] = (handle, acc, buf, target, staged)
+
+    def _finish(self, zc: ZeroChunk) -> None:
+        handle, acc, buf, target, staged = self._running.pop(id(zc))
+        handle.wait()
+        on_device = zc.grad.tier is Tier.DEVICE
+        if target is not None:
+            zc.kept(acc).copy_(target if on_device else zc.device.to_host(target))
+        elif staged:
+            acc.copy_(zc.device.to_host(buf))
+        self.manager.unpin(zc.grad)
+        self._reduced.add(id(zc))

@@ -1,0 +1,209 @@
+"""ZeRO-Offload's delayed parameter update (`"delayed_param_update": true`).
+
+[Note: the delayed parameter update]
+With the optimizer on the host (or streamed from NVMe through it), the update is host work and I/O that the device
+waits for: nothing runs on the device between one step's backward and the next one's forward. ZeRO-Offload
+(Ren et al., 2021, section 4.2) overlaps them: the host steps update t while the device runs the forward and
+backward of step t+1, which therefore use the parameters of update t-1. Written out, with g(θ) a gradient at θ:
+
+    exact:    θ_t = θ_{t-1} - U(g(θ_{t-1}))
+    delayed:  θ_t = θ_{t-1} - U(g(θ_{t-2}))      (θ_{-1} = θ_0: the first two steps see the initial weights)
+
+The master weights and optimizer states go through the same sequence of updates; only the point at which each
+gradient is taken lags one update. The paper reports that this does not hurt convergence after the first few dozen
+steps (their GPT-2 and BERT loss curves coincide with the exact update's); hetero applies it from the first step.
+
+How it runs, on the thread that drives the manager (whose bookkeeping has no locks):
+  - At the boundary of update t (`Updater.step`), update t-1 is completed: its remaining chunks step, then every
+    chunk's parameters take its new values, in layout order (stages 1-2 all-gather: every rank the same order).
+    Then update t is prepared as usual (its collectives: reduction, norm, overflow, used parameters) and left
+    pending.
+  - During the next forward and backward, each module with parameters (forward pre-hook) and each gradient's
+    arrival advances it by one chunk: the previous chunk's step is waited for, its states are written back to NVMe
+    (in the background) and its gradient zeroed; the next chunk's gradient and states are accessed, pinned, and its
+    optimizer math handed to a worker thread, while chunks further on are read ahead. The math runs beside the
+    device's forward and backward; every manager call stays on the driving thread, at points fixed by the model's
+    own hooks, so each step's access trace is the same and its replay (prefetch, eviction) holds.
+  - The new parameter values go to a chunk of their own per chunk (`param_next`, compute dtype, this rank's range,
+    on the host), not into the parameters: the forward running meanwhile must see update t-1's parameters in every
+    chunk on every rank (a stage-3 shard written midway would be gathered new on one rank and old on another).
+  - A gradient of step t+1 arriving for a chunk whose update t has not stepped yet steps it first (`settle`): the
+    gradient buffer it would add into still holds step t's gradient.
+  - Anything that reads the parameters or the states outside a step (`full_state_dict`, `gathered_parameters`,
+    checkpoints) completes the pending update first; so does the next update. `close` waits for the math and drops
+    the rest.
+The norm that is only reported (no clipping, no loss scale) is summed on the worker and all-reduced at completion,
+so `last_grad_norm` and `global_steps` count an update once it is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hetero.memory import Chunk, TensorState, Tier
+from hetero.zero.update import Plan, Updater, step_chunk
+
+if TYPE_CHECKING:
+    from hetero.zero.zero_chunk import ZeroChunk
+
+log = logging.getLogger("hetero.zero")
+
+
+class DelayedUpdate:
+    """The pending update of one engine and the hooks that advance it; see [Note: the delayed parameter update]."""
+
+    def __init__(self, updater: Updater, model: nn.Module) -> None:
+        self.updater = updater
+        self.manager = updater.manager
+        self.chunks = updater.chunks  # layout order: the update's order
+        self.plan: Plan | None = None  # the update pending, if any
+        self._next = 0  # index of the next chunk to step
+        # The chunk whose math runs now, and its result: (sum of squares, start, end).
+        self._running: tuple[ZeroChunk, Future[tuple[torch.Tensor, float, float]]] | None = None
+        self._stepped: set[int] = set()  # chunks of the pending update that have stepped (ids)
+        # Per chunk: its new parameter values (compute dtype, this rank's range) until they are applied.
+        self._values: dict[int, Chunk] = {}
+        for zc in self.chunks:
+            lo, hi = zc.kept_range()
+            nxt = self.manager.new_chunk(dtype=zc.dtype, capacity=hi - lo, kind="param_next")
+            nxt.add_tensor(f"{zc.spec.params[0].name}..next", (hi - lo,))
+            self._values[id(zc)] = nxt
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="hetero-update")
+        self._handles: list[RemovableHandle] = []
+        hook: Callable[..., None] = lambda module, args: self.advance()  # noqa: E731
+        for m in model.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                self._handles.append(m.register_forward_pre_hook(hook))
+
+    @property
+    def pending(self) -> bool:
+        return self.plan is not None
+
+    # ---- the engine's calls -------------------------------------------------------------------------------
+    def start(self, plan: Plan) -> None:
+        """Update t is prepared (its collectives done): it steps during the next forward and backward."""
+        self.plan = plan
+        self._next = 0
+        self._stepped.clear()
+        self._read_ahead(0)
+
+    def advance(self) -> None:
+        """One chunk further: finish the chunk whose math runs, start the next one's."""
+        if self.plan is None:
+            return
+        self._reap()
+        if self._next < len(self.chunks):
+            self._submit(self._next)
+            self._next += 1
+
+    def settle(self, zc: ZeroChunk) -> None:
+        """A gradient of the next step arrives for `zc`: its pending step runs first (its gradient buffer is read)."""
+        if self.plan is None or id(zc) not in self._values:
+            return
+        while id(zc) not in self._stepped:
+            self.advance()
+
+    def complete(self) -> None:
+        """Step what is left, then give every chunk its new parameters (layout order) and count the update."""
+        plan = self.plan
+        if plan is None:
+            return
+        while self._next < len(self.chunks):
+            self.advance()
+        self._reap()
+        for zc in self.chunks:
+            nxt = self._values[id(zc)]
+            values = self.manager.access(nxt, Tier.HOST, write=False)
+            zc.write_back(values, clear_grad=False)
+            nxt.set_state(nxt.slots[0], TensorState.FREE)
+            self.manager.release(nxt)
+        self.plan = None
+        self.updater.finish(plan)
+
+    def close(self) -> None:
+        """Wait for the math in flight and drop the pending update; remove the hooks."""
+        if self._running is not None:
+            zc, future = self._running
+            self._running = None
+            future.exception()
+            self.manager.unpin(zc.grad)
+            self.manager.unpin(zc.optim)
+            self.manager.unpin(self._values[id(zc)])
+        self.plan = None
+        self._worker.shutdown(wait=True)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---- one chunk ----------------------------------------------------------------------------------------
+    def _submit(self, i: int) -> None:
+        plan = self.plan
+        assert plan is not None
+        zc = self.chunks[i]
+        m = self.manager
+        streamed = zc.placement.optim is Tier.NVME
+        if streamed:
+            self._read_ahead(i)
+        grad = zc.grad_view()
+        master, states = zc.optimizer_views()
+        nxt = self._values[id(zc)]
+        if nxt.slots[0].state is TensorState.FREE:
+            nxt.set_state(nxt.slots[0], TensorState.HOLD)
+        values = m.access(nxt, Tier.HOST)
+        for c in (zc.grad, zc.optim, nxt):
+            m.pin(c)  # the worker reads and writes them until _reap
+        used = plan.used_of[i]
+        algorithm, coef, fused = self.updater.algorithm, plan.coef, plan.fused_norm
+        # The step is counted here, in order; the generic path counts it in its own update, on the worker.
+        runs = zc.update_segments(used) if algorithm.generic is None else None
+        group = plan.groups[zc.spec.group]
+
+        def math() -> tuple[torch.Tensor, float, float]:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2 if fused else torch.zeros(())
+                step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
+                values.copy_(master)
+            return sq, t0, time.perf_counter()
+
+        self._running = (zc, self._worker.submit(math))
+
+    def _reap(self) -> None:
+        """Wait for the chunk whose math runs, then write its states back and zero its gradient."""
+        if self._running is None:
+            return
+        zc, future = self._running
+        self._running = None
+        m = self.manager
+        waited = time.perf_counter()
+        try:
+            sq, t0, t1 = future.result()
+        finally:
+            m.unpin(zc.grad)
+            m.unpin(zc.optim)
+            m.unpin(self._values[id(zc)])
+        if self.plan is not None and self.plan.fused_norm:
+            self.plan.sq += sq.to(torch.float64)
+        if self.updater.on_span is not None:
+            name = f"step chunk {zc.spec.index} (delayed)"
+            self.updater.on_span("optimizer", name, t0, t1)
+            self.updater.on_span("optimizer waited", name, waited, max(waited, t1))  # the driving thread blocked
+        zc.zero_grad()
+        self._stepped.add(id(zc))
+        if zc.placement.optim is Tier.NVME:
+            self.updater.release_stepped(zc)
+            self._read_ahead(self.chunks.index(zc) + 1)
+        else:
+            self.updater.release_zeroed(zc)
+
+    def _read_ahead(self, i: int) -> None:
+        if i < len(self.chunks) and self.chunks[i].placement.optim is Tier.NVME:
+            self.updater.prefetch(i, self.chunks[i].placement.compute)
