@@ -26,13 +26,14 @@ from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.parallel import engine_glue
 from hetero.zero.hooks import Hooks
-from hetero.zero.layout import build_layout
+from hetero.zero.layout import build_layout, chunk_cap
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
 from hetero.zero.stages import Placement
+from hetero.zero.tiling import Tiled, TileRunner, assembled, detach_tiled
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
 from hetero.zero.zero_chunk import ZeroChunk
@@ -104,9 +105,12 @@ class Engine:
         placement = Placement.of(config.offload.params, config.offload.optimizer)
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
-        specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size)
+        # "auto": at most what the budgets hold with room to spare, the same on every rank (the smallest budgets').
+        cap = chunk_cap(config, self.manager, self.algorithm, self.comm) if chunk_numel is None else None
+        specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap)
         self.chunks: list[ZeroChunk] = []
-        self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives
+        self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives (a whole one)
+        tiled: dict[int, Tiled] = {}  # param id -> its tiles, for a parameter split over chunks ([Note: tiles])
         for spec in specs:
             zc = ZeroChunk(
                 spec,
@@ -119,9 +123,14 @@ class Engine:
             )
             self.chunks.append(zc)
             for info, slot in zip(spec.params, zc.slots):
-                self._entries[id(info.param)] = Entry(zc, info, slot)
+                if info.tiled:
+                    t = tiled.setdefault(id(info.param), Tiled(info.name, info.param, []))
+                    t.tiles.append(Entry(zc, info, slot))
+                else:
+                    self._entries[id(info.param)] = Entry(zc, info, slot)
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
         load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
+        detach_tiled(tiled, dtype=self.dtype, device=self.device.torch_device)
         self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):
@@ -138,6 +147,11 @@ class Engine:
             keep = keep_units(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
             self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep)
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
+        deliver = weakref.WeakMethod(self._on_tile_grad)
+        # Layers whose weight is split over chunks compute on one tile at a time ([Note: computing on tiles]).
+        self.tiles = TileRunner(
+            model, tiled, stage=self.stage, check=self.check, deliver=lambda e, g, last: deliver()(e, g, last)
+        )
         sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
         self.updater = Updater(
@@ -196,6 +210,7 @@ class Engine:
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
+        self.tiles.step_end()
         for zc in self._trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
@@ -246,6 +261,12 @@ class Engine:
         if complete and self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
             self.reducer.ready(e.chunk)
 
+    def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
+        """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
+        complete = e.chunk.add_grad(e, grad)
+        if last and complete and self.stage >= 2 and not e.chunk.accumulate_full:
+            self.reducer.ready(e.chunk)
+
     def _reduces_in_flight(self, zc: ZeroChunk) -> int:
         # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This
         # decides only when a rank waits, never what it issues or in which order.
@@ -260,7 +281,12 @@ class Engine:
         for zc in self.chunks:
             with self._summoned([zc]):
                 for info, value in zip(zc.spec.params, zc.full_values().values()):
-                    values[id(info.param)] = value
+                    if info.tiled:  # a tile's rows of the whole value
+                        whole = values.setdefault(id(info.param), torch.empty(info.param.shape, dtype=value.dtype))
+                        a, b = info.rows
+                        whole[a:b].copy_(value)
+                    else:
+                        values[id(info.param)] = value
         return {
             name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
             for name, t in self.module.state_dict(keep_vars=True).items()
@@ -278,16 +304,19 @@ class Engine:
         `full_state_dict()` for a copy of every weight."""
         if params is None:
             chunks = list(self.chunks)
+            wanted = None
         else:
             wanted = {id(p) for p in params}
-            unknown = wanted - set(self._entries)
+            unknown = wanted - set(self._entries) - set(self.tiles.tiled)
             if unknown:
                 raise ValueError(
                     f"gathered_parameters: {len(unknown)} of the tensors given are not parameters this engine manages"
                 )
             chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
+        tiled = [t for k, t in self.tiles.tiled.items() if wanted is None or k in wanted]
         with self._summoned(chunks):
-            yield
+            with assembled(tiled, self.manager, modify=modify):
+                yield
             if modify:
                 self._adopt_rank0(chunks)
 
@@ -296,7 +325,7 @@ class Engine:
         """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
         for the purpose on the way out."""
         fresh = [zc for zc in chunks if not zc.gathered]
-        entries = [self._entries[id(i.param)] for zc in chunks for i in zc.spec.params]
+        entries = [self._entries[id(i.param)] for zc in chunks for i in zc.spec.params if not i.tiled]
         for zc in chunks:
             if not zc.gathered:
                 self.check(SUMMON, chunk=zc.spec.index)
@@ -349,6 +378,7 @@ class Engine:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
         placement, what it measured). Every buffer hetero allocates is in a tier's ledger: staging included."""
         stats = self.manager.memory_stats()
+        stats["tiled"] = self.tiles.stats()  # weights split over chunks, and the modules computing on their tiles
         if self.auto is not None:
             stats["auto"] = self.auto.stats()
         return stats
@@ -403,6 +433,7 @@ class Engine:
         self.events.emit("close")
         self._closed = True
         self.hooks.remove()
+        self.tiles.remove()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()
