@@ -1,10 +1,12 @@
 """One plain state_dict from a sharded checkpoint, streamed tensor by tensor.
 
-Each output tensor is assembled from the segments every rank saved, converted, written, and let go, so peak memory
-is about the largest tensor (twice it when converting dtype), not the model. The keys are the model's own
-state_dict keys: tied parameters appear under each of their names, buffers included, so the output loads into the
-unwrapped model with `load_state_dict`. Trainable parameters come from the fp32 master weights. A tensor-parallel
-parameter is joined from every tensor rank's shard with `unshard` (about twice its size in memory at that moment).
+Each output tensor is assembled from the segments every rank saved, converted, written, and let go, part by part
+(runs of whole segments up to `PART_NUMEL` elements; a weight split into tiles is saved in tile-sized segments), so
+peak memory is about one part (twice it when converting dtype), not the largest tensor, let alone the model. The
+keys are the model's own state_dict keys: tied parameters appear under each of their names, buffers included, so
+the output loads into the unwrapped model with `load_state_dict`. Trainable parameters come from the fp32 master
+weights. A tensor-parallel parameter is joined from every tensor rank's shard with `unshard` (about twice its size in
+memory at that moment); a `.pt` output is built in memory whole (torch.save needs the dict).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hetero.checkpoint.format import TensorWriter
 from hetero.errors import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PART_NUMEL = 16 << 20  # elements of a tensor assembled at once (more only for a single segment larger than this)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -62,12 +65,18 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str |
                 written.append(cfg)
         tmp = path + ".tmp"
         entries = [(k, spec["out_dtype"], tuple(spec["shape"])) for k, spec in plan.items()]
-        # One scratch buffer, the size of the largest tensor, reused for every tensor: the allocator cannot let
-        # freed buffers pile up, so peak memory stays at about one tensor.
-        scratch = torch.empty(max((_nbytes(spec) for spec in plan.values()), default=0), dtype=torch.uint8)
+        # One scratch buffer, the size of the largest part, reused for every part: the allocator cannot let freed
+        # buffers pile up, so peak memory stays at about one part.
+        parts = {k: _parts(index, spec) for k, spec in plan.items()}
+        largest = max((b - a for ranges in parts.values() for a, b in ranges), default=0)
+        scratch = torch.empty(largest * 8, dtype=torch.uint8)
         with TensorWriter(tmp, entries, metadata={"format": "pt"}) as w:
             for k, spec in plan.items():
-                w.write(k, _assemble(index, spec, scratch))
+                if "tp" in spec or spec["kind"] == "empty":
+                    w.write(k, _assemble(index, spec, torch.empty(_nbytes(spec), dtype=torch.uint8)))
+                    continue
+                pieces = (_assemble_part(index, spec, a, b, scratch) for a, b in parts[k])
+                w.write_parts(k, _numel(spec), pieces)
         os.replace(tmp, path)
         written.insert(0, path)
         return written
@@ -126,6 +135,27 @@ def _assemble(index: mf.Index, spec: dict[str, Any], scratch: torch.Tensor | Non
         flat.copy_(_unshard(index, spec).reshape(-1))
     elif spec["kind"] != "empty":
         index.fill(spec["kind"], spec["name"], 0, flat)
+    return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
+
+
+def _parts(index: mf.Index, spec: dict[str, Any]) -> list[tuple[int, int]]:
+    """Element ranges [a, b) to assemble one at a time: runs of whole saved segments, up to PART_NUMEL elements."""
+    numel = _numel(spec)
+    if "tp" in spec or spec["kind"] == "empty":
+        return [(0, numel)]
+    ranges, a = [], 0
+    for seg in index.segments.get((spec["kind"], spec["name"]), ()):
+        if seg.start > a and seg.end - a > PART_NUMEL:
+            ranges.append((a, seg.start))
+            a = seg.start
+    ranges.append((a, numel))
+    return ranges
+
+
+def _assemble_part(index: mf.Index, spec: dict[str, Any], a: int, b: int, scratch: torch.Tensor) -> torch.Tensor:
+    """Elements [a, b) of the tensor's flat values, read into `scratch` (valid until the next call)."""
+    flat = scratch[: (b - a) * spec["dtype"].itemsize].view(spec["dtype"])
+    index.fill(spec["kind"], spec["name"], a, flat)
     return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
 
 

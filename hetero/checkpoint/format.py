@@ -173,6 +173,34 @@ class TensorWriter:
         """Write the next planned tensor (any device; converted to the planned dtype if it differs)."""
         self.submit([(name, t)]).result()
 
+    def write_parts(self, name: str, numel: int, parts: Iterable[torch.Tensor]) -> None:
+        """Write the next planned tensor (`numel` elements) from consecutive flat CPU parts, each written before the
+        next is asked for: a tensor need never be whole in memory (consolidation writes tiles this way)."""
+        self._drain()  # runs submitted before are written first: offsets and checksums stay in plan order
+        if (
+            self._next >= len(self._order)
+            or self._order[self._next].name != name
+            or self._order[self._next].numel != numel
+        ):
+            raise ValueError(f"{self.path}: wrote {name!r} ({numel} elements) out of the plan's order or size")
+        entry = self._order[self._next]
+        self._next += 1
+        offset = self.data_start + entry.begin
+        if name in self._gaps:
+            gap = self._gaps[name]
+            os.pwrite(self._fd, self._zeros[:gap], offset - gap)
+        crc, end = 0, self.data_start + entry.end
+        for part in parts:
+            view = as_bytes(part if part.dtype == entry.dtype else part.to(entry.dtype))
+            crc = zlib.crc32(view, crc)
+            while len(view):
+                n = os.pwrite(self._fd, view[:_IO_BLOCK], offset)
+                offset += n
+                view = view[n:]
+        if offset != end:
+            raise ValueError(f"{self.path}: {name!r}: its parts hold {offset - self.data_start - entry.begin} bytes")
+        self.crcs[name] = crc
+
     def submit(self, run: list[tuple[str, torch.Tensor]]) -> Future:
         """Write the next planned tensors (any device; converted to the planned dtype if it differs) on an I/O
         thread; the returned future is done once they are written and checksummed. The caller must leave CPU

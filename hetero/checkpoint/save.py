@@ -145,13 +145,13 @@ def _plan(engine: Engine) -> list[_Item]:
             for j, kind in enumerate(kinds):
                 for info, a, b in zc.spec.overlaps(lo, hi):
                     if par.saves(info, replicas):
-                        k = mf.key(kind, par.stored_name(info), a - info.offset)
+                        k = mf.key(kind, par.stored_name(info), info.element(a))
                         items.append(_Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info, a, b in zc.spec.overlaps(lo, hi):
                 if par.saves(info, replicas):
-                    k = mf.key("frozen", par.stored_name(info), a - info.offset)
+                    k = mf.key("frozen", par.stored_name(info), info.element(a))
                     items.append(_Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
             # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
@@ -160,7 +160,7 @@ def _plan(engine: Engine) -> list[_Item]:
             zc.grad_buffer()
             glo, ghi = (lo, hi) if stage >= 2 else (0, zc.spec.capacity)
             for info, a, b in zc.spec.overlaps(glo, ghi):
-                k = mf.key("grad", par.stored_name(info), a - info.offset)
+                k = mf.key("grad", par.stored_name(info), info.element(a))
                 items.append(_Item(k, torch.float32, b - a, zc.grad, 0, a - glo))
     if rank == 0 and replicas:
         for name, t in _buffers(engine).items():
@@ -438,7 +438,7 @@ def _model_table(engine: Engine) -> dict[str, Any]:
             canonical[id(info.param)] = info.name
             cut = par.tp_cut(info.param)
             params[par.stored_name(info)] = {
-                "shape": list(info.shape),  # a shard's own shape under tensor parallelism
+                "shape": list(info.param.shape),  # a shard's own shape under tensor parallelism (a tile's: the whole)
                 "trainable": zc.spec.trainable,
                 "group": zc.spec.group,
                 "dtype": str(zc.dtype).removeprefix("torch."),

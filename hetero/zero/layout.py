@@ -50,6 +50,10 @@ class ParamInfo:
         """Elements held in the chunk: the whole parameter's, or a tile's."""
         return self.param.numel() if self.count is None else self.count
 
+    def element(self, a: int) -> int:
+        """The parameter's flat element index at chunk element `a` (checkpoints store element ranges)."""
+        return self.start + a - self.offset
+
     @property
     def tiled(self) -> bool:
         """This is one tile of a parameter split over several chunks ([Note: tiles])."""

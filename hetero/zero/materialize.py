@@ -23,6 +23,13 @@ With `weights=` (a .safetensors file, a directory of them, or Hugging Face's sha
 at a time with `safetensors.safe_open` into the same staging buffers, chunk by chunk; names are the model's own
 state_dict keys (a tied parameter may come under any of its names). Missing, unexpected and mis-shaped names are
 checked from the files' headers before anything is read, and reported together.
+
+[Note: initialising tiles]
+A weight split into tiles ([Note: tiles] in `hetero/memory/chunk_size.py`) is initialised through one staging buffer
+of its whole size: an initialiser draws a tensor's random numbers in one call, and only the whole tensor's call gives
+the values of normal construction. Once written, it is copied into its tiles one at a time (each tile's chunk loads
+and frees its own staging buffer) and freed, so host memory holds the whole weight once, in fp32, during its own
+initialisation only. `weights=` needs no such buffer: each tile's rows are read from the file on their own.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class _Staging:
         self.m = manager
         self.checksum = checksum  # sum each chunk's values as it is loaded (to compare ranks)
         self.open: dict[int, Chunk] = {}  # ZeroChunk index -> staging chunk
+        self.whole: dict[int, Chunk] = {}  # tiled parameter id -> its whole value ([Note: initialising tiles])
 
     def flat(self, zc: ZeroChunk) -> torch.Tensor:
         c = self.open.get(zc.spec.index)
@@ -106,23 +114,52 @@ class _Staging:
     def view(self, zc: ZeroChunk, info: Any) -> torch.Tensor:
         return self.flat(zc).narrow(0, info.offset, info.numel).view(info.shape)
 
+    def whole_view(self, info: Any) -> torch.Tensor:
+        """A tiled parameter's whole value (fp32, zeros at first), for an initialiser to write."""
+        key = id(info.param)
+        c = self.whole.get(key)
+        if c is None:
+            numel = info.param.numel()
+            c = self.m.new_chunk(dtype=torch.float32, capacity=numel, kind="staging")
+            slot = c.add_tensor(f"{info.name}..staging", (numel,))
+            self.m.access(c, Tier.HOST)
+            c.set_state(slot, TensorState.HOLD)
+            self.m.pin(c)
+            c.payload.zero_()
+            self.whole[key] = c
+        return c.payload.view(info.param.shape)
+
+    def load_tiles(self, tiles: list[tuple[ZeroChunk, Any]]) -> list[tuple[int, float]]:
+        """Copy a tiled parameter's whole value into its tiles' chunks, one at a time, and free it; (chunk index,
+        checksum) per tile."""
+        c = self.whole.pop(id(tiles[0][1].param))
+        flat = c.payload
+        sums = []
+        for zc, info in tiles:
+            self.flat(zc).narrow(0, info.offset, info.numel).copy_(flat.narrow(0, info.start, info.numel))
+            sums.append((zc.spec.index, self.load(zc)))
+        self._free(c)
+        return sums
+
     def load(self, zc: ZeroChunk) -> float:
         """Load the chunk from its staging buffer and free the buffer; returns the values' sum (a checksum)."""
         c = self.open.pop(zc.spec.index)
         flat = c.payload
         total = float(flat.sum(dtype=torch.float64)) if self.checksum else 0.0
         zc.load(flat)
+        self._free(c)
+        return total
+
+    def _free(self, c: Chunk) -> None:
         self.m.unpin(c)
         c.set_state(c.slots[0], TensorState.FREE)
         self.m.free_chunk(c)
-        return total
 
     def close(self) -> None:
-        for c in self.open.values():
-            self.m.unpin(c)
-            c.set_state(c.slots[0], TensorState.FREE)
-            self.m.free_chunk(c)
+        for c in [*self.open.values(), *self.whole.values()]:
+            self._free(c)
         self.open.clear()
+        self.whole.clear()
 
 
 # ---- initialising a meta model ------------------------------------------------------------------------------
@@ -167,7 +204,13 @@ def _writes(name: str) -> bool:
 
 def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, comm: Comm) -> None:
     staging = _Staging(manager, checksum=comm.size > 1)
-    where = {id(info.param): (zc, info) for zc in chunks for info in zc.spec.params}
+    where = {id(info.param): (zc, info) for zc in chunks for info in zc.spec.params if not info.tiled}
+    tiles: dict[int, list[tuple[ZeroChunk, Any]]] = {}  # tiled parameter id -> its tiles, in row order
+    for zc in chunks:
+        for info in zc.spec.params:
+            if info.tiled:
+                tiles.setdefault(id(info.param), []).append((zc, info))
+                where.setdefault(id(info.param), (zc, info))  # the first tile stands for it in what follows
     unwritten = {zc.spec.index: {id(i.param) for i in zc.spec.params} for zc in chunks}
     by_index = {zc.spec.index: zc for zc in chunks}
     loaded: set[int] = set()
@@ -189,7 +232,7 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
             zc, info = hit
             if zc.spec.index in loaded:
                 return _scratch(t)  # its shape can be read; a write is an error (on_write)
-            return staging.view(zc, info)
+            return staging.whole_view(info) if info.tiled else staging.view(zc, info)
         if id(t) in buffers:
             if id(t) not in real_buffers:
                 real_buffers[id(t)] = torch.zeros(t.shape, dtype=t.dtype)
@@ -211,14 +254,24 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
                 f"the model's initialiser wrote parameter {info.name!r} after hetero had loaded its chunk: "
                 "initialise each parameter in one place (its module's reset_parameters), or build the model normally"
             )
-        unwritten[zc.spec.index].discard(key)
+        for zc_, _ in tiles.get(key, [(zc, info)]):
+            unwritten[zc_.spec.index].discard(key)
         # Another chunk's parameter is being written: chunks whose parameters are all written are complete.
         for index in [i for i in staging.open if i != zc.spec.index and not unwritten[i]]:
             sums[index] = staging.load(by_index[index])
             loaded.add(index)
+        for other in [k for k in staging.whole if k != key]:
+            complete_tiles(other)
+
+    def complete_tiles(key: int) -> None:
+        for index, total in staging.load_tiles(tiles[key]):
+            sums[index] = total
+            loaded.add(index)
 
     try:
         _run_initialiser(model, real, on_write, written_any, passes)
+        for key in list(staging.whole):
+            complete_tiles(key)
         for index in list(staging.open):
             if not unwritten[index]:
                 sums[index] = staging.load(by_index[index])
@@ -382,8 +435,10 @@ def _stream_weights(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkMan
                 + ". Build the model from the same config the weights were saved with"
             )
 
-        def read(t: torch.Tensor) -> torch.Tensor:
+        def read(t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
             name = chosen[id(t)]
+            if rows is not None:  # a tile's rows only ([Note: initialising tiles])
+                return source[name].get_slice(name)[rows[0] : rows[1]]
             return source[name].get_tensor(name)
 
         # Buffers first, while parameters still have no memory: an initialiser run for non-persistent buffers
@@ -397,7 +452,7 @@ def _stream_weights(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkMan
         try:
             for zc in chunks:
                 for info in zc.spec.params:
-                    staging.view(zc, info).copy_(read(info.param))
+                    staging.view(zc, info).copy_(read(info.param, info.rows if info.tiled else None))
                 staging.load(zc)
         finally:
             staging.close()
