@@ -107,7 +107,9 @@ class Engine:
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
         # "auto": at most what the budgets hold with room to spare, the same on every rank (the smallest budgets').
         cap = chunk_cap(config, self.manager, self.algorithm, self.comm) if chunk_numel is None else None
-        specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap)
+        specs = build_layout(
+            model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap, tiling=config.tiling
+        )
         self.chunks: list[ZeroChunk] = []
         self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives (a whole one)
         tiled: dict[int, Tiled] = {}  # param id -> its tiles, for a parameter split over chunks ([Note: tiles])

@@ -301,13 +301,13 @@ def search_tiled(
     min_numel: int,
     max_numel: int,
     align_numel: int = 1 << 10,
-    candidates: int = 128,
-    slack: float = 0.01,
+    candidates: int = 256,
+    allowed: float = 0.02,
 ) -> int:
     """The chunk capacity for `pack_tiled` over the runs: among about `candidates` aligned capacities in
-    [min_numel, max_numel], the largest whose padding is within `slack` (of all elements) of the least any of
-    them gives. Larger chunks mean fewer collectives and moves; once tiles keep the padding low, nothing is gained
-    by going smaller."""
+    [min_numel, max_numel], the largest whose padding is at most `allowed` of all elements (or, if none is, the one
+    with the least padding, the smaller on ties). Larger chunks mean fewer collectives and moves, and once tiles keep
+    the padding low nothing is gained by going smaller; the budgets bound `max_numel`."""
     lo = max(align_numel, _round_up(min_numel, align_numel))
     hi = max(lo, max_numel // align_numel * align_numel)
     step = max(align_numel, (hi - lo) // candidates // align_numel * align_numel)
@@ -316,16 +316,15 @@ def search_tiled(
         caps.append(hi)
     total = sum(sum(numels) for numels, _ in runs)
     waste = [tiled_waste(runs, c, align=align_numel) for c in caps]
-    best = min(waste)
-    chosen = max(c for c, w in zip(caps, waste) if w <= best + slack * total)
+    ok = [c for c, w in zip(caps, waste) if w <= allowed * total]
+    chosen = max(ok) if ok else caps[waste.index(min(waste))]
     logger.debug(
-        "tiled chunk size search over %d capacities [%d, %d]: picked %d (%.2f%% padding; least %.2f%%)",
+        "tiled chunk size search over %d capacities [%d, %d]: picked %d (%.2f%% padding)",
         len(caps),
         lo,
         hi,
         chosen,
         100 * waste[caps.index(chosen)] / max(1, total),
-        100 * best / max(1, total),
     )
     return chosen
 

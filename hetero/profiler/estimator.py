@@ -29,7 +29,7 @@ from hetero.profiler.activations import ActivationEstimate, meta_activation_byte
 from hetero.profiler.machine import Machine
 from hetero.profiler.meta_models import default_seq_len, gpt_for_params, hf_model_from_config
 from hetero.profiler.parallel_shapes import per_rank_model
-from hetero.zero.layout import ChunkSpec, build_layout
+from hetero.zero.layout import ChunkSpec, build_layout, config_cap
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 from hetero.zero.protocol import KEEP_UNITS, gathered_peak
@@ -84,6 +84,7 @@ class Estimate:
     n_params: int
     n_chunks: int
     chunk_elements: int  # the chunks' total capacity: parameters plus padding
+    chunk_numel: int  # the chunk size the layout chose (trimmed chunks and tiles are smaller)
     world_size: int
     ranks_per_node: int
     zero_stage: int
@@ -99,6 +100,7 @@ class Estimate:
     machine: Machine | None = None
     candidates: list[Candidate] = field(default_factory=list)
     parallel: dict[str, Any] = field(default_factory=dict)  # the tensor / sequence layout (empty without one)
+    tiled: dict[str, int] = field(default_factory=dict)  # weights split into tiles -> their tiles ([Note: tiles])
 
     # ---- figures ------------------------------------------------------------------------------------------
     def bytes(self, tier: str, kind: str | None = None) -> int:
@@ -136,6 +138,8 @@ class Estimate:
             "n_params": self.n_params,
             "n_chunks": self.n_chunks,
             "chunk_elements": self.chunk_elements,
+            "chunk_numel": self.chunk_numel,
+            "tiled": dict(self.tiled),
             "world_size": self.world_size,
             "ranks_per_node": self.ranks_per_node,
             "config": {
@@ -243,13 +247,6 @@ def estimate(
     # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
     model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
     algo = algorithm_of(opt)
-    chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
-    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world)
-    dtype = COMPUTE_DTYPES[cfg.precision]
-    seq = seq_len if seq_len is not None else default_seq_len(model)
-    act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
-    buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
-
     if machine is True:
         machine = Machine.detect(nvme_dir=cfg.memory.nvme_dir)
     elif machine is False:
@@ -257,6 +254,18 @@ def estimate(
     if ranks_per_node is None:
         gpus = machine.gpus if machine is not None else 0
         ranks_per_node = min(world_size, gpus) if gpus else world_size
+    chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
+    cap = None
+    if chunk_numel is None:  # the engine's: what the budgets (or the machine's default budgets) hold
+        device_budget, host_budget = _budgets(cfg, machine, ranks_per_node)
+        cap = config_cap(
+            cfg, device_budget=device_budget, host_budget=host_budget, n_states=len(algo.state_names), world=zero_world
+        )
+    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world, max_chunk_numel=cap, tiling=cfg.tiling)
+    dtype = COMPUTE_DTYPES[cfg.precision]
+    seq = seq_len if seq_len is not None else default_seq_len(model)
+    act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+    buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
     gathered = _gathered_bytes(model, specs, dtype, cfg.memory.device_budget)
@@ -281,6 +290,7 @@ def estimate(
         n_params=sum(p.numel for s in specs for p in s.params),
         n_chunks=len(specs),
         chunk_elements=sum(s.capacity for s in specs),
+        chunk_numel=specs[0].chunk_numel,
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         zero_stage=cfg.zero_stage,
@@ -293,6 +303,9 @@ def estimate(
         activations=act,
         machine=machine,
     )
+    for spec in specs:
+        if spec.tile:
+            est.tiled[spec.params[0].name] = est.tiled.get(spec.params[0].name, 0) + 1
     if cfg.parallel.tensor > 1:
         p = cfg.parallel
         est.parallel = {
@@ -314,15 +327,29 @@ def estimate(
     return est
 
 
+def _budgets(cfg: Config, machine: Machine | None, ranks_per_node: int) -> tuple[int | None, int | None]:
+    """The device and host budgets a rank gets: the config's, else the engine's defaults on the machine (the CPU
+    "device" and the host tier each take half of a rank's share of RAM); None without either."""
+    device, host = cfg.memory.device_budget, cfg.memory.host_budget
+    if machine is not None:
+        if device is None:
+            device = int(machine.device_bytes * 0.9) if machine.gpus else machine.host_bytes // (2 * ranks_per_node)
+        if host is None:
+            host = machine.host_bytes // (2 * ranks_per_node)
+    return device, host
+
+
 def _gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
     """Stage 3's peak of gathered parameter bytes, as `Gathers` keeps them: units in module order forward, reverse
-    backward, the last KEEP_UNITS kept after forward where the device budget has room for them."""
-    index = {id(info.param): spec.index for spec in specs for info in spec.params}
+    backward, the last KEEP_UNITS kept after forward where the device budget has room for them; plus one tile of a
+    weight split into tiles, gathered alone while it is computed on ([Note: computing on tiles])."""
+    index = {id(info.param): spec.index for spec in specs for info in spec.params if not spec.tile}
     per_unit = [sorted({index[id(p)] for p in ps if id(p) in index}) for _, _, ps in unit_parameters(model)]
     nbytes = {spec.index: spec.capacity * dtype.itemsize for spec in specs}
     sizes = sorted((sum(nbytes[c] for c in u) for u in per_unit), reverse=True)
     keep = KEEP_UNITS if budget is None or budget >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
-    return gathered_peak(per_unit, nbytes, keep)
+    tile = max((nbytes[spec.index] for spec in specs if spec.tile), default=0)
+    return gathered_peak(per_unit, nbytes, keep) + tile
 
 
 def _place(

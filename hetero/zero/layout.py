@@ -82,6 +82,7 @@ class ChunkSpec:
     capacity: int  # elements, a multiple of the world size
     params: list[ParamInfo] = field(default_factory=list)
     tile: bool = False  # holds one tile of a parameter split over several chunks, and nothing else
+    chunk_numel: int = 0  # the layout's chunk size (a regular chunk's capacity; trimmed chunks and tiles are smaller)
 
     @property
     def trainable(self) -> bool:
@@ -150,7 +151,8 @@ def build_layout(
     for g, (numels, run_rows) in zip(order, runs):
         infos = buckets[g]
         for packed in pack_tiled(numels, run_rows, chunk_numel, align=align):
-            spec = ChunkSpec(index=len(specs), group=g, capacity=_round_up(packed.capacity, world), tile=packed.tile)
+            capacity = _round_up(packed.capacity, world)
+            spec = ChunkSpec(index=len(specs), group=g, capacity=capacity, tile=packed.tile, chunk_numel=chunk_numel)
             offset = 0
             for i, start, count in packed.members:
                 info = infos[i]

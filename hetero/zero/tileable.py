@@ -15,19 +15,25 @@ def _conv1d_class() -> type | None:
 
 
 def layer_kind(module: nn.Module) -> str | None:
-    """Which tiled computation a module gets: its exact class (a subclass may compute differently), or None."""
+    """Which tiled computation a module gets, or None. Its class must be one of the three layers, or a subclass that
+    overrides `forward` (as Hugging Face's scaled and positional embeddings do: their `super().forward` then computes
+    on the tiles); a subclass that does not (MultiheadAttention's out_proj, whose parent reads its weight itself)
+    is left whole."""
     cls = type(module)
-    if cls is nn.Linear:
-        return "linear"
-    if cls is nn.Embedding:
-        m = module
-        if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
-            return None  # these change the weight in forward or its gradient's meaning
-        return "embedding"
-    conv = _conv1d_class()
-    if conv is not None and cls is conv:
-        return "conv1d"
+    for base, kind in bases():
+        if isinstance(module, base) and (cls is base or cls.forward is not base.forward):
+            if kind == "embedding" and (module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
+                return None  # these change the weight in forward, or its gradient's meaning
+            return kind
     return None
+
+
+def bases() -> list[tuple[type, str]]:
+    out = [(nn.Linear, "linear"), (nn.Embedding, "embedding")]
+    conv = _conv1d_class()
+    if conv is not None:
+        out.append((conv, "conv1d"))
+    return out
 
 
 def tile_rows(model: nn.Module) -> dict[int, int]:

@@ -31,6 +31,7 @@ every rank does at the same point because a tiled module runs on every rank (its
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from torch import nn
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
-from hetero.zero.tileable import layer_kind
+from hetero.zero.tileable import bases, layer_kind
 
 if TYPE_CHECKING:
     from hetero.zero.protocol import Checker
@@ -88,20 +89,22 @@ class TileRunner:
         self.check = check
         self._deliver = deliver  # (tile, gradient, last use of this micro-batch) -> into its chunk
         self._patched: list[nn.Module] = []
-        me = weakref.ref(self)  # the model may outlive the engine: its forwards must not keep the engine alive
+        me = weakref.ref(self)  # the model may outlive the engine: its layers must not keep the engine alive
         for name, module in model.named_modules():
             weight = module._parameters.get("weight")
             kind = layer_kind(module)
             if weight is None or id(weight) not in tiled or kind is None:
                 continue
             tiled[id(weight)].modules.append(name)
-            module.forward = _tiled_forward(kind, module, tiled[id(weight)], me)  # on the instance only
+            module.__dict__["_hetero_tiles"] = (me, tiled[id(weight)])
+            module.__class__ = _twin(type(module), kind)  # one pointer write; names and hooks unchanged
             self._patched.append(module)
 
     def remove(self) -> None:
-        """Give the modules their own forward back."""
+        """Give the layers their own class back."""
         for module in self._patched:
-            module.__dict__.pop("forward", None)
+            module.__class__ = _original(type(module))
+            module.__dict__.pop("_hetero_tiles", None)
         self._patched.clear()
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -155,23 +158,62 @@ class TileRunner:
             t.uses = 0
 
 
-def _tiled_forward(kind: str, module: nn.Module, tiled: Tiled, runner: weakref.ref) -> Callable:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        r = runner()
-        if r is None:
-            raise RuntimeError(f"the engine of tiled module computing on {tiled.name!r} was closed")
-        counted = r.begin_use(tiled)
-        anchor = _anchor(tiled.param, x)
-        if kind == "linear":
-            out = _TiledLinear.apply(x, anchor, r, tiled, counted)
-            return out if module.bias is None else out + module.bias
-        if kind == "conv1d":
-            shape = x.shape[:-1] + (module.nf,)
-            out = _TiledConv1D.apply(x.reshape(-1, x.shape[-1]), anchor, r, tiled, counted)
-            return (out + module.bias).view(shape)
-        return _TiledEmbedding.apply(x, anchor, r, tiled, counted, module.padding_idx)
+# ---- the layers' tiled forwards ---------------------------------------------------------------------------------
+# A tiled layer's class is swapped for a twin: a subclass of its class whose MRO puts the tiled forward of its base
+# layer right above that base, so the class's own forward (if it has one) runs and its `super().forward` computes on
+# the tiles.
+def _state(layer: nn.Module) -> tuple[TileRunner, Tiled]:
+    ref, tiled = layer.__dict__["_hetero_tiles"]
+    runner = ref()
+    if runner is None:
+        raise RuntimeError(f"the engine of the tiled layer computing on {tiled.name!r} was closed")
+    return runner, tiled
 
-    return forward
+
+def _linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    r, t = _state(self)
+    out = _TiledLinear.apply(x, _anchor(t.param, x), r, t, r.begin_use(t))
+    return out if self.bias is None else out + self.bias
+
+
+def _embedding_forward(self: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    r, t = _state(self)
+    return _TiledEmbedding.apply(ids, _anchor(t.param, ids), r, t, r.begin_use(t), self.padding_idx)
+
+
+def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    r, t = _state(self)
+    shape = x.shape[:-1] + (self.nf,)
+    out = _TiledConv1D.apply(x.reshape(-1, x.shape[-1]), _anchor(t.param, x), r, t, r.begin_use(t))
+    return (out + self.bias).view(shape)
+
+
+_FORWARDS = {"linear": _linear_forward, "embedding": _embedding_forward, "conv1d": _conv1d_forward}
+_TWINS: dict[tuple[type, str], type] = {}  # (a layer class, its kind) -> its tiled twin
+_ORIGINALS: dict[type, type] = {}  # twin -> the class it stands for
+
+
+def _twin(cls: type, kind: str) -> type:
+    twin = _TWINS.get((cls, kind))
+    if twin is None:
+        tiled_base = _tiled_base(kind)
+        base = tiled_base.__mro__[1]
+        parents = (tiled_base,) if cls is base else (cls, tiled_base)
+        twin = type(f"Tiled{cls.__name__}", parents, {"__module__": __name__})
+        _TWINS[(cls, kind)] = twin
+        _ORIGINALS[twin] = cls
+    return twin
+
+
+@functools.cache
+def _tiled_base(kind: str) -> type:
+    """The layer's base class with the tiled forward: the twin's MRO reaches it right above that base."""
+    base = next(b for b, k in bases() if k == kind)
+    return type(f"Tiled{base.__name__}", (base,), {"forward": _FORWARDS[kind], "__module__": __name__})
+
+
+def _original(cls: type) -> type:
+    return _ORIGINALS.get(cls, cls)
 
 
 def _anchor(param: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
