@@ -110,7 +110,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
     init_rss = rss_peak() - base
     # The least NVMe traffic a step needs: every shard read once (forward) and written once (update), every optimizer
     # chunk read and written once; gradients the host cannot hold until the update come on top.
-    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine._trainable)
+    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine.trainable)
     g = torch.Generator().manual_seed(1)
     steps = []
     try:

@@ -1,13 +1,16 @@
-"""Bandwidth of the NVMe tier (NvmeStore) against the raw sequential bandwidth of the same disk.
+"""Bandwidth of the NVMe tier (NvmeStore) against the raw sequential bandwidth of the same disk, measured fairly.
 
-    python benchmarks/nvme_bandwidth.py --dir /mnt/nvme --size 2GiB [--chunk 64MiB] [--json] [--no-verify]
+    python benchmarks/nvme_bandwidth.py --dir /mnt/nvme --size 1GiB [--chunk 64MiB] [--json] [--no-verify]
 
-Writes --size bytes as --chunk sized fp32 chunks through NvmeStore (all writes queued, then waited for), reads
-them all back, and checks a sample bit-exact. Then measures the raw disk on the same directory with the same
-total size, block size and concurrency: with fio (direct=1, libaio) when it is installed, else with a Python
-O_DIRECT loop. Both sides avoid the page cache: O_DIRECT where the file system allows it, else buffered I/O
-with fsync inside the timed write and POSIX_FADV_DONTNEED before the read (the output says which).
-GB = 1e9 bytes.
+Writes --size bytes as --chunk sized fp32 chunks through NvmeStore from the host tier's memory (all writes queued,
+then waited for), reads them all back, and checks a sample bit-exact. The raw disk is measured on the same directory
+with the same total size by fio, following the rules of benchmarks/README.md: 8 MiB blocks, iodepth 8, libaio,
+direct=1, from huge-page buffers (--iomem=mmaphuge; this benchmark reserves the huge pages fio needs through
+/proc/sys/vm/nr_hugepages for the run when it may, and says so when it cannot). That is the fair reference the
+ratios use: the tier's buffers are huge pages too, and O_DIRECT into 4 KiB pages is limited by pinning them one by
+one. fio from ordinary 4 KiB-page buffers (--iomem=malloc) is reported beside it, for information only. Without fio
+(or with --no-fio) a Python pwrite/preadv loop from huge-page memory stands in, with a warning. Tier and raw passes
+are interleaved, alternating which goes first, and medians are reported. GB = 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -32,6 +36,8 @@ import numpy as np
 import torch  # noqa: E402
 
 from hetero.device import Device  # noqa: E402
+from hetero.io import hugepages  # noqa: E402
+from hetero.io.checksum import ALGORITHMS, DEFAULT  # noqa: E402
 from hetero.memory.nvme import NvmeStore  # noqa: E402
 
 try:
@@ -48,6 +54,12 @@ except ImportError:  # keep the benchmark usable on its own
 
 
 ALIGN = 4096
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+FIO_MISSING = (
+    "fio is not installed: the raw-disk reference falls back to a Python pwrite/preadv loop, which is not the fair "
+    "baseline of benchmarks/README.md. Install fio (apt-get install fio, dnf install fio, brew install fio) and run "
+    "again"
+)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -80,13 +92,15 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
     total = sum(s.numel() * s.element_size() for s in srcs)
     for d in dsts:
         d.zero_()
+    options = {} if args.threads is None else {"io_threads": args.threads}
     store = NvmeStore(
         args.dir,
-        io_threads=args.threads,
+        **options,
         block_bytes=args.block,
         staging_buffers=args.staging,
         direct={"auto": None, "on": True, "off": False}[args.direct],
         verify=not args.no_verify,
+        checksum=args.checksum,
     )
     try:
         t0 = time.perf_counter()
@@ -118,9 +132,10 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
             "tier_read_GBps": gbps(total, t_read),
             # Share of the timed region the I/O threads spent inside pwrite/preadv: near 1 means the
             # tier kept `threads` requests on the device all along (copies and checksums were overlapped).
-            "tier_write_queue_busy": store.stats.write_io_seconds / (t_write * args.threads),
-            "tier_read_queue_busy": store.stats.read_io_seconds / (t_read * args.threads),
+            "tier_write_queue_busy": store.stats.write_io_seconds / (t_write * store.io_threads),
+            "tier_read_queue_busy": store.stats.read_io_seconds / (t_read * store.io_threads),
             "direct": store.direct,
+            "threads": store.io_threads,
             "verified_chunks": sample,
         }
     finally:
@@ -130,7 +145,55 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
 # ---------------------------------------------------------------------------------------------- raw
 
 
-def raw_fio(directory: str, total: int, block: int, depth: int) -> dict:
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            out[name] = int(rest.split()[0])
+    return out
+
+
+@contextlib.contextmanager
+def huge_pages_for(nbytes: int) -> Iterator[str | None]:
+    """Make sure fio finds `nbytes` of free huge pages (hugetlbfs) for --iomem=mmaphuge; yields None when it does,
+    else the reason why not. Pages this reserves (through /proc/sys/vm/nr_hugepages, which needs root) are given
+    back afterwards. fio crashes rather than fall back when it finds too few, so it must not be run then."""
+    info = _meminfo()
+    if "Hugepagesize" not in info:
+        yield "this system reports no huge pages (/proc/meminfo)"
+        return
+    page = info["Hugepagesize"] << 10
+    need = -(-nbytes // page) + 4  # fio aligns and pads its buffer area: a few pages to spare
+    free = info.get("HugePages_Free", 0)
+    if free >= need:
+        yield None
+        return
+    try:
+        with open(NR_HUGEPAGES) as f:
+            before = int(f.read())
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(before + need - free))
+    except OSError as e:
+        yield (
+            f"cannot reserve {need} huge pages ({e.strerror or e}): run `sysctl -w vm.nr_hugepages={need}` as root "
+            "before the benchmark"
+        )
+        return
+    try:
+        got = _meminfo().get("HugePages_Free", 0)
+        if got < need:  # physical memory too fragmented for that many 2 MiB pages
+            yield f"asked the kernel for {need} free huge pages and got {got} (memory fragmented)"
+        else:
+            yield None
+    finally:
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(before))
+
+
+def raw_fio(directory: str, total: int, block: int, depth: int, iomem: str) -> dict:
+    """fio's sequential write then read of one fresh file: libaio, direct=1, `depth` blocks in flight, buffers from
+    `iomem` (mmaphuge: huge pages; malloc: 4 KiB pages)."""
     path = os.path.join(directory, "raw.fio")
     result = {}
     for rw in ("write", "read"):
@@ -144,15 +207,17 @@ def raw_fio(directory: str, total: int, block: int, depth: int) -> dict:
             "--direct=1",
             "--ioengine=libaio",
             f"--iodepth={depth}",
+            f"--iomem={iomem}",
             "--numjobs=1",
             "--end_fsync=1" if rw == "write" else "--invalidate=1",
             "--output-format=json",
         ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         job = json.loads(out[out.index("{") :])["jobs"][0]
-        result[f"raw_{rw}_GBps"] = job[rw]["bw_bytes"] / 1e9
+        if job.get("error"):
+            raise ValueError(f"fio reported error {job['error']}")
+        result[rw] = job[rw]["bw_bytes"] / 1e9
     os.unlink(path)  # the next pass writes a fresh file, as the tier's fresh store does
-    result["raw_method"] = f"fio libaio direct=1 bs={block} iodepth={depth}"
     return result
 
 
@@ -222,92 +287,139 @@ def raw_python(directory: str, total: int, block: int, threads: int, allow_direc
 # ---------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True, help="directory on the disk to test (the nvme_dir)")
-    p.add_argument("--size", default="2GiB", help="total bytes to write and read (default 2GiB)")
+    p.add_argument("--size", default="1GiB", help="total bytes to write and read (default 1GiB)")
     p.add_argument("--chunk", default="64MiB", help="chunk size (default 64MiB)")
     p.add_argument("--block", default="8MiB", help="NvmeStore block_bytes and raw block size (default 8MiB)")
-    p.add_argument("--threads", type=int, default=4, help="NvmeStore io_threads and raw concurrency (default 4)")
+    p.add_argument("--threads", type=int, default=None, help="NvmeStore io_threads (default: the store's)")
+    p.add_argument("--fio-depth", type=int, default=8, help="fio iodepth, and the Python raw loop's threads (8)")
     p.add_argument("--staging", type=int, default=8, help="NvmeStore staging buffers (default 8)")
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="NvmeStore O_DIRECT mode")
+    p.add_argument("--checksum", choices=ALGORITHMS, default=DEFAULT, help=f"NvmeStore checksum (default {DEFAULT})")
     p.add_argument(
         "--pageable",
         action="store_true",
         help="chunks in plain torch.empty memory (staged through aligned buffers) instead of the host tier's "
         "page-aligned buffers",
     )
-    p.add_argument("--no-verify", action="store_true", help="NvmeStore(verify=False): no crc32 per block")
+    p.add_argument("--no-verify", action="store_true", help="NvmeStore(verify=False): no checksum per block")
     p.add_argument("--no-fio", action="store_true", help="measure the raw disk with the Python loop")
-    p.add_argument("--repeat", type=int, default=5, help="interleaved tier/raw passes; medians are reported")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved tier/raw passes; medians are reported (3)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
     args = p.parse_args(argv)
-    size, chunk, args.block = parse_size(args.size), parse_size(args.chunk), parse_size(args.block)
-    if chunk <= 0 or chunk % 4 or size < chunk:
+    args.size, args.chunk, args.block = (parse_size(v) for v in (args.size, args.chunk, args.block))
+    if args.chunk <= 0 or args.chunk % 4 or args.size < args.chunk:
         p.error("--chunk must be a positive multiple of 4 bytes and no larger than --size")
-    nchunks = size // chunk
-    total = nchunks * chunk
+    return args
 
+
+def settle() -> None:
+    """Let the disk finish what the previous side left behind before the next one is timed: deleting its file frees
+    gigabytes, which a file system mounted with online discard trims at its next journal commit."""
+    os.sync()
+    time.sleep(0.5)
+
+
+def measure(args: argparse.Namespace, total: int, srcs: list, dsts: list, warnings: list[str]) -> list[dict]:
+    """The interleaved passes: tier, fio from huge pages (or the Python loop), fio from 4 KiB pages."""
     # With --direct off the tier runs buffered, so the raw side does too (and fio, always direct=1, is skipped).
     allow_direct = args.direct != "off"
-    use_fio = shutil.which("fio") is not None and not args.no_fio and allow_direct
-    srcs, dsts = make_chunks(args, chunk, nchunks)
+    use_fio = allow_direct and not args.no_fio
+    if use_fio and shutil.which("fio") is None:
+        warnings.append(FIO_MISSING)
+        use_fio = False
     runs: list[dict] = []
     workdir = tempfile.mkdtemp(prefix="hetero-bench-", dir=args.dir)
-    try:
-        # Cloud and shared disks drift from second to second: interleave tier and raw passes, alternating
-        # which goes first, and compare medians.
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        no_huge = stack.enter_context(huge_pages_for((args.fio_depth + 1) * args.block)) if use_fio else None
+        if no_huge is not None:
+            warnings.append(f"fio without huge pages: {no_huge}; the raw reference uses 4 KiB pages and is handicapped")
+        sides = ["tier", "raw", "raw_4k"] if use_fio else ["tier", "raw"]
         for r in range(args.repeat):
+            # Cloud and shared disks drift from second to second: rotate which side goes first.
             run: dict = {}
-            for side in ("tier", "raw") if r % 2 == 0 else ("raw", "tier"):
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                settle()
                 if side == "tier":
                     run.update(bench_tier(args, srcs, dsts))
-                    continue
-                raw = None
-                if use_fio:
-                    try:
-                        raw = raw_fio(workdir, total, args.block, args.threads)
-                    except (subprocess.CalledProcessError, ValueError, KeyError) as e:
-                        print(f"fio failed ({e}); using the Python loop", file=sys.stderr)
-                        use_fio = False
-                run.update(raw or raw_python(workdir, total, args.block, args.threads, allow_direct))
+                elif side == "raw_4k":
+                    got = raw_fio(workdir, total, args.block, args.fio_depth, "malloc")
+                    run.update(raw_4k_write_GBps=got["write"], raw_4k_read_GBps=got["read"])
+                elif use_fio:
+                    iomem = "malloc" if no_huge is not None else "mmaphuge"
+                    got = raw_fio(workdir, total, args.block, args.fio_depth, iomem)
+                    run.update(raw_write_GBps=got["write"], raw_read_GBps=got["read"])
+                    run["raw_method"] = f"fio libaio direct=1 bs={args.block} iodepth={args.fio_depth} iomem={iomem}"
+                else:
+                    run.update(raw_python(workdir, total, args.block, args.fio_depth, allow_direct))
             runs.append(run)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    keys = ("tier_write_GBps", "tier_read_GBps", "raw_write_GBps", "raw_read_GBps")
-    busy = ("tier_write_queue_busy", "tier_read_queue_busy")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    nchunks = args.size // args.chunk
+    total = nchunks * args.chunk
+    load_before = os.getloadavg()
+    warnings: list[str] = []
+    srcs, dsts = make_chunks(args, args.chunk, nchunks)
+    runs = measure(args, total, srcs, dsts, warnings)
+    keys = ["tier_write_GBps", "tier_read_GBps", "raw_write_GBps", "raw_read_GBps"]
+    keys += [k for k in ("raw_4k_write_GBps", "raw_4k_read_GBps") if k in runs[0]]
     res: dict = {k: statistics.median(run[k] for run in runs) for k in keys}
-    res.update({k: statistics.median(run[k] for run in runs) for k in busy})
+    for k in ("tier_write_queue_busy", "tier_read_queue_busy"):
+        res[k] = statistics.median(run[k] for run in runs)
     res["write_ratio"] = res["tier_write_GBps"] / res["raw_write_GBps"]
     res["read_ratio"] = res["tier_read_GBps"] / res["raw_read_GBps"]
     res.update(direct=runs[0]["direct"], raw_method=runs[-1]["raw_method"], size_bytes=total)
-    res.update(verify=not args.no_verify, chunk_bytes=chunk, block_bytes=args.block, threads=args.threads)
-    res.update(pageable=args.pageable, repeat=args.repeat, verified_chunks=runs[0]["verified_chunks"])
+    res.update(verify=not args.no_verify, checksum=args.checksum, chunk_bytes=args.chunk, block_bytes=args.block)
+    res.update(threads=runs[0]["threads"], fio_depth=args.fio_depth, pageable=args.pageable, repeat=args.repeat)
+    res["verified_chunks"] = runs[0]["verified_chunks"]
+    res["tier_huge_pages"] = hugepages.report()  # the tier's buffers: did the kernel give them huge pages?
+    res["loadavg"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    res["warnings"] = warnings
     res["runs"] = [{k: round(run[k], 3) for k in keys} for run in runs]
-
+    for w in warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
     if args.json:
         print(json.dumps(res))
         return 0
+    report(args, res, nchunks)
+    return 0
+
+
+def report(args: argparse.Namespace, res: dict, nchunks: int) -> None:
     mode = "O_DIRECT" if res["direct"] else "buffered (fsync after writes, fadvise DONTNEED before reads)"
-    print(f"dir {args.dir}: {total / 1e9:.2f} GB in {nchunks} chunks of {chunk / 2**20:g} MiB")
-    print(f"tier: {mode}, verify={res['verify']}, {args.threads} threads x {args.block / 2**20:g} MiB blocks")
+    hp = res["tier_huge_pages"]
+    share = "unknown" if hp["huge_share"] is None else f"{hp['huge_share']:.0%}"
+    print(f"dir {args.dir}: {res['size_bytes'] / 1e9:.2f} GB in {nchunks} chunks of {args.chunk / 2**20:g} MiB")
+    print(
+        f"tier: {mode}, verify={res['verify']} ({res['checksum']}), {res['threads']} threads x "
+        f"{args.block / 2**20:g} MiB blocks, host buffers on huge pages: {share} (THP {hp['thp']})"
+    )
     print(f"raw : {res['raw_method']}")
-    print(
-        f"write  tier {res['tier_write_GBps']:6.2f} GB/s   raw {res['raw_write_GBps']:6.2f} GB/s   "
-        f"ratio {res['write_ratio']:.2f}"
-    )
-    print(
-        f"read   tier {res['tier_read_GBps']:6.2f} GB/s   raw {res['raw_read_GBps']:6.2f} GB/s   "
-        f"ratio {res['read_ratio']:.2f}"
-    )
+    for rw in ("write", "read"):
+        line = (
+            f"{rw:6s} tier {res[f'tier_{rw}_GBps']:6.2f} GB/s   raw {res[f'raw_{rw}_GBps']:6.2f} GB/s   "
+            f"ratio {res[f'{rw}_ratio']:.2f}"
+        )
+        if f"raw_4k_{rw}_GBps" in res:
+            line += f"   (fio from 4 KiB pages, for information: {res[f'raw_4k_{rw}_GBps']:.2f} GB/s)"
+        print(line)
     print(
         f"tier I/O threads busy in pwrite/preadv: {res['tier_write_queue_busy']:.0%} of the write time, "
         f"{res['tier_read_queue_busy']:.0%} of the read time"
     )
-    print(f"medians of {args.repeat} interleaved passes; verified bit-exact: chunks {res['verified_chunks']}")
+    load = res["loadavg"]
+    print(
+        f"medians of {args.repeat} interleaved passes; verified bit-exact: chunks {res['verified_chunks']}; "
+        f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after"
+    )
     for i, run in enumerate(res["runs"]):
         print(f"  pass {i}: " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in run.items()))
-    return 0
 
 
 if __name__ == "__main__":

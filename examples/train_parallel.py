@@ -5,9 +5,13 @@ grid with `--tensor-mode`; with `--sequence ulysses` or `ring` they split the se
 hold a run of the layers each, and the data-parallel degree is what is left of the world size. Every rank of a
 data-parallel group reads that group's slice of the global batch (`engine.data_parallel_rank` / `_size`);
 `engine.train_batch` splits it into micro-batches, runs the pipeline schedule and returns the global mean loss.
+After training, `engine.eval_batch` evaluates a held-out batch through the same layout and greedily generates a few
+tokens from prompts of the corpus: each step runs a forward only across the stages and returns the whole logits
+(gathered from the tensor ranks) on every rank, so every rank appends the same tokens.
 
     torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 2 --pipeline 2          # 2 x 2 x dp 2
     torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule interleaved_1f1b --microbatches 8
+    torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule chimera --microbatches 4
     torchrun --nproc_per_node=2 examples/train_parallel.py --tensor 2 --sequence --zero-stage 3
     torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 4 --tensor-mode 2d --pipeline 2  # SUMMA x pp 2
     torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 8 --tensor-mode 3d --zero-stage 3
@@ -23,7 +27,7 @@ import time
 from typing import Any
 
 import torch
-from corpus import VOCAB_SIZE, batches, load_corpus
+from corpus import VOCAB_SIZE, batches, decode, load_corpus
 from tqdm import tqdm
 
 import hetero
@@ -46,11 +50,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "over the --tensor ranks, layers whole",
     )
     ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages")
-    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"))
     ap.add_argument("--virtual-stages", type=int, default=None, help="model chunks per rank (interleaved only)")
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
     ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     ap.add_argument("--offload-optimizer", default="device", choices=("device", "host"))
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
+    ap.add_argument("--generate", type=int, default=24, help="tokens to generate greedily after training")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank per batch")
     ap.add_argument("--layers", type=int, default=4)
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "zero_stage": args.zero_stage,
         "grad_clip_norm": 1.0,
         "offload": {"optimizer": args.offload_optimizer},
+        "activation_checkpointing": args.checkpointing,
         "parallel": parallel,
     }
     engine = hetero.initialize(model, optimizer, config)  # joins torchrun's process group, builds the mesh
@@ -111,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         losses.append(float(loss))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
+    held_out = next(data)
+    eval_loss = float(engine.eval_batch(held_out["input_ids"], held_out["labels"]))  # the global mean, every rank
+    prompts = held_out["input_ids"][: args.microbatches]  # rows must split into the micro-batches
+    text = generate(engine, prompts, args.generate)
     result = {
         "first_loss": losses[0],
         "final_loss": losses[-1],
@@ -120,14 +131,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mesh": {"tensor": mesh.tp_size, "data": mesh.dp_size, "pipeline": mesh.pp_size},
         "layout": repr(mesh),
         "grad_norm": engine.last_grad_norm,
+        "eval_loss": eval_loss,
+        "generated": text,
     }
     engine.close()
     if first:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"\n{args.steps} batches in {seconds:.1f} s on {mesh!r}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            print(
+                f"\n{args.steps} batches in {seconds:.1f} s on {mesh!r}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                f"held-out {eval_loss:.3f}"
+            )
+            print(f"greedy continuation of the first prompt: {text!r}")
     return result
+
+
+@torch.no_grad()
+def generate(engine: hetero.Engine, prompts: torch.Tensor, tokens: int) -> str:
+    """Greedy decoding through the engine's layout: a window of the last block_size tokens goes through every stage
+    (`eval_batch` without labels), the most likely next token is appended. The window keeps its length, so every
+    call has the same shape (sequence parallelism needs the length to divide by the tensor degree)."""
+    window = prompts.clone()
+    new = []
+    for _ in tqdm(range(tokens), desc="generate", disable=engine.mesh.world.rank != 0, leave=False):
+        logits = engine.eval_batch(window)  # [rows, block_size, vocab], whole, on every rank
+        nxt = logits[:, -1].argmax(-1).cpu()
+        window = torch.cat([window[:, 1:], nxt[:, None]], dim=1)
+        new.append(int(nxt[0]))
+    return decode(new)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from hetero.errors import (
     WeightsError,
 )
 from hetero.lazy import lazy_init
-from hetero.profiler import estimate, profile
+from hetero.profiler import estimate, plan, profile
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,7 @@ __all__ = [
     "parse_size",
     "CheckpointError",
     "estimate",
+    "plan",
     "profile",
     "WeightsError",
     "lazy_init",

@@ -36,8 +36,11 @@ from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 log = logging.getLogger("hetero.activation")
 
 
-def choose_blocks(model: nn.Module, selection: bool | list[str] | tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """The modules to checkpoint, outermost only, in module order."""
+def choose_blocks(
+    model: nn.Module, selection: bool | list[str] | tuple[str, ...], *, strict: bool = True
+) -> list[tuple[str, nn.Module]]:
+    """The modules to checkpoint, outermost only, in module order. strict=False: a selection may match nothing (a
+    pipeline stage without blocks; the selection was checked on the whole model before it was cut)."""
     if selection is True:
         picked = [
             (f"{name}.{child_name}" if name else child_name, child)
@@ -45,7 +48,7 @@ def choose_blocks(model: nn.Module, selection: bool | list[str] | tuple[str, ...
             if isinstance(m, nn.ModuleList)
             for child_name, child in m.named_children()
         ]
-        if not picked:
+        if not picked and strict:
             raise ConfigError(
                 "activation_checkpointing: true picks the children of the model's ModuleLists, and this model has "
                 "none; list the blocks to checkpoint by class name or name pattern instead"
@@ -58,7 +61,7 @@ def choose_blocks(model: nn.Module, selection: bool | list[str] | tuple[str, ...
             if not hits:
                 unmatched.append(pattern)
             picked.extend(hits)
-        if unmatched:
+        if unmatched and strict:
             classes = sorted({type(m).__name__ for _, m in named})
             raise ConfigError(
                 f"activation_checkpointing: {unmatched} match no module by class name or qualified-name pattern; "
@@ -98,8 +101,9 @@ class ActivationMemory:
         offload: bool,
         manager: ChunkManager,
         device: Device,
+        strict: bool = True,
     ) -> None:
-        self.blocks = choose_blocks(model, selection)  # (qualified name, module), checkpointed
+        self.blocks = choose_blocks(model, selection, strict=strict)  # (qualified name, module), checkpointed
         self.offload = offload  # saved inputs go to host memory between forward and backward
         self.m = manager
         self.device = device

@@ -11,71 +11,24 @@ import dataclasses
 import difflib
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hetero.config_deepspeed import from_deepspeed, key_hint
+
+# Re-exported: users and the rest of hetero import every config name from hetero.config.
+from hetero.config_parallel import TENSOR_MODES as TENSOR_MODES
+from hetero.config_parallel import ParallelConfig as ParallelConfig
+from hetero.config_parallel import grid_shape as grid_shape
+from hetero.config_values import check_choice, check_int
+from hetero.config_values import format_size as format_size
+from hetero.config_values import parse_size as parse_size
 from hetero.errors import ConfigError
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: int | float | str, *, key: str = "size") -> int:
-    """Bytes from an int, a float, or a string like "2GiB" / "512 MB" / "1e9"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size in bytes or a string like '2GiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float):
-        if not value.is_integer():
-            raise ConfigError(f"{key}: a size in bytes must be whole, got {value!r}")
-        n = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _SIZE_UNITS:
-            raise ConfigError(
-                f"{key}: cannot read {value!r} as a size; write bytes (e.g. 1073741824) or a number with a unit "
-                f"from {sorted(u for u in _SIZE_UNITS if u)} (e.g. '2GiB', '512MB')"
-            )
-        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    else:
-        raise ConfigError(f"{key}: expected a size in bytes or a string like '2GiB', got {type(value).__name__}")
-    if n < 0:
-        raise ConfigError(f"{key}: a size cannot be negative, got {value!r}")
-    return n
-
-
-def format_size(n: int | float) -> str:
-    """Human-readable bytes, binary units."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-Placement = Literal["device", "host", "nvme", "auto"]
 _PLACEMENTS = ("device", "host", "nvme", "auto")
+Placement = Literal["device", "host", "nvme", "auto"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,146 +62,28 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer"):
-            _check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
-
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
-SEQUENCE_MODES = ("megatron", "ulysses", "ring")
-
-
-def grid_shape(mode: str, tensor: int, depth: int | None) -> tuple[int, int]:
-    """(q, d) of a tensor mode at this degree: 1d -> (tensor, 1), 2d -> tensor = q^2, 2.5d -> q^2 d, 3d -> q^3."""
-    if mode not in TENSOR_MODES:
-        close = difflib.get_close_matches(str(mode).lower(), TENSOR_MODES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"parallel.tensor_mode: {mode!r} is not a mode{hint}; choose one of {', '.join(TENSOR_MODES)}"
-        )
-    if mode != "2.5d" and depth not in (None, 1):
-        raise ConfigError(f"parallel.tensor_depth = {depth!r} applies to tensor_mode '2.5d' only (mode is {mode!r})")
-    if mode == "1d":
-        return tensor, 1
-    d = 1
-    if mode == "2.5d":
-        if depth is None or isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"parallel.tensor_depth: tensor_mode '2.5d' needs an integer depth >= 1, got {depth!r}")
-        d = depth
-    power = 3 if mode == "3d" else 2
-    q = round((tensor / d) ** (1 / power)) if tensor % d == 0 else 0
-    if q < 2 or q**power * d != tensor:
-        shape = {"2d": "q^2 (4, 9, 16, ...)", "3d": "q^3 (8, 27, 64, ...)", "2.5d": f"q^2 x tensor_depth {d}, q >= 2"}
-        raise ConfigError(f"parallel.tensor = {tensor} does not fit tensor_mode {mode!r}: it must be {shape[mode]}")
-    return q, d
+            check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """Tensor x pipeline x data parallelism; the data-parallel degree is what is left of the world size."""
+class LogConfig:
+    """Where `engine.metrics()` also goes after every `every`-th update (rank 0 only); see hetero/metrics.py."""
 
-    tensor: int = 1
-    """Tensor-parallel degree: the ranks that cut the layers named by tensor_plan (with "ulysses" or "ring"
-    sequence parallelism: the ranks that split the sequence, layers whole)."""
-    tensor_mode: Literal["1d", "2d", "2.5d", "3d"] = "1d"
-    """How layers are cut: "1d" (Megatron), "2d" (SUMMA on a q x q grid, tensor = q^2), "2.5d" (Tesseract,
-    tensor = q^2 x tensor_depth), "3d" (a q x q x q cube, tensor = q^3)."""
-    tensor_depth: int | None = None
-    """The depth d of "2.5d"."""
-    tensor_plan: Mapping[str, str] | str = "auto"
-    """FQN patterns -> style ("colwise", "rowwise", "vocab", ...), or "auto" for known model families."""
-    sequence: bool | Literal["megatron", "ulysses", "ring"] = False
-    """Sequence parallelism: true or "megatron" (inside the 1d tensor group), "ulysses" (all-to-all around
-    attention) or "ring" (ring self-attention) over the `tensor` ranks, whose layers then stay whole."""
-    pipeline: int = 1
-    """Pipeline stages."""
-    pipeline_split: tuple[str, ...] | str = "auto"
-    """FQNs where a new stage begins (pipeline * virtual_stages - 1 of them), or "auto": balanced by parameters."""
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    """Pipeline schedule."""
-    microbatches: int = 1
-    """Micro-batches train_batch splits each batch into (gradient accumulation within the batch)."""
-    virtual_stages: int | None = None
-    """Model chunks per pipeline rank; only for "interleaved_1f1b" (default 2 there, 1 otherwise)."""
+    tensorboard: str | None = None
+    """A directory for torch.utils.tensorboard event files (needs the tensorboard package)."""
+    wandb: str | None = None
+    """A Weights & Biases project name (needs the wandb package); an active wandb run is used as it is."""
+    every: int = 1
+    """Updates between two writes."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "microbatches"):
-            _check_int(f"parallel.{name}", getattr(self, name), minimum=1)
-        self._check_modes()
-        if isinstance(self.tensor_plan, str):
-            if self.tensor_plan != "auto":
-                raise ConfigError(f'parallel.tensor_plan: expected "auto" or a mapping, got {self.tensor_plan!r}')
-        elif not isinstance(self.tensor_plan, Mapping):
-            raise ConfigError(f'parallel.tensor_plan: expected a mapping or "auto", got {self.tensor_plan!r}')
-        if isinstance(self.pipeline_split, str):
-            if self.pipeline_split != "auto":
-                raise ConfigError(
-                    f'parallel.pipeline_split: expected "auto" or a list of FQNs, got {self.pipeline_split!r}'
-                )
-        else:
-            if not all(isinstance(s, str) for s in self.pipeline_split):
-                raise ConfigError(f"parallel.pipeline_split: expected a list of FQNs, got {self.pipeline_split!r}")
-            object.__setattr__(self, "pipeline_split", tuple(self.pipeline_split))
-        if self.schedule not in SCHEDULES:
-            close = difflib.get_close_matches(str(self.schedule), SCHEDULES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"parallel.schedule: {self.schedule!r} is not a schedule{hint} Choose one of {', '.join(SCHEDULES)}"
-            )
-        interleaved = self.schedule == "interleaved_1f1b"
-        if self.virtual_stages is None:
-            object.__setattr__(self, "virtual_stages", 2 if interleaved else 1)
-        _check_int("parallel.virtual_stages", self.virtual_stages, minimum=1)
-        if self.virtual_stages > 1 and not interleaved:
-            raise ConfigError(
-                f"parallel.virtual_stages = {self.virtual_stages} needs schedule 'interleaved_1f1b' "
-                f"(schedule is {self.schedule!r})"
-            )
-        if interleaved and self.pipeline > 1 and self.microbatches % self.pipeline:
-            raise ConfigError(
-                f"parallel.microbatches = {self.microbatches}: the interleaved schedule needs a multiple of "
-                f"parallel.pipeline = {self.pipeline}"
-            )
-        if not isinstance(self.pipeline_split, str) and len(self.pipeline_split) != self.stages - 1:
-            raise ConfigError(
-                f"parallel.pipeline_split names {len(self.pipeline_split)} FQNs; {self.stages} stages "
-                f"(pipeline {self.pipeline} x virtual_stages {self.virtual_stages}) begin at {self.stages - 1}"
-            )
-
-    def _check_modes(self) -> None:
-        if self.sequence is True:
-            object.__setattr__(self, "sequence", "megatron")
-        if self.sequence is not False and self.sequence not in SEQUENCE_MODES:
-            close = difflib.get_close_matches(str(self.sequence), SEQUENCE_MODES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"parallel.sequence: {self.sequence!r} is not a sequence mode{hint}; choose false, true, "
-                f"{', '.join(map(repr, SEQUENCE_MODES))}"
-            )
-        grid_shape(self.tensor_mode, self.tensor, self.tensor_depth)
-        if self.sequence and self.tensor == 1:
-            raise ConfigError(
-                f"parallel.sequence = {self.sequence!r} splits the sequence over the `tensor` ranks; set tensor > 1"
-            )
-        if self.sequence and self.tensor_mode != "1d":
-            raise ConfigError(
-                f"parallel.sequence = {self.sequence!r} with tensor_mode {self.tensor_mode!r}: grid modes cut the "
-                "batch, not the sequence; sequence parallelism runs with tensor_mode '1d'"
-            )
-        if self.sequence in ("ulysses", "ring") and self.pipeline > 1:
-            raise ConfigError(
-                f"parallel.sequence = {self.sequence!r} with pipeline > 1 is not supported; use 'megatron' with a "
-                "pipeline, or no pipeline"
-            )
-
-    @property
-    def split_sequence(self) -> bool:
-        """Ulysses or ring: the `tensor` ranks split the sequence and hold whole layers."""
-        return self.sequence in ("ulysses", "ring")
-
-    @property
-    def stages(self) -> int:
-        """Model chunks in all: pipeline ranks x virtual stages per rank."""
-        return self.pipeline * self.virtual_stages  # type: ignore[operator]
+        for name in ("tensorboard", "wandb"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise ConfigError(f"log.{name}: expected a string, got {type(v).__name__}")
+            if v is not None:
+                object.__setattr__(self, name, os.fspath(v))
+        check_int("log.every", self.every, minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,20 +120,25 @@ class Config:
     check_collectives: bool = True
     """Before each collective of the chunk protocol the ranks compare what they are about to run (a few bytes on a
     host-side group), so a rank that took another path fails at once with an error naming the module."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
+    progress: bool = True
+    """Progress bars for long work (initialisation, weight streaming, checkpoints) on a terminal, rank 0 only; the
+    environment variable HETERO_PROGRESS=0 turns them off too (hetero/progress.py)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ConfigError(f"zero_stage: must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
-        _check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
-        _check_int("grad_accumulation_steps", self.grad_accumulation_steps, minimum=1)
+        check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        check_int("grad_accumulation_steps", self.grad_accumulation_steps, minimum=1)
         if self.grad_clip_norm is not None:
             if isinstance(self.grad_clip_norm, bool) or not isinstance(self.grad_clip_norm, (int, float)):
                 raise ConfigError(f"grad_clip_norm: expected None or a positive number, got {self.grad_clip_norm!r}")
             if not self.grad_clip_norm > 0:
                 raise ConfigError(f"grad_clip_norm: must be > 0 (or None to disable), got {self.grad_clip_norm!r}")
         if self.chunk_size != "auto":
-            _check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
-        _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+            check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
+        check_int("prefetch_depth", self.prefetch_depth, minimum=0)
         _check_activation(self.activation_checkpointing, self.activation_offload)
         if isinstance(self.comm_timeout, bool) or not isinstance(self.comm_timeout, (int, float)):
             raise ConfigError(f"comm_timeout: expected a number of seconds, got {self.comm_timeout!r}")
@@ -313,6 +153,8 @@ class Config:
                 f"offload.params: {self.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered "
                 f"for use only at stage 3); got zero_stage {self.zero_stage}"
             )
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"progress: expected true or false, got {self.progress!r}")
         uses_nvme = "nvme" in (self.offload.params, self.offload.optimizer)
         if uses_nvme and self.memory.nvme_dir is None:
             raise ConfigError(
@@ -337,6 +179,14 @@ class Config:
     def from_dict(cls, d: Mapping[str, Any]) -> Config:
         return _build(cls, d, prefix="")
 
+    @classmethod
+    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> Config:
+        """Translate a DeepSpeed config (a dict or a .json path): ZeRO stage, offload devices and nvme_path,
+        fp16/bf16, gradient accumulation and clipping, tensorboard/wandb. What has no translation (the optimizer,
+        the scheduler, batch sizes, tuning knobs) is named in a warning with what to do instead; strict=True makes
+        that a ConfigError. See [Note: translating a DeepSpeed config] in hetero/config_deepspeed.py."""
+        return cls.from_dict(from_deepspeed(ds_config, strict=strict))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -347,6 +197,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (Config, "offload"): OffloadConfig,
     (Config, "memory"): MemoryConfig,
     (Config, "parallel"): ParallelConfig,
+    (Config, "log"): LogConfig,
 }
 
 
@@ -359,17 +210,14 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys here: {', '.join(names)}")
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'{hint}{key_hint(str(key))} Valid keys here: {', '.join(names)}"
+            )
         sub = _NESTED.get((cls, key))
         if sub is not None and not isinstance(value, sub):
             value = _build(sub, value, prefix=f"{prefix}{key}.")
         kwargs[key] = value
     return cls(**kwargs)
-
-
-def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
 
 
 def _check_activation(checkpointing: object, offload: object) -> None:
@@ -388,12 +236,6 @@ def _check_activation(checkpointing: object, offload: object) -> None:
             "activation_offload: offloads the inputs of checkpointed blocks; set activation_checkpointing too "
             "(true, or the blocks to checkpoint)"
         )
-
-
-def _check_int(key: str, value: object, *, minimum: int, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        extra = f" {hint}" if hint else ""
-        raise ConfigError(f"{key}: expected an integer >= {minimum}{extra}, got {value!r}")
 
 
 def _load_file(path: Path) -> Mapping[str, Any]:

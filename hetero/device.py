@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from hetero import standin
+from hetero.io import hugepages
 
 _HUGE_PAGE = 2 << 20  # buffers at least this large ask for transparent huge pages (see `Device.empty_host`)
 
@@ -111,6 +112,8 @@ class Device:
             with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages then
                 buf.madvise(mmap.MADV_HUGEPAGE)
         t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        if nbytes >= _HUGE_PAGE:  # memory_stats() says whether the kernel granted them ([Note: huge host pages])
+            hugepages.track(buf, t.data_ptr(), nbytes)
         if self.pins_host_memory and nbytes:
             self._pin(t, buf)
         return t
@@ -312,6 +315,11 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def select_gpu(index: int) -> None:
+    """Make GPU `index` this process's current CUDA device (NCCL's groups use it)."""
+    torch.cuda.set_device(index)
 
 
 def gpu_count() -> int:

@@ -17,25 +17,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetero.activation import ActivationMemory
+from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
 from hetero.events import Events
-from hetero.memory import ChunkManager, TensorState, Tier
+from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
-from hetero.parallel import engine_glue
+from hetero.metrics import Monitor
+from hetero.parallel.batches import train_batch
+from hetero.parallel.pipeline.runtime import PipelineRuntime
+from hetero.parallel.setup import setup_parallel
 from hetero.zero.hooks import Hooks
 from hetero.zero.layout import build_layout, chunk_cap
 from hetero.zero.materialize import load_values
-from hetero.zero.optim import algorithm_of
+from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
-from hetero.zero.protocol import SUMMON, Checker, Gathers, Reducer, keep_units
+from hetero.zero.protocol import Checker, Gathers, Reducer, keep_units
 from hetero.zero.stages import Placement
-from hetero.zero.tiling import Tiled, TileRunner, assembled, detach_tiled
+from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
+from hetero.zero.views import ParameterViews
 from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.engine")
@@ -47,12 +51,14 @@ _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     config: Config | dict[str, Any] | str | os.PathLike | None = None,
+    lr_scheduler: Any = None,
     *,
     comm: Comm | None = None,
     device: torch.device | str | None = None,
     weights: str | os.PathLike | None = None,
+    strict_weights: bool = False,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
@@ -60,23 +66,38 @@ def initialize(
     world, joined from torchrun's environment when not yet initialised); `config.parallel`'s tensor and pipeline
     degrees split it into a mesh (`engine.mesh`) and the rest is data parallel. device: default cuda:LOCAL_RANK, else
     CPU. The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights:
-    a .safetensors file, a directory of them or a Hugging Face index, streamed into the chunks instead.
+    a .safetensors or .bin file, a directory of them or a Hugging Face index, streamed into the chunks instead
+    (hetero/zero/weights.py); strict_weights makes keys the model does not have an error rather than a warning.
+    optimizer None: an inference engine (forward only, no gradients). lr_scheduler: a scheduler built on `optimizer`;
+    the engine steps it once per real update (see `Engine.step`) and saves it in checkpoints.
     """
-    return Engine(model, optimizer, Config.from_any(config), comm=comm, device=device, weights=weights)
+    return Engine(
+        model,
+        optimizer,
+        Config.from_any(config),
+        lr_scheduler=lr_scheduler,
+        comm=comm,
+        device=device,
+        weights=weights,
+        strict_weights=strict_weights,
+    )
 
 
 class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         config: Config,
         *,
+        lr_scheduler: Any = None,
         comm: Comm | None = None,
         device: torch.device | str | None = None,
         weights: str | os.PathLike | None = None,
+        strict_weights: bool = False,
     ) -> None:
         self.config = config
+        self.inference = optimizer is None  # forward only: every chunk frozen, no gradients, no update
         # Hook points, any number of subscribers each (the profiler): the phases of a step, then close.
         self.events = Events(
             (
@@ -94,10 +115,13 @@ class Engine:
             world = init_from_env(timeout_s=config.comm_timeout)
         else:
             world = comm.with_timeout(config.comm_timeout)
-        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
-        self.mesh, self._stages = engine_glue.setup_parallel(model, optimizer, config.parallel, world)
-        self.comm = self.mesh.dp  # the data-parallel group: ZeRO shards and reduces over it
         self.device = make_device(device)
+        if config.activation_checkpointing and config.parallel.pipeline > 1:
+            choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
+        # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
+        self.mesh, self.stages, self.comm = setup_parallel(
+            model, optimizer, config.parallel, world, self.device
+        )  # comm: the group ZeRO shards and reduces over (data-parallel; with Chimera, both replicas' ranks)
         self.module = model  # the user's model, modified in place: parameter names unchanged
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
@@ -131,14 +155,24 @@ class Engine:
                 else:
                     self._entries[id(info.param)] = Entry(zc, info, slot)
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
-        load_values(model, self.chunks, manager=self.manager, comm=self.comm, weights=weights)
+        load_values(
+            model,
+            self.chunks,
+            manager=self.manager,
+            comm=self.comm,
+            weights=weights,
+            strict=strict_weights,
+            progress=config.progress,
+        )
         detach_tiled(tiled, dtype=self.dtype, device=self.device.torch_device)
-        self._trainable = [zc for zc in self.chunks if zc.spec.trainable]
+        self.trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):
             self.auto = AutoPlacement(self.manager, self.device, prefetch_depth=config.prefetch_depth)
         self._move_buffers(model)
         self.micro_steps = 0  # micro-batches seen (engine.step calls)
+        self.accumulated = 0  # micro-batches since the last update (0: at an accumulation boundary)
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override of the count
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
         # The collective protocol ([Note: every rank in step]): units and gathers at stage 3, the reduce order at
         # stages 2-3, and the check that every rank is about to run the same collective.
@@ -154,17 +188,36 @@ class Engine:
         self.tiles = TileRunner(
             model, tiled, stage=self.stage, check=self.check, deliver=lambda e, g, last: deliver()(e, g, last)
         )
-        sharded_grads = [zc for zc in self._trainable if zc.grad_full is not None]
+        sharded_grads = [zc for zc in self.trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
         self.updater = Updater(
-            self.chunks, manager=self.manager, mesh=self.mesh, config=config, algorithm=self.algorithm, check=self.check
+            self.chunks,
+            manager=self.manager,
+            mesh=self.mesh,
+            config=config,
+            algorithm=self.algorithm,
+            check=self.check,
+            comm=self.comm,
         )
-        self.optimizer = ZeroOptimizer(self.updater, optimizer)
+        self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
+        self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
+        self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
         on_grad = weakref.WeakMethod(self._on_grad)
         self.hooks = Hooks(
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
+        )
+        self.views = ParameterViews(
+            model,
+            self.chunks,
+            self._entries,
+            check=self.check,
+            comm=self.comm,
+            device=self.device,
+            dtype=self.dtype,
+            tiled=self.tiles.tiled,
+            manager=self.manager,
         )
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
@@ -174,6 +227,7 @@ class Engine:
                 offload=config.activation_offload,
                 manager=self.manager,
                 device=self.device,
+                strict=self.stages is None,
             )
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
@@ -182,16 +236,17 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own.
-        training = torch.is_grad_enabled()
-        if self._stages is not None:
-            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call engine.train_batch")
+        training = torch.is_grad_enabled() and not self.inference
+        if self.stages is not None:
+            raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
         self.events.emit("forward_begin")
-        args, kwargs = self._to_device((args, kwargs))
+        args, kwargs = self.to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
-        with self.device.compute_context(), saving:
+        no_grad = torch.no_grad() if self.inference else contextlib.nullcontext()
+        with self.device.compute_context(), saving, no_grad:
             out = self.module(*args, **kwargs)
         if self.gathers is not None:
             self.gathers.end_forward(training=training)
@@ -203,17 +258,23 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean.
+        scale_wrt_gas False: backward of the loss as given (a caller that already divided it, like HF's Trainer)."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to compute")
         self.events.emit("backward_begin")
+        self.monitor.loss(loss)
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        if scale_wrt_gas:
+            scale /= self.config.grad_accumulation_steps
         with self.device.compute_context():
-            (loss * (scale / self.config.grad_accumulation_steps)).backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
         self.tiles.step_end()
-        for zc in self._trainable:
+        for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
             self.gathers.release_all()
@@ -226,21 +287,49 @@ class Engine:
         self._in_step = False
         self.events.emit("backward_end")
 
-    def step(self) -> None:
-        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary."""
+    def step(self, *, tokens: int | None = None) -> None:
+        """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary, then steps the
+        LR scheduler given to `initialize`. An update skipped for fp16 overflow is no optimizer step, so the
+        scheduler does not advance (torch's convention: a schedule counts `optimizer.step()`s, and GradScaler skips
+        that call on overflow). tokens: this micro-batch's token count, for `metrics()["tokens_per_s"]`."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): there is no update to step")
+        boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        if self.micro_steps % self.config.grad_accumulation_steps == 0:
+        self.accumulated += 1
+        self.monitor.micro_batch(tokens)
+        if boundary:
             self.events.emit("update_begin")
             self.optimizer.step()
+            self.accumulated = 0
+            if self.lr_scheduler is not None and not self.updater.last_update_skipped:
+                step_scheduler(self.lr_scheduler)
+            self.monitor.update()
             self.events.emit("update_end")
         self.events.emit("micro_step")
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the micro-batch being computed is the last of its accumulation: the next `step()` updates."""
+        if self._boundary is not None:
+            return self._boundary
+        return self.accumulated + 1 >= self.config.grad_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the count: the next `step()` updates (True) or only accumulates (False); None: count again.
+        A loop whose last accumulation is shorter (the end of an epoch) ends it with True."""
+        self._boundary = is_boundary
+
+    def metrics(self) -> dict[str, Any]:
+        """Step, loss scale, last gradient norm, skipped steps, learning rate, tokens/s (when `step` is given tokens),
+        per-tier memory and bytes moved between tiers (hetero/metrics.py)."""
+        return self.monitor.metrics()
 
     def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
         micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
         on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
-        if self._stages is not None or self.config.parallel.microbatches > 1:
-            return engine_glue.train_batch(self, inputs, labels, loss_fn)
+        if self.stages is not None or self.config.parallel.microbatches > 1:
+            return train_batch(self, inputs, labels, loss_fn)
         if loss_fn is None:
             out = self(inputs, labels=labels)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
@@ -251,6 +340,13 @@ class Engine:
         mean = self.device.to_host(loss.detach(), torch.float32, copy=True)
         self.comm.control.all_reduce(mean, op="avg")
         return mean
+
+    def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
+        """A forward only through every stage and shard: with labels the global mean loss, else this data-parallel
+        rank's whole outputs, on every rank (`hetero/parallel/evaluation.py`)."""
+        from hetero.parallel.evaluation import eval_batch
+
+        return eval_batch(self, inputs, labels, loss_fn)
 
     # ---- the update ---------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -275,91 +371,22 @@ class Engine:
         roomy = self.manager.ledgers[Tier.DEVICE].free >= 4 * zc.grad_full.nbytes
         return _REDUCES_IN_FLIGHT if roomy else 0
 
-    # ---- views of the model ---------------------------------------------------------------------------------
+    # ---- views of the model (hetero/zero/views.py) ----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with full values (CPU copies, compute dtype), gathered chunk by chunk; the keys
         are the model's own, tied parameters under each of their names. Every rank calls it (it gathers)."""
-        values: dict[int, torch.Tensor] = {}
-        for zc in self.chunks:
-            with self._summoned([zc]):
-                for info, value in zip(zc.spec.params, zc.full_values().values()):
-                    if info.tiled:  # a tile's rows of the whole value
-                        whole = values.setdefault(id(info.param), torch.empty(info.param.shape, dtype=value.dtype))
-                        a, b = info.rows
-                        whole[a:b].copy_(value)
-                    else:
-                        values[id(info.param)] = value
-        return {
-            name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
-            for name, t in self.module.state_dict(keep_vars=True).items()
-        }
+        return self.views.full_state_dict()
 
-    @contextlib.contextmanager
-    def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Iterator[None]:
-        """Make the full values of `params` (default: every parameter) readable through the model's own parameters,
-        on every rank, for the duration of the block. Every rank must enter it with the same parameters (it
-        gathers). With `modify=True`, what rank 0 writes to them inside the block is what every rank holds after it:
-        rank 0's values are broadcast, and the fp32 master weights take every element that changed.
+    def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Any:
+        """A context manager that makes the full values of `params` (default: every parameter) readable through the
+        model's own parameters, on every rank, for the duration of the block. Every rank must enter it with the same
+        parameters (it gathers). With `modify=True`, what rank 0 writes to them inside the block is what every rank
+        holds after it: rank 0's values are broadcast, and the fp32 master weights take every element that changed.
 
         At stage 3, outside such a block (and outside forward and backward) a parameter's values are not on the
         rank: reading one raises `ReleasedParameterError`, and `model.state_dict()` does too; use this block, or
         `full_state_dict()` for a copy of every weight."""
-        if params is None:
-            chunks = list(self.chunks)
-            wanted = None
-        else:
-            wanted = {id(p) for p in params}
-            unknown = wanted - set(self._entries) - set(self.tiles.tiled)
-            if unknown:
-                raise ValueError(
-                    f"gathered_parameters: {len(unknown)} of the tensors given are not parameters this engine manages"
-                )
-            chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
-        tiled = [t for k, t in self.tiles.tiled.items() if wanted is None or k in wanted]
-        with self._summoned(chunks):
-            with assembled(tiled, self.manager, modify=modify):
-                yield
-            if modify:
-                self._adopt_rank0(chunks)
-
-    @contextlib.contextmanager
-    def _summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
-        """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
-        for the purpose on the way out."""
-        fresh = [zc for zc in chunks if not zc.gathered]
-        entries = [self._entries[id(i.param)] for zc in chunks for i in zc.spec.params if not i.tiled]
-        for zc in chunks:
-            if not zc.gathered:
-                self.check(SUMMON, chunk=zc.spec.index)
-            zc.unshard()
-            for e in entries:
-                if e.chunk is zc:
-                    zc.enter(e)
-        try:
-            yield
-        finally:
-            for e in entries:
-                e.chunk.exit(e, TensorState.HOLD)
-            for zc in fresh:
-                zc.reshard()
-
-    def _adopt_rank0(self, chunks: list[ZeroChunk]) -> None:
-        """After `gathered_parameters(modify=True)`: every rank takes rank 0's values, shards and master weights
-        included (an element whose compute-dtype value did not change keeps its fp32 master)."""
-        for zc in chunks:
-            full = zc.full.payload
-            self.comm.broadcast(full, src=0)
-            if zc.optim is None:  # frozen: no master weights
-                if zc.stage == 3:
-                    zc.write_shard(full)
-                continue
-            master, _ = zc.optimizer_views()
-            mine = zc.kept(full)
-            new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
-            changed = new != master.to(self.dtype).to(torch.float32)
-            master[changed] = new[changed]
-            if zc.stage == 3:
-                zc.write_shard(full)
+        return self.views.gathered(params, modify=modify)
 
     # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, **kwargs: Any) -> str:
@@ -385,10 +412,37 @@ class Engine:
             stats["auto"] = self.auto.stats()
         return stats
 
-    def _pipeline_runtime(self) -> engine_glue.PipelineRuntime:
+    def pipeline_runtime(self) -> PipelineRuntime:
+        """The runtime that runs this rank's pipeline stages by the configured schedule (made at first use)."""
+        if self.stages is None:
+            raise RuntimeError("this engine has no pipeline (parallel.pipeline = 1)")
         if self._runtime is None:
-            self._runtime = engine_glue.make_runtime(self)
+            cfg = self.config.parallel
+            self._runtime = PipelineRuntime(
+                self.stages,
+                self.mesh.pp,
+                schedule=cfg.schedule,
+                microbatches=cfg.microbatches,
+                virtual=cfg.virtual_stages,
+                device=self.device.torch_device,
+            )
         return self._runtime
+
+    @contextlib.contextmanager
+    def trace_step(self) -> Iterator[None]:
+        """Hold one step of the access trace open around a whole batch (`train_batch`, `eval_batch` through the
+        stages), so that prefetch and eviction see its accesses as one step; inside an open micro-batch (a forward
+        whose backward has not run) it adds nothing."""
+        began = not self._in_step
+        if began:
+            self.manager.step_begin()
+            self._in_step = True
+        try:
+            yield
+        finally:
+            if began:
+                self.manager.step_end()
+                self._in_step = False
 
     @property
     def scaler(self) -> LossScaler | None:
@@ -410,14 +464,21 @@ class Engine:
         """The global gradient norm of the last update, before clipping (None before the first)."""
         return self.updater.last_grad_norm
 
+    @property
+    def last_update_skipped(self) -> bool:
+        """Whether the last update was skipped for fp16 overflow."""
+        return self.updater.last_update_skipped
+
     # ---- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The engine's own counters and the update's (steps, loss scale, last gradient norm); the chunks and the
         optimizer hold the rest, and `save_checkpoint` keeps all of it."""
-        return {"micro_steps": self.micro_steps, **self.updater.state_dict()}
+        return {"micro_steps": self.micro_steps, "accumulated": self.accumulated, **self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_steps = state["micro_steps"]
+        # Checkpoints from before the counter: every accumulation there had grad_accumulation_steps micro-batches.
+        self.accumulated = state.get("accumulated", self.micro_steps % self.config.grad_accumulation_steps)
         self.updater.load_state_dict(state)
 
     @property
@@ -434,6 +495,7 @@ class Engine:
             return
         self.events.emit("close")
         self._closed = True
+        self.monitor.close()
         self.hooks.remove()
         self.tiles.remove()
         if self.activations is not None:
@@ -449,20 +511,20 @@ class Engine:
             self.close()
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _to_device(self, obj: Any) -> Any:
+    def to_device(self, obj: Any) -> Any:
+        """Inputs (tensors in nested lists, tuples and dicts) on the compute device, floating ones in the compute
+        dtype."""
         if isinstance(obj, torch.Tensor):
             cast = obj.is_floating_point() and self.dtype != torch.float32
             return self.device.to_device(obj, self.dtype if cast else None)
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._to_device(v) for v in obj)
+            return type(obj)(self.to_device(v) for v in obj)
         if isinstance(obj, dict):
-            return {k: self._to_device(v) for k, v in obj.items()}
+            return {k: self.to_device(v) for k, v in obj.items()}
         return obj
 
     def _move_buffers(self, model: nn.Module) -> None:
         for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is None:
-                    continue
+            for name, buf in list(module.named_buffers(recurse=False)):
                 cast = buf.is_floating_point() and self.dtype != torch.float32
-                module._buffers[name] = self.device.to_device(buf, self.dtype if cast else None)
+                setattr(module, name, self.device.to_device(buf, self.dtype if cast else None))  # keeps persistence

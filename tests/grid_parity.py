@@ -66,6 +66,21 @@ def batches(family: str, steps: int = STEPS, rows: int = ROWS) -> list[tuple[tor
 
 
 _REFERENCES: dict[tuple, tuple] = {}
+_EVALS: dict[tuple, float] = {}
+
+
+def eval_data(family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch evaluated after training (eval_batch), not one trained on."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    x = ids[:, :-1].clone()
+    return x, ids[:, 1:].clone() if family == "gpt_pipe" else x.clone()
+
+
+def evaluation(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """The trained reference model's loss on `eval_data` (cached with `reference`)."""
+    reference(family, clip, dtype)
+    return _EVALS[(family, clip, dtype)]
 
 
 def reference(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[list, dict, float]:
@@ -84,6 +99,9 @@ def reference(family: str, clip: float | None = None, dtype: torch.dtype = torch
             opt.zero_grad()
             losses.append(loss.item())
         _REFERENCES[key] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+        x, y = eval_data(family)
+        with torch.no_grad():
+            _EVALS[key] = model(x, labels=y).loss.item()
     return _REFERENCES[key]
 
 
@@ -102,6 +120,8 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
         float(engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
         for x, y in batches(family)
     ]
+    x, y = eval_data(family)
+    eval_loss = float(engine.eval_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
     if save_to is not None:
         engine.save_checkpoint(save_to)
     mesh = engine.mesh
@@ -115,6 +135,7 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
             n: p._hetero_tp for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_hetero_tp")
         },
         "mesh": repr(mesh),
+        "eval_loss": eval_loss,
     }
     engine.close()
     return out
@@ -137,6 +158,9 @@ def check(results: list[dict], family: str, clip: float | None) -> None:
     for r in results:
         tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_losses([r["grad_norm"]], [exact_norm], [plain_norm], dtype=torch.float32)
+        # eval_batch after training: the global mean loss on a held-out batch, through the same layout
+        exact_eval, plain_eval = evaluation(family, clip, torch.float64), evaluation(family, clip, torch.float32)
+        tolerance.assert_losses([r["eval_loss"]], [exact_eval], [plain_eval], dtype=torch.float32)
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(plain_losses), rtol=1e-5, atol=0)
         assert abs(r["grad_norm"] - plain_norm) <= 1e-5 * plain_norm, (r["grad_norm"], plain_norm)
         if r["state"] is not None:

@@ -29,6 +29,20 @@ def build(seed: int = 0) -> GPTPipe:
 
 
 _REFERENCES: dict[tuple, tuple] = {}
+_EVALS: dict[tuple, dict[str, Any]] = {}
+
+
+def eval_data(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch the models are evaluated on after training (not one they trained on)."""
+    return parity.batches(1, rows, seed=7)[0]
+
+
+def evaluation(
+    steps: int = STEPS, rows: int = ROWS, clip: float | None = None, precision: str = "fp32"
+) -> dict[str, Any]:
+    """The trained reference model on `eval_data`: its loss and logits (cached with `reference`)."""
+    reference(steps, rows, clip, precision)
+    return _EVALS[(steps, rows, clip, precision)]
 
 
 def reference(
@@ -37,11 +51,12 @@ def reference(
     """Plain PyTorch on the global batch (cached): losses, final weights, and the last step's gradient norm."""
     key = (steps, rows, clip, precision)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(steps, rows, clip, parity.DTYPES[precision])
+        *_REFERENCES[key], _EVALS[key] = _reference(steps, rows, clip, parity.DTYPES[precision])  # type: ignore[misc]
+        _REFERENCES[key] = tuple(_REFERENCES[key])
     return _REFERENCES[key]
 
 
-def _reference(steps: int, rows: int, clip: float | None, dtype: torch.dtype) -> tuple[list[float], dict, float]:
+def _reference(steps: int, rows: int, clip: float | None, dtype: torch.dtype) -> tuple[list[float], dict, float, dict]:
     model = build().to(dtype)
     opt = parity.make_optimizer(model)
     losses, norm = [], float("nan")
@@ -52,7 +67,10 @@ def _reference(steps: int, rows: int, clip: float | None, dtype: torch.dtype) ->
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+    x, y = eval_data(rows)
+    with torch.no_grad():
+        evals = {"loss": model(x, labels=y).loss.item(), "logits": model(x).logits}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm, evals
 
 
 def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROWS) -> dict[str, Any]:
@@ -71,6 +89,10 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
     for x, y in parity.batches(steps, rows):
         loss = engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local])
         losses.append(float(loss))
+    x, y = eval_data(rows)
+    mine = slice(dpr * local, (dpr + 1) * local)
+    eval_loss = float(engine.eval_batch(x[mine], y[mine]))
+    eval_logits = engine.eval_batch(x[mine])  # this data-parallel rank's rows, whole, on every rank
     mesh = engine.mesh
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # collective at stage 3: every rank
     if mesh.dp_rank != 0:
@@ -82,8 +104,11 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
         "coords": (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank),
         "grad_norm": engine.last_grad_norm,
         "reductions": reductions[0],
-        "trainable_chunks": len(engine._trainable),
+        "trainable_chunks": len(engine.trainable),
         "shards": shards,
+        "eval_loss": eval_loss,
+        "eval_logits": eval_logits.logits if hasattr(eval_logits, "logits") else eval_logits,
+        "rows": (mine.start, mine.stop),
     }
     engine.close()
     return out
@@ -109,14 +134,24 @@ def _count_reductions(comm: Any) -> list[int]:
 
 def check(results: list[dict], *, steps: int = STEPS, rows: int = ROWS, clip: float | None = None) -> None:
     """Losses and gradient norm on every rank, and the final weights merged over stages and unsharded over tensor
-    ranks, against plain PyTorch in float64 with fp32's own error as the scale (tests/tolerance.py)."""
+    ranks, against plain PyTorch in float64 with fp32's own error as the scale (tests/tolerance.py); and eval_batch
+    after training: the global mean loss and this data-parallel rank's whole logits, on every rank."""
     exact_losses, exact, exact_norm = reference(steps, rows, clip, "fp64")
     plain_losses, plain, plain_norm = reference(steps, rows, clip, "fp32")
+    exact_eval, plain_eval = evaluation(steps, rows, clip, "fp64"), evaluation(steps, rows, clip, "fp32")
     merged: dict[str, torch.Tensor] = {}
     by_stage: dict[int, list[dict]] = {}  # pipeline rank -> the first data-parallel rank's results, by tensor rank
     for r in results:
         tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_losses([r["grad_norm"]], [exact_norm], [plain_norm], dtype=torch.float32)
+        tolerance.assert_losses([r["eval_loss"]], [exact_eval["loss"]], [plain_eval["loss"]], dtype=torch.float32)
+        a, b = r["rows"]
+        tolerance.assert_weights(
+            {"logits": r["eval_logits"]},
+            {"logits": exact_eval["logits"][a:b]},
+            {"logits": plain_eval["logits"][a:b]},
+            dtype=torch.float32,
+        )
         if r["state"] is not None:
             by_stage.setdefault(r["coords"][2], []).append(r)
     for ranks in by_stage.values():

@@ -45,6 +45,7 @@ def test_hf_llama_decoder_layers():
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=32,
+        use_cache=False,  # training: transformers 4.x would otherwise grow a KV cache, again in each recomputation
     )
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 64, (2, 10), generator=g) for _ in range(3)]

@@ -115,7 +115,7 @@ def test_replayed_trace_evicts_the_furthest_next_use(make_manager):
     assert [cid for cid, _ in m.trace.trace] == [ch.id for ch in order]
     # Replay: the step starts with a (on the device? c and b were last: LRU kept b, c).
     evicted = []
-    m.on_move.append(lambda e: evicted.append(e.chunk_id) if e.dst is Tier.HOST else None)
+    m.events.subscribe("move", lambda e: evicted.append(e.chunk_id) if e.dst is Tier.HOST else None)
     m.step_begin()
     for ch in order:
         m.access(ch)

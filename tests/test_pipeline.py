@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 import hetero
 from hetero.errors import ConfigError
+from hetero.parallel.evaluation import forward_programs
 from hetero.parallel.mesh import check_degrees
+from hetero.parallel.pipeline import balance
+from hetero.parallel.pipeline import chimera as C
 from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import boundaries, keep_stages, units_of
 
@@ -124,6 +129,80 @@ def test_simulated_bubble_matches_theory(name, v):
     assert sim.idle_fraction == pytest.approx(S.theory_bubble(name, p, m, v), rel=0.25)
 
 
+# ---- Chimera -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (4, 4), (4, 8), (6, 12), (8, 8), (8, 32)])
+def test_chimera_schedule_matches_the_paper(p, m):
+    """Each rank holds stage r (down) and p - 1 - r (up); ranks r and p - 1 - r mirror each other; the programs
+    replay free of deadlock under NCCL's worst case; on unit slots the bubble is the paper's (p - 2) / (2m + p - 2),
+    with at most p micro-batches in flight, below 1F1B's (p - 1) / (m + p - 1)."""
+    half = m // 2
+    lists = [S.build("chimera", p, m, r) for r in range(p)]
+    for r, actions in enumerate(lists):
+        assert sorted((a.kind, a.microbatch) for a in actions) == sorted((k, i) for k in "FB" for i in range(m))
+        assert all(S.stage(a, p, r) == (p - 1 - r if a.microbatch >= half else r) for a in actions)
+        assert all(a.chunk == int(a.up) == int(a.microbatch >= half) for a in actions)
+        pos = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
+        assert all(pos[("F", i)] < pos[("B", i)] for i in range(m))
+
+        def seq(rank: int) -> list:
+            return [(a.kind, S.stage(a, p, rank), a.microbatch % half) for a in lists[rank]]
+
+        assert seq(r) == seq(p - 1 - r)  # the two replicas of a stage meet ZeRO's collectives in the same order
+    progs = S.programs("chimera", p, m)
+    S.check_rendezvous(progs)
+    assert [[x for x in prog if isinstance(x, S.Action)] for prog in progs] == lists
+    sim = S.simulate_programs(p, progs, t_f=1.0, t_b=1.0)
+    assert sim.idle_fraction == pytest.approx(C.bubble(p, m), abs=1e-12)
+    assert C.bubble(p, m) == S.theory_bubble("chimera", p, m) == (p - 2) / (2 * m + p - 2)
+    assert max(sim.peak_in_flight) <= p
+    one = S.simulate(p, [S.build("1f1b", p, m, r) for r in range(p)], t_f=1.0, t_b=1.0)
+    assert sim.idle_fraction < one.idle_fraction
+
+
+def test_chimera_needs_its_exchanges_in_rounds():
+    """One exchange per step, as the other schedules use, mismatches a link's order or deadlocks for Chimera."""
+    p, m = 4, 8
+    per_step = [S.program(S.build_steps("chimera", p, m, r), p, r) for r in range(p)]
+    with pytest.raises(RuntimeError, match="deadlock|orders differ"):
+        S.check_rendezvous(per_step)
+    S.check_rendezvous(C.chimera_programs(p, m))
+
+
+def test_chimera_errors():
+    with pytest.raises(ValueError, match="even number"):
+        C.check(3, 6)
+    with pytest.raises(ValueError, match="multiple of the pipeline stages"):
+        C.check(4, 6)
+    with pytest.raises(ConfigError, match="'chimera' needs an even parallel.pipeline"):
+        hetero.Config.from_dict({"parallel": {"pipeline": 3, "schedule": "chimera", "microbatches": 6}})
+    with pytest.raises(ConfigError, match="microbatches a multiple of it"):
+        hetero.Config.from_dict({"parallel": {"pipeline": 4, "schedule": "chimera", "microbatches": 6}})
+    with pytest.raises(ConfigError, match="needs schedule 'interleaved_1f1b'"):
+        hetero.Config.from_dict(
+            {"parallel": {"pipeline": 2, "schedule": "chimera", "microbatches": 2, "virtual_stages": 2}}
+        )
+    model = pipe_parity.build()
+    chunks = keep_stages(model, rank=1, ranks=4, virtual=1, split="params", bidirectional=True)
+    assert [c.index for c in chunks] == [1, 2]  # stage r down, stage p - 1 - r up
+    assert [n for c in chunks for n, _ in c.units] == ["layers.0", "layers.1"]
+
+
+@pytest.mark.parametrize("p,m,v,bi", [(2, 2, 1, False), (4, 8, 1, False), (4, 8, 2, False), (4, 8, 3, False),
+                                      (2, 2, 1, True), (4, 4, 1, True), (4, 8, 1, True), (8, 16, 1, True)])  # fmt: skip
+def test_forward_only_programs_are_free_of_deadlock(p, m, v, bi):
+    """eval_batch's programs: every micro-batch through every stage once, in order; Chimera's ranks mirrored."""
+    progs = forward_programs(p, m, v, bi)
+    S.check_rendezvous([list(x) for x in progs])
+    actions = [[a for a in prog if isinstance(a, S.Action)] for prog in progs]
+    for r in range(p):
+        assert all(a.kind == "F" for a in actions[r])
+        assert sorted((a.microbatch, S.stage(a, p, r)) for a in actions[r]) == sorted(
+            (i, (p - 1 - r if i >= m // 2 else r) if bi else c * p + r) for i in range(m) for c in range(v)
+        )
+        if bi:
+            assert [S.stage(a, p, r) for a in actions[r]] == [S.stage(a, p, p - 1 - r) for a in actions[p - 1 - r]]
+
+
 def test_1f1b_order_on_the_first_stage():
     assert [repr(a) for a in S.one_f_one_b(3, 4, 0)] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
     assert [repr(a) for a in S.one_f_one_b(3, 4, 2)] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
@@ -144,10 +223,61 @@ def test_units_and_balanced_split():
     model = pipe_parity.build()
     names = [n for n, _ in units_of(model)]
     assert names == ["embed", "layers.0", "layers.1", "head"]
-    assert boundaries(units_of(model), 2, "auto") == [0, 2]  # embed+block | block+head: the blocks dominate
+    assert boundaries(units_of(model), 2, "params") == [0, 2]  # embed+block | block+head: the blocks dominate
     assert boundaries(units_of(model), 2, ["layers.1"]) == [0, 2]
     seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 400), nn.Linear(400, 4))
-    assert boundaries(units_of(seq), 2, "auto") == [0, 3]
+    assert boundaries(units_of(seq), 2, "params") == [0, 3]
+    # by cost: a costly first unit stands alone
+    assert boundaries(units_of(model), 2, "auto", [9.0, 1.0, 1.0, 1.0]) == [0, 1]
+    names = [n for n, _ in units_of(model)]
+    assert balance.given_costs(names, {"embed": 9, "layers.*": 2}) == [9.0, 2.0, 2.0, 1.0]
+    with pytest.raises(ConfigError, match="3 costs for 4 units"):
+        boundaries(units_of(model), 2, "auto", [1.0, 1.0, 1.0])
+
+
+class _Slow(nn.Module):
+    """A unit whose forward waits: what the warm-up timing must see."""
+
+    def __init__(self, width: int, wait: float) -> None:
+        super().__init__()
+        self.lin, self.wait = nn.Linear(width, width), wait
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.wait)
+        return self.lin(x)
+
+
+def test_auto_split_times_the_units():
+    """ "auto" times each unit on the device and balances time, not parameters: a heavy but fast unit and a light
+    but slow one. The random state is left as it was; on meta the units' FLOPs stand in."""
+    from hetero.comm import Comm
+    from hetero.device import Device
+
+    model = nn.Sequential(nn.Linear(16, 4096), nn.Linear(4096, 16), nn.Linear(16, 16), _Slow(16, 0.05))
+    units = units_of(model)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a loaded machine, intra-op threads wait on each other for tens of ms
+    try:
+        costs, basis = balance.unit_costs(model, units, given=None, world=Comm(), device=Device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert basis == "timed" and torch.equal(torch.get_rng_state(), before)
+    assert costs[3] > 0.045 and costs[3] > sum(costs[:3])
+    assert boundaries(units, 2, "auto", costs) == [0, 3]  # the slow unit alone
+    assert boundaries(units, 2, "params") == [0, 1]  # by parameters: the two heavy ones apart
+    assert all(p.grad is None for p in model.parameters())
+    with torch.device("meta"):
+        meta = pipe_parity.build()
+    flops, basis = balance.unit_costs(meta, units_of(meta), given=None, world=Comm(), device=Device("cpu"))
+    assert basis == "flops" and flops[1] == flops[2] > flops[0]
+    given, basis = balance.unit_costs(meta, units_of(meta), given=[1, 2, 3, 4], world=Comm(), device=Device("cpu"))
+    assert (given, basis) == ([1.0, 2.0, 3.0, 4.0], "given")
+    odd = nn.Sequential(nn.ReLU(), nn.Linear(4, 4))
+    assert balance.unit_costs(odd, units_of(odd), given=None, world=Comm(), device=Device("cpu"))[0] is None
 
 
 def test_keep_stages_drops_other_stages_and_keeps_names():
@@ -198,6 +328,13 @@ def test_parallel_config_errors():
         cfg(sequence=True)
     with pytest.raises(ConfigError, match="integer >= 1"):
         cfg(microbatches=0)
+    with pytest.raises(ConfigError, match='expected "auto", "params" or a list'):
+        cfg(pipeline_split="time")
+    with pytest.raises(ConfigError, match="pipeline_costs balances pipeline_split"):
+        cfg(pipeline_split="params", pipeline_costs=[1.0])
+    with pytest.raises(ConfigError, match="number > 0"):
+        cfg(pipeline_costs={"layers.*": -1})
+    assert cfg(pipeline_costs=[1, 2]).parallel.pipeline_costs == (1.0, 2.0)
     with pytest.raises(ConfigError, match=r"tensor \(2\) x pipeline \(2\) = 4 must divide the world size \(6\)"):
         check_degrees(6, tensor=2, pipeline=2)
     assert check_degrees(8, tensor=2, pipeline=2) == 2
@@ -253,3 +390,114 @@ def test_pipeline_and_data_parallel_parity():
     coords = [r[0]["coords"] for r in results]
     assert coords == [(0, 0, 0), (0, 0, 1)]  # pipeline ranks, not data-parallel ones, in the pipeline configs
     assert pipe_parity.reference(clip=0.5)[2] > 0.5  # clipping was in effect
+
+
+def _chimera(stage: int, pipeline: int, microbatches: int, **extra) -> dict:
+    return {**_p(stage, pipeline=pipeline, schedule="chimera", microbatches=microbatches), **extra}
+
+
+WORLD4_CHIMERA = {
+    "pp4-chimera-zero1": _chimera(1, 4, 4),
+    "pp4-chimera-zero3-clip": _chimera(3, 4, 4, grad_clip_norm=0.5),
+    "pp2xdp2-chimera-zero1": _chimera(1, 2, 2),
+    "pp2xdp2-chimera-zero3": _chimera(3, 2, 2, offload={"optimizer": "host"}),
+    "tp2xpp2-chimera-sp-zero3": {
+        **_chimera(3, 2, 2),
+        "parallel": {"tensor": 2, "sequence": True, "pipeline": 2, "schedule": "chimera", "microbatches": 2},
+    },
+}
+
+
+@pytest.mark.timeout(600)
+def test_chimera_parity_4_stages_and_2_stages_x_data_2():
+    """Chimera at 4 stages on 4 processes and at 2 stages x data 2, ZeRO-1 and ZeRO-3 (and 2 stages x tensor 2 with
+    sequence parallelism): the losses, gradient norm, weights and eval_batch of plain PyTorch (fp32, within fp32's
+    own error of the float64 run: tests/tolerance.py); both replicas of every stage hold the same weights."""
+    from hetero.models.gpt_pipe import TP_PLAN
+
+    names = list(WORLD4_CHIMERA)
+    configs = [WORLD4_CHIMERA[n] for n in names]
+    configs[-1] = {**configs[-1], "parallel": {**configs[-1]["parallel"], "tensor_plan": TP_PLAN}}
+    results = run_distributed(_matrix, 4, configs, timeout=540)
+    for i, name in enumerate(names):
+        per_rank = [r[i] for r in results]
+        try:
+            pipe_parity.check(per_rank, clip=configs[i].get("grad_clip_norm"))
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from err
+        p = configs[i]["parallel"]["pipeline"]
+        states = {(r["coords"][0], r["coords"][2]): r["state"] for r in per_rank if r["state"] is not None}
+        for (t, s), state in states.items():
+            mirror = states[(t, p - 1 - s)]
+            assert state.keys() == mirror.keys() and all(torch.equal(state[k], mirror[k]) for k in mirror), name
+    assert [r[0]["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3)]
+    assert [r[2]["coords"] for r in results] == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
+
+
+CK = {"activation_checkpointing": True}
+CKPT = {
+    # stages embed+layers.0 | layers.1+head: a block on each rank
+    "gpipe-ckpt": {**_p(1, pipeline=2, schedule="gpipe", microbatches=2, pipeline_split=["layers.1"]), **CK},
+    "1f1b-ckpt-offload": {
+        **_p(0, pipeline=2, schedule="1f1b", microbatches=4, pipeline_split=["layers.1"]),
+        **CK,
+        "activation_offload": True,
+    },
+    "interleaved-ckpt": {**_p(2, pipeline=2, schedule="interleaved_1f1b", microbatches=2), **CK},
+    "chimera-ckpt-offload-zero3": {
+        **_p(3, pipeline=2, schedule="chimera", microbatches=4, pipeline_split=["layers.1"]),
+        **CK,
+        "activation_offload": True,
+    },
+}
+
+
+@pytest.mark.timeout(600)
+def test_checkpointed_stages_match_for_every_schedule():
+    """Activation checkpointing (and offload of the checkpointed blocks' inputs) inside pipeline stages, with all
+    four schedules: the same losses and weights as without it (plain PyTorch); every rank's blocks ran their
+    layers twice (forward, then recomputed in backward)."""
+    names = list(CKPT)
+    results = run_distributed(_ckpt_matrix, 2, [CKPT[n] for n in names], timeout=540)
+    for i, name in enumerate(names):
+        try:
+            pipe_parity.check([r[i][0] for r in results])
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from err
+        for _, blocks, layers, offloaded in (r[i] for r in results):
+            assert blocks > 0 and layers == 2 * blocks, (name, blocks, layers)
+            assert (offloaded > 0) == bool(CKPT[name].get("activation_offload")), name
+
+
+def _ckpt_matrix(rank: int, world: int, configs: list[dict]) -> list[tuple[dict, int, int, int]]:
+    """pipe_parity.run, counting the checkpointed blocks' calls, their first layer's calls (recomputation runs the
+    layers again, not the block) and the bytes offloaded."""
+    from hetero.zero import activation
+
+    torch.set_num_threads(1)
+    counts = {"blocks": 0, "layers": 0}
+    original = activation.ActivationMemory.__init__
+
+    def count(key: str) -> Any:
+        def hook(*_: Any) -> None:
+            counts[key] += torch.is_grad_enabled()  # eval_batch's forwards do not count
+
+        return hook
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for _, block in self.blocks:
+            block.register_forward_pre_hook(count("blocks"))
+            next(block.children()).register_forward_pre_hook(count("layers"))
+        counts["memory"] = self
+
+    out = []
+    activation.ActivationMemory.__init__ = init
+    try:
+        for c in configs:
+            counts.update(blocks=0, layers=0)
+            result = pipe_parity.run(rank, world, c)
+            out.append((result, counts["blocks"], counts["layers"], counts["memory"].offloaded_bytes))
+    finally:
+        activation.ActivationMemory.__init__ = original
+    return out

@@ -139,7 +139,7 @@ def test_update_streams_states_near_the_minimum_nvme_traffic(tmp_path):
         "memory": {"device_budget": 4 * nb, "host_budget": 10 * nb, "nvme_dir": str(tmp_path)},
     }
     engine = hetero.initialize(model, opt, cfg)
-    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine._trainable)
+    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine.trainable)
     assert minimum >= 3 * 10 * nb  # the states are 3x the host budget
     losses, traffic = [], []
     for x, y in parity.batches(steps, 4):

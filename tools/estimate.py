@@ -3,6 +3,9 @@
     python tools/estimate.py --hf-config config.json --zero-stage 3 --world-size 8
     python tools/estimate.py --params 13e9 --zero-stage 3 --offload-optimizer nvme --nvme-dir /mnt/nvme
     python tools/estimate.py --params 7e9 --device-memory 80GiB --host-memory 1TiB --nvme-space 4TiB --json
+    python tools/estimate.py --hf-config llama-70b.json --world-size 8 --tensor 4 --pipeline 2 --microbatches 8
+    python tools/estimate.py --hf-config llama-7b.json --world-size 8 --recommend --device-memory 80GiB \
+        --host-memory 1TiB --nvme-space 4TiB      # layouts that fit, ranked by predicted step time
 
 Without --device-memory / --host-memory / --nvme-space it checks this machine (its first GPU, its RAM and the free
 space of --nvme-dir). --json prints one JSON object (hetero.Estimate.to_dict()) instead of the table.
@@ -33,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-optimizer", choices=("device", "host", "nvme"))
     ap.add_argument("--nvme-dir", help="swap directory: its free space is the NVMe tier's capacity")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
-    ap.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks in all (data x tensor x pipeline)")
+    ap.add_argument("--tensor", type=int, help="tensor-parallel degree")
+    ap.add_argument("--tensor-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"), help="tensor-parallel mode")
+    ap.add_argument("--pipeline", type=int, help="pipeline degree")
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"), help="pipeline schedule")
+    ap.add_argument("--microbatches", type=int, help="micro-batches per batch (each of --batch-size sequences)")
+    ap.add_argument("--sequence", choices=("none", "megatron", "ulysses", "ring"), help="sequence parallelism")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     ap.add_argument(
         "--ranks-per-node", type=int, help="ranks sharing a node's RAM and NVMe (default: min(world, GPUs))"
     )
@@ -44,6 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-space", help="free NVMe space of one node, e.g. 4TiB")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target machine (with --device-memory)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    rec = ap.add_argument_group("--recommend: rank every layout that fits (hetero.plan)")
+    rec.add_argument("--recommend", action="store_true", help="list the layouts that fit, fastest predicted first")
+    rec.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 2 per rank)")
+    rec.add_argument("--top", type=int, default=15, help="layouts to print")
+    rec.add_argument("--max-tensor", type=int, help="largest tensor degree to try (default: GPUs per node)")
+    rec.add_argument(
+        "--tensor-modes",
+        help="tensor modes to try, e.g. 1d,2d,2.5d,3d (default: those hetero's config runs; others from their papers)",
+    )
+    for flag, what in (
+        ("--device-flops", "FLOP/s one GPU sustains, e.g. 445e12"),
+        ("--link-bandwidth", "collective bytes/s per GPU inside a node, e.g. 360GB"),
+        ("--network-bandwidth", "collective bytes/s per GPU across nodes, e.g. 25GB"),
+        ("--pcie-bandwidth", "GPU <-> host bytes/s, e.g. 50GB"),
+        ("--host-bandwidth", "host memory bytes/s for one rank's CPU optimizer step"),
+        ("--nvme-bandwidth", "a node's NVMe bytes/s"),
+    ):
+        rec.add_argument(flag, help=f"{what} (default: an 8-GPU H100 node's with --device-memory, else measured)")
     args = ap.parse_args(argv)
 
     config = dict(hetero.Config.from_any(args.config).to_dict()) if args.config else {}
@@ -59,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     config["offload"] = offload
     if args.nvme_dir:
         config["memory"] = {**config.get("memory", {}), "nvme_dir": args.nvme_dir}
+    if args.schedule:
+        config["parallel"] = {**config.get("parallel", {}), "schedule": args.schedule}
+    if args.checkpointing:
+        config["activation_checkpointing"] = True
 
     given = (args.device_memory, args.host_memory, args.nvme_space)
     if any(given) and not all(given[:2]):
@@ -72,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             gpus=args.gpus,
         )
     model = args.hf_config if args.hf_config is not None else args.params
+    if args.recommend:
+        return _recommend(args, model, config, machine)
     try:
         est = hetero.estimate(
             model,
@@ -82,11 +116,55 @@ def main(argv: list[str] | None = None) -> int:
             optimizer=args.optimizer,
             machine=machine,
             ranks_per_node=args.ranks_per_node,
+            tensor=args.tensor,
+            tensor_mode=args.tensor_mode,
+            pipeline=args.pipeline,
+            microbatches=args.microbatches,
+            sequence=args.sequence,
         )
     except hetero.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(est.to_dict()) if args.json else est.table())
+    return 0
+
+
+def _recommend(args: argparse.Namespace, model: object, config: dict, machine: Machine | bool) -> int:
+    from hetero.profiler import Rates
+
+    overrides = {
+        "device_flops": args.device_flops,
+        "intra_bandwidth": args.link_bandwidth,
+        "inter_bandwidth": args.network_bandwidth,
+        "pcie_bandwidth": args.pcie_bandwidth,
+        "host_bandwidth": args.host_bandwidth,
+        "nvme_bandwidth": args.nvme_bandwidth,
+    }
+    if machine is True:
+        machine = Machine.detect(nvme_dir=args.nvme_dir)
+        rates = Rates.measure(nvme_dir=args.nvme_dir)
+        rates = Rates(**{**rates.to_dict(), **{k: float(v) for k, v in overrides.items() if v is not None}})
+    else:
+        rates = Rates.node(**overrides)
+    try:
+        result = hetero.plan(
+            model,
+            args.world_size,
+            machine=machine,
+            rates=rates,
+            global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            precision=config.get("precision", "bf16"),
+            optimizer=args.optimizer,
+            checkpointing=True if args.checkpointing else config.get("activation_checkpointing", True),
+            max_tensor=args.max_tensor,
+            tensor_modes=tuple(args.tensor_modes.split(",")) if args.tensor_modes else None,
+            nvme_dir=args.nvme_dir,
+        )
+    except hetero.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict()) if args.json else result.table(args.top))
     return 0
 
 

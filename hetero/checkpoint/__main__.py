@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hetero.checkpoint.consolidate import DTYPES, consolidate, verify
-from hetero.errors import CheckpointError
+from hetero.checkpoint.consolidate import DTYPES, HF_SHARD_SIZE, consolidate, verify
+from hetero.errors import CheckpointError, ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,17 +30,29 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="dtype of floating tensors (default: as saved)"
     )
+    c.add_argument(
+        "--hf",
+        action="store_true",
+        help="OUT is a directory in Hugging Face's layout: model-0000x-of-0000y.safetensors shards with "
+        "model.safetensors.index.json (one model.safetensors if it fits), and config.json",
+    )
+    c.add_argument(
+        "--max-shard-size",
+        default=HF_SHARD_SIZE,
+        help=f"with --hf: the largest shard, in bytes or like '2GB' (default {HF_SHARD_SIZE})",
+    )
     v = sub.add_parser("verify", help="read every tensor of a checkpoint and check its checksum")
     v.add_argument("ckpt_dir", metavar="CKPT_DIR")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
-            for path in consolidate(args.ckpt_dir, args.out, dtype=args.dtype):
+            kw = {"hf": True, "max_shard_size": args.max_shard_size} if args.hf else {}
+            for path in consolidate(args.ckpt_dir, args.out, dtype=args.dtype, **kw):
                 print(f"wrote {path}")
         else:
             n = verify(args.ckpt_dir)
             print(f"ok: {n} bytes of tensors checked")
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -19,22 +19,35 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
-from hetero.checkpoint.format import TensorWriter
+from hetero.checkpoint.part_writer import PartWriter
+from hetero.config import parse_size
 from hetero.errors import CheckpointError
+from hetero.progress import bar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PART_NUMEL = 16 << 20  # elements of a tensor assembled at once (more only for a single segment larger than this)
+HF_SHARD_SIZE = "5GB"  # Hugging Face's default max_shard_size
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None) -> list[str]:
+def consolidate(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    hf: bool = False,
+    max_shard_size: int | str = HF_SHARD_SIZE,
+) -> list[str]:
     """Write the checkpoint's full model state to `out`: a .safetensors file (streamed), a .pt file (built in memory:
     torch.save needs the whole dict), or a directory (model.safetensors, plus config.json for a Hugging Face model,
-    so that `from_pretrained(out)` works). dtype: "fp32" / "bf16" / "fp16" for floating tensors; None keeps the
-    fp32 master weights and the saved dtype of frozen parameters and buffers. Returns the files written."""
+    so that `from_pretrained(out)` works). hf: `out` is a directory laid out as Hugging Face's save_pretrained does:
+    `model-00001-of-0000N.safetensors` files of at most max_shard_size bytes each with `model.safetensors.index.json`
+    (one `model.safetensors` when everything fits in one), and config.json. dtype: "fp32" / "bf16" / "fp16" for
+    floating tensors; None keeps the fp32 master weights and the saved dtype of frozen parameters and buffers.
+    Returns the files written."""
     directory = mf.resolve(ckpt)
     manifest = mf.read_manifest(directory)
     mf.check_files(directory, manifest, names=[n for n in manifest["files"] if n != mf.STATE_FILE])
@@ -43,8 +56,13 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str |
     target = DTYPES[dtype] if dtype is not None else None
     plan = _plan(manifest, target)
     out = os.fspath(out)
+    if hf and out.endswith((".pt", ".safetensors")):
+        raise CheckpointError(f"--hf writes a directory of shards: {out!r} looks like a file name; name a directory")
     index = mf.Index(directory, manifest)
+    shown = bar(sum(_numel(spec) for spec in plan.values()), "hetero: consolidating", unit="el")
     try:
+        if hf:
+            return _write_hf(index, manifest, plan, out, parse_size(max_shard_size, key="max_shard_size"), shown)
         if out.endswith(".pt"):
             state = {k: _assemble(index, spec).view(spec["shape"]) for k, spec in plan.items()}
             tmp = out + ".tmp"
@@ -70,18 +88,67 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str |
         parts = {k: _parts(index, spec) for k, spec in plan.items()}
         largest = max((b - a for ranges in parts.values() for a, b in ranges), default=0)
         scratch = torch.empty(largest * 8, dtype=torch.uint8)
-        with TensorWriter(tmp, entries, metadata={"format": "pt"}) as w:
+        with PartWriter(tmp, entries, metadata={"format": "pt"}) as w:
             for k, spec in plan.items():
-                if "tp" in spec or spec["kind"] == "empty":
-                    w.write(k, _assemble(index, spec, torch.empty(_nbytes(spec), dtype=torch.uint8)))
-                    continue
-                pieces = (_assemble_part(index, spec, a, b, scratch) for a, b in parts[k])
-                w.write_parts(k, _numel(spec), pieces)
+                _write_one(w, index, k, spec, parts[k], scratch)
+                shown.update(_numel(spec))
         os.replace(tmp, path)
         written.insert(0, path)
         return written
     finally:
+        shown.close()
         index.close()
+
+
+def _write_hf(
+    index: mf.Index, manifest: dict[str, Any], plan: dict[str, dict[str, Any]], out: str, limit: int, shown: Any
+) -> list[str]:
+    """Hugging Face's sharded layout (see `consolidate`): tensors in state_dict order, a new shard whenever the next
+    tensor would take the current one past `limit` (a tensor larger than the limit gets a shard of its own)."""
+    if limit <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {limit}")
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k, spec in plan.items():
+        n = _numel(spec) * spec["out_dtype"].itemsize
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    os.makedirs(out, exist_ok=True)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    parts = {k: _parts(index, spec) for k, spec in plan.items()}
+    scratch = torch.empty(max((b - a for r in parts.values() for a, b in r), default=0) * 8, dtype=torch.uint8)
+    written = []
+    for name, keys in zip(names, shards):
+        path = os.path.join(out, name)
+        entries = [(k, plan[k]["out_dtype"], tuple(plan[k]["shape"])) for k in keys]
+        with PartWriter(path + ".tmp", entries, metadata={"format": "pt"}) as w:
+            for k in keys:
+                _write_one(w, index, k, plan[k], parts[k], scratch)
+                shown.update(_numel(plan[k]))
+        os.replace(path + ".tmp", path)
+        written.append(path)
+    if len(shards) > 1:
+        total = sum(_numel(spec) * spec["out_dtype"].itemsize for spec in plan.values())
+        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
+        path = os.path.join(out, "model.safetensors.index.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        os.replace(path + ".tmp", path)
+        written.append(path)
+    hf_config = manifest["model"].get("hf_config")
+    if hf_config is not None:
+        path = os.path.join(out, "config.json")
+        with open(path, "w") as f:
+            json.dump(hf_config, f, indent=2)
+        written.append(path)
+    return written
 
 
 def _plan(manifest: dict[str, Any], target: torch.dtype | None) -> dict[str, dict[str, Any]]:
@@ -138,6 +205,21 @@ def _assemble(index: mf.Index, spec: dict[str, Any], scratch: torch.Tensor | Non
     return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
 
 
+def _write_one(
+    w: PartWriter,
+    index: mf.Index,
+    key: str,
+    spec: dict[str, Any],
+    parts: list[tuple[int, int]],
+    scratch: torch.Tensor,
+) -> None:
+    """Write one output tensor part by part (a tensor-parallel or empty one whole)."""
+    if "tp" in spec or spec["kind"] == "empty":
+        w.write(key, _assemble(index, spec, torch.empty(_nbytes(spec), dtype=torch.uint8)))
+    else:
+        w.write_parts(key, _numel(spec), (_assemble_part(index, spec, a, b, scratch) for a, b in parts))
+
+
 def _parts(index: mf.Index, spec: dict[str, Any]) -> list[tuple[int, int]]:
     """Element ranges [a, b) to assemble one at a time: runs of whole saved segments, up to PART_NUMEL elements."""
     numel = _numel(spec)
@@ -184,11 +266,14 @@ def verify(ckpt: str | os.PathLike) -> int:
     mf.check_files(directory, manifest)
     index = mf.Index(directory, manifest)
     total = 0
+    shown = bar(sum(len(segs) for segs in index.segments.values()), "hetero: verifying", unit="tensor")
     try:
         for segs in index.segments.values():
             for seg in segs:
                 t = index.reader(seg.file).read(seg.key, crc=seg.crc)
                 total += t.numel() * t.element_size()
+                shown.update()
     finally:
+        shown.close()
         index.close()
     return total

@@ -12,11 +12,9 @@ layout and the buffer allow, see [Note: direct reads]), so a reader never holds 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import math
-import mmap
 import os
 import struct
 import zlib
@@ -27,6 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from hetero.errors import CheckpointError
+from hetero.io import direct as direct_io
+from hetero.io.checksum import DEFAULT, LEGACY, checksum_fn
+from hetero.io.direct import align_down, align_up, as_bytes, memory_at, read_full, write_full
+from hetero.io.direct import resident_share as _resident_share
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -43,29 +45,13 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _ALIGN = 8  # the header is padded with spaces so that the data starts 8-byte aligned, as the reference writer does
 _MAX_HEADER = 1 << 30  # a header length beyond this is a corrupt file, not a real header
-_IO_BLOCK = 64 << 20  # bytes per write call: large enough to stream at disk speed, small enough to bound copies
-_IOV_MAX = 512  # buffers per preadv call (the system's limit is at least 1024)
 _WRITE_THREADS = 2  # one checksums a run while the other is in a write call (both release the GIL)
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of a range's dirty pages, without waiting for it
 _PAD_PREFIX = "__padding__:"  # names of the filler tensors of an aligned layout; no manifest lists them
-DIRECT_ALIGN = 4096  # O_DIRECT's file offset, length and memory alignment (every block size in practice)
+CHECKSUM_KEY = "hetero.checksum"  # the header metadata naming the tensors' checksum ([Note: checksum algorithms])
+DIRECT_ALIGN = direct_io.ALIGN  # O_DIRECT's file offset, length and memory alignment ([Note: direct I/O])
 _DIRECT_MIN = 1 << 20  # a smaller stretch is read through the page cache: O_DIRECT pays off on large requests
 PAD_MAX = DIRECT_ALIGN  # padding between two tensors is shorter than this; a read may step over it
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _writeback_starter() -> object | None:
-    """Linux's sync_file_range, or None where there is none (then the final fsync does all the work)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_START_WRITEBACK = _writeback_starter()
+_O_DIRECT = direct_io.O_DIRECT
 
 
 @dataclass(frozen=True)
@@ -87,20 +73,12 @@ class Entry:
         return self.end - self.begin
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes without a copy (little-endian on every platform torch supports)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
 class TensorWriter:
     """Writes one safetensors file: `plan` fixes every (name, dtype, shape[, residue]) in order; `write` streams one
     tensor, `submit` a run of them on the I/O threads.
 
-    The file is fsync'd on `close`. `crcs` holds each tensor's CRC32 once written; `header_crc` the header's.
+    The file is fsync'd on `close`. `crcs` holds each tensor's checksum once written (the algorithm `checksum`, which
+    the header's metadata records: [Note: checksum algorithms]); `header_crc` the header's CRC32.
 
     [Note: aligned layout]
     The header is padded with spaces so that the data area starts at a multiple of `align` (8 by default, as the
@@ -126,8 +104,11 @@ class TensorWriter:
         *,
         metadata: Mapping[str, str] | None = None,
         align: int = _ALIGN,
+        checksum: str = DEFAULT,
     ) -> None:
         self.path = os.fspath(path)
+        self.checksum = checksum
+        self._checksum = checksum_fn(checksum)
         header: dict[str, object] = {}
         self._order: list[Entry] = []
         self._gaps: dict[str, int] = {}  # padding bytes written just before a tensor ([Note: aligned layout])
@@ -153,8 +134,7 @@ class TensorWriter:
             }
             self._order.append(Entry(name, dtype, tuple(shape), offset, offset + nbytes))
             offset += nbytes
-        if metadata:
-            header["__metadata__"] = dict(metadata)
+        header["__metadata__"] = {**(metadata or {}), CHECKSUM_KEY: checksum}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(len(raw) + 8) % align)
         self.header_bytes = struct.pack("<Q", len(raw)) + raw
@@ -167,39 +147,11 @@ class TensorWriter:
         self._pool: ThreadPoolExecutor | None = None  # made on the first `submit`
         self._futures: list[Future] = []
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._write(memoryview(self.header_bytes))
+        write_full(self._fd, memoryview(self.header_bytes), 0)
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """Write the next planned tensor (any device; converted to the planned dtype if it differs)."""
         self.submit([(name, t)]).result()
-
-    def write_parts(self, name: str, numel: int, parts: Iterable[torch.Tensor]) -> None:
-        """Write the next planned tensor (`numel` elements) from consecutive flat CPU parts, each written before the
-        next is asked for: a tensor need never be whole in memory (consolidation writes tiles this way)."""
-        self._drain()  # runs submitted before are written first: offsets and checksums stay in plan order
-        if (
-            self._next >= len(self._order)
-            or self._order[self._next].name != name
-            or self._order[self._next].numel != numel
-        ):
-            raise ValueError(f"{self.path}: wrote {name!r} ({numel} elements) out of the plan's order or size")
-        entry = self._order[self._next]
-        self._next += 1
-        offset = self.data_start + entry.begin
-        if name in self._gaps:
-            gap = self._gaps[name]
-            os.pwrite(self._fd, self._zeros[:gap], offset - gap)
-        crc, end = 0, self.data_start + entry.end
-        for part in parts:
-            view = as_bytes(part if part.dtype == entry.dtype else part.to(entry.dtype))
-            crc = zlib.crc32(view, crc)
-            while len(view):
-                n = os.pwrite(self._fd, view[:_IO_BLOCK], offset)
-                offset += n
-                view = view[n:]
-        if offset != end:
-            raise ValueError(f"{self.path}: {name!r}: its parts hold {offset - self.data_start - entry.begin} bytes")
-        self.crcs[name] = crc
 
     def submit(self, run: list[tuple[str, torch.Tensor]]) -> Future:
         """Write the next planned tensors (any device; converted to the planned dtype if it differs) on an I/O
@@ -225,29 +177,17 @@ class TensorWriter:
         return future
 
     def _write_run(self, entries: list[Entry], views: list[memoryview]) -> None:
-        crcs = [zlib.crc32(v) for v in views]
+        crcs = [self._checksum(v) for v in views]
         if not entries:
             return
-        start = offset = self.data_start + entries[0].begin - self._gaps.get(entries[0].name, 0)
+        start = self.data_start + entries[0].begin - self._gaps.get(entries[0].name, 0)
         padded = []
         for e, v in zip(entries, views):
             if e.name in self._gaps:
                 padded.append(self._zeros[: self._gaps[e.name]])
             padded.append(v)
-        views = padded
-        i = 0
-        while i < len(views):
-            batch, size = views[i : i + _IOV_MAX], 0
-            for j, v in enumerate(batch):  # bound the bytes of one call, as `_write` does
-                size += len(v)
-                if size >= _IO_BLOCK:
-                    batch = batch[: j + 1]
-                    break
-            n = os.pwritev(self._fd, batch, offset)
-            offset += n
-            i = _consume(views, i, n)
-        if _START_WRITEBACK is not None and offset > start:
-            _START_WRITEBACK(self._fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)  # only a hint: ignore errors
+        end = start + write_full(self._fd, padded, start)
+        direct_io.start_writeback(self._fd, start, end - start)
         for e, c in zip(entries, crcs):
             self.crcs[e.name] = c
 
@@ -294,79 +234,6 @@ class TensorWriter:
         else:
             self.abort()
 
-    def _write(self, data: memoryview) -> None:
-        for i in range(0, len(data), _IO_BLOCK):
-            block = data[i : i + _IO_BLOCK]
-            while len(block):
-                n = os.write(self._fd, block)
-                block = block[n:]
-
-
-def _consume(views: list[memoryview], i: int, n: int) -> int:
-    """After a vectored call from views[i] moved n bytes: drop the buffers it finished, trim a partly done one, and
-    return the index of the first unfinished buffer."""
-    while i < len(views) and n >= len(views[i]):
-        n -= len(views[i])
-        i += 1
-    if n:
-        views[i] = views[i][n:]
-    return i
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _align_up(n: int) -> int:
-    return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
-
-
-def _mapper() -> tuple | None:
-    """libc's mmap, mincore and munmap (Linux and most Unix), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        mmap_, mincore, munmap = libc.mmap, libc.mincore, libc.munmap
-    except (OSError, AttributeError):
-        return None
-    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    mmap_.restype = ctypes.c_void_p
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mincore.restype = ctypes.c_int
-    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    munmap.restype = ctypes.c_int
-    return mmap_, mincore, munmap
-
-
-_MAPPER = _mapper()
-_SAMPLES = 16  # pages of a range whose residency is asked for
-
-
-def _resident_share(fd: int, offset: int, length: int) -> float:
-    """The share of a file range's pages that are in the page cache now, from a sample of _SAMPLES pages (0 where that
-    cannot be told): reading cached pages through the cache is a memory copy, reading them with O_DIRECT would go to
-    the disk again. Sampled because asking for every page took 20 us per MiB, 7% of a warm load."""
-    if _MAPPER is None or length <= 0:
-        return 0.0
-    mmap_, mincore, munmap = _MAPPER
-    page = mmap.PAGESIZE
-    base = offset // page * page
-    size = offset + length - base
-    addr = mmap_(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)  # maps only: no page is read
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return 0.0
-    try:
-        pages = -(-size // page)
-        picks = sorted({k * (pages - 1) // max(_SAMPLES - 1, 1) for k in range(_SAMPLES)})
-        vec = ctypes.c_ubyte()
-        resident = 0
-        for k in picks:
-            if mincore(addr + k * page, page, ctypes.byref(vec)) != 0:
-                return 0.0
-            resident += vec.value & 1  # bit 0: resident; the others are reserved
-        return resident / len(picks)
-    finally:
-        munmap(addr, size)
-
 
 class TensorReader:
     """Reads tensors, or element ranges of them, from one safetensors file by offset; checks what it can."""
@@ -384,9 +251,15 @@ class TensorReader:
         try:
             self.size = os.fstat(self._fd).st_size
             self.header_bytes, self.entries, self.metadata = self._parse()
+            # Files written before the checksum was recorded used CRC32 ([Note: checksum algorithms]).
+            self.checksum = self.metadata.get(CHECKSUM_KEY, LEGACY)
+            try:
+                self._checksum = checksum_fn(self.checksum)
+            except (ValueError, ImportError) as e:
+                raise CheckpointError(f"{self.path}: cannot check its tensors: {e}") from None
             if direct and _O_DIRECT and self.size >= _DIRECT_MIN:
                 try:
-                    self._dfd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
+                    self._dfd = direct_io.open_direct(self.path, os.O_RDONLY)
                     self._direct_ok = True
                 except OSError:  # tmpfs and some others refuse the flag (EINVAL): the page cache it is
                     self._dfd = -1
@@ -489,11 +362,11 @@ class TensorReader:
         while i < len(spans):
             # the stretch [i, j): adjacent in the file and in memory
             j, begin, ptr = i + 1, spans[i][0], spans[i][1].data_ptr()
-            stop = begin + _nbytes(spans[i][1])
+            stop = begin + spans[i][1].nbytes
             while j < len(spans) and spans[j][0] == stop and spans[j][1].data_ptr() == ptr + stop - begin:
-                stop += _nbytes(spans[j][1])
+                stop += spans[j][1].nbytes
                 j += 1
-            lo, hi = _align_up(begin), stop // DIRECT_ALIGN * DIRECT_ALIGN
+            lo, hi = align_up(begin), align_down(stop)
             if (
                 self._direct_ok
                 and hi - lo >= _DIRECT_MIN
@@ -503,7 +376,7 @@ class TensorReader:
                 if pending:
                     self._read_buffered(pending, start, names[i])
                     pending = []
-                mem = memoryview((ctypes.c_char * (stop - begin)).from_address(ptr)).cast("B")
+                mem = memory_at(ptr, stop - begin)
                 try:
                     self._read_direct(mem[lo - begin : hi - begin], lo, names[i])
                 except OSError as e:
@@ -526,12 +399,8 @@ class TensorReader:
             self._read_buffered(pending, start, names[-1])
 
     def _read_direct(self, mem: memoryview, offset: int, name: str) -> None:
-        done = 0
-        while done < len(mem):
-            n = os.preadv(self._dfd, [mem[done : done + _IO_BLOCK]], offset + done)
-            if n <= 0 or (n % DIRECT_ALIGN and done + n < len(mem)):
-                raise CheckpointError(f"{self.path}: short read near {name!r}: the file is truncated")
-            done += n
+        if read_full(self._dfd, mem, offset, direct=True) < len(mem):
+            raise CheckpointError(f"{self.path}: short read near {name!r}: the file is truncated")
 
     def _read_buffered(self, views: list[memoryview], offset: int, name: str, *, skip: int = 0) -> None:
         """Read `views` back to back from `offset` through the page cache; with `skip`, the first view is read at
@@ -541,22 +410,16 @@ class TensorReader:
             self._read_buffered([head], offset, name)
             self._read_buffered([tail], offset + len(head) + skip, name)
             return
-        views = [v for v in views if len(v)]
-        i = 0
-        while i < len(views):
-            n = os.preadv(self._fd, views[i : i + _IOV_MAX], offset)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: short read near {name!r}: the file is truncated")
-            offset += n
-            i = _consume(views, i, n)
+        if read_full(self._fd, views, offset) < sum(len(v) for v in views):
+            raise CheckpointError(f"{self.path}: short read near {name!r}: the file is truncated")
 
     def check_many(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
-        """Check the CRC32 of tensors read by `read_many(..., check=False)`."""
+        """Check the checksums of tensors read by `read_many(..., check=False)`."""
         for name, out, crc in items:
-            if zlib.crc32(as_bytes(out)) != crc:
+            if self._checksum(as_bytes(out)) != crc:
                 raise CheckpointError(
-                    f"{self.path}: tensor {name!r} fails its CRC32 check: the file is corrupt. Load an earlier "
-                    "checkpoint (every checkpoint directory under the root holds a complete one)"
+                    f"{self.path}: tensor {name!r} fails its {self.checksum.upper()} check: the file is corrupt. Load "
+                    "an earlier checkpoint (every checkpoint directory under the root holds a complete one)"
                 )
 
     def read(self, name: str, *, crc: int | None = None) -> torch.Tensor:

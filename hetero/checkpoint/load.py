@@ -21,9 +21,10 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
-from hetero.checkpoint.save import _buffers
+from hetero.checkpoint.plan import model_buffers
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
+from hetero.progress import bar
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
@@ -38,10 +39,22 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
 
     path: a checkpoint root (its `latest` is followed) or one checkpoint's directory. If a tensor fails its checksum
     midway, the error says so and the engine's state is partly loaded: load a good checkpoint before training on.
+    lr_scheduler: default, the one given to `hetero.initialize` (restored when the checkpoint holds one).
     """
+    own_scheduler = lr_scheduler is None
+    if own_scheduler:
+        lr_scheduler = getattr(engine, "lr_scheduler", None)
     directory = mf.resolve(path)
     manifest = mf.read_manifest(directory)
-    mf.check_files(directory, manifest)
+    try:
+        mf.check_files(directory, manifest)
+    except CheckpointError as e:
+        if par.world(engine).size > 1 and "missing" in str(e):
+            raise CheckpointError(
+                f"{e}. Every rank reads every rank's file: a job on several nodes needs the checkpoint on a file "
+                "system all of them mount at the same path"
+            ) from None
+        raise
     extra = _read_state(directory)
     _check_compatible(engine, manifest, directory)
     pending = manifest["engine"]["pending_grads"]
@@ -65,6 +78,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
         reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
 
         def finish() -> None:
+            shown.update()
             i, zc, futures = reading.pop(0)
             _finish_trainable(engine, zc, futures)
             state: dict[str, Any] = {"param_steps": [steps.get(par.stored_name(info), 0) for info in zc.spec.params]}
@@ -74,6 +88,13 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                 state["grad_is_zero"] = bool(mine["grad_fresh"][i])
             zc.load_state_dict(state)
 
+        shown = bar(
+            len(engine.chunks),
+            "hetero: loading checkpoint",
+            unit="chunk",
+            rank=par.world(engine).rank,
+            config=engine.config.progress,
+        )
         threads = torch.get_num_threads()
         if engine.device.torch_device.type == "cpu":
             # The parameter copies below run while the I/O threads read and checksum: torch's own worker threads
@@ -89,6 +110,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                         finish()
                     _fill_frozen(engine, zc, index)
                     zc.load_state_dict({"param_steps": [steps.get(par.stored_name(i), 0) for i in zc.spec.params]})
+                    shown.update()
                     continue
                 ledger = engine.manager.ledgers[zc.placement.compute]
                 while reading and zc.optim.tier is not zc.placement.compute and ledger.free < 2 * zc.optim.nbytes:
@@ -99,6 +121,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             while reading:
                 finish()
         finally:
+            shown.close()
             torch.set_num_threads(threads)
             for _, zc, futures in reading:  # after an error: no thread may go on writing into a buffer let go
                 for f in futures:
@@ -112,11 +135,18 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     finally:
         index.close()
     engine.load_state_dict(manifest["engine"])
+    if engine.algorithm.generic is not None:
+        st = manifest["engine"]
+        engine.algorithm.generic.load_scalars(engine.chunks, par.stored_name, st.get("optim_scalars", {}))
     _restore_groups(engine, extra["param_groups"], directory)
     if lr_scheduler is not None:
         if extra["lr_scheduler"] is None:
-            raise CheckpointError(f"{directory} holds no LR scheduler state: it was saved without lr_scheduler=")
-        lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            if own_scheduler:  # the engine's own: a checkpoint saved before it had one leaves it as it is
+                log.warning("%s holds no LR scheduler state: the engine's scheduler starts where it is", directory)
+            else:
+                raise CheckpointError(f"{directory} holds no LR scheduler state: it was saved without lr_scheduler=")
+        else:
+            lr_scheduler.load_state_dict(extra["lr_scheduler"])
     engine.manager.synchronize()
     return extra["client_state"]
 
@@ -168,7 +198,7 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
         if n in saved and tuple(saved[n]["shape"]) != tuple(mine[n].param.shape)
     ]
     buffers = manifest["model"]["buffers"]
-    my_buffers = _buffers(engine)
+    my_buffers = model_buffers(engine)
     missing += [f"buffer {n}" for n in my_buffers if n not in buffers]
     shapes += [
         f"buffer {n}: checkpoint {tuple(buffers[n]['shape'])}, model {tuple(t.shape)}"
@@ -276,7 +306,7 @@ def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
 
 
 def _fill_buffers(engine: Engine, index: mf.Index) -> None:
-    for name, t in _buffers(engine).items():
+    for name, t in model_buffers(engine).items():
         tmp = torch.empty(t.numel(), dtype=index.reader(_buffer_file(index, name)).entry(mf.key("buffer", name)).dtype)
         index.fill("buffer", name, 0, tmp)
         with torch.no_grad():

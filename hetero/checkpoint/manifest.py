@@ -226,7 +226,7 @@ class Index:
         """`fill` for many (kind, name, lo, out) at once; returns at once with futures to wait on. Whole segments
         bound for CPU memory are sorted by file offset and read in runs of adjacent segments (or with only padding
         between), each run in large requests on an I/O thread, in order, and checksummed on a second one (preadv and
-        zlib.crc32 release the GIL), so checking run k overlaps reading run k+1; the rest goes through `fill` on the
+        the checksums release the GIL), so checking run k overlaps reading run k+1; the rest goes through `fill` on the
         reading thread. One thread reads through the page cache, so that the disk sees one sequential stream: two
         threads at two offsets of one file descriptor share its read-ahead state, which then takes them for random
         reads. Files read with O_DIRECT ([Note: direct reads] in format.py) get two reading threads: no read-ahead

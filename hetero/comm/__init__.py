@@ -2,8 +2,9 @@
 
 `group.py` wraps one process group (`Comm`: its control group, waits with timeouts, subgroups), with its
 collectives in `collectives.py` and its point-to-point transfers in `p2p.py`; `rules.py` says how a group behaves
-(NCCL's rule on data tensors, timeouts), `launch.py` joins the job from the launcher's environment, `watch.py` names
-the ranks behind a timeout, and `handles.py` holds what asynchronous operations return.
+(NCCL's rule on data tensors, timeouts), `launch.py` joins the job from the launcher's environment (`launchers.py`:
+SLURM's or MPI's tasks without torchrun), `watch.py` names the ranks behind a timeout, and `handles.py` holds what
+asynchronous operations return.
 """
 
 from hetero.comm.group import Comm

@@ -49,6 +49,12 @@ def _unsupported(err: BaseException) -> bool:
     )
 
 
+def _native_rs_op_ok(backend: str, op: str) -> bool:
+    """Whether the backend's tensor reduce-scatter honours `op`: gloo's in torch 2.4 sums whatever op it is given,
+    so on gloo only "sum" takes the native path (min / max go through all_reduce)."""
+    return backend != "gloo" or op == "sum"
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share storage (conservatively: the same storage at all)."""
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -146,7 +152,7 @@ class Collectives:
                 # In place (out is our shard of inp) is what ZeRO does; only NCCL documents it as safe.
                 src = src.clone()
             native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
-            if self._native_rs is not False:
+            if self._native_rs is not False and _native_rs_op_ok(self._backend, native_op):
                 dst = out if out.is_contiguous() else _contiguous_like(out)
                 fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
                 try:
@@ -179,7 +185,8 @@ class Collectives:
         _check_op(op, inp)
         self._check_pair(out, inp, big=inp, small=out, what="reduce_scatter: inp")
         simple = out.is_contiguous() and inp.is_contiguous() and not _overlap(out, inp)
-        if self._local or self._native_rs is False or not simple:
+        rs_op = op if (op != "avg" or self._backend == "nccl") else "sum"
+        if self._local or self._native_rs is False or not simple or not _native_rs_op_ok(self._backend, rs_op):
             self.reduce_scatter(out, inp, op, what=what)
             return Done()
         label = f"reduce_scatter of {what or f'{inp.numel()} {inp.dtype} elements'}"
@@ -339,16 +346,18 @@ class Collectives:
             raise ValueError(f"timeout = {timeout} must be positive seconds (or None for the group's own)")
         if self._local:
             return
+        if self.control is not self:  # a barrier moves no data: the control group's
+            self.control.barrier(timeout)
+            return
         if timeout is None:
-            self.control._run("barrier", dist.barrier)
+            self._run("barrier", dist.barrier)
             return
         td = datetime.timedelta(seconds=timeout)
         try:
-            ctl = self.control
-            if ctl._backend == "gloo" and hasattr(dist, "monitored_barrier"):
-                dist.monitored_barrier(group=ctl.group, timeout=td, wait_all_ranks=True)
+            if self._backend == "gloo" and hasattr(dist, "monitored_barrier"):
+                dist.monitored_barrier(group=self.group, timeout=td, wait_all_ranks=True)
             else:
-                work = dist.barrier(group=ctl.group, async_op=True)
+                work = dist.barrier(group=self.group, async_op=True)
                 if work is not None and work.wait(timeout=td) is False:
                     raise RuntimeError(f"barrier not completed within {timeout} s")
         except RuntimeError as err:

@@ -98,12 +98,9 @@ class Comm(Collectives, PointToPoint):
         """The same group (and control group), with every blocking operation bounded by `timeout_s` seconds."""
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s = {timeout_s} must be positive seconds (or None for the group's own)")
-        other = object.__new__(Comm)
-        other.__dict__.update(self.__dict__)
-        other.rules = replace(self.rules, timeout_s=timeout_s)
-        if self._control is not None:
-            other._control = self._control.with_timeout(timeout_s)
-        return other
+        if self.group is None:
+            return self  # nothing to wait for
+        return Comm(self.group, rules=replace(self.rules, timeout_s=timeout_s))  # the control group is reused
 
     @property
     def backend(self) -> str:

@@ -8,11 +8,12 @@ import datetime
 import logging
 import os
 
-import torch
 import torch.distributed as dist
 
 from hetero.comm.group import Comm
+from hetero.comm.launchers import adopt_launcher_env
 from hetero.comm.rules import rules_for, set_world_rules
+from hetero.device import gpu_count, select_gpu
 from hetero.errors import CommError
 
 logger = logging.getLogger("hetero.comm")
@@ -49,14 +50,16 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     """Join the process group described by torchrun's environment variables and return the world Comm.
 
     If ``torch.distributed`` is already initialised, that group is used as is (with ``timeout_s`` bounding hetero's
-    own waits). WORLD_SIZE unset or 1 gives a size-1 Comm with no group. ``backend`` defaults to "nccl" with CUDA,
-    else "gloo". ``timeout_s`` bounds every collective, so a dead or hung rank ends in an error naming it instead
-    of a hang.
+    own waits). WORLD_SIZE unset or 1 gives a size-1 Comm with no group, unless SLURM or MPI started several tasks:
+    then their variables say where this process is (`launchers.py`, [Note: launchers]). ``backend`` defaults to
+    "nccl" with CUDA, else "gloo". ``timeout_s`` bounds every collective, so a dead or hung rank ends in an error
+    naming it instead of a hang.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s = {timeout_s} must be positive")
     if dist.is_available() and dist.is_initialized():
         return Comm.world().with_timeout(timeout_s)
+    adopt_launcher_env()  # srun / mpirun without torchrun: join their tasks, never train alone silently
     world_size = _env_int("WORLD_SIZE", required=False)
     if world_size is None or world_size == 1:
         return Comm()
@@ -76,14 +79,14 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
         raise CommError(f"environment variable MASTER_PORT = {port} is not a TCP port (1-65535)")
     lrank = local_rank()
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if gpu_count() else "gloo"
     if backend == "nccl":
-        if not torch.cuda.is_available():
+        if not gpu_count():
             raise CommError("backend 'nccl' needs CUDA, which is not available; use backend='gloo'")
         if "LOCAL_RANK" not in os.environ:
             # Without it every rank would pick GPU 0; torchrun always sets it.
             raise CommError("environment variable LOCAL_RANK is not set; nccl needs it to pick a GPU")
-        torch.cuda.set_device(lrank)
+        select_gpu(lrank)
     td = datetime.timedelta(seconds=timeout_s)
     try:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=td)

@@ -1,45 +1,18 @@
-"""Page-aligned host buffers and a bounded pool of them, for O_DIRECT I/O.
+"""A bounded pool of page-aligned staging buffers, for the NVMe tier's O_DIRECT I/O of unaligned tensors.
 
-O_DIRECT needs the memory address, the file offset and the length of every request to be aligned to the
-device's logical block size. 4096 covers every block size in practice (512e and 4Kn drives alike), and
-anonymous mmap memory is page-aligned, so an mmap-backed buffer satisfies the memory side for free.
+The buffers, the alignment and the I/O loops themselves live in `hetero.io.direct` ([Note: direct I/O]), shared
+with the checkpoint files; they are re-exported here for the tier's users.
 """
 
 from __future__ import annotations
 
 import collections
-import mmap
 import threading
 from collections.abc import Callable
 
-import torch
+from hetero.io.direct import ALIGN, AlignedBuffer, align_up, is_aligned
 
-ALIGN = 4096  # offset/length/address alignment used for all swap I/O
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    """Round n up to a multiple of align."""
-    return (n + align - 1) // align * align
-
-
-def is_aligned(n: int, align: int = ALIGN) -> bool:
-    return n % align == 0
-
-
-class AlignedBuffer:
-    """A page-aligned block of anonymous memory, seen as a memoryview and as a uint8 tensor.
-
-    Both views share the mmap's memory; the tensor is used for GIL-free memcpy (torch's copy_ releases it),
-    the memoryview for os.pwrite/os.preadv.
-    """
-
-    __slots__ = ("size", "_map", "view", "tensor")
-
-    def __init__(self, size: int) -> None:
-        self.size = align_up(max(size, 1))
-        self._map = mmap.mmap(-1, self.size)
-        self.view = memoryview(self._map)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+__all__ = ["ALIGN", "AlignedBuffer", "StagingPool", "align_up", "is_aligned"]
 
 
 class StagingPool:

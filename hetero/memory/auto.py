@@ -57,7 +57,7 @@ class _Held:
 
     def __del__(self) -> None:
         if self.key:
-            self.owner._release(self.key)
+            self.owner.release_saved(self.key)
 
 
 class AutoPlacement:
@@ -124,7 +124,7 @@ class AutoPlacement:
         t = ref() if ref is not None else None
         return t is not None and t.untyped_storage().data_ptr() == key and t.untyped_storage().nbytes() > 0
 
-    def _release(self, key: int) -> None:
+    def release_saved(self, key: int) -> None:
         entry = self._saved.get(key)
         if entry is None:
             return

@@ -1,48 +1,36 @@
 """NVMe tier: chunk bytes swapped to one file on a local disk, with large aligned requests kept in flight.
 
-One private swap file per store holds every key in a 4096-aligned slot; a free list lets discarded slots be
-reused, so the file grows only to the high-water mark of live data (and is preallocated as it grows). Each
-read or write is cut into `block_bytes` blocks. Blocks move through two thread pools: `io_threads` workers
-that only sit in os.pwrite/os.preadv, so that many requests are always queued on the device (what an NVMe
-drive needs to reach its bandwidth), and `cpu_threads` workers that do the staging copies and the per-block
-crc32 around them. All of these release the GIL.
+`NvmeStore` is a key -> bytes store. Its pieces, one file each: the swap file and the slots in it
+(`swap_file.py`: a private 0700 directory, O_DIRECT where the file system takes it, 4096-aligned slots reused when
+freed, the file preallocated as it grows), and the block pipeline that moves each request (`swap_blocks.py`: blocks
+of `block_bytes` on I/O and CPU thread pools, staging buffers, checksums). This file keeps the key table, the budget
+and the order of requests: requests on one key run in the order they were made (each starts when the previous one
+on the key is done); requests on different keys overlap freely.
 
-O_DIRECT is used when the file system accepts it, keeping swap traffic out of the page cache (which would
-otherwise compete with the host tier for RAM). It needs aligned memory, so tensors whose memory the probe
-found too unaligned go through a bounded pool of page-aligned staging buffers; others (pinned memory, and on
-NVMe with Linux >= 6.0 any 64-byte aligned torch tensor) are read and written in place.
-
-Requests on one key run in the order they were made (each starts when the previous one on the key is done);
-requests on different keys overlap freely.
+O_DIRECT keeps swap traffic out of the page cache, which would otherwise compete with the host tier for RAM.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import logging
 import os
 import shutil
 import tempfile
 import threading
-import time
 import weakref
-import zlib
-from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 
-from hetero.errors import NvmeCorruptError, NvmeError, NvmeSpaceError, NvmeUnavailableError
-from hetero.memory.aligned import ALIGN, AlignedBuffer, StagingPool, align_up
+from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
+from hetero.io.checksum import DEFAULT, checksum_fn
+from hetero.io.direct import ALIGN, align_up
+from hetero.memory.swap_blocks import BlockPipeline, Entry, Op
+from hetero.memory.swap_file import SwapFile
 
 log = logging.getLogger("hetero.memory.nvme")
-
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-_FADVISE = getattr(os, "posix_fadvise", None)
-_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 @dataclass
@@ -57,114 +45,6 @@ class NvmeStats:
     # device queue was kept: near 1 means the tier is not the bottleneck.
     write_io_seconds: float = 0.0
     read_io_seconds: float = 0.0
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One version of one key: its slot [offset, offset + length) holds nbytes, with one crc per block."""
-
-    offset: int
-    length: int
-    nbytes: int
-    crcs: list[int]
-    failed: BaseException | None = None  # set when the write of this version failed; reads then refuse
-
-
-class _Slots:
-    """First-fit-by-size allocator of aligned extents in the swap file, with coalescing free list."""
-
-    def __init__(self) -> None:
-        self.free: list[tuple[int, int]] = []  # (offset, length), sorted by offset, never adjacent
-        self.end = 0  # high-water mark: the file never needs to be longer
-
-    def _best(self, length: int) -> int | None:
-        best = None
-        for i, (_, n) in enumerate(self.free):
-            if n >= length and (best is None or n < self.free[best][1]):
-                best = i
-        return best
-
-    def _tail_free(self) -> int:
-        """Length of the free extent that ends at the high-water mark (it can be extended in place)."""
-        if self.free and self.free[-1][0] + self.free[-1][1] == self.end:
-            return self.free[-1][1]
-        return 0
-
-    def growth(self, length: int) -> int:
-        """How many bytes alloc(length) would add to the file."""
-        return 0 if self._best(length) is not None else length - self._tail_free()
-
-    def alloc(self, length: int) -> int:
-        i = self._best(length)
-        if i is not None:
-            off, n = self.free[i]
-            if n == length:
-                del self.free[i]
-            else:
-                self.free[i] = (off + length, n - length)
-            return off
-        if self._tail_free():
-            off = self.free.pop()[0]
-        else:
-            off = self.end
-        self.end = off + length
-        return off
-
-    def release(self, off: int, length: int) -> None:
-        i = bisect_left(self.free, (off, 0))
-        if i < len(self.free) and self.free[i][0] == off + length:  # merge with the next extent
-            length += self.free.pop(i)[1]
-        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == off:  # merge with the previous one
-            off, length = self.free[i - 1][0], self.free[i - 1][1] + length
-            i -= 1
-            del self.free[i]
-        self.free.insert(i, (off, length))
-
-
-class _Op:
-    """One read or write of one key: its future completes only after every block has finished, so the
-    caller's tensor is never touched once the future is done."""
-
-    __slots__ = (
-        "entry",
-        "error",
-        "future",
-        "io_seconds",
-        "key",
-        "lock",
-        "mem",
-        "ptr",
-        "remaining",
-        "tensor",
-        "write",
-    )
-
-    def __init__(self, key: int, write: bool, t: torch.Tensor) -> None:
-        self.key, self.write = key, write
-        self.entry: _Entry  # set by the store once the request is accepted
-        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.tensor = t.detach().reshape(-1).view(torch.uint8)  # bytes of any dtype, bf16 included
-        self.mem = memoryview(self.tensor.numpy())  # buffer for os.pwrite/os.preadv; keeps the tensor alive
-        self.ptr = t.data_ptr()
-        self.remaining = 0
-        self.io_seconds = 0.0
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-
-
-class _Block:
-    """One block_bytes piece [start, stop) of a request, moving through its stages."""
-
-    __slots__ = ("buf", "index", "io_seconds", "start", "stop")
-
-    def __init__(self, index: int, start: int, stop: int) -> None:
-        self.index, self.start, self.stop = index, start, stop
-        self.io_seconds = 0.0
-        self.buf: AlignedBuffer | None = None  # staging buffer held between stages, released at the end
-
-
-_Next = tuple[concurrent.futures.Executor, "_Stage"] | None  # next stage of a block, None when done
-_Stage = Callable[[_Op, _Block], _Next]
 
 
 def _check_tensor(t: torch.Tensor, what: str) -> None:
@@ -193,75 +73,20 @@ def _make_private_dir(directory: str | os.PathLike) -> str:
         raise NvmeUnavailableError(f"cannot create a swap directory in {d!r} ({e}); {hint}") from e
 
 
-def _probe_mem_align(fd: int) -> int:
-    """The smallest memory alignment (64, 512 or 4096) O_DIRECT accepts on fd.
-
-    Since Linux 6.0 the block layer asks only for the device's DMA alignment (4 bytes on NVMe), so torch's
-    64-byte aligned tensors can often be written straight from their own memory, with no staging copy.
-    """
-    buf = AlignedBuffer(2 * ALIGN)
-    for align in (64, 512):
-        view = buf.view[align : align + ALIGN]
-        try:
-            if os.pwrite(fd, view, 0) == ALIGN and os.preadv(fd, [view], 0) == ALIGN:
-                return align
-        except OSError:
-            continue
-    return ALIGN
-
-
-def _open_swap(path: str, direct: bool | None) -> tuple[int, bool, int]:
-    """Create the swap file (0600); use O_DIRECT if asked, or if direct is None and a probe write works.
-
-    Returns the fd, whether it is O_DIRECT, and the memory alignment its I/O needs.
-    """
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    reason = "this platform has no O_DIRECT"
-    if direct is not False and _O_DIRECT:
-        fd = -1
-        try:
-            fd = os.open(path, flags | _O_DIRECT, 0o600)
-            # Some file systems accept the flag at open and fail only on I/O: probe with one aligned block.
-            if os.pwrite(fd, AlignedBuffer(ALIGN).view, 0) != ALIGN:
-                raise OSError(errno.EIO, "short probe write")
-            mem_align = _probe_mem_align(fd)
-            os.ftruncate(fd, 0)
-            return fd, True, mem_align
-        except OSError as e:
-            reason = str(e)
-            if fd >= 0:
-                os.close(fd)
-            if os.path.exists(path):  # the open may have created it before refusing the flag
-                os.unlink(path)
-    if direct:
-        raise NvmeUnavailableError(
-            f"O_DIRECT is not supported for {path!r} ({reason}); pass direct=None to fall back to buffered "
-            "I/O or put nvme_dir on a file system that supports it (ext4, xfs on a local NVMe drive)"
-        )
-    if direct is None:
-        log.info("O_DIRECT unavailable for %s (%s); using buffered I/O", path, reason)
-    try:
-        return os.open(path, flags, 0o600), False, 1
-    except OSError as e:
-        raise NvmeUnavailableError(f"cannot create swap file {path!r} ({e})") from e
-
-
-def _cleanup(pools: tuple[concurrent.futures.ThreadPoolExecutor, ...], fd_box: list[int], directory: str) -> None:
+def _cleanup(pools: tuple[concurrent.futures.ThreadPoolExecutor, ...], swap: SwapFile) -> None:
     """Release the store's resources; run once, by close() or when the store is garbage-collected."""
     for pool in pools:
         pool.shutdown(wait=False)  # idle: close() drained them, and a collected store has nothing in flight
-    if fd_box[0] >= 0:
-        os.close(fd_box[0])
-        fd_box[0] = -1
-    shutil.rmtree(directory, ignore_errors=True)
+    swap.close()
 
 
 class NvmeStore:
     """Key -> bytes store on NVMe. write()/read() return futures at once; requests on one key run in order.
 
     Besides the documented arguments, `cpu_threads` sets the workers that copy and checksum blocks (default:
-    half the cores, at least 2, at most io_threads). After construction `direct` says whether O_DIRECT is in
-    use and `mem_align` the memory alignment it needs for a tensor to skip staging.
+    half the cores, at least 2, at most io_threads) and `checksum` the algorithm of the per-block checksums
+    (`hetero.io.checksum.ALGORITHMS`). After construction `direct` says whether O_DIRECT is in use and `mem_align`
+    the memory alignment it needs for a tensor to skip staging.
     Do not call close() from a future's done-callback: it waits for those very requests.
     """
 
@@ -270,12 +95,13 @@ class NvmeStore:
         directory: str | os.PathLike,
         *,
         budget: int | None = None,
-        io_threads: int = 4,
+        io_threads: int = 8,  # requests in flight: fio needs iodepth 8 to reach this project's VM disk's speed
         block_bytes: int = 8 << 20,
         staging_buffers: int = 8,
         direct: bool | None = None,
         verify: bool = True,
         cpu_threads: int | None = None,
+        checksum: str = DEFAULT,
     ) -> None:
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
@@ -289,35 +115,37 @@ class NvmeStore:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0 or None, got {budget}")
+        checksum_fn(checksum)  # an unknown name fails here, before anything is made
         self.block_bytes = block_bytes
+        self.io_threads = io_threads
         self.budget = budget
         self.verify = verify
         self.stats = NvmeStats()
         self.directory = _make_private_dir(directory)
-        self.path = os.path.join(self.directory, "swap")
         try:
-            fd, self.direct, self.mem_align = _open_swap(self.path, direct)
+            self._file = SwapFile(self.directory, direct)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
-        self._fd_box = [fd]
-        self._staging = StagingPool(staging_buffers, block_bytes)
-        # Two pools, so the copies and checksums never hold an I/O thread: io_threads requests stay queued
-        # on the device while cpu_threads workers stage and check the blocks around them.
-        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="hetero-nvme-io")
-        self._cpu = concurrent.futures.ThreadPoolExecutor(cpu_threads, thread_name_prefix="hetero-nvme-cpu")
-        self._finalizer = weakref.finalize(self, _cleanup, (self._io, self._cpu), self._fd_box, self.directory)
+        self.path, self.direct, self.mem_align = self._file.path, self._file.direct, self._file.mem_align
+        try:
+            checks = checksum if verify else None
+            self._blocks = BlockPipeline(self._file, block_bytes, (io_threads, cpu_threads), staging_buffers, checks)
+        except BaseException:
+            self._file.close()
+            raise
+        self.checksum = checksum  # the algorithm of every block's checksum ([Note: checksum algorithms])
+        self._staging = self._blocks.staging
+        self._finalizer = weakref.finalize(self, _cleanup, (self._blocks.io, self._blocks.cpu), self._file)
         # One re-entrant lock guards the key table, the slots and the chains: done-callbacks that take it may
         # run synchronously inside add_done_callback while it is held.
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         self._tails: dict[int, concurrent.futures.Future] = {}  # last request queued per key
         self._inflight: set[concurrent.futures.Future] = set()
-        self._slots = _Slots()
         self._used = 0
         self._closed = False
-        self._prealloc = hasattr(os, "posix_fallocate")
         log.debug(
             "NVMe store at %s: direct=%s (memory alignment %d), %d I/O + %d CPU threads, %d B blocks",
             self.path,
@@ -338,7 +166,7 @@ class NvmeStore:
         disk fails the write, after which the key is absent.
         """
         _check_tensor(src, "src")
-        op = _Op(key, True, src)  # before touching any state: this is what can fail on odd tensors
+        op = Op(key, True, src)  # before touching any state: this is what can fail on odd tensors
         nbytes = len(op.mem)
         length = align_up(nbytes)
         with self._lock:
@@ -355,9 +183,9 @@ class NvmeStore:
             if old is not None and length <= old.length < 2 * length:
                 # Same-size overwrite (the common case for a chunk): keep the slot. Earlier requests on the
                 # key still using it finish first because requests on one key run in order.
-                entry = _Entry(old.offset, old.length, nbytes, crcs)
+                entry = Entry(old.offset, old.length, nbytes, crcs)
             else:
-                entry = _Entry(self._allocate(key, length), length, nbytes, crcs)
+                entry = Entry(self._file.allocate(key, length), length, nbytes, crcs)
                 if old is not None:
                     self._retire(key, old)
             self._entries[key] = entry
@@ -373,7 +201,7 @@ class NvmeStore:
         NvmeError (I/O error, or the write it was queued behind failed).
         """
         _check_tensor(dst, "dst")
-        op = _Op(key, False, dst)
+        op = Op(key, False, dst)
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
@@ -412,8 +240,7 @@ class NvmeStore:
     @property
     def file_bytes(self) -> int:
         """Size of the swap file (its high-water mark; discarded slots are reused, not returned to the fs)."""
-        fd = self._fd_box[0]
-        return os.fstat(fd).st_size if fd >= 0 else 0
+        return self._file.size
 
     @property
     def closed(self) -> bool:
@@ -430,8 +257,8 @@ class NvmeStore:
             self._closed = True  # refuse new requests; the ones queued still run
             while self._inflight:
                 self._idle.wait()
-        self._io.shutdown(wait=True)
-        self._cpu.shutdown(wait=True)
+        self._blocks.io.shutdown(wait=True)
+        self._blocks.cpu.shutdown(wait=True)
         self._finalizer()
 
     def __enter__(self) -> NvmeStore:
@@ -451,56 +278,21 @@ class NvmeStore:
         if self._closed:
             raise NvmeError(f"NVMe store {self.directory!r} is closed")
 
-    def _allocate(self, key: int, length: int) -> int:
-        """Offset of a free slot of length bytes, growing the swap file if none fits (lock held)."""
-        if length == 0:
-            return 0
-        growth = self._slots.growth(length)
-        if growth:
-            # Check before queueing anything, so a full disk is a clear error now rather than a failed write.
-            free = shutil.disk_usage(self.directory).free
-            if growth > free:
-                raise NvmeSpaceError(
-                    f"not enough free space for the NVMe tier in {self.directory!r}: key {key} needs {growth} B "
-                    f"more swap file but the file system has {free} B free; free disk space or point nvme_dir "
-                    "at a larger drive"
-                )
-        offset = self._slots.alloc(length)
-        if growth and self._prealloc:
-            # Preallocating turns the block writes into overwrites of allocated extents, which file systems
-            # run in parallel (appending direct writes serialize on the inode), and reserves the space.
-            t0 = time.perf_counter()
-            try:
-                os.posix_fallocate(self._fd_box[0], self._slots.end - growth, growth)
-            except OSError as e:
-                if e.errno in _SPACE_ERRNOS:
-                    self._slots.release(offset, length)
-                    raise self._io_error(e, "preallocating", key, self._slots.end - growth, growth) from e
-                self._prealloc = False  # not supported here: extending writes grow the file instead
-                log.debug("posix_fallocate unsupported for %s (%s); not preallocating", self.path, e)
-            dt = time.perf_counter() - t0
-            if dt > 1e-3 and growth / dt < 50e9:
-                # A real fallocate only maps extents (~1 TB/s); this one wrote memory or zeros (tmpfs,
-                # glibc's emulation), doubling the write traffic while blocking the caller: stop it.
-                self._prealloc = False
-                log.debug("preallocation on %s runs at %.1f GB/s; not preallocating", self.path, growth / dt / 1e9)
-        return offset
-
-    def _retire(self, key: int, entry: _Entry) -> None:
+    def _retire(self, key: int, entry: Entry) -> None:
         """Free entry's slot once the requests already queued on key (which may still use it) are done."""
         if entry.length == 0:
             return
         tail = self._tails.get(key)
         if tail is None:
-            self._slots.release(entry.offset, entry.length)
+            self._file.release(entry.offset, entry.length)
         else:
             tail.add_done_callback(lambda _f: self._release(entry.offset, entry.length))
 
     def _release(self, off: int, length: int) -> None:
         with self._lock:
-            self._slots.release(off, length)
+            self._file.release(off, length)
 
-    def _submit(self, op: _Op) -> concurrent.futures.Future[None]:
+    def _submit(self, op: Op) -> concurrent.futures.Future[None]:
         """Queue op behind the previous request on its key (caller holds the lock)."""
         fut = op.future
         fut.set_running_or_notify_cancel()  # a swap request cannot be cancelled once accepted
@@ -509,10 +301,11 @@ class NvmeStore:
         prev = self._tails.get(op.key)
         self._tails[op.key] = fut
         self._inflight.add(fut)
+        op.finish = self._finish
         if prev is None:
-            self._start(op)
+            self._blocks.start(op)
         else:
-            prev.add_done_callback(lambda _f: self._start(op))
+            prev.add_done_callback(lambda _f: self._blocks.start(op))
         return fut
 
     def _forget(self, key: int, fut: concurrent.futures.Future) -> None:
@@ -523,71 +316,7 @@ class NvmeStore:
             if not self._inflight:
                 self._idle.notify_all()
 
-    def _start(self, op: _Op) -> None:
-        # Runs as a done-callback: an exception escaping it would be swallowed and op.future never completed.
-        try:
-            if not op.write and op.entry.failed is not None:
-                raise NvmeError(f"key {op.key} cannot be read: its last write failed ({op.entry.failed})")
-            n, bb = op.entry.nbytes, self.block_bytes
-            blocks = [_Block(i, a, min(a + bb, n)) for i, a in enumerate(range(0, n, bb))]
-        except BaseException as e:
-            op.error = e
-            blocks = []
-        if not blocks:
-            self._finish(op)
-            return
-        op.remaining = len(blocks)
-        for b in blocks:
-            if not op.write:
-                first = (self._io, self._read_io)
-            elif self.verify or self._staged(op, b):
-                first = (self._cpu, self._write_prep)
-            else:
-                first = (self._io, self._write_io)
-            if self._staged(op, b):
-                # Take the staging buffer before the block enters a pool, without blocking anyone: a worker
-                # waiting for a buffer could be the very one needed to finish the block that holds it.
-                self._staging.acquire_async(lambda buf, b=b, first=first: self._staged_start(op, b, buf, first))
-            else:
-                self._step(*first, op, b)
-
-    def _staged_start(self, op: _Op, b: _Block, buf: AlignedBuffer, first: tuple) -> None:
-        b.buf = buf
-        self._step(*first, op, b)
-
-    def _step(self, pool: concurrent.futures.Executor, fn: _Stage, op: _Op, b: _Block) -> None:
-        try:
-            pool.submit(self._run, fn, op, b)
-        except BaseException as e:  # only after shutdown, which close() defers until nothing is in flight
-            self._end_block(op, b, e)
-
-    def _run(self, fn: _Stage, op: _Op, b: _Block) -> None:
-        """Run one stage of a block; it returns the next stage's (pool, function), or None when done."""
-        nxt, exc = None, None
-        try:
-            if op.error is None:  # after a failed block the request is lost anyway: skip the rest
-                nxt = fn(op, b)
-        except BaseException as e:
-            exc = e
-        if nxt is None:
-            self._end_block(op, b, exc)
-        else:
-            self._step(nxt[0], nxt[1], op, b)
-
-    def _end_block(self, op: _Op, b: _Block, exc: BaseException | None) -> None:
-        if b.buf is not None:
-            self._staging.release(b.buf)
-            b.buf = None
-        with op.lock:
-            if exc is not None and op.error is None:
-                op.error = exc
-            op.remaining -= 1
-            op.io_seconds += b.io_seconds
-            last = op.remaining == 0
-        if last:
-            self._finish(op)
-
-    def _finish(self, op: _Op) -> None:
+    def _finish(self, op: Op) -> None:
         err = op.error
         with self._lock:
             if err is None:
@@ -607,104 +336,9 @@ class NvmeStore:
                     # Free the slot now, not after op.future's callbacks: the caller may write again as soon
                     # as it sees the error. Nothing queued behind a failed write touches its slot (reads of it
                     # fail without I/O; a later write that took the slot over would have made it not current).
-                    if op.entry.length:
-                        self._slots.release(op.entry.offset, op.entry.length)
+                    self._file.release(op.entry.offset, op.entry.length)
         if err is None:
             op.future.set_result(None)
         else:
             log.debug("NVMe %s of key %s failed: %s", "write" if op.write else "read", op.key, err)
             op.future.set_exception(err)
-
-    # ------------------------------------------------------------------ block stages (worker threads)
-
-    def _staged(self, op: _Op, b: _Block) -> bool:
-        """Whether O_DIRECT forces this block through a staging buffer (unaligned memory or length)."""
-        return self.direct and ((b.stop - b.start) % ALIGN != 0 or (op.ptr + b.start) % self.mem_align != 0)
-
-    def _write_prep(self, op: _Op, b: _Block) -> _Next:
-        """CPU stage: copy into an aligned staging buffer if O_DIRECT needs one, and checksum."""
-        n = b.stop - b.start
-        if b.buf is not None:
-            b.buf.tensor[:n].copy_(op.tensor[b.start : b.stop])  # torch's copy releases the GIL
-            padded = align_up(n)
-            if padded != n:
-                b.buf.tensor[n:padded].zero_()  # deterministic padding, no stale staging bytes on disk
-            data = b.buf.view[:n]
-        else:
-            data = op.mem[b.start : b.stop]
-        if self.verify:
-            op.entry.crcs[b.index] = zlib.crc32(data)  # releases the GIL for large buffers
-        return self._io, self._write_io
-
-    def _write_io(self, op: _Op, b: _Block) -> _Next:
-        n = b.stop - b.start
-        data = op.mem[b.start : b.stop] if b.buf is None else b.buf.view[: align_up(n)]
-        t0 = time.perf_counter()
-        self._pwrite_all(data, op.entry.offset + b.start, op.key)
-        b.io_seconds = time.perf_counter() - t0
-        return None
-
-    def _read_io(self, op: _Op, b: _Block) -> _Next:
-        n = b.stop - b.start
-        offset = op.entry.offset + b.start
-        if b.buf is not None:
-            data = b.buf.view[: align_up(n)]
-        else:
-            data = op.mem[b.start : b.stop]
-        t0 = time.perf_counter()
-        got = self._pread_all(data, offset, op.key)
-        b.io_seconds = time.perf_counter() - t0
-        if got < n:  # checked whether or not verify is on: a short file must never pass as data
-            raise NvmeCorruptError(
-                f"swap file {self.path!r} is truncated: key {op.key} needs {n} B at offset {offset} "
-                f"but only {got} B could be read"
-            )
-        if not self.direct and _FADVISE is not None:
-            # These pages will not be read again soon: keep host RAM for the host tier.
-            _FADVISE(self._fd_box[0], offset, n, os.POSIX_FADV_DONTNEED)
-        return (self._cpu, self._read_post) if b.buf is not None or self.verify else None
-
-    def _read_post(self, op: _Op, b: _Block) -> _Next:
-        """CPU stage: check the block's checksum, then copy it out of its staging buffer if it used one."""
-        n = b.stop - b.start
-        data = op.mem[b.start : b.stop] if b.buf is None else b.buf.view[:n]
-        if self.verify:
-            crc = zlib.crc32(data)
-            if crc != op.entry.crcs[b.index]:
-                raise NvmeCorruptError(
-                    f"checksum mismatch in swap file {self.path!r}: key {op.key}, {n} B at offset "
-                    f"{op.entry.offset + b.start} (crc32 {crc:#010x}, expected {op.entry.crcs[b.index]:#010x})"
-                )
-        if b.buf is not None:
-            op.tensor[b.start : b.stop].copy_(b.buf.tensor[:n])
-        return None
-
-    def _io_error(self, e: OSError, what: str, key: int, offset: int, n: int) -> NvmeError:
-        msg = f"{what} {n} B of key {key} at offset {offset} of swap file {self.path!r} failed: {e}"
-        if e.errno in _SPACE_ERRNOS:
-            return NvmeSpaceError(f"{msg}; free disk space or point nvme_dir at a larger drive")
-        return NvmeError(msg)
-
-    def _pwrite_all(self, data: memoryview, offset: int, key: int) -> None:
-        done = 0
-        while done < len(data):
-            try:
-                k = os.pwrite(self._fd_box[0], data[done:], offset + done)
-            except OSError as e:
-                raise self._io_error(e, "writing", key, offset + done, len(data) - done) from e
-            if k <= 0:  # cannot happen for a regular file, but a zero return must not loop forever
-                raise NvmeError(f"writing key {key} at offset {offset + done} of {self.path!r} made no progress")
-            done += k
-
-    def _pread_all(self, data: memoryview, offset: int, key: int) -> int:
-        """Read into data; returns the byte count, short only at end of file (truncation)."""
-        got = 0
-        while got < len(data):
-            try:
-                k = os.preadv(self._fd_box[0], [data[got:]], offset + got)
-            except OSError as e:
-                raise self._io_error(e, "reading", key, offset + got, len(data) - got) from e
-            got += k
-            if k == 0 or (self.direct and k % ALIGN):  # EOF; an O_DIRECT retry would be misaligned anyway
-                break
-        return got

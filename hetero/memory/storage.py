@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hetero.device import Device
+from hetero.io import hugepages
 from hetero.memory.budgets import check_budgets, default_device_budget, default_host_budget
 from hetero.memory.budgets import nvme_budget as nvme_budget_of
 from hetero.memory.chunk import Chunk
@@ -148,4 +149,5 @@ class Storage:
             }
         # The swap store's own O_DIRECT staging (bounded, outside the ledgers: only unaligned I/O uses it).
         out["nvme"]["staging"] = self.store.staging_bytes if self.store is not None else 0
+        out["host"]["huge_pages"] = hugepages.report()  # [Note: huge host pages]: granted, or fallen back to 4 KiB
         return out

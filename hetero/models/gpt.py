@@ -123,7 +123,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        target = torch.get_default_device()
+        target = torch.empty(0).device  # the default device; get_default_device() misses `with torch.device` in 2.4
         # Build on meta, then initialise once: nn.Linear's own init would consume the RNG before ours, so the same
         # seed would not give the same weights from GPT(config) and from reset_parameters(). Under a meta default
         # device the model stays on meta, uninitialised, for the caller to materialise.

@@ -132,6 +132,11 @@ class _VocabHead:
         return super().forward(self._hetero_region.enter(x, sequence=False), *args, **kwargs)
 
 
+def is_vocab_head(module: nn.Module) -> bool:
+    """Whether `module` is a vocabulary-parallel head: its outputs are this rank's part of the vocabulary."""
+    return isinstance(module, _VocabHead)
+
+
 class _Rowwise:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         region = self._hetero_region
@@ -161,7 +166,7 @@ def _swap_class(module: nn.Module, mixin: type, region: _Region, name: str) -> N
     module._hetero_region = region
 
 
-def _linear_dims(module: nn.Module, name: str, style: str) -> tuple[int, int]:
+def linear_dims(module: nn.Module, name: str, style: str) -> tuple[int, int]:
     """(output-feature dim, input-feature dim) of a Linear or Conv1D weight."""
     if isinstance(module, nn.Linear):
         return 0, 1
@@ -174,7 +179,7 @@ _HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_head
 _WIDTH_ATTRS = ("split_size", "embed_dim")  # GPT-2 splits c_attn's output and sizes views with these
 
 
-def _heads(module: nn.Module, name: str, degree: int) -> dict[str, int]:
+def head_counts(module: nn.Module, name: str, degree: int) -> dict[str, int]:
     """The per-instance attributes to divide by the degree; raises if a head count does not divide."""
     own = {a: getattr(module, a) for a in _HEAD_ATTRS + _WIDTH_ATTRS if type(getattr(module, a, None)) is int}
     config = getattr(module, "config", None)
@@ -198,7 +203,7 @@ def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
     """Raise before anything changes if a style cannot apply to a module at this degree."""
     what = f"{name} ({part})"
     if part in ("colwise", "colwise_qkv", "rowwise"):
-        out_dim, in_dim = _linear_dims(module, name, part)
+        out_dim, in_dim = linear_dims(module, name, part)
         parts = 3 if part == "colwise_qkv" else 1
         _check_divides(module.weight, in_dim if part == "rowwise" else out_dim, parts, degree, what)
     elif part in ("vocab", "vocab_head"):
@@ -207,13 +212,13 @@ def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
             raise ConfigError(f"{name} is a {type(module).__name__}: style {part!r} needs an {kind.__name__}")
         _check_divides(module.weight, 0, 1, degree, what)
     elif part == "heads":
-        _heads(module, name, degree)
+        head_counts(module, name, degree)
 
 
 def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
     comm, degree = region.comm, region.comm.size
     if part in ("colwise", "colwise_qkv", "vocab_head"):
-        out_dim, _ = (0, 1) if part == "vocab_head" else _linear_dims(module, name, part)
+        out_dim, _ = (0, 1) if part == "vocab_head" else linear_dims(module, name, part)
         parts = 3 if part == "colwise_qkv" else 1
         _shard(module.weight, out_dim, parts, comm, f"{name}.weight")
         if getattr(module, "bias", None) is not None:
@@ -221,7 +226,7 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         _swap_class(module, _VocabHead if part == "vocab_head" else _Colwise, region, name)
         _set_features(module, out=module.weight.shape[out_dim])
     elif part == "rowwise":
-        _, in_dim = _linear_dims(module, name, part)
+        _, in_dim = linear_dims(module, name, part)
         _shard(module.weight, in_dim, 1, comm, f"{name}.weight")
         if region.sequence and module.bias is not None:
             all_reduce_grads([module.bias], comm)  # added to this rank's part of the sequence only
@@ -232,7 +237,7 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         _swap_class(module, _VocabEmbedding, region, name)
         module.num_embeddings = module.weight.shape[0]
     elif part == "heads":
-        for attr, value in _heads(module, name, degree).items():
+        for attr, value in head_counts(module, name, degree).items():
             setattr(module, attr, value)
         _apply("parallel_input", module, name, region)  # attention reads the sequence length from its input
     elif part == "parallel_input":

@@ -22,7 +22,7 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.parallel.seq_split import SeqLayout, apply_sequence_split, hf_inner
-from hetero.parallel.tensor import _heads
+from hetero.parallel.tensor import head_counts
 from hetero.parallel.tp_ops import all_to_all
 
 
@@ -52,7 +52,7 @@ class _HFAttention:
 
 
 def _check_heads(module: nn.Module, name: str, size: int) -> None:
-    _heads(module, name, size)  # raises unless heads and key/value heads divide by the group size
+    head_counts(module, name, size)  # raises unless heads and key/value heads divide by the group size
 
 
 def apply_ulysses(

@@ -3,6 +3,8 @@ every byte live, when, and what moved?)."""
 
 from hetero.profiler.estimator import Candidate, Estimate, estimate
 from hetero.profiler.machine import Machine
+from hetero.profiler.planner import Option, Plan, plan
+from hetero.profiler.rates import Rates
 from hetero.profiler.recorder import Profile, profile
 
-__all__ = ["Candidate", "Estimate", "Machine", "Profile", "estimate", "profile"]
+__all__ = ["Candidate", "Estimate", "Machine", "Option", "Plan", "Profile", "Rates", "estimate", "plan", "profile"]

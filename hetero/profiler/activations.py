@@ -15,6 +15,7 @@ checkpointing only the blocks' inputs stay saved, plus one block's activations w
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -97,8 +99,8 @@ def meta_activation_bytes(
     Parameters and buffers are replaced by meta tensors of the compute dtype for the call (torch.func.functional_call),
     so this works on a real model as well as on one built on meta.
     """
-    params = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
-    buffers = {n: _meta_like(b, dtype) for n, b in model.named_buffers()}
+    params = {n: meta_like(p, dtype) for n, p in model.named_parameters()}
+    buffers = {n: meta_like(b, dtype) for n, b in model.named_buffers()}
     meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
     blocks = repeated_blocks(model) if checkpointing else []
     block_inputs = 0
@@ -118,7 +120,7 @@ def meta_activation_bytes(
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post))
     try:
-        with torch.device("meta"), _FusedAttention(), meter.active():
+        with torch.device("meta"), FusedAttention(), meter.active():
             torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
     finally:
         for h in handles:
@@ -131,7 +133,35 @@ def meta_activation_bytes(
     return ActivationEstimate(bytes=held, saved=meter.total, checkpointed=True, note=f"{len(blocks)} blocks")
 
 
-def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+@dataclass(frozen=True)
+class UnitActivation:
+    saved: int  # bytes one micro-batch's forward through the unit saves for backward
+    input: int  # bytes of its input (what a checkpointed unit keeps instead)
+
+
+def unit_activations(
+    units: list[tuple[str, nn.Module]], first_input: torch.Tensor, *, dtype: torch.dtype, labels: Any = None
+) -> list[UnitActivation]:
+    """Per pipeline unit, what one micro-batch saves for backward, counted on meta: each unit's input is the
+    previous unit's output; the last is called with `labels=` when given (a model computing its own loss)."""
+    out = []
+    x: Any = first_input.to("meta")
+    if x.is_floating_point():
+        x = x.to(dtype)
+    for i, (_, unit) in enumerate(units):
+        params = {n: meta_like(p, dtype) for n, p in unit.named_parameters()}
+        buffers = {n: meta_like(b, dtype) for n, b in unit.named_buffers()}
+        meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
+        kwargs = {"labels": labels.to("meta")} if labels is not None and i == len(units) - 1 else {}
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        with torch.device("meta"), FusedAttention(), meter.active():
+            y = torch.func.functional_call(unit, {**params, **buffers}, args=(inp,), kwargs=kwargs)
+        out.append(UnitActivation(saved=meter.total, input=inp.untyped_storage().nbytes()))
+        x = y if isinstance(y, torch.Tensor) else getattr(y, "logits", y)
+    return out
+
+
+def meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out_dtype = dtype if t.is_floating_point() else t.dtype
     return torch.empty(t.shape, dtype=out_dtype, device="meta").requires_grad_(t.requires_grad)
 
@@ -151,7 +181,7 @@ class _FlashStandIn(torch.autograd.Function):
         raise RuntimeError("the meta attention stand-in is for counting saved bytes only")
 
 
-class _FusedAttention(TorchFunctionMode):
+class FusedAttention(TorchFunctionMode):
     """Routes scaled_dot_product_attention to `_FlashStandIn` (see [Note: counting saved activations])."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -162,3 +192,57 @@ class _FusedAttention(TorchFunctionMode):
             extra = (mask,) if isinstance(mask, torch.Tensor) else ()
             return _FlashStandIn.apply(q, k, v, *extra)
         return func(*args, **kwargs)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created while active and still alive, and their peak: what a step really holds in
+    activations (recomputation and received tensors included), on any device, the CPU too.
+
+    [Note: counting live storages]
+    Saved-tensor hooks see what autograd keeps, not what checkpointing recomputes in backward nor the temporaries of
+    a kernel; this counts every storage an operator creates (each once, however many views it has) from its creation
+    until it is freed (a finalizer on the storage). An output sharing an input's storage (a view, an in-place
+    result) is not new, so storages that existed before (parameters and their transposes, gradient buffers that
+    backward only adds into) are not counted: the peak is the activation memory of what ran inside."""
+
+    def __init__(self, device_type: str | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type  # count storages of this device type only (None: all but meta)
+        self.current = 0
+        self.peak = 0
+        self.paused = False  # storages created while paused are not counted (e.g. an optimizer update's)
+        self._alive: dict[int, Any] = {}  # storage key -> its finalizer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        inputs = {storage_key(t) for t in _tensors((args, tuple(kwargs.values())))}
+        for t in _tensors(out):
+            if t.device.type == "meta" or (self.device_type is not None and t.device.type != self.device_type):
+                continue
+            storage = t.untyped_storage()
+            key = storage_key(t)
+            if key in self._alive or key in inputs:  # counted already, or a view / in-place result of an input
+                continue
+            n = storage.nbytes()
+            self.current += n
+            self.peak = max(self.peak, self.current)
+            self._alive[key] = weakref.finalize(storage, self._freed, key, n)
+        return out
+
+    def _freed(self, key: int, n: int) -> None:
+        self.current -= n
+        self._alive.pop(key, None)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)

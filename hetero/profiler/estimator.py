@@ -26,15 +26,16 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
+from hetero.profiler.auto_chunks import cap_for, tiled_counts
+from hetero.profiler.gathered import gathered_bytes
 from hetero.profiler.machine import Machine
-from hetero.profiler.meta_models import default_seq_len, gpt_for_params, hf_model_from_config
+from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
+from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks, with_layout
 from hetero.profiler.parallel_shapes import per_rank_model
-from hetero.zero.layout import ChunkSpec, build_layout, config_cap
+from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
-from hetero.zero.protocol import KEEP_UNITS, gathered_peak
 from hetero.zero.stages import STAGES, Placement
-from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -83,7 +84,7 @@ class Estimate:
 
     n_params: int
     n_chunks: int
-    chunk_elements: int  # the chunks' total capacity: parameters plus padding
+    chunk_elements: int  # the chunks' total capacity: parameters plus padding (of the busiest rank, with a layout)
     chunk_numel: int  # the chunk size the layout chose (trimmed chunks and tiles are smaller)
     world_size: int
     ranks_per_node: int
@@ -99,6 +100,9 @@ class Estimate:
     activations: ActivationEstimate | None = None
     machine: Machine | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    chunk_params: int = 0  # parameters in this rank's chunks (n_params without a layout)
+    layout: dict[str, Any] = field(default_factory=dict)  # tensor, tensor_mode, sequence, pipeline, ... , data
+    per_pipeline_rank: list[dict[str, Any]] = field(default_factory=list)  # each pipeline rank's bytes (layouts)
     parallel: dict[str, Any] = field(default_factory=dict)  # the tensor / sequence layout (empty without one)
     tiled: dict[str, int] = field(default_factory=dict)  # weights split into tiles -> their tiles ([Note: tiles])
 
@@ -161,12 +165,14 @@ class Estimate:
             "short": list(self.short),
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
             "recommendation": None if rec is None else dataclasses.asdict(rec),
+            "layout": self.layout,
+            "per_pipeline_rank": self.per_pipeline_rank,
         }
 
     def table(self) -> str:
         head = (
-            f"hetero estimate: {self.n_params / 1e6:,.1f}M parameters in {self.n_chunks} chunks "
-            f"({100 * (self.chunk_elements / max(1, self.n_params) - 1):.1f}% padding), world {self.world_size}"
+            f"hetero estimate: {self.n_params / 1e6:,.1f}M parameters, {self.n_chunks} chunks per rank "
+            f"({100 * (self.chunk_elements / max(1, self.chunk_params) - 1):.1f}% padding), world {self.world_size}"
             f" ({self.ranks_per_node} per node), ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}, offload"
             f" params={self.offload_params} optimizer={self.offload_optimizer}"
         )
@@ -183,7 +189,10 @@ class Estimate:
             if act.note.startswith("not counted"):
                 sub += f" ({act.note}; pass inputs= as meta tensors)"
         cols = ("params", "grads", "master", "optim st.", "activ.", "buffers", "per rank", "needed")
-        lines = [head, sub, "", f"{'bytes':<8}" + "".join(f"{c:>12}" for c in cols) + f"{'usable':>12}  fits"]
+        lines = [head, sub]
+        if self.layout:
+            lines += describe(self.layout, self.per_pipeline_rank)
+        lines += ["", f"{'bytes':<8}" + "".join(f"{c:>12}" for c in cols) + f"{'usable':>12}  fits"]
         for t in TIERS:
             cells = [format_size(self.bytes(t, k)) for k in KINDS]
             cells += [format_size(self.bytes(t)), format_size(self.needed(t))]
@@ -225,6 +234,11 @@ def estimate(
     inputs: dict[str, Any] | None = None,
     machine: Machine | None | bool = True,
     ranks_per_node: int | None = None,
+    tensor: int | None = None,
+    tensor_mode: str | None = None,
+    pipeline: int | None = None,
+    microbatches: int | None = None,
+    sequence: bool | str | None = None,
 ) -> Estimate:
     """Bytes per tier and kind a training run of this model under `config` needs, and whether it fits.
 
@@ -235,17 +249,22 @@ def estimate(
     `input_ids` (default: input_ids and labels of [batch_size, seq_len]). machine: True reads this machine, a
     `Machine` describes another, False/None checks nothing. ranks_per_node: ranks sharing a node's host RAM and NVMe
     (default: the world size, at most the node's GPU count when it has GPUs).
+
+    tensor, tensor_mode, pipeline, microbatches, sequence: the layout (over the config's "parallel" section);
+    world_size counts every rank. With a pipeline the bytes are the busiest pipeline rank's, every rank's in
+    `per_pipeline_rank` ([Note: a layout's bytes per rank]); batch_size is the rows of one micro-batch.
     """
     cfg = Config.from_any(config)
+    cfg = with_layout(cfg, tensor=tensor, tensor_mode=tensor_mode, pipeline=pipeline, microbatches=microbatches,
+                      sequence=sequence)  # fmt: skip
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
     for key, value in (("offload.params", cfg.offload.params), ("offload.optimizer", cfg.offload.optimizer)):
         if value == "auto":
             raise ConfigError(f'{key}: "auto" has no fixed placement to estimate; the candidates list shows each one')
-    model = _as_model(model_or_param_count)
-    opt = _as_optimizer(optimizer, model)
-    # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
-    model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
+    model = as_model(model_or_param_count)
+    opt = as_optimizer(optimizer, model)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's
     algo = algorithm_of(opt)
     if machine is True:
         machine = Machine.detect(nvme_dir=cfg.memory.nvme_dir)
@@ -255,24 +274,34 @@ def estimate(
         gpus = machine.gpus if machine is not None else 0
         ranks_per_node = min(world_size, gpus) if gpus else world_size
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
-    cap = None
-    if chunk_numel is None:  # the engine's: what the budgets (or the machine's default budgets) hold
-        device_budget, host_budget = _budgets(cfg, machine, ranks_per_node)
-        cap = config_cap(
-            cfg, device_budget=device_budget, host_budget=host_budget, n_states=len(algo.state_names), world=zero_world
-        )
-    specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world, max_chunk_numel=cap, tiling=cfg.tiling)
+    cap_of = cap_for(cfg, machine, ranks_per_node, len(algo.state_names))  # the engine's automatic chunk size
     dtype = COMPUTE_DTYPES[cfg.precision]
     seq = seq_len if seq_len is not None else default_seq_len(model)
-    act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+    layout, ranks = layout_from(cfg), []
+    if layout is None:
+        # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
+        model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
+        specs = build_layout(
+            model, opt, chunk_numel=chunk_numel, world=zero_world, max_chunk_numel=cap_of(zero_world), tiling=cfg.tiling
+        )
+        act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+    else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
+        ckpt = bool(getattr(cfg, "activation_checkpointing", False))
+        ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
+                                         inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt,
+                                         cap=cap_of, tiling=cfg.tiling)  # fmt: skip
+        specs = ranks[0][1]
+        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
-    gathered = _gathered_bytes(model, specs, dtype, cfg.memory.device_budget)
+    budget = cfg.memory.device_budget
+    per_rank = [(sp, part.activations, gathered_bytes(part.model, sp, dtype, budget)) for part, sp in ranks]
+    per_rank = per_rank or [(specs, act.bytes, gathered_bytes(model, specs, dtype, budget))]
 
-    def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:
-        resident, transient = _place(
-            specs,
+    def placed_rank(stage: int, params: str, optim: str, rank_specs: list, acts: int, gathered: int) -> tuple:
+        resident, transient = place(
+            rank_specs,
             gathered=gathered,
             stage=stage,
             world=zero_world,
@@ -283,14 +312,20 @@ def estimate(
             prefetch_depth=cfg.prefetch_depth,
         )
         resident["device"]["buffers"] += buffers
-        transient["device"]["activations"] += act.bytes
+        transient["device"]["activations"] += acts
         return resident, transient
 
+    def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:  # the busiest pipeline rank's bytes
+        options = [placed_rank(stage, params, optim, *args) for args in per_rank]
+        return max(options, key=lambda rt: sum(rt[0]["device"].values()) + sum(rt[1]["device"].values()))
+
     est = Estimate(
-        n_params=sum(p.numel for s in specs for p in s.params),
+        n_params=n_params,
         n_chunks=len(specs),
         chunk_elements=sum(s.capacity for s in specs),
         chunk_numel=specs[0].chunk_numel,
+        chunk_params=sum(p.numel for s in specs for p in s.params),  # tiles hold their share each
+        tiled=tiled_counts(specs),
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         zero_stage=cfg.zero_stage,
@@ -303,9 +338,6 @@ def estimate(
         activations=act,
         machine=machine,
     )
-    for spec in specs:
-        if spec.tile:
-            est.tiled[spec.params[0].name] = est.tiled.get(spec.params[0].name, 0) + 1
     if cfg.parallel.tensor > 1:
         p = cfg.parallel
         est.parallel = {
@@ -316,6 +348,9 @@ def estimate(
             "zero_world": zero_world,
         }
     est.resident, est.transient = placed(cfg.zero_stage, cfg.offload.params, cfg.offload.optimizer)
+    if layout is not None:
+        rows = [placed_rank(est.zero_stage, est.offload_params, est.offload_optimizer, *args) for args in per_rank]
+        describe_ranks(est, layout, ranks, rows, world_size)
     if machine is not None:
         for stage, params, optim in CANDIDATES:
             if "nvme" in (params, optim) and machine.nvme_bytes == 0:
@@ -327,32 +362,7 @@ def estimate(
     return est
 
 
-def _budgets(cfg: Config, machine: Machine | None, ranks_per_node: int) -> tuple[int | None, int | None]:
-    """The device and host budgets a rank gets: the config's, else the engine's defaults on the machine (the CPU
-    "device" and the host tier each take half of a rank's share of RAM); None without either."""
-    device, host = cfg.memory.device_budget, cfg.memory.host_budget
-    if machine is not None:
-        if device is None:
-            device = int(machine.device_bytes * 0.9) if machine.gpus else machine.host_bytes // (2 * ranks_per_node)
-        if host is None:
-            host = machine.host_bytes // (2 * ranks_per_node)
-    return device, host
-
-
-def _gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
-    """Stage 3's peak of gathered parameter bytes, as `Gathers` keeps them: units in module order forward, reverse
-    backward, the last KEEP_UNITS kept after forward where the device budget has room for them; plus one tile of a
-    weight split into tiles, gathered alone while it is computed on ([Note: computing on tiles])."""
-    index = {id(info.param): spec.index for spec in specs for info in spec.params if not spec.tile}
-    per_unit = [sorted({index[id(p)] for p in ps if id(p) in index}) for _, _, ps in unit_parameters(model)]
-    nbytes = {spec.index: spec.capacity * dtype.itemsize for spec in specs}
-    sizes = sorted((sum(nbytes[c] for c in u) for u in per_unit), reverse=True)
-    keep = KEEP_UNITS if budget is None or budget >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
-    tile = max((nbytes[spec.index] for spec in specs if spec.tile), default=0)
-    return gathered_peak(per_unit, nbytes, keep) + tile
-
-
-def _place(
+def place(
     specs: list[ChunkSpec],
     *,
     gathered: int,
@@ -421,39 +431,15 @@ def _place(
     return resident, transient
 
 
-def _as_model(obj: Any) -> nn.Module:
-    if isinstance(obj, nn.Module):
-        return obj
-    if isinstance(obj, bool):
-        raise ConfigError(f"model_or_param_count: expected a model, a parameter count or a config path, got {obj!r}")
-    if isinstance(obj, (int, float)):
-        return gpt_for_params(obj)
-    if isinstance(obj, (str, os.PathLike)):
-        return hf_model_from_config(obj)
-    raise ConfigError(
-        f"model_or_param_count: expected an nn.Module, a parameter count or a path to a Hugging Face config.json, "
-        f"got {type(obj).__name__}"
-    )
-
-
-def _as_optimizer(optimizer: torch.optim.Optimizer | str, model: nn.Module) -> torch.optim.Optimizer:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    if optimizer not in makers:
-        raise ConfigError(f"optimizer: {optimizer!r} is not known; give an optimizer instance or one of {list(makers)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = {"lr": 1e-3, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-3}
-    return makers[optimizer](params, **kwargs)
+def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    return dict.fromkeys(("input_ids", "labels"), torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta"))
 
 
 def _activations(
     model: nn.Module, inputs: dict[str, Any] | None, *, batch_size: int, seq_len: int, dtype: torch.dtype, cfg: Config
 ) -> ActivationEstimate:
     checkpointing = bool(getattr(cfg, "activation_checkpointing", False))
-    if inputs is None:
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "labels": ids}
+    inputs = inputs if inputs is not None else _lm_inputs(batch_size, seq_len)
     try:
         return meta_activation_bytes(model, inputs, dtype=dtype, checkpointing=checkpointing)
     except Exception as e:  # a forward that cannot run on meta tensors: say so, count nothing

@@ -77,3 +77,31 @@ def default_seq_len(model: nn.Module, cap: int = GPT_CONTEXT) -> int:
         if isinstance(v, int) and v > 0:
             return min(v, cap)
     return min(1024, cap)
+
+
+def as_model(obj: Any) -> nn.Module:
+    """The model `hetero.estimate` / `hetero.plan` were given: a model, or one on meta from a count or a config."""
+    if isinstance(obj, nn.Module):
+        return obj
+    if isinstance(obj, bool):
+        raise ConfigError(f"model_or_param_count: expected a model, a parameter count or a config path, got {obj!r}")
+    if isinstance(obj, (int, float)):
+        return gpt_for_params(obj)
+    if isinstance(obj, (str, os.PathLike)):
+        return hf_model_from_config(obj)
+    raise ConfigError(
+        f"model_or_param_count: expected an nn.Module, a parameter count or a path to a Hugging Face config.json, "
+        f"got {type(obj).__name__}"
+    )
+
+
+def as_optimizer(optimizer: torch.optim.Optimizer | str, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer instance given, or a named one over all the model's trainable parameters (one group)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if optimizer not in makers:
+        raise ConfigError(f"optimizer: {optimizer!r} is not known; give an optimizer instance or one of {list(makers)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = {"lr": 1e-3, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-3}
+    return makers[optimizer](params, **kwargs)

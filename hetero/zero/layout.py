@@ -107,7 +107,7 @@ class ChunkSpec:
 
 def build_layout(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     *,
     chunk_numel: int | None,
     world: int,
@@ -116,10 +116,11 @@ def build_layout(
 ) -> list[ChunkSpec]:
     """Chunks for every parameter of the model. chunk_numel None: search the size that wastes least, at most
     `max_chunk_numel` (what the budgets allow, `chunk_size.budget_cap`). tiling: split parameters larger than a chunk
-    into tiles where their modules allow it ([Note: tiles]); else they get a chunk of their own."""
+    into tiles where their modules allow it ([Note: tiles]); else they get a chunk of their own. optimizer None
+    (inference): every chunk is frozen."""
     names = {id(p): n for n, p in model.named_parameters()}  # shared parameters appear once, by first name
     group_of: dict[int, int] = {}
-    for g, group in enumerate(optimizer.param_groups):
+    for g, group in enumerate(optimizer.param_groups if optimizer is not None else []):
         for p in group["params"]:
             if id(p) not in names:
                 raise ValueError(
@@ -132,7 +133,7 @@ def build_layout(
     buckets: dict[int | None, list[ParamInfo]] = {}
     for position, (name, p) in enumerate(model.named_parameters()):
         g = group_of.get(id(p)) if p.requires_grad else None
-        if p.requires_grad and g is None:
+        if p.requires_grad and g is None and optimizer is not None:
             log.warning("parameter %r requires grad but is in no optimizer group: it is treated as frozen", name)
         if p.numel() == 0:
             continue

@@ -19,10 +19,11 @@ wrote, is an error that names it. Buffers are small and kept whole: the initiali
 real CPU tensors that replace them.
 
 [Note: streaming pretrained weights]
-With `weights=` (a .safetensors file, a directory of them, or Hugging Face's sharded index), tensors are read one
-at a time with `safetensors.safe_open` into the same staging buffers, chunk by chunk; names are the model's own
-state_dict keys (a tied parameter may come under any of its names). Missing, unexpected and mis-shaped names are
-checked from the files' headers before anything is read, and reported together.
+With `weights=` (a .safetensors or .bin file, a directory of them, or Hugging Face's sharded index), tensors are
+read one at a time (hetero/zero/weights.py) into the same staging buffers, chunk by chunk; names are the model's own
+state_dict keys (a tied parameter may come under any of its names), through its base-model prefix where the files
+were saved from the base or the head model. Names and shapes are matched from the files' headers before anything
+is read; what cannot load is reported together, with its cause.
 
 [Note: initialising tiles]
 A weight split into tiles ([Note: tiles] in `hetero/memory/chunk_size.py`) is initialised through one staging buffer
@@ -34,8 +35,6 @@ initialisation only. `weights=` needs no such buffer: each tile's rows are read 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -49,7 +48,10 @@ from torch.utils._pytree import tree_map
 
 from hetero.comm import Comm
 from hetero.errors import WeightsError
-from hetero.memory import Chunk, ChunkManager, TensorState, Tier
+from hetero.memory import ChunkManager
+from hetero.progress import bar as make_bar
+from hetero.zero import weights
+from hetero.zero.staging import Staging
 from hetero.zero.zero_chunk import ZeroChunk, flat_values
 
 log = logging.getLogger("hetero.zero")
@@ -67,19 +69,30 @@ def load_values(
     manager: ChunkManager,
     comm: Comm,
     weights: str | os.PathLike | None = None,
+    strict: bool = False,
+    progress: bool = True,
 ) -> None:
-    """Fill every chunk with the model's first values (see the notes above), and give meta buffers real memory."""
+    """Fill every chunk with the model's first values (see the notes above), and give meta buffers real memory.
+    strict: keys in the weight files that the model does not have are an error (else a warning). progress: show a
+    bar (rank 0, on a terminal; hetero/progress.py)."""
+
+    def bar(total: float, desc: str, unit: str = "it") -> Any:
+        return make_bar(total, desc, unit=unit, rank=comm.rank, config=progress)
+
     if weights is not None:
-        _stream_weights(model, chunks, manager, Path(weights))
+        _stream_weights(model, chunks, manager, Path(weights), strict=strict, bar=bar)
     elif any(p.is_meta for p in model.parameters()):
-        _initialise(model, chunks, manager, comm)
+        _initialise(model, chunks, manager, comm, bar)
     else:
+        shown = bar(len(chunks), "hetero: placing weights", unit="chunk")
         for zc in chunks:
             # Every rank starts from rank 0's weights, as DDP does (on the device: NCCL broadcasts device memory).
             flat = manager.device.to_device(flat_values(zc.spec)) if comm.size > 1 else flat_values(zc.spec)
             comm.broadcast(flat, src=0)
             zc.load(flat)
             del flat
+            shown.update()
+        shown.close()
     still = [n for n, b in model.named_buffers() if b.is_meta]
     if still:
         raise WeightsError(
@@ -87,79 +100,6 @@ def load_values(
             "reset_parameters() that sets them (or an _init_weights branch for a Hugging Face model), or build the "
             "model normally"
         )
-
-
-# ---- staging buffers ------------------------------------------------------------------------------------------
-class _Staging:
-    """One fp32 host chunk per ZeroChunk being filled, counted in the host ledger and pinned there."""
-
-    def __init__(self, manager: ChunkManager, *, checksum: bool = False) -> None:
-        self.m = manager
-        self.checksum = checksum  # sum each chunk's values as it is loaded (to compare ranks)
-        self.open: dict[int, Chunk] = {}  # ZeroChunk index -> staging chunk
-        self.whole: dict[int, Chunk] = {}  # tiled parameter id -> its whole value ([Note: initialising tiles])
-
-    def flat(self, zc: ZeroChunk) -> torch.Tensor:
-        c = self.open.get(zc.spec.index)
-        if c is None:
-            c = self.m.new_chunk(dtype=torch.float32, capacity=zc.spec.capacity, kind="staging")
-            slot = c.add_tensor(f"{zc.spec.params[0].name}..staging", (zc.spec.capacity,))
-            self.m.access(c, Tier.HOST)
-            c.set_state(slot, TensorState.HOLD)
-            self.m.pin(c)  # loading other chunks must not evict it to NVMe
-            c.payload.zero_()  # the padding past the last parameter
-            self.open[zc.spec.index] = c
-        return c.payload
-
-    def view(self, zc: ZeroChunk, info: Any) -> torch.Tensor:
-        return self.flat(zc).narrow(0, info.offset, info.numel).view(info.shape)
-
-    def whole_view(self, info: Any) -> torch.Tensor:
-        """A tiled parameter's whole value (fp32, zeros at first), for an initialiser to write."""
-        key = id(info.param)
-        c = self.whole.get(key)
-        if c is None:
-            numel = info.param.numel()
-            c = self.m.new_chunk(dtype=torch.float32, capacity=numel, kind="staging")
-            slot = c.add_tensor(f"{info.name}..staging", (numel,))
-            self.m.access(c, Tier.HOST)
-            c.set_state(slot, TensorState.HOLD)
-            self.m.pin(c)
-            c.payload.zero_()
-            self.whole[key] = c
-        return c.payload.view(info.param.shape)
-
-    def load_tiles(self, tiles: list[tuple[ZeroChunk, Any]]) -> list[tuple[int, float]]:
-        """Copy a tiled parameter's whole value into its tiles' chunks, one at a time, and free it; (chunk index,
-        checksum) per tile."""
-        c = self.whole.pop(id(tiles[0][1].param))
-        flat = c.payload
-        sums = []
-        for zc, info in tiles:
-            self.flat(zc).narrow(0, info.offset, info.numel).copy_(flat.narrow(0, info.start, info.numel))
-            sums.append((zc.spec.index, self.load(zc)))
-        self._free(c)
-        return sums
-
-    def load(self, zc: ZeroChunk) -> float:
-        """Load the chunk from its staging buffer and free the buffer; returns the values' sum (a checksum)."""
-        c = self.open.pop(zc.spec.index)
-        flat = c.payload
-        total = float(flat.sum(dtype=torch.float64)) if self.checksum else 0.0
-        zc.load(flat)
-        self._free(c)
-        return total
-
-    def _free(self, c: Chunk) -> None:
-        self.m.unpin(c)
-        c.set_state(c.slots[0], TensorState.FREE)
-        self.m.free_chunk(c)
-
-    def close(self) -> None:
-        for c in [*self.open.values(), *self.whole.values()]:
-            self._free(c)
-        self.open.clear()
-        self.whole.clear()
 
 
 # ---- initialising a meta model ------------------------------------------------------------------------------
@@ -202,8 +142,11 @@ def _writes(name: str) -> bool:
     return name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
 
 
-def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, comm: Comm) -> None:
-    staging = _Staging(manager, checksum=comm.size > 1)
+def _initialise(
+    model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, comm: Comm, bar: Callable[..., Any]
+) -> None:
+    staging = Staging(manager, checksum=comm.size > 1)
+    shown = bar(len(chunks), "hetero: initialising", unit="chunk")
     where = {id(info.param): (zc, info) for zc in chunks for info in zc.spec.params if not info.tiled}
     tiles: dict[int, list[tuple[ZeroChunk, Any]]] = {}  # tiled parameter id -> its tiles, in row order
     for zc in chunks:
@@ -215,7 +158,7 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
     by_index = {zc.spec.index: zc for zc in chunks}
     loaded: set[int] = set()
     sums = torch.zeros(len(chunks), dtype=torch.float64)
-    buffers = {id(b): (m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and b.is_meta}
+    buffers = {id(b): (m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False) if b.is_meta}
     real_buffers: dict[int, torch.Tensor] = {}
     written_any: set[int] = set()  # ids of params and buffers written (to skip subtrees an ancestor initialised)
 
@@ -260,6 +203,7 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
         for index in [i for i in staging.open if i != zc.spec.index and not unwritten[i]]:
             sums[index] = staging.load(by_index[index])
             loaded.add(index)
+            shown.update()
         for other in [k for k in staging.whole if k != key]:
             complete_tiles(other)
 
@@ -267,6 +211,7 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
         for index, total in staging.load_tiles(tiles[key]):
             sums[index] = total
             loaded.add(index)
+            shown.update()
 
     try:
         _run_initialiser(model, real, on_write, written_any, passes)
@@ -276,7 +221,9 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
             if not unwritten[index]:
                 sums[index] = staging.load(by_index[index])
                 loaded.add(index)
+                shown.update()
     finally:
+        shown.close()
         staging.close()
     missing = [where[k][1].name for index in sorted(unwritten) for k in unwritten[index] if index not in loaded]
     if missing:
@@ -288,7 +235,7 @@ def _initialise(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager
         )
     for key, value in real_buffers.items():
         module, name, _ = buffers[key]
-        module._buffers[name] = value
+        setattr(module, name, value)  # a registered buffer's slot: persistence kept
     _check_same_everywhere(sums, comm)
 
 
@@ -366,95 +313,66 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.buffers()
 
 
-# ---- streaming safetensors ------------------------------------------------------------------------------------
-def weight_files(path: Path) -> list[Path]:
-    """The .safetensors files of a file, a directory, or a Hugging Face `*.safetensors.index.json`."""
-    if path.is_dir():
-        index = sorted(path.glob("*.safetensors.index.json"))
-        if index:
-            path = index[0]
-        else:
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise WeightsError(f"weights: no .safetensors files in directory {str(path)!r}")
-            return files
-    if not path.is_file():
-        raise WeightsError(f"weights: {str(path)!r} does not exist")
-    if path.name.endswith(".index.json"):
-        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        return [path.parent / s for s in shards]
-    if path.suffix != ".safetensors":
-        raise WeightsError(f"weights: expected a .safetensors file, a directory or an index.json, got {str(path)!r}")
-    return [path]
-
-
-def _safe_open() -> Callable[..., Any]:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise WeightsError(
-            "weights=: reading .safetensors files needs the safetensors package: pip install 'hetero[hf]'"
-        ) from None
-    return safe_open
-
-
-def _stream_weights(model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, path: Path) -> None:
-    safe_open = _safe_open()
-    files = weight_files(path)
-    with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files]
-        source = {k: h for h in handles for k in h.keys()}  # noqa: SIM118 (safe_open has keys(), not iteration)
-        state = model.state_dict(keep_vars=True)
-        names_of: dict[int, list[str]] = {}
-        for name, t in state.items():
-            names_of.setdefault(id(t), []).append(name)
-        unexpected = sorted(k for k in source if k not in state)
-        missing, shapes = [], []
-        chosen: dict[int, str] = {}  # tensor id -> the name to read it from
-        for key, names in names_of.items():
-            found = [n for n in names if n in source]
-            if not found:
-                missing.append(names[0])
-                continue
-            chosen[key] = found[0]
-            expect = tuple(state[found[0]].shape)
-            got = tuple(source[found[0]].get_slice(found[0]).get_shape())
-            if got != expect:
-                shapes.append(f"{found[0]}: file {got}, model {expect}")
-        if missing or unexpected or shapes:
-            parts = []
-            if missing:
-                parts.append(f"missing from the files: {missing[:10]}")
-            if unexpected:
-                parts.append(f"not in the model: {unexpected[:10]}")
-            if shapes:
-                parts.append(f"shape mismatches: {shapes[:10]}")
-            raise WeightsError(
-                f"weights {str(path)!r} do not match the model's state_dict keys; "
-                + "; ".join(parts)
-                + ". Build the model from the same config the weights were saved with"
+# ---- streaming pretrained weights -------------------------------------------------------------------------------
+def _stream_weights(
+    model: nn.Module,
+    chunks: list[ZeroChunk],
+    manager: ChunkManager,
+    path: Path,
+    *,
+    strict: bool,
+    bar: Callable[..., Any],
+) -> None:
+    """See [Note: streaming pretrained weights] here and [Note: matching weight names] in weights.py."""
+    meta = any(p.is_meta for p in model.parameters())
+    with weights.WeightSource(weights.weight_files(path)) as source:
+        m = weights.match(model, source)
+        fatal = bool(m.shapes) or (strict and bool(m.unexpected)) or (meta and bool(m.missing)) or not m.chosen
+        if fatal:
+            raise WeightsError(weights.explain(m, model, path))
+        if m.mapping:
+            log.info("weights %s: %s", path, m.mapping)
+        if m.unexpected:
+            log.warning(
+                "weights %s: %d keys the model does not have were left out: %s (strict_weights=True makes this an "
+                "error)",
+                path,
+                len(m.unexpected),
+                ", ".join(m.unexpected[:10]) + (" ..." if len(m.unexpected) > 10 else ""),
+            )
+        if m.missing:
+            log.warning(
+                "weights %s: %d tensors of the model are not in the files and keep the model's own values: %s",
+                path,
+                len(m.missing),
+                ", ".join(m.missing[:10]) + (" ..." if len(m.missing) > 10 else ""),
             )
 
         def read(t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-            name = chosen[id(t)]
+            key = m.chosen.get(id(t))
             if rows is not None:  # a tile's rows only ([Note: initialising tiles])
-                return source[name].get_slice(name)[rows[0] : rows[1]]
-            return source[name].get_tensor(name)
+                return source.read_rows(key, *rows) if key is not None else t.detach()[rows[0] : rows[1]]
+            return source.read(key) if key is not None else t.detach()
 
         # Buffers first, while parameters still have no memory: an initialiser run for non-persistent buffers
         # (rotary tables) then writes nothing that matters.
         for module in model.modules():
-            for name, b in module._buffers.items():
-                if b is not None and id(b) in chosen:
-                    module._buffers[name] = read(b).to(b.dtype)
+            for name, b in list(module.named_buffers(recurse=False)):
+                if id(b) in m.chosen:
+                    setattr(module, name, read(b).to(b.dtype))
         _initialise_buffers(model)
-        staging = _Staging(manager)
+        staging = Staging(manager)
+        progress = bar(sum(zc.spec.capacity * 4 for zc in chunks), "hetero: loading weights", unit="B")
         try:
             for zc in chunks:
                 for info in zc.spec.params:
-                    staging.view(zc, info).copy_(read(info.param, info.rows if info.tiled else None))
+                    staging.view(zc, info).copy_(
+                        read(info.param, info.rows if info.tiled else None).reshape(info.shape)
+                    )
                 staging.load(zc)
+                progress.update(zc.spec.capacity * 4)
         finally:
+            progress.close()
             staging.close()
 
 
@@ -462,7 +380,7 @@ def _initialise_buffers(model: nn.Module) -> None:
     """Run the own initialiser of each module that still has meta buffers (non-persistent ones: not in files)."""
     hf_init = getattr(model, "_init_weights", None)
     for module in model.modules():
-        metas = {id(b): (n, b) for n, b in module._buffers.items() if b is not None and b.is_meta}
+        metas = {id(b): (n, b) for n, b in module.named_buffers(recurse=False) if b.is_meta}
         if not metas:
             continue
         real: dict[int, torch.Tensor] = {}
@@ -478,4 +396,4 @@ def _initialise_buffers(model: nn.Module) -> None:
             elif callable(getattr(module, "reset_parameters", None)) and not list(module.parameters()):
                 module.reset_parameters()
         for key, value in real.items():
-            module._buffers[metas[key][0]] = value
+            setattr(module, metas[key][0], value)

@@ -2,44 +2,90 @@
 
 hetero does not call the user's optimizer: its states live in chunks (maybe on NVMe) and its parameters are flat
 fp32 shards. It reads the algorithm and every hyperparameter from the user's optimizer (per param group, at every
-step, so LR schedulers work) and runs PyTorch's own functional kernels, fused where the device supports them.
+step, so LR schedulers work) and runs PyTorch's own functional kernels, fused where the device supports them. Adam,
+AdamW and SGD take that fused path; any other elementwise torch optimizer (Adagrad, RMSprop, NAdam, ...) runs its
+own `step()` on views of the flat shards (hetero/zero/generic_optim.py).
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.optim import SGD, Adam, AdamW
 from torch.optim.adam import adam as adam_fn
+from torch.optim.adamw import adamw as adamw_fn
 from torch.optim.sgd import sgd as sgd_fn
 
 from hetero.errors import ConfigError
+from hetero.zero.generic_optim import GenericUpdate
 
-SUPPORTED = (Adam, AdamW, SGD)
+FUSED = (Adam, AdamW, SGD)  # updated by torch's fused kernels on whole runs of a shard
+# Newer torch folds AdamW into Adam's functional form with this keyword; older versions have adamw() instead.
+_ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(adam_fn).parameters
 
 
 @dataclass(frozen=True)
 class Algorithm:
-    name: str  # "adam" or "sgd"
+    name: str  # "adam", "sgd", "none" (inference), or the torch class's name on the generic path
     state_names: tuple[str, ...]  # flat fp32 states kept beside each master shard
     decoupled: bool  # AdamW-style weight decay
+    generic: GenericUpdate | None = None  # set for optimizers stepped through their own step() (generic path)
 
 
-def algorithm_of(optimizer: torch.optim.Optimizer) -> Algorithm:
-    if not isinstance(optimizer, SUPPORTED):
-        names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
-        raise ConfigError(f"optimizer {type(optimizer).__name__} is not supported; use one of {names}")
+NO_OPTIMIZER = Algorithm("none", (), decoupled=False)
+
+
+def algorithm_of(optimizer: torch.optim.Optimizer | None) -> Algorithm:
+    if optimizer is None:
+        return NO_OPTIMIZER
     for g, group in enumerate(optimizer.param_groups):
-        if group.get("amsgrad"):
-            raise ConfigError(f"optimizer param group {g}: amsgrad=True is not supported; set amsgrad=False")
         if group.get("differentiable"):
             raise ConfigError(f"optimizer param group {g}: differentiable=True is not supported")
+    # amsgrad keeps a running maximum: elementwise, but not in the fused kernels' state layout.
+    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
+    if type(optimizer) not in FUSED or amsgrad:
+        generic = GenericUpdate.probe(optimizer)  # raises, saying why, for a non-elementwise optimizer
+        return Algorithm(type(optimizer).__name__.lower(), generic.state_names, decoupled=False, generic=generic)
     if isinstance(optimizer, SGD):
         return Algorithm("sgd", ("momentum_buffer",), decoupled=False)
     decoupled = isinstance(optimizer, AdamW) or any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
     return Algorithm("adam", ("exp_avg", "exp_avg_sq"), decoupled=decoupled)
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer | None) -> Any:
+    """The LR scheduler `initialize` was given, checked: it must drive this optimizer's param groups."""
+    if scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError("lr_scheduler: an inference engine (optimizer=None) has no learning rate to schedule")
+    if not callable(getattr(scheduler, "step", None)) or not callable(getattr(scheduler, "state_dict", None)):
+        raise ConfigError(f"lr_scheduler: expected a torch LR scheduler, got {type(scheduler).__name__}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError(
+            "lr_scheduler: ReduceLROnPlateau steps on a metric the engine does not see; keep stepping it yourself "
+            "(scheduler.step(val_loss)) and leave lr_scheduler unset"
+        )
+    target = getattr(scheduler, "optimizer", None)
+    ids = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+    if target is not None and [[id(p) for p in g["params"]] for g in target.param_groups] != ids:
+        raise ConfigError(
+            "lr_scheduler: it was built on another optimizer; build it on the optimizer you pass to "
+            "hetero.initialize (its param groups are the ones the engine updates)"
+        )
+    return scheduler
+
+
+def step_scheduler(scheduler: Any) -> None:
+    """Step an LR scheduler after a real update. The update is an optimizer step that torch's scheduler did not see
+    (it watches the user's `optimizer.step()`, which the engine never calls), so torch's warning that the schedule
+    was stepped before the optimizer would be wrong here: it is silenced for this call only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
 
 
 def _fused_ok(t: torch.Tensor) -> bool:
@@ -59,7 +105,12 @@ def update(
     these parameters took before (torch's Adam kernels advance it themselves)."""
     if algo.name == "adam":
         beta1, beta2 = group["betas"]
-        adam_fn(
+        fn, extra = adam_fn, {}
+        if _ADAM_DECOUPLES:
+            extra["decoupled_weight_decay"] = algo.decoupled
+        elif algo.decoupled:
+            fn = adamw_fn
+        fn(
             [master],
             [grad],
             [states["exp_avg"]],
@@ -67,7 +118,7 @@ def update(
             [],
             [step],
             fused=_fused_ok(master),
-            decoupled_weight_decay=algo.decoupled,
+            **extra,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,

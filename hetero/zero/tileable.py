@@ -42,9 +42,7 @@ def tile_rows(model: nn.Module) -> dict[int, int]:
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is None:
-                continue
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
             holders.setdefault(id(p), []).append((module, name))
             params[id(p)] = p
     out: dict[int, int] = {}

@@ -91,7 +91,7 @@ class TileRunner:
         self._patched: list[nn.Module] = []
         me = weakref.ref(self)  # the model may outlive the engine: its layers must not keep the engine alive
         for name, module in model.named_modules():
-            weight = module._parameters.get("weight")
+            weight = dict(module.named_parameters(recurse=False)).get("weight")
             kind = layer_kind(module)
             if weight is None or id(weight) not in tiled or kind is None:
                 continue

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
@@ -45,11 +46,12 @@ class Updater:
         config: Config,
         algorithm: Algorithm,
         check: Checker,
+        comm: Comm | None = None,
     ) -> None:
         self.chunks = [zc for zc in chunks if zc.spec.trainable]  # in layout order: the same on every rank
         self.manager = manager
         self.mesh = mesh
-        self.comm = mesh.dp
+        self.comm = comm if comm is not None else mesh.dp  # ZeRO's group (Chimera: both replicas of the stages)
         self.config = config
         self.algorithm = algorithm
         self.check = check
@@ -58,6 +60,7 @@ class Updater:
         self.global_steps = 0  # updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         self.last_grad_norm: float | None = None  # before clipping, like clip_grad_norm_'s return; None before any
+        self.last_update_skipped = False  # the last update was skipped for fp16 overflow (schedulers do not step)
 
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -74,9 +77,11 @@ class Updater:
             and self.mesh.pp_size == 1
         )
         sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self.grad_stats()
+        self.last_update_skipped = False
         if self.scaler is not None:
             overflow = not finite
             self.scaler.update(overflow)
+            self.last_update_skipped = overflow
             if overflow:
                 self.skipped_steps += 1
                 log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
@@ -124,10 +129,13 @@ class Updater:
             master, states = zc.optimizer_views()
             with self.manager.pinned(zc.optim):
                 group = self.param_groups[zc.spec.group]
-                for a, b, steps in zc.update_segments(used):
-                    seg_states = {n: st[a:b] for n, st in zip(names, states)}
-                    step = torch.tensor(float(steps), device=master.device)
-                    update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
+                if self.algorithm.generic is not None:  # any other elementwise torch optimizer, per parameter
+                    self.algorithm.generic.update(zc, used, group, master, grad, dict(zip(names, states)))
+                else:
+                    for a, b, steps in zc.update_segments(used):
+                        seg_states = {n: st[a:b] for n, st in zip(names, states)}
+                        step = torch.tensor(float(steps), device=master.device)
+                        update(self.algorithm, group, master[a:b], grad[a:b], seg_states, step)
                 zc.write_back(master)
 
     def _prefetch(self, i: int, tier: Tier) -> None:
@@ -170,6 +178,8 @@ class Updater:
             self.comm.control.all_reduce(sq, op="sum")
         mesh.tp.control.all_reduce(sq, op="sum")
         mesh.pp.control.all_reduce(sq, op="sum")
+        if self.comm.size > mesh.dp_size:
+            sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
         value = float(sq)
         return value, math.isfinite(value)
 

@@ -33,7 +33,7 @@ from hetero.parallel.grid.mesh import Grid, Orient, Place
 from hetero.parallel.grid.shard import BlockShard
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.sequence import all_reduce_grads
-from hetero.parallel.tensor import _heads, _linear_dims, check_untouched
+from hetero.parallel.tensor import check_untouched, head_counts, linear_dims
 
 log = logging.getLogger("hetero.parallel")
 
@@ -79,7 +79,7 @@ def _cuts(part: str, module: nn.Module, name: str, grid: Grid) -> tuple[GridRole
     """The module's role and its parameters' cuts (raising ConfigError when a style does not fit the module)."""
     places = grid.places()
     if part in ("colwise", "colwise_qkv", "rowwise"):
-        out_dim, in_dim = _linear_dims(module, name, part)
+        out_dim, in_dim = linear_dims(module, name, part)
         role, out_ix, in_parts, in_ix = _linear(grid, part)
         shape = tuple(module.weight.shape)
         cuts = {
@@ -200,7 +200,7 @@ def apply_grid_parallel(
     for name, styles in parts.items():
         module = modules[name]
         if "heads" in styles:
-            _heads(module, name, grid.q)  # checks only
+            head_counts(module, name, grid.q)  # checks only
         layer = [s for s in styles if s in PARTITIONING]
         if len(layer) > 1:
             raise ConfigError(f"{name}: styles {layer} both cut its parameters; give it one of them")
@@ -211,7 +211,7 @@ def apply_grid_parallel(
             work.append((name, module, part, role, cuts))
     for name, styles in parts.items():  # nothing changed above this line
         if "heads" in styles:
-            for attr, value in _heads(modules[name], name, grid.q).items():
+            for attr, value in head_counts(modules[name], name, grid.q).items():
                 setattr(modules[name], attr, value)
     for name, module, part, role, cuts in work:
         for pname, cut in cuts.items():

@@ -23,12 +23,12 @@ import torch
 
 from hetero.comm import Comm
 from hetero.errors import HeteroError
-from hetero.parallel.pipeline.schedule import Action, Exchange, Message, build, programs
+from hetero.parallel.pipeline.schedule import Action, Exchange, Message, build, programs, stage
 from hetero.parallel.pipeline.split import StageChunk
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
-_MAX_DIMS = 8
-_HEADER = 4 + _MAX_DIMS  # micro-batch, virtual stage, dtype code, ndim, shape
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+MAX_DIMS = 8
+HEADER = 4 + MAX_DIMS  # micro-batch, virtual stage, dtype code, ndim, shape
 
 
 class PipelineError(HeteroError, RuntimeError):
@@ -57,8 +57,9 @@ class PipelineRuntime:
         virtual: int,
         device: torch.device,
     ) -> None:
-        self.chunks = chunks  # this rank's model chunks; chunks[c] is virtual stage c * p + rank
+        self.chunks = chunks  # this rank's model chunks; chunks[c] is virtual stage c * p + rank (Chimera: see there)
         self.pp = pp
+        self.schedule = schedule
         self.p, self.v, self.m = pp.size, virtual, microbatches
         self.actions: list[Action] = build(schedule, self.p, microbatches, pp.rank, virtual)
         self.last_stage = self.p * self.v - 1
@@ -70,9 +71,6 @@ class PipelineRuntime:
         pp.barrier()
         self.measure = False  # fill `stats` (saved-tensor accounting costs a hook per saved tensor)
         self.stats = RunStats()
-
-    def _stage(self, chunk: int) -> int:
-        return chunk * self.p + self.pp.rank
 
     def run(
         self,
@@ -98,11 +96,11 @@ class PipelineRuntime:
         for item in self.program:
             if isinstance(item, Exchange):
                 start = time.perf_counter()
-                sends += self._exchange(item, outbox, inbox)
+                sends += self.exchange(item, outbox, inbox)
                 stats.wait_s += time.perf_counter() - start
                 continue
             a, start = item, time.perf_counter()
-            s = self._stage(a.chunk)
+            s = stage(a, self.p, self.pp.rank)
             key = (a.chunk, a.microbatch)
             if a.kind == "F":
                 if s == 0:
@@ -115,7 +113,7 @@ class PipelineRuntime:
                 with self._saving(alive, key):
                     y = self.chunks[a.chunk](x, labels[a.microbatch] if last and loss_fn is None else None)
                     if last:
-                        y = loss_fn(y, labels[a.microbatch]) if loss_fn is not None else _loss_of(y)
+                        y = loss_fn(y, labels[a.microbatch]) if loss_fn is not None else loss_of(y)
                 if last:
                     total += y.detach().float().cpu()
                 else:
@@ -154,20 +152,20 @@ class PipelineRuntime:
 
     def _header(self, t: torch.Tensor, msg: Message) -> torch.Tensor:
         """The header (on the payload's device: NCCL reads GPU memory only)."""
-        if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+        if t.dtype not in DTYPES or t.dim() > MAX_DIMS:
             raise PipelineError(f"cannot pass a {t.dtype} tensor of {t.dim()} dims between stages")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[:4] = torch.tensor([msg[1], msg[2], _DTYPES.index(t.dtype), t.dim()])
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype), t.dim()])
         header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return header.to(t.device)
 
-    def _exchange(
+    def exchange(
         self, ex: Exchange, outbox: dict[Message, torch.Tensor], inbox: dict[Message, torch.Tensor]
     ) -> list[tuple[Any, Any]]:
         """Start the exchange's sends, complete its receives into `inbox`; return the sends' handles."""
         out = [(peer, msg, outbox.pop(msg).contiguous()) for peer, msg in ex.sends]
         headers_out = [self._header(t, msg) for _, msg, t in out]
-        headers_in = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in ex.recvs]
+        headers_in = [torch.empty(HEADER, dtype=torch.int64, device=self.device) for _ in ex.recvs]
         ops = [("send", h, peer, self._tag(*msg)) for (peer, msg, _), h in zip(out, headers_out)]
         ops += [("recv", h, peer, self._tag(*msg)) for (peer, msg), h in zip(ex.recvs, headers_in)]
         handles = self.pp.batch_p2p(ops)
@@ -186,7 +184,7 @@ class PipelineRuntime:
                     "different schedules"
                 )
             shape = values[4 : 4 + ndim]
-            payloads.append(torch.empty(shape, dtype=_DTYPES[code], device=self.device))
+            payloads.append(torch.empty(shape, dtype=DTYPES[code], device=self.device))
         ops = [("send", t, peer, self._tag(*msg)) for peer, msg, t in out]
         ops += [("recv", t, peer, self._tag(*msg)) for (peer, msg), t in zip(ex.recvs, payloads)]
         handles = self.pp.batch_p2p(ops)
@@ -223,7 +221,7 @@ class _Null:
         return None
 
 
-def _loss_of(out: Any) -> torch.Tensor:
+def loss_of(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")

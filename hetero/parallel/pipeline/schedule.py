@@ -5,7 +5,8 @@ An action is a forward (F) or backward (B) of one micro-batch through one of the
 follow from the actions: F on virtual stage s > 0 needs its input from stage s - 1, and passes its output on unless
 s is the last; B on a stage below the last needs its output's gradient, and passes its input's gradient back unless
 s is the first. Rank r's chunk c is virtual stage c * p + r (Megatron's interleaved layout; c = 0 for the
-non-interleaved schedules).
+non-interleaved schedules). Chimera's second pipeline runs the other way (`Action.up`): there stage s sits on rank
+p - 1 - s, as the rank's chunk 1 (see chimera.py).
 
 [Note: steps and exchanges]
 A rank's actions are cut into steps: one action each, except the interleaved schedule's steady state, where a
@@ -36,9 +37,19 @@ class Action:
     kind: Literal["F", "B"]
     microbatch: int
     chunk: int = 0  # which of the rank's model chunks (interleaved schedule); virtual stage = chunk * p + rank
+    up: bool = False  # Chimera's reverse pipeline: stage p - 1 - rank, on the rank's chunk 1
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{self.kind}{self.microbatch}" + ("^" if self.up else f".{self.chunk}" if self.chunk else "")
+
+
+def stage(a: Action, p: int, rank: int) -> int:
+    """The (virtual) stage `a` runs on `rank`."""
+    return p - 1 - rank if a.up else a.chunk * p + rank
+
+
+def _rank_of(s: int, p: int, up: bool) -> int:
+    return p - 1 - s if up else s % p
 
 
 def gpipe(p: int, m: int, rank: int) -> list[Action]:
@@ -93,7 +104,7 @@ def interleaved_steps(p: int, m: int, rank: int, v: int) -> list[tuple[Action, .
 
 
 def build(name: str, p: int, m: int, rank: int, v: int = 1) -> list[Action]:
-    """The action list of `rank` for schedule `name` ("gpipe", "1f1b", "interleaved_1f1b")."""
+    """The action list of `rank` for schedule `name` ("gpipe", "1f1b", "interleaved_1f1b", "chimera")."""
     return [a for step in build_steps(name, p, m, rank, v) for a in step]
 
 
@@ -105,7 +116,23 @@ def build_steps(name: str, p: int, m: int, rank: int, v: int = 1) -> list[tuple[
         return [(a,) for a in one_f_one_b(p, m, rank)]
     if name == "interleaved_1f1b":
         return interleaved_steps(p, m, rank, v)
-    raise ValueError(f"unknown schedule {name!r}: choose gpipe, 1f1b or interleaved_1f1b")
+    if name == "chimera":
+        from hetero.parallel.pipeline.chimera import chimera
+
+        return [(a,) for a in chimera(p, m, rank)]
+    raise ValueError(f"unknown schedule {name!r}: choose gpipe, 1f1b, interleaved_1f1b or chimera")
+
+
+def forward_only(p: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """Evaluation: every micro-batch's forward through the rank's chunks, in stage order, nothing saved for a
+    backward (Chimera's, in both directions: `chimera.chimera_programs(forward=True)`)."""
+    _check(p, m, rank)
+    if v > 1:
+        # Megatron's order (groups of p micro-batches through each chunk in turn), which needs m % p == 0.
+        if m % p:
+            raise ValueError(f"the interleaved layout needs micro-batches ({m}) to be a multiple of stages ({p})")
+        return [Action("F", (k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
+    return [Action("F", i) for i in range(m)]
 
 
 Message = tuple[int, int, int]  # (0 an activation | 1 a gradient, micro-batch, destination virtual stage)
@@ -113,13 +140,14 @@ Message = tuple[int, int, int]  # (0 an activation | 1 a gradient, micro-batch, 
 
 def transfers(a: Action, p: int, rank: int, v: int) -> tuple[tuple[int, Message] | None, tuple[int, Message] | None]:
     """(what `a` receives, what it sends) on `rank`: each (peer rank, message), or None."""
-    s, last = a.chunk * p + rank, p * v - 1
+    s, last = stage(a, p, rank), p * v - 1
+    before, after = _rank_of(s - 1, p, a.up), _rank_of(s + 1, p, a.up)
     if a.kind == "F":
-        recv = ((s - 1) % p, (0, a.microbatch, s)) if s > 0 else None
-        send = ((s + 1) % p, (0, a.microbatch, s + 1)) if s < last else None
+        recv = (before, (0, a.microbatch, s)) if s > 0 else None
+        send = (after, (0, a.microbatch, s + 1)) if s < last else None
     else:
-        recv = ((s + 1) % p, (1, a.microbatch, s)) if s < last else None
-        send = ((s - 1) % p, (1, a.microbatch, s - 1)) if s > 0 else None
+        recv = (after, (1, a.microbatch, s)) if s < last else None
+        send = (before, (1, a.microbatch, s - 1)) if s > 0 else None
     return recv, send
 
 
@@ -152,7 +180,19 @@ def program(steps: list[tuple[Action, ...] | Action], p: int, rank: int, v: int 
 
 
 def programs(name: str, p: int, m: int, v: int = 1) -> list[list[Item]]:
-    """Every pipeline rank's program for schedule `name`, replayed free of deadlock (see `check_rendezvous`).
+    """Every pipeline rank's program for schedule `name`, replayed free of deadlock (see `split_until_free`).
+    Chimera's programs are built in rounds (chimera.py, [Note: Chimera's exchanges]) and replayed the same way."""
+    if name == "chimera":
+        from hetero.parallel.pipeline.chimera import chimera_programs
+
+        progs = chimera_programs(p, m)
+    else:
+        progs = [program(build_steps(name, p, m, r, v), p, r, v) for r in range(p)]
+    return split_until_free(name, progs, p, m, v)
+
+
+def split_until_free(name: str, progs: list[list[Item]], p: int, m: int, v: int = 1) -> list[list[Item]]:
+    """These programs, with exchanges split until `check_rendezvous` finds no deadlock; raise if that is not enough.
 
     [Note: split exchanges]
     An exchange whose receives wait on a peer that first needs one of the exchange's own payloads deadlocks: the
@@ -162,7 +202,6 @@ def programs(name: str, p: int, m: int, v: int = 1) -> list[list[Item]]:
     nothing is stuck. Exchanges where both sides send and receive to each other (1F1B's steady state, the
     interleaved steps) stay whole, which is what keeps them from deadlocking.
     """
-    progs = [program(build_steps(name, p, m, r, v), p, r, v) for r in range(p)]
     while True:
         stuck = _replay(progs)
         if not stuck:
@@ -242,7 +281,10 @@ def _replay(progs: list[list[Item]]) -> dict[int, tuple[int, list[tuple]]]:
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
-    """The idle fraction the literature gives: (p - 1) / (m + p - 1), divided by v for the interleaved schedule."""
+    """The idle fraction the literature gives: (p - 1) / (m + p - 1), divided by v for the interleaved schedule;
+    Chimera's (p - 2) / (2m + p - 2) (Li and Hoefler, 2021; forward and backward counted as equal slots)."""
+    if name == "chimera":
+        return (p - 2) / (2 * m + p - 2)
     frac = (p - 1) / (m + p - 1)
     return frac / v if name == "interleaved_1f1b" else frac
 
@@ -261,7 +303,11 @@ def simulate(
     leave when their exchange is reached, an exchange waits until the messages it receives were sent, a backward
     follows its own forward. Raise if they deadlock. (An exchange that `programs` splits, sends first, times the
     same here: sends never wait in this model.)"""
-    progs = [program(steps[r], p, r, v) for r in range(p)]
+    return simulate_programs(p, [program(steps[r], p, r, v) for r in range(p)], t_f=t_f, t_b=t_b)
+
+
+def simulate_programs(p: int, progs: list[list[Item]], *, t_f: float = 1.0, t_b: float = 2.0) -> Simulation:
+    """`simulate` on programs as given (e.g. from `programs`, Chimera's rounds included)."""
     sent: dict[tuple[int, int, Message], float] = {}  # (from, to, message) -> when it left
     done: set[tuple[int, int]] = set()  # forwards done: (micro-batch, virtual stage)
     pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
@@ -279,7 +325,7 @@ def simulate(
                         break
                     clock[r] = max([clock[r], *arrivals])
                 else:
-                    s = item.chunk * p + r
+                    s = stage(item, p, r)
                     if item.kind == "B" and (item.microbatch, s) not in done:
                         break  # a backward before its own forward: waits forever
                     dur = t_f if item.kind == "F" else t_b

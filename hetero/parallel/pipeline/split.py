@@ -5,9 +5,10 @@ A model is pipelined as the sequence of its top-level children, in registration 
 expanded into its items ("layers.0", "layers.1", ...). That covers an `nn.Sequential`, a ModuleList of blocks, and a
 model whose forward runs its children one after the other (hetero.models.gpt_pipe.GPTPipe); each unit takes the
 previous unit's output, the first takes the batch's inputs, and the last, when the model computes its own loss, is
-also called with `labels=`. Stages are runs of consecutive units, cut where `pipeline_split` names a unit or
-balanced by parameter count. Units of other ranks' stages are removed from the user's model in place (their
-parent's slot set to None), so their memory is freed and the parameters that remain keep their names.
+also called with `labels=`. Stages are runs of consecutive units, cut where `pipeline_split` names a unit, or
+balanced by each unit's cost: its measured time ("auto", see balance.py) or its parameter count ("params"). Units
+of other ranks' stages are removed from the user's model in place (their parent's slot set to None), so their
+memory is freed and the parameters that remain keep their names.
 """
 
 from __future__ import annotations
@@ -60,16 +61,28 @@ def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def boundaries(units: Sequence[tuple[str, nn.Module]], stages: int, split: Sequence[str] | str) -> list[int]:
-    """Index of the first unit of each stage (stage 0 starts at 0)."""
+def boundaries(
+    units: Sequence[tuple[str, nn.Module]],
+    stages: int,
+    split: Sequence[str] | str,
+    costs: Sequence[float] | None = None,
+) -> list[int]:
+    """Index of the first unit of each stage (stage 0 starts at 0). split "auto" balances `costs` (one per unit),
+    "params" (or "auto" without costs) the units' parameter counts."""
     names = [n for n, _ in units]
     if len(units) < stages:
         raise ConfigError(
             f"parallel: {stages} pipeline stages need at least {stages} units, the model has {len(units)} "
             f"({', '.join(names)}); lower pipeline / virtual_stages, or pipeline a model with more top-level blocks"
         )
-    if split == "auto":
-        return _balanced([_numel(m) for _, m in units], stages)
+    if split in ("auto", "params"):
+        if split == "auto" and costs is not None:
+            if len(costs) != len(units):
+                raise ConfigError(
+                    f"parallel.pipeline_costs: {len(costs)} costs for {len(units)} units ({', '.join(names)})"
+                )
+            return balanced(list(costs), stages)
+        return balanced([_numel(m) for _, m in units], stages)
     starts = [0]
     for fqn in split:
         if fqn not in names:
@@ -88,21 +101,24 @@ def boundaries(units: Sequence[tuple[str, nn.Module]], stages: int, split: Seque
     return starts
 
 
-def _balanced(sizes: list[int], k: int) -> list[int]:
-    """Starts of k non-empty runs of `sizes` minimising the largest run's sum (dynamic programming)."""
+def balanced(sizes: list[float], k: int) -> list[int]:
+    """Starts of k non-empty runs of `sizes` minimising the largest run's sum, then (among cuts with the same
+    largest run) the sum of the runs' squares, so that the runs besides the largest are balanced too (dynamic
+    programming)."""
     n = len(sizes)
-    prefix = [0]
+    prefix = [0.0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
-    inf = float("inf")
-    # best[j][i]: smallest possible largest-run sum cutting the first i units into j runs
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: (largest run, sum of squares) of the best cut of the first i units into j runs
+    best: list[list[tuple[float, float]]] = [[inf] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0
+    best[0][0] = (0.0, 0.0)
     for j in range(1, k + 1):
         for i in range(j, n + 1):
             for a in range(j - 1, i):
-                cost = max(best[j - 1][a], prefix[i] - prefix[a])
+                run = prefix[i] - prefix[a]
+                cost = (max(best[j - 1][a][0], run), best[j - 1][a][1] + run * run)
                 if cost < best[j][i]:
                     best[j][i], cut[j][i] = cost, a
     starts, i = [], n
@@ -113,22 +129,30 @@ def _balanced(sizes: list[int], k: int) -> list[int]:
 
 
 def keep_stages(
-    model: nn.Module, *, rank: int, ranks: int, virtual: int, split: Sequence[str] | str
+    model: nn.Module,
+    *,
+    rank: int,
+    ranks: int,
+    virtual: int,
+    split: Sequence[str] | str,
+    costs: Sequence[float] | None = None,
+    bidirectional: bool = False,
 ) -> list[StageChunk]:
     """Split the model into ranks x virtual stages, drop every unit that is not this rank's from the model (in
-    place) and return this rank's chunks in order: chunk c is virtual stage c * ranks + rank."""
+    place) and return this rank's chunks in order: chunk c is virtual stage c * ranks + rank. `bidirectional`
+    (Chimera): `ranks` stages, this rank keeps stage `rank` (chunk 0) and stage `ranks - 1 - rank` (chunk 1)."""
     units = units_of(model)
     count = ranks * virtual
-    starts = boundaries(units, count, split) + [len(units)]
+    starts = boundaries(units, count, split, costs) + [len(units)]
     groups = [units[starts[i] : starts[i + 1]] for i in range(count)]
-    mine = [i for i in range(count) if i % ranks == rank]
+    mine = [rank, ranks - 1 - rank] if bidirectional else [i for i in range(count) if i % ranks == rank]
     _check_no_sharing(groups)
     kept = {id(m) for i in mine for _, m in groups[i]}
     for name, unit in units:
         if id(unit) not in kept:
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            parent._modules[leaf] = None  # nn.Module skips None children: parameters and state_dict drop it
+            setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
     return [StageChunk(i, count, groups[i]) for i in mine]
 
 

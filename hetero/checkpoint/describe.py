@@ -1,0 +1,153 @@
+"""What a checkpoint's manifest says about the engine that saved it: its counters, its layout, every rank's part of
+the model and its small state (random states, mid-accumulation bookkeeping), a Hugging Face config to export with."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.checkpoint import manifest as mf
+from hetero.checkpoint import model_parallel as par
+from hetero.checkpoint.plan import model_buffers
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+
+def rank_info(engine: Engine, fname: str) -> dict[str, Any]:
+    """This rank's small state: its place in the layout, RNG states, and mid-accumulation bookkeeping."""
+    import numpy as np
+
+    py = random.getstate()
+    npst = np.random.get_state(legacy=True)
+    states = [zc.state_dict() for zc in engine.chunks]
+    used = [info.name for zc, st in zip(engine.chunks, states) for info, u in zip(zc.spec.params, st["used"]) if u]
+    return {
+        "global_rank": par.world(engine).global_rank(par.world(engine).rank),
+        "data_parallel_rank": engine.comm.rank,
+        "coordinates": par.coordinates(engine),
+        "rng": {
+            "python": [py[0], list(py[1]), py[2]],
+            "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+        },
+        "used": used,
+        "grad_fresh": [st["grad_is_zero"] for st in states],
+        # This rank's part of the model and its step counts, merged on rank 0 (each stage knows only its own).
+        "model": model_table(engine),
+        "param_steps": {
+            par.stored_name(info): n
+            for zc, st in zip(engine.chunks, states)
+            for info, n in zip(zc.spec.params, st["param_steps"])
+        },
+        # 0-d per-parameter states of an optimizer on the generic path (NAdam's mu_product, ...), by name.
+        "optim_scalars": (
+            engine.algorithm.generic.scalars_by_name(engine.chunks, par.stored_name)
+            if engine.algorithm.generic is not None
+            else {}
+        ),
+    }
+
+
+# ---- rank 0: checks and commit -----------------------------------------------------------------------------------
+NOT_PER_RANK = (
+    "size",
+    "header_crc32",
+    "tensors",
+    "model",
+    "param_steps",
+    "optim_scalars",
+)  # in the manifest's files and model
+
+
+def engine_state(engine: Engine, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = {k: v for i in infos for k, v in i["param_steps"].items()}
+    return {
+        **engine.state_dict(),  # micro_steps, accumulated, global_steps, skipped_steps, last_grad_norm, scaler
+        "grad_accumulation_steps": engine.config.grad_accumulation_steps,
+        "pending_grads": engine.accumulated != 0,
+        "optim_scalars": {k: v for i in infos for k, v in i["optim_scalars"].items()},
+        "param_steps": steps,
+        "config": engine.config.to_dict(),
+    }
+
+
+def layout(engine: Engine) -> dict[str, Any]:
+    mesh = getattr(engine, "mesh", None)
+    return {
+        "world_size": engine.comm.size,  # the data-parallel degree (what ZeRO shards over)
+        "global_ranks": engine.comm.global_ranks,
+        "zero_stage": engine.stage,
+        "precision": engine.config.precision,
+        "compute_dtype": str(engine.dtype).removeprefix("torch."),
+        "offload": {"params": engine.config.offload.params, "optimizer": engine.config.offload.optimizer},
+        "algorithm": engine.algorithm.name,
+        "state_names": list(engine.algorithm.state_names),
+        "tensor_parallel": mesh.tp_size if mesh is not None else 1,
+        "pipeline_parallel": mesh.pp_size if mesh is not None else 1,
+        "tensor_mode": par.tensor_mode(engine),
+        "chunks": [zc.spec.capacity for zc in engine.chunks],
+        "ranks": par.world(engine).size,  # every rank of the job: one file each
+    }
+
+
+def model_table(engine: Engine) -> dict[str, Any]:
+    """This rank's part of the model: names (as stored), shapes and roles of every tensor, and the model's
+    state_dict keys (tied parameters under each name); a tensor-parallel shard's cut under "tp"."""
+    params = {}
+    canonical: dict[int, str] = {}
+    cuts: dict[str, Any] = {}
+    stage = par.coordinates(engine)["pp"]
+    for zc in engine.chunks:
+        for info in zc.spec.params:
+            canonical[id(info.param)] = info.name
+            cut = par.tp_cut(info.param)
+            params[par.stored_name(info)] = {
+                "shape": list(info.param.shape),  # a shard's own shape under tensor parallelism (a tile's: the whole)
+                "trainable": zc.spec.trainable,
+                "group": zc.spec.group,
+                "dtype": str(zc.dtype).removeprefix("torch."),
+                "stage": stage,
+                "tp_rank": cut.stored_rank if cut is not None else None,
+            }
+            if cut is not None and hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
+                cuts[info.name] = cut.to_dict()
+            elif cut is not None:
+                cuts[info.name] = {
+                    "dim": cut.dim,
+                    "parts": cut.parts,
+                    "degree": cut.degree,
+                    "full_shape": list(cut.full_shape),
+                }
+    buffers = {
+        n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for n, t in model_buffers(engine).items()
+    }
+    by_id = {id(t): n for n, t in model_buffers(engine).items()}
+    keys = []
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in canonical:
+            keys.append([name, "tp_param" if canonical[id(t)] in cuts else "param", canonical[id(t)]])
+        elif id(t) in by_id:
+            keys.append([name, "buffer", by_id[id(t)]])
+        else:  # an empty parameter (no elements: in no chunk)
+            keys.append([name, "empty", list(t.shape), str(t.dtype).removeprefix("torch.")])
+    return {
+        "params": params,
+        "buffers": buffers,
+        "state_dict": keys,
+        "tp": cuts,
+        "hf_config": hf_config(engine.module),
+    }
+
+
+def hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config, so that a consolidated export loads with `from_pretrained`."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not (hasattr(cfg, "to_dict") and hasattr(cfg, "to_json_string")):
+        return None
+    try:
+        return mf.loads(mf.dumps(cfg.to_dict()))
+    except (TypeError, ValueError):
+        return None

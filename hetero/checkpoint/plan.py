@@ -1,0 +1,108 @@
+"""What a rank writes into its checkpoint file: each tensor's key, dtype, size and where its bytes are (a chunk's
+slot, or a tensor given), in the order the file holds them; and where a tensor's first byte must sit for direct
+reads ([Note: direct reads] in format.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.checkpoint import manifest as mf
+from hetero.checkpoint import model_parallel as par
+from hetero.checkpoint.format import DIRECT_ALIGN
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+
+@dataclasses.dataclass
+class Item:
+    key: str
+    dtype: torch.dtype
+    numel: int
+    chunk: Any  # the manager chunk to read it from, or None (the tensor is given)
+    slot: int | None = 0  # which slot of the chunk; None: the whole payload (a full parameter chunk)
+    offset: int = 0  # first element within that slot's view (or the payload)
+    tensor: torch.Tensor | None = None
+
+
+def owned_range(zc: Any, rank: int) -> tuple[int, int]:
+    """The element range [lo, hi) of a chunk this rank saves: its shard, even at stage 0 (where every rank holds the
+    whole chunk, the ranks split the writing between them)."""
+    s = zc.shard_numel
+    return rank * s, (rank + 1) * s
+
+
+def plan_items(engine: Engine) -> list[Item]:
+    rank, stage = engine.comm.rank, engine.stage
+    replicas = par.saves_replicated(engine)  # see [Note: parallel layouts in a checkpoint]
+    pending = engine.accumulated != 0
+    items: list[Item] = []
+    for zc in engine.chunks:
+        lo, hi = owned_range(zc, rank)
+        if zc.optim is not None:
+            base = 0 if stage == 0 else lo  # the optim buffer holds the whole chunk at stage 0, the shard otherwise
+            kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
+            # In the optim buffer's own order (master, then each state), which a load of the same layout reads
+            # back in the same order: sequential on both sides.
+            for j, kind in enumerate(kinds):
+                for info, a, b in zc.spec.overlaps(lo, hi):
+                    if par.saves(info, replicas):
+                        k = mf.key(kind, par.stored_name(info), info.element(a))
+                        items.append(Item(k, torch.float32, b - a, zc.optim, j, a - base))
+        else:
+            src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
+            for info, a, b in zc.spec.overlaps(lo, hi):
+                if par.saves(info, replicas):
+                    k = mf.key("frozen", par.stored_name(info), info.element(a))
+                    items.append(Item(k, zc.dtype, b - a, src, slot, a - base))
+        if pending and zc.grad is not None:
+            # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
+            # reduced shard at stages 2-3. Read back only by the same rank of the same layout. A chunk that holds no
+            # data yet (stages 2-3 before their first reduce-scatter) is given its zeros first.
+            zc.grad_buffer()
+            glo, ghi = (lo, hi) if stage >= 2 else (0, zc.spec.capacity)
+            for info, a, b in zc.spec.overlaps(glo, ghi):
+                k = mf.key("grad", par.stored_name(info), info.element(a))
+                items.append(Item(k, torch.float32, b - a, zc.grad, 0, a - glo))
+    if rank == 0 and replicas:
+        for name, t in model_buffers(engine).items():
+            items.append(Item(mf.key("buffer", name), t.dtype, t.numel(), None, tensor=t.detach()))
+    items.append(Item(mf.key("rng", "torch_cpu"), torch.uint8, 0, None, tensor=torch.get_rng_state()))
+    cuda = engine.device.rng_state()
+    if cuda is not None:
+        items.append(Item(mf.key("rng", "cuda"), torch.uint8, 0, None, tensor=cuda.cpu()))
+    for it in items:
+        if it.tensor is not None:
+            it.numel = it.tensor.numel()
+    return items
+
+
+def model_buffers(engine: Engine) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by state_dict key (one entry per buffer object)."""
+    params = {id(p) for p in engine.module.parameters()}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in params or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t
+    return out
+
+
+def file_size(plan: list[Item]) -> int:
+    # The header is a few dozen bytes per tensor: estimate it generously; padding is under DIRECT_ALIGN per tensor.
+    return sum(it.numel * it.dtype.itemsize + 160 + len(it.key) + DIRECT_ALIGN for it in plan) + DIRECT_ALIGN
+
+
+def residue(it: Item) -> int | None:
+    """Where the tensor's first byte sits in its chunk's buffer, modulo DIRECT_ALIGN: the file places it at the same
+    residue, so that a load into the same layout (page-aligned chunk buffers) can read it with O_DIRECT in place
+    ([Note: direct reads] in format.py)."""
+    if it.chunk is None:
+        return None
+    first = (it.chunk.slots[it.slot].offset if it.slot is not None else 0) + it.offset
+    return first * it.chunk.dtype.itemsize % DIRECT_ALIGN

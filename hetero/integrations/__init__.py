@@ -1,0 +1,1 @@
+"""Integrations with other training stacks (optional extras): `hetero.integrations.transformers.HeteroTrainer`."""

@@ -1,0 +1,292 @@
+"""`HeteroTrainer`: Hugging Face's `transformers.Trainer`, training through hetero.
+
+```python
+from hetero.integrations.transformers import HeteroTrainer
+
+trainer = HeteroTrainer(model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...,
+                        hetero_config={"zero_stage": 3, "offload": {"optimizer": "nvme"},
+                                       "memory": {"nvme_dir": "/mnt/nvme"}})
+trainer.train()        # under torchrun too: every rank runs it
+```
+
+[Note: the Trainer's loop around an engine]
+The Trainer keeps its own loop (data, gradient accumulation, LR schedule, logging, evaluation, saving) and hetero
+takes the model's state, as DeepSpeed does under the Trainer:
+- `create_optimizer` builds the Trainer's optimizer as usual (`TrainingArguments.optim`, weight-decay groups) and
+  hands it to `hetero.initialize` with a config whose accumulation, clipping and precision come from the
+  TrainingArguments (a hetero_config that says otherwise is an error). The Trainer then holds `_TrainerOptimizer`,
+  whose param groups are the engine's (so the Trainer's scheduler drives the engine's learning rates) and whose
+  `step` does nothing: the update has already happened.
+- `_wrap_model` gives the Trainer `EngineModule`, an nn.Module whose forward is the engine's, in place of DDP (so
+  accelerate never wraps the model; hetero reduces gradients itself).
+- `training_step` computes the loss exactly as the Trainer does (its `compute_loss`, its division for
+  accumulation) and calls `engine.backward(loss, scale_wrt_gas=False)` then `engine.step()`. The Trainer marks the
+  micro-batch that ends an accumulation (`accelerator.sync_gradients`, also at a shorter last accumulation of an
+  epoch); the engine is told so (`set_gradient_accumulation_boundary`) and updates there.
+- The LR scheduler is the Trainer's own (`lr_scheduler_type`, warmup), stepped by the Trainer after each update,
+  except after an update skipped for fp16 overflow (accelerate's convention, and hetero's).
+- The gradient norm the Trainer logs is the engine's (computed in the update, before clipping).
+- A checkpoint (`save_steps`) is the Trainer's directory (weights gathered for `from_pretrained`, trainer state,
+  RNG) with the engine's own checkpoint in `hetero/` under it: master weights, optimizer states wherever they
+  live, scheduler. `resume_from_checkpoint` restores from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+import hetero
+from hetero.config import Config
+from hetero.errors import ConfigError
+
+try:
+    import transformers
+except ImportError as e:  # an optional extra
+    raise ImportError(
+        "hetero.integrations.transformers needs transformers and accelerate: pip install 'hetero[transformers]'"
+    ) from e
+
+# The Trainer methods overridden here (_clip_grad_norm, _get_grad_norm, loss_is_scaled_for_ga, ...) are those of
+# transformers 5; 4.x computes the gradient norm inline in its loop, where hetero's could not be reported.
+MIN_TRANSFORMERS = (5, 0)
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+    raise ImportError(
+        f"HeteroTrainer needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (found "
+        f"{transformers.__version__}): pip install -U 'hetero[transformers]'"
+    )
+
+log = logging.getLogger("hetero.integrations")
+
+HETERO_DIR = "hetero"  # the engine's checkpoint root inside a Trainer checkpoint directory
+
+
+class EngineModule(nn.Module):
+    """What the Trainer calls "the wrapped model": forward runs through the engine; the model is its submodule."""
+
+    def __init__(self, engine: hetero.Engine) -> None:
+        super().__init__()
+        object.__setattr__(self, "engine", engine)  # not a submodule: the engine is no nn.Module
+        self.module = engine.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def _get_name(self) -> str:  # the Trainer's label smoother looks up the model class by this name
+        return type(self.module).__name__
+
+
+class _TrainerOptimizer(torch.optim.Optimizer):
+    """The Trainer's optimizer: the engine's param groups; `step` is a no-op (the engine updated in
+    training_step), and loading a state dict copies hyperparameters into the engine's groups in place."""
+
+    def __init__(self, engine: hetero.Engine) -> None:  # no super().__init__: the groups are the engine's
+        self._engine = engine
+        self.defaults = engine.optimizer.defaults
+        self.state: defaultdict = defaultdict(dict)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._engine.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self._copy_hyperparameters(groups)
+
+    def _copy_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
+        for mine, theirs in zip(self.param_groups, groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("hetero's optimizer takes no closure")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the update cleared the accumulated gradients
+
+    def state_dict(self) -> dict[str, Any]:
+        groups, start = [], 0
+        for g in self.param_groups:
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": list(range(start, start + len(g["params"]))),
+                }
+            )
+            start += len(g["params"])
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._copy_hyperparameters(state_dict["param_groups"])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("hetero's chunks are laid out once: build the optimizer with every param group up front")
+
+    def __repr__(self) -> str:
+        return f"HeteroTrainerOptimizer({type(self._engine.optimizer).__name__})"
+
+
+class _SchedulerAfterRealUpdates:
+    """The Trainer's LR scheduler, not stepped after an update skipped for fp16 overflow."""
+
+    def __init__(self, scheduler: Any, engine: hetero.Engine) -> None:
+        self.scheduler = scheduler
+        self._engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._engine.last_update_skipped:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+class HeteroTrainer(transformers.Trainer):
+    """A `transformers.Trainer` whose model trains through hetero (see [Note: the Trainer's loop around an engine]).
+
+    hetero_config: a hetero config (dict, .json/.yaml path, or `hetero.Config`; default ZeRO stage 0 on the
+    device); gradient accumulation, clipping and precision come from the TrainingArguments. hetero_weights: weight
+    files streamed into the chunks (`weights=` of `hetero.initialize`, for a model built on the meta device).
+    """
+
+    def __init__(self, *args: Any, hetero_config: Any = None, hetero_weights: Any = None, **kwargs: Any) -> None:
+        self.hetero_config = Config.from_any(hetero_config)
+        self.hetero_weights = hetero_weights
+        self.engine: hetero.Engine | None = None
+        self._engine_module: EngineModule | None = None
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ConfigError(
+                "HeteroTrainer trains through hetero: leave TrainingArguments' deepspeed and fsdp unset (translate a "
+                "DeepSpeed config with hetero.Config.from_deepspeed and pass it as hetero_config)"
+            )
+
+    # ---- building the engine ------------------------------------------------------------------------------
+    def engine_config(self) -> Config:
+        """hetero_config with accumulation, clipping and precision from the TrainingArguments."""
+        args, cfg, default = self.args, self.hetero_config, Config()
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else cfg.precision
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        wanted = {
+            "grad_accumulation_steps": args.gradient_accumulation_steps,
+            "grad_clip_norm": clip,
+            "precision": precision,
+        }
+        for key, value in wanted.items():
+            mine = getattr(cfg, key)
+            if mine != getattr(default, key) and mine != value:
+                raise ConfigError(
+                    f"hetero_config.{key} = {mine!r} but the TrainingArguments give {value!r}: the Trainer drives "
+                    f"{key}; set it in TrainingArguments (gradient_accumulation_steps, max_grad_norm, bf16/fp16) "
+                    "and leave it out of hetero_config"
+                )
+        return dataclasses.replace(cfg, **wanted)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.engine is not None:
+            return self.optimizer
+        user = super().create_optimizer(model)
+        self.engine = hetero.initialize(self.model, user, self.engine_config(), weights=self.hetero_weights)
+        self._engine_module = EngineModule(self.engine)
+        self.optimizer = _TrainerOptimizer(self.engine)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(scheduler, (_SchedulerAfterRealUpdates, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            self.lr_scheduler = _SchedulerAfterRealUpdates(scheduler, self.engine)
+        return self.lr_scheduler
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        if self.engine is None:
+            self.create_optimizer()  # evaluation before training: the engine is built once, for both
+        return self._engine_module
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        pass  # hetero places the model's state in its chunks (the model may be on the meta device)
+
+    # ---- a training step ----------------------------------------------------------------------------------
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        engine = self.engine
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        main = getattr(self.model, "main_input_name", "input_ids")
+        tokens = int(inputs[main].numel()) if isinstance(inputs.get(main), torch.Tensor) else None
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        # The Trainer's own scaling for accumulation (transformers.Trainer.training_step).
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.set_gradient_accumulation_boundary(bool(self.accelerator.sync_gradients))
+        try:
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step(tokens=tokens)
+        finally:
+            engine.set_gradient_accumulation_boundary(None)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        return self._get_grad_norm(model)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        # The engine clipped in its update (grad_clip_norm = max_grad_norm) and kept the norm before clipping.
+        return self.engine.last_grad_norm if self.engine is not None else grad_norm
+
+    # ---- saving and resuming ------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model's full weights for `from_pretrained`, gathered from the chunks (every rank must call it)."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = self.engine.full_state_dict()
+        self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(os.path.join(output_dir, HETERO_DIR), lr_scheduler=self._scheduler())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        root = os.path.join(checkpoint, HETERO_DIR)
+        if not os.path.isdir(root):
+            raise ConfigError(
+                f"{checkpoint} holds no hetero checkpoint ({HETERO_DIR}/): it was not saved by HeteroTrainer (or "
+                "with save_only_model=True), so the optimizer states cannot be resumed from it"
+            )
+        self.engine.load_checkpoint(root, lr_scheduler=self._scheduler())
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if os.path.isdir(os.path.join(resume_from_checkpoint, HETERO_DIR)):
+            return  # the engine's checkpoint restores the fp32 master weights (in _load_optimizer_and_scheduler)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if self.engine is None or not os.path.isdir(os.path.join(best, HETERO_DIR)):
+            return super()._load_best_model()
+        log.info("loading the best checkpoint %s (score %s) into the engine", best, self.state.best_metric)
+        self.engine.load_checkpoint(os.path.join(best, HETERO_DIR), lr_scheduler=self._scheduler())
+
+    def _scheduler(self) -> Any:
+        s = self.lr_scheduler
+        return s.scheduler if isinstance(s, _SchedulerAfterRealUpdates) else s

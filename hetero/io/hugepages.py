@@ -1,0 +1,113 @@
+"""Whether the host buffers that asked for transparent huge pages got them.
+
+[Note: huge host pages]
+`Device.empty_host` asks for transparent huge pages (THP, madvise) on large host buffers: an O_DIRECT transfer into
+4 KiB pages scattered over physical memory goes out as one DMA segment per page, and was measured at a third of the
+speed of one into huge pages on this project's VM; first touch also faults once per 2 MiB instead of per 4 KiB. The
+kernel grants them silently or not: none when /sys/kernel/mm/transparent_hugepage/enabled says "never", and 4 KiB
+pages when no free 2 MiB of physical memory is at hand at first touch (fragmentation; the defrag setting decides
+whether it compacts first). Swap and checkpoint I/O then slow down with nothing to say why. So `track` records each
+such buffer, and `report` reads the kernel's own account of their mappings (AnonHugePages and Rss in
+/proc/self/smaps) and logs one warning per process when less than half of their resident bytes sit on huge pages
+(a buffer's unaligned ends may use small pages; a fallback leaves almost none huge).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import weakref
+from typing import Any
+
+log = logging.getLogger("hetero.io.hugepages")
+
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+SMAPS = "/proc/self/smaps"
+MIN_SHARE = 0.5  # below this share of resident bytes on huge pages, the buffers fell back to 4 KiB pages
+
+_tracked: dict[int, int] = {}  # start address -> length of every live tracked buffer
+_lock = threading.Lock()
+_warned = False  # one warning per process: the cause (settings, fragmentation) is the machine's, not a buffer's
+_RANGE = re.compile(r"([0-9a-f]+)-([0-9a-f]+) ")
+
+
+def thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The kernel's THP setting ("always", "madvise" or "never"), or None where there is none to read."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    m = re.search(r"\[(\w+)\]", text)
+    return m.group(1) if m else None
+
+
+def track(owner: object, address: int, nbytes: int) -> None:
+    """Count the buffer [address, address + nbytes) in `report` for as long as `owner` (its memory) is alive."""
+    if nbytes <= 0:
+        return
+    with _lock:
+        _tracked[address] = nbytes
+    weakref.finalize(owner, _untrack, address)
+
+
+def _untrack(address: int) -> None:
+    with _lock:
+        _tracked.pop(address, None)
+
+
+def _mappings(smaps: str) -> list[tuple[int, int, int, int]]:
+    """(start, end, resident bytes, anonymous huge-page bytes) of every mapping in a /proc/<pid>/smaps text."""
+    out: list[tuple[int, int, int, int]] = []
+    start = end = rss = huge = 0
+    for line in smaps.splitlines():
+        m = _RANGE.match(line)
+        if m:
+            if end:
+                out.append((start, end, rss, huge))
+            start, end, rss, huge = int(m.group(1), 16), int(m.group(2), 16), 0, 0
+        elif line.startswith("Rss:"):
+            rss = int(line.split()[1]) << 10
+        elif line.startswith("AnonHugePages:"):
+            huge = int(line.split()[1]) << 10
+    if end:
+        out.append((start, end, rss, huge))
+    return out
+
+
+def report(smaps_path: str = SMAPS) -> dict[str, Any]:
+    """The tracked buffers' huge-page use: THP setting, how many buffers, their resident bytes, the bytes of those on
+    huge pages and the share (None when nothing is resident or the kernel does not say). Warns once per process when
+    the share is below MIN_SHARE ([Note: huge host pages])."""
+    global _warned
+    with _lock:
+        ranges = sorted(_tracked.items())
+    out: dict[str, Any] = {"thp": thp_mode(), "buffers": len(ranges), "resident_bytes": 0, "huge_bytes": 0}
+    out["huge_share"] = None
+    if not ranges:
+        return out
+    try:
+        with open(smaps_path) as f:
+            maps = _mappings(f.read())
+    except OSError:
+        return out
+    for start, end, rss, huge in maps:  # a mapping may hold several buffers (the kernel merges alike neighbours)
+        if any(a < end and start < a + n for a, n in ranges):
+            out["resident_bytes"] += rss
+            out["huge_bytes"] += huge
+    if out["resident_bytes"]:
+        out["huge_share"] = out["huge_bytes"] / out["resident_bytes"]
+        if out["huge_share"] < MIN_SHARE and not _warned:
+            _warned = True
+            log.warning(
+                "only %.0f%% of the %.1f MiB of host buffers that asked for transparent huge pages got them (THP "
+                "setting %r): O_DIRECT swap and checkpoint I/O into 4 KiB pages runs far below the disk's speed. "
+                "Enable THP (echo madvise > %s), or free or compact memory (echo 1 > /proc/sys/vm/compact_memory) "
+                "before starting",
+                100 * out["huge_share"],
+                out["resident_bytes"] / 2**20,
+                out["thp"],
+                THP_ENABLED,
+            )
+    return out

@@ -1,0 +1,182 @@
+"""`engine.eval_batch`: a forward only, through whatever layout the engine has (pipeline stages, tensor shards,
+data-parallel ranks), for evaluation and generation.
+
+[Note: evaluation through the stages]
+With a pipeline, each rank runs every micro-batch's forward through its chunks in stage order (`forward_only`; with
+Chimera the second half of the micro-batches takes the reverse pipeline, ordered as in training so that the two
+replicas of a stage meet in ZeRO's collectives in the same order), passing activations with
+the training runtime's exchanges; the programs are replayed free of deadlock like the training schedules'. Nothing
+is saved for a backward (no_grad), so micro-batches are not limited by activation memory. With labels the last stage
+computes each micro-batch's loss (the model's `.loss`, or `loss_fn`), and the result is the mean over micro-batches
+and data-parallel ranks, like `train_batch`'s. Without labels the last stage's outputs are concatenated over the
+micro-batches and broadcast from the rank holding each micro-batch's last stage to every pipeline rank; logits that a
+vocabulary-parallel head left sharded over the tensor ranks are gathered whole, so every rank holds the full
+outputs of its data-parallel rank's batch (what greedy generation needs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.comm import Comm
+from hetero.errors import ConfigError
+from hetero.parallel.pipeline.runtime import DTYPES, HEADER, MAX_DIMS, PipelineError, PipelineRuntime, loss_of
+from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
+
+if TYPE_CHECKING:
+    from hetero.engine import Engine
+
+
+def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callable | None = None) -> Any:
+    """See `Engine.eval_batch`."""
+    from hetero.parallel.batches import split_batch, to_device_tree
+
+    cfg = engine.config.parallel
+    m = cfg.microbatches
+    mesh = engine.mesh
+    if labels is None and (cfg.tensor_mode != "1d" or cfg.split_sequence):
+        raise ConfigError(
+            f"eval_batch without labels returns whole outputs, which tensor_mode {cfg.tensor_mode!r} / sequence "
+            f"{cfg.sequence!r} leave cut over the tensor ranks (by rows and vocabulary, or by sequence); pass labels "
+            "to get the loss, or evaluate outputs with tensor_mode '1d' (Megatron sequence parallelism included)"
+        )
+    # The vocabulary-parallel loss takes sharded logits: whole ones only when they are what is returned.
+    with torch.no_grad(), _full_logits(engine.module, mesh.tp if labels is None else Comm()):
+        if engine.stages is None:
+            if labels is None:
+                return engine(engine.to_device(inputs))  # one forward: the model's own outputs
+            total = torch.zeros((), dtype=torch.float32)
+            for x, y in zip(split_batch(inputs, m), split_batch(labels, m)):
+                y = to_device_tree(y, engine.device)
+                loss = loss_of(engine(x, labels=y)) if loss_fn is None else loss_fn(engine(x), y)
+                total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
+        else:
+            xs = [engine.to_device(x) for x in split_batch(inputs, m)]
+            ys = [to_device_tree(y, engine.device) for y in split_batch(labels, m)]
+            total, outputs = _run(engine, xs, ys if labels is not None else None, loss_fn)
+            if labels is None:
+                return _share(outputs, engine.pipeline_runtime(), m)
+    mean = (total / m).to(torch.float32)
+    mesh.pp.control.all_reduce(mean, op="sum")  # only the ranks holding last stages have a non-zero sum
+    mesh.dp.control.all_reduce(mean, op="avg")
+    return mean
+
+
+@functools.lru_cache(maxsize=32)
+def forward_programs(p: int, m: int, v: int, bidirectional: bool) -> tuple[tuple[Item, ...], ...]:
+    """Every pipeline rank's forward-only program, replayed free of deadlock ([Note: split exchanges])."""
+    if bidirectional:
+        from hetero.parallel.pipeline.chimera import chimera_programs
+
+        progs = chimera_programs(p, m, forward=True)
+    else:
+        progs = [program([(a,) for a in forward_only(p, m, r, v)], p, r, v) for r in range(p)]
+    return tuple(tuple(prog) for prog in split_until_free("forward", progs, p, m, v))
+
+
+def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable | None) -> tuple[torch.Tensor, dict]:
+    """This rank's forwards; returns the sum of the losses of the micro-batches whose last stage it holds (with
+    labels) and their outputs (without)."""
+    rt = engine.pipeline_runtime()
+    bidirectional = engine.config.parallel.schedule == "chimera"
+    prog = forward_programs(rt.p, rt.m, rt.v, bidirectional)[rt.pp.rank]
+    inbox: dict = {}
+    outbox: dict = {}
+    sends: list = []
+    total = torch.zeros((), dtype=torch.float32)
+    outputs: dict[int, torch.Tensor] = {}
+    gathers = engine.gathers
+    with engine.trace_step():
+        try:
+            for item in prog:
+                if isinstance(item, Exchange):
+                    sends += rt.exchange(item, outbox, inbox)
+                    continue
+                s = stage(item, rt.p, rt.pp.rank)
+                mb = item.microbatch
+                x = xs[mb] if s == 0 else inbox.pop((0, mb, s))
+                last = s == rt.last_stage
+                with_labels = last and ys is not None and loss_fn is None
+                with engine.device.compute_context():
+                    y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
+                if last and ys is not None:
+                    loss = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
+                    total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
+                elif last:
+                    outputs[mb] = _tensor_of(y)
+                else:
+                    outbox[(0, mb, s + 1)] = y
+                if gathers is not None:
+                    gathers.end_forward(training=False)  # stage 3: nothing will need the chunks gathered for it
+            for handle, _ in sends:
+                handle.wait()
+        finally:
+            if gathers is not None:
+                gathers.release_all()
+    return total, outputs
+
+
+def _share(outputs: dict[int, torch.Tensor], rt: PipelineRuntime, m: int) -> torch.Tensor:
+    """The outputs of all m micro-batches, concatenated, on every pipeline rank: each micro-batch's broadcast from
+    the rank that computed it (a header first: the others do not know its shape)."""
+    parts = []
+    for mb in range(m):
+        owner = _last_stage_rank(rt, mb)
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        if rt.pp.rank == owner:
+            t = outputs[mb].contiguous()
+            if t.dtype not in DTYPES or t.dim() > MAX_DIMS:
+                raise PipelineError(f"eval_batch cannot pass a {t.dtype} output of {t.dim()} dims between stages")
+            header[:2] = torch.tensor([DTYPES.index(t.dtype), t.dim()])
+            header[2 : 2 + t.dim()] = torch.tensor(t.shape)
+        header = header.to(rt.device)
+        rt.pp.broadcast(header, src=owner)
+        code, ndim, *shape = header.tolist()
+        buf = t if rt.pp.rank == owner else torch.empty(shape[:ndim], dtype=DTYPES[code], device=rt.device)
+        rt.pp.broadcast(buf, src=owner)
+        parts.append(buf)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _last_stage_rank(rt: PipelineRuntime, mb: int) -> int:
+    """The pipeline rank holding micro-batch mb's last stage (Chimera's reverse pipeline ends on rank 0)."""
+    if rt.schedule == "chimera" and mb >= rt.m // 2:
+        return 0
+    return rt.last_stage % rt.p
+
+
+class _full_logits:
+    """While active, outputs of vocabulary-parallel heads are gathered over the tensor group (whole logits)."""
+
+    def __init__(self, model: torch.nn.Module, tp: Comm) -> None:
+        self.model, self.tp, self.handles = model, tp, []
+
+    def __enter__(self) -> None:
+        if self.tp.size == 1:
+            return
+        from hetero.parallel.tensor import is_vocab_head
+
+        for module in self.model.modules():
+            if is_vocab_head(module):
+                self.handles.append(module.register_forward_hook(self._gather))
+
+    def _gather(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_dim(out, out.dim() - 1)
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _tensor_of(y: Any) -> torch.Tensor:
+    if isinstance(y, torch.Tensor):
+        return y
+    logits = getattr(y, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise PipelineError(f"eval_batch: the last stage returned {type(y).__name__}; expected a tensor or .logits")

@@ -1,0 +1,159 @@
+"""What each pipeline unit costs, for `"pipeline_split": "auto"`: given by the user, timed, or counted.
+
+[Note: balancing stages by time]
+A pipeline runs at the pace of its slowest stage, so stages should take equal time, not hold equal parameters: an
+embedding holds many parameters and costs almost nothing, a language-model head the reverse. "auto" therefore
+balances the units' costs, taken, in this order, from
+ - `parallel.pipeline_costs`: one number per unit, or unit-name patterns -> cost (unmatched units cost 1);
+ - a short warm-up on the real device: each unit's forward and backward on a sample micro-batch, one unit at a
+   time (moved to the device for it and back), the least of a few repeats (interference from other processes only
+   adds time); the output of one unit is the next one's input, so every unit sees the shapes it will train on;
+ - the FLOPs of the same forward and backward counted on the meta device, for a model built on meta (nothing to
+   time).
+The sample is one sequence of token ids when the first unit begins with an embedding (its length the model's
+context, capped), or one row of features when it begins with a linear layer; a model that starts otherwise needs
+`pipeline_costs`, else its units are balanced by parameters (logged). Every rank must cut alike while timings differ
+from rank to rank, so the timings are averaged over the world and rank 0's result is broadcast: the split comes
+from state every rank shares. The random state is restored after the warm-up, so dropout draws what it would have
+without it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.comm import Comm
+from hetero.device import Device
+
+log = logging.getLogger("hetero.parallel")
+
+_REPEATS = 3  # timed forward+backward passes per unit, after one to warm up
+_SEQ_CAP = 256  # tokens in the timing sample at most
+
+
+def given_costs(names: Sequence[str], costs: Mapping[str, float] | Sequence[float]) -> list[float]:
+    """The user's costs, one per unit (see the note)."""
+    if isinstance(costs, Mapping):
+        return [float(next((c for pat, c in costs.items() if fnmatch.fnmatchcase(n, pat)), 1.0)) for n in names]
+    return [float(c) for c in costs]
+
+
+def sample_input(model: nn.Module, units: Sequence[tuple[str, nn.Module]], rows: int = 1) -> torch.Tensor | None:
+    """A micro-batch for timing the first unit, or None when its input cannot be guessed (see the note)."""
+    first = next((m for m in units[0][1].modules() if not list(m.children())), None)
+    g = torch.Generator().manual_seed(0)
+    if isinstance(first, nn.Embedding):
+        cfg = getattr(model, "config", None)
+        ctx = next(
+            (
+                v
+                for k in ("block_size", "max_position_embeddings", "n_positions", "n_ctx")
+                if isinstance(v := getattr(cfg, k, None), int) and v > 0
+            ),
+            _SEQ_CAP,
+        )
+        return torch.randint(0, first.num_embeddings, (rows, min(ctx, _SEQ_CAP)), generator=g)
+    if isinstance(first, nn.Linear):
+        return torch.randn(rows, first.in_features, generator=g)
+    return None
+
+
+def unit_costs(
+    model: nn.Module,
+    units: Sequence[tuple[str, nn.Module]],
+    *,
+    given: Mapping[str, float] | Sequence[float] | None,
+    world: Comm,
+    device: Device,
+    sample: torch.Tensor | None = None,
+) -> tuple[list[float] | None, str]:
+    """(cost per unit, how it was found: "given" | "timed" | "flops"), or (None, why) to balance by parameters.
+    Identical on every rank of `world` (every rank calls it). sample: the first unit's input (default: guessed,
+    see the note)."""
+    names = [n for n, _ in units]
+    if given is not None:
+        return given_costs(names, given), "given"
+    sample = sample if sample is not None else sample_input(model, units)
+    if sample is None:
+        return None, "no sample input to time the units with (give parallel.pipeline_costs)"
+    meta = any(p.is_meta for p in model.parameters())
+    measured = flop_costs(units, sample) if meta else timed_costs(units, sample, device)
+    t = torch.tensor(measured, dtype=torch.float64)  # host numbers: the control group's
+    world.control.all_reduce(t, op="avg")
+    world.control.broadcast(t, src=0)  # bit-identical on every rank, whatever the reduction's rounding
+    return [max(float(c), 1e-12) for c in t], "flops" if meta else "timed"
+
+
+def timed_costs(units: Sequence[tuple[str, nn.Module]], sample: torch.Tensor, device: Device) -> list[float]:
+    """Seconds of each unit's forward and backward on the device (the least of a few repeats), in order."""
+    dev = device.torch_device
+    cpu_state = torch.get_rng_state()
+    dev_state = device.rng_state()
+    x: Any = sample.to(dev)
+    out: list[float] = []
+    try:
+        for _, unit in units:
+            homes = {id(p): p.device for p in unit.parameters()}
+            unit.to(dev)
+            times = []
+            for i in range(_REPEATS + 1):
+                inp = x.detach().requires_grad_(x.is_floating_point())
+                device.synchronize()
+                start = time.perf_counter()
+                y = unit(inp)
+                _backward(y)
+                device.synchronize()
+                if i:
+                    times.append(time.perf_counter() - start)
+            unit.zero_grad(set_to_none=True)
+            for p in unit.parameters():
+                if p.device != homes[id(p)]:
+                    p.data = p.data.to(homes[id(p)])
+            out.append(min(times))
+            x = _tensor_of(y).detach()
+    finally:
+        torch.set_rng_state(cpu_state)
+        if dev_state is not None:
+            device.set_rng_state(dev_state)
+    return out
+
+
+def flop_costs(units: Sequence[tuple[str, nn.Module]], sample: torch.Tensor) -> list[float]:
+    """FLOPs of each unit's forward and backward, counted on the meta device (nothing is allocated)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x: Any = sample.to("meta")
+    out = []
+    for _, unit in units:
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        with FlopCounterMode(display=False) as counter:
+            y = unit(inp)
+            _backward(y)
+        out.append(float(max(counter.get_total_flops(), 1)))
+        x = _tensor_of(y).detach()
+    return out
+
+
+def _tensor_of(y: Any) -> torch.Tensor:
+    if isinstance(y, torch.Tensor):
+        return y
+    for key in ("logits", "last_hidden_state"):
+        v = getattr(y, key, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    if isinstance(y, (tuple, list)) and y and isinstance(y[0], torch.Tensor):
+        return y[0]
+    raise TypeError(f"a pipeline unit returned {type(y).__name__}; a stage must pass one tensor to the next")
+
+
+def _backward(y: Any) -> None:
+    t = _tensor_of(y)
+    if t.requires_grad:
+        t.float().mean().backward()

@@ -1,0 +1,358 @@
+"""`hetero.plan`: the layouts that fit a machine, ranked by the step time a stated cost model predicts.
+
+Every layout of the world (tensor degree and mode, sequence form, pipeline degree and schedule, micro-batches, ZeRO
+stage, offload placement) is checked against the machine with the estimator's arithmetic for every pipeline rank
+([Note: a layout's bytes per rank]); the sharded model, its units and each pipeline rank's chunk layout are built
+once per tensor layout and pipeline degree and reused by the options that share them. The step time comes from the
+cost model of `cost_model.py` ([Note: the planner's cost model]); `benchmarks/planner_ranking.py` measures a
+handful of layouts on a machine and reports the rank correlation of predicted against measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.config import Config, format_size
+from hetero.errors import ConfigError
+from hetero.profiler import estimator as E
+from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
+from hetero.profiler.machine import Machine
+from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
+from hetero.profiler.parallel_layout import (
+    Layout,
+    ParamView,
+    measure_units,
+    optimizer_view,
+    pipeline_units,
+    stage_starts,
+    walk,
+)
+from hetero.profiler.parallel_shapes import per_rank_model
+from hetero.profiler.rates import Rates
+from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, q_and_depth
+from hetero.zero.layout import build_layout
+from hetero.zero.optim import algorithm_of
+from hetero.zero.precision import COMPUTE_DTYPES
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "chimera", "gpipe")
+
+
+@dataclass(frozen=True)
+class Option:
+    layout: dict[str, Any]  # tensor, tensor_mode, sequence, pipeline, schedule, microbatches, data, rows
+    zero_stage: int
+    offload: dict[str, str]
+    needed: dict[str, int]  # per tier: device per rank, host and NVMe per node (the busiest pipeline rank)
+    fits: bool
+    seconds: float  # predicted step time
+    terms: dict[str, float]  # the cost model's terms ([Note: the planner's cost model])
+    config: dict[str, Any]  # hetero.initialize's config for this option
+
+    def label(self) -> str:
+        lay = self.layout
+        seq = f"+{lay['sequence']}" if lay["sequence"] else ""
+        pipe = f"pp{lay['pipeline']} {lay['schedule']}" if lay["pipeline"] > 1 else "pp1"
+        return (
+            f"tp{lay['tensor']} {lay['tensor_mode']}{seq} x {pipe} x dp{lay['data']}, m={lay['microbatches']} "
+            f"x {lay['rows']} rows, ZeRO-{self.zero_stage} params={self.offload['params']} "
+            f"optimizer={self.offload['optimizer']}"
+        )
+
+
+@dataclass
+class Plan:
+    world_size: int
+    global_batch: int
+    seq_len: int
+    machine: Machine
+    rates: Rates
+    options: list[Option] = field(default_factory=list)  # fitting ones first, fastest first
+    considered: int = 0
+
+    @property
+    def best(self) -> Option | None:
+        return next((o for o in self.options if o.fits), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "machine": dataclasses.asdict(self.machine),
+            "rates": self.rates.to_dict(),
+            "considered": self.considered,
+            "options": [dataclasses.asdict(o) for o in self.options],
+            "best": None if self.best is None else dataclasses.asdict(self.best),
+        }
+
+    def table(self, top: int = 15) -> str:
+        lines = [
+            f"hetero plan: world {self.world_size}, global batch {self.global_batch} x {self.seq_len} tokens; "
+            f"{self.considered} layouts considered, {sum(o.fits for o in self.options)} fit",
+            f"machine: {self.machine.describe()}",
+            f"rates: {self.rates.describe()}",
+            "cost model: compute / (1 - bubble) + tensor + pipeline + data + offload communication (hetero/profiler/"
+            "cost_model.py, [Note: the planner's cost model])",
+            "",
+        ]
+        fitting = [o for o in self.options if o.fits][:top]
+        for i, o in enumerate(fitting, 1):
+            terms = " ".join(f"{k} {v:.3g}" for k, v in o.terms.items() if v)
+            lines.append(f"{i:>3}. {o.seconds:9.3f} s  {o.label()}")
+            need = ", ".join(f"{t} {format_size(o.needed[t])}" for t in ("device", "host", "nvme"))
+            lines.append(f"       {need}; {terms}")
+        if not fitting:
+            lines.append("nothing fits this machine: more ranks, more host memory or NVMe space")
+        if self.best is not None:
+            lines += ["", "config to paste (hetero.initialize):", _pretty(self.best.config)]
+        return "\n".join(lines)
+
+
+def _pretty(config: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(config, indent=2)
+
+
+def plan(
+    model_or_config: nn.Module | int | float | str | os.PathLike,
+    world_size: int,
+    *,
+    machine: Machine | None = None,
+    rates: Rates | None = None,
+    global_batch: int | None = None,
+    seq_len: int | None = None,
+    precision: str = "bf16",
+    optimizer: torch.optim.Optimizer | str = "adamw",
+    checkpointing: bool = True,
+    tensor_modes: tuple[str, ...] | None = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+    max_tensor: int | None = None,
+    chunk_size: int | str = "auto",
+    nvme_dir: str | None = None,
+    tensor_plan: Any = "auto",
+) -> Plan:
+    """Every layout of `world_size` ranks, checked against `machine` and ranked by `rates` (see the note).
+
+    model_or_config: as `hetero.estimate` (a model, a Hugging Face config.json, a parameter count). machine:
+    default this machine; rates: default measured here (`Rates.measure`). global_batch: sequences per step
+    (default 2 per rank); the micro-batch rows follow from it. checkpointing: activation checkpointing of the blocks.
+    max_tensor: the largest tensor degree tried (default the node's GPUs, or the world). tensor_modes: the modes
+    tried (default: those this hetero's config accepts, `available_modes()`; others are ranked from their papers'
+    figures, and their config is for the keys of hetero's tensor-mode work). nvme_dir: written into the configs
+    that offload to NVMe (default a placeholder to replace). tensor_plan: as parallel.tensor_plan (default "auto":
+    the known model families'); a layout the plan cannot shard is left out.
+    """
+    tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    model = as_model(model_or_config)
+    opt = as_optimizer(optimizer, model)
+    machine = machine if machine is not None else Machine.detect()
+    rates = rates if rates is not None else Rates.measure()
+    seq = seq_len if seq_len is not None else default_seq_len(model)
+    batch = global_batch if global_batch is not None else 2 * world_size
+    dtype = COMPUTE_DTYPES[precision]
+    gpus = machine.gpus or world_size
+    ranks_per_node = min(world_size, gpus)
+    n_states = len(algorithm_of(opt).state_names)
+    chunk_numel = None if chunk_size == "auto" else Config.from_dict({"chunk_size": chunk_size}).chunk_size
+    shape = shape_of(model)
+    prefetch = Config().prefetch_depth
+    buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
+    out = Plan(world_size, batch, seq, machine, rates)
+
+    @functools.cache
+    def sharded_for(t: int, mode: str, sequence: str | None) -> tuple[nn.Module, Any, int]:
+        """The model as tensor rank 0 of this tensor layout holds it (the engine's own cut, on meta), the optimizer
+        over it, and the ranks its ZeRO group spans without a pipeline."""
+        lay = Layout(tensor=t, tensor_mode=mode, tensor_depth=_depth_of(mode, t), sequence=sequence, plan=tensor_plan)
+        return per_rank_model(model, opt, lay.config(), world_size)
+
+    @functools.cache
+    def units_for(t: int, mode: str, sequence: str | None, rows: int | None = None) -> tuple[Any, list]:
+        sharded = sharded_for(t, mode, sequence)[0]
+        rows = rows if rows is not None else _batch_parts(mode, t)
+        units, _ = pipeline_units(sharded)
+        ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+        measure_units(sharded, units, {"input_ids": ids, "labels": ids}, dtype)
+        return sharded, units
+
+    @functools.cache
+    def ranks_for(t: int, mode: str, sequence: str | None, p: int, chimera: bool, virtual: int) -> list | None:
+        sharded, units = units_for(t, mode, sequence)
+        _, opt_t, zero_t = sharded_for(t, mode, sequence)
+        lay = Layout(tensor=t, tensor_mode=mode, sequence=sequence, pipeline=p, virtual=virtual,
+                     schedule="chimera" if chimera else "1f1b", split="params")  # fmt: skip
+        if len(units) < lay.stages:
+            return None
+        starts = stage_starts(units, lay, {}) + [len(units)]
+        stage_units = [units[starts[s] : starts[s + 1]] for s in range(lay.stages)]
+        zero_world = zero_t // p * (2 if chimera else 1)
+        result = []
+        for k in range(p):
+            mine = lay.stages_of(k)
+            held = {id(q) for s in mine for u in stage_units[s] for _, q in u.params}
+            params = [(n, q) for n, q in sharded.named_parameters() if id(q) in held]
+            specs = build_layout(ParamView(params), optimizer_view(opt_t, params),  # type: ignore[arg-type]
+                                 chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
+            result.append((k, mine, stage_units, specs, E.gathered_bytes(sharded, specs, dtype, None), zero_world))
+        return result
+
+    for t, mode, sequence, p, sched, m in _grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules):
+        data = world_size // (t * p)
+        if batch % (data * m):
+            continue
+        rows = batch // (data * m)
+        if rows % _batch_parts(mode, t):
+            continue  # a grid mode cuts each micro-batch's rows over its batch groups
+        chimera = sched == "chimera" and p > 1
+        virtual = 2 if sched == "interleaved_1f1b" and p > 1 else 1
+        try:
+            ranks = ranks_for(t, mode, sequence, p, chimera, virtual)
+        except (ConfigError, ValueError):
+            continue  # a degree the model's shapes do not divide by
+        if ranks is None:
+            continue
+        _, units_rows = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
+        by_name = {u.name: u for u in units_rows}
+        acts = [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
+        idle = idle_fraction(sched, p, m, virtual)
+        lay = {"tensor": t, "tensor_mode": mode, "tensor_depth": _depth_of(mode, t), "sequence": sequence,
+               "pipeline": p, "schedule": sched if p > 1 else "1f1b", "microbatches": m, "data": data, "rows": rows,
+               "virtual_stages": virtual}  # fmt: skip
+        zero_world = ranks[0][5]
+        for stage, params_at, optim_at in E.CANDIDATES:
+            if "nvme" in (params_at, optim_at) and machine.nvme_bytes == 0:
+                continue
+            out.considered += 1
+            # The busiest pipeline rank, as the estimator reports it: per rank on the device, per node elsewhere.
+            needed = {tier: -1 for tier in E.TIERS}
+            psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
+            n_chunks = max(len(rk[3]) for rk in ranks)
+            for (_, _, _, specs, gathered, _), act in zip(ranks, acts):
+                resident, transient = E.place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
+                                               n_states=n_states, params=params_at, optim=optim_at,
+                                               prefetch_depth=prefetch)  # fmt: skip
+                resident["device"]["buffers"] += buffers
+                transient["device"]["activations"] += act
+                per = {tier: sum(resident[tier].values()) + sum(transient[tier].values()) for tier in E.TIERS}
+                if per["device"] > needed["device"]:
+                    needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in E.TIERS}
+            fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in E.TIERS)
+            terms = step_cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
+                          gpus, ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
+            config = _config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
+            out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
+                                      sum(terms.values()), terms, config))  # fmt: skip
+    # Equal times: the option needing less device memory first (room for a larger batch).
+    out.options.sort(key=lambda o: (not o.fits, round(o.seconds, 9), o.needed["device"]))
+    return out
+
+
+def _batch_parts(mode: str, t: int) -> int:
+    """The parts a grid mode cuts a micro-batch's rows into (1 for 1D)."""
+    if mode == "1d" or t == 1:
+        return 1
+    from hetero.parallel.grid.mesh import Grid
+
+    return Grid.shape_only(mode, t, _depth_of(mode, t)).batch_parts
+
+
+def _depth_of(mode: str, t: int) -> int | None:
+    """2.5D's depth at degree t: the smallest that fits (`tensor_modes.q_and_depth`); None for the other modes."""
+    qd = q_and_depth(t) if mode == "2.5d" else None
+    return qd[1] if qd else None
+
+
+def available_modes() -> tuple[str, ...]:
+    """The tensor modes `hetero.initialize` can run: 1D, and the others once the config has `tensor_mode`."""
+    from hetero.config import ParallelConfig
+
+    has = "tensor_mode" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    return tuple(TENSOR_MODES) if has else ("1d",)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _grid(
+    shape: Shape,
+    world: int,
+    gpus: int,
+    max_tensor: int | None,
+    modes: tuple[str, ...],
+    schedules: tuple[str, ...],
+) -> Any:
+    top = max_tensor if max_tensor is not None else min(world, gpus)
+    for t in _divisors(world):
+        if t > top:
+            continue
+        for mode in modes if t > 1 else ("1d",):
+            if t > 1 and TENSOR_MODES[mode].check(t):
+                continue
+            forms: tuple[str | None, ...] = (None, *SEQUENCE_FORMS) if t > 1 and mode == "1d" else (None,)
+            for sequence in forms:
+                for p in _divisors(world // t):
+                    if p > shape.layers or (p > 1 and sequence in ("ulysses", "ring")):  # the config refuses these
+                        continue
+                    for sched in schedules if p > 1 else ("1f1b",):
+                        if sched == "chimera" and p % 2:
+                            continue
+                        for m in sorted({p, 2 * p, 4 * p}) if p > 1 else (1, 2):
+                            yield t, mode, sequence, p, sched, m
+
+
+def _activations(
+    rank: tuple, p: int, sched: str, m: int, virtual: int, checkpointing: bool, units: dict[str, Any]
+) -> int:
+    """Peak activation bytes the rank keeps (`parallel_layout.walk`); `units`: by name, measured at the
+    micro-batch's rows."""
+    k, mine, stage_units = rank[:3]
+    stage_units = [[units[u.name] for u in su] for su in stage_units]
+    lay = Layout(pipeline=p, schedule=sched if p > 1 else "1f1b", microbatches=m, virtual=virtual)
+    return walk(stage_units, mine, lay, k, checkpointing)
+
+
+def _cap(machine: Machine, tier: str) -> int:
+    return {"device": machine.device_bytes, "host": machine.host_bytes, "nvme": machine.nvme_bytes}[tier]
+
+
+def _config(
+    lay: dict[str, Any],
+    stage: int,
+    params_at: str,
+    optim_at: str,
+    precision: str,
+    checkpointing: bool,
+    nvme_dir: str | None,
+) -> dict[str, Any]:
+    parallel: dict[str, Any] = {"microbatches": lay["microbatches"]}
+    if lay["tensor"] > 1:
+        parallel.update(tensor=lay["tensor"], sequence=lay["sequence"] or False)
+        if lay["tensor_mode"] != "1d":
+            parallel["tensor_mode"] = lay["tensor_mode"]
+        if lay["tensor_depth"] is not None:
+            parallel["tensor_depth"] = lay["tensor_depth"]
+    if lay["pipeline"] > 1:
+        parallel.update(pipeline=lay["pipeline"], schedule=lay["schedule"], pipeline_split="auto")
+        if lay["virtual_stages"] > 1:
+            parallel["virtual_stages"] = lay["virtual_stages"]
+    config = {
+        "zero_stage": stage,
+        "precision": precision,
+        "offload": {"params": params_at, "optimizer": optim_at},
+        "activation_checkpointing": checkpointing,
+        "parallel": parallel,
+    }
+    if "nvme" in (params_at, optim_at):
+        config["memory"] = {"nvme_dir": nvme_dir or "/path/on/nvme"}
+    return config

@@ -1,0 +1,118 @@
+"""Full values of sharded parameters on demand: `engine.gathered_parameters()` blocks and `full_state_dict()`.
+
+At stage 3 a parameter's values live on its rank only as a shard; these views gather whole chunks, hold every
+parameter of them in use for the duration, and release what they gathered. The gathers are collectives: every rank
+enters with the same chunks, in layout order, each announced to the checker ([Note: every rank in step]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from hetero.comm import Comm
+from hetero.device import Device
+from hetero.memory import ChunkManager, TensorState
+from hetero.zero.protocol import SUMMON, Checker
+from hetero.zero.tiling import Tiled, assembled
+from hetero.zero.units import Entry
+from hetero.zero.zero_chunk import ZeroChunk
+
+
+class ParameterViews:
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: list[ZeroChunk],
+        entries: dict[int, Entry],
+        *,
+        check: Checker,
+        comm: Comm,
+        device: Device,
+        dtype: torch.dtype,
+        tiled: dict[int, Tiled],
+        manager: ChunkManager,
+    ) -> None:
+        self.module, self.chunks, self.entries = module, chunks, entries
+        self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
+        self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """See `Engine.full_state_dict`."""
+        values: dict[int, torch.Tensor] = {}
+        for zc in self.chunks:
+            with self.summoned([zc]):
+                for info, value in zip(zc.spec.params, zc.full_values().values()):
+                    if info.tiled:  # a tile's rows of the whole value
+                        whole = values.setdefault(id(info.param), torch.empty(info.param.shape, dtype=value.dtype))
+                        a, b = info.rows
+                        whole[a:b].copy_(value)
+                    else:
+                        values[id(info.param)] = value
+        return {
+            name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
+            for name, t in self.module.state_dict(keep_vars=True).items()
+        }
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[torch.Tensor] | None = None, *, modify: bool = False) -> Iterator[None]:
+        """See `Engine.gathered_parameters`."""
+        wanted = None
+        if params is None:
+            chunks = list(self.chunks)
+        else:
+            wanted = {id(p) for p in params}
+            unknown = wanted - set(self.entries) - set(self.tiled)
+            if unknown:
+                raise ValueError(
+                    f"gathered_parameters: {len(unknown)} of the tensors given are not parameters this engine manages"
+                )
+            chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
+        tiled = [t for k, t in self.tiled.items() if wanted is None or k in wanted]
+        with self.summoned(chunks):
+            with assembled(tiled, self.manager, modify=modify):
+                yield
+            if modify:
+                self._adopt_rank0(chunks)
+
+    @contextlib.contextmanager
+    def summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
+        """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
+        for the purpose on the way out."""
+        fresh = [zc for zc in chunks if not zc.gathered]
+        entries = [self.entries[id(i.param)] for zc in chunks for i in zc.spec.params if not i.tiled]
+        for zc in chunks:
+            if not zc.gathered:
+                self.check(SUMMON, chunk=zc.spec.index)
+            zc.unshard()
+            for e in entries:
+                if e.chunk is zc:
+                    zc.enter(e)
+        try:
+            yield
+        finally:
+            for e in entries:
+                e.chunk.exit(e, TensorState.HOLD)
+            for zc in fresh:
+                zc.reshard()
+
+    def _adopt_rank0(self, chunks: list[ZeroChunk]) -> None:
+        """After `gathered(modify=True)`: every rank takes rank 0's values, shards and master weights included (an
+        element whose compute-dtype value did not change keeps its fp32 master)."""
+        for zc in chunks:
+            full = zc.full.payload
+            self.comm.broadcast(full, src=0)
+            if zc.optim is None:  # frozen: no master weights
+                if zc.stage == 3:
+                    zc.write_shard(full)
+                continue
+            master, _ = zc.optimizer_views()
+            mine = zc.kept(full)
+            new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
+            changed = new != master.to(self.dtype).to(torch.float32)
+            master[changed] = new[changed]
+            if zc.stage == 3:
+                zc.write_shard(full)

@@ -1,0 +1,281 @@
+"""Pretrained weights as users have them: which files, which tensor goes to which parameter.
+
+[Note: matching weight names]
+`weights=` names a .safetensors or .bin (.pt, .pth) file, a directory of either, or a Hugging Face sharded index
+(`*.safetensors.index.json`, `pytorch_model.bin.index.json`). safetensors files are read lazily, one tensor at a
+time; torch files are loaded with `weights_only=True` (never unpickling code) and memory-mapped where their format
+allows, so a tensor's pages are read when it is copied.
+
+Names are the model's own `state_dict` keys. Like `from_pretrained`, a model with a `base_model_prefix` (GPT-2's
+"transformer", Llama's "model") takes weights saved from its base model (keys without the prefix) and a base model
+takes weights saved from a head model (keys with it; the head's own tensors are then unexpected). Keys in the files
+that the model does not have are a warning by default (`strict_weights=True`: an error); tensors the model has and
+the files lack keep the model's own values when it was built normally, and are an error for a meta-device model,
+which has no values. Shape mismatches are always errors: the model was built from another config. When most names
+fail to match, the error says why in terms of the names themselves: a prefix one side has and the other lacks
+(a `module.` wrapper, another head) or two different naming schemes (another architecture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.errors import WeightsError
+
+log = logging.getLogger("hetero.zero")
+_SAFE = (".safetensors",)
+_TORCH = (".bin", ".pt", ".pth")
+_SHOW = 10
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a file, a directory, or a Hugging Face `*.index.json`."""
+    path = Path(path)
+    if path.is_dir():
+        for pattern in ("*.safetensors.index.json", "*.safetensors", "*.bin.index.json", "*.bin", "*.pt", "*.pth"):
+            found = sorted(path.glob(pattern))
+            if found and pattern.endswith(".index.json"):
+                path = found[0]
+                break
+            if found:
+                return found
+        else:
+            raise WeightsError(
+                f"weights: no .safetensors, .bin, .pt or .pth files (or index.json) in directory {str(path)!r}"
+            )
+    if not path.is_file():
+        raise WeightsError(f"weights: {str(path)!r} does not exist")
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise WeightsError(f"weights: {str(path)!r} is not a Hugging Face index (no weight_map): {e}") from None
+        files = [path.parent / s for s in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise WeightsError(f"weights: the index {str(path)!r} names files that do not exist: {absent[:_SHOW]}")
+        return files
+    if not path.name.endswith(_SAFE + _TORCH):
+        raise WeightsError(
+            f"weights: expected a .safetensors, .bin, .pt or .pth file, a directory or an index.json, got {str(path)!r}"
+        )
+    return [path]
+
+
+class WeightSource:
+    """Tensors by name across a set of weight files, read on demand."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = contextlib.ExitStack()
+        self._where: dict[str, Any] = {}  # key -> safe_open handle, or the loaded (memory-mapped) dict
+        try:
+            for f in files:
+                self._open(f)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _open(self, f: Path) -> None:
+        if f.name.endswith(_SAFE):
+            handle = self._stack.enter_context(_safe_open()(str(f), framework="pt", device="cpu"))
+            for k in handle.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
+                self._where[k] = handle
+            return
+        state = _torch_load(f)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                self._where[k] = state
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        src = self._where[key]
+        if isinstance(src, dict):
+            return tuple(src[key].shape)
+        return tuple(src.get_slice(key).get_shape())
+
+    def read(self, key: str) -> torch.Tensor:
+        src = self._where[key]
+        return src[key] if isinstance(src, dict) else src.get_tensor(key)
+
+    def read_rows(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of a tensor, without reading the rest from a .safetensors file (a tile's share of a weight,
+        [Note: initialising tiles] in materialize.py)."""
+        src = self._where[key]
+        return src[key][a:b] if isinstance(src, dict) else src.get_slice(key)[a:b]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._where.clear()
+
+    def __enter__(self) -> WeightSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _safe_open() -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise WeightsError(
+            "weights=: reading .safetensors files needs the safetensors package: pip install 'hetero[hf]'"
+        ) from None
+    return safe_open
+
+
+def _torch_load(f: Path) -> dict[str, Any]:
+    try:
+        try:
+            state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(str(f), map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
+    except Exception as e:
+        raise WeightsError(
+            f"weights: {str(f)!r} cannot be loaded safely (torch.load weights_only=True: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). It must hold a plain state_dict of tensors; convert it "
+            "to .safetensors where it holds more"
+        ) from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]  # a training checkpoint's common layout
+    if not isinstance(state, dict):
+        raise WeightsError(f"weights: {str(f)!r} holds a {type(state).__name__}, not a state_dict")
+    return state
+
+
+@dataclass
+class Match:
+    """How the files' keys map onto the model's tensors."""
+
+    chosen: dict[int, str] = field(default_factory=dict)  # id(model tensor) -> source key to read it from
+    missing: list[str] = field(default_factory=list)  # model keys the files lack (one name per tensor)
+    unexpected: list[str] = field(default_factory=list)  # file keys the model does not have
+    shapes: list[str] = field(default_factory=list)  # "name: file (..), model (..)"
+    mapping: str = ""  # how names were mapped, for messages ("" when they matched as they are)
+
+
+def match(model: nn.Module, source: WeightSource) -> Match:
+    """Map the files' keys onto the model's state_dict by name, through the model's base prefix if it has one."""
+    state = model.state_dict(keep_vars=True)
+    file_keys = source.keys()
+    rename, how = _prefix_map(model, list(state), file_keys)
+    by_model_name: dict[str, str] = {}
+    out = Match(mapping=how)
+    for k in file_keys:
+        name = rename(k)
+        if name in state:
+            by_model_name[name] = k
+        else:
+            out.unexpected.append(k)
+    names_of: dict[int, list[str]] = {}
+    for name, t in state.items():
+        names_of.setdefault(id(t), []).append(name)
+    for key, names in names_of.items():
+        found = [n for n in names if n in by_model_name]
+        if not found:
+            out.missing.append(names[0])
+            continue
+        src = by_model_name[found[0]]
+        out.chosen[key] = src
+        expect, got = tuple(state[found[0]].shape), source.shape(src)
+        if got != expect:
+            out.shapes.append(f"{found[0]}: file {got}, model {expect}")
+    # A tied parameter's other names are neither missing nor unexpected when the files hold it under one of them.
+    return out
+
+
+def _prefix_map(model: nn.Module, model_keys: list[str], file_keys: list[str]) -> tuple[Any, str]:
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix:
+        dot = prefix + "."
+        has = any(k.startswith(dot) for k in file_keys)
+        expects = any(k.startswith(dot) for k in model_keys)
+        if expects and not has:
+            # Base-model weights into a model with a head: the base's keys gain the prefix, except those the model
+            # has as they are (a head tied outside the base).
+            plain = set(model_keys)
+            return (lambda k: k if k in plain else dot + k), f"base-model keys given the prefix {dot!r}"
+        if has and not expects:
+            return (lambda k: k[len(dot) :] if k.startswith(dot) else k), f"the prefix {dot!r} removed"
+    return (lambda k: k), ""
+
+
+def explain(m: Match, model: nn.Module, path: Path) -> str:
+    """Why the names do not match, in terms of the names (see [Note: matching weight names])."""
+    parts = []
+    if m.missing:
+        parts.append(f"{len(m.missing)} missing from the files: {_list(m.missing)}")
+    if m.unexpected:
+        parts.append(f"{len(m.unexpected)} not in the model: {_list(m.unexpected)}")
+    if m.shapes:
+        parts.append(f"{len(m.shapes)} with other shapes: {_list(m.shapes)}")
+    cause = _cause(m, model)
+    return f"weights {str(path)!r} do not fit {type(model).__name__}: " + "; ".join(parts) + f". {cause}"
+
+
+def _cause(m: Match, model: nn.Module) -> str:
+    if m.shapes and not m.missing:
+        return (
+            "The names match but shapes do not: the model was built from another config than the weights (compare "
+            "hidden sizes, vocabulary, layer counts)"
+        )
+    if m.missing and m.unexpected:
+        diff = _common_prefix_difference(m.missing, m.unexpected)
+        if diff is not None:
+            extra, side = diff
+            where = "the files' keys" if side == "files" else "the model's keys"
+            return (
+                f"{where} carry the prefix {extra!r} that the other side's lack (a wrapper such as DDP's 'module.', "
+                "or weights of another head or base model): strip or add it, or build the model class the weights "
+                "were saved from"
+            )
+        if not m.chosen:
+            return (
+                f"No name matches: the files follow another naming scheme (first file key {m.unexpected[0]!r}, "
+                f"first model key {m.missing[0]!r}): they were saved from another architecture than "
+                f"{type(model).__name__}"
+            )
+        return "Some names differ: the weights were saved from another version or variant of this model"
+    if m.missing:
+        return (
+            "The model has tensors the files do not: build the model normally (its own values are kept, as "
+            "from_pretrained initialises new heads), or pass weights that hold them"
+        )
+    return "Pass strict_weights=False to load them anyway, leaving out the keys the model does not have"
+
+
+def _common_prefix_difference(missing: list[str], unexpected: list[str]) -> tuple[str, str] | None:
+    """A first name component that one side has on (nearly) every key and whose removal makes the names match."""
+    for keys, others, side in ((unexpected, missing, "files"), (missing, unexpected, "model")):
+        heads = {k.split(".", 1)[0] for k in keys if "." in k}
+        for head in heads:
+            dot = head + "."
+            stripped = {k[len(dot) :] for k in keys if k.startswith(dot)}
+            hits = stripped & set(others)
+            if hits and len(hits) >= max(1, len(others) // 2):
+                return dot, side
+    return None
+
+
+def _list(names: list[str]) -> str:
+    return ", ".join(names[:_SHOW]) + (" ..." if len(names) > _SHOW else "")
+
+
+def iter_reads(m: Match, source: WeightSource, tensors: list[torch.Tensor]) -> Iterator[torch.Tensor | None]:
+    """Each tensor's values from the files (None: not in the files)."""
+    for t in tensors:
+        key = m.chosen.get(id(t))
+        yield source.read(key) if key is not None else None

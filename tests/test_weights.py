@@ -1,0 +1,142 @@
+"""weights= as users have them: .bin and .safetensors files, directories, sharded indexes, base-model weights into
+a model with a head and back (as from_pretrained maps them), unexpected keys as warnings (or errors), and errors
+that name the real cause when names do not match. Loaded values are compared exactly: they are copied, not
+computed."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import hetero
+from hetero.errors import WeightsError
+
+transformers = pytest.importorskip("transformers")
+
+CFG = dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+
+
+def _head(meta: bool = True) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(**CFG)
+    if meta:
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(cfg)
+    torch.manual_seed(1)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _base(meta: bool = True) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(**CFG)
+    if meta:
+        with torch.device("meta"):
+            return transformers.GPT2Model(cfg)
+    torch.manual_seed(2)
+    return transformers.GPT2Model(cfg)
+
+
+def _load(model: torch.nn.Module, path, **kw) -> dict[str, torch.Tensor]:
+    engine = hetero.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3, "chunk_size": 4096}, weights=path, **kw
+    )
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state_dict as torch.save writes it: tied tensors once (GPT-2's lm_head is the embedding)."""
+    return {k: v.detach().clone().contiguous() for k, v in state.items() if k != "lm_head.weight"}
+
+
+def test_bin_file_directory_and_sharded_index(tmp_path):
+    src = _base(meta=False)
+    state = _plain(src.state_dict())
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    for path in (tmp_path / "pytorch_model.bin", tmp_path):
+        got = _load(_base(), path)
+        for k, v in src.state_dict().items():
+            assert torch.equal(got[k], v), k
+    # Hugging Face's sharded .bin layout.
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    keys = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, ks in shards.items():
+        torch.save({k: state[k] for k in ks}, shard_dir / name)
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (shard_dir / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    got = _load(_base(), shard_dir)
+    for k, v in src.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def test_bin_is_loaded_without_unpickling_code(tmp_path):
+    torch.save({"h.0.attn.c_attn.weight": torch.zeros(1), "evil": object()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(WeightsError, match="weights_only"):
+        _load(_base(), tmp_path / "pytorch_model.bin")
+
+
+def test_base_weights_into_head_model_and_back(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    base = _base(meta=False)
+    safetensors_torch.save_file(_plain(base.state_dict()), str(tmp_path / "base.safetensors"))
+    got = _load(_head(), tmp_path / "base.safetensors")  # keys gain "transformer."; lm_head is tied to wte
+    for k, v in base.state_dict().items():
+        assert torch.equal(got[f"transformer.{k}"], v), k
+    assert torch.equal(got["lm_head.weight"], base.state_dict()["wte.weight"])
+
+    head = _head(meta=False)
+    torch.save(_plain(head.state_dict()), tmp_path / "head.bin")
+    got = _load(_base(), tmp_path / "head.bin")  # "transformer." is removed
+    for k, v in got.items():
+        assert torch.equal(v, head.state_dict()[f"transformer.{k}"]), k
+
+
+def test_unexpected_keys_warn_or_fail(tmp_path, caplog):
+    state = _plain(_base(meta=False).state_dict())
+    state["pooler.dense.weight"] = torch.zeros(3, 3)
+    torch.save(state, tmp_path / "w.bin")
+    with caplog.at_level(logging.WARNING, logger="hetero.zero"):
+        got = _load(_base(), tmp_path / "w.bin")
+    assert "pooler.dense.weight" in caplog.text and "strict_weights" in caplog.text
+    assert torch.equal(got["wte.weight"], state["wte.weight"])
+    with pytest.raises(WeightsError, match="pooler.dense.weight"):
+        _load(_base(), tmp_path / "w.bin", strict_weights=True)
+
+
+def test_missing_tensors_keep_a_built_models_values_and_fail_a_meta_one(tmp_path, caplog):
+    state = _plain(_base(meta=False).state_dict())
+    del state["ln_f.weight"]
+    torch.save(state, tmp_path / "w.bin")
+    built = _base(meta=False)
+    own = built.ln_f.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="hetero.zero"):
+        got = _load(built, tmp_path / "w.bin")
+    assert torch.equal(got["ln_f.weight"], own) and "ln_f.weight" in caplog.text
+    with pytest.raises(WeightsError, match="ln_f.weight"):
+        _load(_base(), tmp_path / "w.bin")
+
+
+def test_errors_name_the_cause(tmp_path):
+    state = _plain(_base(meta=False).state_dict())
+    # Saved from a DDP wrapper: every key carries "module.".
+    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "ddp.bin")
+    with pytest.raises(WeightsError, match="prefix 'module.'"):
+        _load(_base(), tmp_path / "ddp.bin")
+    # Another architecture: nothing matches.
+    llama = transformers.LlamaModel(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
+    torch.save(_plain(llama.state_dict()), tmp_path / "llama.bin")
+    with pytest.raises(WeightsError, match="another architecture"):
+        _load(_base(), tmp_path / "llama.bin")
+    # Same names, other shapes: another config (not a naming problem).
+    other = transformers.GPT2Model(transformers.GPT2Config(**{**CFG, "n_embd": 16}))
+    torch.save(_plain(other.state_dict()), tmp_path / "small.bin")
+    with pytest.raises(WeightsError, match="another config"):
+        _load(_base(), tmp_path / "small.bin")
