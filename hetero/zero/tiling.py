@@ -382,12 +382,12 @@ def assembled(tiled: list[Tiled], manager: ChunkManager, *, modify: bool) -> Ite
             manager.access(c, Tier.DEVICE)
             c.set_state(slot, _T.COMPUTE)  # pinned on the device while the block reads it
             whole = c.view(slot)
-            held.append((t, c, t.param.data))
             for e in t.tiles:
                 manager.access(e.chunk.full, Tier.DEVICE, write=False)
                 a, b = e.info.rows
                 whole[a:b].copy_(e.chunk.full.view(e.slot))
-            released.restore([t.param])
+            released.restore([t.param])  # its stub is readable again (released below, in any case)
+            held.append((t, c, t.param.data))
             t.param.data = whole
         yield
         if modify:
