@@ -108,7 +108,7 @@ def row(family: str, size: str, cls_name: str, kwargs: dict, args: argparse.Name
         "n_params": est.n_params,
         "chunk_elements": est.chunk_elements,
         "n_chunks": est.n_chunks,
-        "chunk_numel": est.chunk_numel,
+        "chunk_numel": getattr(est, "chunk_numel", 0),  # 0: an estimator without it (main before issue 14)
         "tiled_weights": tiles,
         "padding": est.chunk_elements / est.n_params - 1,
         "estimate_s": layout_s,

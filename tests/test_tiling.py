@@ -81,6 +81,22 @@ def test_tiled_layers_match_untiled_forward_and_backward(stage):
     engine.close()
 
 
+def test_the_profiler_names_the_tiled_weights(tmp_path):
+    ids, x, w = _data()
+    model = _net()
+    cfg = {"zero_stage": 3, "chunk_size": "auto", "memory": {"device_budget": 40 << 10, "host_budget": 1 << 20}}
+    engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg)
+    with hetero.profile(engine, tmp_path / "prof", plot=False):
+        engine.backward((engine(ids, x) * w).sum())
+        engine.step()
+    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
+    tiled = engine.memory_stats()["tiled"]
+    assert tiled and summary["tiled"] == tiled  # chosen by the budgets: no chunk_size was given
+    assert summary["tiled"]["head.weight"]["modules"] == ["head"]
+    assert "head.weight (96, 48):" in (tmp_path / "prof" / "summary.txt").read_text()
+    engine.close()
+
+
 def test_tiling_off_keeps_layers_whole():
     model = _net()
     engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), {"chunk_size": 256, "tiling": False})
