@@ -13,6 +13,7 @@ from hetero.io import hugepages
 from hetero.memory.budgets import check_budgets, default_device_budget, default_host_budget
 from hetero.memory.budgets import nvme_budget as nvme_budget_of
 from hetero.memory.chunk import Chunk
+from hetero.memory.heap import bound_heap_retention
 from hetero.memory.pool import BufferPool
 from hetero.memory.states import ChunkState
 from hetero.memory.tier import Tier, TierLedger
@@ -36,6 +37,7 @@ class Storage:
         check_budgets(
             device, device_budget=device_budget, host_budget=host_budget, nvme_dir=nvme_dir, nvme_budget=nvme_budget
         )
+        bound_heap_retention()  # freed buffers leave the process ([Note: the heap keeps what the budgets free])
         self.store = None  # the NVMe swap store, when nvme_dir is given
         if nvme_dir is not None:
             from hetero.memory.nvme import NvmeStore
