@@ -146,6 +146,25 @@ def test_tiles_on_two_ranks(tmp_path, monkeypatch, standin):
     parity.check(r, steps=2, rows=4)
 
 
+def _uneven_budgets(rank: int, world: int) -> dict:
+    budget = (48 << 10) if rank == 0 else (1 << 20)  # rank 0's budget alone would take smaller chunks
+    cfg = {"zero_stage": 3, "chunk_size": "auto", "memory": {"device_budget": budget, "host_budget": 4 << 20}}
+    # SGD: weights checked where rounding is not amplified (see the test above with the device budget).
+    return parity.run_hetero(
+        rank, world, steps=2, rows=4, config=cfg, model_overrides={"vocab_size": 512}, optimizer="sgd"
+    )
+
+
+@pytest.mark.timeout(200)
+def test_auto_chunk_size_is_agreed_by_ranks_with_different_budgets():
+    """The automatic chunk size is the smallest rank's (an all-reduce every rank makes, since chunk_size is "auto"
+    in the shared config): both ranks build one layout, tiles included, and train to plain PyTorch's losses."""
+    r0, r1 = run_distributed(_uneven_budgets, 2, timeout=180)
+    assert r0["stats"]["tiled"] == r1["stats"]["tiled"] and "embed.weight" in r0["stats"]["tiled"]
+    assert r0["stats"]["device"]["budget"] != r1["stats"]["device"]["budget"]
+    parity.check(r0, steps=2, rows=4, model_overrides={"vocab_size": 512}, optimizer="sgd")
+
+
 # ---- the layout ------------------------------------------------------------------------------------------------
 def test_pack_tiled_splits_whole_rows_and_wastes_nothing_on_tiles():
     # A small tensor, a 10-row tensor of rows of 30 (tileable), another small one, an untileable big one.
