@@ -153,8 +153,9 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
             }
         )
     stats = engine.memory_stats()
-    tiled = {name: t["tiles"] for name, t in stats["tiled"].items()}
-    engine_chunk = engine.chunks[0].spec.chunk_numel
+    # (.get / getattr: this script also measures the "before" of issue 14 on an engine without tiles.)
+    tiled = {name: t["tiles"] for name, t in stats.get("tiled", {}).items()}
+    engine_chunk = getattr(engine.chunks[0].spec, "chunk_numel", engine.chunks[0].spec.capacity)
     engine.close()
     return {
         "params": n,
