@@ -174,7 +174,9 @@ def test_pack_tiled_splits_whole_rows_and_wastes_nothing_on_tiles():
     assert [m for p in tiles for m in p.members] == [(1, 0, 120), (1, 120, 90), (1, 210, 90)]  # balanced, whole rows
     assert all(p.capacity == p.members[0][2] for p in tiles)
     assert [p.members for p in packed if not p.tile] == [((0, 0, 40),), ((2, 0, 50),), ((3, 0, 500),)]
-    assert [p.capacity for p in packed if not p.tile] == [40, 50, 500]  # closed early: trimmed; oversize: exact
+    # Closed before tiles: trimmed; closed before an untileable oversize tensor (or the run's end): full; oversize:
+    # exact.
+    assert [p.capacity for p in packed if not p.tile] == [40, 128, 500]
 
 
 def test_only_tileable_layers_are_split():

@@ -227,9 +227,11 @@ def search_chunk_size(
 # [Note: tiles]
 # A tensor larger than a chunk is split over several chunks of its own by element range, whole rows each (rows of
 # dim 0): a *tile*. Tiles of one tensor are balanced (as equal as whole rows allow) and each chunk holds exactly one
-# tile, sized to it, so a tile costs no padding. The chunk open before the tensor is closed and trimmed to what it
-# holds, as is the last chunk of a run, so the only padding left is the tail of regular chunks that the next
-# tensor did not fit (and the rounding of capacities to the data-parallel size). Only tensors that may be computed
+# tile, sized to it, so a tile costs no padding. The chunk open before the tiles is closed and trimmed to what it
+# holds, so the only padding left is the tail of regular chunks that the next tensor did not fit, the last chunk of
+# a run, and the rounding of capacities to the data-parallel size. Those stay at the full capacity, as `pack` gives
+# them: chunks of one size reuse each other's freed buffers in the tiers' pools, where every extra size keeps buffers
+# of its own cached (the estimator's peaks count on it). Only tensors that may be computed
 # on tile by tile are split (`rows` gives their elements per row, None for the others): a tensor larger than a
 # chunk that may not be tiled gets an exactly sized chunk of its own, as `pack` gives it.
 
@@ -260,8 +262,9 @@ def pack_tiled(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: i
     for i, n in enumerate(numels):
         row = rows[i] if rows else None
         if n > chunk_numel:
-            close(trim=True)
-            if row is not None and 0 < row <= chunk_numel and n % row == 0:
+            tiles = row is not None and 0 < row <= chunk_numel and n % row == 0
+            close(trim=tiles)
+            if tiles:
                 total_rows = n // row
                 per = chunk_numel // row
                 parts = -(-total_rows // per)
@@ -278,7 +281,7 @@ def pack_tiled(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: i
         else:
             members.append((i, 0, n))
             used += n
-    close(trim=True)
+    close(trim=False)
     return out
 
 
