@@ -283,7 +283,8 @@ class Engine:
         if self.config.grad_accumulation_steps != 1:
             self.manager.step_end()
         # else: the update that follows belongs to the step's trace, so that prefetch and eviction see it coming
-        # (backward then keeps the gradients the update reads first); `_update`, or the next forward, ends it.
+        # (backward then keeps the gradients the update reads first); the update (`Updater.step`), or the next
+        # forward, ends it.
         self._in_step = False
         self.events.emit("backward_end")
 

@@ -291,7 +291,8 @@ def test_estimator_counts_each_modes_rank():
     ]:
         est = run(parallel)
         assert est.parallel["zero_world"] == zero_world, parallel
-        assert est.n_params * share == whole.n_params, (parallel, est.n_params)
+        assert est.n_params == whole.n_params  # the whole model, whatever the layout
+        assert est.chunk_params * share == whole.n_params, (parallel, est.chunk_params)  # rank 0's cut
         assert 0 < est.bytes("device", "activations") < whole.bytes("device", "activations"), parallel
 
 

@@ -4,6 +4,7 @@ private attributes, files a reader can hold in their head, and torch.cuda / torc
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,24 @@ def test_cuda_and_distributed_touched_in_one_place_each(name, home):
         if f"import {name}" in text or f"{name}." in text.replace(f"'{name}.", "").replace(f'"{name}.', ""):
             users.append(rel)
     assert not users, f"{name} used outside {home}: {users}"
+
+
+def _note_name(text: str) -> str:
+    # A citation may wrap over lines, inside a comment or a docstring.
+    return " ".join(re.sub(r"\n\s*#", " ", text).split())
+
+
+def test_every_cited_note_is_defined_once():
+    """A `[Note: name]` alone on its line (in a comment or a docstring) defines the note; anywhere else it cites one."""
+    defined: dict[str, list[str]] = {}
+    cited: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel, text = str(path.relative_to(ROOT.parent)), path.read_text()
+        for m in re.finditer(r'^[ \t]*(?:#[ \t]*|""")?\[Note: ([^\]\n]+)\][ \t]*$', text, re.M):
+            defined.setdefault(_note_name(m.group(1)), []).append(rel)
+        for m in re.finditer(r"\[Note: ([^\]]+)\]", text):
+            cited.setdefault(_note_name(m.group(1)), []).append(rel)
+    undefined = {name: where for name, where in cited.items() if name not in defined}
+    twice = {name: where for name, where in defined.items() if len(where) > 1}
+    assert not undefined, f"notes cited but written nowhere: {undefined}"
+    assert not twice, f"notes defined more than once: {twice}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -61,40 +62,20 @@ def consolidate(
     index = mf.Index(directory, manifest)
     shown = bar(sum(_numel(spec) for spec in plan.values()), "hetero: consolidating", unit="el")
     try:
-        if hf:
-            return _write_hf(index, manifest, plan, out, parse_size(max_shard_size, key="max_shard_size"), shown)
+        if hf or not out.endswith((".pt", ".safetensors")):
+            # A directory: Hugging Face's layout; without --hf everything in one model.safetensors.
+            limit = parse_size(max_shard_size, key="max_shard_size") if hf else sys.maxsize
+            return _write_hf(index, manifest, plan, out, limit, shown)
         if out.endswith(".pt"):
             state = {k: _assemble(index, spec).view(spec["shape"]) for k, spec in plan.items()}
             tmp = out + ".tmp"
             torch.save(state, tmp)
             os.replace(tmp, out)
             return [out]
-        written = []
-        if out.endswith(".safetensors"):
-            path = out
-        else:
-            os.makedirs(out, exist_ok=True)
-            path = os.path.join(out, "model.safetensors")
-            hf = manifest["model"].get("hf_config")
-            if hf is not None:
-                cfg = os.path.join(out, "config.json")
-                with open(cfg, "w") as f:
-                    json.dump(hf, f, indent=2)
-                written.append(cfg)
-        tmp = path + ".tmp"
-        entries = [(k, spec["out_dtype"], tuple(spec["shape"])) for k, spec in plan.items()]
         # One scratch buffer, the size of the largest part, reused for every part: the allocator cannot let freed
         # buffers pile up, so peak memory stays at about one part.
-        parts = {k: _parts(index, spec) for k, spec in plan.items()}
-        largest = max((b - a for ranges in parts.values() for a, b in ranges), default=0)
-        scratch = torch.empty(largest * 8, dtype=torch.uint8)
-        with PartWriter(tmp, entries, metadata={"format": "pt"}) as w:
-            for k, spec in plan.items():
-                _write_one(w, index, k, spec, parts[k], scratch)
-                shown.update(_numel(spec))
-        os.replace(tmp, path)
-        written.insert(0, path)
-        return written
+        _write_file(out, list(plan), plan, index, _scratch(plan, index), shown)
+        return [out]
     finally:
         shown.close()
         index.close()
@@ -122,17 +103,11 @@ def _write_hf(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    parts = {k: _parts(index, spec) for k, spec in plan.items()}
-    scratch = torch.empty(max((b - a for r in parts.values() for a, b in r), default=0) * 8, dtype=torch.uint8)
+    scratch = _scratch(plan, index)
     written = []
     for name, keys in zip(names, shards):
         path = os.path.join(out, name)
-        entries = [(k, plan[k]["out_dtype"], tuple(plan[k]["shape"])) for k in keys]
-        with PartWriter(path + ".tmp", entries, metadata={"format": "pt"}) as w:
-            for k in keys:
-                _write_one(w, index, k, plan[k], parts[k], scratch)
-                shown.update(_numel(plan[k]))
-        os.replace(path + ".tmp", path)
+        _write_file(path, keys, plan, index, scratch, shown)
         written.append(path)
     if len(shards) > 1:
         total = sum(_numel(spec) * spec["out_dtype"].itemsize for spec in plan.values())
@@ -149,6 +124,25 @@ def _write_hf(
             json.dump(hf_config, f, indent=2)
         written.append(path)
     return written
+
+
+def _scratch(plan: dict[str, dict[str, Any]], index: mf.Index) -> torch.Tensor:
+    """Room for the largest part (`_parts`) of any tensor, at 8 bytes an element."""
+    return torch.empty(
+        max((b - a for s in plan.values() for a, b in _parts(index, s)), default=0) * 8, dtype=torch.uint8
+    )
+
+
+def _write_file(
+    path: str, keys: list[str], plan: dict[str, dict[str, Any]], index: mf.Index, scratch: torch.Tensor, shown: Any
+) -> None:
+    """One .safetensors file of `keys`, streamed part by part through `scratch`; renamed into place when whole."""
+    entries = [(k, plan[k]["out_dtype"], tuple(plan[k]["shape"])) for k in keys]
+    with PartWriter(path + ".tmp", entries, metadata={"format": "pt"}) as w:
+        for k in keys:
+            _write_one(w, index, k, plan[k], _parts(index, plan[k]), scratch)
+            shown.update(_numel(plan[k]))
+    os.replace(path + ".tmp", path)
 
 
 def _plan(manifest: dict[str, Any], target: torch.dtype | None) -> dict[str, dict[str, Any]]:

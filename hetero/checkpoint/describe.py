@@ -33,7 +33,9 @@ def rank_info(engine: Engine, fname: str) -> dict[str, Any]:
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         },
         "used": used,
-        "grad_fresh": [st["grad_is_zero"] for st in states],
+        "grad_fresh": [
+            st["grad_is_zero"] for st in states
+        ],  # the manifest key keeps its old name: old checkpoints load
         # This rank's part of the model and its step counts, merged on rank 0 (each stage knows only its own).
         "model": model_table(engine),
         "param_steps": {

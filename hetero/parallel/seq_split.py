@@ -37,7 +37,7 @@ from torch.autograd import Function
 from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.plans import resolve_plan
-from hetero.parallel.sequence import SEQ_DIM, all_reduce_grads, replace_first_input
+from hetero.parallel.sequence import SEQ_DIM, add_output_map, all_reduce_grads, replace_first_input
 from hetero.parallel.tensor import check_untouched
 from hetero.parallel.tp_ops import gather_seq_exact, scatter_seq
 
@@ -218,15 +218,7 @@ def apply_sequence_split(
 
             module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         if "sequence_gather" in styles:
-
-            def hook(_: nn.Module, args: tuple, output: Any, name: str = name) -> Any:
-                if isinstance(output, torch.Tensor):
-                    return join_positions(output, comm, layout)
-                if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                    return (join_positions(output[0], comm, layout), *output[1:])
-                raise ConfigError(f"{name} returned {type(output).__name__}: sequence_gather needs a tensor output")
-
-            module.register_forward_hook(hook)
+            add_output_map(module, name, lambda x: join_positions(x, comm, layout))
     if reduce_grads:
         all_reduce_grads(list(inside.values()), comm)
     else:

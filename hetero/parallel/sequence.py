@@ -54,17 +54,22 @@ def add_sequence_scatter(module: nn.Module, name: str, comm: Comm) -> None:
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-def add_sequence_gather(module: nn.Module, name: str, comm: Comm) -> None:
-    """Leave the region: the module's output is gathered into the whole sequence on every rank."""
+def add_output_map(module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """`fn` applied to the module's output (a tensor, or the first element of a tuple), by a forward hook."""
 
     def hook(_: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return gather_seq_exact(output, comm, SEQ_DIM)
+            return fn(output)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (gather_seq_exact(output[0], comm, SEQ_DIM), *output[1:])
+            return (fn(output[0]), *output[1:])
         raise ConfigError(f"{name} returned {type(output).__name__}: sequence_gather needs a tensor (or tuple) output")
 
     module.register_forward_hook(hook)
+
+
+def add_sequence_gather(module: nn.Module, name: str, comm: Comm) -> None:
+    """Leave the region: the module's output is gathered into the whole sequence on every rank."""
+    add_output_map(module, name, lambda x: gather_seq_exact(x, comm, SEQ_DIM))
 
 
 def all_reduce_grads(params: list[nn.Parameter], comm: Comm) -> None:

@@ -20,6 +20,7 @@ size 1 makes every function the identity. All of them go through :class:`hetero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,49 +70,33 @@ class _ReduceFromRegion(Function):
         return grad, None
 
 
-class _GatherSeq(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def _along(name: str, forward: Callable, backward: Callable) -> type[Function]:
+    """An autograd function along one dimension: `forward(x, comm, dim)` and its conjugate `backward(grad, comm,
+    dim)`, the table's two columns."""
+
+    def fwd(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
         ctx.comm, ctx.dim = comm, dim
-        return comm.all_gather_dim(x, dim)
+        return forward(x, comm, dim)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.comm.reduce_scatter_dim(grad, ctx.dim), None, None
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return backward(grad, ctx.comm, ctx.dim), None, None
 
-
-class _ReduceScatterSeq(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        _check_seq(x, comm, dim)
-        return comm.reduce_scatter_dim(x, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.comm.all_gather_dim(grad, ctx.dim), None, None
+    return type(name, (Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterSeq(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _keep_part(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.comm.all_gather_dim(grad, ctx.dim), None, None
+def _gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    return comm.all_gather_dim(x, dim)
 
 
-class _GatherSeqExact(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return comm.all_gather_dim(x, dim)
+def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    _check_seq(x, comm, dim)
+    return comm.reduce_scatter_dim(x, dim)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _keep_part(grad, ctx.comm, ctx.dim), None, None
+
+_GatherSeq = _along("_GatherSeq", _gather, _reduce_scatter)
+_ReduceScatterSeq = _along("_ReduceScatterSeq", _reduce_scatter, _gather)
+_ScatterSeq = _along("_ScatterSeq", _keep_part, _gather)
+_GatherSeqExact = _along("_GatherSeqExact", _gather, _keep_part)
 
 
 class _AllToAll(Function):

@@ -9,6 +9,8 @@ vocabulary, three all-reduces of one number per token instead of an all-gather o
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,14 +103,17 @@ def embed_vocab_parallel(module: nn.Embedding, ids: torch.Tensor, comm: Comm) ->
 
 
 class CausalLMLoss:
-    """Hugging Face's causal-LM loss (shift labels left by one, mean over tokens not ignored) on sharded logits.
+    """Hugging Face's causal-LM loss (shift labels left by one, mean over tokens not ignored) on logits sharded by
+    vocabulary over `comm`.
 
     Installed as ``model.loss_function``, which recent transformers call as
-    ``loss_function(logits, labels, vocab_size, **kwargs)``.
+    ``loss_function(logits, labels, vocab_size, **kwargs)``. `entropy(logits, labels, ignore_index=, num_items=)`
+    is the sharded cross entropy (default: the 1D vocabulary-parallel one over `comm`; the grid modes give theirs).
     """
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: Comm, *, entropy: Callable[..., torch.Tensor] | None = None) -> None:
         self.comm = comm
+        self.entropy = entropy or functools.partial(vocab_parallel_cross_entropy, comm=comm)
 
     def __call__(
         self,
@@ -127,16 +132,14 @@ class CausalLMLoss:
             )
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        return vocab_parallel_cross_entropy(
-            logits, shift_labels, self.comm, ignore_index=ignore_index, num_items=num_items_in_batch
-        )
+        return self.entropy(logits, shift_labels, ignore_index=ignore_index, num_items=num_items_in_batch)
 
 
 class AlignedLMLoss:
     """The loss of ``hetero.models.gpt.GPT`` (labels already aligned, -100 ignored) on sharded logits."""
 
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
+    def __init__(self, comm: Comm, *, entropy: Callable[..., torch.Tensor] | None = None) -> None:
+        self.entropy = entropy or functools.partial(vocab_parallel_cross_entropy, comm=comm)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.comm, ignore_index=-100)
+        return self.entropy(logits, labels, ignore_index=-100)

@@ -87,6 +87,40 @@ class ActivationEstimate:
     note: str = ""
 
 
+def meter_modules(
+    model: nn.Module, inputs: dict[str, Any], modules: dict[str, nn.Module], *, dtype: torch.dtype
+) -> tuple[SavedBytes, dict[str, int]]:
+    """One forward of `model` on `inputs` on the meta device: what it saves for backward, attributed to the labelled
+    `modules` that were running (`by_owner`; "" for outside all of them), and the bytes of each module's first
+    tensor input. Parameters and buffers are replaced by meta tensors of the compute dtype for the call
+    (torch.func.functional_call), so this works on a real model as well as on one built on meta."""
+    params = {n: meta_like(p, dtype) for n, p in model.named_parameters()}
+    buffers = {n: meta_like(b, dtype) for n, b in model.named_buffers()}
+    meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
+    firsts: dict[str, int] = {}
+    handles = []
+    for name, module in modules.items():
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict, label: str = name) -> None:
+            meter.owner = label
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                firsts[label] = first.untyped_storage().nbytes()
+
+        def post(mod: nn.Module, args: tuple, out: Any) -> None:
+            meter.owner = ""
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post))
+    try:
+        with torch.device("meta"), FusedAttention(), meter.active():
+            torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return meter, firsts
+
+
 def meta_activation_bytes(
     model: nn.Module,
     inputs: dict[str, Any],
@@ -94,42 +128,15 @@ def meta_activation_bytes(
     dtype: torch.dtype,
     checkpointing: bool = False,
 ) -> ActivationEstimate:
-    """Bytes a forward of `model` on `inputs` saves for backward, counted on the meta device: nothing is allocated.
-
-    Parameters and buffers are replaced by meta tensors of the compute dtype for the call (torch.func.functional_call),
-    so this works on a real model as well as on one built on meta.
-    """
-    params = {n: meta_like(p, dtype) for n, p in model.named_parameters()}
-    buffers = {n: meta_like(b, dtype) for n, b in model.named_buffers()}
-    meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
+    """Bytes a forward of `model` on `inputs` saves for backward, counted on the meta device: nothing is allocated
+    (`meter_modules`)."""
     blocks = repeated_blocks(model) if checkpointing else []
-    block_inputs = 0
-    handles = []
-    for i, block in enumerate(blocks):
-
-        def pre(mod: nn.Module, args: tuple, kwargs: dict, label: str = f"block{i}") -> None:
-            nonlocal block_inputs
-            meter.owner = label
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            if first is not None:
-                block_inputs += first.untyped_storage().nbytes()
-
-        def post(mod: nn.Module, args: tuple, out: Any) -> None:
-            meter.owner = ""
-
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(block.register_forward_hook(post))
-    try:
-        with torch.device("meta"), FusedAttention(), meter.active():
-            torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
-    finally:
-        for h in handles:
-            h.remove()
+    meter, firsts = meter_modules(model, inputs, {f"block{i}": b for i, b in enumerate(blocks)}, dtype=dtype)
     if not blocks:
         return ActivationEstimate(bytes=meter.total, saved=meter.total, checkpointed=False)
     in_blocks = {k: v for k, v in meter.by_owner.items() if k}
     outside = meter.by_owner.get("", 0)
-    held = outside + block_inputs + max(in_blocks.values(), default=0)
+    held = outside + sum(firsts.values()) + max(in_blocks.values(), default=0)
     return ActivationEstimate(bytes=held, saved=meter.total, checkpointed=True, note=f"{len(blocks)} blocks")
 
 

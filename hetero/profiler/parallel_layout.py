@@ -30,7 +30,7 @@ from hetero.config import Config
 from hetero.errors import ConfigError
 from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import balanced, units_of
-from hetero.profiler.activations import FusedAttention, SavedBytes, meta_like, repeated_blocks, storage_key
+from hetero.profiler.activations import meter_modules, repeated_blocks
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.tensor_modes import q_and_depth
 
@@ -234,34 +234,10 @@ def _dedupe(units: list[Unit]) -> list[Unit]:
 
 def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> None:
     """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note)."""
-    params = {n: meta_like(p, dtype) for n, p in model.named_parameters()}
-    buffers = {n: meta_like(b, dtype) for n, b in model.named_buffers()}
-    meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
     modules = dict(model.named_modules())
-    handles = []
-    firsts: dict[str, int] = {}
-    for u in units:
-        m = modules.get(u.name)
-        if m is None:
-            continue
-
-        def pre(mod: nn.Module, args: tuple, kwargs: dict, label: str = u.name) -> None:
-            meter.owner = label
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            if first is not None:
-                firsts[label] = first.untyped_storage().nbytes()
-
-        def post(mod: nn.Module, args: tuple, out: Any) -> None:
-            meter.owner = ""
-
-        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(m.register_forward_hook(post))
-    try:
-        with torch.device("meta"), FusedAttention(), meter.active():
-            torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
-    finally:
-        for h in handles:
-            h.remove()
+    meter, firsts = meter_modules(
+        model, inputs, {u.name: modules[u.name] for u in units if u.name in modules}, dtype=dtype
+    )
     for u in units:
         u.saved = meter.by_owner.get(u.name, 0)
         u.input = firsts.get(u.name, 0)

@@ -2,8 +2,8 @@
 
 Stage 3 gathers a unit's chunks just before the unit runs (see [Note: units]) and lets the collective protocol
 decide when to release them (`hetero/zero/protocol.py`). Backward needs the parameters again: a unit's outputs pass
-through `_PreBackward`, an identity whose backward runs before the unit's own, and gathers them there (modules have
-no reliable pre-backward hook); its inputs pass through `_PostBackward`, whose backward runs once the unit's
+through `_OnBackward`, an identity whose backward runs before the unit's own, and gathers them there (modules have
+no reliable pre-backward hook); its inputs pass through another `_OnBackward`, whose backward runs once the unit's
 backward is done. Every stage takes gradients from a post-accumulate-grad hook: the moment a parameter's gradient of
 this micro-batch is complete it is added into the chunk's gradient buffer and `param.grad` is cleared, so no
 per-parameter gradient outlives its use.
@@ -23,7 +23,11 @@ from hetero.zero.protocol import Gathers, in_backward
 from hetero.zero.units import Entry, Unit
 
 
-class _PreBackward(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """An identity on tensors whose backward calls `hook` when the gradients of all of them have arrived. On a
+    unit's outputs that is just before the unit's backward (pre-backward: gather); on its inputs, just after it
+    (post-backward: the moment the unit's parameters can be released)."""
+
     @staticmethod
     def forward(ctx: Any, hook: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hook = hook
@@ -35,13 +39,13 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def wrap_outputs(output: Any, hook: Callable[[], None], fn: type = _PreBackward) -> Any:
-    """Pass every floating tensor of output that requires grad through one `fn` (_PreBackward by default)."""
+def wrap_outputs(output: Any, hook: Callable[[], None]) -> Any:
+    """Pass every floating tensor of output that requires grad through one `_OnBackward` calling `hook`."""
     found: list[torch.Tensor] = []
     _collect(output, found)
     if not found:
         return output
-    wrapped = iter(fn.apply(hook, *found))
+    wrapped = iter(_OnBackward.apply(hook, *found))
     return _replace(output, lambda t: next(wrapped))
 
 
@@ -80,21 +84,6 @@ def _replace(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         changes = {f.name: _replace(getattr(x, f.name), fn) for f in dataclasses.fields(x) if f.init}
         return dataclasses.replace(x, **changes)
     return x
-
-
-class _PostBackward(torch.autograd.Function):
-    """An identity on a unit's inputs whose backward runs once the unit's backward is done (the gradients of its
-    inputs are computed): the moment the unit's parameters can be released."""
-
-    @staticmethod
-    def forward(ctx: Any, hook: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.hook = hook
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.hook()
-        return (None, *grads)
 
 
 class Hooks:
@@ -146,7 +135,7 @@ def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gath
         if own:
             gathers.use(own, owner)
         if unit is not None and torch.is_grad_enabled() and not in_backward():
-            args, kwargs = wrap_outputs((args, kwargs), post_backward, fn=_PostBackward)
+            args, kwargs = wrap_outputs((args, kwargs), post_backward)
         return args, kwargs
 
     return hook

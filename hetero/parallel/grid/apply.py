@@ -20,6 +20,7 @@ types, divisibility by the grid) run before anything changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 
@@ -28,12 +29,13 @@ from torch import nn
 
 from hetero.errors import ConfigError
 from hetero.parallel.grid.layers import MIXINS, GridRole, norm_kind
-from hetero.parallel.grid.loss import GridAlignedLMLoss, GridCausalLMLoss
+from hetero.parallel.grid.loss import grid_cross_entropy
 from hetero.parallel.grid.mesh import Grid, Orient, Place
 from hetero.parallel.grid.shard import BlockShard
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.sequence import all_reduce_grads
 from hetero.parallel.tensor import check_untouched, head_counts, linear_dims
+from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss
 
 log = logging.getLogger("hetero.parallel")
 
@@ -176,7 +178,9 @@ def _install_loss(model: nn.Module, grid: Grid) -> None:
         if not isinstance(getattr(head, "_hetero_grid", None), GridRole) or not hasattr(m, "loss_function"):
             continue
         causal = isinstance(getattr(type(m), "loss_function", None), property)
-        m.loss_function = GridCausalLMLoss(grid) if causal else GridAlignedLMLoss(grid)
+        entropy = functools.partial(grid_cross_entropy, grid=grid)
+        loss = CausalLMLoss if causal else AlignedLMLoss
+        m.loss_function = loss(grid.main.hidden, entropy=entropy)  # the vocabulary is cut over the hidden group
 
 
 def apply_grid_parallel(

@@ -9,10 +9,7 @@ gradient flows back to its own tokens unchanged.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 
 from hetero.parallel.grid.layers import own_rows
 from hetero.parallel.grid.mesh import Grid
@@ -40,43 +37,3 @@ def grid_cross_entropy(
     else:
         count = torch.as_tensor(num_items, dtype=torch.float32, device=total.device)
     return total / count
-
-
-class GridCausalLMLoss:
-    """Hugging Face's causal-LM loss (labels shifted left by one, mean over tokens not ignored) on grid logits;
-    installed as ``model.loss_function``."""
-
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        vocab_size: int | None = None,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        ignore_index: int = -100,
-        shift_labels: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        q = self.grid.main.hidden.size
-        if vocab_size is not None and logits.shape[-1] * q != vocab_size:
-            raise ValueError(
-                f"logits hold {logits.shape[-1]} of {vocab_size} vocabulary entries on each of {q} ranks: the LM head "
-                "is not cut by vocabulary as the grid loss expects"
-            )
-        if shift_labels is None:
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        return grid_cross_entropy(
-            logits, shift_labels, self.grid, ignore_index=ignore_index, num_items=num_items_in_batch
-        )
-
-
-class GridAlignedLMLoss:
-    """The loss of ``hetero.models.gpt.GPT`` (labels aligned, -100 ignored) on grid logits."""
-
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return grid_cross_entropy(logits, labels, self.grid)

@@ -1,6 +1,6 @@
 """Cut a model into pipeline stages, and keep only this rank's.
 
-[Note: units]
+[Note: pipeline units]
 A model is pipelined as the sequence of its top-level children, in registration order, with every ModuleList child
 expanded into its items ("layers.0", "layers.1", ...). That covers an `nn.Sequential`, a ModuleList of blocks, and a
 model whose forward runs its children one after the other (hetero.models.gpt_pipe.GPTPipe); each unit takes the
@@ -49,7 +49,7 @@ class StageChunk:
 
 
 def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's pipeline units (see [Note: units])."""
+    """The model's pipeline units (see [Note: pipeline units])."""
     out: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if child is None:
