@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     losses = [s["loss"] for s in result["steps"]]
     result["losses_fall"] = len(losses) > 1 and losses[-1] < losses[0]
     result["case"] = args.case
+    result["load_average"] = os.getloadavg()  # 1, 5, 15 minutes: how much others took of the machine (see README)
     result["targets"] = TARGETS.get(args.case, {})
     if not args.no_reference:
         result["reference_step_s"] = reference_step(args)
@@ -307,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"I/O lower bound of the minimum traffic {r['io_lower_bound_min_bytes_s']:.2f} s; ratio "
         f"{r['step_over_lower_bound_min_bytes']:.2f}x" + (f" (target <= {target}x)" if target else "")
+    )
+    load = " / ".join(f"{x:.1f}" for x in r["load_average"])
+    print(
+        f"load average at the end {load} on {os.cpu_count()} cores "
+        "(wall times count the waits for a core, CPU seconds do not)"
     )
     print(f"losses {'fall' if r['losses_fall'] else 'do NOT fall'}: {[round(s['loss'], 3) for s in r['steps']]}")
     c = r["counters"]
