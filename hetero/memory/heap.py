@@ -37,11 +37,11 @@ def bound_heap_retention() -> int | None:
     _done = True
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return None  # the user's own choice, which glibc has already applied
+    given = os.environ.get("HETERO_MALLOC_MMAP_THRESHOLD", str(THRESHOLD))
     try:
-        value = int(os.environ.get("HETERO_MALLOC_MMAP_THRESHOLD", THRESHOLD))
+        value = int(given)
     except ValueError:
-        log.warning("HETERO_MALLOC_MMAP_THRESHOLD=%r is not a number of bytes: ignored", os.environ[
-            "HETERO_MALLOC_MMAP_THRESHOLD"])  # fmt: skip
+        log.warning("HETERO_MALLOC_MMAP_THRESHOLD=%r is not a number of bytes: %d used instead", given, THRESHOLD)
         value = THRESHOLD
     if value <= 0:
         return None
