@@ -18,7 +18,7 @@ last stage's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -311,13 +311,18 @@ def stage_starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> l
 
 
 class ParamView:
-    """A model's parameters restricted to one rank's, for `build_layout` (it reads named_parameters only)."""
+    """A model's parameters restricted to one rank's, for `build_layout` (it reads named_parameters, and the modules
+    holding them to tell which may be split into tiles)."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], model: nn.Module | None = None) -> None:
         self._params = params
+        self._model = model
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self._params)
+
+    def modules(self) -> Iterator[nn.Module]:
+        return self._model.modules() if self._model is not None else iter(())
 
 
 def optimizer_view(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> SimpleNamespace:
@@ -351,7 +356,7 @@ def layout_ranks(
     for part in parts:
         view = optimizer_view(opt, part.params)
         specs = build_layout(
-            ParamView(part.params),  # type: ignore[arg-type]
+            ParamView(part.params, model),  # type: ignore[arg-type]
             view,
             chunk_numel=chunk_numel,
             world=zero_world,
