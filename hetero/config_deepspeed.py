@@ -149,8 +149,14 @@ def _precision(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> N
 
 
 def _zero(zero: Any, out: dict[str, Any], notes: list[str]) -> None:
+    if isinstance(zero, bool):
+        # DeepSpeed's older form, still in its getting-started ds_config.json: true is stage 1, false stage 0.
+        out["zero_stage"] = 1 if zero else 0
+        return
     if not isinstance(zero, Mapping):
-        raise ConfigError(f"zero_optimization: expected a mapping, got {type(zero).__name__}")
+        raise ConfigError(
+            f"zero_optimization: expected a mapping ({{'stage': 0-3, ...}}) or true/false, got {type(zero).__name__}"
+        )
     for key, value in zero.items():
         if key == "stage":
             out["zero_stage"] = value

@@ -70,6 +70,30 @@ def test_docs_config_translates_and_trains(tmp_path, caplog):
     assert out["stats"]["moved"].get("host->nvme", 0) > 0
 
 
+# DeepSpeed's getting-started page (deepspeed.ai/getting-started, "DeepSpeed Configuration"): its sample
+# ds_config.json, with ZeRO in the older boolean form (true: stage 1).
+GETTING_STARTED = {
+    "train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+    "fp16": {"enabled": True},
+    "zero_optimization": True,
+}
+
+
+def test_getting_started_config_translates_and_trains(tmp_path, caplog):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(GETTING_STARTED))
+    with caplog.at_level(logging.WARNING, logger="hetero.config"):
+        config = hetero.Config.from_deepspeed(path)
+    assert (config.zero_stage, config.precision, config.grad_accumulation_steps) == (1, "fp16", 1)
+    assert "optimizer" in caplog.text and "train_batch_size" in caplog.text
+    assert hetero.Config.from_deepspeed({"zero_optimization": False}).zero_stage == 0
+    out = parity.run_hetero(0, 1, steps=4, rows=4, config=config.to_dict())
+    assert out["skipped"] == 0
+    parity.check(out, "fp16", steps=4, rows=4)  # fp16 against float64, fp16's own error as the scale
+
+
 def test_translation_details():
     cfg = hetero.Config.from_deepspeed(
         {

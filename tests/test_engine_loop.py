@@ -8,6 +8,7 @@ reductions (rtol 1e-5 leaves two orders of magnitude of room over a handful of s
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -172,6 +173,33 @@ def test_wandb_sink_needs_wandb(monkeypatch):
         pass
     with pytest.raises(ConfigError, match="wandb"):
         _engine(log={"wandb": "my-project"})
+
+
+def test_wandb_sink_logs_each_update(monkeypatch):
+    """With wandb importable (a stand-in module recording calls: the real one would start a run), rank 0 starts a
+    run in the configured project and logs the scalar metrics at every update's step."""
+    import types
+
+    calls: dict[str, list] = {"init": [], "log": []}
+
+    class Run:
+        def log(self, values: dict, step: int) -> None:
+            calls["log"].append((step, dict(values)))
+
+    fake = types.ModuleType("wandb")
+    fake.run = None
+    fake.init = lambda project, config: calls["init"].append((project, config)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    engine, _ = _engine(log={"wandb": "my-project"})
+    for x, y in parity.batches(2 * ACCUM, 4):
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+    grad_norm = engine.last_grad_norm
+    engine.close()
+    assert [p for p, _ in calls["init"]] == ["my-project"] and calls["init"][0][1]["zero_stage"] == 2
+    assert [step for step, _ in calls["log"]] == [1, 2]
+    last = calls["log"][-1][1]
+    assert last["train/last_grad_norm"] == pytest.approx(grad_norm, rel=1e-6) and last["train/loss"] > 0
 
 
 @pytest.mark.parametrize("offload", ["host", "nvme"])

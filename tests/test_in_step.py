@@ -166,7 +166,7 @@ def _run_one_rank_stops(rank: int, world: int, mode: str) -> str:
     if rank == 1:
         if mode == "dies":
             os._exit(3)
-        time.sleep(30)  # hung: never reaches the step
+        time.sleep(30)  # hung: never reaches the step while rank 0 waits (4 s)
         return "slept"
     started = time.monotonic()
     try:
@@ -178,16 +178,17 @@ def _run_one_rank_stops(rank: int, world: int, mode: str) -> str:
     return "no error"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_hung_rank_is_named_after_comm_timeout():
+    # The time limit leaves room for a loaded machine's start-up (spawn, import torch, initialize): what is measured
+    # is the time from the step to the error, inside rank 0.
     try:
-        run_distributed(_run_one_rank_stops, 2, "hangs", timeout=25)
-    except DistributedTestError as err:  # rank 1 is killed at the end: rank 0's report is what counts
+        report = run_distributed(_run_one_rank_stops, 2, "hangs", timeout=90)[0]
+    except DistributedTestError as err:  # rank 1 may fail on waking: rank 0's report is what counts
         report = err.results.get(0)
     except TimeoutError as err:
         report = err.results.get(0)
-    else:
-        raise AssertionError("rank 1 should not have finished")
+    assert report is not None, "rank 0 did not report"
     seconds, _, message = report.partition("|")
     assert 3.5 < float(seconds) < 20, report
     assert "timed out after 4 s" in message and "Global rank(s) 1 did not arrive" in message, message

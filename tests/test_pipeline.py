@@ -472,7 +472,7 @@ def test_checkpointed_stages_match_for_every_schedule():
 def _ckpt_matrix(rank: int, world: int, configs: list[dict]) -> list[tuple[dict, int, int, int]]:
     """pipe_parity.run, counting the checkpointed blocks' calls, their first layer's calls (recomputation runs the
     layers again, not the block) and the bytes offloaded."""
-    from hetero.zero import activation
+    from hetero import activation
 
     torch.set_num_threads(1)
     counts = {"blocks": 0, "layers": 0}
