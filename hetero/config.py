@@ -99,7 +99,12 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     chunk_size: int | Literal["auto"] = "auto"
-    """Chunk capacity in elements, or "auto" to search the size that wastes least."""
+    """Chunk capacity in elements, or "auto": the largest that the device and host budgets hold with room to spare
+    (prefetched chunks included) and that keeps padding low."""
+    tiling: bool = True
+    """Split a weight larger than a chunk into tiles of whole rows, each a chunk, and compute its Linear, Embedding
+    or Conv1D layer tile by tile (ZeRO-Infinity's memory-centric tiling); false: such a weight gets a chunk of its
+    own, and its layer runs whole."""
     prefetch_depth: int = 2
     """How many chunks ahead of use to start moving along the recorded access trace."""
     activation_checkpointing: bool | list[str] = False
@@ -143,6 +148,8 @@ class Config:
             raise ConfigError(f"comm_timeout: expected a number of seconds, got {self.comm_timeout!r}")
         if not self.comm_timeout > 0:
             raise ConfigError(f"comm_timeout: must be > 0 seconds, got {self.comm_timeout!r}")
+        if not isinstance(self.tiling, bool):
+            raise ConfigError(f"tiling: expected true or false, got {self.tiling!r}")
         if not isinstance(self.check_collectives, bool):
             raise ConfigError(f"check_collectives: expected true or false, got {self.check_collectives!r}")
         if not isinstance(self.delayed_param_update, bool):

@@ -31,13 +31,14 @@ from hetero.parallel.setup import setup_parallel
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.hooks import Hooks
-from hetero.zero.layout import build_layout
+from hetero.zero.layout import build_layout, chunk_cap
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.protocol import Checker, Gathers, Reducer, keep_units
 from hetero.zero.stages import Placement
+from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
 from hetero.zero.views import ParameterViews
@@ -131,9 +132,14 @@ class Engine:
         placement = Placement.of(config.offload.params, config.offload.optimizer)
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
-        specs = build_layout(model, optimizer, chunk_numel=chunk_numel, world=self.comm.size)
+        # "auto": at most what the budgets hold with room to spare, the same on every rank (the smallest budgets').
+        cap = chunk_cap(config, self.manager, self.algorithm, self.comm) if chunk_numel is None else None
+        specs = build_layout(
+            model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap, tiling=config.tiling
+        )
         self.chunks: list[ZeroChunk] = []
-        self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives
+        self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives (a whole one)
+        tiled: dict[int, Tiled] = {}  # param id -> its tiles, for a parameter split over chunks ([Note: tiles])
         for spec in specs:
             zc = ZeroChunk(
                 spec,
@@ -146,7 +152,11 @@ class Engine:
             )
             self.chunks.append(zc)
             for info, slot in zip(spec.params, zc.slots):
-                self._entries[id(info.param)] = Entry(zc, info, slot)
+                if info.tiled:
+                    t = tiled.setdefault(id(info.param), Tiled(info.name, info.param, []))
+                    t.tiles.append(Entry(zc, info, slot))
+                else:
+                    self._entries[id(info.param)] = Entry(zc, info, slot)
         # Rank 0's values broadcast, a meta model's own initialiser chunk by chunk, or weight files streamed in.
         load_values(
             model,
@@ -157,6 +167,7 @@ class Engine:
             strict=strict_weights,
             progress=config.progress,
         )
+        detach_tiled(tiled, dtype=self.dtype, device=self.device.torch_device)
         self.trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):
@@ -175,6 +186,11 @@ class Engine:
             keep = keep_units(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
             self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep)
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
+        deliver = weakref.WeakMethod(self._on_tile_grad)
+        # Layers whose weight is split over chunks compute on one tile at a time ([Note: computing on tiles]).
+        self.tiles = TileRunner(
+            model, tiled, stage=self.stage, check=self.check, deliver=lambda e, g, last: deliver()(e, g, last)
+        )
         sharded_grads = [zc for zc in self.trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
         # Stages 0-1 reduce during the backward before an update ([Note: reducing during backward at stages 0-1]).
@@ -211,7 +227,15 @@ class Engine:
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             self.updater.delayed = DelayedUpdate(self.updater, model)
         self.views = ParameterViews(
-            model, self.chunks, self._entries, check=self.check, comm=self.comm, device=self.device, dtype=self.dtype
+            model,
+            self.chunks,
+            self._entries,
+            check=self.check,
+            comm=self.comm,
+            device=self.device,
+            dtype=self.dtype,
+            tiled=self.tiles.tiled,
+            manager=self.manager,
         )
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
@@ -269,6 +293,7 @@ class Engine:
         # reduce order, which is the same on every rank.
         self.reducer.flush()
         self.dense.end()
+        self.tiles.step_end()
         for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
@@ -363,6 +388,12 @@ class Engine:
         if self.events.has("span"):
             self.events.emit("span", track, name, start, end)
 
+    def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
+        """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
+        complete = e.chunk.add_grad(e, grad)
+        if last and complete and self.stage >= 2 and not e.chunk.accumulate_full:
+            self.reducer.ready(e.chunk)
+
     def _reduces_in_flight(self, zc: ZeroChunk) -> int:
         # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This
         # decides only when a rank waits, never what it issues or in which order.
@@ -415,6 +446,7 @@ class Engine:
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
         placement, what it measured). Every buffer hetero allocates is in a tier's ledger: staging included."""
         stats = self.manager.memory_stats()
+        stats["tiled"] = self.tiles.stats()  # weights split over chunks, and the modules computing on their tiles
         if self.auto is not None:
             stats["auto"] = self.auto.stats()
         return stats
@@ -506,6 +538,7 @@ class Engine:
         self.hooks.remove()
         if self.updater.delayed is not None:
             self.updater.delayed.close()
+        self.tiles.remove()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()

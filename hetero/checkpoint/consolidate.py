@@ -1,10 +1,12 @@
 """One plain state_dict from a sharded checkpoint, streamed tensor by tensor.
 
-Each output tensor is assembled from the segments every rank saved, converted, written, and let go, so peak memory
-is about the largest tensor (twice it when converting dtype), not the model. The keys are the model's own
-state_dict keys: tied parameters appear under each of their names, buffers included, so the output loads into the
-unwrapped model with `load_state_dict`. Trainable parameters come from the fp32 master weights. A tensor-parallel
-parameter is joined from every tensor rank's shard with `unshard` (about twice its size in memory at that moment).
+Each output tensor is assembled from the segments every rank saved, converted, written, and let go, part by part
+(runs of whole segments up to `PART_NUMEL` elements; a weight split into tiles is saved in tile-sized segments), so
+peak memory is about one part (twice it when converting dtype), not the largest tensor, let alone the model. The
+keys are the model's own state_dict keys: tied parameters appear under each of their names, buffers included, so
+the output loads into the unwrapped model with `load_state_dict`. Trainable parameters come from the fp32 master
+weights. A tensor-parallel parameter is joined from every tensor rank's shard with `unshard` (about twice its size in
+memory at that moment); a `.pt` output is built in memory whole (torch.save needs the dict).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
-from hetero.checkpoint.format import TensorWriter
+from hetero.checkpoint.part_writer import PartWriter
 from hetero.config import parse_size
 from hetero.errors import CheckpointError
 from hetero.progress import bar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PART_NUMEL = 16 << 20  # elements of a tensor assembled at once (more only for a single segment larger than this)
 HF_SHARD_SIZE = "5GB"  # Hugging Face's default max_shard_size
 
 
@@ -69,9 +72,9 @@ def consolidate(
             torch.save(state, tmp)
             os.replace(tmp, out)
             return [out]
-        # One scratch buffer, the size of the largest tensor, reused for every tensor: the allocator cannot let
-        # freed buffers pile up, so peak memory stays at about one tensor.
-        _write_file(out, list(plan), plan, index, _scratch(plan), shown)
+        # One scratch buffer, the size of the largest part, reused for every part: the allocator cannot let freed
+        # buffers pile up, so peak memory stays at about one part.
+        _write_file(out, list(plan), plan, index, _scratch(plan, index), shown)
         return [out]
     finally:
         shown.close()
@@ -100,7 +103,7 @@ def _write_hf(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    scratch = _scratch(plan)
+    scratch = _scratch(plan, index)
     written = []
     for name, keys in zip(names, shards):
         path = os.path.join(out, name)
@@ -123,18 +126,21 @@ def _write_hf(
     return written
 
 
-def _scratch(plan: dict[str, dict[str, Any]]) -> torch.Tensor:
-    return torch.empty(max((_nbytes(spec) for spec in plan.values()), default=0), dtype=torch.uint8)
+def _scratch(plan: dict[str, dict[str, Any]], index: mf.Index) -> torch.Tensor:
+    """Room for the largest part (`_parts`) of any tensor, at 8 bytes an element."""
+    return torch.empty(
+        max((b - a for s in plan.values() for a, b in _parts(index, s)), default=0) * 8, dtype=torch.uint8
+    )
 
 
 def _write_file(
     path: str, keys: list[str], plan: dict[str, dict[str, Any]], index: mf.Index, scratch: torch.Tensor, shown: Any
 ) -> None:
-    """One .safetensors file of `keys`, streamed tensor by tensor through `scratch`; renamed into place when whole."""
+    """One .safetensors file of `keys`, streamed part by part through `scratch`; renamed into place when whole."""
     entries = [(k, plan[k]["out_dtype"], tuple(plan[k]["shape"])) for k in keys]
-    with TensorWriter(path + ".tmp", entries, metadata={"format": "pt"}) as w:
+    with PartWriter(path + ".tmp", entries, metadata={"format": "pt"}) as w:
         for k in keys:
-            w.write(k, _assemble(index, plan[k], scratch))
+            _write_one(w, index, k, plan[k], _parts(index, plan[k]), scratch)
             shown.update(_numel(plan[k]))
     os.replace(path + ".tmp", path)
 
@@ -190,6 +196,42 @@ def _assemble(index: mf.Index, spec: dict[str, Any], scratch: torch.Tensor | Non
         flat.copy_(_unshard(index, spec).reshape(-1))
     elif spec["kind"] != "empty":
         index.fill(spec["kind"], spec["name"], 0, flat)
+    return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
+
+
+def _write_one(
+    w: PartWriter,
+    index: mf.Index,
+    key: str,
+    spec: dict[str, Any],
+    parts: list[tuple[int, int]],
+    scratch: torch.Tensor,
+) -> None:
+    """Write one output tensor part by part (a tensor-parallel or empty one whole)."""
+    if "tp" in spec or spec["kind"] == "empty":
+        w.write(key, _assemble(index, spec, torch.empty(_nbytes(spec), dtype=torch.uint8)))
+    else:
+        w.write_parts(key, _numel(spec), (_assemble_part(index, spec, a, b, scratch) for a, b in parts))
+
+
+def _parts(index: mf.Index, spec: dict[str, Any]) -> list[tuple[int, int]]:
+    """Element ranges [a, b) to assemble one at a time: runs of whole saved segments, up to PART_NUMEL elements."""
+    numel = _numel(spec)
+    if "tp" in spec or spec["kind"] == "empty":
+        return [(0, numel)]
+    ranges, a = [], 0
+    for seg in index.segments.get((spec["kind"], spec["name"]), ()):
+        if seg.start > a and seg.end - a > PART_NUMEL:
+            ranges.append((a, seg.start))
+            a = seg.start
+    ranges.append((a, numel))
+    return ranges
+
+
+def _assemble_part(index: mf.Index, spec: dict[str, Any], a: int, b: int, scratch: torch.Tensor) -> torch.Tensor:
+    """Elements [a, b) of the tensor's flat values, read into `scratch` (valid until the next call)."""
+    flat = scratch[: (b - a) * spec["dtype"].itemsize].view(spec["dtype"])
+    index.fill(spec["kind"], spec["name"], a, flat)
     return flat.to(spec["out_dtype"]) if spec["out_dtype"] != spec["dtype"] else flat
 
 

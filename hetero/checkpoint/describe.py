@@ -106,7 +106,7 @@ def model_table(engine: Engine) -> dict[str, Any]:
             canonical[id(info.param)] = info.name
             cut = par.tp_cut(info.param)
             params[par.stored_name(info)] = {
-                "shape": list(info.shape),  # a shard's own shape under tensor parallelism
+                "shape": list(info.param.shape),  # a shard's own shape under tensor parallelism (a tile's: the whole)
                 "trainable": zc.spec.trainable,
                 "group": zc.spec.group,
                 "dtype": str(zc.dtype).removeprefix("torch."),

@@ -194,9 +194,9 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
     ]
     missing = [n for n in mine if n not in saved]
     shapes = [
-        f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(mine[n].shape)}"
+        f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(mine[n].param.shape)}"
         for n in mine
-        if n in saved and tuple(saved[n]["shape"]) != tuple(mine[n].shape)
+        if n in saved and tuple(saved[n]["shape"]) != tuple(mine[n].param.shape)
     ]
     buffers = manifest["model"]["buffers"]
     my_buffers = model_buffers(engine)
@@ -245,9 +245,9 @@ def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[st
             target = view[a - lo : b - lo]
             sname = par.stored_name(info)
             if saved[sname]["trainable"]:
-                requests.append((kind, sname, a - info.offset, target))
+                requests.append((kind, sname, info.element(a), target))
             elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
-                requests.append(("frozen", sname, a - info.offset, target))
+                requests.append(("frozen", sname, info.element(a), target))
             else:
                 target.zero_()
             view[filled - lo : a - lo].zero_()
@@ -287,7 +287,7 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
         for info, a, b in zc.spec.overlaps(lo, hi):
             sname = par.stored_name(info)
             kind = "master" if saved[sname]["trainable"] else "frozen"
-            index.fill(kind, sname, a - info.offset, buf[a - base : b - base])
+            index.fill(kind, sname, info.element(a), buf[a - base : b - base])
     if engine.stage == 3:
         slot = zc.shard.slots[0]
         if slot.state is TensorState.FREE:
@@ -303,7 +303,7 @@ def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
         buf.zero_()
         glo, ghi = zc.kept_range() if engine.stage >= 2 else (0, zc.spec.capacity)
         for info, a, b in zc.spec.overlaps(glo, ghi):
-            index.fill("grad", par.stored_name(info), a - info.offset, buf[a - glo : b - glo], grad_file=own_file)
+            index.fill("grad", par.stored_name(info), info.element(a), buf[a - glo : b - glo], grad_file=own_file)
 
 
 def _fill_buffers(engine: Engine, index: mf.Index) -> None:

@@ -50,13 +50,13 @@ def plan_items(engine: Engine) -> list[Item]:
             for j, kind in enumerate(kinds):
                 for info, a, b in zc.spec.overlaps(lo, hi):
                     if par.saves(info, replicas):
-                        k = mf.key(kind, par.stored_name(info), a - info.offset)
+                        k = mf.key(kind, par.stored_name(info), info.element(a))
                         items.append(Item(k, torch.float32, b - a, zc.optim, j, a - base))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info, a, b in zc.spec.overlaps(lo, hi):
                 if par.saves(info, replicas):
-                    k = mf.key("frozen", par.stored_name(info), a - info.offset)
+                    k = mf.key("frozen", par.stored_name(info), info.element(a))
                     items.append(Item(k, zc.dtype, b - a, src, slot, a - base))
         if pending and zc.grad is not None:
             # The gradient accumulated so far: rank-local and unreduced at stages 0-1 (the whole chunk), this rank's
@@ -65,7 +65,7 @@ def plan_items(engine: Engine) -> list[Item]:
             zc.grad_buffer()
             glo, ghi = (lo, hi) if stage >= 2 else (0, zc.spec.capacity)
             for info, a, b in zc.spec.overlaps(glo, ghi):
-                k = mf.key("grad", par.stored_name(info), a - info.offset)
+                k = mf.key("grad", par.stored_name(info), info.element(a))
                 items.append(Item(k, torch.float32, b - a, zc.grad, 0, a - glo))
     if rank == 0 and replicas:
         for name, t in model_buffers(engine).items():

@@ -41,3 +41,31 @@ def checksum_fn(name: str) -> Checksum:
             raise ImportError("checksum 'crc32c' needs the crc32c package: pip install crc32c") from None
         return crc32c.crc32c
     raise ValueError(f"unknown checksum {name!r}: choose one of {', '.join(ALGORITHMS)}")
+
+
+class Running:
+    """Checksum `name` of a buffer fed in consecutive parts: `digest()` equals `checksum_fn(name)` of the whole (a
+    tensor written part by part, never whole in memory: a weight split into tiles, consolidated)."""
+
+    def __init__(self, name: str) -> None:
+        checksum_fn(name)  # the package is there, or the same error
+        self.name = name
+        self.value = 0
+        self.hasher = None
+        if name == "xxh3_64":
+            import xxhash
+
+            self.hasher = xxhash.xxh3_64()
+
+    def update(self, data: memoryview) -> None:
+        if self.hasher is not None:
+            self.hasher.update(data)
+        elif self.name == "crc32":
+            self.value = zlib.crc32(data, self.value)
+        else:
+            import crc32c
+
+            self.value = crc32c.crc32c(data, self.value)
+
+    def digest(self) -> int:
+        return self.hasher.intdigest() if self.hasher is not None else self.value

@@ -221,3 +221,153 @@ def search_chunk_size(
         100 * plan.waste_fraction,
     )
     return plan
+
+
+# ---- packing with tiles ---------------------------------------------------------------------------------------
+# [Note: tiles]
+# A tensor larger than a chunk is split over several chunks of its own by element range, whole rows each (rows of
+# dim 0): a *tile*. Tiles of one tensor are balanced (as equal as whole rows allow) and each chunk holds exactly one
+# tile, sized to it, so a tile costs no padding. The chunk open before the tiles is closed and trimmed to what it
+# holds, so the only padding left is the tail of regular chunks that the next tensor did not fit, the last chunk of
+# a run, and the rounding of capacities to the data-parallel size. Those stay at the full capacity, as `pack` gives
+# them: chunks of one size reuse each other's freed buffers in the tiers' pools, where every extra size keeps buffers
+# of its own cached (the estimator's peaks count on it). Only tensors that may be computed
+# on tile by tile are split (`rows` gives their elements per row, None for the others): a tensor larger than a
+# chunk that may not be tiled gets an exactly sized chunk of its own, as `pack` gives it.
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One chunk of a tiled packing: its members and its capacity (before rounding to the data-parallel size)."""
+
+    members: tuple[tuple[int, int, int], ...]  # (tensor index, first element, elements), in order
+    capacity: int  # elements
+    tile: bool  # holds one tile of a tensor split over several chunks
+
+
+def pack_tiled(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: int, *, align: int = 1) -> list[Packed]:
+    """Pack tensors in order into chunks of `chunk_numel`, splitting those larger than a chunk into tiles where
+    `rows[i]` (elements per row) allows; see [Note: tiles]. Trimmed capacities are rounded up to `align`."""
+    chunk_numel = _check_positive("chunk_numel", chunk_numel)
+    out: list[Packed] = []
+    members: list[tuple[int, int, int]] = []
+    used = 0
+
+    def close(trim: bool) -> None:
+        nonlocal members, used
+        if members:
+            out.append(Packed(tuple(members), _round_up(used, align) if trim else chunk_numel, False))
+        members, used = [], 0
+
+    for i, n in enumerate(numels):
+        row = rows[i] if rows else None
+        if n > chunk_numel:
+            tiles = row is not None and 0 < row <= chunk_numel and n % row == 0
+            close(trim=tiles)
+            if tiles:
+                total_rows = n // row
+                per = chunk_numel // row
+                parts = -(-total_rows // per)
+                first = 0
+                for k in range(parts):  # balanced: rows split as evenly as whole rows allow
+                    take = total_rows // parts + (1 if k < total_rows % parts else 0)
+                    out.append(Packed(((i, first * row, take * row),), _round_up(take * row, align), True))
+                    first += take
+            else:
+                out.append(Packed(((i, 0, n),), n, False))
+        elif n > chunk_numel - used:
+            close(trim=False)
+            members, used = [(i, 0, n)], n
+        else:
+            members.append((i, 0, n))
+            used += n
+    close(trim=False)
+    return out
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def tiled_waste(runs: Sequence[tuple[Sequence[int], Sequence[int | None]]], chunk_numel: int, *, align: int) -> int:
+    """Padding elements of `pack_tiled` over several runs (optimizer param groups), each packed on its own."""
+    allocated = total = 0
+    for numels, rows in runs:
+        allocated += sum(p.capacity for p in pack_tiled(numels, rows, chunk_numel, align=align))
+        total += sum(numels)
+    return allocated - total
+
+
+def search_tiled(
+    runs: Sequence[tuple[Sequence[int], Sequence[int | None]]],
+    *,
+    min_numel: int,
+    max_numel: int,
+    align_numel: int = 1 << 10,
+    candidates: int = 256,
+    allowed: float = 0.02,
+) -> int:
+    """The chunk capacity for `pack_tiled` over the runs: among about `candidates` aligned capacities in
+    [min_numel, max_numel], the largest whose padding is at most `allowed` of all elements (or, if none is, the one
+    with the least padding, the smaller on ties). Larger chunks mean fewer collectives and moves, and once tiles keep
+    the padding low nothing is gained by going smaller; the budgets bound `max_numel`."""
+    lo = max(align_numel, _round_up(min_numel, align_numel))
+    hi = max(lo, max_numel // align_numel * align_numel)
+    step = max(align_numel, (hi - lo) // candidates // align_numel * align_numel)
+    caps = list(range(lo, hi + 1, step))
+    if caps[-1] != hi:
+        caps.append(hi)
+    total = sum(sum(numels) for numels, _ in runs)
+    waste = [tiled_waste(runs, c, align=align_numel) for c in caps]
+    ok = [c for c, w in zip(caps, waste) if w <= allowed * total]
+    chosen = max(ok) if ok else caps[waste.index(min(waste))]
+    logger.debug(
+        "tiled chunk size search over %d capacities [%d, %d]: picked %d (%.2f%% padding)",
+        len(caps),
+        lo,
+        hi,
+        chosen,
+        100 * waste[caps.index(chosen)] / max(1, total),
+    )
+    return chosen
+
+
+def budget_cap(
+    *,
+    device_budget: int | None,
+    host_budget: int | None,
+    stage: int,
+    param_bytes: int,
+    n_states: int,
+    params_tier: str,
+    optim_tier: str,
+    prefetch_depth: int,
+    world: int,
+    spare: float = 0.5,
+) -> int | None:
+    """The largest chunk capacity (elements) whose working set fits the budgets with room to spare (`spare` of each
+    budget is left for everything else: activations, units gathered whole, other buffers). None: no budget limits it.
+
+    Device, stage 3: the chunks gathered in use, arriving (`prefetch_depth`) and leaving, in the compute dtype, and
+    the per-micro-batch fp32 gradient buffers of the reduce-scatters in flight (two, the one being filled and the one
+    just issued); stage 2 only the latter; stages 0-1 keep every parameter on the device anyway. Host: with optimizer
+    states on NVMe, the update's chunk stepping and the two read ahead (gradient, master and states of a shard); with
+    parameters on NVMe, the shards read up for gathers."""
+    caps: list[int] = []
+    if device_budget is not None:
+        per = 0.0
+        if stage == 3:
+            per += (prefetch_depth + 2) * param_bytes
+        if stage >= 2:
+            per += 4 * 4
+        if per:
+            caps.append(int(spare * device_budget / per))
+    if host_budget is not None:
+        per = 0.0
+        if optim_tier == "nvme":
+            per += 3 * (4 + 4 * (1 + n_states)) / world
+        if params_tier == "nvme":
+            per += (prefetch_depth + 2) * param_bytes / world
+        if per:
+            caps.append(int(spare * host_budget / per))
+    return min(caps) if caps else None

@@ -18,11 +18,11 @@ from hetero.memory.states import ChunkState
 from hetero.memory.storage import Storage
 from hetero.memory.tier import Tier
 
-_ADVICE = {
-    Tier.DEVICE: "raise memory.device_budget, offload more to 'host'/'nvme', or use smaller chunks",
-    Tier.HOST: "raise memory.host_budget or set memory.nvme_dir to spill to NVMe",
-    Tier.NVME: "raise memory.nvme_budget or free space in memory.nvme_dir",
-}
+_RAISE = {Tier.DEVICE: "memory.device_budget", Tier.HOST: "memory.host_budget", Tier.NVME: "memory.nvme_budget"}
+_CHUNKS = (
+    'or a smaller chunk_size (or "auto", which sizes chunks by the budgets): a weight larger than a chunk is split '
+    "into tiles and computed on tile by tile where its layer is a Linear, Embedding or Conv1D (config tiling)"
+)
 
 
 class RoomMaker:
@@ -56,7 +56,7 @@ class RoomMaker:
         ledger = self.storage.ledgers[tier]
         mover = self.mover
         if nbytes > ledger.budget:
-            raise self.oom(tier, nbytes, extra="the request alone exceeds the budget")
+            raise self.oom(tier, nbytes, extra="the request alone exceeds the budget", protect=protect)
         while self.available(tier, nbytes) < nbytes:
             if mover.poll():
                 continue
@@ -74,7 +74,7 @@ class RoomMaker:
                     # can be evicted.
                     arriving = mover.arriving(tier)
                     if not arriving:
-                        raise self.oom(tier, nbytes)
+                        raise self.oom(tier, nbytes, protect=protect)
                     mover.wait(arriving[0])
                     continue
             if not blocking:
@@ -129,8 +129,11 @@ class RoomMaker:
         ]
         return min(copies, key=lambda c: (not c.dirty, c.last_access), default=None)
 
-    def oom(self, tier: Tier, nbytes: int, extra: str = "") -> TierOutOfMemoryError:
-        """The error for a request the tier cannot hold, with what holds it and what to do."""
+    def oom(
+        self, tier: Tier, nbytes: int, extra: str = "", protect: set[int] | frozenset[int] = frozenset()
+    ) -> TierOutOfMemoryError:
+        """The error for a request the tier cannot hold: what it was for, what holds the tier, the budget that would
+        have been enough, and what to do."""
         ledger = self.storage.ledgers[tier]
         holders = sorted(
             (c for c in self.chunks.values() if c.tier == tier or (c.move is not None and c.move.dst == tier)),
@@ -142,11 +145,26 @@ class RoomMaker:
             lines.append(f"  {c.describe()} ({why})")
         if len(holders) > 8:
             lines.append(f"  ... and {len(holders) - 8} more chunks")
+        # The chunk asking: the protected one of the request's size (a caller protects what it makes room for).
+        asking = [self.chunks[i] for i in protect if i in self.chunks and self.chunks[i].nbytes == nbytes]
+        asking.sort(key=lambda c: (c.moving, -c.id))
+        what = f" for {asking[0].describe()}" if asking else ""
+        stuck = sum(c.nbytes for c in holders if not c.movable and c not in asking)
+        enough = nbytes + stuck
+        advice = [f"raise {_RAISE[tier]} to at least {format_size(enough)} (the request and what could not move)"]
+        if tier is Tier.DEVICE:
+            advice.append("offload more to 'host'/'nvme'")
+        if tier is Tier.HOST and self.storage.store is None:
+            advice.append("set memory.nvme_dir to spill to NVMe")
+        if tier is Tier.NVME:
+            advice.append("free space in memory.nvme_dir")
+        elif nbytes * 4 > ledger.budget:
+            advice.append(_CHUNKS)  # one request is a large part of the budget: smaller chunks are the answer
         msg = (
-            f"{tier.label} tier out of memory: needed {format_size(nbytes)} ({nbytes} B) with "
+            f"{tier.label} tier out of memory: needed {format_size(nbytes)} ({nbytes} B){what} with "
             f"{format_size(ledger.used)} held of a {format_size(ledger.budget)} budget"
             f"{'; ' + extra if extra else ''}. Nothing more can be evicted. Held by:\n"
             + ("\n".join(lines) if lines else "  (no chunks: cached buffers only)")
-            + f"\nTo fix: {_ADVICE[tier]}."
+            + f"\nA budget of {format_size(enough)} would have been enough. To fix: {', '.join(advice)}."
         )
         return TierOutOfMemoryError(msg, tier=tier.label, needed=nbytes, held=ledger.used, budget=ledger.budget)

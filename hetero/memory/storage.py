@@ -4,14 +4,16 @@ chunk's payload memory on a tier or taking it back. Nothing here decides what mo
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import torch
 
 from hetero.device import Device
 from hetero.io import hugepages
+from hetero.memory.budgets import check_budgets, default_device_budget, default_host_budget
+from hetero.memory.budgets import nvme_budget as nvme_budget_of
 from hetero.memory.chunk import Chunk
+from hetero.memory.heap import bound_heap_retention
 from hetero.memory.pool import BufferPool
 from hetero.memory.states import ChunkState
 from hetero.memory.tier import Tier, TierLedger
@@ -31,15 +33,20 @@ class Storage:
         nvme_options: dict[str, Any] | None = None,
     ) -> None:
         self.device = device
+        # Before anything is allocated: a budget larger than the machine has is an error ([Note: budgets per node]).
+        check_budgets(
+            device, device_budget=device_budget, host_budget=host_budget, nvme_dir=nvme_dir, nvme_budget=nvme_budget
+        )
+        bound_heap_retention()  # freed buffers leave the process ([Note: the heap keeps what the budgets free])
         self.store = None  # the NVMe swap store, when nvme_dir is given
         if nvme_dir is not None:
             from hetero.memory.nvme import NvmeStore
 
             self.store = NvmeStore(nvme_dir, budget=nvme_budget, **(nvme_options or {}))
         self.ledgers = {
-            Tier.DEVICE: TierLedger(Tier.DEVICE, _default_device_budget(device, device_budget)),
-            Tier.HOST: TierLedger(Tier.HOST, _default_host_budget(host_budget)),
-            Tier.NVME: TierLedger(Tier.NVME, _nvme_budget(nvme_dir, nvme_budget) if self.store is not None else 0),
+            Tier.DEVICE: TierLedger(Tier.DEVICE, default_device_budget(device, device_budget)),
+            Tier.HOST: TierLedger(Tier.HOST, default_host_budget(host_budget)),
+            Tier.NVME: TierLedger(Tier.NVME, nvme_budget_of(nvme_dir, nvme_budget) if self.store is not None else 0),
         }
         # On a CPU compute device its chunks take page-aligned memory as the host's do, so that checkpoint loads and
         # the NVMe tier can read into them with O_DIRECT in place (torch.empty is only 64-byte aligned).
@@ -146,23 +153,3 @@ class Storage:
         out["nvme"]["staging"] = self.store.staging_bytes if self.store is not None else 0
         out["host"]["huge_pages"] = hugepages.report()  # [Note: huge host pages]: granted, or fallen back to 4 KiB
         return out
-
-
-def _default_device_budget(device: Device, budget: int | None) -> int:
-    if budget is not None:
-        return budget
-    if device.is_cuda:
-        return int(device.available_memory() * 0.9)
-    return device.available_memory() // 2  # the CPU "device" shares RAM with the host tier
-
-
-def _default_host_budget(budget: int | None) -> int:
-    if budget is not None:
-        return budget
-    import psutil
-
-    return psutil.virtual_memory().available // 2
-
-
-def _nvme_budget(nvme_dir: str, budget: int | None) -> int:
-    return budget if budget is not None else shutil.disk_usage(nvme_dir).free

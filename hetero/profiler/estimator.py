@@ -26,6 +26,8 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
+from hetero.profiler.auto_chunks import cap_for, tiled_counts
+from hetero.profiler.gathered import gathered_bytes
 from hetero.profiler.machine import Machine
 from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks, with_layout
@@ -33,9 +35,7 @@ from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
-from hetero.zero.protocol import KEEP_UNITS, gathered_peak
 from hetero.zero.stages import STAGES, Placement, master_is_shard
-from hetero.zero.units import unit_parameters
 
 TIERS = ("device", "host", "nvme")
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -85,6 +85,7 @@ class Estimate:
     n_params: int
     n_chunks: int
     chunk_elements: int  # the chunks' total capacity: parameters plus padding (of the busiest rank, with a layout)
+    chunk_numel: int  # the chunk size the layout chose (trimmed chunks and tiles are smaller)
     world_size: int
     ranks_per_node: int
     zero_stage: int
@@ -103,6 +104,7 @@ class Estimate:
     layout: dict[str, Any] = field(default_factory=dict)  # tensor, tensor_mode, sequence, pipeline, ... , data
     per_pipeline_rank: list[dict[str, Any]] = field(default_factory=list)  # each pipeline rank's bytes (layouts)
     parallel: dict[str, Any] = field(default_factory=dict)  # the tensor / sequence layout (empty without one)
+    tiled: dict[str, int] = field(default_factory=dict)  # weights split into tiles -> their tiles ([Note: tiles])
 
     # ---- figures ------------------------------------------------------------------------------------------
     def bytes(self, tier: str, kind: str | None = None) -> int:
@@ -140,6 +142,8 @@ class Estimate:
             "n_params": self.n_params,
             "n_chunks": self.n_chunks,
             "chunk_elements": self.chunk_elements,
+            "chunk_numel": self.chunk_numel,
+            "tiled": dict(self.tiled),
             "world_size": self.world_size,
             "ranks_per_node": self.ranks_per_node,
             "config": {
@@ -262,23 +266,6 @@ def estimate(
     opt = as_optimizer(optimizer, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model's
     algo = algorithm_of(opt)
-    chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
-    dtype = COMPUTE_DTYPES[cfg.precision]
-    seq = seq_len if seq_len is not None else default_seq_len(model)
-    layout, ranks = layout_from(cfg), []
-    if layout is None:
-        # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
-        model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
-        specs = build_layout(model, opt, chunk_numel=chunk_numel, world=zero_world)
-        act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
-    else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
-        ckpt = bool(getattr(cfg, "activation_checkpointing", False))
-        ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
-                                         inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt)  # fmt: skip
-        specs = ranks[0][1]
-        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")
-    buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
-
     if machine is True:
         machine = Machine.detect(nvme_dir=cfg.memory.nvme_dir)
     elif machine is False:
@@ -286,6 +273,26 @@ def estimate(
     if ranks_per_node is None:
         gpus = machine.gpus if machine is not None else 0
         ranks_per_node = min(world_size, gpus) if gpus else world_size
+    chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
+    cap_of = cap_for(cfg, machine, ranks_per_node, len(algo.state_names))  # the engine's automatic chunk size
+    dtype = COMPUTE_DTYPES[cfg.precision]
+    seq = seq_len if seq_len is not None else default_seq_len(model)
+    layout, ranks = layout_from(cfg), []
+    if layout is None:
+        # Tensor / sequence layouts: the model as tensor rank 0 holds it, ZeRO over the data-parallel group.
+        model, opt, zero_world = per_rank_model(model, opt, cfg, world_size)
+        specs = build_layout(
+            model, opt, chunk_numel=chunk_numel, world=zero_world, max_chunk_numel=cap_of(zero_world), tiling=cfg.tiling
+        )
+        act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+    else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
+        ckpt = bool(getattr(cfg, "activation_checkpointing", False))
+        ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
+                                         inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt,
+                                         cap=cap_of, tiling=cfg.tiling)  # fmt: skip
+        specs = ranks[0][1]
+        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")
+    buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
     budget = cfg.memory.device_budget
@@ -316,7 +323,9 @@ def estimate(
         n_params=n_params,
         n_chunks=len(specs),
         chunk_elements=sum(s.capacity for s in specs),
-        chunk_params=sum(p.numel for s in specs for p in s.params),
+        chunk_numel=specs[0].chunk_numel,
+        chunk_params=sum(p.numel for s in specs for p in s.params),  # tiles hold their share each
+        tiled=tiled_counts(specs),
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         zero_stage=cfg.zero_stage,
@@ -351,17 +360,6 @@ def estimate(
             needed = {t: probe.needed(t) for t in TIERS}
             est.candidates.append(Candidate(stage, params, optim, needed, not probe.short, probe.short))
     return est
-
-
-def gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
-    """Stage 3's peak of gathered parameter bytes, as `Gathers` keeps them: units in module order forward, reverse
-    backward, the last KEEP_UNITS kept after forward where the device budget has room for them."""
-    index = {id(info.param): spec.index for spec in specs for info in spec.params}
-    per_unit = [sorted({index[id(p)] for p in ps if id(p) in index}) for _, _, ps in unit_parameters(model)]
-    nbytes = {spec.index: spec.capacity * dtype.itemsize for spec in specs}
-    sizes = sorted((sum(nbytes[c] for c in u) for u in per_unit), reverse=True)
-    keep = KEEP_UNITS if budget is None or budget >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
-    return gathered_peak(per_unit, nbytes, keep)
 
 
 def place(

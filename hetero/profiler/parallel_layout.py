@@ -18,6 +18,7 @@ last stage's.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -310,13 +311,18 @@ def stage_starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> l
 
 
 class ParamView:
-    """A model's parameters restricted to one rank's, for `build_layout` (it reads named_parameters only)."""
+    """A model's parameters restricted to one rank's, for `build_layout` (it reads named_parameters, and the modules
+    holding them to tell which may be split into tiles)."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], model: nn.Module | None = None) -> None:
         self._params = params
+        self._model = model
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self._params)
+
+    def modules(self) -> Iterator[nn.Module]:
+        return self._model.modules() if self._model is not None else iter(())
 
 
 def optimizer_view(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> SimpleNamespace:
@@ -336,8 +342,11 @@ def layout_ranks(
     inputs: dict[str, Any],
     dtype: torch.dtype,
     checkpointing: bool,
+    cap: Callable[[int], int | None] | None = None,
+    tiling: bool = True,
 ) -> tuple[list[tuple[RankPart, list]], int]:
-    """Per pipeline rank: what it holds and the chunk layout ZeRO builds of it; and the size of ZeRO's group."""
+    """Per pipeline rank: what it holds and the chunk layout ZeRO builds of it; and the size of ZeRO's group.
+    cap: the automatic chunk size's ceiling for ZeRO's group size (`chunk_size.budget_cap`); tiling: as the config's."""
     from hetero.zero.layout import build_layout
 
     parts, opt, zero_world = rank_parts(
@@ -346,6 +355,13 @@ def layout_ranks(
     out = []
     for part in parts:
         view = optimizer_view(opt, part.params)
-        specs = build_layout(ParamView(part.params), view, chunk_numel=chunk_numel, world=zero_world)  # type: ignore[arg-type]
+        specs = build_layout(
+            ParamView(part.params, model),  # type: ignore[arg-type]
+            view,
+            chunk_numel=chunk_numel,
+            world=zero_world,
+            max_chunk_numel=cap(zero_world) if cap is not None else None,
+            tiling=tiling,
+        )
         out.append((part, specs))
     return out, zero_world

@@ -201,7 +201,7 @@ def plan(
             mine = lay.stages_of(k)
             held = {id(q) for s in mine for u in stage_units[s] for _, q in u.params}
             params = [(n, q) for n, q in sharded.named_parameters() if id(q) in held]
-            specs = build_layout(ParamView(params), optimizer_view(opt_t, params),  # type: ignore[arg-type]
+            specs = build_layout(ParamView(params, sharded), optimizer_view(opt_t, params),  # type: ignore[arg-type]
                                  chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
             result.append((k, mine, stage_units, specs, E.gathered_bytes(sharded, specs, dtype, None), zero_world))
         return result

@@ -187,7 +187,7 @@ class Profile:
         self._stack.clear()
         self._saved.clear()
         self.counters = {k: v - self._counters0.get(k, 0) for k, v in self.manager.counters.items()}
-        self.stats = self.manager.memory_stats()
+        self.stats = self.engine.memory_stats()  # the manager's, with the tiled weights ([Note: computing on tiles])
         self.duration = now
         self.finished = True
         self.write()

@@ -77,6 +77,8 @@ def summary_data(prof: Any) -> dict[str, Any]:
         "clean_evictions": c.get("clean_evictions", 0),
         "released": c.get("released", 0),
         "accesses": c.get("accesses", 0),
+        # Weights split into tiles, which their layers compute on one tile at a time ([Note: computing on tiles]).
+        "tiled": stats.get("tiled", {}),
         "activations": {
             "peak_held": max((n for _, n in prof.activation_series), default=0),
             "forward": dict(sorted(per_call.items(), key=lambda kv: -kv[1]["saved_per_call"])),
@@ -128,6 +130,17 @@ def summary_text(d: dict[str, Any]) -> str:
         f"prefetch: {pf['hits']} hits, {pf['misses']} misses, hit rate {rate}; {pf['started']} prefetches started",
         f"evictions: {d['evictions']} ({d['clean_evictions']} clean, no write), {d['released']} chunks released "
         f"instead; {d['accesses']} accesses",
+    ]
+    if d.get("tiled"):
+        n = len(d["tiled"])
+        lines.append(f"\nweights computed on tile by tile ({n}: larger than a chunk, chosen by the budgets):")
+        for name, t in list(d["tiled"].items())[:TOP]:
+            where = ", ".join(t["modules"]) or "(no module)"
+            size = format_size(t["tile_bytes"])
+            lines.append(f"  {name} {tuple(t['shape'])}: {t['tiles']} tiles of at most {size}, in {where}")
+        if len(d["tiled"]) > TOP:
+            lines.append(f"  ... and {len(d['tiled']) - TOP} more")
+    lines += [
         "",
         f"activations (saved for backward; peak held {format_size(d['activations']['peak_held'])}), "
         f"per module and forward call, with its children:",

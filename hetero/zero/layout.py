@@ -7,19 +7,30 @@ Parameters that will not be trained (requires_grad False, or in no optimizer gro
 placed and sharded like the others but get no gradients and no optimizer state.
 
 Every chunk's capacity is a multiple of the data-parallel world size, so it splits into equal shards, one per rank.
+A parameter larger than a chunk is split over chunks of its own, one tile (a run of whole rows) each, where its
+modules can compute on it tile by tile (`hetero/memory/chunk_size.py`, [Note: tiles]; `hetero/zero/tiling.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hetero.memory.chunk_size import pack, search_chunk_size
+from hetero.memory.chunk_size import budget_cap, pack_tiled, search_tiled
+from hetero.zero.tileable import tile_rows
+
+if TYPE_CHECKING:
+    from hetero.comm import Comm
+    from hetero.config import Config
+    from hetero.memory import ChunkManager
+    from hetero.zero.optim import Algorithm
 
 log = logging.getLogger("hetero.zero")
 
@@ -31,14 +42,37 @@ class ParamInfo:
     offset: int = 0  # first element within its chunk
     trainable: bool = True  # gets a gradient and an update
     registered: int = 0  # position in model.named_parameters(): roughly forward order (see reduce_order)
+    start: int = 0  # first element of the parameter held here (a tile's; 0 for a whole parameter)
+    count: int | None = None  # elements held: a tile's; None for the whole parameter
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        """Elements held in the chunk: the whole parameter's, or a tile's."""
+        return self.param.numel() if self.count is None else self.count
+
+    def element(self, a: int) -> int:
+        """The parameter's flat element index at chunk element `a` (checkpoints store element ranges)."""
+        return self.start + a - self.offset
+
+    @property
+    def tiled(self) -> bool:
+        """This is one tile of a parameter split over several chunks ([Note: tiles])."""
+        return self.count is not None
 
     @property
     def shape(self) -> torch.Size:
-        return self.param.shape
+        """The shape of what is held here: the parameter's, or the tile's rows (tiles are runs of dim-0 rows)."""
+        shape = self.param.shape
+        if self.count is None:
+            return shape
+        row = self.param.numel() // shape[0]
+        return torch.Size((self.count // row, *shape[1:]))
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The dim-0 rows [a, b) of the parameter held here."""
+        row = max(1, self.param.numel() // max(1, self.param.shape[0])) if self.param.dim() else 1
+        return self.start // row, (self.start + self.numel) // row
 
 
 @dataclass(eq=False)
@@ -47,10 +81,20 @@ class ChunkSpec:
     group: int | None  # the optimizer param group; None for frozen chunks
     capacity: int  # elements, a multiple of the world size
     params: list[ParamInfo] = field(default_factory=list)
+    tile: bool = False  # holds one tile of a parameter split over several chunks, and nothing else
+    chunk_numel: int = 0  # the layout's chunk size (a regular chunk's capacity; trimmed chunks and tiles are smaller)
 
     @property
     def trainable(self) -> bool:
         return self.group is not None
+
+    def label(self) -> str:
+        """What the chunk holds, for errors: its first parameter (a tile's rows)."""
+        first = self.params[0]
+        if first.tiled:
+            a, b = first.rows
+            return f"{first.name}[{a}:{b}]"
+        return first.name + (", ..." if len(self.params) > 1 else "")
 
     def overlaps(self, lo: int, hi: int) -> Iterator[tuple[ParamInfo, int, int]]:
         """Each parameter that meets the chunk's element range [lo, hi), with the range [a, b) they share (in chunk
@@ -62,9 +106,17 @@ class ChunkSpec:
 
 
 def build_layout(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, chunk_numel: int | None, world: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    chunk_numel: int | None,
+    world: int,
+    max_chunk_numel: int | None = None,
+    tiling: bool = True,
 ) -> list[ChunkSpec]:
-    """Chunks for every parameter of the model. chunk_numel None: search the size that wastes least. optimizer None
+    """Chunks for every parameter of the model. chunk_numel None: search the size that wastes least, at most
+    `max_chunk_numel` (what the budgets allow, `chunk_size.budget_cap`). tiling: split parameters larger than a chunk
+    into tiles where their modules allow it ([Note: tiles]); else they get a chunk of their own. optimizer None
     (inference): every chunk is frozen."""
     names = {id(p): n for n, p in model.named_parameters()}  # shared parameters appear once, by first name
     group_of: dict[int, int] = {}
@@ -89,36 +141,86 @@ def build_layout(
         buckets.setdefault(g, []).append(info)
     if not buckets:
         raise ValueError("the model has no parameters to place")
-    all_numels = [info.numel for infos in buckets.values() for info in infos]
-    if chunk_numel is None:
-        chunk_numel = _auto_chunk_numel(all_numels)
-    specs: list[ChunkSpec] = []
+    rows = tile_rows(model) if tiling else {}
     order = sorted(buckets, key=lambda g: (g is None, g if g is not None else 0))
-    for g in order:
+    runs = [([i.numel for i in buckets[g]], [rows.get(id(i.param)) for i in buckets[g]]) for g in order]
+    align = 1
+    if chunk_numel is None:
+        chunk_numel = _auto_chunk_numel(runs, max_chunk_numel)
+        align = AUTO_ALIGN
+    specs: list[ChunkSpec] = []
+    for g, (numels, run_rows) in zip(order, runs):
         infos = buckets[g]
-        for indices in pack([i.numel for i in infos], chunk_numel):
-            members = [infos[i] for i in indices]
-            used = sum(m.numel for m in members)
-            capacity = _round_up(max(used, chunk_numel if used <= chunk_numel else used), world)
-            spec = ChunkSpec(index=len(specs), group=g, capacity=capacity)
+        for packed in pack_tiled(numels, run_rows, chunk_numel, align=align):
+            capacity = _round_up(packed.capacity, world)
+            spec = ChunkSpec(index=len(specs), group=g, capacity=capacity, tile=packed.tile, chunk_numel=chunk_numel)
             offset = 0
-            for m in members:
-                m.offset = offset
-                offset += m.numel
-                spec.params.append(m)
+            for i, start, count in packed.members:
+                info = infos[i]
+                if packed.tile:
+                    info = dataclasses.replace(info, start=start, count=count)
+                info.offset = offset
+                offset += count
+                spec.params.append(info)
             specs.append(spec)
     return specs
 
 
-def _auto_chunk_numel(numels: list[int]) -> int:
-    """The least wasteful capacity, within a range scaled to the model so that small models still get several
-    chunks (at least ~8 for fine-grained movement) and large ones stay under 64M elements per chunk."""
+AUTO_ALIGN = 1024  # elements: automatic capacities (and trimmed ones) are multiples of it
+
+
+def _auto_chunk_numel(runs: list[tuple[list[int], list[int | None]]], cap: int | None) -> int:
+    """A capacity with little padding, within a range scaled to the model so that small models still get several
+    chunks (at least ~8 for fine-grained movement) and large ones stay under 64M elements per chunk, and at most
+    `cap` (the budgets' limit)."""
+    numels = [n for run, _ in runs for n in run]
     total, largest = sum(numels), max(numels)
-    lo = max(1024, min(1 << 20, total // 8))
+    lo = max(AUTO_ALIGN, min(1 << 20, total // 8))
     hi = max(lo, min(64 << 20, max(largest, total // 4)))
-    step = max(1024, (hi - lo) // 256)
-    plan = search_chunk_size(numels, min_numel=lo, max_numel=hi, step_numel=step, align_numel=1024)
-    return plan.chunk_numel
+    if cap is not None:
+        hi = max(AUTO_ALIGN, min(hi, cap))
+        lo = min(lo, hi)
+    return search_tiled(runs, min_numel=lo, max_numel=hi, align_numel=AUTO_ALIGN)
+
+
+def config_cap(
+    config: Config, *, device_budget: int | None, host_budget: int | None, n_states: int, world: int
+) -> int | None:
+    """The largest automatic chunk capacity these budgets hold with room to spare (`chunk_size.budget_cap`)."""
+    from hetero.zero.precision import COMPUTE_DTYPES
+
+    return budget_cap(
+        device_budget=device_budget,
+        host_budget=host_budget,
+        stage=config.zero_stage,
+        param_bytes=COMPUTE_DTYPES[config.precision].itemsize,
+        n_states=n_states,
+        params_tier=config.offload.params,
+        optim_tier=config.offload.optimizer,
+        prefetch_depth=config.prefetch_depth,
+        world=world,
+    )
+
+
+def chunk_cap(config: Config, manager: ChunkManager, algorithm: Algorithm, comm: Comm) -> int | None:
+    """`config_cap` for the manager's budgets, agreed by the group: the smallest, so every rank builds the same
+    layout (budgets may differ between ranks)."""
+    from hetero.memory import Tier
+
+    cap = config_cap(
+        config,
+        device_budget=manager.ledgers[Tier.DEVICE].budget,
+        host_budget=manager.ledgers[Tier.HOST].budget,
+        n_states=len(algorithm.state_names),
+        world=comm.size,
+    )
+    agreed = torch.tensor([cap if cap is not None else _NO_CAP], dtype=torch.int64)
+    comm.control.all_reduce(agreed, op="min")
+    value = int(agreed)
+    return None if value == _NO_CAP else value
+
+
+_NO_CAP = 1 << 62
 
 
 def _round_up(n: int, k: int) -> int:

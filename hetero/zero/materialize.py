@@ -24,6 +24,13 @@ read one at a time (hetero/zero/weights.py) into the same staging buffers, chunk
 state_dict keys (a tied parameter may come under any of its names), through its base-model prefix where the files
 were saved from the base or the head model. Names and shapes are matched from the files' headers before anything
 is read; what cannot load is reported together, with its cause.
+
+[Note: initialising tiles]
+A weight split into tiles ([Note: tiles] in `hetero/memory/chunk_size.py`) is initialised through one staging buffer
+of its whole size: an initialiser draws a tensor's random numbers in one call, and only the whole tensor's call gives
+the values of normal construction. Once written, it is copied into its tiles one at a time (each tile's chunk loads
+and frees its own staging buffer) and freed, so host memory holds the whole weight once, in fp32, during its own
+initialisation only. `weights=` needs no such buffer: each tile's rows are read from the file on their own.
 """
 
 from __future__ import annotations
@@ -41,10 +48,12 @@ from torch.utils._pytree import tree_map
 
 from hetero.comm import Comm
 from hetero.errors import WeightsError
-from hetero.memory import Chunk, ChunkManager, TensorState, Tier
+from hetero.memory import ChunkManager
 from hetero.progress import bar as make_bar
 from hetero.zero import weights
-from hetero.zero.zero_chunk import ZeroChunk, flat_values
+from hetero.zero.layout import ChunkSpec
+from hetero.zero.staging import Staging
+from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
 
@@ -94,49 +103,6 @@ def load_values(
         )
 
 
-# ---- staging buffers ------------------------------------------------------------------------------------------
-class _Staging:
-    """One fp32 host chunk per ZeroChunk being filled, counted in the host ledger and pinned there."""
-
-    def __init__(self, manager: ChunkManager, *, checksum: bool = False) -> None:
-        self.m = manager
-        self.checksum = checksum  # sum each chunk's values as it is loaded (to compare ranks)
-        self.open: dict[int, Chunk] = {}  # ZeroChunk index -> staging chunk
-
-    def flat(self, zc: ZeroChunk) -> torch.Tensor:
-        c = self.open.get(zc.spec.index)
-        if c is None:
-            c = self.m.new_chunk(dtype=torch.float32, capacity=zc.spec.capacity, kind="staging")
-            slot = c.add_tensor(f"{zc.spec.params[0].name}..staging", (zc.spec.capacity,))
-            self.m.access(c, Tier.HOST)
-            c.set_state(slot, TensorState.HOLD)
-            self.m.pin(c)  # loading other chunks must not evict it to NVMe
-            c.payload.zero_()  # the padding past the last parameter
-            self.open[zc.spec.index] = c
-        return c.payload
-
-    def view(self, zc: ZeroChunk, info: Any) -> torch.Tensor:
-        return self.flat(zc).narrow(0, info.offset, info.numel).view(info.shape)
-
-    def load(self, zc: ZeroChunk) -> float:
-        """Load the chunk from its staging buffer and free the buffer; returns the values' sum (a checksum)."""
-        c = self.open.pop(zc.spec.index)
-        flat = c.payload
-        total = float(flat.sum(dtype=torch.float64)) if self.checksum else 0.0
-        zc.load(flat)
-        self.m.unpin(c)
-        c.set_state(c.slots[0], TensorState.FREE)
-        self.m.free_chunk(c)
-        return total
-
-    def close(self) -> None:
-        for c in self.open.values():
-            self.m.unpin(c)
-            c.set_state(c.slots[0], TensorState.FREE)
-            self.m.free_chunk(c)
-        self.open.clear()
-
-
 # ---- initialising a meta model ------------------------------------------------------------------------------
 class _StandIn(TorchFunctionMode):
     """Replaces tracked meta tensors by real ones in every torch function call (see the note above)."""
@@ -180,9 +146,15 @@ def _writes(name: str) -> bool:
 def _initialise(
     model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, comm: Comm, bar: Callable[..., Any]
 ) -> None:
-    staging = _Staging(manager, checksum=comm.size > 1)
+    staging = Staging(manager, checksum=comm.size > 1)
     shown = bar(len(chunks), "hetero: initialising", unit="chunk")
-    where = {id(info.param): (zc, info) for zc in chunks for info in zc.spec.params}
+    where = {id(info.param): (zc, info) for zc in chunks for info in zc.spec.params if not info.tiled}
+    tiles: dict[int, list[tuple[ZeroChunk, Any]]] = {}  # tiled parameter id -> its tiles, in row order
+    for zc in chunks:
+        for info in zc.spec.params:
+            if info.tiled:
+                tiles.setdefault(id(info.param), []).append((zc, info))
+                where.setdefault(id(info.param), (zc, info))  # the first tile stands for it in what follows
     unwritten = {zc.spec.index: {id(i.param) for i in zc.spec.params} for zc in chunks}
     by_index = {zc.spec.index: zc for zc in chunks}
     loaded: set[int] = set()
@@ -204,7 +176,7 @@ def _initialise(
             zc, info = hit
             if zc.spec.index in loaded:
                 return _scratch(t)  # its shape can be read; a write is an error (on_write)
-            return staging.view(zc, info)
+            return staging.whole_view(info) if info.tiled else staging.view(zc, info)
         if id(t) in buffers:
             if id(t) not in real_buffers:
                 real_buffers[id(t)] = torch.zeros(t.shape, dtype=t.dtype)
@@ -226,15 +198,26 @@ def _initialise(
                 f"the model's initialiser wrote parameter {info.name!r} after hetero had loaded its chunk: "
                 "initialise each parameter in one place (its module's reset_parameters), or build the model normally"
             )
-        unwritten[zc.spec.index].discard(key)
+        for zc_, _ in tiles.get(key, [(zc, info)]):
+            unwritten[zc_.spec.index].discard(key)
         # Another chunk's parameter is being written: chunks whose parameters are all written are complete.
         for index in [i for i in staging.open if i != zc.spec.index and not unwritten[i]]:
             sums[index] = staging.load(by_index[index])
             loaded.add(index)
             shown.update()
+        for other in [k for k in staging.whole if k != key]:
+            complete_tiles(other)
+
+    def complete_tiles(key: int) -> None:
+        for index, total in staging.load_tiles(tiles[key]):
+            sums[index] = total
+            loaded.add(index)
+            shown.update()
 
     try:
         _run_initialiser(model, real, on_write, written_any, passes)
+        for key in list(staging.whole):
+            complete_tiles(key)
         for index in list(staging.open):
             if not unwritten[index]:
                 sums[index] = staging.load(by_index[index])
@@ -366,8 +349,10 @@ def _stream_weights(
                 ", ".join(m.missing[:10]) + (" ..." if len(m.missing) > 10 else ""),
             )
 
-        def read(t: torch.Tensor) -> torch.Tensor:
+        def read(t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
             key = m.chosen.get(id(t))
+            if rows is not None:  # a tile's rows only ([Note: initialising tiles])
+                return source.read_rows(key, *rows) if key is not None else t.detach()[rows[0] : rows[1]]
             return source.read(key) if key is not None else t.detach()
 
         # Buffers first, while parameters still have no memory: an initialiser run for non-persistent buffers
@@ -377,12 +362,14 @@ def _stream_weights(
                 if id(b) in m.chosen:
                     setattr(module, name, read(b).to(b.dtype))
         _initialise_buffers(model)
-        staging = _Staging(manager)
+        staging = Staging(manager)
         progress = bar(sum(zc.spec.capacity * 4 for zc in chunks), "hetero: loading weights", unit="B")
         try:
             for zc in chunks:
                 for info in zc.spec.params:
-                    staging.view(zc, info).copy_(read(info.param).reshape(info.shape))
+                    staging.view(zc, info).copy_(
+                        read(info.param, info.rows if info.tiled else None).reshape(info.shape)
+                    )
                 staging.load(zc)
                 progress.update(zc.spec.capacity * 4)
         finally:
@@ -411,3 +398,11 @@ def _initialise_buffers(model: nn.Module) -> None:
                 module.reset_parameters()
         for key, value in real.items():
             setattr(module, metas[key][0], value)
+
+
+def flat_values(spec: ChunkSpec) -> torch.Tensor:
+    """The chunk's parameters as one flat fp32 CPU tensor of `capacity` elements, zero-padded."""
+    flat = torch.zeros(spec.capacity, dtype=torch.float32)
+    for info in spec.params:
+        flat.narrow(0, info.offset, info.numel).copy_(info.param.detach().reshape(-1).narrow(0, info.start, info.numel))
+    return flat

@@ -74,9 +74,17 @@ class _Released:
         if func in _HARMLESS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        names = [a._hetero_name for a in _flat(args, kwargs) if isinstance(a, _Released)]
+        released = [a for a in _flat(args, kwargs) if isinstance(a, _Released)]
+        names = [a._hetero_name for a in released]
         what = getattr(func, "__name__", repr(func))
         what = "an attribute read" if what in ("__get__", "__set__") else f"{what}()"
+        if any(a.__dict__.get("_hetero_tiled") for a in released):
+            raise ReleasedParameterError(
+                f"{what} read parameter {names[0]!r}, which is split into tiles (a weight larger than a chunk: its "
+                "layer computes on one tile at a time, [Note: computing on tiles]), so its values are never whole. "
+                "Read it inside `with engine.gathered_parameters([...]):` (every rank enters it), use "
+                "engine.full_state_dict(), or set the config's tiling to false (or a larger chunk_size)"
+            )
         raise ReleasedParameterError(
             f"{what} read parameter {names[0] if names else '?'!r}, whose full values are not on this rank: at "
             "zero_stage 3 each rank holds a shard of it between uses. Read it inside `with "

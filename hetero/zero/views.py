@@ -15,8 +15,9 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.device import Device
-from hetero.memory import TensorState
+from hetero.memory import ChunkManager, TensorState
 from hetero.zero.protocol import SUMMON, Checker
+from hetero.zero.tiling import Tiled, assembled
 from hetero.zero.units import Entry
 from hetero.zero.zero_chunk import ZeroChunk
 
@@ -32,8 +33,11 @@ class ParameterViews:
         comm: Comm,
         device: Device,
         dtype: torch.dtype,
+        tiled: dict[int, Tiled],
+        manager: ChunkManager,
     ) -> None:
         self.module, self.chunks, self.entries = module, chunks, entries
+        self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
         self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -42,7 +46,12 @@ class ParameterViews:
         for zc in self.chunks:
             with self.summoned([zc]):
                 for info, value in zip(zc.spec.params, zc.full_values().values()):
-                    values[id(info.param)] = value
+                    if info.tiled:  # a tile's rows of the whole value
+                        whole = values.setdefault(id(info.param), torch.empty(info.param.shape, dtype=value.dtype))
+                        a, b = info.rows
+                        whole[a:b].copy_(value)
+                    else:
+                        values[id(info.param)] = value
         return {
             name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
             for name, t in self.module.state_dict(keep_vars=True).items()
@@ -51,18 +60,21 @@ class ParameterViews:
     @contextlib.contextmanager
     def gathered(self, params: Iterable[torch.Tensor] | None = None, *, modify: bool = False) -> Iterator[None]:
         """See `Engine.gathered_parameters`."""
+        wanted = None
         if params is None:
             chunks = list(self.chunks)
         else:
             wanted = {id(p) for p in params}
-            unknown = wanted - set(self.entries)
+            unknown = wanted - set(self.entries) - set(self.tiled)
             if unknown:
                 raise ValueError(
                     f"gathered_parameters: {len(unknown)} of the tensors given are not parameters this engine manages"
                 )
             chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
+        tiled = [t for k, t in self.tiled.items() if wanted is None or k in wanted]
         with self.summoned(chunks):
-            yield
+            with assembled(tiled, self.manager, modify=modify):
+                yield
             if modify:
                 self._adopt_rank0(chunks)
 
@@ -71,7 +83,7 @@ class ParameterViews:
         """Gather the chunks (if not gathered) and hold every parameter of them in use; release what was gathered
         for the purpose on the way out."""
         fresh = [zc for zc in chunks if not zc.gathered]
-        entries = [self.entries[id(i.param)] for zc in chunks for i in zc.spec.params]
+        entries = [self.entries[id(i.param)] for zc in chunks for i in zc.spec.params if not i.tiled]
         for zc in chunks:
             if not zc.gathered:
                 self.check(SUMMON, chunk=zc.spec.index)

@@ -108,6 +108,12 @@ class WeightSource:
         src = self._where[key]
         return src[key] if isinstance(src, dict) else src.get_tensor(key)
 
+    def read_rows(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of a tensor, without reading the rest from a .safetensors file (a tile's share of a weight,
+        [Note: initialising tiles] in materialize.py)."""
+        src = self._where[key]
+        return src[key][a:b] if isinstance(src, dict) else src.get_slice(key)[a:b]
+
     def close(self) -> None:
         self._stack.close()
         self._where.clear()

@@ -86,7 +86,7 @@ class ZeroChunk:
     @property
     def label(self) -> str:
         """How errors name this chunk."""
-        return f"chunk {self.spec.index} ({self.spec.params[0].name}...)"
+        return f"chunk {self.spec.index} ({self.spec.label()})"
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def load(self, flat: torch.Tensor) -> None:
@@ -114,7 +114,8 @@ class ZeroChunk:
             m.access(self.full, Tier.DEVICE)
             self._point_params()
             m.release(self.full)
-            released.release([i.param for i in self.spec.params], [i.name for i in self.spec.params])
+            whole = [i for i in self.spec.params if not i.tiled]  # a tiled parameter is the engine's (tiling.py)
+            released.release([i.param for i in whole], [i.name for i in whole])
         if self.optim is not None:
             m.access(self.optim, self.placement.compute)
             self.optim.payload.zero_()
@@ -191,6 +192,8 @@ class ZeroChunk:
 
     def _point_params(self) -> None:
         for info, slot in zip(self.spec.params, self.slots):
+            if info.tiled:
+                continue  # never whole: its module computes on the tiles ([Note: computing on tiles])
             if info.param.is_meta:
                 # A meta tensor cannot take another device's data: swap in an empty one first, which keeps the
                 # Parameter object (the optimizer's and every tied module's reference) and its attributes.
@@ -216,7 +219,9 @@ class ZeroChunk:
             # A fresh buffer each micro-batch: each parameter's gradient is copied in once (autograd has already
             # summed a parameter used twice); regions no gradient reached are zeroed before the reduction.
             region = self._micro_grad().narrow(0, info.offset, info.numel)
-            if self.accumulate_full and id(info.param) in self.batch_seen:
+            # A second part of the same gradient (a tile of a weight used twice: tiling.py) adds to the first.
+            again = id(info.param) in self.grads_seen
+            if again or (self.accumulate_full and id(info.param) in self.batch_seen):
                 region.add_(flat)
             else:
                 region.copy_(flat)
@@ -434,17 +439,10 @@ class ZeroChunk:
             self.grad_is_zero = bool(state["grad_is_zero"])
 
     def full_values(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (CPU copies). At stage 3 the chunk must be gathered (`unshard`)."""
+        """Every parameter's full value (CPU copies; a tile's rows for a tiled one). At stage 3 the chunk must be
+        gathered (`unshard`)."""
         full = self.manager.access(self.full, Tier.DEVICE, write=False)
         return {
             info.name: self.device.to_host(full.narrow(0, info.offset, info.numel).view(info.shape), copy=True)
             for info in self.spec.params
         }
-
-
-def flat_values(spec: ChunkSpec) -> torch.Tensor:
-    """The chunk's parameters as one flat fp32 CPU tensor of `capacity` elements, zero-padded."""
-    flat = torch.zeros(spec.capacity, dtype=torch.float32)
-    for info in spec.params:
-        flat.narrow(0, info.offset, info.numel).copy_(info.param.detach().reshape(-1))
-    return flat

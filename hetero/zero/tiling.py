@@ -1,0 +1,405 @@
+"""Memory-centric tiling: a layer whose weight is split over several chunks computes on one tile at a time.
+
+[Note: computing on tiles]
+A weight larger than a chunk is split over chunks of its own, one tile of whole dim-0 rows each (`layout.py`,
+[Note: tiles]); the chunk size follows the budgets, so a weight that would not fit the device's working set is always
+split. Its module then never sees the whole weight: its `forward` is replaced, on the instance, by one that runs an
+autograd function over the tiles, each made resident (at stage 3 gathered from every rank's shard), used and
+released before the next, in forward and again in backward, ZeRO-Infinity's memory-centric tiling:
+
+  nn.Linear (weight [out, in], rows = output features): y[..., rows_t] = x @ W_t^T, the tiles' outputs joined;
+      backward: dx = sum_t dy[..., rows_t] @ W_t, dW_t = dy[..., rows_t]^T x.
+  nn.Embedding (weight [vocab, dim], rows = tokens): each tile looks up the tokens in its row range;
+      backward: dW_t = the output gradients of those tokens summed per row (padding_idx's row gets none).
+  transformers' Conv1D (weight [in, out], rows = input features): y = sum_t x[..., rows_t] @ W_t;
+      backward: dx[..., rows_t] = dy @ W_t^T, dW_t = x[..., rows_t]^T dy.
+
+Each tile's gradient goes straight into its chunk's gradient buffer (`TileRunner.deliver`), so no gradient of the
+whole weight ever exists. A weight used twice in a micro-batch (an embedding tied to the head) gets its tiles'
+gradients added; the chunk counts as complete (and, at stages 2-3, is reduce-scattered) after the backward of its
+last use. Only modules whose class is exactly one of the three, unsubclassed (a subclass may compute differently),
+holding the parameter as `weight`, are tiled, and a parameter is split only when every module holding it is such a
+module; Embedding options that change the weight or its gradient (`max_norm`, `scale_grad_by_freq`, `sparse`) rule
+it out. The parameter object stays, with its name and shape, but its values are never whole: reading it raises
+`ReleasedParameterError` outside `engine.gathered_parameters()`, which assembles it.
+
+Collectives: at stage 3 a tile is gathered when its module's forward (or backward) reaches it, in tile order, which
+every rank does at the same point because a tiled module runs on every rank (its gathers go through the same
+`Checker` as a unit's, so a rank that skipped it stops with an error naming it instead of hanging).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.memory import Chunk, ChunkManager, TensorState, Tier
+from hetero.zero import released
+from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
+from hetero.zero.tileable import bases, layer_kind
+
+if TYPE_CHECKING:
+    from hetero.zero.protocol import Checker
+    from hetero.zero.units import Entry
+
+log = logging.getLogger("hetero.zero")
+
+_T = TensorState
+
+
+@dataclass(eq=False)
+class Tiled:
+    """One parameter split over several chunks, as the engine tracks it."""
+
+    name: str  # the parameter's name
+    param: nn.Parameter
+    tiles: list[Entry]  # one per chunk, in row order
+    uses: int = 0  # forward uses in this micro-batch whose backward has not run yet
+    modules: list[str] = field(default_factory=list)  # names of the modules computing on it
+
+    @property
+    def trainable(self) -> bool:
+        return self.tiles[0].info.trainable
+
+
+class TileRunner:
+    """Makes tiles resident for the tiled modules, one at a time, and takes their gradients; see [Note: computing
+    on tiles]. One per engine."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tiled: dict[int, Tiled],
+        *,
+        stage: int,
+        check: Checker,
+        deliver: Callable[[Entry, torch.Tensor, bool], None],
+    ) -> None:
+        self.tiled = tiled  # param id -> its tiles
+        self.stage = stage
+        self.check = check
+        self._deliver = deliver  # (tile, gradient, last use of this micro-batch) -> into its chunk
+        self._patched: list[nn.Module] = []
+        me = weakref.ref(self)  # the model may outlive the engine: its layers must not keep the engine alive
+        for name, module in model.named_modules():
+            weight = dict(module.named_parameters(recurse=False)).get("weight")
+            kind = layer_kind(module)
+            if weight is None or id(weight) not in tiled or kind is None:
+                continue
+            tiled[id(weight)].modules.append(name)
+            module.__dict__["_hetero_tiles"] = (me, tiled[id(weight)])
+            module.__class__ = _twin(type(module), kind)  # one pointer write; names and hooks unchanged
+            self._patched.append(module)
+
+    def remove(self) -> None:
+        """Give the layers their own class back."""
+        for module in self._patched:
+            module.__class__ = _original(type(module))
+            module.__dict__.pop("_hetero_tiles", None)
+        self._patched.clear()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tiled parameter: the modules computing on it, its tiles, and the bytes of the largest."""
+        return {
+            t.name: {
+                "modules": list(t.modules),
+                "tiles": len(t.tiles),
+                "tile_bytes": max(e.chunk.full.nbytes for e in t.tiles),
+                "shape": list(t.param.shape),
+            }
+            for t in self.tiled.values()
+        }
+
+    # ---- one tile at a time -------------------------------------------------------------------------------
+    def open(self, e: Entry) -> torch.Tensor:
+        """The tile's values on the device, pinned there until `close`."""
+        zc = e.chunk
+        if zc.layout.params_sharded:
+            if not zc.gathered:
+                self.check(GATHER, chunk=zc.spec.index, phase=BACKWARD if in_backward() else FORWARD)
+            zc.unshard()
+            zc.full.set_state(e.slot, _T.COMPUTE)
+        return zc.full.view(e.slot)
+
+    def close(self, e: Entry) -> None:
+        zc = e.chunk
+        if zc.layout.params_sharded:
+            zc.full.set_state(e.slot, _T.HOLD)
+            zc.reshard()
+
+    def begin_use(self, t: Tiled) -> bool:
+        """A forward use starts; True when its backward will deliver gradients (counted until then)."""
+        counted = torch.is_grad_enabled() and t.param.requires_grad and not in_backward()
+        if counted:
+            t.uses += 1
+        return counted
+
+    def deliver(self, t: Tiled, e: Entry, grad: torch.Tensor, counted: bool) -> None:
+        """One tile's gradient of one use; the last tile of the last use completes the parameter."""
+        last = not counted or t.uses <= 1
+        self._deliver(e, grad, last)
+
+    def end_backward(self, t: Tiled, counted: bool) -> None:
+        if counted and t.uses > 0:
+            t.uses -= 1
+
+    def step_end(self) -> None:
+        """End of backward: uses whose backward never ran (an output the loss ignored) are forgotten."""
+        for t in self.tiled.values():
+            t.uses = 0
+
+
+# ---- the layers' tiled forwards ---------------------------------------------------------------------------------
+# A tiled layer's class is swapped for a twin: a subclass of its class whose MRO puts the tiled forward of its base
+# layer right above that base, so the class's own forward (if it has one) runs and its `super().forward` computes on
+# the tiles.
+def _state(layer: nn.Module) -> tuple[TileRunner, Tiled]:
+    ref, tiled = layer.__dict__["_hetero_tiles"]
+    runner = ref()
+    if runner is None:
+        raise RuntimeError(f"the engine of the tiled layer computing on {tiled.name!r} was closed")
+    return runner, tiled
+
+
+def _linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    r, t = _state(self)
+    out = _TiledLinear.apply(x, _anchor(t.param, x), r, t, r.begin_use(t))
+    return out if self.bias is None else out + self.bias
+
+
+def _embedding_forward(self: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    r, t = _state(self)
+    return _TiledEmbedding.apply(ids, _anchor(t.param, ids), r, t, r.begin_use(t), self.padding_idx)
+
+
+def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    r, t = _state(self)
+    shape = x.shape[:-1] + (self.nf,)
+    out = _TiledConv1D.apply(x.reshape(-1, x.shape[-1]), _anchor(t.param, x), r, t, r.begin_use(t))
+    return (out + self.bias).view(shape)
+
+
+_FORWARDS = {"linear": _linear_forward, "embedding": _embedding_forward, "conv1d": _conv1d_forward}
+_TWINS: dict[tuple[type, str], type] = {}  # (a layer class, its kind) -> its tiled twin
+_ORIGINALS: dict[type, type] = {}  # twin -> the class it stands for
+
+
+def _twin(cls: type, kind: str) -> type:
+    twin = _TWINS.get((cls, kind))
+    if twin is None:
+        tiled_base = _tiled_base(kind)
+        base = tiled_base.__mro__[1]
+        parents = (tiled_base,) if cls is base else (cls, tiled_base)
+        twin = type(f"Tiled{cls.__name__}", parents, {"__module__": __name__})
+        _TWINS[(cls, kind)] = twin
+        _ORIGINALS[twin] = cls
+    return twin
+
+
+@functools.cache
+def _tiled_base(kind: str) -> type:
+    """The layer's base class with the tiled forward: the twin's MRO reaches it right above that base."""
+    base = next(b for b, k in bases() if k == kind)
+    return type(f"Tiled{base.__name__}", (base,), {"forward": _FORWARDS[kind], "__module__": __name__})
+
+
+def _original(cls: type) -> type:
+    return _ORIGINALS.get(cls, cls)
+
+
+def _anchor(param: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
+    """A tensor with no elements standing in for the weight in the graph: it requires grad when the weight does, so
+    the output does too (its own gradient is never computed; the tiles' go to their chunks)."""
+    device = like.device
+    return torch.empty(0, device=device).requires_grad_(param.requires_grad)
+
+
+class _TiledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool) -> Any:
+        ctx.r, ctx.t, ctx.counted = r, t, counted
+        ctx.save_for_backward(x)
+        parts = []
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                parts.append(F.linear(x, w))
+            finally:
+                r.close(e)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        r, t = ctx.r, ctx.t
+        dx = None
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                rows = w.shape[0]
+                g = dy2[:, lo : lo + rows]
+                if ctx.needs_input_grad[0]:
+                    dx = g @ w if dx is None else dx.addmm_(g, w)
+                if t.trainable:
+                    r.deliver(t, e, g.t() @ x2, ctx.counted)
+                lo += rows
+            finally:
+                r.close(e)
+        r.end_backward(t, ctx.counted)
+        return (None if dx is None else dx.view(x.shape)), None, None, None, None
+
+
+class _TiledConv1D(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool) -> Any:
+        ctx.r, ctx.t, ctx.counted = r, t, counted
+        ctx.save_for_backward(x)
+        out = None
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                rows = w.shape[0]
+                part = x[:, lo : lo + rows]
+                out = part @ w if out is None else out.addmm_(part, w)
+                lo += rows
+            finally:
+                r.close(e)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        r, t = ctx.r, ctx.t
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                rows = w.shape[0]
+                if dx is not None:
+                    dx[:, lo : lo + rows] = dy @ w.t()
+                if t.trainable:
+                    r.deliver(t, e, x[:, lo : lo + rows].t() @ dy, ctx.counted)
+                lo += rows
+            finally:
+                r.close(e)
+        r.end_backward(t, ctx.counted)
+        return dx, None, None, None, None
+
+
+class _TiledEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ids: torch.Tensor,
+        anchor: torch.Tensor,
+        r: TileRunner,
+        t: Tiled,
+        counted: bool,
+        padding_idx: int | None,
+    ) -> Any:
+        ctx.r, ctx.t, ctx.counted, ctx.padding_idx = r, t, counted, padding_idx
+        ctx.save_for_backward(ids)
+        flat = ids.reshape(-1)
+        out = None
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                if out is None:
+                    out = torch.zeros(flat.numel(), w.shape[1], dtype=w.dtype, device=w.device)
+                rows = w.shape[0]
+                hit = ((flat >= lo) & (flat < lo + rows)).nonzero().squeeze(1)
+                if hit.numel():
+                    out[hit] = w.index_select(0, flat[hit] - lo)
+                lo += rows
+            finally:
+                r.close(e)
+        return out.view(*ids.shape, -1)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        (ids,) = ctx.saved_tensors
+        r, t = ctx.r, ctx.t
+        flat = ids.reshape(-1)
+        dy2 = dy.reshape(flat.numel(), -1)
+        lo = 0
+        for e in t.tiles:
+            rows, dim = e.info.shape
+            if t.trainable:
+                # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
+                g = torch.zeros(rows, dim, dtype=dy.dtype, device=dy.device)
+                hit = ((flat >= lo) & (flat < lo + rows)).nonzero().squeeze(1)
+                if hit.numel():
+                    g.index_add_(0, flat[hit] - lo, dy2[hit])
+                pad = ctx.padding_idx
+                if pad is not None and lo <= pad < lo + rows:
+                    g[pad - lo].zero_()
+                r.deliver(t, e, g, ctx.counted)
+            lo += rows
+        r.end_backward(t, ctx.counted)
+        return None, None, None, None, None, None
+
+
+# ---- the parameter object of a tiled weight ---------------------------------------------------------------------
+def detach_tiled(tiled: dict[int, Tiled], *, dtype: torch.dtype, device: torch.device) -> None:
+    """Give each tiled parameter a stand-in with its shape, dtype and device and one element of memory, marked
+    released: its values are only ever in its tiles (see [Note: computing on tiles])."""
+    for t in tiled.values():
+        p = t.param
+        stub = torch.empty(1, dtype=dtype, device=device).expand(p.shape)
+        if p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(stub, requires_grad=p.requires_grad))
+        else:
+            p.data = stub
+        p.__dict__["_hetero_tiled"] = True
+        released.release([p], [t.name])
+
+
+@contextlib.contextmanager
+def assembled(tiled: list[Tiled], manager: ChunkManager, *, modify: bool) -> Iterator[None]:
+    """Tiled parameters whole, readable through the parameters, for the duration of the block (the chunks must be
+    gathered: `engine.gathered_parameters`); with `modify`, what the block wrote goes back into the tiles. Each
+    whole value is a device chunk of the manager (the device ledger counts it)."""
+    held: list[tuple[Tiled, Chunk, torch.Tensor]] = []
+    try:
+        for t in tiled:
+            c = manager.new_chunk(dtype=t.tiles[0].chunk.dtype, capacity=t.param.numel(), kind="assembled")
+            slot = c.add_tensor(t.name, t.param.shape)
+            manager.access(c, Tier.DEVICE)
+            c.set_state(slot, _T.COMPUTE)  # pinned on the device while the block reads it
+            whole = c.view(slot)
+            for e in t.tiles:
+                manager.access(e.chunk.full, Tier.DEVICE, write=False)
+                a, b = e.info.rows
+                whole[a:b].copy_(e.chunk.full.view(e.slot))
+            released.restore([t.param])  # its stub is readable again (released below, in any case)
+            held.append((t, c, t.param.data))
+            t.param.data = whole
+        yield
+        if modify:
+            for t, _c, _ in held:
+                for e in t.tiles:
+                    manager.access(e.chunk.full, Tier.DEVICE)
+                    a, b = e.info.rows
+                    e.chunk.full.view(e.slot).copy_(t.param.data[a:b])
+    finally:
+        for t, c, stub in held:
+            t.param.data = stub
+            released.release([t.param], [t.name])
+            c.set_state(c.slots[0], _T.HOLD)
+            c.set_state(c.slots[0], _T.FREE)
+            manager.free_chunk(c)
