@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
 import torch
+from ranks import spawn_ranks  # benchmarks/ranks.py (the script's own folder is on sys.path)
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera")
@@ -140,34 +139,12 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     comm.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hetero.parallel.pipeline import schedule as S
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
     p = args.stages
-    procs = [ctx.Process(target=_rank_main, args=(r, p, port, args, q), daemon=True) for r in range(p)]
-    for pr in procs:
-        pr.start()
-    per_rank: dict[int, dict] = {}
-    deadline = time.monotonic() + 600
-    while len(per_rank) < p:
-        if time.monotonic() > deadline or not any(pr.is_alive() for pr in procs) and q.empty():
-            raise RuntimeError("pipeline_bubble: a rank died or timed out; run with fewer --iters or stages")
-        try:
-            r, res = q.get(timeout=1)
-            per_rank[r] = res
-        except Exception:  # queue.Empty
-            continue
-    for pr in procs:
-        pr.join(30)
+    found = spawn_ranks(_rank_main, p, args, name="pipeline_bubble", timeout=600)
+    per_rank: dict[int, dict] = dict(found)
     out: dict[str, Any] = {
         "mode": args.mode,
         "stages": p,

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from typing import Any
 
 import torch
+from ranks import spawn_ranks  # benchmarks/ranks.py (the script's own folder is on sys.path)
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("chimera", 1))
 
@@ -121,32 +120,9 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     out.put((rank, results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
     p = args.stages
-    procs = [ctx.Process(target=_rank_main, args=(r, p, port, args, q), daemon=True) for r in range(p)]
-    for pr in procs:
-        pr.start()
-    per_rank: dict[int, dict] = {}
-    deadline = time.monotonic() + 1200
-    while len(per_rank) < p:
-        if time.monotonic() > deadline or not any(pr.is_alive() for pr in procs) and q.empty():
-            raise RuntimeError("pipeline_memory: a rank died or timed out")
-        try:
-            r, res = q.get(timeout=1)
-            per_rank[r] = res
-        except Exception:  # queue.Empty
-            continue
-    for pr in procs:
-        pr.join(30)
+    per_rank: dict[int, dict] = dict(spawn_ranks(_rank_main, p, args, name="pipeline_memory", timeout=1200))
     out: dict[str, Any] = {"stages": p, "microbatches": args.microbatches, "layers": args.layers, "schedules": {}}
     for name, _ in SCHEDULES:
         entry = {}

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
 import torch
+from ranks import spawn_ranks  # benchmarks/ranks.py (the script's own folder is on sys.path)
 
 # name -> (zero_stage, optimizer placement, parallel section); micro-batches and rows follow the global batch.
 LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
@@ -151,32 +150,10 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world, port, args, q), daemon=True) for r in range(args.world)
-    ]
-    for pr in procs:
-        pr.start()
-    deadline = time.monotonic() + 1800
-    while True:
-        if time.monotonic() > deadline or not any(pr.is_alive() for pr in procs) and q.empty():
-            raise RuntimeError("planner_ranking: a rank died or timed out")
-        try:
-            measured, rates = q.get(timeout=1)
-            break
-        except Exception:  # queue.Empty
-            continue
-    for pr in procs:
-        pr.join(60)
+    [(measured, rates)] = spawn_ranks(
+        _rank_main, args.world, args, name="planner_ranking", timeout=1800, messages=1
+    )  # rank 0 reports for all
     predicted = predict(args, rates)
     names = list(LAYOUTS)
     return {

@@ -70,3 +70,14 @@ def assert_learns(
     delta = math.sqrt(sum(float((exact[k].double() - initial[k].double()).norm()) ** 2 for k in exact))
     noise = math.sqrt(sum(float((plain[k].double() - exact[k].double()).norm()) ** 2 for k in exact))
     assert delta >= 2 * FACTOR * noise, f"the data is not learnable enough: delta {delta:.3g}, noise {noise:.3g}"
+
+
+def assert_near_plain(
+    got: dict[str, torch.Tensor], exact: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], *, rel: float
+) -> None:
+    """Each tensor within `rel` of its norm from plain fp32's, on top of fp32's own noise on it: a parameter whose
+    exact gradient is zero (a key bias) gets Adam's lr-sized step from rounding, and plain fp32 is as far off."""
+    for name, value in plain.items():
+        noise = FACTOR * float((value.double() - exact[name].double()).norm())
+        err, size = float((got[name].double() - value.double()).norm()), float(value.double().norm())
+        assert err <= rel * size + noise, f"{name}: {err:.3g} from plain fp32 (norm {size:.3g}, noise {noise:.3g})"
