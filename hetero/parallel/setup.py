@@ -86,12 +86,6 @@ def setup_parallel(
             apply_grid_parallel(model, plan, mesh.grid)
             return mesh, chunks, zero
         from hetero.parallel.tensor import apply_tensor_parallel
-        from hetero.parallel.vocab import AlignedLMLoss
 
         apply_tensor_parallel(model, plan, mesh.tp, sequence=cfg.sequence == "megatron")
-        for m in model.modules():
-            # A pipelined GPT computes its loss in its last unit: give it the vocabulary-parallel loss too.
-            head = getattr(m, "lm_head", None)
-            if m is not model and hasattr(m, "loss_function") and hasattr(getattr(head, "weight", None), "_hetero_tp"):
-                m.loss_function = AlignedLMLoss(mesh.tp)
     return mesh, chunks, zero

@@ -272,12 +272,21 @@ def _install_loss(model: nn.Module, comm: Comm) -> None:
     elif callable(getattr(model, "loss_function", None)):
         # A loss_function method (hetero's GPT): called with labels already aligned to the logits.
         model.loss_function = AlignedLMLoss(comm)
+    elif heads := [m for m in model.modules() if callable(getattr(m, "loss_function", None)) and _sharded_head(m)]:
+        # A pipelined GPT computes its loss in its last unit, the one holding the sharded head.
+        for m in heads:
+            m.loss_function = AlignedLMLoss(comm)
     else:
         log.warning(
             "%s has no loss_function to replace: its logits are sharded by vocabulary, so compute the loss with "
             "hetero.parallel.vocab_parallel_cross_entropy",
             type(model).__name__,
         )
+
+
+def _sharded_head(module: nn.Module) -> bool:
+    head = getattr(module, "lm_head", None)
+    return head is not None and is_vocab_head(head)
 
 
 def check_untouched(model: nn.Module) -> None:
