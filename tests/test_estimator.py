@@ -102,12 +102,20 @@ def _measure(
     }
 
 
+_OLD_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5)
+
+
 def _check(est, measured: dict, label: str) -> None:
     for t in TIERS:
         got, want = est.model_state(t), measured["current"][t]
         assert abs(got - want) <= 0.05 * want, f"{label} {t}: estimated {got} B, engine holds {want} B"
     act, want = est.activations.bytes, measured["activations"]
-    assert want > 0 and abs(act - want) <= 0.25 * want, f"{label} activations: estimated {act} B, measured {want} B"
+    if _OLD_TORCH and "forward on meta failed" in est.activations.note:
+        # torch < 2.5 cannot enter torch.autocast on the meta device (transformers 4's Llama rotary embedding does);
+        # the estimate says it counted no activations (README, "Requirements").
+        assert act == 0, est.activations
+    else:
+        assert want > 0 and abs(act - want) <= 0.25 * want, f"{label} activations: estimated {act} B, measured {want} B"
     if est.offload_params != "nvme" and est.offload_optimizer != "nvme":
         for t in TIERS:
             # A bound only (see the note): the estimate's transient working set covers the measured peak.

@@ -53,6 +53,7 @@ from hetero.progress import bar as make_bar
 from hetero.zero import weights
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.staging import Staging
+from hetero.zero.twins import buffers_from_twins
 from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
@@ -94,6 +95,7 @@ def load_values(
             del flat
             shown.update()
         shown.close()
+    buffers_from_twins(model)
     still = [n for n, b in model.named_buffers() if b.is_meta]
     if still:
         raise WeightsError(
@@ -111,6 +113,7 @@ class _StandIn(TorchFunctionMode):
         super().__init__()
         self._real = real  # tracked tensor -> its stand-in (None: not tracked)
         self._on_write = on_write  # called with id() of a tracked tensor a function writes in place
+        self._aliases: dict[int, tuple[torch.Tensor, int]] = {}  # id of a `.data` alias -> (it, id of its tensor)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -119,9 +122,15 @@ class _StandIn(TorchFunctionMode):
             # The written tensor comes first: positional, or by keyword (`nn.init` passes `tensor=`).
             target = args[0] if args else next(iter(kwargs.values()), None)
             if isinstance(target, torch.Tensor):
-                self._on_write(id(target))
-        args, kwargs = tree_map(self._swap, (args, kwargs))
-        return func(*args, **kwargs)
+                alias = self._aliases.get(id(target))
+                self._on_write(alias[1] if alias is not None else id(target))
+        swapped, kwargs = tree_map(self._swap, (args, kwargs))
+        out = func(*swapped, **kwargs)
+        if name == "__get__" and getattr(func, "__self__", None) is _DATA and isinstance(args[0], torch.Tensor):
+            # `p.data.normal_()` (transformers 4's _init_weights) writes p through an alias: a write to the alias
+            # is a write to p. The alias is kept, so that its id is not reused while the pass runs.
+            self._aliases[id(out)] = (out, self._aliases.get(id(args[0]), (None, id(args[0])))[1])
+        return out
 
     def _swap(self, x: Any) -> Any:
         # Tracked tensors are meta until their chunk loads; after that they view chunk memory that the initialiser
@@ -133,6 +142,8 @@ class _StandIn(TorchFunctionMode):
         return x
 
 
+# The descriptor of `Tensor.data`: its getter reaches torch function modes as a method-wrapper bound to it.
+_DATA = next(vars(c)["data"] for c in torch.Tensor.__mro__ if "data" in vars(c))
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})  # in-place by name, but they change no values
 
 
@@ -259,6 +270,11 @@ def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: li
         for child in module.children():
             _replay_hf(child, real, on_write, passes)
         passes[0] += 1
+        for m in module.modules():
+            # transformers 4 marks each module that post_init initialised (here: on meta, no values) and skips it
+            # from then on: the replay must run them again.
+            if getattr(m, "_is_hf_initialized", False):
+                m._is_hf_initialized = False
         with _StandIn(real, on_write), torch.no_grad():
             module.init_weights()  # what post_init runs: _init_weights per module, then tying
         return
