@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     held_out = next(data)
     eval_loss = float(engine.eval_batch(held_out["input_ids"], held_out["labels"]))  # the global mean, every rank
-    prompts = held_out["input_ids"][: args.microbatches]  # rows must split into the micro-batches
+    # rows must split into the micro-batches, and each micro-batch into a grid mode's batch parts
+    parts = mesh.grid.batch_parts if mesh.grid is not None else 1
+    prompts = held_out["input_ids"][: args.microbatches * parts]
     text = generate(engine, prompts, args.generate)
     result = {
         "first_loss": losses[0],
