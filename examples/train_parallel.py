@@ -157,7 +157,8 @@ def generate(engine: hetero.Engine, prompts: torch.Tensor, tokens: int) -> str:
     window = prompts.clone()
     new = []
     for _ in tqdm(range(tokens), desc="generate", disable=engine.mesh.world.rank != 0, leave=False):
-        logits = engine.eval_batch(window)  # [rows, block_size, vocab], whole, on every rank
+        out = engine.eval_batch(window)  # without a pipeline the model's own output (GPTOutput), else the logits
+        logits = getattr(out, "logits", out)  # [rows, block_size, vocab], whole, on every rank
         nxt = logits[:, -1].argmax(-1).cpu()
         window = torch.cat([window[:, 1:], nxt[:, None]], dim=1)
         new.append(int(nxt[0]))
