@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     held_out = next(data)
     eval_loss = float(engine.eval_batch(held_out["input_ids"], held_out["labels"]))  # the global mean, every rank
-    prompts = held_out["input_ids"][: args.microbatches]  # rows must split into the micro-batches
+    # rows must split into the micro-batches, and each micro-batch into a grid mode's batch parts
+    parts = mesh.grid.batch_parts if mesh.grid is not None else 1
+    prompts = held_out["input_ids"][: args.microbatches * parts]
     text = generate(engine, prompts, args.generate)
     result = {
         "first_loss": losses[0],
@@ -155,7 +157,8 @@ def generate(engine: hetero.Engine, prompts: torch.Tensor, tokens: int) -> str:
     window = prompts.clone()
     new = []
     for _ in tqdm(range(tokens), desc="generate", disable=engine.mesh.world.rank != 0, leave=False):
-        logits = engine.eval_batch(window)  # [rows, block_size, vocab], whole, on every rank
+        out = engine.eval_batch(window)  # without a pipeline the model's own output (GPTOutput), else the logits
+        logits = getattr(out, "logits", out)  # [rows, block_size, vocab], whole, on every rank
         nxt = logits[:, -1].argmax(-1).cpu()
         window = torch.cat([window[:, 1:], nxt[:, None]], dim=1)
         new.append(int(nxt[0]))

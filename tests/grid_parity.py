@@ -65,7 +65,7 @@ def batches(family: str, steps: int = STEPS, rows: int = ROWS) -> list[tuple[tor
 
 
 _REFERENCES: dict[tuple, tuple] = {}
-_EVALS: dict[tuple, float] = {}
+_EVALS: dict[tuple, dict[str, Any]] = {}
 
 
 def eval_data(family: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +76,8 @@ def eval_data(family: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x, ids[:, 1:].clone() if family == "gpt_pipe" else x.clone()
 
 
-def evaluation(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> float:
-    """The trained reference model's loss on `eval_data` (cached with `reference`)."""
+def evaluation(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The trained reference model on `eval_data`: its loss and logits (cached with `reference`)."""
     reference(family, clip, dtype)
     return _EVALS[(family, clip, dtype)]
 
@@ -100,7 +100,7 @@ def reference(family: str, clip: float | None = None, dtype: torch.dtype = torch
         _REFERENCES[key] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
         x, y = eval_data(family)
         with torch.no_grad():
-            _EVALS[key] = model(x, labels=y).loss.item()
+            _EVALS[key] = {"loss": model(x, labels=y).loss.item(), "logits": model(x).logits}
     return _REFERENCES[key]
 
 
@@ -165,7 +165,9 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     engine.manager.synchronize()
     ledgers = {t: s["current"] for t, s in engine.memory_stats().items() if t in TIERS}
     x, y = eval_data(family)
-    eval_loss = float(engine.eval_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local]))
+    mine = slice(dpr * local, (dpr + 1) * local)
+    eval_loss = float(engine.eval_batch(x[mine], y[mine]))
+    eval_logits = engine.eval_batch(x[mine])  # this data-parallel rank's rows, whole, on every rank
     if save_to is not None:
         engine.save_checkpoint(save_to)
     mesh = engine.mesh
@@ -180,6 +182,8 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
         },
         "mesh": repr(mesh),
         "eval_loss": eval_loss,
+        "eval_logits": eval_logits.logits if hasattr(eval_logits, "logits") else eval_logits,
+        "rows": (mine.start, mine.stop),
         "ledgers": ledgers,
         "estimate": estimated,
     }
@@ -216,9 +220,18 @@ def check(results: list[dict], family: str, clip: float | None) -> None:
     for r in results:
         tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_losses([r["grad_norm"]], [exact_norm], [plain_norm], dtype=torch.float32)
-        # eval_batch after training: the global mean loss on a held-out batch, through the same layout
+        # eval_batch after training, on a held-out batch through the same layout: the global mean loss, and without
+        # labels this data-parallel rank's whole logits on every rank (gathered over the tensor or sequence ranks)
         exact_eval, plain_eval = evaluation(family, clip, torch.float64), evaluation(family, clip, torch.float32)
-        tolerance.assert_losses([r["eval_loss"]], [exact_eval], [plain_eval], dtype=torch.float32)
+        tolerance.assert_losses([r["eval_loss"]], [exact_eval["loss"]], [plain_eval["loss"]], dtype=torch.float32)
+        a, b = r["rows"]
+        assert r["eval_logits"].shape == exact_eval["logits"][a:b].shape, (r["coords"], r["eval_logits"].shape)
+        tolerance.assert_weights(
+            {"logits": r["eval_logits"]},
+            {"logits": exact_eval["logits"][a:b]},
+            {"logits": plain_eval["logits"][a:b]},
+            dtype=torch.float32,
+        )
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(plain_losses), rtol=1e-5, atol=0)
         assert abs(r["grad_norm"] - plain_norm) <= 1e-5 * plain_norm, (r["grad_norm"], plain_norm)
         if r["state"] is not None:

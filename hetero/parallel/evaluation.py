@@ -9,9 +9,12 @@ the training runtime's exchanges; the programs are replayed free of deadlock lik
 is saved for a backward (no_grad), so micro-batches are not limited by activation memory. With labels the last stage
 computes each micro-batch's loss (the model's `.loss`, or `loss_fn`), and the result is the mean over micro-batches
 and data-parallel ranks, like `train_batch`'s. Without labels the last stage's outputs are concatenated over the
-micro-batches and broadcast from the rank holding each micro-batch's last stage to every pipeline rank; logits that a
-vocabulary-parallel head left sharded over the tensor ranks are gathered whole, so every rank holds the full
-outputs of its data-parallel rank's batch (what greedy generation needs).
+micro-batches and broadcast from the rank holding each micro-batch's last stage to every pipeline rank. Logits a
+head left cut over the tensor ranks are gathered whole by a hook on the head, before the model's code after it
+sees them: a 1D vocabulary-parallel head's over the tensor group; a grid head's (2D, 2.5D, 3D: [b/B, s, V/q], cut by
+batch rows and vocabulary) over its layout's groups (`grid.layers.whole_logits`). Under Ulysses and ring nothing
+is cut there: the plan's `sequence_gather` (before the head, on the final norm) has joined the sequence, zig-zag
+undone. So every rank holds the full outputs of its data-parallel rank's batch (what greedy generation needs).
 """
 
 from __future__ import annotations
@@ -22,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.comm import Comm
-from hetero.errors import ConfigError
 from hetero.parallel.pipeline.runtime import DTYPES, HEADER, MAX_DIMS, PipelineError, PipelineRuntime, loss_of
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
+    from hetero.parallel.mesh import Mesh
 
 
 def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callable | None = None) -> Any:
@@ -38,14 +40,8 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
     cfg = engine.config.parallel
     m = cfg.microbatches
     mesh = engine.mesh
-    if labels is None and (cfg.tensor_mode != "1d" or cfg.split_sequence):
-        raise ConfigError(
-            f"eval_batch without labels returns whole outputs, which tensor_mode {cfg.tensor_mode!r} / sequence "
-            f"{cfg.sequence!r} leave cut over the tensor ranks (by rows and vocabulary, or by sequence); pass labels "
-            "to get the loss, or evaluate outputs with tensor_mode '1d' (Megatron sequence parallelism included)"
-        )
-    # The vocabulary-parallel loss takes sharded logits: whole ones only when they are what is returned.
-    with torch.no_grad(), _full_logits(engine.module, mesh.tp if labels is None else Comm()):
+    # The vocabulary-parallel and grid losses take cut logits: whole ones only when they are what is returned.
+    with torch.no_grad(), _full_logits(engine.module, mesh if labels is None else None):
         if engine.stages is None:
             if labels is None:
                 return engine(engine.to_device(inputs))  # one forward: the model's own outputs
@@ -150,22 +146,29 @@ def _last_stage_rank(rt: PipelineRuntime, mb: int) -> int:
 
 
 class _full_logits:
-    """While active, outputs of vocabulary-parallel heads are gathered over the tensor group (whole logits)."""
+    """While active, the logits of vocabulary-parallel heads (1D: cut by vocabulary over the tensor group) and of
+    grid heads (cut by batch rows and vocabulary over the grid's groups) are gathered whole on every tensor rank."""
 
-    def __init__(self, model: torch.nn.Module, tp: Comm) -> None:
-        self.model, self.tp, self.handles = model, tp, []
+    def __init__(self, model: torch.nn.Module, mesh: Mesh | None) -> None:
+        self.model, self.mesh, self.handles = model, mesh, []
 
     def __enter__(self) -> None:
-        if self.tp.size == 1:
+        if self.mesh is None or self.mesh.tp.size == 1:
             return
+        from hetero.parallel.grid.layers import is_grid_head
         from hetero.parallel.tensor import is_vocab_head
 
         for module in self.model.modules():
-            if is_vocab_head(module):
+            if is_vocab_head(module) or is_grid_head(module):
                 self.handles.append(module.register_forward_hook(self._gather))
 
     def _gather(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_dim(out, out.dim() - 1)
+        grid = self.mesh.grid
+        if grid is not None:
+            from hetero.parallel.grid.layers import whole_logits
+
+            return whole_logits(out, grid)
+        return self.mesh.tp.all_gather_dim(out, out.dim() - 1)
 
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:

@@ -94,6 +94,19 @@ def own_rows(t: torch.Tensor, grid: Grid, what: str) -> torch.Tensor:
     return t.chunk(grid.batch_parts, 0)[grid.batch_index]
 
 
+def is_grid_head(module: nn.Module) -> bool:
+    """Whether `module` is a grid layout's vocabulary head (its logits cut by batch rows and vocabulary)."""
+    return isinstance(module, _Head)
+
+
+def whole_logits(logits: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """A grid head's logits [b/B, s, V/q] gathered whole, [b, s, V], on every rank of the tensor group: the
+    vocabulary over the hidden group of the head's layout, then the rows in `own_rows`' order (main.batch within a
+    depth layer, then the depth layers). Forward only: for evaluation and generation, not for a backward."""
+    whole = grid.main.hidden.all_gather_dim(logits, logits.dim() - 1)
+    return grid.outer.all_gather_dim(grid.main.batch.all_gather_dim(whole, 0), 0)
+
+
 class _VocabEmbedding:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         grid = self._hetero_grid.grid
