@@ -156,7 +156,7 @@ def collective_rule(t: torch.Tensor) -> str | None:
 
 def poison(buf: torch.Tensor) -> None:
     """Fill with 0xFF bytes: NaN in every floating dtype, -1 in integers."""
-    buf.view(torch.uint8).view(-1).fill_(0xFF)
+    buf.reshape(-1).view(torch.uint8).fill_(0xFF)  # flat first: torch < 2.5 cannot view a 0-dim tensor as bytes
 
 
 # ---- events and the copy engine ------------------------------------------------------------------------------------
