@@ -374,25 +374,29 @@ class Engine:
         e = self._entries[id(param)]
         grad = param.grad
         param.grad = None
+        self._add_grad(e, grad, last=True)
+        if self.gathers is not None:
+            self.gathers.grad_arrived(e, self._unit_of[id(param)])
+
+    def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
+        """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
+        self._add_grad(e, grad, last=last)
+
+    def _add_grad(self, e: Entry, grad: torch.Tensor, *, last: bool) -> None:
+        """Add a gradient into its chunk; once the chunk's are all in, hand it to its reduction."""
         if self.updater.delayed is not None:
             self.updater.delayed.settle(e.chunk)  # the pending update reads the buffer this gradient goes into
         complete = e.chunk.add_grad(e, grad)
-        if self.gathers is not None:
-            self.gathers.grad_arrived(e, self._unit_of[id(param)])
-        if complete and self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
+        if not (last and complete):
+            return
+        if self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
             self.reducer.ready(e.chunk)
-        elif complete and self.stage < 2:
+        elif self.stage < 2:
             self.dense.ready(e.chunk)
 
     def _span(self, track: str, name: str, start: float, end: float) -> None:
         if self.events.has("span"):
             self.events.emit("span", track, name, start, end)
-
-    def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
-        """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
-        complete = e.chunk.add_grad(e, grad)
-        if last and complete and self.stage >= 2 and not e.chunk.accumulate_full:
-            self.reducer.ready(e.chunk)
 
     def _reduces_in_flight(self, zc: ZeroChunk) -> int:
         # Each reduce in flight holds a full gradient buffer on the device: keep them only with room to spare. This

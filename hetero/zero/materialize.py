@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ class _StandIn(TorchFunctionMode):
         super().__init__()
         self._real = real  # tracked tensor -> its stand-in (None: not tracked)
         self._on_write = on_write  # called with id() of a tracked tensor a function writes in place
-        self._aliases: dict[int, tuple[torch.Tensor, int]] = {}  # id of a `.data` alias -> (it, id of its tensor)
+        self._aliases: dict[int, int] = {}  # id of a live `.data` alias -> id of the tensor it aliases
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -122,14 +123,14 @@ class _StandIn(TorchFunctionMode):
             # The written tensor comes first: positional, or by keyword (`nn.init` passes `tensor=`).
             target = args[0] if args else next(iter(kwargs.values()), None)
             if isinstance(target, torch.Tensor):
-                alias = self._aliases.get(id(target))
-                self._on_write(alias[1] if alias is not None else id(target))
+                self._on_write(self._aliases.get(id(target), id(target)))
         swapped, kwargs = tree_map(self._swap, (args, kwargs))
         out = func(*swapped, **kwargs)
         if name == "__get__" and getattr(func, "__self__", None) is _DATA and isinstance(args[0], torch.Tensor):
             # `p.data.normal_()` (transformers 4's _init_weights) writes p through an alias: a write to the alias
-            # is a write to p. The alias is kept, so that its id is not reused while the pass runs.
-            self._aliases[id(out)] = (out, self._aliases.get(id(args[0]), (None, id(args[0])))[1])
+            # is a write to p. The entry goes with the alias (not kept alive: it may view a staging buffer).
+            self._aliases[id(out)] = self._aliases.get(id(args[0]), id(args[0]))
+            weakref.finalize(out, self._aliases.pop, id(out), None)
         return out
 
     def _swap(self, x: Any) -> Any:
