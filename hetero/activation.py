@@ -78,6 +78,19 @@ def choose_blocks(
     return outer
 
 
+def _no_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache, as its own gradient checkpointing does. A checkpointed block
+    runs its forward twice; a cache passed in (transformers 4 makes one whenever `config.use_cache` is set) grows on
+    each run, so the recomputed keys are twice as long as those saved and backward fails."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        log.warning(
+            "activation checkpointing: setting the model's config.use_cache = False (a cache filled again "
+            "by each recomputation would not match the forward pass)"
+        )
+        config.use_cache = False
+
+
 class _Saved:
     """One checkpointed call's input, on its way to the host and back."""
 
@@ -113,6 +126,7 @@ class ActivationMemory:
         self.offloaded_bytes = 0  # bytes copied to the host (cumulative)
         for _, module in self.blocks:
             module.forward = functools.partial(self._forward, module, module.forward)
+        _no_kv_cache(model)
         log.info("activation checkpointing on %d blocks (offload: %s)", len(self.blocks), offload)
 
     # ---- forward ------------------------------------------------------------------------------------------
