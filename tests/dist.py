@@ -50,6 +50,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def torchrun_failure(proc: Any, keep: int = 6000) -> str:
+    """What a failed torchrun printed, without the launcher's own report: its traceback and per-rank table take
+    the last few thousand characters and push out the failing rank's message (an abort's "terminate called ...")."""
+    err = proc.stderr
+    cut = err.rfind('Traceback (most recent call last):\n  File "<frozen runpy>"')
+    if cut > 0:
+        err = err[:cut]
+    return proc.stdout[-2000:] + "\n--- stderr before torchrun's report ---\n" + err[-keep:]
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,

@@ -450,3 +450,52 @@ def test_batch_p2p_gives_one_handle_per_operation_when_the_backend_coalesces(mon
     assert waited == [1]
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [Work() for _ in ops])  # gloo: one work per operation
     assert len(comm.batch_p2p([("send", t, 1, 0), ("recv", torch.zeros(2), 1, 1)])) == 2
+
+
+_LEAVER = """
+import atexit, os, sys, time
+out = sys.argv[1]
+atexit.register(lambda: open(out, "w").write(repr(time.monotonic())))  # runs after hetero's own exit hook (LIFO)
+from hetero.comm import init_from_env
+init_from_env(backend="gloo", timeout_s=60)
+if os.environ["RANK"] == "0":
+    time.sleep(float(sys.argv[2]))
+elif sys.argv[3] == "raise":
+    raise SystemError("rank 1 fails")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", ["clean", "raise"])
+def test_ranks_leave_the_group_together(tmp_path: Path, ending: str) -> None:
+    """[Note: leaving together] A rank that finishes cleanly waits for the others before it closes its connections
+    (rank 1 ends after rank 0's late finish); a rank that ends in an exception leaves at once."""
+    import subprocess
+    import sys
+
+    from tests.dist import free_port
+
+    script = tmp_path / "leave.py"
+    script.write_text(_LEAVER)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    late = 4.0
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / f"end{r}"), str(late), ending],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    errs = [p.communicate(timeout=100)[1] for p in procs]
+    assert procs[0].returncode == 0, errs[0]
+    ends = [float((tmp_path / f"end{r}").read_text()) for r in range(2)]
+    if ending == "clean":
+        assert procs[1].returncode == 0, errs[1]
+        assert ends[1] >= ends[0] - 1.0  # rank 1 waited for rank 0's late end before leaving
+    else:
+        assert procs[1].returncode != 0 and "rank 1 fails" in errs[1]
+        assert ends[1] < ends[0] - late / 2  # an exception leaves without waiting
