@@ -72,6 +72,26 @@ def test_cut_keeps_names_and_finds_the_tied_embedding(family):
     assert ties.sets == [] and set(model.state_dict()) == set(full)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_estimator_holds_each_ranks_parameters_as_the_cut(family):
+    """The estimator's pipeline ranks hold the parameters the engine's cut keeps, under the same names and in the
+    same order (GPT-2's tied embedding on both stages: `lm_head.weight` on the last)."""
+    from hetero.profiler.parallel_layout import Layout, rank_parts
+
+    with torch.device("meta"):
+        meta = grid_parity.build(family)
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    layout = Layout(pipeline=2, microbatches=2, split=tuple(SPLIT[family]))
+    parts, _, _ = rank_parts(
+        meta, grid_parity.optimizer(meta), layout, world=2, inputs={"input_ids": ids, "labels": ids},
+        dtype=torch.float32, checkpointing=False,
+    )  # fmt: skip
+    for rank, part in enumerate(parts):
+        model = grid_parity.build(family)
+        cut_stages(model, rank=rank, ranks=2, virtual=1, split=SPLIT[family])
+        assert [n for n, _ in part.params] == [n for n, _ in model.named_parameters()]
+
+
 def test_pipeline_errors_for_models_it_cannot_cut():
     bert = transformers.BertForMaskedLM(
         transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
@@ -99,13 +119,15 @@ def _tied_copies_equal(results: list[dict]) -> None:
 @pytest.mark.timeout(400)
 def test_hf_pipelines_on_2_ranks(tmp_path):
     """Pipeline only: 1F1B, GPipe, interleaved (each unit a stage) and Chimera, ZeRO 0-3, clipping; GPT-2's tied
-    embedding summed across stages; a checkpoint consolidates to the plain state_dict."""
+        embedding summed across stages; each rank's ledgers equal the estimator's bytes for its pipeline rank (the tied
+    embedding counted on both stages); a checkpoint consolidates to the plain state_dict."""
     root = str(tmp_path / "ckpt")
     cases = {
-        "gpt2-1f1b-zero1-clip-ckpt": _case("gpt2", 1, _pp("gpt2", "1f1b"), clip=True, _checkpoint=root),
-        "llama-gpipe-zero3": _case("llama", 3, _pp("llama", "gpipe")),
-        "gpt2-interleaved-zero3-clip": _case("gpt2", 3, _pp("gpt2", "interleaved_1f1b", pipeline_split="params"),
-                                             clip=True),  # fmt: skip
+        "gpt2-1f1b-zero1-clip-ckpt": _case("gpt2", 1, _pp("gpt2", "1f1b"), clip=True, _checkpoint=root, _estimate=True),
+        "llama-gpipe-zero3": _case("llama", 3, _pp("llama", "gpipe"), _estimate=True),
+        "gpt2-interleaved-zero3-clip": _case(
+            "gpt2", 3, _pp("gpt2", "interleaved_1f1b", pipeline_split="params"), clip=True
+        ),  # fmt: skip
         "gpt2-chimera-zero2": _case("gpt2", 2, _pp("gpt2", "chimera")),
         "llama-1f1b-zero0-auto": _case("llama", 0, _pp("llama", "1f1b", pipeline_split="auto")),
     }
@@ -123,7 +145,7 @@ def test_2d_x_hf_pipeline_on_8_ranks():
     """The issue's row "2D x pipeline 2, 1F1B, 8 processes" for Hugging Face Llama and GPT-2."""
     cases = {
         f"2dxpp2-1f1b-{family}-zero{stage}": _case(
-            family, stage, {"tensor": 4, "tensor_mode": "2d", **_pp(family, "1f1b")}, clip=clip
+            family, stage, {"tensor": 4, "tensor_mode": "2d", **_pp(family, "1f1b")}, clip=clip, _estimate=True
         )
         for family, stage, clip in (("llama", 1, True), ("gpt2", 3, False))
     }
