@@ -42,7 +42,7 @@ def test_units_run_the_model_forward(family, attn):
     assert [n for n, _ in units][0] == "embeddings" and units[-1][0] == "head"
     assert [n for n, _ in units][1:-1] == [f"{SPLIT[family][0][:-1]}{i}" for i in range(2)]
     h = x
-    for name, unit in units[:-1]:
+    for _, unit in units[:-1]:
         h = unit(h)
     out = units[-1][1](h, labels=y)
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)

@@ -110,7 +110,7 @@ class TiedGrads:
     def sum_grads(self, *, update_follows: bool) -> None:
         """After a batch's backwards, before the data-parallel reduction. `update_follows`: the update comes after
         this batch (stages 0-1 sum their accumulated gradient only then)."""
-        from hetero.memory import Tier, TensorState
+        from hetero.memory import TensorState, Tier
 
         for e, comm in self.items:
             zc, info = e.chunk, e.info
