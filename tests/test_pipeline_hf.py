@@ -130,6 +130,8 @@ def test_hf_pipelines_on_2_ranks(tmp_path):
         ),  # fmt: skip
         "gpt2-chimera-zero2": _case("gpt2", 2, _pp("gpt2", "chimera")),
         "llama-1f1b-zero0-auto": _case("llama", 0, _pp("llama", "1f1b", pipeline_split="auto")),
+        # hetero's GPTPipe with tie_weights: the same tie across stages, on a model whose children run in order
+        "gptpipe-tied-1f1b-zero2": _case("gpt_pipe_tied", 2, _pp("gpt2", "1f1b", pipeline_split=["layers.1"])),
     }
     results = run_distributed(grid_parity.matrix, 2, list(cases.values()), timeout=360)
     grid_parity.check_all(cases, results)
@@ -137,6 +139,8 @@ def test_hf_pipelines_on_2_ranks(tmp_path):
     for i, name in enumerate(names):
         if name.startswith("gpt2") and "chimera" not in name:
             _tied_copies_equal([r[i] for r in results])
+    tied = [r[names.index("gptpipe-tied-1f1b-zero2")]["state"] for r in results]
+    assert torch.equal(tied[0]["embed.tok.weight"], tied[1]["head.lm_head.weight"])
     _check_consolidated(root, "gpt2", [r[0] for r in results], clip=0.5)
 
 
