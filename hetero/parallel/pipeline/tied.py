@@ -101,7 +101,8 @@ class TiedGrads:
                     "parameter must sit whole in one chunk: raise chunk_size or turn tiling off"
                 )
             p._hetero_tied_copy = pp_rank != ranks[0]  # the lowest holder counts it in the gradient norm
-            self.items.append((entries[id(p)], groups[ranks]))
+            if entries[id(p)].info.trainable and entries[id(p)].chunk.spec.trainable:  # a frozen one: no gradient
+                self.items.append((entries[id(p)], groups[ranks]))
 
     def __bool__(self) -> bool:
         return bool(self.items)
