@@ -278,9 +278,10 @@ def test_sequence_split_with_a_pipeline_on_4_ranks(tmp_path):
 @pytest.mark.skipif(not os.environ.get("HETERO_TEST_16"), reason="16 processes: set HETERO_TEST_16=1")
 @pytest.mark.timeout(1200)
 def test_grid_modes_with_a_pipeline_on_16_ranks(tmp_path):
-    """2.5D (q=2, d=2) and 3D (q=2) x pipeline 2, the smallest grids of both: parity, ledgers against the
-    estimator, bit-exact resumption and consolidation. Sixteen processes are too many for CI's time budget; the
-    8-rank test runs 2.5D's pipeline path at d=1, and this one is run by hand (README: HETERO_TEST_16=1)."""
+    """2.5D (q=2, d=2) and 3D (q=2) x pipeline 2, the smallest grids of both, 3D under GPipe, the interleaved
+    schedule and Chimera: parity, ledgers against the estimator, bit-exact resumption and consolidation. Sixteen
+    processes are too many for CI's time budget; the 8-rank test runs 2.5D's pipeline path at d=1, and this one is
+    run by hand (README: HETERO_TEST_16=1)."""
     root = str(tmp_path / "ckpt")
     d25 = {**GPT_PIPE_2D, "tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}
     d3 = {**GPT_PIPE_2D, "tensor": 8, "tensor_mode": "3d", "schedule": "gpipe"}
@@ -291,6 +292,8 @@ def test_grid_modes_with_a_pipeline_on_16_ranks(tmp_path):
         "3dxpp2-gpipe-zero3-host": _case(
             "gpt_pipe", 3, d3, offload={"params": "host", "optimizer": "host"}, _estimate=True
         ),
+        "3dxpp2-interleaved-zero2": _case("gpt_pipe", 2, {**d3, "schedule": "interleaved_1f1b"}, _estimate=True),
+        "3dxpp2-chimera-zero1-clip": _case("gpt_pipe", 1, {**d3, "schedule": "chimera"}, clip=True, _estimate=True),
     }
     results = run_distributed(grid_parity.matrix, 16, list(cases.values()), timeout=1140)
     grid_parity.check_all(cases, results)
