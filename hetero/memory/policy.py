@@ -63,6 +63,14 @@ class AccessTrace:
             positions[cid].append(i)
         self._positions = dict(positions)
 
+    def forget(self) -> None:
+        """Drop the trace between steps: the next step is recorded afresh instead of replayed, for a caller that
+        knows the next step's accesses will differ (a mismatch would stop the replay too, but only after prefetch
+        and eviction acted on a future that is not coming)."""
+        self.trace = None
+        self._positions = {}
+        self.matching = False
+
     # ---- during a step ------------------------------------------------------------------------------------
     def record(self, chunk_id: int, tier: Tier) -> None:
         """Note an access; advance the replay if it is the expected one, else stop replaying."""
