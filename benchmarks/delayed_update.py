@@ -127,10 +127,9 @@ def main() -> None:
     if args.steps < 2 or not 2 <= args.window <= args.steps or args.warmup < 0 or args.jobs < 1:
         ap.error("need --steps >= 2, 2 <= --window <= --steps, --warmup >= 0 and --jobs >= 1")
 
-    with tempfile.TemporaryDirectory(prefix="hetero-delayed-") as scratch:
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = {n: pool.submit(train, n, args, scratch) for n in names}
-            results = {n: f.result() for n, f in futures.items()}
+    with tempfile.TemporaryDirectory(prefix="hetero-delayed-") as scratch, ThreadPoolExecutor(args.jobs) as pool:
+        futures = {n: pool.submit(train, n, args, scratch) for n in names}
+        results = {n: f.result() for n, f in futures.items()}
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
         for n, r in results.items():
@@ -172,9 +171,7 @@ def main() -> None:
         line = f"  {n:<15} {e['final_window_mean']:.4f}   ({e['seconds']:.0f} s of training)"
         if n != "exact":
             verdict = "within noise" if e["within_noise"] else "apart"
-            line += (
-                f"   gap {e['gap']:+.4f} ({100 * e['gap_relative']:+.1f}%, stderr {e['stderr']:.4f}: {verdict})"
-            )
+            line += f"   gap {e['gap']:+.4f} ({100 * e['gap_relative']:+.1f}%, stderr {e['stderr']:.4f}: {verdict})"
         print(line)
     if args.png:
         print(f"curves: {out['png']}" if out["png"] else "curves: not drawn (matplotlib is not installed)")

@@ -64,9 +64,12 @@ class AccessTrace:
         self._positions = dict(positions)
 
     def forget(self) -> None:
-        """Drop the trace between steps: the next step is recorded afresh instead of replayed, for a caller that
-        knows the next step's accesses will differ (a mismatch would stop the replay too, but only after prefetch
-        and eviction acted on a future that is not coming)."""
+        """End the step without keeping it, and drop the trace: the next step is recorded afresh instead of
+        replayed. For a caller that knows the steps change shape here (a mismatch would stop the replay too, but
+        only after prefetch and eviction acted on a future that is not coming, and this step would become the
+        trace the next one is checked against)."""
+        self.in_step = False
+        self._recording = []
         self.trace = None
         self._positions = {}
         self.matching = False

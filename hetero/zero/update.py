@@ -86,9 +86,12 @@ class Updater:
         # checkpoint restores). See [Note: warming up before delaying].
         if delayed is not None and self.global_steps >= self.config.delayed_param_update_warmup:
             delayed.start(plan)  # runs during the next forward and backward
-            self.manager.step_end()
-            if not was_pending:
-                # The next step steps this update's chunks in its forward: its accesses differ from this step's.
+            if was_pending:
+                self.manager.step_end()
+            else:
+                # The first update left pending (after the warm-up, a resume or a settle): this step ends without
+                # the update's accesses, and the next one steps its chunks during forward. Neither looks like the
+                # steps before, nor like each other: the trace is recorded afresh from the next step.
                 self.manager.trace.forget()
             return
         for i, zc in enumerate(self.chunks):
