@@ -124,7 +124,8 @@ class Config:
     delayed_param_update: bool = False
     """ZeRO-Offload's delayed parameter update: the host/NVMe optimizer step of update t runs while the forward and
     backward of the next micro-batch run, which therefore use the parameters of update t-1 (one step stale; see
-    [Note: the delayed parameter update]). Needs offload.optimizer "host" or "nvme"."""
+    [Note: the delayed parameter update]), after delayed_param_update_warmup exact updates. Needs offload.optimizer
+    "host" or "nvme"."""
     delayed_param_update_warmup: int = _DEFAULT_WARMUP
     """With delayed_param_update: how many updates are exact before the delay starts. Early training moves the
     weights fast, and a gradient taken one update stale hurts most there; the ZeRO-Offload paper delays only after

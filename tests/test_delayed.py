@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -216,3 +220,19 @@ def test_a_resume_in_or_after_the_warmup_continues_the_same_algorithm(tmp_path, 
     run = dict(warmup=WARMUP + 1, settled=(save,))
     (exact_losses, _), (plain_losses, _) = (delayed_reference(d, **run) for d in (torch.float64, torch.float32))
     tolerance.assert_losses(r["head"] + r["tail"], exact_losses, plain_losses, dtype=torch.float32)
+
+
+@pytest.mark.timeout(180)
+def test_the_loss_curve_benchmark_runs_the_example_exact_then_delayed():
+    """benchmarks/delayed_update.py end to end on a few steps: the warm-up run's losses are the exact run's, bit for
+    bit, through update K+1 (the forward of step K+1 sees the weights of the exact update K), and leave them at
+    step K+2, the first forward that sees stale weights."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "delayed_update.py"), "--steps", "4", "--window", "2"]
+    cmd += ["--warmup", "2", "--runs", "exact,delayed_warmup", "--offload-optimizer", "host", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    exact, warm = out["runs"]["exact"]["losses"], out["runs"]["delayed_warmup"]["losses"]
+    assert warm[:3] == exact[:3] and warm[3] != exact[3]
+    assert out["runs"]["delayed_warmup"]["gap"] == pytest.approx((warm[3] - exact[3]) / 2)
