@@ -50,10 +50,12 @@ is left pending, so the forward of step K+2 is the first to see stale weights:
     runs the same collectives, and a checkpoint, which stores the count, resumes in the same mode. fp16 steps
     skipped for overflow are not counted, as they do not count towards `global_steps`.
   - The access trace ([Note: replaying the trace]) changes shape where an update is first left pending (after the
-    warm-up, or after a checkpoint or a view applied the pending update): that step ends without the update's
-    accesses, and the next one steps chunks during forward. The step is ended without being kept and the trace is
-    dropped (`AccessTrace.forget`), so the next step is recorded afresh and the delayed steps after it replay it;
-    no replay breaks off on the way.
+    warm-up; also after a resume, or after a checkpoint or a view applied the pending update): that step ends
+    without the update's accesses, and the next one steps chunks during forward. The step is ended without being
+    kept and the trace is dropped (`AccessTrace.forget`), so the next step is recorded afresh and the delayed steps
+    after it replay it; at the switch no replay breaks off. (The one step after a checkpoint or a view in the
+    delayed phase, whose forward has nothing to step, still breaks off its replay, which then falls back to
+    recording, as any changed step does.)
   - A checkpoint applies the pending update before it saves, so the run that saved and the run resumed from it go
     on identically; both saw update t applied at that boundary instead of one step later (a checkpoint in the
     delayed phase is one exact update in the sequence above).
