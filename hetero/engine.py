@@ -27,6 +27,7 @@ from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
 from hetero.parallel.batches import train_batch
 from hetero.parallel.pipeline.runtime import PipelineRuntime
+from hetero.parallel.pipeline.tied import TiedGrads
 from hetero.parallel.setup import setup_parallel
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
@@ -122,7 +123,7 @@ class Engine:
         if config.activation_checkpointing and config.parallel.pipeline > 1:
             choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
         # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
-        self.mesh, self.stages, self.comm = setup_parallel(
+        self.mesh, self.stages, self.comm, tied = setup_parallel(
             model, optimizer, config.parallel, world, self.device
         )  # comm: the group ZeRO shards and reduces over (data-parallel; with Chimera, both replicas' ranks)
         self.module = model  # the user's model, modified in place: parameter names unchanged
@@ -168,6 +169,8 @@ class Engine:
             progress=config.progress,
         )
         detach_tiled(tiled, dtype=self.dtype, device=self.device.torch_device)
+        # Parameters held by several pipeline ranks (a tied embedding): their gradients summed before reduction.
+        self.tied = TiedGrads(*tied, self._entries, self.mesh.pp_rank) if tied is not None else None
         self.trainable = [zc for zc in self.chunks if zc.spec.trainable]
         self.auto = None  # "auto" placement: the device budget follows the step's activations
         if "auto" in (config.offload.params, config.offload.optimizer):

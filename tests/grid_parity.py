@@ -29,6 +29,11 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if family == "gpt_pipe":
         return pipe_parity.build(seed)
+    if family == "gpt_pipe_tied":  # the embedding tied to the head: held by the first and last stages
+        from hetero.models.gpt import GPTConfig
+        from hetero.models.gpt_pipe import GPTPipe
+
+        return GPTPipe(GPTConfig(**{**pipe_parity.CFG, "tie_weights": True}))
     import transformers
 
     if family == "gpt2":
@@ -58,7 +63,7 @@ def batches(family: str, steps: int = STEPS, rows: int = ROWS) -> list[tuple[tor
     for _ in range(steps):
         ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
         x = ids[:, :-1].clone()
-        y = ids[:, 1:].clone() if family == "gpt_pipe" else x.clone()  # transformers shift labels themselves
+        y = ids[:, 1:].clone() if family.startswith("gpt_pipe") else x.clone()  # transformers shift labels themselves
         y[0, 2] = y[-1, 5] = -100
         out.append((x, y))
     return out
@@ -73,7 +78,7 @@ def eval_data(family: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
     x = ids[:, :-1].clone()
-    return x, ids[:, 1:].clone() if family == "gpt_pipe" else x.clone()
+    return x, ids[:, 1:].clone() if family.startswith("gpt_pipe") else x.clone()
 
 
 def evaluation(family: str, clip: float | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:

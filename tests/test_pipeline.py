@@ -303,9 +303,9 @@ def test_split_errors():
     with pytest.raises(ConfigError, match="at least 8 units"):
         boundaries(units_of(model), 8, "auto")
     tied = pipe_parity.build()
-    tied.head.lm_head.weight = tied.embed.tok.weight
-    with pytest.raises(ConfigError, match="shared between pipeline stages"):
-        keep_stages(tied, rank=0, ranks=2, virtual=1, split="auto")
+    tied.layers[0].attn.q_proj.weight = tied.embed.tok.weight  # stages 0 and 1 of 4: Chimera holds them apart
+    with pytest.raises(ConfigError, match="Chimera places on different pairs"):
+        keep_stages(tied, rank=0, ranks=4, virtual=1, split="params", bidirectional=True)
 
 
 def test_parallel_config_errors():

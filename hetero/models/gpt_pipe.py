@@ -3,7 +3,8 @@
 Children: `embed` (token + position embeddings), `layers` (the blocks, a ModuleList) and `head` (final LayerNorm,
 output projection and, given labels, the loss). The pipeline splitter (hetero/parallel/pipeline/split.py) cuts it at
 any of `embed`, `layers.i`, `head`. Built from a `GPT`, it shares that model's modules, so the same seed gives the same
-weights; tie_weights must be False to put the embedding and the head in different stages.
+weights. With tie_weights the embedding and the head share one parameter, which the pipeline keeps on both stages
+(hetero/parallel/pipeline/tied.py).
 """
 
 from __future__ import annotations

@@ -77,6 +77,8 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
         try:
             with engine.device.compute_context():
                 total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
+            if engine.tied is not None:  # before any data-parallel reduction ([Note: parameters tied across stages])
+                engine.tied.sum_grads(update_follows=engine.is_gradient_accumulation_boundary())
             for zc in accumulate:
                 engine.check(BATCH_REDUCE, chunk=zc.spec.index)
                 zc.reduce_batch()  # layout order: the same on every data-parallel rank

@@ -16,19 +16,22 @@ from torch import nn
 from hetero.comm import Comm
 from hetero.config import ParallelConfig
 from hetero.device import Device
+from hetero.errors import ConfigError
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.balance import unit_costs
 from hetero.parallel.pipeline.chimera import replica_group
-from hetero.parallel.pipeline.split import StageChunk, keep_stages, units_of
+from hetero.parallel.pipeline.split import StageChunk, cut_stages, units_of
+from hetero.parallel.pipeline.tied import Ties, tie_groups
 
 log = logging.getLogger("hetero.parallel")
 
 
 def setup_parallel(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: ParallelConfig, world: Comm, device: Device
-) -> tuple[Mesh, list[StageChunk] | None, Comm]:
-    """The mesh over `world`, this rank's pipeline chunks (None without a pipeline) and the group ZeRO shards over
-    (the data-parallel group; with Chimera, that of both replicas of this rank's stages); the model is cut and
+) -> tuple[Mesh, list[StageChunk] | None, Comm, tuple[Ties, dict] | None]:
+    """The mesh over `world`, this rank's pipeline chunks (None without a pipeline), the group ZeRO shards over
+    (the data-parallel group; with Chimera, that of both replicas of this rank's stages) and the parameters tied
+    across pipeline ranks with their groups (None when there are none: pipeline/tied.py); the model is cut and
     tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
     split = cfg.split_sequence  # Ulysses / ring: the `tensor` ranks split the sequence, inside ZeRO's group
     mesh = Mesh.build(
@@ -41,7 +44,7 @@ def setup_parallel(
     )
     chimera = cfg.schedule == "chimera" and cfg.pipeline > 1
     zero = replica_group(mesh, world) if chimera else mesh.dp
-    chunks = None
+    chunks, tied = None, None
     plan: Any = cfg.tensor_plan
     if cfg.tensor > 1:
         from hetero.parallel.plans import resolve_plan
@@ -57,7 +60,16 @@ def setup_parallel(
         if cfg.pipeline_split == "auto":
             costs, basis = unit_costs(model, units_of(model), given=cfg.pipeline_costs, world=world, device=device)
             log.info("pipeline stages balanced by %s%s", basis, f": {[f'{c:.3g}' for c in costs]}" if costs else "")
-        chunks = keep_stages(
+        if split or cfg.sequence == "megatron":
+            from hetero.parallel.pipeline.hf import is_hf_decoder
+
+            if is_hf_decoder(model):  # its layers' masks and rotary tables are made for the whole sequence
+                raise ConfigError(
+                    f"parallel: sequence {cfg.sequence!r} with a pipeline of a Hugging Face model is not supported; "
+                    "use the pipeline with tensor parallelism (any tensor_mode) and data parallelism, or sequence "
+                    "parallelism without a pipeline"
+                )
+        chunks, ties = cut_stages(
             model,
             rank=mesh.pp_rank,
             ranks=cfg.pipeline,
@@ -66,6 +78,8 @@ def setup_parallel(
             costs=costs,
             bidirectional=chimera,
         )
+        if ties.sets:  # every rank makes every tie group, also those it is not in
+            tied = ties, tie_groups(ties, mesh, world)
         kept = {id(p) for p in model.parameters()}
         # Groups stay (possibly empty): their indices name hyperparameters.
         for group in optimizer.param_groups if optimizer is not None else []:
@@ -84,8 +98,8 @@ def setup_parallel(
             from hetero.parallel.grid import apply_grid_parallel
 
             apply_grid_parallel(model, plan, mesh.grid)
-            return mesh, chunks, zero
+            return mesh, chunks, zero, tied
         from hetero.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, plan, mesh.tp, sequence=cfg.sequence == "megatron")
-    return mesh, chunks, zero
+    return mesh, chunks, zero, tied

@@ -201,35 +201,34 @@ def pipeline_units(model: nn.Module) -> tuple[list[Unit], bool]:
     blocks = repeated_blocks(model)
     top = units_of(model)
     if not blocks or any(m is blocks[0] for _, m in top):
-        named = {id(p): n for n, p in model.named_parameters()}
-        units = [
-            Unit(name, [(named[id(p)], p) for p in m.parameters() if id(p) in named], _is_block(m, blocks))
-            for name, m in top
-        ]
-        return _dedupe(units), True
+        units = [Unit(name, _own(name, m), _is_block(m, blocks)) for name, m in top]
+        return units, True
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    embeds = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    embeds = {id(m) for m in model.modules() if isinstance(m, nn.Embedding)}
     first, last = Unit("embeddings", [], False), Unit("head", [], False)
-    for name, p in model.named_parameters():
-        if id(p) not in in_blocks:
-            (first if id(p) in embeds else last).params.append((name, p))
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(prefix=mname, recurse=False):
+            if id(p) not in in_blocks:  # an embedding tied to the head belongs to both (the engine keeps both)
+                unit = first if id(m) in embeds else last
+                if all(q is not p for _, q in unit.params):
+                    unit.params.append((pname, p))
     names = {id(m): n for n, m in model.named_modules()}
-    named = {id(p): n for n, p in model.named_parameters()}
-    middle = [Unit(names[id(b)], [(named[id(p)], p) for p in b.parameters()], True) for b in blocks]
-    return _dedupe([first, *middle, last]), False
+    middle = [Unit(names[id(b)], _own(names[id(b)], b), True) for b in blocks]
+    return [first, *middle, last], False
+
+
+def _own(name: str, m: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A unit's parameters under its own names (a parameter tied to another unit's is held by both, as the
+    engine's cut keeps it: pipeline/tied.py)."""
+    out: list[tuple[str, nn.Parameter]] = []
+    for pname, p in m.named_parameters(prefix=name, remove_duplicate=False):
+        if all(q is not p for _, q in out):
+            out.append((pname, p))
+    return out
 
 
 def _is_block(m: nn.Module, blocks: list[nn.Module]) -> bool:
     return any(m is b for b in blocks)
-
-
-def _dedupe(units: list[Unit]) -> list[Unit]:
-    seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
-    for u in units:
-        mine = [(n, p) for n, p in u.params if id(p) not in seen]
-        seen.update(id(p) for _, p in mine)
-        u.params = mine
-    return units
 
 
 def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> None:
@@ -270,8 +269,13 @@ def rank_parts(
     parts = []
     for k in range(layout.pipeline):
         mine = layout.stages_of(k)
-        held = {id(p) for s in mine for u in stage_units[s] for _, p in u.params}
-        params = [(n, p) for n, p in sharded.named_parameters() if id(p) in held]
+        # The engine's names and order: the cut model's named_parameters, a tied parameter under this rank's name
+        held = {n for s in mine for u in stage_units[s] for n, _ in u.params}
+        params, seen = [], set()
+        for n, p in sharded.named_parameters(remove_duplicate=False):
+            if n in held and id(p) not in seen:
+                seen.add(id(p))
+                params.append((n, p))
         peak = walk(stage_units, mine, layout, k, checkpointing)
         names = [u.name for s in mine for u in stage_units[s]]
         parts.append(RankPart(k, params, peak, names, sharded))

@@ -26,6 +26,7 @@ from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
+from hetero.parallel.pipeline.tied import counts_in_norm
 from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
@@ -216,11 +217,13 @@ class Updater:
         sq = torch.zeros((), dtype=torch.float64)
         for zc in self.chunks:
             g = zc.grad_view()
-            if tp == 1:
+            if tp == 1 and all(counts_in_norm(info.param) for info in zc.spec.params):
                 sq += zc.device.to_host(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
                 continue
             lo, _ = zc.kept_range()
             for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
+                if not counts_in_norm(info.param):  # a tied copy another pipeline rank counts (pipeline/tied.py)
+                    continue
                 cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
                 weight = 1.0 / (cut.replicas if cut is not None else tp)
                 norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)

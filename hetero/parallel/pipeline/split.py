@@ -5,10 +5,13 @@ A model is pipelined as the sequence of its top-level children, in registration 
 expanded into its items ("layers.0", "layers.1", ...). That covers an `nn.Sequential`, a ModuleList of blocks, and a
 model whose forward runs its children one after the other (hetero.models.gpt_pipe.GPTPipe); each unit takes the
 previous unit's output, the first takes the batch's inputs, and the last, when the model computes its own loss, is
-also called with `labels=`. Stages are runs of consecutive units, cut where `pipeline_split` names a unit, or
+also called with `labels=`. A Hugging Face causal LM is cut into the units of a decoder instead (hf.py, [Note:
+pipelining a Hugging Face decoder]). Stages are runs of consecutive units, cut where `pipeline_split` names a unit, or
 balanced by each unit's cost: its measured time ("auto", see balance.py) or its parameter count ("params"). Units
-of other ranks' stages are removed from the user's model in place (their parent's slot set to None), so their
-memory is freed and the parameters that remain keep their names.
+of other ranks' stages are removed from the user's model in place (their parent's slot set to None; a unit that
+wraps several of the model's modules names them in `parts`), so their memory is freed and the parameters that
+remain keep their names. A parameter several stages use (an embedding tied to the head) stays in each of them:
+tied.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.parallel.pipeline.hf import hf_units, is_hf_decoder
+from hetero.parallel.pipeline.tied import Ties, find_ties
 
 
 @dataclass(eq=False)
@@ -50,6 +55,8 @@ class StageChunk:
 
 def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's pipeline units (see [Note: pipeline units])."""
+    if is_hf_decoder(model):
+        return hf_units(model)
     out: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if child is None:
@@ -141,33 +148,40 @@ def keep_stages(
     """Split the model into ranks x virtual stages, drop every unit that is not this rank's from the model (in
     place) and return this rank's chunks in order: chunk c is virtual stage c * ranks + rank. `bidirectional`
     (Chimera): `ranks` stages, this rank keeps stage `rank` (chunk 0) and stage `ranks - 1 - rank` (chunk 1)."""
+    return cut_stages(
+        model, rank=rank, ranks=ranks, virtual=virtual, split=split, costs=costs, bidirectional=bidirectional
+    )[0]
+
+
+def cut_stages(
+    model: nn.Module,
+    *,
+    rank: int,
+    ranks: int,
+    virtual: int,
+    split: Sequence[str] | str,
+    costs: Sequence[float] | None = None,
+    bidirectional: bool = False,
+) -> tuple[list[StageChunk], Ties]:
+    """`keep_stages`, and the parameters this rank shares with other pipeline ranks (tied.py)."""
     units = units_of(model)
     count = ranks * virtual
     starts = boundaries(units, count, split, costs) + [len(units)]
     groups = [units[starts[i] : starts[i + 1]] for i in range(count)]
+
+    def holders(s: int) -> list[int]:  # the pipeline ranks that hold stage s
+        return sorted({s, ranks - 1 - s}) if bidirectional else [s % ranks]
+
     mine = [rank, ranks - 1 - rank] if bidirectional else [i for i in range(count) if i % ranks == rank]
-    _check_no_sharing(groups)
+    ties = find_ties(groups, holders, rank)
     kept = {id(m) for i in mine for _, m in groups[i]}
     for name, unit in units:
         if id(unit) not in kept:
-            parent_name, _, leaf = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
-    return [StageChunk(i, count, groups[i]) for i in mine]
-
-
-def _check_no_sharing(groups: list[list[tuple[str, nn.Module]]]) -> None:
-    owner: dict[int, tuple[int, str]] = {}
-    for s, group in enumerate(groups):
-        for unit_name, unit in group:
-            for pname, p in unit.named_parameters(remove_duplicate=False):
-                prev = owner.setdefault(id(p), (s, f"{unit_name}.{pname}"))
-                if prev[0] != s:
-                    raise ConfigError(
-                        f"parallel: parameter {prev[1]!r} (stage {prev[0]}) is also {unit_name}.{pname!s} (stage {s}); "
-                        "a parameter shared between pipeline stages is not supported: untie it (e.g. GPT's "
-                        "tie_weights=False) or choose pipeline_split so both uses fall in one stage"
-                    )
+            for part in getattr(unit, "parts", [name]):
+                parent_name, _, leaf = part.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
+    return [StageChunk(i, count, groups[i]) for i in mine], ties
 
 
 def _numel(m: nn.Module) -> int:

@@ -1,0 +1,163 @@
+"""Pipelines of Hugging Face causal LMs (hetero/parallel/pipeline/hf.py, tied.py): Llama and GPT-2 built from configs
+go through `hetero.initialize` with `"pipeline"` as they are, cut into embeddings, decoder layers and head with
+their parameter names and state_dict keys unchanged; GPT-2's embedding tied to the head lives on the first and last
+stages, whose gradients are summed and whose copies stay bit-identical. Parity with plain PyTorch (fp32, rel 1e-5 on
+losses, gradient norm and every weight; tolerances from tests/tolerance.py) under 1F1B, GPipe, interleaved and
+Chimera at 2 processes, and 2D tensor x pipeline 2 (1F1B) at 8; a checkpoint consolidates to the plain state_dict."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hetero.errors import ConfigError
+from hetero.parallel.pipeline.split import cut_stages, units_of
+
+try:
+    from tests import grid_parity
+    from tests.dist import run_distributed
+    from tests.test_grid_parallel import _case, _check_consolidated
+except ImportError:  # tests/ itself on sys.path
+    import grid_parity  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+    from test_grid_parallel import _case, _check_consolidated  # type: ignore[no-redef]
+
+transformers = pytest.importorskip("transformers")
+
+SPLIT = {"llama": ["model.layers.1"], "gpt2": ["transformer.h.1"]}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_units_run_the_model_forward(family, attn):
+    """The units, run one after the other, compute the model's own logits and loss bit for bit (SDPA's causal
+    kernel without a mask, eager attention with Hugging Face's additive mask)."""
+    model = grid_parity.build(family)
+    model.config._attn_implementation = attn
+    x, y = grid_parity.batches(family)[0]
+    ref = model(x, labels=y)
+    units = units_of(model)
+    assert [n for n, _ in units][0] == "embeddings" and units[-1][0] == "head"
+    assert [n for n, _ in units][1:-1] == [f"{SPLIT[family][0][:-1]}{i}" for i in range(2)]
+    h = x
+    for _, unit in units[:-1]:
+        h = unit(h)
+    out = units[-1][1](h, labels=y)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    assert torch.equal(units[-1][1](h), ref.logits)  # without labels: the logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cut_keeps_names_and_finds_the_tied_embedding(family):
+    full = grid_parity.build(family).state_dict()
+    kept = []
+    for rank in range(2):
+        model = grid_parity.build(family)
+        chunks, ties = cut_stages(model, rank=rank, ranks=2, virtual=1, split=SPLIT[family])
+        state = model.state_dict()
+        assert all(torch.equal(v, full[k]) for k, v in state.items())  # names and values unchanged
+        kept.append(set(state))
+        if family == "gpt2":  # the embedding is the head's weight: on both stages, under each stage's name
+            assert ties.sets == [(0, 1)] and len(ties.mine) == 1
+            assert ties.mine[0][1] is (model.transformer.wte if rank == 0 else model.lm_head).weight
+        else:
+            assert ties.sets == [] and ties.mine == []
+    assert kept[0] | kept[1] == set(full)
+    assert ("lm_head.weight" in kept[0]) is False and ("lm_head.weight" in kept[1])
+    # Chimera: ranks 0 and 1 both hold stages 0 and 1, so the tied uses sit together: nothing to sum
+    model = grid_parity.build(family)
+    _, ties = cut_stages(model, rank=0, ranks=2, virtual=1, split=SPLIT[family], bidirectional=True)
+    assert ties.sets == [] and set(model.state_dict()) == set(full)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_estimator_holds_each_ranks_parameters_as_the_cut(family):
+    """The estimator's pipeline ranks hold the parameters the engine's cut keeps, under the same names and in the
+    same order (GPT-2's tied embedding on both stages: `lm_head.weight` on the last)."""
+    from hetero.profiler.parallel_layout import Layout, rank_parts
+
+    with torch.device("meta"):
+        meta = grid_parity.build(family)
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    layout = Layout(pipeline=2, microbatches=2, split=tuple(SPLIT[family]))
+    parts, _, _ = rank_parts(
+        meta, grid_parity.optimizer(meta), layout, world=2, inputs={"input_ids": ids, "labels": ids},
+        dtype=torch.float32, checkpointing=False,
+    )  # fmt: skip
+    for rank, part in enumerate(parts):
+        model = grid_parity.build(family)
+        cut_stages(model, rank=rank, ranks=2, virtual=1, split=SPLIT[family])
+        assert [n for n, _ in part.params] == [n for n, _ in model.named_parameters()]
+
+
+def test_pipeline_errors_for_models_it_cannot_cut():
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    )
+    with pytest.raises(ConfigError, match="not a Hugging Face decoder hetero can pipeline"):
+        units_of(bert)
+    # Chimera keeps stages r and p - 1 - r together: a parameter shared by stages 0 and 1 of 4 cannot be
+    model = grid_parity.build("llama")
+    model.model.layers[0].mlp.up_proj.weight = model.model.embed_tokens.weight
+    with pytest.raises(ConfigError, match="Chimera places on different pairs"):
+        cut_stages(model, rank=0, ranks=4, virtual=1, split="params", bidirectional=True)
+
+
+def _pp(family: str, schedule: str, **extra: object) -> dict:
+    return {"pipeline": 2, "microbatches": 2, "schedule": schedule, "pipeline_split": SPLIT[family], **extra}
+
+
+def _tied_copies_equal(results: list[dict]) -> None:
+    """GPT-2's embedding on the first stage and the head on the last: the same weights, bit for bit."""
+    first = next(r for r in results if r["coords"] == (0, 0, 0))["state"]
+    last = next(r for r in results if r["coords"][2] == 1 and r["coords"][:2] == (0, 0))["state"]
+    assert torch.equal(first["transformer.wte.weight"], last["lm_head.weight"])
+
+
+@pytest.mark.timeout(400)
+def test_hf_pipelines_on_2_ranks(tmp_path):
+    """Pipeline only: 1F1B, GPipe, interleaved (each unit a stage) and Chimera, ZeRO 0-3, clipping; GPT-2's tied
+        embedding summed across stages; each rank's ledgers equal the estimator's bytes for its pipeline rank (the tied
+    embedding counted on both stages); a checkpoint consolidates to the plain state_dict."""
+    root = str(tmp_path / "ckpt")
+    cases = {
+        "gpt2-1f1b-zero1-clip-ckpt": _case("gpt2", 1, _pp("gpt2", "1f1b"), clip=True, _checkpoint=root, _estimate=True),
+        "llama-gpipe-zero3": _case("llama", 3, _pp("llama", "gpipe"), _estimate=True),
+        "gpt2-interleaved-zero3-clip": _case(
+            "gpt2", 3, _pp("gpt2", "interleaved_1f1b", pipeline_split="params"), clip=True
+        ),  # fmt: skip
+        "gpt2-chimera-zero2": _case("gpt2", 2, _pp("gpt2", "chimera")),
+        "llama-1f1b-zero0-auto": _case("llama", 0, _pp("llama", "1f1b", pipeline_split="auto")),
+        # hetero's GPTPipe with tie_weights: the same tie across stages, on a model whose children run in order
+        "gptpipe-tied-1f1b-zero2": _case("gpt_pipe_tied", 2, _pp("gpt2", "1f1b", pipeline_split=["layers.1"])),
+    }
+    results = run_distributed(grid_parity.matrix, 2, list(cases.values()), timeout=360)
+    grid_parity.check_all(cases, results)
+    names = list(cases)
+    for i, name in enumerate(names):
+        if name.startswith("gpt2") and "chimera" not in name:
+            _tied_copies_equal([r[i] for r in results])
+    tied = [r[names.index("gptpipe-tied-1f1b-zero2")]["state"] for r in results]
+    assert torch.equal(tied[0]["embed.tok.weight"], tied[1]["head.lm_head.weight"])
+    _check_consolidated(root, "gpt2", [r[0] for r in results], clip=0.5)
+
+
+@pytest.mark.timeout(400)
+def test_2d_x_hf_pipeline_on_8_ranks():
+    """The issue's row "2D x pipeline 2, 1F1B, 8 processes" for Hugging Face Llama and GPT-2."""
+    cases = {
+        f"2dxpp2-1f1b-{family}-zero{stage}": _case(
+            family, stage, {"tensor": 4, "tensor_mode": "2d", **_pp(family, "1f1b")}, clip=clip, _estimate=True
+        )
+        for family, stage, clip in (("llama", 1, True), ("gpt2", 3, False))
+    }
+    results = run_distributed(grid_parity.matrix, 8, copy.deepcopy(list(cases.values())), timeout=360)
+    grid_parity.check_all(cases, results)
+    assert [r[0]["coords"] for r in results] == [(t, 0, p) for p in range(2) for t in range(4)]
+    gpt2 = [r[1] for r in results]
+    for t in range(4):  # each tensor rank's block of the tied embedding, on both stages
+        first = next(r for r in gpt2 if r["coords"] == (t, 0, 0))["state"]["transformer.wte.weight"]
+        last = next(r for r in gpt2 if r["coords"] == (t, 0, 1))["state"]["lm_head.weight"]
+        assert torch.equal(first, last)
