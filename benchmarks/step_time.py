@@ -295,6 +295,8 @@ def _setup_hetero(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], di
         "grad_accumulation_steps": 1,
         "delayed_param_update": spec.delayed,
     }
+    if spec.delayed:
+        config["delayed_param_update_warmup"] = 0  # the steady state is timed: delayed from the first update
     engine = hetero.initialize(model, opt, config)  # type: ignore[attr-defined]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

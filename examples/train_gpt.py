@@ -82,6 +82,12 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
         help="ZeRO-Offload's delayed update: the host/NVMe optimizer step overlaps the next forward and backward "
         "(parameters one step stale)",
     )
+    ap.add_argument(
+        "--delayed-update-warmup",
+        type=int,
+        default=40,
+        help="with --delayed-param-update: exact updates before the delay starts (0: delayed from the first)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end instead of a report")
 
 
@@ -93,7 +99,7 @@ def resolve_precision(precision: str) -> str:
 
 
 def build_config(args: argparse.Namespace, nvme_dir: str | None) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
         "zero_stage": args.zero_stage,
         "precision": resolve_precision(args.precision),
         "grad_accumulation_steps": args.grad_accum,
@@ -102,6 +108,9 @@ def build_config(args: argparse.Namespace, nvme_dir: str | None) -> dict[str, An
         "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": nvme_dir},
         "delayed_param_update": getattr(args, "delayed_param_update", False),
     }
+    if config["delayed_param_update"]:
+        config["delayed_param_update_warmup"] = getattr(args, "delayed_update_warmup", 40)
+    return config
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

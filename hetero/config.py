@@ -28,6 +28,7 @@ from hetero.config_values import parse_size as parse_size
 from hetero.errors import ConfigError
 
 _PLACEMENTS = ("device", "host", "nvme", "auto")
+_DEFAULT_WARMUP = 40  # delayed_param_update_warmup: the ZeRO-Offload paper's 40 exact iterations
 Placement = Literal["device", "host", "nvme", "auto"]
 
 
@@ -123,7 +124,12 @@ class Config:
     delayed_param_update: bool = False
     """ZeRO-Offload's delayed parameter update: the host/NVMe optimizer step of update t runs while the forward and
     backward of the next micro-batch run, which therefore use the parameters of update t-1 (one step stale; see
-    [Note: the delayed parameter update]). Needs offload.optimizer "host" or "nvme"."""
+    [Note: the delayed parameter update]), after delayed_param_update_warmup exact updates. Needs offload.optimizer
+    "host" or "nvme"."""
+    delayed_param_update_warmup: int = _DEFAULT_WARMUP
+    """With delayed_param_update: how many updates are exact before the delay starts. Early training moves the
+    weights fast, and a gradient taken one update stale hurts most there; the ZeRO-Offload paper delays only after
+    the first 40 iterations, hence the default ([Note: warming up before delaying]). 0 delays from the first update."""
     log: LogConfig = field(default_factory=LogConfig)
     """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
     progress: bool = True
@@ -159,6 +165,17 @@ class Config:
                 "delayed_param_update: overlaps the optimizer step on the host with the device's next forward and "
                 f"backward, so it needs offload.optimizer 'host' or 'nvme' (got {self.offload.optimizer!r}); set "
                 "offload.optimizer, or leave delayed_param_update false"
+            )
+        check_int(
+            "delayed_param_update_warmup",
+            self.delayed_param_update_warmup,
+            minimum=0,
+            hint="(exact updates before the delay starts; 0 delays from the first)",
+        )
+        if not self.delayed_param_update and self.delayed_param_update_warmup != _DEFAULT_WARMUP:
+            raise ConfigError(
+                f"delayed_param_update_warmup: {self.delayed_param_update_warmup!r} has no effect unless "
+                "delayed_param_update is true; set delayed_param_update true, or remove delayed_param_update_warmup"
             )
         if self.offload.params in ("host", "nvme") and self.zero_stage != 3:
             raise ConfigError(

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,22 +18,33 @@ from hetero.errors import ConfigError
 try:
     from tests import parity, tolerance
     from tests.dist import run_distributed
+    from tests.test_checkpoint import resume_case
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
     import tolerance  # type: ignore[no-redef]
     from dist import run_distributed  # type: ignore[no-redef]
+    from test_checkpoint import resume_case  # type: ignore[no-redef]
 
 STEPS, ROWS = 6, 4
 
 
-def delayed_reference(dtype: torch.dtype, *, clip: float | None = None) -> tuple[list[float], dict]:
+def delayed_reference(
+    dtype: torch.dtype,
+    *,
+    clip: float | None = None,
+    warmup: int = 0,
+    settled: tuple[int, ...] = (),
+    steps: int = STEPS,
+) -> tuple[list[float], dict]:
     """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2.
-    The forward model holds what the last completed update gave; the master weights run one update ahead."""
+    The forward model holds what the last completed update gave; the master weights run one update ahead. Updates
+    1..warmup are exact (the model takes their values at once: [Note: warming up before delaying]), and so is
+    each update in `settled` (a checkpoint saved after it applies it before the next forward)."""
     model = parity.build().to(dtype)
     master = copy.deepcopy(model)
     opt = parity.make_optimizer(master)
     losses = []
-    for x, y in parity.batches(STEPS, ROWS):
+    for update, (x, y) in enumerate(parity.batches(steps, ROWS), start=1):
         loss = model(x, labels=y).loss
         loss.backward()
         losses.append(loss.item())
@@ -41,6 +56,10 @@ def delayed_reference(dtype: torch.dtype, *, clip: float | None = None) -> tuple
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        if update <= warmup or update in settled:
+            with torch.no_grad():
+                for p, pm in zip(model.parameters(), master.parameters()):
+                    p.copy_(pm)
     return losses, {k: v.detach().float().clone() for k, v in master.state_dict().items()}
 
 
@@ -50,12 +69,25 @@ CONFIGS = {
     "z2-nvme": {"zero_stage": 2, "offload": {"optimizer": "nvme"}},
     "z3-nvme": {"zero_stage": 3, "offload": {"optimizer": "nvme", "params": "nvme"}},
 }
+WARMUP = 2  # exact updates before the delay in the warm-up cases: the switch falls in the middle of STEPS
+# The delayed runs: delayed from the first update, or (`-warmup`) after WARMUP exact ones.
+DELAYED = {
+    name: {**cfg, "delayed_param_update": True, "delayed_param_update_warmup": 0} for name, cfg in CONFIGS.items()
+}
+DELAYED["z2-nvme-warmup"] = {**DELAYED["z2-nvme"], "delayed_param_update_warmup": WARMUP}
+DELAYED["z3-nvme-warmup"] = {**DELAYED["z3-nvme"], "delayed_param_update_warmup": WARMUP}
 
 
 def _probe(rank: int, world: int) -> dict:
     """The update is pending after step() and steps its chunks while the next forward runs."""
     model = parity.build()
-    cfg = {"zero_stage": 3, "offload": {"optimizer": "host"}, "delayed_param_update": True, "chunk_size": parity.CHUNK}
+    cfg = {
+        "zero_stage": 3,
+        "offload": {"optimizer": "host"},
+        "delayed_param_update": True,
+        "delayed_param_update_warmup": 0,
+        "chunk_size": parity.CHUNK,
+    }
     engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
     (x, y), _ = parity.batches(2, ROWS)
     x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
@@ -77,8 +109,9 @@ def _run(rank: int, world: int, names: list[str], nvme: str) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name in names:
-        cfg = {**CONFIGS[name], "delayed_param_update": True}
-        out[name] = parity.run_hetero(rank, world, steps=STEPS, rows=ROWS, config=cfg, nvme_dir=f"{nvme}/{name}")
+        out[name] = parity.run_hetero(
+            rank, world, steps=STEPS, rows=ROWS, config=DELAYED[name], nvme_dir=f"{nvme}/{name}"
+        )
     out["exact"] = parity.run_hetero(rank, world, steps=STEPS, rows=ROWS, config=CONFIGS["z0-host"])
     out["probe"] = _probe(rank, world)
     return out
@@ -89,20 +122,25 @@ def _run(rank: int, world: int, names: list[str], nvme: str) -> dict:
 def test_delayed_update_matches_the_delayed_algorithm_and_runs_during_the_next_step(tmp_path, monkeypatch, standin):
     if standin:
         monkeypatch.setenv("HETERO_STANDIN", "1")
-    names = ["z1-host-clip", "z3-nvme"] if standin else list(CONFIGS)
+    names = ["z1-host-clip", "z3-nvme-warmup"] if standin else list(DELAYED)
     results = run_distributed(_run, 2, names, str(tmp_path), timeout=240)[0]
-    refs = {
-        clip: (delayed_reference(torch.float64, clip=clip), delayed_reference(torch.float32, clip=clip))
-        for clip in (None, 0.05)
-    }
+
+    def refs(clip: float | None, warmup: int) -> tuple[tuple[list[float], dict], tuple[list[float], dict]]:
+        run = dict(clip=clip, warmup=warmup)
+        return delayed_reference(torch.float64, **run), delayed_reference(torch.float32, **run)
+
     for name in names:
-        (exact_losses, exact), (plain_losses, plain) = refs[CONFIGS[name].get("grad_clip_norm")]
+        cfg = DELAYED[name]
+        (exact_losses, exact), (plain_losses, plain) = refs(
+            cfg.get("grad_clip_norm"), cfg["delayed_param_update_warmup"]
+        )
         tolerance.assert_losses(results[name]["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_weights(results[name]["state"], exact, plain, dtype=torch.float32)
-    # The exact update is another trajectory: the check above tells the two apart.
-    (exact_losses, _), (plain_losses, _) = refs[None]
-    with pytest.raises(AssertionError):
-        tolerance.assert_losses(results["exact"]["losses"], exact_losses, plain_losses, dtype=torch.float32)
+    # The exact update, and the delay with another warm-up, are other trajectories: the check tells them apart.
+    for got, warmup in ((results["exact"]["losses"], 0), (results[names[-1]]["losses"], WARMUP + 1)):
+        (exact_losses, _), (plain_losses, _) = refs(None, warmup)
+        with pytest.raises(AssertionError):
+            tolerance.assert_losses(got, exact_losses, plain_losses, dtype=torch.float32)
     probe = results["probe"]
     assert probe["pending_after_step"] and probe["applied_after_step"] == 0
     assert probe["stepped_during_forward"] == probe["chunks"] > 2
@@ -114,3 +152,87 @@ def test_delayed_update_needs_the_optimizer_off_the_device():
         hetero.Config.from_dict({"delayed_param_update": True})
     with pytest.raises(ConfigError, match="delayed_param_update"):
         hetero.Config.from_dict({"delayed_param_update": "yes", "offload": {"optimizer": "host"}})
+
+
+def test_delayed_update_warmup_is_validated_at_the_edge():
+    host = {"delayed_param_update": True, "offload": {"optimizer": "host"}}
+    assert hetero.Config.from_dict(host).delayed_param_update_warmup == 40  # the paper's 40 exact iterations
+    assert hetero.Config.from_dict({**host, "delayed_param_update_warmup": 0}).delayed_param_update_warmup == 0
+    for bad in (-1, 2.5, True, "40", None):
+        with pytest.raises(ConfigError, match="delayed_param_update_warmup: expected an integer >= 0"):
+            hetero.Config.from_dict({**host, "delayed_param_update_warmup": bad})
+    with pytest.raises(ConfigError, match="delayed_param_update_warmup: 5 has no effect unless delayed_param_update"):
+        hetero.Config.from_dict({"delayed_param_update_warmup": 5})
+    with pytest.raises(ConfigError, match="did you mean 'delayed_param_update_warmup'"):
+        hetero.Config.from_dict({**host, "delayed_param_update_warmpu": 5})
+
+
+def _train_counting(engine: hetero.Engine, steps: int) -> list[dict]:
+    """Train, noting after each update whether one is pending and the trace's and prefetch's counters."""
+    out = []
+    for x, y in parity.batches(steps, ROWS):
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+        trace, counters = engine.manager.trace, engine.memory_stats()["counters"]
+        out.append(
+            {
+                "pending": engine.updater.delayed.pending,
+                "mismatches": trace.mismatches,
+                "hits": counters.get("prefetch_hits", 0),
+            }
+        )
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_switch_after_the_warmup_rerecords_the_access_trace(tmp_path):
+    """The first delayed step steps the pending update's chunks during its forward: its accesses differ from the
+    warm-up's steps. The trace is recorded afresh there, so no replay breaks off, and the delayed steps after it
+    replay their own trace and prefetch from it."""
+    torch.set_num_threads(1)
+    model = parity.build()
+    cfg = {
+        **DELAYED["z3-nvme-warmup"],
+        "chunk_size": parity.CHUNK,
+        "memory": {"nvme_dir": str(tmp_path), "device_budget": 4 * parity.CHUNK * 4},
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    steps = _train_counting(engine, STEPS)
+    engine.close()
+    assert [s["pending"] for s in steps] == [False] * WARMUP + [True] * (STEPS - WARMUP)
+    assert steps[-1]["mismatches"] == 0, steps
+    # The steps after the first delayed one replay its trace: prefetch hits in each of them.
+    after = [b["hits"] - a["hits"] for a, b in zip(steps[WARMUP:], steps[WARMUP + 1 :])]
+    assert all(h > 0 for h in after[1:]), steps
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save", [1, WARMUP + 2], ids=["in-warmup", "after-switch"])
+def test_a_resume_in_or_after_the_warmup_continues_the_same_algorithm(tmp_path, save):
+    """Saved in the warm-up or after the switch, a resumed engine goes on bit-exactly as the one that saved; both
+    follow the warm-up-then-delayed algorithm (the save applies the pending update, as the reference does)."""
+    torch.set_num_threads(1)
+    cfg = {**DELAYED["z2-nvme"], "delayed_param_update_warmup": WARMUP + 1}
+    r = resume_case(0, 1, cfg, str(tmp_path), save, STEPS)
+    assert r["tail_b"] == r["tail"], "losses after the resume differ"
+    assert r["same_weights"], "weights after the resume differ"
+    assert r["counters"] == (STEPS, STEPS)  # micro-batches, updates (full_state_dict applied the pending one)
+    run = dict(warmup=WARMUP + 1, settled=(save,))
+    (exact_losses, _), (plain_losses, _) = (delayed_reference(d, **run) for d in (torch.float64, torch.float32))
+    tolerance.assert_losses(r["head"] + r["tail"], exact_losses, plain_losses, dtype=torch.float32)
+
+
+@pytest.mark.timeout(180)
+def test_the_loss_curve_benchmark_runs_the_example_exact_then_delayed():
+    """benchmarks/delayed_update.py end to end on a few steps: the warm-up run's losses are the exact run's, bit for
+    bit, through update K+1 (the forward of step K+1 sees the weights of the exact update K), and leave them at
+    step K+2, the first forward that sees stale weights."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "delayed_update.py"), "--steps", "4", "--window", "2"]
+    cmd += ["--warmup", "2", "--runs", "exact,delayed_warmup", "--offload-optimizer", "host", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    exact, warm = out["runs"]["exact"]["losses"], out["runs"]["delayed_warmup"]["losses"]
+    assert warm[:3] == exact[:3] and warm[3] != exact[3]
+    assert out["runs"]["delayed_warmup"]["gap"] == pytest.approx((warm[3] - exact[3]) / 2)

@@ -119,6 +119,7 @@ def test_the_profile_shows_collectives_and_the_delayed_update_beside_compute(tmp
         "offload": {"optimizer": "nvme"},
         "memory": {"nvme_dir": str(tmp_path)},
         "delayed_param_update": True,
+        "delayed_param_update_warmup": 0,
         "chunk_size": parity.CHUNK,
     }
     engine = hetero.initialize(model, parity.make_optimizer(model), cfg)

@@ -63,6 +63,17 @@ class AccessTrace:
             positions[cid].append(i)
         self._positions = dict(positions)
 
+    def forget(self) -> None:
+        """End the step without keeping it, and drop the trace: the next step is recorded afresh instead of
+        replayed. For a caller that knows the steps change shape here (a mismatch would stop the replay too, but
+        only after prefetch and eviction acted on a future that is not coming, and this step would become the
+        trace the next one is checked against)."""
+        self.in_step = False
+        self._recording = []
+        self.trace = None
+        self._positions = {}
+        self.matching = False
+
     # ---- during a step ------------------------------------------------------------------------------------
     def record(self, chunk_id: int, tier: Tier) -> None:
         """Note an access; advance the replay if it is the expected one, else stop replaying."""

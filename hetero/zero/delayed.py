@@ -11,7 +11,8 @@ backward of step t+1, which therefore use the parameters of update t-1. Written 
 
 The master weights and optimizer states go through the same sequence of updates; only the point at which each
 gradient is taken lags one update. The paper reports that this does not hurt convergence after the first few dozen
-steps (their GPT-2 and BERT loss curves coincide with the exact update's); hetero applies it from the first step.
+steps (their GPT-2 and BERT loss curves coincide with the exact update's), and so does hetero: the first
+`delayed_param_update_warmup` updates (default 40) are exact; see [Note: warming up before delaying].
 
 How it runs, on the thread that drives the manager (whose bookkeeping has no locks):
   - At the boundary of update t (`Updater.step`), update t-1 is completed: its remaining chunks step, then every
@@ -34,6 +35,30 @@ How it runs, on the thread that drives the manager (whose bookkeeping has no loc
     the rest.
 The norm that is only reported (no clipping, no loss scale) is summed on the worker and all-reduced at completion,
 so `last_grad_norm` and `global_steps` count an update once it is applied.
+
+[Note: warming up before delaying]
+A stale gradient costs most where the weights move fastest: early in training, where the loss falls steeply and a
+learning-rate warm-up is still ramping up. ZeRO-Offload (section 4.2) therefore runs the first 40 iterations with
+the exact update and delays only from then on. hetero does the same with `delayed_param_update_warmup` (K, default
+40): updates 1..K are exact (stepped at their boundary, as without the option), and from update K+1 on each update
+is left pending, so the forward of step K+2 is the first to see stale weights:
+
+    θ_t = θ_{t-1} - U(g(θ_{t-1}))   for t <= K + 1        θ_t = θ_{t-1} - U(g(θ_{t-2}))   for t > K + 1
+
+  - Which mode an update takes is decided in `Updater.step` from `global_steps` (updates applied, after the
+    pending one is completed): every rank holds the same count, so every rank switches at the same boundary and
+    runs the same collectives, and a checkpoint, which stores the count, resumes in the same mode. fp16 steps
+    skipped for overflow are not counted, as they do not count towards `global_steps`.
+  - The access trace ([Note: replaying the trace]) changes shape where an update is first left pending (after the
+    warm-up; also after a resume, or after a checkpoint or a view applied the pending update): that step ends
+    without the update's accesses, and the next one steps chunks during forward. The step is ended without being
+    kept and the trace is dropped (`AccessTrace.forget`), so the next step is recorded afresh and the delayed steps
+    after it replay it; at the switch no replay breaks off. (The one step after a checkpoint or a view in the
+    delayed phase, whose forward has nothing to step, still breaks off its replay, which then falls back to
+    recording, as any changed step does.)
+  - A checkpoint applies the pending update before it saves, so the run that saved and the run resumed from it go
+    on identically; both saw update t applied at that boundary instead of one step later (a checkpoint in the
+    delayed phase is one exact update in the sequence above).
 """
 
 from __future__ import annotations

@@ -76,14 +76,24 @@ class Updater:
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        if self.delayed is not None:
-            self.delayed.complete()  # the update before: its last chunks, its parameters written back
+        delayed = self.delayed
+        was_pending = delayed is not None and delayed.pending
+        if delayed is not None:
+            delayed.complete()  # the update before: its last chunks, its parameters written back
         plan = self.prepare()
         if plan is None:
             return
-        if self.delayed is not None:
-            self.delayed.start(plan)  # runs during the next forward and backward
-            self.manager.step_end()
+        # Exact for the first updates, then delayed: decided from global_steps, which every rank shares (and a
+        # checkpoint restores). See [Note: warming up before delaying].
+        if delayed is not None and self.global_steps >= self.config.delayed_param_update_warmup:
+            delayed.start(plan)  # runs during the next forward and backward
+            if was_pending:
+                self.manager.step_end()
+            else:
+                # The first update left pending (after the warm-up, a resume or a settle): this step ends without
+                # the update's accesses, and the next one steps its chunks during forward. Neither looks like the
+                # steps before, nor like each other: the trace is recorded afresh from the next step.
+                self.manager.trace.forget()
             return
         for i, zc in enumerate(self.chunks):
             streamed = zc.placement.optim is Tier.NVME
