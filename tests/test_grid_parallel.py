@@ -199,10 +199,11 @@ def test_ulysses_and_ring_on_2_ranks_zero0_to_2():
 @pytest.mark.timeout(900)
 def test_grid_modes_and_compositions_on_8_ranks(tmp_path):
     """2.5D (q=2, d=2) and 3D (q=2) on both families, with host and NVMe offload; 2D x data 2 at ZeRO-3; 2D x
-    pipeline 2 under 1F1B, GPipe and the interleaved schedule, and 2.5D (q=2, d=1: its depth groups and loss on a
-    stage) x pipeline 2 under Chimera, each rank's ledgers equal to the estimator's bytes for its pipeline rank;
-    2.5D (blocks replicated over depth, stored once) and 3D checkpoints resume bit-exactly and consolidate to the
-    plain model's weights. (2.5D with d=2 and 3D x pipeline 2 take 16 ranks: the test on 16 ranks below.)"""
+    pipeline 2 under every schedule (1F1B, GPipe, interleaved, Chimera), and 2.5D (q=2, d=1: its depth groups and
+    loss on a stage) x pipeline 2 under Chimera, GPipe and the interleaved schedule, each rank's ledgers equal to the
+    estimator's bytes for its pipeline rank; 2.5D (blocks replicated over depth, stored once) and 3D checkpoints
+    resume bit-exactly and consolidate to the plain model's weights. (2.5D with d=2 and 3D x pipeline 2 take 16
+    ranks: the test on 16 ranks below.)"""
     roots = {"2.5d": str(tmp_path / "ckpt25"), "3d": str(tmp_path / "ckpt3")}
     nvme = {"memory": {"nvme_dir": str(tmp_path)}}
     host = {"params": "host", "optimizer": "host"}
@@ -224,6 +225,9 @@ def test_grid_modes_and_compositions_on_8_ranks(tmp_path):
             "gpt_pipe", 3, {**GPT_PIPE_2D, "schedule": "interleaved_1f1b"}, offload=host, _estimate=True
         ),
         "2.5d(d=1)xpp2-chimera-zero2": _case("gpt_pipe", 2, d25_1, _estimate=True),
+        "2dxpp2-chimera-zero0": _case("gpt_pipe", 0, {**GPT_PIPE_2D, "schedule": "chimera"}, _estimate=True),
+        "2.5d(d=1)xpp2-gpipe-zero3": _case("gpt_pipe", 3, {**d25_1, "schedule": "gpipe"}, _estimate=True),
+        "2.5d(d=1)xpp2-interleaved-zero1": _case("gpt_pipe", 1, {**d25_1, "schedule": "interleaved_1f1b"}),
     }
     results = run_distributed(grid_parity.matrix, 8, list(cases.values()), timeout=840)
     grid_parity.check_all(cases, results)
@@ -278,9 +282,9 @@ def test_sequence_split_with_a_pipeline_on_4_ranks(tmp_path):
 @pytest.mark.skipif(bool(os.environ.get("HETERO_SKIP_16")), reason="16 processes: HETERO_SKIP_16 is set")
 @pytest.mark.timeout(1200)
 def test_grid_modes_with_a_pipeline_on_16_ranks(tmp_path):
-    """2.5D (q=2, d=2) and 3D (q=2) x pipeline 2, the smallest grids of both, 3D under GPipe, the interleaved
-    schedule and Chimera: parity, ledgers against the estimator, bit-exact resumption and consolidation. Sixteen
-    tiny processes take about 100 s on a 2-core machine; HETERO_SKIP_16=1 leaves the test out."""
+    """2.5D (q=2, d=2) and 3D (q=2) x pipeline 2, the smallest grids of both, 3D under every schedule: parity,
+    ledgers against the estimator, bit-exact resumption and consolidation. Sixteen tiny processes take about 100 s
+    on a 2-core machine; HETERO_SKIP_16=1 leaves the test out."""
     root = str(tmp_path / "ckpt")
     d25 = {**GPT_PIPE_2D, "tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}
     d3 = {**GPT_PIPE_2D, "tensor": 8, "tensor_mode": "3d", "schedule": "gpipe"}
@@ -293,6 +297,7 @@ def test_grid_modes_with_a_pipeline_on_16_ranks(tmp_path):
         ),
         "3dxpp2-interleaved-zero2": _case("gpt_pipe", 2, {**d3, "schedule": "interleaved_1f1b"}, _estimate=True),
         "3dxpp2-chimera-zero1-clip": _case("gpt_pipe", 1, {**d3, "schedule": "chimera"}, clip=True, _estimate=True),
+        "3dxpp2-1f1b-zero0": _case("gpt_pipe", 0, {**d3, "schedule": "1f1b"}),
     }
     results = run_distributed(grid_parity.matrix, 16, list(cases.values()), timeout=1140)
     grid_parity.check_all(cases, results)
