@@ -3,11 +3,12 @@
     python benchmarks/step_time.py [--json] [--steps N] [--warmup W] [--layers L] [--embd E] [--heads H]
                                    [--seq T] [--batch B] [--vocab V] [--with-nvme DIR] [--rounds R]
                                    [--wait-idle S] [--only NAME,...] [--builtin-model] [--keep-logs DIR]
-                                   [--timeout S]
+                                   [--timeout S] [--model gpt|llama] [--intermediate I]
 
 Every configuration trains the same GPT-style model (hetero.models.gpt when it is importable, else the small
-nanoGPT-like model in this file) from the same seed on the same synthetic token batches, in fp32 with AdamW, for
-W warm-up steps then N timed steps, each configuration in fresh processes (so peak RSS is its own):
+nanoGPT-like model in this file; with --model llama, transformers' LlamaForCausalLM at the same shape) from the
+same seed on the same synthetic token batches, in fp32 with AdamW, for W warm-up steps then N timed steps, each
+configuration in fresh processes (so peak RSS is its own):
 
   plain       plain PyTorch, world size 1, 2 intra-op threads, the whole global batch (2 x B sequences)
   fsdp2       torch.distributed.fsdp.fully_shard on every block and on the root, world size 2 on gloo
@@ -96,6 +97,8 @@ class Spec:
     stage: int = 3  # ZeRO stage (hetero, deepspeed)
     nvme_dir: str | None = None  # params and optimizer states on NVMe under this directory
     builtin_model: bool = False  # MiniGPT even when hetero.models.gpt exists
+    family: str = "gpt"  # "gpt": hetero.models.gpt (or MiniGPT); "llama": transformers' LlamaForCausalLM
+    intermediate: int = 1312  # the Llama's MLP width
     delayed: bool = False  # hetero's delayed_param_update
 
 
@@ -162,6 +165,26 @@ class MiniGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         return GPTOutput(loss, logits)
+
+
+def build_llama(s: ModelShape, intermediate: int) -> tuple[nn.Module, str]:
+    """Hugging Face's LlamaForCausalLM at the shape (RMSNorm, rotary positions, SwiGLU; embeddings tied to the head
+    as the GPT's are). With the defaults (512 wide, 6 layers, 8 heads, MLP 1312, vocabulary 8192): 22.6M
+    parameters, the issue's 22.5M Llama."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.embd,
+        intermediate_size=intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.heads,
+        max_position_embeddings=s.seq,
+        tie_word_embeddings=True,
+        use_cache=False,  # training
+    )
+    return transformers.LlamaForCausalLM(cfg), f"transformers LlamaForCausalLM {transformers.__version__}"
 
 
 def build_model(s: ModelShape, builtin: bool = False) -> tuple[nn.Module, str]:
@@ -353,7 +376,10 @@ def _train(spec: Spec, rank: int) -> dict[str, Any]:
     rss = PeakRss()
     base_mb = (_status_kib("VmRSS") or psutil.Process().memory_info().rss // 1024) / 1024
     torch.manual_seed(spec.seed)  # every rank builds the same initial weights
-    model, source = build_model(spec.shape, spec.builtin_model)
+    if spec.family == "llama":
+        model, source = build_llama(spec.shape, spec.intermediate)
+    else:
+        model, source = build_model(spec.shape, spec.builtin_model)
     params = sum(p.numel() for p in model.parameters())
     step, finish = _SETUP[spec.kind](spec, model)
     rows = slice(rank * spec.batch, (rank + 1) * spec.batch)
@@ -582,7 +608,14 @@ def deepspeed_missing() -> str | None:
 def build_specs(args: argparse.Namespace) -> list[Spec]:
     shape = ModelShape(vocab=args.vocab, layers=args.layers, heads=args.heads, embd=args.embd, seq=args.seq)
     common = dict(
-        shape=shape, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, builtin_model=args.builtin_model
+        shape=shape,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        lr=args.lr,
+        builtin_model=args.builtin_model,
+        family=args.model,
+        intermediate=args.intermediate,
     )
     per_rank = TOTAL_THREADS // WORLD
     specs = [
@@ -627,6 +660,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=240, help="seconds one configuration may take")
     ap.add_argument("--builtin-model", action="store_true", help="this file's MiniGPT, not hetero.models.gpt")
+    ap.add_argument(
+        "--model", choices=("gpt", "llama"), default="gpt", help="llama: transformers' LlamaForCausalLM at the shape"
+    )
+    ap.add_argument("--intermediate", type=int, default=1312, help="the Llama's MLP width (--model llama)")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each rank's output (logs, warnings) in DIR")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.embd % args.heads:
