@@ -35,9 +35,8 @@ def test_same_losses_as_without(name):
         assert out["stats"]["host"]["peak"] > 0  # the offloaded inputs went through the host ledger
 
 
-def test_hf_llama_decoder_layers():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
+def _tiny_llama(transformers, *, use_cache: bool):
+    return transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -45,8 +44,13 @@ def test_hf_llama_decoder_layers():
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=32,
-        use_cache=False,  # training: transformers 4.x would otherwise grow a KV cache, again in each recomputation
+        use_cache=use_cache,
     )
+
+
+def test_hf_llama_decoder_layers():
+    transformers = pytest.importorskip("transformers")
+    cfg = _tiny_llama(transformers, use_cache=False)  # else transformers 4.x refills a KV cache in recomputation
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 64, (2, 10), generator=g) for _ in range(3)]
     results = []
@@ -72,16 +76,7 @@ def test_hf_kv_cache_off_under_checkpointing():
     cache off as transformers' own gradient checkpointing does. Else forward keeps every layer's keys and values,
     and on transformers 4 the recomputation appends them to the cache again, so backward fails on a shape mismatch."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        use_cache=True,
-    )
+    cfg = _tiny_llama(transformers, use_cache=True)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     engine = hetero.initialize(

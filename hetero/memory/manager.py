@@ -283,8 +283,13 @@ class ChunkManager:
         self._prefetcher.ahead(protect=set())
         self.events.emit("done")
 
-    def step_end(self) -> None:
-        self.trace.step_end()
+    def step_end(self, *, keep: bool = True) -> None:
+        """The step's accesses are over. keep=False: the step is not kept as the trace to replay, and the next one
+        is recorded afresh (a caller that knows the steps change shape here: `AccessTrace.forget`)."""
+        if keep:
+            self.trace.step_end()
+        else:
+            self.trace.forget()
 
     # ---- stats --------------------------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, Any]:

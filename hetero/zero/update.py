@@ -87,13 +87,10 @@ class Updater:
         # checkpoint restores). See [Note: warming up before delaying].
         if delayed is not None and self.global_steps >= self.config.delayed_param_update_warmup:
             delayed.start(plan)  # runs during the next forward and backward
-            if was_pending:
-                self.manager.step_end()
-            else:
-                # The first update left pending (after the warm-up, a resume or a settle): this step ends without
-                # the update's accesses, and the next one steps its chunks during forward. Neither looks like the
-                # steps before, nor like each other: the trace is recorded afresh from the next step.
-                self.manager.trace.forget()
+            # The first update left pending (after the warm-up, a resume or a settle): this step ends without the
+            # update's accesses, and the next one steps its chunks during forward. Neither looks like the steps
+            # before, nor like each other: the trace is recorded afresh from the next step.
+            self.manager.step_end(keep=was_pending)
             return
         for i, zc in enumerate(self.chunks):
             streamed = zc.placement.optim is Tier.NVME
