@@ -100,6 +100,7 @@ class Spec:
     family: str = "gpt"  # "gpt": hetero.models.gpt (or MiniGPT); "llama": transformers' LlamaForCausalLM
     intermediate: int = 1312  # the Llama's MLP width
     delayed: bool = False  # hetero's delayed_param_update
+    hetero_extra: str = ""  # JSON object of extra hetero config keys (--hetero-config), merged last
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -320,6 +321,8 @@ def _setup_hetero(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], di
     }
     if spec.delayed:
         config["delayed_param_update_warmup"] = 0  # the steady state is timed: delayed from the first update
+    if spec.hetero_extra:
+        config.update(json.loads(spec.hetero_extra))
     engine = hetero.initialize(model, opt, config)  # type: ignore[attr-defined]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -618,12 +621,22 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
         intermediate=args.intermediate,
     )
     per_rank = TOTAL_THREADS // WORLD
+    hetero_extra = dict(hetero_extra=args.hetero_config or "")
     specs = [
         Spec("plain", "plain", world=1, threads=TOTAL_THREADS, batch=WORLD * args.batch, **common),
         Spec("fsdp2", "fsdp2", world=WORLD, threads=per_rank, batch=args.batch, **common),
     ]
     specs += [
-        Spec(f"hetero_stage{k}", "hetero", world=WORLD, threads=per_rank, batch=args.batch, stage=k, **common)
+        Spec(
+            f"hetero_stage{k}",
+            "hetero",
+            world=WORLD,
+            threads=per_rank,
+            batch=args.batch,
+            stage=k,
+            **hetero_extra,
+            **common,
+        )
         for k in range(4)
     ]
     specs.append(Spec("deepspeed", "deepspeed", world=WORLD, threads=per_rank, batch=args.batch, stage=3, **common))
@@ -631,10 +644,20 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
         for kind in ("hetero", "deepspeed"):
             name = "hetero_stage3_nvme" if kind == "hetero" else "deepspeed_nvme"
             nvme = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme))
-            specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **common))
+            extra = hetero_extra if kind == "hetero" else {}
+            specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **extra, **common))
         dpu = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), delayed=True)
         specs.append(
-            Spec("hetero_stage3_nvme_dpu", "hetero", world=WORLD, threads=per_rank, batch=args.batch, **dpu, **common)
+            Spec(
+                "hetero_stage3_nvme_dpu",
+                "hetero",
+                world=WORLD,
+                threads=per_rank,
+                batch=args.batch,
+                **dpu,
+                **hetero_extra,
+                **common,
+            )
         )
     return specs
 
@@ -664,10 +687,21 @@ def main(argv: list[str] | None = None) -> int:
         "--model", choices=("gpt", "llama"), default="gpt", help="llama: transformers' LlamaForCausalLM at the shape"
     )
     ap.add_argument("--intermediate", type=int, default=1312, help="the Llama's MLP width (--model llama)")
+    ap.add_argument(
+        "--hetero-config",
+        metavar="JSON",
+        help="extra hetero config keys for every hetero configuration, e.g. '{\"check_collectives\": false}'",
+    )
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each rank's output (logs, warnings) in DIR")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.embd % args.heads:
         ap.error("need --steps >= 1, --warmup >= 0, --rounds >= 1 and --embd divisible by --heads")
+    if args.hetero_config is not None:
+        try:
+            if not isinstance(json.loads(args.hetero_config), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            ap.error(f"--hetero-config: expected a JSON object of config keys ({e})")
     if args.with_nvme and not os.path.isdir(args.with_nvme):
         ap.error(f"--with-nvme {args.with_nvme}: not a directory")
 
