@@ -130,6 +130,14 @@ class Config:
     """With delayed_param_update: how many updates are exact before the delay starts. Early training moves the
     weights fast, and a gradient taken one update stale hurts most there; the ZeRO-Offload paper delays only after
     the first 40 iterations, hence the default ([Note: warming up before delaying]). 0 delays from the first update."""
+    update_in_backward: bool = False
+    """Step each chunk's optimizer during the backward before an update, as soon as its reduced gradient is final,
+    instead of after backward (PyTorch's optimizer-in-backward). The same arithmetic as the update after backward;
+    with states on the host or NVMe their I/O then overlaps backward, and gradients are consumed as they are made
+    (never written to NVMe). Exact only where no update needs the whole gradient first: not with grad_clip_norm,
+    fp16 loss scaling or delayed_param_update. The hyperparameters (lr, ...) are read when that backward starts, not
+    at engine.step(), and the parameters hold their new values once backward returns ([Note: the update in
+    backward])."""
     log: LogConfig = field(default_factory=LogConfig)
     """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
     progress: bool = True
@@ -177,6 +185,24 @@ class Config:
                 f"delayed_param_update_warmup: {self.delayed_param_update_warmup!r} has no effect unless "
                 "delayed_param_update is true; set delayed_param_update true, or remove delayed_param_update_warmup"
             )
+        if not isinstance(self.update_in_backward, bool):
+            raise ConfigError(f"update_in_backward: expected true or false, got {self.update_in_backward!r}")
+        if self.update_in_backward:
+            needs_all = [
+                what
+                for what, on in (
+                    (f"grad_clip_norm {self.grad_clip_norm!r}", self.grad_clip_norm is not None),
+                    ("precision 'fp16' (its overflow check)", self.precision == "fp16"),
+                    ("delayed_param_update", self.delayed_param_update),
+                )
+                if on
+            ]
+            if needs_all:
+                raise ConfigError(
+                    "update_in_backward: steps each chunk as soon as its gradient is final, but "
+                    f"{' and '.join(needs_all)} needs the whole gradient before any chunk steps; turn those off, "
+                    "or leave update_in_backward false"
+                )
         if self.offload.params in ("host", "nvme") and self.zero_stage != 3:
             raise ConfigError(
                 f"offload.params: {self.offload.params!r} needs zero_stage 3 (parameters are sharded and gathered "

@@ -140,6 +140,12 @@ class Device:
         """Around the engine's compute (forward, backward, update); the stand-in checks device placement in it."""
         yield
 
+    @contextlib.contextmanager
+    def update_context(self) -> Iterator[None]:
+        """Around an optimizer step run inside backward (update_in_backward): the step's own copies between tiers,
+        as after backward, not the compute's placement rules (the stand-in suspends its check)."""
+        yield
+
     def _pin(self, t: torch.Tensor, buf: mmap.mmap) -> None:
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
         if int(err) != 0:
@@ -295,6 +301,9 @@ class StandinDevice(Device):
 
     def compute_context(self) -> Any:
         return self.standin.compute()
+
+    def update_context(self) -> Any:
+        return self.standin.outside_compute()
 
     def compute_marker(self) -> Any:
         return self.standin.marker()

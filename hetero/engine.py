@@ -21,6 +21,7 @@ from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
+from hetero.errors import ConfigError
 from hetero.events import Events
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
@@ -32,6 +33,7 @@ from hetero.parallel.setup import setup_parallel
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.hooks import Hooks
+from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
@@ -229,6 +231,18 @@ class Engine:
         )
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             self.updater.delayed = DelayedUpdate(self.updater, model)
+        self.in_backward = None  # update_in_backward: chunks step as backward completes them
+        if config.update_in_backward:
+            if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
+                raise ConfigError(
+                    "update_in_backward: the gradient norm under tensor or pipeline parallelism is summed over "
+                    "ranks before any chunk steps; set parallel.tensor and parallel.pipeline to 1, or leave "
+                    "update_in_backward false"
+                )
+            self.in_backward = self.updater.in_backward = InBackward(self.updater)
+            for reducer in (self.reducer, self.dense.reducer):
+                reducer.on_issued = self.in_backward.issued
+                reducer.on_reduced = self.in_backward.reduced
         self.views = ParameterViews(
             model,
             self.chunks,
@@ -289,13 +303,18 @@ class Engine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if scale_wrt_gas:
             scale /= self.config.grad_accumulation_steps
-        self.dense.begin(last_micro_batch=(self.micro_steps + 1) % self.config.grad_accumulation_steps == 0)
+        boundary = self.is_gradient_accumulation_boundary()  # the next step() updates: every rank counts alike
+        self.dense.begin(last_micro_batch=boundary)
+        if self.in_backward is not None:
+            self.in_backward.begin(boundary=boundary)
         with self.device.compute_context():
             (loss * scale if scale != 1.0 else loss).backward()
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
         self.dense.end()
+        if self.in_backward is not None:
+            self.in_backward.end()
         self.tiles.step_end()
         for zc in self.trainable:
             zc.grads_seen.clear()
@@ -432,6 +451,7 @@ class Engine:
         Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
+        self._no_update_in_flight("save_checkpoint")
         self.settle_update()
         return save_checkpoint(self, path, client_state, **kwargs)
 
@@ -440,8 +460,18 @@ class Engine:
         saved client_state. Keyword-only extra: lr_scheduler=. See `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
+        self._no_update_in_flight("load_checkpoint")
         self.settle_update()
         return load_checkpoint(self, path, **kwargs)
+
+    def _no_update_in_flight(self, what: str) -> None:
+        # update_in_backward: between that backward and step() the parameters are new but the update is not yet
+        # counted (step count, scheduler): a checkpoint taken there would resume one update off.
+        if self.in_backward is not None and self.in_backward.done:
+            raise RuntimeError(
+                f"{what}: with update_in_backward the backward just run already updated the parameters, and "
+                "engine.step() has not counted that update yet; call engine.step() first"
+            )
 
     def settle_update(self) -> None:
         """With `delayed_param_update`: apply the pending update now (every rank calls it: stages 1-2 gather), so

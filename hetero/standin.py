@@ -42,7 +42,7 @@ from queue import SimpleQueue
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
 ENV = "HETERO_STANDIN"
@@ -258,4 +258,13 @@ class Standin:
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         with _Compute():
+            yield
+
+    @contextlib.contextmanager
+    def outside_compute(self) -> Iterator[None]:
+        """Suspend `compute`'s check (the update's tier copies, run from a backward hook) and restore it after."""
+        if not isinstance(_get_current_dispatch_mode(), _Compute):
+            yield
+            return
+        with _pop_mode_temporarily():
             yield

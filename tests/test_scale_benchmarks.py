@@ -28,10 +28,12 @@ def test_gpu_scale_dry_run(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_bigger_than_ram_tiny(tmp_path):
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_bigger_than_ram_tiny(tmp_path, in_backward):
     r = _run(
         [
             os.path.join(ROOT, "benchmarks/bigger_than_ram.py"),
+            "--update-in-backward" if in_backward else "--no-update-in-backward",
             *("--layers", "4", "--hidden", "128", "--intermediate", "256", "--heads", "2", "--vocab", "1024"),
             *("--host-budget", "4MiB", "--device-budget", "4MiB", "--chunk-numel", "131072", "--steps", "2"),
             *("--raw-size", "32MiB", "--nvme-dir", str(tmp_path), "--no-reference"),
@@ -41,3 +43,6 @@ def test_bigger_than_ram_tiny(tmp_path):
     assert r["states_bytes"] > 3 * r["host_budget"]
     assert r["host_peak"] <= r["host_budget"] and r["device_peak"] <= r["device_budget"]
     assert r["steps"][-1]["nvme_read_bytes"] > 0 and r["io_lower_bound_s"] > 0
+    assert r["update_in_backward"] is in_backward
+    if in_backward:  # the update ran inside backward: what is left after it is counting
+        assert all(s["update_s"] < s["fwd_bwd_s"] / 10 for s in r["steps"])

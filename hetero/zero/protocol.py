@@ -302,6 +302,10 @@ class Reducer:
         self._finish = finish or (lambda zc: zc.finish_reduce())  # completes it
         self._op = op  # what the check calls the collective
         self.on_span: Callable[[str, str, float, float], None] | None = None  # (track, name, issued, completed)
+        # update_in_backward ([Note: the update in backward]): told of each chunk as it is issued (every rank at the
+        # same point of the control group's sequence) and as its reduced gradient is complete.
+        self.on_issued: Callable[[ZeroChunk], None] | None = None
+        self.on_reduced: Callable[[ZeroChunk], None] | None = None
         self._issued: dict[int, float] = {}  # chunk id -> when its collective was issued
         self._next = 0  # position in `order` of the next chunk to issue
         self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
@@ -327,6 +331,8 @@ class Reducer:
         self._next += 1
         self.check(self._op, chunk=zc.spec.index, phase=BACKWARD)
         self._issued[id(zc)] = time.perf_counter()
+        if self.on_issued is not None:
+            self.on_issued(zc)
         self._start(zc)
         self._running.append(zc)
         while len(self._running) > self._in_flight(zc):
@@ -340,6 +346,8 @@ class Reducer:
             name, done = f"{OPS[self._op]} chunk {zc.spec.index}", time.perf_counter()
             self.on_span("collectives", name, issued, done)
             self.on_span("collectives waited", name, waited, done)  # the driving thread blocked on it
+        if self.on_reduced is not None:
+            self.on_reduced(zc)
 
 
 def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:

@@ -34,6 +34,7 @@ from hetero.zero.zero_chunk import ZeroChunk
 
 if TYPE_CHECKING:
     from hetero.zero.delayed import DelayedUpdate
+    from hetero.zero.in_backward import InBackward
 
 log = logging.getLogger("hetero.zero")
 
@@ -71,11 +72,15 @@ class Updater:
         # Stages 0-1: whether backward already reduced a chunk's gradient (hetero/zero/buckets.py); set by the engine.
         self.reduced_early: Callable[[ZeroChunk], bool] = lambda zc: False
         self.delayed: DelayedUpdate | None = None  # delayed_param_update: the update runs during the next step
+        self.in_backward: InBackward | None = None  # update_in_backward: the chunks step during backward
         self.on_span: Callable[[str, str, float, float], None] | None = None  # a chunk's math, timed (profiler)
 
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        if self.in_backward is not None and self.in_backward.done:
+            self.finish(self.in_backward.take())  # the backward before stepped every chunk: count the update
+            return
         delayed = self.delayed
         was_pending = delayed is not None and delayed.pending
         if delayed is not None:
@@ -92,23 +97,30 @@ class Updater:
             # before, nor like each other: the trace is recorded afresh from the next step.
             self.manager.step_end(keep=was_pending)
             return
-        for i, zc in enumerate(self.chunks):
-            streamed = zc.placement.optim is Tier.NVME
-            if streamed:
-                if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
-                    # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
-                    zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
-                self.prefetch(i, zc.placement.compute)
-            grad = zc.grad_view()
-            if plan.fused_norm:
-                plan.sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
-            self._step_chunk(zc, grad, plan.coef, plan.used_of[i])
-            if streamed:
-                self.release_stepped(zc)
-                self.prefetch(i + 1, zc.placement.compute)
-            else:
-                self.release_zeroed(zc)
+        for i in range(len(self.chunks)):
+            self.step_one(self.chunks, i, plan, plan.used_of[i])
         self.finish(plan)
+
+    def step_one(self, order: list[ZeroChunk], i: int, plan: Plan, used: torch.Tensor, *, gather: bool = True) -> None:
+        """Step chunk order[i] (the chunks step in `order`, whose next ones are read ahead with states on NVMe),
+        write its parameters back and release its gradient. gather False: stages 1-2 leave the all-gather of the
+        other ranks' parameters to the caller (`gather_params`)."""
+        zc = order[i]
+        streamed = zc.placement.optim is Tier.NVME
+        if streamed:
+            if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
+                # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
+                zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
+            self.prefetch(i, zc.placement.compute, order)
+        grad = zc.grad_view()
+        if plan.fused_norm:
+            plan.sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+        self._step_chunk(zc, grad, plan.coef, used, gather=gather)
+        if streamed:
+            self.release_stepped(zc)
+            self.prefetch(i + 1, zc.placement.compute, order)
+        else:
+            self.release_zeroed(zc)
 
     def prepare(self) -> Plan | None:
         """What every update does before its chunks step, collectives included: the reduction (stages 0-1, unless
@@ -176,7 +188,9 @@ class Updater:
         if zc.grad.all_free and zc.grad.state is not ChunkState.EMPTY:
             self.manager.release(zc.grad)
 
-    def _step_chunk(self, zc: ZeroChunk, grad: torch.Tensor, coef: float, used: torch.Tensor) -> None:
+    def _step_chunk(
+        self, zc: ZeroChunk, grad: torch.Tensor, coef: float, used: torch.Tensor, *, gather: bool = True
+    ) -> None:
         """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
         with self.manager.pinned(zc.grad):
             master, states = zc.optimizer_views()
@@ -185,22 +199,24 @@ class Updater:
                 step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)
                 if self.on_span is not None:
                     self.on_span("optimizer", f"step chunk {zc.spec.index}", t0, time.perf_counter())
-                zc.write_back(master)
+                zc.write_back(master, gather=gather)
 
-    def prefetch(self, i: int, tier: Tier) -> None:
-        """Bring chunk i's gradient and states (and the next ones') to `tier`; see [Note: the update pipeline]."""
+    def prefetch(self, i: int, tier: Tier, order: list[ZeroChunk] | None = None) -> None:
+        """Bring chunk order[i]'s gradient and states (and the next ones') to `tier` (order: the chunks in the order
+        they step, layout order by default); see [Note: the update pipeline]."""
+        order = self.chunks if order is None else order
         # Chunk i first, then as many of the next LOOKAHEAD as leave the tier room to spare (a read ahead that crowds
         # out the chunk stepping now is evicted again before its use).
         room = int(self.manager.ledgers[tier].budget * ROOM)
         ahead: list[ZeroChunk] = []
-        for zc in self.chunks[i : i + 1 + LOOKAHEAD]:
+        for zc in order[i : i + 1 + LOOKAHEAD]:
             room -= zc.grad.nbytes + zc.optim.nbytes + (zc.shard.nbytes if zc.shard is not None else 0)
             if ahead and room < 0:
                 break
             ahead.append(zc)
         wanted = [c for zc in ahead for c in (zc.grad, zc.optim)]
         # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
-        later = [zc.grad for zc in self.chunks[i + len(ahead) :]]
+        later = [zc.grad for zc in order[i + len(ahead) :]]
         self.manager.prefetch(wanted, tier, keep=wanted + later)
 
     # ---- the gradient's norm --------------------------------------------------------------------------------

@@ -376,18 +376,24 @@ class ZeroChunk:
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
 
-    def write_back(self, master: torch.Tensor, *, clear_grad: bool = True) -> None:
+    def write_back(self, master: torch.Tensor, *, clear_grad: bool = True, gather: bool = True) -> None:
         """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
-        clear_grad is False: a checkpoint load clears it only where it is not already zero)."""
+        clear_grad is False: a checkpoint load clears it only where it is not already zero). gather False: stages
+        1-2 leave the other ranks' parts to a later `gather_params`."""
         if self.layout.params_sharded:
             self.write_shard(master)
         else:
-            full = self.manager.access(self.full, Tier.DEVICE)
-            self.kept(full).copy_(master)
-            if self.layout.optim_sharded:  # each rank updated its shard: gather the others'
-                self.comm.all_gather(full, self.kept(full), what=f"the parameters of {self.label}")
+            self.kept(self.manager.access(self.full, Tier.DEVICE)).copy_(master)
+            if gather:
+                self.gather_params()
         if clear_grad:
             self.zero_grad()
+
+    def gather_params(self) -> None:
+        """Stages 1-2: gather the parts of the parameters the other ranks updated (a no-op at stages 0 and 3)."""
+        if not self.layout.params_sharded and self.layout.optim_sharded:
+            full = self.manager.access(self.full, Tier.DEVICE)
+            self.comm.all_gather(full, self.kept(full), what=f"the parameters of {self.label}")
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk)."""
@@ -410,19 +416,16 @@ class ZeroChunk:
             m.move(self.shard, Tier.NVME, wait=False)
 
     def kept_range(self) -> tuple[int, int]:
-        """The chunk elements [lo, hi) this rank keeps master weights and optimizer states for: all of them at
-        stage 0, its shard otherwise."""
+        """The chunk elements [lo, hi) this rank keeps master weights and optimizer states for (all at stage 0)."""
         return self.layout.kept_range(self.spec.capacity, self.comm.size, self.comm.rank)
 
     def kept(self, full: torch.Tensor) -> torch.Tensor:
         """The part of a full-chunk tensor that this rank's master weights cover."""
-        lo, hi = self.kept_range()
-        return full[lo:hi]
+        return full[slice(*self.kept_range())]
 
     # ---- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this chunk besides its buffers: each parameter's step count, which parameters
-        got a gradient since the last update, and whether the accumulated gradient is still all zeros."""
+        """Besides its buffers, a checkpoint keeps each parameter's step count, used flag, and whether grad is 0."""
         return {
             "param_steps": list(self.param_steps),
             "used": [int(u) for u in self.used.tolist()],
@@ -439,8 +442,7 @@ class ZeroChunk:
             self.grad_is_zero = bool(state["grad_is_zero"])
 
     def full_values(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (CPU copies; a tile's rows for a tiled one). At stage 3 the chunk must be
-        gathered (`unshard`)."""
+        """Every parameter's full value (CPU copies; a tile's rows); at stage 3 the chunk must be gathered first."""
         full = self.manager.access(self.full, Tier.DEVICE, write=False)
         return {
             info.name: self.device.to_host(full.narrow(0, info.offset, info.numel).view(info.shape), copy=True)

@@ -1,0 +1,123 @@
+"""`"update_in_backward": true`: each chunk steps during the backward before an update, once its gradient is final.
+
+[Note: the update in backward]
+After backward, the update reads every chunk's gradient and optimizer states, steps it and writes it back. With the
+states on NVMe that is most of the step's I/O (the 416M Llama of benchmarks/bigger_than_ram.py: 5.7 s of a 10 s
+step), and nothing overlaps it; and every gradient the host cannot hold until then goes to NVMe and back. Yet a
+chunk's reduced gradient is final long before backward ends: once its reduction completes in the backward of the
+last micro-batch before an update. Stepping it then (PyTorch's optimizer-in-backward) does the same arithmetic, reads
+the states while backward computes earlier layers, and consumes each gradient as it is made.
+
+It is exact when no chunk's step depends on the whole gradient: no clipping (the global norm), no fp16 loss scaling
+(the overflow check), no delayed update. The config refuses those together. What changes for the user:
+  - the hyperparameters are those of the param groups when that backward starts (an LR scheduler stepped after
+    `engine.step()`, as usual, has already set them; one changed between backward and `step()` is too late);
+  - the parameters hold their new values once backward returns; `engine.step()` then only counts the update (the
+    reported gradient norm, the step count, the LR scheduler) and must follow every backward at a boundary.
+
+Keeping every rank in step ([Note: every rank in step]):
+  - the chunks step in the reduce order, each when its reduction completes: completions may come sooner or later on
+    one rank (it decides how many reductions stay in flight from its own memory), so a step issues no data-group
+    collective. Stage 3 writes its own shard, stage 0 its whole chunk; stages 1-2 write their part of the parameters
+    and gather the others' at the end of backward, every chunk in layout order;
+  - which parameters any rank used (PyTorch's optimizers skip a parameter without a gradient) is agreed by a max
+    all-reduce on the control group when the chunk's reduction is issued, right after the collective check: a point
+    every rank reaches in the same sequence;
+  - the reported norm's sum of squares is all-reduced at `engine.step()`, as the update after backward does.
+The manager's access trace sees the update inside backward every step alike, so its replay (prefetch, eviction)
+reads the states ahead in the order they are used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetero.memory import Tier
+from hetero.zero.protocol import UPDATE, reduce_order
+from hetero.zero.update import Plan, Updater
+
+if TYPE_CHECKING:
+    from hetero.zero.zero_chunk import ZeroChunk
+
+
+class InBackward:
+    """The update of one engine, run chunk by chunk in the backward before it; see [Note: the update in backward]."""
+
+    def __init__(self, updater: Updater) -> None:
+        self.updater = updater
+        self.order = reduce_order(updater.chunks)  # the order reductions complete in: the same on every rank
+        self.plan: Plan | None = None  # the update running in this backward
+        self.done = False  # a backward stepped every chunk; `take` (engine.step) counts the update
+        self._used: dict[int, torch.Tensor] = {}  # chunk id -> which parameters some rank used (agreed at issue)
+        self._next = 0  # position in `order` of the next chunk to step
+
+    def begin(self, *, boundary: bool) -> None:
+        """A backward starts; it updates when its micro-batch is the last before an update (shared by every rank)."""
+        if self.done:
+            raise RuntimeError(
+                "update_in_backward: a backward before an update already stepped the parameters, and another "
+                "backward ran before engine.step(); call engine.step() after every backward"
+            )
+        if not boundary or not self.order:
+            return
+        u = self.updater
+        # No scale and no clipping (the config refuses them): the norm is only reported, summed as chunks step.
+        groups = [dict(g) for g in u.param_groups]
+        self.plan = Plan(coef=1.0, used_of=[], fused_norm=True, sq=torch.zeros((), dtype=torch.float64), groups=groups)
+        self._next = 0
+        self._used.clear()
+        first = self.order[0]
+        if first.placement.optim is Tier.NVME:  # the first states read while backward starts
+            u.prefetch(0, first.placement.compute, self.order)
+
+    @property
+    def active(self) -> bool:
+        return self.plan is not None
+
+    def issued(self, zc: ZeroChunk) -> None:
+        """`zc`'s reduction is being issued (its gradients of this backward are all in): agree on its used
+        parameters, every rank at this point of the control group's sequence."""
+        if self.plan is None:
+            return
+        used = zc.used.clone()
+        comm = self.updater.comm
+        if comm.size > 1:
+            comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
+        self._used[id(zc)] = used
+
+    def reduced(self, zc: ZeroChunk) -> None:
+        """`zc`'s reduced gradient is complete: step it now."""
+        plan = self.plan
+        if plan is None:
+            return
+        i = self._next
+        if i >= len(self.order) or self.order[i] is not zc:
+            raise RuntimeError(f"update_in_backward: {zc.label} completed out of the reduce order (internal error)")
+        self._next += 1
+        u = self.updater
+        u.reduced_early(zc)  # stages 0-1: forget the early reduction, which the update after backward would skip
+        with zc.device.update_context():
+            u.step_one(self.order, i, plan, self._used.pop(id(zc)), gather=False)
+
+    def end(self) -> None:
+        """Backward is over (every reduction completed): stages 1-2 gather the parameters, in layout order."""
+        if self.plan is None:
+            return
+        if self._next != len(self.order):
+            missing = [zc.label for zc in self.order[self._next :]]
+            raise RuntimeError(f"update_in_backward: chunks {missing} did not step in backward (internal error)")
+        u = self.updater
+        u.check(UPDATE)
+        for zc in u.chunks:
+            zc.gather_params()
+        self.done = True
+
+    def take(self) -> Plan:
+        """The update this backward ran, to be counted (`Updater.finish`); the next backward may update again."""
+        plan = self.plan
+        assert plan is not None and self.done
+        self.plan = None
+        self.done = False
+        return plan

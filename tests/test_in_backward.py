@@ -1,0 +1,126 @@
+"""`update_in_backward`: each chunk steps during the backward before an update, with the same arithmetic as the update
+after backward ([Note: the update in backward])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero
+from hetero.errors import ConfigError
+
+try:
+    from tests import branchy, parity, tolerance
+    from tests.dist import run_distributed
+except ImportError:  # tests/ itself on sys.path
+    import branchy  # type: ignore[no-redef]
+    import parity  # type: ignore[no-redef]
+    import tolerance  # type: ignore[no-redef]
+    from dist import run_distributed  # type: ignore[no-redef]
+
+STEPS, ROWS = 4, 4
+
+CONFIGS = {
+    "z0-device": {"zero_stage": 0},
+    "z1-host-accum": {"zero_stage": 1, "offload": {"optimizer": "host"}, "grad_accumulation_steps": 2},
+    "z2-nvme": {"zero_stage": 2, "offload": {"optimizer": "nvme"}},
+    "z3-device-accum": {"zero_stage": 3, "grad_accumulation_steps": 2},
+    "z3-nvme": {"zero_stage": 3, "offload": {"optimizer": "nvme", "params": "nvme"}},
+    "z3-nvme-tight": {
+        "zero_stage": 3,
+        "offload": {"optimizer": "nvme", "params": "nvme"},
+        "memory": {"device_budget": 8 * parity.CHUNK * 4, "host_budget": 8 * parity.CHUNK * 4},
+    },
+}
+STANDIN = ("z1-host-accum", "z3-nvme")  # the placements whose copies and collectives the stand-in checks
+
+
+def _probe(rank: int, world: int, nvme: str) -> dict:
+    """After the backward before an update the parameters are new and the update is not yet counted; step() counts
+    it; what would lose it (another backward, a checkpoint) before that is an error."""
+    model = parity.build()
+    cfg = {"zero_stage": 3, "update_in_backward": True, "chunk_size": parity.CHUNK}
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    (x, y), _ = parity.batches(2, ROWS)
+    x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+    before = engine.full_state_dict()
+    engine.backward(engine(x, labels=y).loss)
+    after = engine.full_state_dict()
+    out = {
+        "changed_in_backward": sum(not torch.equal(before[k], after[k]) for k in before),
+        "params": len(before),
+        "counted_before_step": engine.global_steps,
+    }
+    try:
+        engine.backward(engine(x, labels=y).loss)
+    except RuntimeError as e:
+        out["second_backward"] = str(e)
+    try:
+        engine.save_checkpoint(nvme)
+    except RuntimeError as e:
+        out["checkpoint"] = str(e)
+    engine.step()
+    out["counted_after_step"] = engine.global_steps
+    out["norm"] = engine.updater.last_grad_norm
+    engine.close()
+    return out
+
+
+def _run(rank: int, world: int, names: list[str], nvme: str, probe: bool) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for name in names:
+        for on in (False, True):
+            cfg = {**CONFIGS[name], "update_in_backward": on}
+            out[name, on] = parity.run_hetero(
+                rank, world, steps=STEPS, rows=ROWS, config=cfg, nvme_dir=f"{nvme}/{name}-{on}"
+            )
+    for stage in (0, 1, 3):  # a branch and experts that differ by rank: the used parameters agreed at issue
+        cfg = {"zero_stage": stage, "chunk_size": 512, "update_in_backward": True}
+        out["branchy", stage] = branchy.run(rank, world, cfg, steps=4)
+    if probe:
+        out["probe"] = _probe(rank, world, f"{nvme}/ckpt")
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("standin", [False, True], ids=["cpu", "standin"])
+def test_the_update_in_backward_is_the_update_after_backward_bit_for_bit(tmp_path, monkeypatch, standin):
+    if standin:
+        monkeypatch.setenv("HETERO_STANDIN", "1")
+    names = list(STANDIN) if standin else list(CONFIGS)
+    results = run_distributed(_run, 2, names, str(tmp_path), not standin, timeout=360)[0]
+    for name in names:
+        after, during = results[name, False], results[name, True]
+        # The same chunks step with the same gradients, states and hyperparameters: the same bits.
+        assert during["losses"] == after["losses"], name
+        for k, v in after["state"].items():
+            assert torch.equal(during["state"][k], v), (name, k)
+        accum = CONFIGS[name].get("grad_accumulation_steps", 1)
+        parity.check(during, steps=STEPS, rows=ROWS, accum=accum)
+    exact_losses, exact = branchy.reference(4, 2, torch.float64)
+    plain_losses, plain = branchy.reference(4, 2)
+    for stage in (0, 1, 3):
+        got = results["branchy", stage]
+        tolerance.assert_losses(got["losses"], exact_losses, plain_losses, dtype=torch.float32)
+        tolerance.assert_weights(got["state"], exact, plain, dtype=torch.float32)
+    if not standin:
+        probe = results["probe"]
+        assert probe["changed_in_backward"] == probe["params"]  # every parameter stepped during backward
+        assert probe["counted_before_step"] == 0 and probe["counted_after_step"] == 1
+        assert probe["norm"] is not None and probe["norm"] > 0
+        assert "call engine.step() after every backward" in probe["second_backward"]
+        assert "call engine.step() first" in probe["checkpoint"]
+
+
+def test_update_in_backward_refuses_what_needs_the_whole_gradient_first():
+    assert hetero.Config.from_dict({"update_in_backward": True}).update_in_backward
+    for extra, named in (
+        ({"grad_clip_norm": 1.0}, "grad_clip_norm 1.0"),
+        ({"precision": "fp16"}, "precision 'fp16'"),
+        ({"delayed_param_update": True, "offload": {"optimizer": "host"}}, "delayed_param_update"),
+    ):
+        with pytest.raises(ConfigError, match=f"update_in_backward: .*{named}.*needs the whole gradient"):
+            hetero.Config.from_dict({"update_in_backward": True, **extra})
+    with pytest.raises(ConfigError, match="update_in_backward: expected true or false"):
+        hetero.Config.from_dict({"update_in_backward": "yes"})
