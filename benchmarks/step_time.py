@@ -619,24 +619,15 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
         builtin_model=args.builtin_model,
         family=args.model,
         intermediate=args.intermediate,
+        hetero_extra=args.hetero_config or "",  # read by hetero's setup only
     )
     per_rank = TOTAL_THREADS // WORLD
-    hetero_extra = dict(hetero_extra=args.hetero_config or "")
     specs = [
         Spec("plain", "plain", world=1, threads=TOTAL_THREADS, batch=WORLD * args.batch, **common),
         Spec("fsdp2", "fsdp2", world=WORLD, threads=per_rank, batch=args.batch, **common),
     ]
     specs += [
-        Spec(
-            f"hetero_stage{k}",
-            "hetero",
-            world=WORLD,
-            threads=per_rank,
-            batch=args.batch,
-            stage=k,
-            **hetero_extra,
-            **common,
-        )
+        Spec(f"hetero_stage{k}", "hetero", world=WORLD, threads=per_rank, batch=args.batch, stage=k, **common)
         for k in range(4)
     ]
     specs.append(Spec("deepspeed", "deepspeed", world=WORLD, threads=per_rank, batch=args.batch, stage=3, **common))
@@ -644,20 +635,10 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
         for kind in ("hetero", "deepspeed"):
             name = "hetero_stage3_nvme" if kind == "hetero" else "deepspeed_nvme"
             nvme = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme))
-            extra = hetero_extra if kind == "hetero" else {}
-            specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **extra, **common))
+            specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **common))
         dpu = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), delayed=True)
         specs.append(
-            Spec(
-                "hetero_stage3_nvme_dpu",
-                "hetero",
-                world=WORLD,
-                threads=per_rank,
-                batch=args.batch,
-                **dpu,
-                **hetero_extra,
-                **common,
-            )
+            Spec("hetero_stage3_nvme_dpu", "hetero", world=WORLD, threads=per_rank, batch=args.batch, **dpu, **common)
         )
     return specs
 

@@ -72,10 +72,6 @@ class InBackward:
         if first.placement.optim is Tier.NVME:  # the first states read while backward starts
             u.prefetch(0, first.placement.compute, self.order)
 
-    @property
-    def active(self) -> bool:
-        return self.plan is not None
-
     def issued(self, zc: ZeroChunk) -> None:
         """`zc`'s reduction is being issued (its gradients of this backward are all in): agree on its used
         parameters, every rank at this point of the control group's sequence."""
