@@ -114,8 +114,10 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
     init_s = time.perf_counter() - t0
     init_rss = rss_peak() - base
     # The least NVMe traffic a step needs: every shard read once (forward) and written once (update), every optimizer
-    # chunk read and written once; gradients the host cannot hold until the update come on top.
-    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine.trainable)
+    # chunk read and written once; gradients the host cannot hold until the update come on top. A master that follows
+    # its shard is not stored ([Note: the master follows the shard]): the optimizer chunk's states alone count.
+    master = sum(zc.shard_numel * 4 for zc in engine.trainable if getattr(zc, "master_follows", False))
+    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine.trainable) - master
     g = torch.Generator().manual_seed(1)
     steps = []
     try:

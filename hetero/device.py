@@ -36,6 +36,14 @@ from hetero.io import hugepages
 _HUGE_PAGE = 2 << 20  # buffers at least this large ask for transparent huge pages (see `Device.empty_host`)
 
 
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """A just-allocated buffer on a CPU compute device asks for huge pages before its first touch
+    ([Note: huge pages for fresh CPU buffers]); device memory is the caching allocator's."""
+    if t.is_cpu and t.numel() * t.element_size() >= 2 * _HUGE_PAGE:
+        hugepages.advise_huge(t)
+    return t
+
+
 class Device:
     """The compute device hetero places chunks on, with its copy machinery."""
 
@@ -75,14 +83,14 @@ class Device:
     # ---- memory -------------------------------------------------------------------------------------------
     def empty_bytes(self, nbytes: int) -> torch.Tensor:
         """An uninitialised flat uint8 buffer on the compute device."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        return fresh(torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device))
 
     def free_bytes(self, buf: torch.Tensor) -> None:
         """A buffer from `empty_bytes` is no longer used (its memory goes when its last view does)."""
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on the compute device (hetero allocates device memory only through here)."""
-        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+        return fresh(torch.empty(shape, dtype=dtype, device=self.torch_device))
 
     def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`t` on the compute device (the same tensor where it already is), optionally cast."""
@@ -134,6 +142,7 @@ class Device:
     def regrow(self, kept: torch.Tensor, nbytes: int) -> None:
         """Give a transient chunk's storage its bytes back (contents undefined)."""
         kept.untyped_storage().resize_(nbytes)
+        fresh(kept)
 
     @contextlib.contextmanager
     def compute_context(self) -> Iterator[None]:
@@ -253,7 +262,7 @@ class StandinDevice(Device):
         return True
 
     def empty_bytes(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = fresh(torch.empty(nbytes, dtype=torch.uint8))
         standin.poison(buf)
         return standin.register(buf, standin.DEVICE, strong=True)
 
@@ -261,7 +270,7 @@ class StandinDevice(Device):
         standin.unregister(buf)
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype)
+        t = fresh(torch.empty(shape, dtype=dtype))
         standin.poison(t)
         return standin.register(t, standin.DEVICE)
 
@@ -296,6 +305,7 @@ class StandinDevice(Device):
 
     def regrow(self, kept: torch.Tensor, nbytes: int) -> None:
         kept.untyped_storage().resize_(nbytes)
+        fresh(kept)
         standin.poison(kept)
         standin.register(kept, standin.DEVICE, strong=True)
 

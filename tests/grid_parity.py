@@ -169,6 +169,10 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     ]
     engine.manager.synchronize()
     ledgers = {t: s["current"] for t, s in engine.memory_stats().items() if t in TIERS}
+    # What each tier holds, chunk by chunk: a ledger that differs from the estimate says which chunk it was.
+    held = sorted(
+        f"{c.tier.label}: {c.describe()} {c.state.name}" for c in engine.manager.chunks() if c.tier is not None
+    )
     x, y = eval_data(family)
     mine = slice(dpr * local, (dpr + 1) * local)
     eval_loss = float(engine.eval_batch(x[mine], y[mine]))
@@ -190,6 +194,7 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
         "eval_logits": eval_logits.logits if hasattr(eval_logits, "logits") else eval_logits,
         "rows": (mine.start, mine.stop),
         "ledgers": ledgers,
+        "held": held,
         "estimate": estimated,
     }
     if resume:
@@ -260,7 +265,7 @@ def check_composed(results: list[dict], config: dict) -> None:
         if config.get("_estimate"):
             est = r["estimate"]
             want = est["per_pipeline_rank"][r["coords"][2]] if "per_pipeline_rank" in est else est
-            assert {t: want[t] for t in TIERS} == r["ledgers"], (r["coords"], want, r["ledgers"])
+            assert {t: want[t] for t in TIERS} == r["ledgers"], (r["coords"], want, r["ledgers"], r["held"])
         for tier in set(config.get("offload", {}).values()):
             assert r["ledgers"][tier] > 0, f"rank {r['coords']}: nothing on {tier} under offload {config['offload']}"
 

@@ -47,8 +47,9 @@ def _check_ledgers(m):
         assert ledger.used <= ledger.budget and ledger.peak <= ledger.budget
     nv = m.ledgers[Tier.NVME]
     assert nv.current == sum(c.nbytes for c in m.chunks if c.on_nvme)
-    if m.storage.store is not None:
-        assert nv.current == m.storage.store.used_bytes
+    if m.storage.store is not None:  # the store holds a chunk's bytes from `stored_from` on; the ledger all of it
+        stored = sum(c.nbytes - c.stored_from * c.dtype.itemsize for c in m.chunks if c.on_nvme)
+        assert m.storage.store.used_bytes == stored
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -359,3 +360,54 @@ def test_written_access_is_written_back_and_read_only_access_is_not(make_manager
     assert m.storage.store.stats.writes == writes + 1
     m.access(c, Tier.HOST)
     assert _bits(c, s)[0] == bits[0] ^ 0xFF
+
+
+def test_free_head_slots_are_not_stored(make_manager):
+    """[Note: FREE slots are not stored]: a write to NVMe skips the FREE slots at a chunk's head and a read leaves
+    them alone; the slots with data come back bit for bit; a clean eviction is refused once a head slot holds data
+    again, and the next write stores the whole chunk."""
+    m = make_manager(nvme=True)
+    c = m.new_chunk(dtype=torch.float32, capacity=3 * NUMEL, kind="optim")
+    head, a, b = (c.add_tensor(f"s{i}", (NUMEL,)) for i in range(3))
+    c.skip_free_head = True  # its owner's promise: a FREE slot holds nothing worth keeping
+    m.access(c, Tier.HOST)
+    for s in (head, a, b):
+        c.view(s).copy_(torch.randn(NUMEL))
+        c.set_state(s, TensorState.HOLD)
+    c.set_state(head, TensorState.FREE)  # its values live elsewhere (the master follows its shard)
+    assert c.free_head() == NUMEL
+    want = {s.name: c.view(s).clone() for s in (a, b)}
+    m.move(c, Tier.NVME)
+    assert c.stored_from == NUMEL and m.moved[(Tier.HOST, Tier.NVME)] == 2 * NUMEL * 4
+    assert m.storage.store.used_bytes == 2 * NUMEL * 4
+    m.access(c, Tier.HOST, write=False)
+    assert m.moved[(Tier.NVME, Tier.HOST)] == 2 * NUMEL * 4
+    assert all(torch.equal(c.view(s), want[s.name]) for s in (a, b))
+    _check_ledgers(m)
+    # Still clean, the head still FREE: evicting writes nothing.
+    writes = m.storage.store.stats.writes
+    m.move(c, Tier.NVME)
+    assert m.storage.store.stats.writes == writes
+    # The head gets data back without a written access (a state change only): the swap copy lacks it, so the
+    # eviction must write, and this time the whole chunk.
+    m.access(c, Tier.HOST, write=False)
+    c.view(head).fill_(7.0)
+    c.set_state(head, TensorState.HOLD)
+    m.move(c, Tier.NVME)
+    assert m.storage.store.stats.writes == writes + 1 and c.stored_from == 0
+    m.access(c, Tier.HOST)
+    assert torch.equal(c.view(head), torch.full((NUMEL,), 7.0))
+    assert all(torch.equal(c.view(s), want[s.name]) for s in (a, b))
+    _check_ledgers(m)
+    # Only a chunk that asked skips its head; a head that is not FREE, or an all-FREE chunk, has none to skip.
+    c.set_state(head, TensorState.FREE)
+    assert c.free_head() == NUMEL
+    c.skip_free_head = False
+    assert c.free_head() == 0
+    c.skip_free_head = True
+    c.set_state(head, TensorState.HOLD)
+    c.set_state(a, TensorState.FREE)
+    assert c.free_head() == 0
+    for s in (head, b):
+        c.set_state(s, TensorState.FREE)
+    assert c.free_head() == 0

@@ -14,6 +14,8 @@ such buffer, and `report` reads the kernel's own account of their mappings (Anon
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import re
 import threading
@@ -41,6 +43,45 @@ def thp_mode(path: str = THP_ENABLED) -> str | None:
         return None
     m = re.search(r"\[(\w+)\]", text)
     return m.group(1) if m else None
+
+
+_HUGE = 2 << 20  # the transparent huge page size on x86-64 and most arm64 kernels
+_MADV_HUGEPAGE = 14  # <sys/mman.h>
+_madvise: Any = None  # libc's madvise once looked up; False where there is none
+
+
+def advise_huge(t: Any) -> bool:
+    """Ask for transparent huge pages on the 2 MiB-aligned interior of a CPU tensor's memory, before first touch.
+
+    [Note: huge pages for fresh CPU buffers]
+    On a CPU compute device the buffers hetero allocates and frees per chunk use (gathered and transient chunks,
+    gradient staging, reduction targets: several MiB each, hundreds a step) come from the C heap's own mappings,
+    fresh each time (`hetero/memory/heap.py`), and the first write faults once per 4 KiB page: 4.1 ms to fill 16 MiB
+    on the 2-core VM, against 0.6 ms into a buffer already touched and 1.3 ms into a fresh one on huge pages. This asks
+    for those. A heap-served (small) buffer's range is skipped; a kernel without THP, or a libc without madvise,
+    leaves small pages. Returns whether the advice was taken."""
+    global _madvise
+    if t.device.type != "cpu":
+        return False
+    nbytes = t.untyped_storage().nbytes()
+    start = t.untyped_storage().data_ptr()
+    lo = (start + _HUGE - 1) & ~(_HUGE - 1)
+    hi = (start + nbytes) & ~(_HUGE - 1)
+    if hi - lo < _HUGE:
+        return False
+    if _madvise is None:
+        name = ctypes.util.find_library("c")
+        try:
+            fn = ctypes.CDLL(name, use_errno=True).madvise if name else None
+        except (OSError, AttributeError):
+            fn = None
+        if fn is not None:
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            fn.restype = ctypes.c_int
+        _madvise = fn or False
+    if not _madvise:
+        return False
+    return _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
 def track(owner: object, address: int, nbytes: int) -> None:

@@ -52,6 +52,7 @@ class Move:
     prefetch: bool = False  # started ahead of use by the trace, not by an access
     after: Future[tuple[float, float]] | None = None  # a write-back whose source buffer this read fills once it is done
     handed_off: bool = False  # this write-back's source buffer goes to a chained read, not back to the pool
+    skipped: int = 0  # bytes of a FREE head the swap I/O leaves out ([Note: FREE slots are not stored])
 
 
 @dataclass(eq=False)
@@ -74,6 +75,10 @@ class Chunk:
     used: int = 0  # elements of capacity taken by slots
     computing: int = 0  # slots in COMPUTE now; a chunk with any is pinned to the device
     pins: int = 0  # holds by `ChunkManager.pinned`: kept in place without marking the payload written
+    # Its FREE head slots hold nothing worth keeping: NVMe does not store them (free_head). Only for a chunk whose
+    # owner says so: elsewhere a slot's state may lag its data (a gathered chunk keeps values a FREE slot had).
+    skip_free_head: bool = False
+    stored_from: int = 0  # first element the swap copy holds: the FREE slots before it were not written (see free_head)
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +95,19 @@ class Chunk:
     @property
     def all_free(self) -> bool:
         return all(s.state is TensorState.FREE for s in self.slots)
+
+    def free_head(self) -> int:
+        """Elements at the head of the payload held only by FREE slots, with data after them: a write to NVMe skips
+        them and a read leaves them as they are ([Note: FREE slots are not stored]). 0 when the first slot holds data
+        or none does (an all-FREE chunk is not copied at all), and for a chunk that did not ask (`skip_free_head`)."""
+        if not self.skip_free_head:
+            return 0
+        head = 0
+        for s in self.slots:
+            if s.state is not TensorState.FREE:
+                return head
+            head = s.offset + s.numel
+        return 0
 
     @property
     def moving(self) -> bool:

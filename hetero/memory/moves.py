@@ -4,6 +4,17 @@ Workers copy bytes and nothing else; every ledger, state and trace change happen
 finished (`poll`, `wait`), on the thread that drives the manager, so no lock guards the bookkeeping. See the
 manager's [Note: making room] for how a move gets its destination's bytes, and [Note: reads chained behind
 write-backs] for the chained reads started here.
+
+[Note: FREE slots are not stored]
+For a chunk whose owner guarantees that a FREE tensor holds nothing worth keeping (`Chunk.skip_free_head`: not every
+chunk's slot states follow its data, a gathered parameter chunk keeps what a FREE slot held), a write to NVMe skips
+the FREE slots at its head (`Chunk.free_head`) and records where the stored bytes begin (`stored_from`); a read
+fills the payload from there and leaves the head as it finds it, its slots still FREE. The ZeRO optimizer chunk of
+an fp32 stage-3 model with states on NVMe is the case it is for: its master slot, first, is FREE between updates
+because the parameter shard holds the same values ([Note: the master follows the shard] in
+`hetero/zero/zero_chunk.py`), which takes a quarter of the optimizer's swap traffic away. A clean eviction (no
+write) is allowed only while every slot with data lies in the stored range. The NVMe ledger still counts the whole
+chunk: a later write may store all of it.
 """
 
 from __future__ import annotations
@@ -91,8 +102,8 @@ class Mover:
             storage.drop_payload(chunk)
             storage.allocate(chunk, dst)
             return True
-        if dst is Tier.NVME and chunk.on_nvme and not chunk.dirty:
-            # The swap store already holds these exact bytes: evicting costs no write.
+        if dst is Tier.NVME and chunk.on_nvme and not chunk.dirty and chunk.free_head() >= chunk.stored_from:
+            # The swap store already holds these exact bytes (every slot with data): evicting costs no write.
             storage.free_buffer(src, chunk.payload, chunk)
             chunk.payload, chunk.tier = None, Tier.NVME
             self.counters["clean_evictions"] += 1
@@ -111,15 +122,17 @@ class Mover:
             return False
         if dst is Tier.NVME:
             if not chunk.on_nvme:
-                storage.take_nvme_slot(chunk)
+                storage.take_nvme_slot(chunk)  # the ledger counts the whole chunk: a later write may need it all
             new_payload = None
+            chunk.stored_from = head = chunk.free_head()  # [Note: FREE slots are not stored]
         else:
             new_payload = storage.new_buffer(dst, chunk)
+            head = chunk.stored_from if src is Tier.NVME else 0
         staging = storage.staging(chunk.nbytes).view(chunk.dtype) if needs_staging else None
         # Order the copy after compute queued so far: it may read what compute writes, or write a buffer compute
         # still reads (a pooled buffer's last user); see [Note: copies off the compute stream].
         marker = self.device.compute_marker() if Tier.DEVICE in (src, dst) else None
-        args = (chunk.id, src, dst, chunk.payload, new_payload, staging, marker)
+        args = (chunk.id, src, dst, chunk.payload, new_payload, staging, marker, head)
         if inline:
             future: Future[tuple[float, float]] = Future()
             try:
@@ -128,7 +141,15 @@ class Mover:
                 future.set_exception(e)
         else:
             future = self.workers.submit(self._copy_job, *args)
-        chunk.move = Move(src=src, dst=dst, future=future, new_payload=new_payload, staging=staging, prefetch=prefetch)
+        chunk.move = Move(
+            src=src,
+            dst=dst,
+            future=future,
+            new_payload=new_payload,
+            staging=staging,
+            prefetch=prefetch,
+            skipped=head * chunk.dtype.itemsize if Tier.NVME in (src, dst) else 0,
+        )
         chunk.transition(ChunkState.MOVING)
         self.moving[chunk.id] = chunk
         self.counters["moves"] += 1
@@ -157,8 +178,11 @@ class Mover:
         donor.move.handed_off = True
         after = donor.move.future
         buf = donor.payload.view(torch.uint8).view(chunk.dtype)
-        future = self.workers.submit(self._chained_read_job, after, chunk.id, buf)
-        chunk.move = Move(src=Tier.NVME, dst=tier, future=future, new_payload=buf, prefetch=True, after=after)
+        future = self.workers.submit(self._chained_read_job, after, chunk.id, buf[chunk.stored_from :])
+        skipped = chunk.stored_from * chunk.dtype.itemsize
+        chunk.move = Move(
+            src=Tier.NVME, dst=tier, future=future, new_payload=buf, prefetch=True, after=after, skipped=skipped
+        )
         chunk.transition(ChunkState.MOVING)
         self.moving[chunk.id] = chunk
         self.counters["moves"] += 1
@@ -175,10 +199,15 @@ class Mover:
         dst_buf: torch.Tensor | None,
         staging: torch.Tensor | None,
         marker: Any,
+        head: int = 0,
     ) -> tuple[float, float]:
-        """Runs on a worker thread: copy the bytes, nothing else (no bookkeeping)."""
+        """Runs on a worker thread: copy the bytes, nothing else (no bookkeeping). head: elements at the start of the
+        payload that a swap write skips and a swap read leaves alone ([Note: FREE slots are not stored])."""
         store = self.storage.store
         start = time.perf_counter()
+        if head and Tier.NVME in (src, dst):
+            src_buf, dst_buf = (b[head:] if b is not None else None for b in (src_buf, dst_buf))
+            staging = staging[head:] if staging is not None else None
         if dst is Tier.NVME:
             if staging is not None:  # device -> host staging -> NVMe
                 self.device.copy(staging, src_buf, after=marker)
@@ -253,10 +282,11 @@ class Mover:
         chunk.tier = move.dst
         if move.dst is Tier.NVME or move.src is Tier.NVME:
             chunk.dirty = False
-        self.moved[(move.src, move.dst)] += chunk.nbytes
+        copied = chunk.nbytes - move.skipped  # a FREE head is not copied ([Note: FREE slots are not stored])
+        self.moved[(move.src, move.dst)] += copied
         if move.dst > move.src:
             self.counters["evictions"] += 1
-        event = MoveEvent(chunk.id, chunk.kind, move.src, move.dst, chunk.nbytes, start, end, move.prefetch)
+        event = MoveEvent(chunk.id, chunk.kind, move.src, move.dst, copied, start, end, move.prefetch)
         for observer in self.observers:
             observer(event)
 

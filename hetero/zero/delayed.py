@@ -74,6 +74,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hetero.memory import Chunk, TensorState, Tier
+from hetero.zero.norms import sum_of_squares
 from hetero.zero.update import Plan, Updater, step_chunk
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ class DelayedUpdate:
         def math() -> tuple[torch.Tensor, float, float]:
             t0 = time.perf_counter()
             with torch.no_grad():
-                sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2 if fused else torch.zeros(())
+                sq = sum_of_squares(grad) if fused else torch.zeros(())
                 step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
                 values.copy_(master)
             return sq, t0, time.perf_counter()

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.device import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
@@ -223,6 +224,12 @@ def _anchor(param: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, device=device).requires_grad_(param.requires_grad)
 
 
+def _tile_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, a tile's weight gradient: a fresh buffer of about a chunk's size, on huge pages where the CPU computes
+    ([Note: huge pages for fresh CPU buffers])."""
+    return torch.mm(a, b, out=fresh(torch.empty(a.shape[0], b.shape[1], dtype=b.dtype, device=b.device)))
+
+
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool) -> Any:
@@ -253,7 +260,7 @@ class _TiledLinear(torch.autograd.Function):
                 if ctx.needs_input_grad[0]:
                     dx = g @ w if dx is None else dx.addmm_(g, w)
                 if t.trainable:
-                    r.deliver(t, e, g.t() @ x2, ctx.counted)
+                    r.deliver(t, e, _tile_grad(g.t(), x2), ctx.counted)
                 lo += rows
             finally:
                 r.close(e)
@@ -292,7 +299,7 @@ class _TiledConv1D(torch.autograd.Function):
                 if dx is not None:
                     dx[:, lo : lo + rows] = dy @ w.t()
                 if t.trainable:
-                    r.deliver(t, e, x[:, lo : lo + rows].t() @ dy, ctx.counted)
+                    r.deliver(t, e, _tile_grad(x[:, lo : lo + rows].t(), dy), ctx.counted)
                 lo += rows
             finally:
                 r.close(e)
@@ -341,7 +348,7 @@ class _TiledEmbedding(torch.autograd.Function):
             rows, dim = e.info.shape
             if t.trainable:
                 # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
-                g = torch.zeros(rows, dim, dtype=dy.dtype, device=dy.device)
+                g = fresh(torch.empty(rows, dim, dtype=dy.dtype, device=dy.device)).zero_()
                 hit = ((flat >= lo) & (flat < lo + rows)).nonzero().squeeze(1)
                 if hit.numel():
                     g.index_add_(0, flat[hit] - lo, dy2[hit])

@@ -27,6 +27,7 @@ from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.tied import counts_in_norm
+from hetero.zero.norms import sum_of_squares
 from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
@@ -108,13 +109,13 @@ class Updater:
         zc = order[i]
         streamed = zc.placement.optim is Tier.NVME
         if streamed:
-            if zc.shard is not None and zc.shard.slots[0].state is TensorState.HOLD:
+            if zc.shard is not None and not zc.master_follows and zc.shard.slots[0].state is TensorState.HOLD:
                 # Overwritten whole by the write-back below: say so now, before anything reads it ahead of use.
                 zc.shard.set_state(zc.shard.slots[0], TensorState.FREE)
             self.prefetch(i, zc.placement.compute, order)
         grad = zc.grad_view()
         if plan.fused_norm:
-            plan.sq += zc.device.to_host(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            plan.sq += zc.device.to_host(sum_of_squares(grad))
         self._step_chunk(zc, grad, plan.coef, used, gather=gather)
         if streamed:
             self.release_stepped(zc)
@@ -214,7 +215,8 @@ class Updater:
             if ahead and room < 0:
                 break
             ahead.append(zc)
-        wanted = [c for zc in ahead for c in (zc.grad, zc.optim)]
+        # A master that follows its shard is filled from it ([Note: the master follows the shard]): read it too.
+        wanted = [c for zc in ahead for c in (zc.grad, zc.optim, zc.shard if zc.master_follows else None) if c]
         # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
         later = [zc.grad for zc in order[i + len(ahead) :]]
         self.manager.prefetch(wanted, tier, keep=wanted + later)
@@ -231,7 +233,7 @@ class Updater:
         for zc in self.chunks:
             g = zc.grad_view()
             if tp == 1 and all(counts_in_norm(info.param) for info in zc.spec.params):
-                sq += zc.device.to_host(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+                sq += zc.device.to_host(sum_of_squares(g))
                 continue
             lo, _ = zc.kept_range()
             for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
@@ -239,8 +241,7 @@ class Updater:
                     continue
                 cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
                 weight = 1.0 / (cut.replicas if cut is not None else tp)
-                norm = torch.linalg.vector_norm(g[a - lo : b - lo], dtype=torch.float64)
-                sq += weight * zc.device.to_host(norm) ** 2
+                sq += weight * zc.device.to_host(sum_of_squares(g[a - lo : b - lo]))
         if zc_sharded(self.chunks):  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
             self.comm.control.all_reduce(sq, op="sum")
         mesh.tp.control.all_reduce(sq, op="sum")

@@ -1,0 +1,36 @@
+"""The gradient's sum of squares, accumulated in float64 without a float64 copy of the chunk.
+
+[Note: float64 squares in blocks]
+The gradient norm is summed in float64 so that it does not depend on how the gradient is cut into chunks, shards and
+tiles (fp32 sums of millions of squares lose about 1e-6 relative, ten times the gradient's own rounding).
+`torch.linalg.vector_norm(g, dtype=torch.float64)` casts the whole input first: a fresh float64 buffer twice the
+chunk's size on every call. On the CPU that buffer is above the C heap's mmap threshold (`hetero/memory/heap.py`), so
+each call maps it anew and faults in every page: 11.7 ms and 4,084 faults for a 4.2M-element chunk on the 2-core VM,
+1.8 s of a 416M-parameter Llama's step with 152 chunks. Converting `BLOCK` elements at a time into a buffer the heap
+reuses and summing each block with a float64 dot product takes 1.3 ms, faults nothing, and is as exact (1e-16 from a
+float64 reference against 1e-14 for the cast). On a GPU the cast is a device allocation from the caching allocator
+and one kernel, cheaper than many small launches: it stays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 1 << 16  # elements converted at a time: 512 KiB of float64, served by the C heap without page faults
+
+
+def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """Sum of the squares of `t`'s elements as a float64 scalar on `t`'s device."""
+    flat = t.reshape(-1)
+    if flat.device.type != "cpu":
+        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
+    n = flat.numel()
+    if n <= BLOCK or flat.dtype == torch.float64:
+        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
+    block = torch.empty(BLOCK, dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, n, BLOCK):
+        part = block[: min(BLOCK, n - start)]
+        part.copy_(flat[start : start + part.numel()])
+        total += torch.dot(part, part)
+    return total
