@@ -170,9 +170,7 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     engine.manager.synchronize()
     ledgers = {t: s["current"] for t, s in engine.memory_stats().items() if t in TIERS}
     # What each tier holds, chunk by chunk: a ledger that differs from the estimate says which chunk it was.
-    held = sorted(
-        f"{c.tier.label}: {c.describe()} {c.state.name}" for c in engine.manager.chunks() if c.tier is not None
-    )
+    held = sorted(f"{c.tier.label}: {c.describe()} {c.state.name}" for c in engine.manager.chunks if c.tier is not None)
     x, y = eval_data(family)
     mine = slice(dpr * local, (dpr + 1) * local)
     eval_loss = float(engine.eval_batch(x[mine], y[mine]))

@@ -51,7 +51,7 @@ def plan_items(engine: Engine) -> list[Item]:
                 for info, a, b in zc.spec.overlaps(lo, hi):
                     if par.saves(info, replicas):
                         k = mf.key(kind, par.stored_name(info), info.element(a))
-                        if j == 0 and zc.master_follows:  # the shard holds the master's values (zero_chunk.py)
+                        if j == 0 and zc.master_follows:  # the shard holds the master's values (zero/master.py)
                             items.append(Item(k, torch.float32, b - a, zc.shard, 0, a - lo))
                         else:
                             items.append(Item(k, torch.float32, b - a, zc.optim, j, a - base))

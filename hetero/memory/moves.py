@@ -12,7 +12,7 @@ the FREE slots at its head (`Chunk.free_head`) and records where the stored byte
 fills the payload from there and leaves the head as it finds it, its slots still FREE. The ZeRO optimizer chunk of
 an fp32 stage-3 model with states on NVMe is the case it is for: its master slot, first, is FREE between updates
 because the parameter shard holds the same values ([Note: the master follows the shard] in
-`hetero/zero/zero_chunk.py`), which takes a quarter of the optimizer's swap traffic away. A clean eviction (no
+`hetero/zero/master.py`), which takes a quarter of the optimizer's swap traffic away. A clean eviction (no
 write) is allowed only while every slot with data lies in the stored range. The NVMe ledger still counts the whole
 chunk: a later write may store all of it.
 """

@@ -13,8 +13,10 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
+from hetero.zero import master as master_weights
 from hetero.zero import released
 from hetero.zero.layout import ChunkSpec
+from hetero.zero.segments import update_segments
 from hetero.zero.stages import STAGES, Placement, master_is_shard
 from hetero.zero.units import Entry
 
@@ -56,18 +58,7 @@ class ZeroChunk:
         if layout.params_sharded and not self.master_is_shard:
             self.shard = manager.new_chunk(dtype=dtype, capacity=self.shard_numel, kind="param_shard")
             self.shard.add_tensor(f"{spec.params[0].name}..shard", (self.shard_numel,))
-        # [Note: the master follows the shard]
-        # Stage 3 in fp32 with the optimizer states on NVMe: outside an update the master weights hold the values the
-        # parameter shard holds (the write-back copies one into the other), and both would be written to NVMe and
-        # read back every step. So after each write-back the master slot is FREE, and NVMe does not store it
-        # ([Note: FREE slots are not stored] in hetero/memory/moves.py): the optimizer chunk's swap traffic is the
-        # states alone, 8 bytes a parameter each way instead of 12 with Adam. Whoever needs the master
-        # (`optimizer_views`: the update, a checkpoint load, the optimizer's state dict) gets it filled from the
-        # shard first, which the update reads where it would have read the master; a checkpoint saves the shard's
-        # values under the master's name. Not on the device or the host, where nothing is saved by it.
-        self.master_follows = (
-            self.shard is not None and spec.trainable and dtype == torch.float32 and placement.optim is Tier.NVME
-        )
+        self.master_follows = master_weights.follows(self)  # [Note: the master follows the shard] (master.py)
         self.grad: Chunk | None = None
         self.grad_full: Chunk | None = None
         self.optim: Chunk | None = None
@@ -94,7 +85,6 @@ class ZeroChunk:
             self.optim.add_tensor(f"{spec.params[0].name}..master", (s,))
             for name in state_names:
                 self.optim.add_tensor(f"{spec.params[0].name}..{name}", (s,))
-            self.optim.skip_free_head = self.master_follows  # [Note: the master follows the shard]
 
     @property
     def label(self) -> str:
@@ -135,7 +125,7 @@ class ZeroChunk:
             self.optim.view(self.optim.slots[0]).copy_(mine)
             for slot in self.optim.slots:
                 self.optim.set_state(slot, _T.HOLD)
-            self._master_in_shard()
+            master_weights.in_shard(self)
             if self.placement.optim is Tier.NVME:
                 m.move(self.optim, Tier.NVME)
         if self.grad is not None:
@@ -362,49 +352,14 @@ class ZeroChunk:
 
     # ---- update -------------------------------------------------------------------------------------------
     def update_segments(self, used: torch.Tensor) -> list[tuple[int, int, int]]:
-        """(start, end, steps taken) runs of this rank's optimizer shard to update, then count the step.
-
-        [Note: parameters without a gradient]
-        PyTorch's optimizers skip a parameter whose .grad is None: no weight decay, no moment decay, no step
-        count. A flat update would do all three to a parameter that a step did not use (a skipped branch), so the
-        update runs on runs of parameters that did get a gradient (on any rank: `used` is all-reduced), and each
-        parameter keeps its own step count for Adam's bias correction. In the common case, every parameter used and
-        all counts equal, that is one run: the whole shard in one fused call.
-        """
-        lo, hi = self.kept_range()
-        runs: list[tuple[int, int, int]] = []
-        for i, info in enumerate(self.spec.params):
-            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-            if not used[i]:
-                continue
-            if a < b:
-                if runs and runs[-1][1] == a - lo and runs[-1][2] == self.param_steps[i]:
-                    runs[-1] = (runs[-1][0], b - lo, runs[-1][2])
-                else:
-                    runs.append((a - lo, b - lo, self.param_steps[i]))
-            self.param_steps[i] += 1
-        return runs
+        """(start, end, steps taken) runs of this rank's optimizer shard to update, then count the step."""
+        return update_segments(self, used)  # [Note: parameters without a gradient] (segments.py)
 
     def optimizer_views(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The master weights and the optimizer states on the compute tier, the master filled from the shard if it
-        follows it ([Note: the master follows the shard])."""
-        m = self.manager
-        m.access(self.optim, self.placement.compute)
-        master = self.optim.slots[0]
-        if self.master_follows and master.state is _T.FREE:
-            assert self.shard is not None
-            with m.pinned(self.optim):  # reading the shard in must not evict the chunk it fills
-                tier = Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST
-                shard = m.access(self.shard, tier, write=False)
-                self.optim.view(master).copy_(self._to(shard, self.placement.compute))
-            self.optim.set_state(master, _T.HOLD)
+        self.manager.access(self.optim, self.placement.compute)
+        master_weights.fill(self)
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
-
-    def _master_in_shard(self) -> None:
-        """The shard now holds the master's values: the master slot holds nothing NVMe must keep."""
-        if self.master_follows and self.optim.slots[0].state is not _T.FREE:
-            self.optim.set_state(self.optim.slots[0], _T.FREE)
 
     def write_back(self, master: torch.Tensor, *, clear_grad: bool = True, gather: bool = True) -> None:
         """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
@@ -412,7 +367,7 @@ class ZeroChunk:
         1-2 leave the other ranks' parts to a later `gather_params`."""
         if self.layout.params_sharded:
             self.write_shard(master)
-            self._master_in_shard()
+            master_weights.in_shard(self)
         else:
             self.kept(self.manager.access(self.full, Tier.DEVICE)).copy_(master)
             if gather:

@@ -1,0 +1,51 @@
+"""The fp32 master weights of a stage-3 chunk whose optimizer states live on NVMe: kept in the parameter shard.
+
+[Note: the master follows the shard]
+Stage 3 in fp32 with the optimizer states on NVMe: outside an update the master weights hold the values the parameter
+shard holds (the write-back copies one into the other), and both would be written to NVMe and read back every step.
+So after each write-back the master slot is FREE, and NVMe does not store it ([Note: FREE slots are not stored] in
+hetero/memory/moves.py): the optimizer chunk's swap traffic is the states alone, 8 bytes a parameter each way instead
+of 12 with Adam. Whoever needs the master (`ZeroChunk.optimizer_views`: the update, a checkpoint load, the optimizer's
+state dict) gets it filled from the shard first, which the update reads where it would have read the master; a
+checkpoint saves the shard's values under the master's name (`hetero/checkpoint/plan.py`). Not on the device or the
+host, where no swap traffic is saved by it (on the device the master *is* the shard: [Note: the master is the
+shard]). On the 416M Llama of benchmarks/bigger_than_ram.py it took NVMe writes from 6.66 to 5.00 GB a step and reads
+from 8.0 to 6.3 GB.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetero.memory import TensorState, Tier
+
+if TYPE_CHECKING:
+    from hetero.zero.zero_chunk import ZeroChunk
+
+
+def follows(zc: ZeroChunk) -> bool:
+    """Whether the chunk's master follows its shard (set once, at construction)."""
+    return zc.shard is not None and zc.spec.trainable and zc.dtype == torch.float32 and zc.placement.optim is Tier.NVME
+
+
+def fill(zc: ZeroChunk) -> None:
+    """The optim chunk is resident on the compute tier: give a FREE master the shard's values."""
+    master = zc.optim.slots[0]
+    if not zc.master_follows or master.state is not TensorState.FREE:
+        return
+    m = zc.manager
+    with m.pinned(zc.optim):  # reading the shard in must not evict the chunk it fills
+        tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
+        shard = m.access(zc.shard, tier, write=False)
+        dst = zc.optim.view(master)
+        dst.copy_(zc.device.to_host(shard) if dst.device.type == "cpu" else zc.device.to_device(shard))
+    zc.optim.set_state(master, TensorState.HOLD)
+
+
+def in_shard(zc: ZeroChunk) -> None:
+    """The shard now holds the master's values: the master slot holds nothing NVMe must keep."""
+    if zc.master_follows and zc.optim.slots[0].state is not TensorState.FREE:
+        zc.optim.skip_free_head = True  # [Note: FREE slots are not stored]: its FREE master is not written
+        zc.optim.set_state(zc.optim.slots[0], TensorState.FREE)
