@@ -51,10 +51,9 @@ def plan_items(engine: Engine) -> list[Item]:
                 for info, a, b in zc.spec.overlaps(lo, hi):
                     if par.saves(info, replicas):
                         k = mf.key(kind, par.stored_name(info), info.element(a))
-                        if j == 0 and zc.master_follows:  # the shard holds the master's values (zero/master.py)
-                            items.append(Item(k, torch.float32, b - a, zc.shard, 0, a - lo))
-                        else:
-                            items.append(Item(k, torch.float32, b - a, zc.optim, j, a - base))
+                        # A master that follows its shard is saved from the shard (zero/master.py).
+                        src = (zc.shard, 0, a - lo) if j == 0 and zc.master_follows else (zc.optim, j, a - base)
+                        items.append(Item(k, torch.float32, b - a, *src))
         else:
             src, slot, base = (zc.shard, 0, lo) if stage == 3 else (zc.full, None, 0)
             for info, a, b in zc.spec.overlaps(lo, hi):

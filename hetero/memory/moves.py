@@ -148,7 +148,7 @@ class Mover:
             new_payload=new_payload,
             staging=staging,
             prefetch=prefetch,
-            skipped=head * chunk.dtype.itemsize if Tier.NVME in (src, dst) else 0,
+            skipped=head * chunk.dtype.itemsize,
         )
         chunk.transition(ChunkState.MOVING)
         self.moving[chunk.id] = chunk
@@ -205,7 +205,7 @@ class Mover:
         payload that a swap write skips and a swap read leaves alone ([Note: FREE slots are not stored])."""
         store = self.storage.store
         start = time.perf_counter()
-        if head and Tier.NVME in (src, dst):
+        if head:  # only ever set for a swap write or read
             src_buf, dst_buf = (b[head:] if b is not None else None for b in (src_buf, dst_buf))
             staging = staging[head:] if staging is not None else None
         if dst is Tier.NVME:

@@ -39,8 +39,8 @@ def fill(zc: ZeroChunk) -> None:
     with m.pinned(zc.optim):  # reading the shard in must not evict the chunk it fills
         tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
         shard = m.access(zc.shard, tier, write=False)
-        dst = zc.optim.view(master)
-        dst.copy_(zc.device.to_host(shard) if dst.device.type == "cpu" else zc.device.to_device(shard))
+        # The master lives on the host: the optimizer steps there whenever its states are on NVMe.
+        zc.optim.view(master).copy_(zc.device.to_host(shard))
     zc.optim.set_state(master, TensorState.HOLD)
 
 

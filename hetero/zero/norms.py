@@ -22,10 +22,8 @@ BLOCK = 1 << 16  # elements converted at a time: 512 KiB of float64, served by t
 def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     """Sum of the squares of `t`'s elements as a float64 scalar on `t`'s device."""
     flat = t.reshape(-1)
-    if flat.device.type != "cpu":
-        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
     n = flat.numel()
-    if n <= BLOCK or flat.dtype == torch.float64:
+    if flat.device.type != "cpu" or n <= BLOCK or flat.dtype == torch.float64:  # no (large) float64 copy to save
         return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
     block = torch.empty(BLOCK, dtype=torch.float64)
     total = torch.zeros((), dtype=torch.float64)
