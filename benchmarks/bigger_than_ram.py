@@ -10,8 +10,12 @@ on NVMe (swap files under --nvme-dir) and small host / device budgets. Reported,
   - peak RSS of the process, above its level after imports, against the size of the fp32 training states
     (16 bytes per parameter: weights, gradients, two Adam moments);
   - bytes moved to and from NVMe per step, the raw sequential bandwidth of the same disk measured in this run
-    (page-aligned pwrite/preadv, O_DIRECT where the file system allows it; benchmarks/nvme_bandwidth.py), the I/O
-    lower bound of a step (read bytes / raw read + write bytes / raw write), and step time / lower bound;
+    before and after training, the faster of each kept (fio from huge pages by the rules of benchmarks/README.md,
+    else a page-aligned pwrite/preadv loop; `fair_raw` in benchmarks/nvme_bandwidth.py), the I/O
+    lower bound of a step (read bytes / raw read + write bytes / raw write), and step time / lower bound; beside it
+    the same bound with the reads the budgets force (`forced_reread_bytes`: the shards that cannot stay in memory
+    from their forward use to their backward use), and step time / max(that bound, plain PyTorch's step), the
+    slower of disk and compute, which no step can beat (`step_over_floor`);
   - where the time goes: forward + backward and the optimizer update measured apart, the time the training thread
     waited for moves, and a plain PyTorch step of the same model (all in RAM) for the compute alone.
 
@@ -43,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import hetero  # noqa: E402
-from benchmarks.nvme_bandwidth import raw_python  # noqa: E402
+from benchmarks.nvme_bandwidth import fair_raw  # noqa: E402
 from hetero.config import format_size, parse_size  # noqa: E402
 
 GB = 1e9
@@ -117,7 +121,12 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
     # chunk read and written once; gradients the host cannot hold until the update come on top. A master that follows
     # its shard is not stored ([Note: the master follows the shard]): the optimizer chunk's states alone count.
     master = sum(zc.shard_numel * 4 for zc in engine.trainable if getattr(zc, "master_follows", False))
-    minimum = sum(zc.shard.nbytes for zc in engine.chunks) + sum(zc.optim.nbytes for zc in engine.trainable) - master
+    shards = sum(zc.shard.nbytes for zc in engine.chunks)
+    minimum = shards + sum(zc.optim.nbytes for zc in engine.trainable) - master
+    # Every shard is used in forward and again in backward; at the turn between them the budgets can hold at most
+    # host + device bytes of them, so any schedule reads at least the rest twice. A lower bound at these budgets,
+    # reported beside the minimum (the target's figure), so the two can be told apart.
+    reread = max(0, shards - args.host_budget - args.device_budget)
     g = torch.Generator().manual_seed(1)
     steps = []
     try:
@@ -178,24 +187,27 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
         "counters": stats["counters"],
         "min_nvme_read_bytes": minimum,
         "min_nvme_write_bytes": minimum,
+        "forced_reread_bytes": reread,
         "steps": steps,
     }
 
 
-def reference_step(args: argparse.Namespace) -> float:
-    """Plain PyTorch, everything in RAM: one timed step after a warm-up (the compute alone)."""
+def reference_step(args: argparse.Namespace) -> tuple[float, float]:
+    """Plain PyTorch, everything in RAM (the compute alone): median wall and CPU seconds of 3 timed steps after a
+    warm-up."""
     torch.manual_seed(0)
     model = llama(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
+    times, cpus = [], []
+    for _ in range(4):
+        t0, c0 = time.perf_counter(), time.process_time()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    return times[-1]
+        cpus.append(time.process_time() - c0)
+    return statistics.median(times[1:]), statistics.median(cpus[1:])
 
 
 def _chunk_numel(value: str) -> int | str:
@@ -238,8 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     args.device_budget = parse_size(args.device_budget, key="--device-budget")
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="hetero-bigger-") as nvme_dir:
+        # The disk's speed drifts on a shared machine: measured before and after training, the faster of each
+        # direction kept, so the bound is the lowest this run's disk justifies (benchmarks/README.md's rules).
+        raw_size = parse_size(args.raw_size, key="--raw-size")
+        raw = fair_raw(nvme_dir, raw_size)
         result = train(args, nvme_dir)
-        raw = raw_python(nvme_dir, parse_size(args.raw_size, key="--raw-size"), 8 << 20, 4)
+        again = fair_raw(nvme_dir, raw_size)
+        raw["raw_passes"] = [{k: r[k] for k in ("raw_write_GBps", "raw_read_GBps")} for r in (dict(raw), again)]
+        for k in ("raw_write_GBps", "raw_read_GBps"):
+            raw[k] = max(raw[k], again[k])
     steady = result["steps"][1:] or result["steps"]  # the first step records the access trace
     step_s = statistics.median(s["step_s"] for s in steady)
     read = statistics.median(s["nvme_read_bytes"] for s in steady)
@@ -274,8 +293,16 @@ def main(argv: list[str] | None = None) -> int:
     result["update_in_backward"] = args.update_in_backward
     result["load_average"] = os.getloadavg()  # 1, 5, 15 minutes: how much others took of the machine (see README)
     result["targets"] = TARGETS.get(args.case, {})
+    reread_s = result["forced_reread_bytes"] / (raw["raw_read_GBps"] * GB)
+    result["io_lower_bound_at_budgets_s"] = lower_min + reread_s
+    result["step_over_lower_bound_at_budgets"] = step_s / (lower_min + reread_s) if lower_min else float("inf")
     if not args.no_reference:
-        result["reference_step_s"] = reference_step(args)
+        result["reference_step_s"], result["reference_cpu_s"] = reference_step(args)
+        # No step can beat the slower of the disk (the bound above) and the compute (plain PyTorch in RAM on the
+        # same cores); where the compute is the slower, the I/O ratio's target is out of reach on this machine.
+        floor = max(result["io_lower_bound_at_budgets_s"], result["reference_step_s"])
+        result["step_floor_s"] = floor
+        result["step_over_floor"] = step_s / floor
     if args.json:
         print(json.dumps(result))
         return 0
@@ -311,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         f"NVMe per steady step: read {read / GB:.2f} GB (minimum {r['min_nvme_read_bytes'] / GB:.2f}), write "
         f"{write / GB:.2f} GB (minimum {r['min_nvme_write_bytes'] / GB:.2f}); waited {r['wait_s']:.2f} s for moves"
     )
-    print(f"raw disk: read {r['raw_read_GBps']:.2f} GB/s, write {r['raw_write_GBps']:.2f} GB/s ({r['raw_method']})")
+    print(
+        f"raw disk: read {r['raw_read_GBps']:.2f} GB/s, write {r['raw_write_GBps']:.2f} GB/s ({r['raw_method']}; "
+        f"the faster of the passes before and after training)"
+    )
+    if "raw_warning" in r:
+        print(f"WARNING: {r['raw_warning']}")
     print(
         f"steady step {r['step_s']:.2f} s; I/O lower bound {r['io_lower_bound_s']:.2f} s; ratio "
         f"{r['step_over_lower_bound']:.2f}x (target <= 1.3x); fastest step {r['best_step_s']:.2f} s "
@@ -334,8 +366,16 @@ def main(argv: list[str] | None = None) -> int:
         f"(a miss copies inline, on the training thread), reads chained behind write-backs "
         f"{c.get('chained_reads', 0)}, evictions {c.get('evictions', 0)}"
     )
+    print(
+        f"with the {r['forced_reread_bytes'] / GB:.2f} GB the budgets force to be read again in backward: bound "
+        f"{r['io_lower_bound_at_budgets_s']:.2f} s, ratio {r['step_over_lower_bound_at_budgets']:.2f}x"
+    )
     if "reference_step_s" in r:
-        print(f"plain PyTorch step, all in RAM (compute alone): {r['reference_step_s']:.2f} s")
+        print(
+            f"plain PyTorch step, all in RAM (compute alone): {r['reference_step_s']:.2f} s, "
+            f"{r['reference_cpu_s']:.2f} CPU s; step / max(compute, I/O bound at the budgets) = "
+            f"{r['step_over_floor']:.2f}x"
+        )
     return 0
 
 

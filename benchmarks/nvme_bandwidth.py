@@ -221,6 +221,24 @@ def raw_fio(directory: str, total: int, block: int, depth: int, iomem: str) -> d
     return result
 
 
+def fair_raw(directory: str, total: int, block: int = 8 << 20, depth: int = 8) -> dict:
+    """The raw disk by the rules of benchmarks/README.md, for other benchmarks' I/O bounds: fio (libaio, direct=1,
+    `depth` blocks in flight) from huge-page buffers where fio is installed and huge pages can be had, else the
+    Python loop from huge-page memory. `raw_method` says which; `raw_warning` (when present) why not fio."""
+    why = FIO_MISSING if shutil.which("fio") is None else None
+    if why is None:
+        with huge_pages_for((depth + 1) * block) as no_huge:
+            if no_huge is None:
+                got = raw_fio(directory, total, block, depth, "mmaphuge")
+                return {
+                    "raw_write_GBps": got["write"],
+                    "raw_read_GBps": got["read"],
+                    "raw_method": f"fio libaio direct=1 bs={block} iodepth={depth} iomem=mmaphuge",
+                }
+            why = f"fio without huge pages: {no_huge}"
+    return {**raw_python(directory, total, block, depth), "raw_warning": why}
+
+
 def raw_python(directory: str, total: int, block: int, threads: int, allow_direct: bool = True) -> dict:
     """Sequential blocks, `threads` in flight, from page-aligned buffers: the disk with no tier logic."""
     path = os.path.join(directory, "raw.bin")

@@ -9,6 +9,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    """Tests that set torch's intra-op threads (to keep a loaded machine from stalling them) give the count back:
+    a later test comparing an in-process run with a fresh subprocess bit for bit would otherwise sum in another
+    order (tests/test_checkpoint_kill.py after tests/test_delayed.py differed in the last bit of a loss)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def make_manager(tmp_path):
     """Managers that are closed at the end of the test, so swap files and threads never leak between tests."""

@@ -27,6 +27,7 @@ from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.tied import counts_in_norm
+from hetero.zero import master as master_weights
 from hetero.zero.norms import sum_of_squares
 from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
@@ -194,7 +195,10 @@ class Updater:
     ) -> None:
         """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
         with self.manager.pinned(zc.grad):
-            master, states = zc.optimizer_views()
+            states = zc.state_views()
+            master = master_weights.shard_as_master(zc)  # [Note: stepping the shard in place] (master.py)
+            if master is None:
+                master, states = zc.optimizer_views()
             with self.manager.pinned(zc.optim):
                 t0 = time.perf_counter()
                 step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)

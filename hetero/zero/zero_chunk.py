@@ -361,6 +361,11 @@ class ZeroChunk:
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
 
+    def state_views(self) -> list[torch.Tensor]:
+        """The optimizer states alone, resident where the optimizer steps (the master left as it is)."""
+        self.manager.access(self.optim, self.placement.compute)
+        return [self.optim.view(s) for s in self.optim.slots[1:]]
+
     def write_back(self, master: torch.Tensor, *, clear_grad: bool = True, gather: bool = True) -> None:
         """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
         clear_grad is False: a checkpoint load clears it only where it is not already zero). gather False: stages
@@ -392,11 +397,14 @@ class ZeroChunk:
             return
         tier = Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST
         slot = self.shard.slots[0]
-        if slot.state is _T.HOLD:
-            self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
-        shard = m.access(self.shard, tier)
-        self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
-        shard.copy_(values)
+        if slot.state is _T.COMPUTE:  # stepped in place: `values` is the shard ([Note: stepping the shard in place])
+            assert values.data_ptr() == self.shard.view(slot).data_ptr()
+        else:
+            if slot.state is _T.HOLD:
+                self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
+            shard = m.access(self.shard, tier)
+            self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
+            shard.copy_(values)
         self.shard.set_state(slot, _T.HOLD)
         if self.placement.params is Tier.NVME:
             m.move(self.shard, Tier.NVME, wait=False)
