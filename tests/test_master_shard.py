@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hetero
-from hetero.memory import Tier
+from hetero.memory import TensorState, Tier
+from hetero.zero import master as master_weights
 
 try:
     from tests import parity
@@ -72,9 +73,17 @@ def _run_nvme(rank: int, world: int, tmp: str, update_in_backward: bool) -> dict
     out = {"exact": parity.run_hetero(rank, world, steps=4, rows=4, config=config)}
     model = parity.build()
     engine = hetero.initialize(model, parity.make_optimizer(model), {**config, "chunk_size": parity.CHUNK})
-    for x, y in parity.batches(2, 4):
-        engine.backward(engine(x[rank * 2 : rank * 2 + 2], labels=y[rank * 2 : rank * 2 + 2]).loss)
-        engine.step()
+    # The update steps each shard in place of its FREE master ([Note: stepping the shard in place]): no master is
+    # filled from its shard (and copied back) while training.
+    fills = []
+    fill = master_weights.fill
+    master_weights.fill = lambda zc: (fills.append(zc.optim.slots[0].state is TensorState.FREE), fill(zc))
+    try:
+        for x, y in parity.batches(2, 4):
+            engine.backward(engine(x[rank * 2 : rank * 2 + 2], labels=y[rank * 2 : rank * 2 + 2]).loss)
+            engine.step()
+    finally:
+        master_weights.fill = fill
     engine.manager.synchronize()
     trainable = engine.trainable
     follows = [zc.master_follows for zc in trainable]
@@ -109,6 +118,7 @@ def _run_nvme(rank: int, world: int, tmp: str, update_in_backward: bool) -> dict
     return {
         **out,
         "follows": follows,
+        "filled_in_training": sum(fills),
         "free": free,
         "stored_from": stored_from,
         "equal": equal,
@@ -126,6 +136,7 @@ def test_fp32_stage3_with_states_on_nvme_stores_the_master_once(tmp_path, monkey
     parity.check(results[0]["exact"], steps=4, rows=4)  # against the float64 reference
     for r in results:
         assert r["follows"] and all(r["follows"])
+        assert r["filled_in_training"] == 0
         assert set(r["free"]) == {"FREE"}, r["free"]
         assert r["stored_from"] and all(a == n for a, n in r["stored_from"]), r["stored_from"]
         assert all(r["equal"])

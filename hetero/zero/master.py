@@ -5,8 +5,9 @@ Stage 3 in fp32 with the optimizer states on NVMe: outside an update the master 
 shard holds (the write-back copies one into the other), and both would be written to NVMe and read back every step.
 So after each write-back the master slot is FREE, and NVMe does not store it ([Note: FREE slots are not stored] in
 hetero/memory/moves.py): the optimizer chunk's swap traffic is the states alone, 8 bytes a parameter each way instead
-of 12 with Adam. Whoever needs the master (`ZeroChunk.optimizer_views`: the update, a checkpoint load, the optimizer's
-state dict) gets it filled from the shard first, which the update reads where it would have read the master; a
+of 12 with Adam. Whoever needs the master (`ZeroChunk.optimizer_views`: a checkpoint load, the optimizer's state
+dict, the update where the shard is on the device) gets it filled from the shard first; the update steps a shard on
+the host in place of the master ([Note: stepping the shard in place]), reading it where it would have read the master; a
 checkpoint saves the shard's values under the master's name (`hetero/checkpoint/plan.py`). Not on the device or the
 host, where no swap traffic is saved by it (on the device the master *is* the shard: [Note: the master is the
 shard]). On the 416M Llama of benchmarks/bigger_than_ram.py it took NVMe writes from 6.66 to 5.00 GB a step and reads
@@ -44,30 +45,26 @@ def fill(zc: ZeroChunk) -> None:
     zc.optim.set_state(master, TensorState.HOLD)
 
 
-def shard_as_master(zc: ZeroChunk) -> torch.Tensor | None:
-    """The shard's payload, for the update to step in place of a FREE master, or None where it cannot.
+def in_place_views(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """The update's (master, states) with the shard's payload as the master, or None where the update steps a
+    filled master instead (`ZeroChunk.optimizer_views`).
 
     [Note: stepping the shard in place]
     Filling a FREE master from the shard and copying it back after the step moves the chunk's fp32 weights through
     memory twice (3.3 GB of copies a step on the 416M Llama of benchmarks/bigger_than_ram.py, on the training
-    thread). Where the shard sits on the host, the tier the optimizer steps on, the update steps the shard itself:
-    same values, same arithmetic, the same bits as stepping the master (tests/test_master_shard.py). The shard is
-    put in COMPUTE (no eviction, marked written) until `ZeroChunk.write_shard` sees it back; the master slot stays
-    FREE. Parameters on the device keep the copy: the optimizer steps on the host whenever its states are on NVMe.
+    thread). Where the shard sits on the host, the tier the optimizer steps on whenever its states are on NVMe, the
+    update steps the shard itself: same values, same arithmetic, the same bits as stepping the master
+    (tests/test_master_shard.py). The shard is put in COMPUTE (no eviction, marked written) until
+    `ZeroChunk.write_shard` sees it back; the master slot stays FREE. Parameters on the device keep the copy.
     """
-    if (
-        not zc.master_follows
-        or zc.placement.params is Tier.DEVICE
-        or zc.placement.compute is not Tier.HOST
-        or zc.optim.slots[0].state is not TensorState.FREE
-    ):
+    if not zc.master_follows or zc.placement.params is Tier.DEVICE or zc.optim.slots[0].state is not TensorState.FREE:
         return None
+    states = zc.state_views()
     m = zc.manager
     with m.pinned(zc.optim):  # reading the shard in must not evict the states about to step
         m.access(zc.shard, Tier.HOST)
         zc.shard.set_state(zc.shard.slots[0], TensorState.COMPUTE)
-    zc.optim.skip_free_head = True  # [Note: FREE slots are not stored]
-    return zc.shard.view(zc.shard.slots[0])
+    return zc.shard.view(zc.shard.slots[0]), states
 
 
 def in_shard(zc: ZeroChunk) -> None:

@@ -195,10 +195,8 @@ class Updater:
     ) -> None:
         """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
         with self.manager.pinned(zc.grad):
-            states = zc.state_views()
-            master = master_weights.shard_as_master(zc)  # [Note: stepping the shard in place] (master.py)
-            if master is None:
-                master, states = zc.optimizer_views()
+            views = master_weights.in_place_views(zc)  # [Note: stepping the shard in place] (master.py)
+            master, states = views if views is not None else zc.optimizer_views()
             with self.manager.pinned(zc.optim):
                 t0 = time.perf_counter()
                 step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)
@@ -219,7 +217,7 @@ class Updater:
             if ahead and room < 0:
                 break
             ahead.append(zc)
-        # A master that follows its shard is filled from it ([Note: the master follows the shard]): read it too.
+        # The update reads the shard of a master that follows it ([Note: the master follows the shard]): read it too.
         wanted = [c for zc in ahead for c in (zc.grad, zc.optim, zc.shard if zc.master_follows else None) if c]
         # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
         later = [zc.grad for zc in order[i + len(ahead) :]]
