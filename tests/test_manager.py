@@ -1,5 +1,6 @@
 """The chunk manager: moves between every pair of tiers, budgets, eviction order, prefetch, errors."""
 
+import concurrent.futures
 import itertools
 import random
 import threading
@@ -196,23 +197,21 @@ class _GatedStore:
         self.reads += 1
         inner = self.store.read(key, dst)
 
-        def waited():
-            assert self.gate.wait(10), "test gate never opened"
-            inner.result()
+        held = concurrent.futures.Future()
 
-        return _Thread(waited)
+        def waited():
+            try:
+                assert self.gate.wait(10), "test gate never opened"
+                inner.result()
+                held.set_result(None)
+            except BaseException as e:
+                held.set_exception(e)
+
+        threading.Thread(target=waited).start()
+        return held
 
     def __getattr__(self, name):
         return getattr(self.store, name)
-
-
-class _Thread:
-    def __init__(self, fn):
-        self.t = threading.Thread(target=fn)
-        self.t.start()
-
-    def result(self):
-        self.t.join()
 
 
 def test_prefetch_returns_before_io_and_access_waits_once(make_manager):

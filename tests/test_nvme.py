@@ -251,6 +251,49 @@ def test_calls_from_several_threads(store):
 # ------------------------------------------------------------------------------------------------ slots
 
 
+def test_reads_are_served_before_queued_writes(stores, tmp_path):
+    """[Note: reads before writes]: a read queued behind write-backs reaches the disk first."""
+    # Buffered and unverified: each request is one I/O stage, so completion order is the disk's order.
+    s = stores(tmp_path, io_threads=1, cpu_threads=1, block_bytes=1 << 20, direct=False, verify=False)
+    s.write(0, random_tensor(1 << 18, torch.float32)).result()
+    hold, started = threading.Event(), threading.Event()
+
+    def blocker():
+        started.set()
+        assert hold.wait(10)
+
+    s._blocks.io.submit(blocker)  # the only I/O worker is busy: everything below queues
+    assert started.wait(10)
+    done: list[str] = []
+    writes = [s.write(k, random_tensor(1 << 18, torch.float32)) for k in (1, 2, 3)]
+    for k, f in zip((1, 2, 3), writes):
+        f.add_done_callback(lambda _f, k=k: done.append(f"write {k}"))
+    read = s.read(0, torch.empty(1 << 18))
+    read.add_done_callback(lambda _f: done.append("read 0"))
+    hold.set()
+    read.result(10)
+    for f in writes:
+        f.result(10)
+    assert done[0] == "read 0", done
+
+
+def test_lane_pool_order_and_shutdown():
+    from hetero.memory.lanes import LanePool
+
+    pool = LanePool(1, name="t")
+    hold, order = threading.Event(), []
+    pool.submit(lambda: hold.wait(10))
+    for i in range(3):
+        pool.submit(order.append, f"bg{i}")
+    for i in range(2):
+        pool.submit(order.append, f"urgent{i}", urgent=True)
+    hold.set()
+    pool.shutdown(wait=True)  # the queued jobs still run
+    assert order == ["urgent0", "urgent1", "bg0", "bg1", "bg2"]
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(order.append, "late")
+
+
 def test_same_size_overwrite_reuses_the_slot(store):
     store.write(0, random_tensor(2 * BLOCK, torch.uint8)).result()
     size = store.file_bytes

@@ -1,5 +1,6 @@
 """Prefetch under a full host: reads chained behind write-backs, and an update that streams its states from NVMe."""
 
+import concurrent.futures
 import threading
 
 import pytest
@@ -47,16 +48,20 @@ class _GatedWrites:
         self.store, self.gate, self.fail = store, threading.Event(), fail
 
     def write(self, key, src):
-        store, gate, fail = self.store, self.gate, self.fail
+        held = concurrent.futures.Future()
 
-        class _Pending:
-            def result(self):
-                assert gate.wait(10), "test gate never opened"
-                if fail:
+        def gated():
+            try:
+                assert self.gate.wait(10), "test gate never opened"
+                if self.fail:
                     raise NvmeError("injected write failure")
-                store.write(key, src).result()
+                self.store.write(key, src).result()
+                held.set_result(None)
+            except BaseException as e:
+                held.set_exception(e)
 
-        return _Pending()
+        threading.Thread(target=gated).start()
+        return held
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -106,6 +111,32 @@ def test_a_failed_write_back_fails_its_chained_read_and_keeps_its_buffer(make_ma
     assert m.ledgers[Tier.HOST].current == _host_held(m) == 2 * NUMEL * 4
     m.access(wanted, Tier.HOST)  # and it can still be read, into memory of its own
     assert torch.equal(wanted.view(ws), wbits)
+
+
+def test_a_prefetch_read_does_not_wait_for_write_backs(make_manager):
+    """[Note: swap moves skip the workers]: with both move workers' worth of write-backs held at the disk, a
+    prefetch read still completes (it used to queue behind them in the workers' FIFO)."""
+    m = make_manager(nvme=True, host_budget=8 * NUMEL * 4)
+    wanted, ws, wbits = _filled(m, tier=Tier.NVME, seed=1)
+    dirty = [_filled(m, seed=2 + i) for i in range(3)]
+    gated = _GatedWrites(m.storage.store)
+    m.storage.store = gated
+    for c, _, _ in dirty:
+        m.move(c, Tier.NVME, wait=False)  # every write waits at the gate
+    m.prefetch([wanted], Tier.HOST)
+    assert wanted.moving
+    try:
+        wanted.move.future.result(timeout=10)  # done while every write-back is still held
+        assert all(c.moving for c, _, _ in dirty)
+    finally:
+        gated.gate.set()
+    m.access(wanted, Tier.HOST)
+    assert torch.equal(wanted.view(ws), wbits)
+    m.synchronize()
+    m.storage.store = gated.store
+    for c, s, bits in dirty:
+        m.access(c, Tier.HOST)
+        assert torch.equal(c.view(s), bits)
 
 
 def _nvme_step_bytes(engine, x, y) -> tuple[int, int, float]:

@@ -139,6 +139,8 @@ class Mover:
                 future.set_result(self._copy_job(*args))
             except Exception as e:  # reported by finish, after the rollback, like a worker's error
                 future.set_exception(e)
+        elif staging is None and Tier.NVME in (src, dst):
+            future = self._swap_job(chunk.id, dst is Tier.NVME, chunk.payload, new_payload, head)
         else:
             future = self.workers.submit(self._copy_job, *args)
         chunk.move = Move(
@@ -223,6 +225,39 @@ class Mover:
         else:
             self.device.copy(dst_buf, src_buf, after=marker)
         return start, time.perf_counter()
+
+    def _swap_job(
+        self, key: int, write: bool, src_buf: torch.Tensor | None, dst_buf: torch.Tensor | None, head: int
+    ) -> Future[tuple[float, float]]:
+        """A swap write or read of memory the store can use as is, queued on the store at once.
+
+        [Note: swap moves skip the workers]
+        Such a move has no copy to make on this side: a worker would only block on the store's future. When one did,
+        the two workers were the real queue of every swap move: a prefetch read waited behind two write-backs in
+        the workers' FIFO before the store could even order it, and more workers put more writes ahead of it in the
+        store's queue. Queued on the store at once, the store orders reads before writes ([Note: reads before
+        writes] in lanes.py) and keeps all of them in flight."""
+        start = time.perf_counter()
+        done: Future[tuple[float, float]] = Future()
+        store = self.storage.store
+        try:
+            if write:
+                inner = store.write(key, src_buf[head:] if head else src_buf)
+            else:
+                inner = store.read(key, dst_buf[head:] if head else dst_buf)
+        except Exception as e:  # reported by finish, after the rollback, like a worker's error
+            done.set_exception(e)
+            return done
+
+        def complete(f: Future[None]) -> None:
+            error = f.exception()
+            if error is None:
+                done.set_result((start, time.perf_counter()))
+            else:
+                done.set_exception(error)
+
+        inner.add_done_callback(complete)
+        return done
 
     def _chained_read_job(self, after: Future, key: int, dst_buf: torch.Tensor) -> tuple[float, float]:
         """Runs on a worker thread: wait for the donor's write-back (raising its error), then read into its buffer."""

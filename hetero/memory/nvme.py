@@ -27,6 +27,7 @@ import torch
 from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
 from hetero.io.checksum import DEFAULT, checksum_fn
 from hetero.io.direct import ALIGN, align_up
+from hetero.memory.lanes import LanePool
 from hetero.memory.swap_blocks import BlockPipeline, Entry, Op
 from hetero.memory.swap_file import SwapFile
 
@@ -73,7 +74,7 @@ def _make_private_dir(directory: str | os.PathLike) -> str:
         raise NvmeUnavailableError(f"cannot create a swap directory in {d!r} ({e}); {hint}") from e
 
 
-def _cleanup(pools: tuple[concurrent.futures.ThreadPoolExecutor, ...], swap: SwapFile) -> None:
+def _cleanup(pools: tuple[LanePool, ...], swap: SwapFile) -> None:
     """Release the store's resources; run once, by close() or when the store is garbage-collected."""
     for pool in pools:
         pool.shutdown(wait=False)  # idle: close() drained them, and a collected store has nothing in flight

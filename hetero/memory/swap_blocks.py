@@ -23,6 +23,7 @@ from hetero.errors import NvmeCorruptError, NvmeError
 from hetero.io.checksum import checksum_fn
 from hetero.io.direct import ALIGN, AlignedBuffer, align_up, read_full, write_full
 from hetero.memory.aligned import StagingPool
+from hetero.memory.lanes import LanePool
 from hetero.memory.swap_file import SwapFile, io_error
 
 _FADVISE = getattr(os, "posix_fadvise", None)
@@ -83,7 +84,7 @@ class Block:
         self.buf: AlignedBuffer | None = None  # staging buffer held between stages, released at the end
 
 
-_Next = tuple[concurrent.futures.Executor, "_Stage"] | None  # next stage of a block, None when done
+_Next = tuple[LanePool, "_Stage"] | None  # next stage of a block, None when done
 _Stage = Callable[[Op, Block], _Next]
 
 
@@ -102,9 +103,10 @@ class BlockPipeline:
         self._checksum = checksum_fn(checksum) if checksum is not None else None
         self.staging = StagingPool(staging_buffers, block_bytes)
         # Two pools, so the copies and checksums never hold an I/O thread: io_threads requests stay queued
-        # on the device while cpu_threads workers stage and check the blocks around them.
-        self.io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="hetero-nvme-io")
-        self.cpu = concurrent.futures.ThreadPoolExecutor(cpu_threads, thread_name_prefix="hetero-nvme-cpu")
+        # on the device while cpu_threads workers stage and check the blocks around them. Both serve reads
+        # first ([Note: reads before writes] in lanes.py).
+        self.io = LanePool(io_threads, name="hetero-nvme-io")
+        self.cpu = LanePool(cpu_threads, name="hetero-nvme-cpu")
 
     def start(self, op: Op) -> None:
         """Queue every block of op; op.finish(op) runs once all are done (at once if there is nothing to move)."""
@@ -144,9 +146,9 @@ class BlockPipeline:
         b.buf = buf
         self._step(*first, op, b)
 
-    def _step(self, pool: concurrent.futures.Executor, fn: _Stage, op: Op, b: Block) -> None:
+    def _step(self, pool: LanePool, fn: _Stage, op: Op, b: Block) -> None:
         try:
-            pool.submit(self._run, fn, op, b)
+            pool.submit(self._run, fn, op, b, urgent=not op.write)
         except BaseException as e:  # only after shutdown, which close() defers until nothing is in flight
             self._end_block(op, b, e)
 
