@@ -29,8 +29,10 @@ the next access to start would start late or not at all (and the access then rea
 to the host that finds no room may claim a write-back in flight of the same size and read into that chunk's host
 buffer as soon as its write is done, on the worker thread. The buffer changes hands without going back to the pool:
 the ledger keeps its bytes, now the incoming chunk's, so the budget holds throughout. If the write-back fails, its
-chunk keeps the buffer and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a job
-submitted before it, and the workers take jobs in order, so the wait cannot deadlock.
+chunk keeps the buffer and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a
+write-back already queued on the NVMe store, whose threads need nothing from the workers ([Note: swap moves skip the
+workers] in moves.py), or for a job submitted before it, which the workers (taking jobs in order) run first: the wait
+cannot deadlock.
 
 [Note: transient chunks]
 A transient chunk holds, on the device, a copy of data whose home is elsewhere (ZeRO-3's gathered parameters: the
