@@ -241,10 +241,8 @@ class Mover:
         done: Future[tuple[float, float]] = Future()
         store = self.storage.store
         try:
-            if write:
-                inner = store.write(key, src_buf[head:] if head else src_buf)
-            else:
-                inner = store.read(key, dst_buf[head:] if head else dst_buf)
+            # head: the FREE slots a swap skips ([Note: FREE slots are not stored]); 0 slices nothing
+            inner = store.write(key, src_buf[head:]) if write else store.read(key, dst_buf[head:])
         except Exception as e:  # reported by finish, after the rollback, like a worker's error
             done.set_exception(e)
             return done
