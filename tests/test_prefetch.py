@@ -192,4 +192,6 @@ def test_update_streams_states_near_the_minimum_nvme_traffic(tmp_path):
         # so no more than before that (1.3x every buffer once). Writes: the master's bytes fewer than before.
         assert minimum <= read * minimum <= 1.3 * every, traffic
         assert minimum <= write * minimum <= minimum + 0.25 * every, traffic
-    assert stats["counters"].get("chained_reads", 0) > 0
+    # Whether a read chains behind a write-back depends on whether that write is still in flight when the prefetch
+    # wants its room: timing, not behaviour (with swap moves queued on the store at once, writes often end first).
+    # The chaining itself is tested deterministically above, behind a gated store.
