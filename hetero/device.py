@@ -144,6 +144,32 @@ class Device:
         kept.untyped_storage().resize_(nbytes)
         fresh(kept)
 
+    @property
+    def lends_buffers(self) -> bool:
+        """A transient chunk's storage takes a pooled buffer's memory for a while (`exchange`) instead of growing
+        back: see [Note: transient storage on pooled memory]."""
+        return not self.separate_memory and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+    def exchange(self, kept: torch.Tensor | None, buf: torch.Tensor) -> torch.Tensor:
+        """Swap the memory behind two storages: `kept`'s (a transient chunk's payload; None: a new one, empty) and
+        `buf`'s (a pooled buffer, the same size). Called again with the same pair, it swaps them back. Returns
+        `kept`, a flat uint8 tensor of `buf`'s size whose storage is the same object throughout.
+
+        [Note: transient storage on pooled memory]
+        A transient chunk's storage is resized to nothing when dropped and grows back when gathered again ([Note:
+        transient chunks] in the manager). With CUDA the caching allocator serves the growth; on a CPU device the C
+        heap hands out a fresh mapping ([Note: the heap keeps what the budgets free]) whose pages the kernel faults
+        in and zeroes, twice a step for every parameter at stage 3 (the 416M Llama of benchmarks/bigger_than_ram.py:
+        3.3 GB of fresh pages a step). So there the storage borrows a pooled buffer's memory instead, by exchanging
+        the two storages' data pointers: the storage object, and with it every view of it (the parameters, what
+        autograd saved), stays the same; the pool gets the buffer back, swapped back, when the chunk drops it."""
+        if kept is None:
+            shell = torch.UntypedStorage(0)
+            shell._swap_data_ptr_(buf.untyped_storage())
+            return torch.empty(0, dtype=torch.uint8).set_(shell)
+        kept.untyped_storage()._swap_data_ptr_(buf.untyped_storage())
+        return kept
+
     @contextlib.contextmanager
     def compute_context(self) -> Iterator[None]:
         """Around the engine's compute (forward, backward, update); the stand-in checks device placement in it."""

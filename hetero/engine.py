@@ -192,9 +192,15 @@ class Engine:
             self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep)
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         deliver = weakref.WeakMethod(self._on_tile_grad)
+        target = weakref.WeakMethod(self._tile_grad_target)
         # Layers whose weight is split over chunks compute on one tile at a time ([Note: computing on tiles]).
         self.tiles = TileRunner(
-            model, tiled, stage=self.stage, check=self.check, deliver=lambda e, g, last: deliver()(e, g, last)
+            model,
+            tiled,
+            stage=self.stage,
+            check=self.check,
+            deliver=lambda e, g, last: deliver()(e, g, last),
+            target=lambda e: target()(e),
         )
         sharded_grads = [zc for zc in self.trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
@@ -403,6 +409,12 @@ class Engine:
     def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
         """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
         self._add_grad(e, grad, last=last)
+
+    def _tile_grad_target(self, e: Entry) -> torch.Tensor | None:
+        """Where a tile's gradient may be computed in place (`ZeroChunk.grad_target`), else None."""
+        if self.updater.delayed is not None:
+            self.updater.delayed.settle(e.chunk)  # the pending update reads the buffer this gradient goes into
+        return e.chunk.grad_target(e)
 
     def _add_grad(self, e: Entry, grad: torch.Tensor, *, last: bool) -> None:
         """Add a gradient into its chunk; once the chunk's are all in, hand it to its reduction."""

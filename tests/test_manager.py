@@ -410,3 +410,30 @@ def test_free_head_slots_are_not_stored(make_manager):
     for s in (head, b):
         c.set_state(s, TensorState.FREE)
     assert c.free_head() == 0
+
+
+def test_transient_storage_borrows_pooled_memory_on_a_cpu_device(make_manager):
+    """[Note: transient storage on pooled memory]: on a CPU device a transient chunk gathered again takes a pooled
+    buffer's memory into the same storage object (no fresh allocation, so no page faults), and every view made
+    before the drop reads the new bytes; dropped, the storage holds nothing and the ledger is back where it was."""
+    m = make_manager(device_budget=4 * NUMEL * 4, prefetch_depth=0)
+    assert m.device.lends_buffers
+    c = m.new_chunk(dtype=torch.float32, capacity=NUMEL, kind="param", transient=True)
+    s = c.add_tensor("w", (NUMEL // 2, 2))
+    m.access(c, Tier.DEVICE)
+    view = c.view(s)  # what a parameter or autograd's saved tensor holds across drops
+    storage = view.untyped_storage()
+    pool = m.pools[Tier.DEVICE]
+    for i in range(5):
+        c.set_state(s, TensorState.HOLD)
+        view.fill_(float(i))
+        assert c.payload.untyped_storage()._cdata == storage._cdata  # the same storage object throughout
+        assert c.lent is not None and c.lent.untyped_storage().nbytes() == 0  # its memory is the chunk's now
+        c.set_state(s, TensorState.FREE)
+        m.release(c)
+        assert c.state is ChunkState.EMPTY and storage.nbytes() == 0 and c.lent is None
+        assert m.ledgers[Tier.DEVICE].current == 0
+        m.access(c, Tier.DEVICE)
+        assert storage.nbytes() == c.nbytes and view.data_ptr() == storage.data_ptr()
+    assert pool.allocations == 1  # one buffer, lent five times
+    _check_ledgers(m)

@@ -63,6 +63,7 @@ class Chunk:
     kind: str = "param"  # what it holds (param, grad, master, optim, ...): for accounting and profiles
     transient: bool = False  # device payload is one storage that shrinks and grows back ([Note: transient chunks])
     kept: torch.Tensor | None = None  # a transient chunk's payload, kept across drops (its storage resized to 0)
+    lent: torch.Tensor | None = None  # the pooled buffer whose memory `kept` holds now (a CPU device; device.py)
     slots: list[TensorSlot] = field(default_factory=list)
     state: ChunkState = ChunkState.EMPTY
     tier: Tier | None = None  # where the payload is valid now (the source while MOVING); None while EMPTY

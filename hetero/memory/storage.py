@@ -66,6 +66,12 @@ class Storage:
     # ---- buffers ------------------------------------------------------------------------------------------
     def new_buffer(self, tier: Tier, chunk: Chunk) -> torch.Tensor:
         """A buffer for the chunk's payload on the device or host tier (the caller made room for it)."""
+        if chunk.transient and tier is Tier.DEVICE and self.device.lends_buffers:
+            # [Note: transient storage on pooled memory] (device.py): the same storage object, a pooled buffer's memory.
+            chunk.lent = self.pools[tier].acquire(chunk.nbytes)
+            kept = self.device.exchange(chunk.kept, chunk.lent)
+            chunk.kept = kept if kept.dtype == chunk.dtype else kept.view(chunk.dtype)
+            return chunk.kept
         if chunk.transient and tier is Tier.DEVICE:
             # [Note: transient chunks] The same storage object grows back. It takes no pooled buffer, so a cached one
             # that made room must be freed for real.
@@ -82,6 +88,11 @@ class Storage:
 
     def free_buffer(self, tier: Tier, buf: torch.Tensor, chunk: Chunk) -> None:
         """Give a payload's buffer back (a transient chunk's storage shrinks to nothing; others go to the pool)."""
+        if chunk.lent is not None and tier is Tier.DEVICE:  # the memory goes back to the pool, the storage none
+            lent, chunk.lent = chunk.lent, None
+            self.device.exchange(chunk.kept, lent)
+            self.pools[tier].release(lent)
+            return
         if chunk.transient and tier is Tier.DEVICE:
             self.ledgers[tier].give(chunk.nbytes)
             buf.untyped_storage().resize_(0)  # frees the memory; views of it stay valid objects

@@ -84,11 +84,13 @@ class TileRunner:
         stage: int,
         check: Checker,
         deliver: Callable[[Entry, torch.Tensor, bool], None],
+        target: Callable[[Entry], torch.Tensor | None] | None = None,
     ) -> None:
         self.tiled = tiled  # param id -> its tiles
         self.stage = stage
         self.check = check
         self._deliver = deliver  # (tile, gradient, last use of this micro-batch) -> into its chunk
+        self._target = target  # tile -> where its gradient may be computed in place (its chunk's buffer), or None
         self._patched: list[nn.Module] = []
         me = weakref.ref(self)  # the model may outlive the engine: its layers must not keep the engine alive
         for name, module in model.named_modules():
@@ -143,6 +145,15 @@ class TileRunner:
         if counted:
             t.uses += 1
         return counted
+
+    def grad_out(self, e: Entry, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised buffer for a tile's gradient (the tile's shape, `like`'s dtype and device): its place in
+        the chunk's gradient buffer where the chunk takes it whole, so `deliver` copies nothing; else a fresh one,
+        on huge pages where the CPU computes ([Note: huge pages for fresh CPU buffers])."""
+        out = self._target(e) if self._target is not None else None
+        if out is not None and out.dtype == like.dtype and out.device == like.device:
+            return out
+        return fresh(torch.empty(e.info.shape, dtype=like.dtype, device=like.device))
 
     def deliver(self, t: Tiled, e: Entry, grad: torch.Tensor, counted: bool) -> None:
         """One tile's gradient of one use; the last tile of the last use completes the parameter."""
@@ -224,10 +235,9 @@ def _anchor(param: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, device=device).requires_grad_(param.requires_grad)
 
 
-def _tile_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b, a tile's weight gradient: a fresh buffer of about a chunk's size, on huge pages where the CPU computes
-    ([Note: huge pages for fresh CPU buffers])."""
-    return torch.mm(a, b, out=fresh(torch.empty(a.shape[0], b.shape[1], dtype=b.dtype, device=b.device)))
+def _tile_grad(r: TileRunner, e: Entry, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, a tile's weight gradient, computed where `TileRunner.grad_out` says."""
+    return torch.mm(a, b, out=r.grad_out(e, b))
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -260,7 +270,7 @@ class _TiledLinear(torch.autograd.Function):
                 if ctx.needs_input_grad[0]:
                     dx = g @ w if dx is None else dx.addmm_(g, w)
                 if t.trainable:
-                    r.deliver(t, e, _tile_grad(g.t(), x2), ctx.counted)
+                    r.deliver(t, e, _tile_grad(r, e, g.t(), x2), ctx.counted)
                 lo += rows
             finally:
                 r.close(e)
@@ -299,7 +309,7 @@ class _TiledConv1D(torch.autograd.Function):
                 if dx is not None:
                     dx[:, lo : lo + rows] = dy @ w.t()
                 if t.trainable:
-                    r.deliver(t, e, _tile_grad(x[:, lo : lo + rows].t(), dy), ctx.counted)
+                    r.deliver(t, e, _tile_grad(r, e, x[:, lo : lo + rows].t(), dy), ctx.counted)
                 lo += rows
             finally:
                 r.close(e)
@@ -348,7 +358,7 @@ class _TiledEmbedding(torch.autograd.Function):
             rows, dim = e.info.shape
             if t.trainable:
                 # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
-                g = fresh(torch.empty(rows, dim, dtype=dy.dtype, device=dy.device)).zero_()
+                g = r.grad_out(e, dy).zero_()
                 hit = ((flat >= lo) & (flat < lo + rows)).nonzero().squeeze(1)
                 if hit.numel():
                     g.index_add_(0, flat[hit] - lo, dy2[hit])

@@ -227,7 +227,7 @@ class ZeroChunk:
             again = id(info.param) in self.grads_seen
             if again or (self.accumulate_full and id(info.param) in self.batch_seen):
                 region.add_(flat)
-            else:
+            elif flat.data_ptr() != region.data_ptr():  # else computed in place (`grad_target`)
                 region.copy_(flat)
             if self.accumulate_full:
                 self.batch_seen.add(id(info.param))
@@ -238,6 +238,17 @@ class ZeroChunk:
         self.grads_seen.add(id(info.param))
         self.used[self._index[id(info.param)]] = 1
         return len(self.grads_seen) == self.n_trainable
+
+    def grad_target(self, e: Entry) -> torch.Tensor | None:
+        """Where this micro-batch's gradient of `e` can be computed in place, shaped as the parameter (its region of
+        the full gradient, stages 2-3, fp32), or None where `add_grad` must add or cast it. A tile's gradient goes
+        there straight (`hetero/zero/tiling.py`): no buffer of its own, no copy."""
+        info = e.info
+        if self.grad_full is None or self.dtype != torch.float32 or id(info.param) in self.grads_seen:
+            return None
+        if self.accumulate_full and id(info.param) in self.batch_seen:
+            return None
+        return self._micro_grad().narrow(0, info.offset, info.numel).view(info.shape)
 
     def _micro_grad(self) -> torch.Tensor:
         """Stages 2-3: this micro-batch's full gradient on the device (unwritten regions hold garbage)."""
@@ -266,8 +277,9 @@ class ZeroChunk:
         full[self.used_numel :].zero_()  # padding
         m.pin(self.grad_full)  # the collective reads it until finish_reduce
         acc = m.access(self.grad, self.placement.compute)
-        # The first micro-batch since the update lands in place, where the gradient's buffer is device memory.
-        direct = self.grad_is_zero and self.grad.tier is Tier.DEVICE
+        # The first micro-batch since the update lands in place, where the collective can write the gradient's
+        # buffer: device memory, or any of it where the device's memory is the host's (gloo on a CPU device).
+        direct = self.grad_is_zero and (self.grad.tier is Tier.DEVICE or not self.device.separate_memory)
         if direct:
             m.pin(self.grad)  # the collective writes it until finish_reduce
             self._grad_holds()
