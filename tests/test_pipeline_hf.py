@@ -37,7 +37,7 @@ def test_units_run_the_model_forward(family, attn):
     model = grid_parity.build(family)
     model.config._attn_implementation = attn
     x, y = grid_parity.batches(family)[0]
-    ref = model(x, labels=y)
+    ref = model(x, labels=y, use_cache=False)  # units keep no cache (with one, newer models' kernels differ by ulps)
     units = units_of(model)
     assert [n for n, _ in units][0] == "embeddings" and units[-1][0] == "head"
     assert [n for n, _ in units][1:-1] == [f"{SPLIT[family][0][:-1]}{i}" for i in range(2)]

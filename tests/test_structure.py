@@ -19,8 +19,10 @@ LONG_FILES: dict[str, str] = {
 # Roots of expressions whose private names are other projects' (PyTorch's C bindings, the standard library).
 EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "threading", "weakref", "functools"}
 # Private names of other projects' objects that hetero must read: a storage's identity (PyTorch), the attention
-# implementation a transformers config selects, the mark transformers 4 leaves on modules post_init initialised.
-EXTERNAL_ATTRS = {"_cdata", "_attn_implementation", "_is_hf_initialized"}
+# implementation a transformers config selects, the mark transformers 4 leaves on modules post_init initialised, and
+# the storage method that lends a pooled buffer's memory to a gathered chunk ([Note: transient storage on pooled
+# memory] in hetero/device.py).
+EXTERNAL_ATTRS = {"_cdata", "_attn_implementation", "_is_hf_initialized", "_swap_data_ptr_"}
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -223,9 +223,7 @@ class ZeroChunk:
             # A fresh buffer each micro-batch: each parameter's gradient is copied in once (autograd has already
             # summed a parameter used twice); regions no gradient reached are zeroed before the reduction.
             region = self._micro_grad().narrow(0, info.offset, info.numel)
-            # A second part of the same gradient (a tile of a weight used twice: tiling.py) adds to the first.
-            again = id(info.param) in self.grads_seen
-            if again or (self.accumulate_full and id(info.param) in self.batch_seen):
+            if self._has_part(id(info.param)):  # a tile of a weight used twice (tiling.py), or accumulate_full
                 region.add_(flat)
             elif flat.data_ptr() != region.data_ptr():  # else computed in place (`grad_target`)
                 region.copy_(flat)
@@ -240,15 +238,13 @@ class ZeroChunk:
         return len(self.grads_seen) == self.n_trainable
 
     def grad_target(self, e: Entry) -> torch.Tensor | None:
-        """Where this micro-batch's gradient of `e` can be computed in place, shaped as the parameter (its region of
-        the full gradient, stages 2-3, fp32), or None where `add_grad` must add or cast it. A tile's gradient goes
-        there straight (`hetero/zero/tiling.py`): no buffer of its own, no copy."""
-        info = e.info
-        if self.grad_full is None or self.dtype != torch.float32 or id(info.param) in self.grads_seen:
+        """Where `e`'s gradient may be computed in place (a tile's: tiling.py): its region of grad_full, or None."""
+        if self.grad_full is None or self.dtype != torch.float32 or self._has_part(id(e.info.param)):
             return None
-        if self.accumulate_full and id(info.param) in self.batch_seen:
-            return None
-        return self._micro_grad().narrow(0, info.offset, info.numel).view(info.shape)
+        return self._micro_grad().narrow(0, e.info.offset, e.info.numel).view(e.info.shape)
+
+    def _has_part(self, i: int) -> bool:  # some of param i's gradient is in grad_full already (add the rest)
+        return i in self.grads_seen or (self.accumulate_full and i in self.batch_seen)
 
     def _micro_grad(self) -> torch.Tensor:
         """Stages 2-3: this micro-batch's full gradient on the device (unwritten regions hold garbage)."""
@@ -260,9 +256,7 @@ class ZeroChunk:
 
     def _to(self, t: torch.Tensor, tier: Tier | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`t` (device memory) where a buffer on `tier` can take it."""
-        if tier is Tier.DEVICE:
-            return self.device.to_device(t, dtype)
-        return self.device.to_host(t, dtype)
+        return self.device.to_device(t, dtype) if tier is Tier.DEVICE else self.device.to_host(t, dtype)
 
     def start_reduce(self) -> None:
         """Issue the reduce-scatter of this micro-batch's gradient (mean over ranks); `finish_reduce` completes it.
@@ -277,8 +271,7 @@ class ZeroChunk:
         full[self.used_numel :].zero_()  # padding
         m.pin(self.grad_full)  # the collective reads it until finish_reduce
         acc = m.access(self.grad, self.placement.compute)
-        # The first micro-batch since the update lands in place, where the collective can write the gradient's
-        # buffer: device memory, or any of it where the device's memory is the host's (gloo on a CPU device).
+        # The first micro-batch since the update lands in place, where the buffer is memory the collective writes.
         direct = self.grad_is_zero and (self.grad.tier is Tier.DEVICE or not self.device.separate_memory)
         if direct:
             m.pin(self.grad)  # the collective writes it until finish_reduce
@@ -307,8 +300,8 @@ class ZeroChunk:
         m.release(self.grad_full)
 
     def reduce_batch(self) -> None:
-        """Stages 2-3, accumulate_full: reduce-scatter the gradient summed over the batch's micro-batches (mean over
-        ranks) into the accumulated shard, once; regions no micro-batch reached are zeroed first."""
+        """Stages 2-3, accumulate_full: reduce-scatter the batch's summed gradient (mean over ranks) into the shard,
+        once; regions no micro-batch reached are zeroed first."""
         self.grads_seen, self.batch_seen = self.batch_seen, set()
         self.start_reduce()
         self.finish_reduce()

@@ -107,11 +107,12 @@ class _Context:
 
 def causal_mask(config: Any, x: torch.Tensor, pos: torch.Tensor) -> Any:
     """Hugging Face's causal mask for hidden states `x` (no padding, no cache), across its signatures (4.5x
-    named the embeddings `input_embeds` and took `cache_position`)."""
+    named the embeddings `input_embeds` and took `cache_position`; 5.2x renamed `past_key_values` `cache`)."""
     from transformers.masking_utils import create_causal_mask
 
     params = inspect.signature(create_causal_mask).parameters
-    kw: dict[str, Any] = {"config": config, "attention_mask": None, "past_key_values": None, "position_ids": pos}
+    kw: dict[str, Any] = {"config": config, "attention_mask": None, "position_ids": pos}
+    kw["cache" if "cache" in params else "past_key_values"] = None
     kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = x
     if "cache_position" in params:
         kw["cache_position"] = pos[0]
