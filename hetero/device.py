@@ -22,6 +22,7 @@ them (`free_host`): the host ledger is what is pinned, and `trim` returns it. `p
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
@@ -34,6 +35,20 @@ from hetero import standin
 from hetero.io import hugepages
 
 _HUGE_PAGE = 2 << 20  # buffers at least this large ask for transparent huge pages (see `Device.empty_host`)
+
+
+@functools.cache
+def _storages_exchange() -> bool:
+    """Whether this torch exchanges two storages' memory and sizes (`Device.exchange`): probed once, so that a
+    version without the method, or with other semantics, keeps transient storages growing back instead."""
+    try:
+        a, b = torch.UntypedStorage(0), torch.UntypedStorage(16)
+        a._swap_data_ptr_(b)
+        swapped = a.nbytes() == 16 and b.nbytes() == 0
+        a._swap_data_ptr_(b)
+        return swapped and a.nbytes() == 0 and b.nbytes() == 16
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def fresh(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +163,7 @@ class Device:
     def lends_buffers(self) -> bool:
         """A transient chunk's storage takes a pooled buffer's memory for a while (`exchange`) instead of growing
         back: see [Note: transient storage on pooled memory]."""
-        return not self.separate_memory and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        return not self.separate_memory and _storages_exchange()
 
     def exchange(self, kept: torch.Tensor | None, buf: torch.Tensor) -> torch.Tensor:
         """Swap the memory behind two storages: `kept`'s (a transient chunk's payload; None: a new one, empty) and
