@@ -180,8 +180,8 @@ class Device:
         autograd saved), stays the same; the pool gets the buffer back, swapped back, when the chunk drops it."""
         if kept is None:
             shell = torch.UntypedStorage(0)
-            shell._swap_data_ptr_(buf.untyped_storage())
-            return torch.empty(0, dtype=torch.uint8).set_(shell)
+            shell._swap_data_ptr_(buf.untyped_storage())  # `buf` may be the head of a larger buffer (pool.py)
+            return torch.empty(0, dtype=torch.uint8).set_(shell)[: buf.numel()]
         kept.untyped_storage()._swap_data_ptr_(buf.untyped_storage())
         return kept
 

@@ -437,3 +437,32 @@ def test_transient_storage_borrows_pooled_memory_on_a_cpu_device(make_manager):
         assert storage.nbytes() == c.nbytes and view.data_ptr() == storage.data_ptr()
     assert pool.allocations == 1  # one buffer, lent five times
     _check_ledgers(m)
+
+
+def test_elastic_pool_serves_other_sizes_from_one_buffer():
+    """[Note: elastic buffers]: on a CPU device a buffer given back by one chunk serves a chunk of another size (tiles
+    come in many sizes) without a new mapping; the ledger counts exactly what chunks hold, cached bytes are those
+    still resident, and pages past a smaller request go back to the system."""
+    from hetero.device import Device
+    from hetero.memory.pool import BufferPool
+    from hetero.memory.tier import TierLedger
+
+    device = Device("cpu")
+    ledger = TierLedger(Tier.HOST, 64 << 20)
+    pool = BufferPool(device.empty_host, ledger, free=device.free_host, elastic=True)
+    big, small = 12 << 20, 8 << 20
+    pool.reserve(big)
+    a = pool.acquire(small)
+    a.fill_(1)
+    assert (a.numel(), ledger.current, ledger.cached) == (small, small, 0)
+    pool.release(a)
+    assert (ledger.current, ledger.cached) == (0, small)
+    assert pool.has_cached(small) and not pool.has_cached(big)  # a bigger one would take more of the budget
+    b = pool.acquire(big)  # the same mapping: 8 MiB already resident, 4 MiB more touched
+    assert pool.allocations == 1 and b.numel() == big and (ledger.current, ledger.cached) == (big, 0)
+    assert torch.all(b[:small] == 1)  # the resident pages were reused, not replaced
+    pool.release(b)
+    c = pool.acquire(small)  # 4 MiB past the request given back
+    assert pool.allocations == 1 and (ledger.current, ledger.cached) == (small, 0)
+    pool.release(c)
+    assert pool.trim() == small and ledger.used == 0

@@ -47,6 +47,8 @@ def thp_mode(path: str = THP_ENABLED) -> str | None:
 
 _HUGE = 2 << 20  # the transparent huge page size on x86-64 and most arm64 kernels
 _MADV_HUGEPAGE = 14  # <sys/mman.h>
+_MADV_DONTNEED = 4
+_PAGE = 4096  # the smallest page: a range given back must start and end on one
 _madvise: Any = None  # libc's madvise once looked up; False where there is none
 
 
@@ -62,7 +64,6 @@ def advise_huge(t: Any) -> bool:
     leaves small pages. Better still is no fresh buffer: the largest per-step ones (gathered chunks, tiles'
     gradients) now reuse pooled memory ([Note: transient storage on pooled memory] in hetero/device.py). Returns
     whether the advice was taken."""
-    global _madvise
     if t.device.type != "cpu":
         return False
     nbytes = t.untyped_storage().nbytes()
@@ -71,6 +72,22 @@ def advise_huge(t: Any) -> bool:
     hi = (start + nbytes) & ~(_HUGE - 1)
     if hi - lo < _HUGE:
         return False
+    return _advise(lo, hi - lo, _MADV_HUGEPAGE)
+
+
+def drop_pages(t: Any, keep: int) -> bool:
+    """Give the pages of a CPU tensor's memory past its first `keep` bytes back to the system (MADV_DONTNEED: they
+    read as zeros again, faulted in afresh on the next touch); the mapping stays. Returns whether it was done."""
+    if t.device.type != "cpu":
+        return False
+    start = t.untyped_storage().data_ptr()
+    lo = (start + keep + _PAGE - 1) & ~(_PAGE - 1)
+    hi = (start + t.untyped_storage().nbytes()) & ~(_PAGE - 1)
+    return hi <= lo or _advise(lo, hi - lo, _MADV_DONTNEED)
+
+
+def _advise(address: int, length: int, advice: int) -> bool:
+    global _madvise
     if _madvise is None:
         name = ctypes.util.find_library("c")
         try:
@@ -81,9 +98,7 @@ def advise_huge(t: Any) -> bool:
             fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             fn.restype = ctypes.c_int
         _madvise = fn or False
-    if not _madvise:
-        return False
-    return _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+    return bool(_madvise) and _madvise(address, length, advice) == 0
 
 
 def track(owner: object, address: int, nbytes: int) -> None:

@@ -157,6 +157,7 @@ class ChunkManager:
         if capacity <= 0:
             raise ValueError(f"chunk capacity must be positive, got {capacity}")
         chunk = Chunk(id=self._next_id, dtype=dtype, capacity=capacity, kind=kind, transient=transient)
+        self.storage.reserve(chunk)
         self._next_id += 1
         self._chunks[chunk.id] = chunk
         return chunk

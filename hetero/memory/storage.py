@@ -50,6 +50,7 @@ class Storage:
         }
         # On a CPU compute device its chunks take page-aligned memory as the host's do, so that checkpoint loads and
         # the NVMe tier can read into them with O_DIRECT in place (torch.empty is only 64-byte aligned).
+        # There, host memory is never pinned: the host pool is elastic ([Note: elastic buffers] in pool.py).
         shared = not device.separate_memory
         self.pools = {  # reused chunk buffers, per tier
             Tier.DEVICE: BufferPool(
@@ -59,11 +60,20 @@ class Storage:
                 on_release=device.released,
             ),
             Tier.HOST: BufferPool(
-                device.empty_host, self.ledgers[Tier.HOST], free=device.free_host, on_release=device.released
+                device.empty_host,
+                self.ledgers[Tier.HOST],
+                free=device.free_host,
+                on_release=device.released,
+                elastic=shared and not device.pins_host_memory,
             ),
         }
 
     # ---- buffers ------------------------------------------------------------------------------------------
+    def reserve(self, chunk: Chunk) -> None:
+        """A new chunk: elastic pools map buffers that can hold it from now on."""
+        for pool in self.pools.values():
+            pool.reserve(chunk.nbytes)
+
     def new_buffer(self, tier: Tier, chunk: Chunk) -> torch.Tensor:
         """A buffer for the chunk's payload on the device or host tier (the caller made room for it)."""
         if chunk.transient and tier is Tier.DEVICE and self.device.lends_buffers:
