@@ -64,7 +64,7 @@ class Storage:
                 self.ledgers[Tier.HOST],
                 free=device.free_host,
                 on_release=device.released,
-                elastic=shared and not device.pins_host_memory,
+                elastic=shared,
             ),
         }
 
