@@ -39,7 +39,7 @@ from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
-from hetero.zero.protocol import Checker, Gathers, Reducer, keep_units
+from hetero.zero.protocol import Checker, Gathers, Reducer, adopt_observed_order, keep_units
 from hetero.zero.stages import Placement
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
@@ -237,6 +237,9 @@ class Engine:
         )
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             self.updater.delayed = DelayedUpdate(self.updater, model)
+        # [Note: the reduce order learnt from a backward]: not at stage 3 over several ranks, where reductions
+        # interleave with backward's gathers.
+        self._order_fixed = self.stage == 3 and self.comm.size > 1
         self.in_backward = None  # update_in_backward: chunks step as backward completes them
         if config.update_in_backward:
             if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
@@ -321,6 +324,11 @@ class Engine:
         self.dense.end()
         if self.in_backward is not None:
             self.in_backward.end()
+        if not self._order_fixed:  # [Note: the reduce order learnt from a backward]
+            order = adopt_observed_order((self.reducer, self.dense.reducer), self.comm)
+            self._order_fixed = order is not None
+            if order is not None and self.in_backward is not None:
+                self.in_backward.adopt(order)
         self.tiles.step_end()
         for zc in self.trainable:
             zc.grads_seen.clear()

@@ -53,6 +53,12 @@ class InBackward:
         self._used: dict[int, torch.Tensor] = {}  # chunk id -> which parameters some rank used (agreed at issue)
         self._next = 0  # position in `order` of the next chunk to step
 
+    def adopt(self, order: list[ZeroChunk]) -> None:
+        """The reducer's order changed ([Note: the reduce order learnt from a backward]): step in it too."""
+        if {id(zc) for zc in order} != {id(zc) for zc in self.order}:
+            raise RuntimeError("update_in_backward: the reduce order does not hold every chunk (internal error)")
+        self.order = list(order)
+
     def begin(self, *, boundary: bool) -> None:
         """A backward starts; it updates when its micro-batch is the last before an update (shared by every rank)."""
         if self.done:

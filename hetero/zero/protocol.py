@@ -13,10 +13,12 @@ eviction, timing or data:
     device budget has room for them (`keep_units`: the smallest budget, agreed by a collective at initialisation);
     a chunk is released once every unit using it has finished the phase (or, for units that did not run, at the
     step's end). After backward everything is released: the update changes the shards.
-  - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`); a chunk is issued
-    once its gradients are all in and every chunk before it in the order has been issued. Chunks with parameters
-    this rank did not use in the step are completed with zeros at the end of backward, in the same order, so a
-    branch one rank took, or experts it routed no token to, cost a delay, never a mismatch.
+  - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`; where nothing else
+    runs in backward, the order the first backward completed them in on rank 0: [Note: the reduce order learnt
+    from a backward]); a chunk is issued once its gradients are all in and every chunk before it in the order has
+    been issued. Chunks with parameters this rank did not use in the step are completed with zeros at the end of
+    backward, in the same order, so a branch one rank took, or experts it routed no token to, cost a delay, never
+    a mismatch.
   - Before each such collective, when `check_collectives` is on, the ranks compare what they are about to do (a
     tiny all-gather on the control group, [Note: data and control groups]): a rank that took another path (a
     block skipped by some ranks, a different number of forwards) stops with an error naming the units and chunks
@@ -310,9 +312,15 @@ class Reducer:
         self._next = 0  # position in `order` of the next chunk to issue
         self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
         self._running: deque[ZeroChunk] = deque()  # issued, not yet completed
+        self._seen: list[ZeroChunk] = []  # this backward's chunks in the order their gradients were all in
+        # The last backward's completion order (every chunk: those never ready at the end, in the issue order);
+        # None until a backward reduced. See [Note: the reduce order learnt from a backward].
+        self.observed: list[ZeroChunk] | None = None
 
     def ready(self, zc: ZeroChunk) -> None:
         """All of `zc`'s gradients of this micro-batch are in: issue what the order allows."""
+        if id(zc) not in self._ready:
+            self._seen.append(zc)
         self._ready.add(id(zc))
         while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
             self._issue(self.order[self._next])
@@ -323,6 +331,10 @@ class Reducer:
             self._issue(self.order[self._next])
         while self._running:
             self._complete(self._running.popleft())
+        if self.order:
+            seen = {id(zc) for zc in self._seen}
+            self.observed = self._seen + [zc for zc in self.order if id(zc) not in seen]
+        self._seen = []
         self._next = 0
         self._ready.clear()
 
@@ -348,6 +360,46 @@ class Reducer:
             self.on_span("collectives waited", name, waited, done)  # the driving thread blocked on it
         if self.on_reduced is not None:
             self.on_reduced(zc)
+
+
+def adopt_observed_order(reducers: Iterable[Reducer], comm: Comm) -> list[ZeroChunk] | None:
+    """Every reducer that reduced in the backward just ended takes the order its chunks completed in on rank 0
+    (broadcast on the control group: every rank calls this at the same backward). Returns the new order of the one
+    reducer that changed, or None if none did; see [Note: the reduce order learnt from a backward]."""
+    adopted = None
+    for reducer in reducers:
+        observed = reducer.observed
+        if observed is None:
+            continue
+        index = {id(zc): i for i, zc in enumerate(reducer.order)}
+        perm = torch.tensor([index[id(zc)] for zc in observed], dtype=torch.int64)
+        comm.control.broadcast(perm, src=0)
+        if sorted(perm.tolist()) != list(range(len(reducer.order))):
+            raise RuntimeError(f"reduce order from rank 0 is not a permutation of {len(reducer.order)} chunks")
+        reducer.order = [reducer.order[i] for i in perm.tolist()]
+        reducer.observed = None
+        adopted = reducer.order
+    return adopted
+
+
+# [Note: the reduce order learnt from a backward]
+# The first backward can only guess when each chunk's gradients will all be in: by its earliest-registered
+# parameter (`reduce_order`). Models do not always register in the order they compute: a Hugging Face Llama layer
+# registers its norms after its attention and MLP but uses them first, so the chunk holding a layer's norms is the
+# first of its layer in that order yet completes last in backward, and every other chunk of the layer waited for
+# it (0.11-0.17 s each on the 416M Llama of benchmarks/bigger_than_ram.py): their updates under
+# update_in_backward then came in one burst per layer, I/O-bound while compute stood still, and compute ran on
+# without I/O in between. After the first backward that reduced, every rank adopts the order in which rank 0's
+# chunks completed (one broadcast of a permutation on the control group, at the same backward on every rank:
+# whether a backward reduced is shared state), so from then on a chunk is issued as soon as it is ready. A rank
+# whose chunks complete in another order only waits, as under any order; the order stays fixed afterwards.
+# Only where no other collective of the group runs in backward: one rank (no collectives at all), or stages 0-2
+# (backward runs only the reductions and their checks, in the order, whatever the timing). At stage 3 over several
+# ranks backward also gathers, unit by unit, and a reduction must fall between the same two gathers on every rank.
+# A chunk of parameters some rank did not use (a branch, an expert) is ready mid-unit on one rank and only at the
+# end of backward on another; behind a chunk every rank completes late (the static order puts a unit's
+# first-registered chunk first) it waits there on every rank, issued as soon as ready it would not: that layout
+# keeps the static order.
 
 
 def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:
