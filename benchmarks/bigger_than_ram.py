@@ -127,6 +127,8 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict:
         "prefetch_depth": args.prefetch_depth,
         "update_in_backward": args.update_in_backward,
     }
+    if args.delayed_param_update:  # issue 15's option: the update of step t runs during step t + 1 (one step stale)
+        config.update(update_in_backward=False, delayed_param_update=True, delayed_param_update_warmup=0)
     t0 = time.perf_counter()
     engine = hetero.initialize(model, opt, config)
     init_s = time.perf_counter() - t0
@@ -255,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         default=False,
         help="step each chunk in backward as its gradient is final (config update_in_backward; on in llama-416m)",
     )
+    p.add_argument(
+        "--delayed-param-update",
+        action="store_true",
+        help="ZeRO-Offload's delayed update from the first step (config delayed_param_update, warm-up 0; turns "
+        "update_in_backward off): the update of step t runs during step t + 1, one step stale",
+    )
     p.add_argument("--json", action="store_true")
     case = p.parse_known_args(argv)[0].case
     if case is not None:
@@ -304,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     losses = [s["loss"] for s in result["steps"]]
     result["losses_fall"] = len(losses) > 1 and losses[-1] < losses[0]
     result["case"] = args.case
-    result["update_in_backward"] = args.update_in_backward
+    result["update_in_backward"] = args.update_in_backward and not args.delayed_param_update
+    result["delayed_param_update"] = args.delayed_param_update
     result["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT")  # [Note: OpenMP's spinning beside I/O threads]
     result["load_average"] = os.getloadavg()  # 1, 5, 15 minutes: how much others took of the machine (see README)
     result["targets"] = TARGETS.get(args.case, {})
