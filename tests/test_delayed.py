@@ -76,6 +76,11 @@ DELAYED = {
 }
 DELAYED["z2-nvme-warmup"] = {**DELAYED["z2-nvme"], "delayed_param_update_warmup": WARMUP}
 DELAYED["z3-nvme-warmup"] = {**DELAYED["z3-nvme"], "delayed_param_update_warmup": WARMUP}
+# Budgets that make every access evict: the chunks a step's math reads and writes must stay put until it ends.
+DELAYED["z3-nvme-tight"] = {
+    **DELAYED["z3-nvme"],
+    "memory": {"device_budget": 8 * parity.CHUNK * 4, "host_budget": 8 * parity.CHUNK * 4},
+}
 
 
 def _probe(rank: int, world: int) -> dict:
@@ -122,7 +127,7 @@ def _run(rank: int, world: int, names: list[str], nvme: str) -> dict:
 def test_delayed_update_matches_the_delayed_algorithm_and_runs_during_the_next_step(tmp_path, monkeypatch, standin):
     if standin:
         monkeypatch.setenv("HETERO_STANDIN", "1")
-    names = ["z1-host-clip", "z3-nvme-warmup"] if standin else list(DELAYED)
+    names = ["z1-host-clip", "z3-nvme-warmup", "z3-nvme-tight"] if standin else list(DELAYED)
     results = run_distributed(_run, 2, names, str(tmp_path), timeout=240)[0]
 
     def refs(clip: float | None, warmup: int) -> tuple[tuple[list[float], dict], tuple[list[float], dict]]:

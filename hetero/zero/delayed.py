@@ -148,7 +148,8 @@ class DelayedUpdate:
         for zc in self.chunks:
             nxt = self._values[id(zc)]
             values = self.manager.access(nxt, Tier.HOST, write=False)
-            zc.write_back(values, clear_grad=False)
+            with self.manager.pinned(nxt):  # writing the parameters back makes room: it must not evict `values`
+                zc.write_back(values, clear_grad=False)
             nxt.set_state(nxt.slots[0], TensorState.FREE)
             self.manager.release(nxt)
         self.plan = None
@@ -178,14 +179,18 @@ class DelayedUpdate:
         streamed = zc.placement.optim is Tier.NVME
         if streamed:
             self._read_ahead(i)
-        grad = zc.grad_view()
-        master, states = zc.optimizer_views()
         nxt = self._values[id(zc)]
         if nxt.slots[0].state is TensorState.FREE:
             nxt.set_state(nxt.slots[0], TensorState.HOLD)
+        # The worker reads and writes these three until _reap. Each is pinned as soon as it is accessed: making room
+        # for the next one must not evict it, or the worker would write into a buffer the pool has given to another
+        # chunk (under tight budgets that corrupted other chunks' swap data, caught as checksum mismatches).
+        grad = zc.grad_view()
+        m.pin(zc.grad)
+        master, states = zc.optimizer_views()
+        m.pin(zc.optim)
         values = m.access(nxt, Tier.HOST)
-        for c in (zc.grad, zc.optim, nxt):
-            m.pin(c)  # the worker reads and writes them until _reap
+        m.pin(nxt)
         used = plan.used_of[i]
         algorithm, coef, fused = self.updater.algorithm, plan.coef, plan.fused_norm
         # The step is counted here, in order; the generic path counts it in its own update, on the worker.
