@@ -237,9 +237,8 @@ class Engine:
         )
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             self.updater.delayed = DelayedUpdate(self.updater, model)
-        # [Note: the reduce order learnt from a backward]: not at stage 3 over several ranks, where reductions
-        # interleave with backward's gathers.
-        self._order_fixed = self.stage == 3 and self.comm.size > 1
+        if self.stage == 3 and self.comm.size > 1:  # reductions interleave with backward's gathers: the static order
+            self.reducer.learning = self.dense.reducer.learning = False  # [Note: the reduce order learnt ...]
         self.in_backward = None  # update_in_backward: chunks step as backward completes them
         if config.update_in_backward:
             if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
@@ -324,11 +323,9 @@ class Engine:
         self.dense.end()
         if self.in_backward is not None:
             self.in_backward.end()
-        if not self._order_fixed:  # [Note: the reduce order learnt from a backward]
-            order = adopt_observed_order((self.reducer, self.dense.reducer), self.comm)
-            self._order_fixed = order is not None
-            if order is not None and self.in_backward is not None:
-                self.in_backward.adopt(order)
+        order = adopt_observed_order((self.reducer, self.dense.reducer), self.comm)  # once, after the first backward
+        if order is not None and self.in_backward is not None:
+            self.in_backward.adopt(order)
         self.tiles.step_end()
         for zc in self.trainable:
             zc.grads_seen.clear()

@@ -312,14 +312,16 @@ class Reducer:
         self._next = 0  # position in `order` of the next chunk to issue
         self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
         self._running: deque[ZeroChunk] = deque()  # issued, not yet completed
-        self._seen: list[ZeroChunk] = []  # this backward's chunks in the order their gradients were all in
-        # The last backward's completion order (every chunk: those never ready at the end, in the issue order);
-        # None until a backward reduced. See [Note: the reduce order learnt from a backward].
+        # [Note: the reduce order learnt from a backward]: while `learning`, a backward records the order its chunks'
+        # gradients were all in (`_seen`), and its end leaves the whole order in `observed` (chunks never ready come
+        # last, in the issue order) for `adopt_observed_order`, which ends the learning.
+        self.learning = True
+        self._seen: list[ZeroChunk] = []
         self.observed: list[ZeroChunk] | None = None
 
     def ready(self, zc: ZeroChunk) -> None:
         """All of `zc`'s gradients of this micro-batch are in: issue what the order allows."""
-        if id(zc) not in self._ready:
+        if self.learning and id(zc) not in self._ready:
             self._seen.append(zc)
         self._ready.add(id(zc))
         while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
@@ -331,10 +333,10 @@ class Reducer:
             self._issue(self.order[self._next])
         while self._running:
             self._complete(self._running.popleft())
-        if self.order:
+        if self.learning and self.order:
             seen = {id(zc) for zc in self._seen}
             self.observed = self._seen + [zc for zc in self.order if id(zc) not in seen]
-        self._seen = []
+            self._seen = []
         self._next = 0
         self._ready.clear()
 
@@ -377,7 +379,7 @@ def adopt_observed_order(reducers: Iterable[Reducer], comm: Comm) -> list[ZeroCh
         if sorted(perm.tolist()) != list(range(len(reducer.order))):
             raise RuntimeError(f"reduce order from rank 0 is not a permutation of {len(reducer.order)} chunks")
         reducer.order = [reducer.order[i] for i in perm.tolist()]
-        reducer.observed = None
+        reducer.observed, reducer.learning = None, False
         adopted = reducer.order
     return adopted
 
