@@ -237,8 +237,10 @@ class Engine:
         )
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             self.updater.delayed = DelayedUpdate(self.updater, model)
-        if self.stage == 3 and self.comm.size > 1:  # reductions interleave with backward's gathers: the static order
-            self.reducer.learning = self.dense.reducer.learning = False  # [Note: the reduce order learnt ...]
+        # [Note: the reduce order learnt from a backward]: reductions interleave with backward's gathers at stage 3
+        # over several ranks; there the static order stays.
+        if self.stage == 3 and self.comm.size > 1:
+            self.reducer.learning = self.dense.reducer.learning = False
         self.in_backward = None  # update_in_backward: chunks step as backward completes them
         if config.update_in_backward:
             if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
