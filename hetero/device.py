@@ -172,12 +172,13 @@ class Device:
 
         [Note: transient storage on pooled memory]
         A transient chunk's storage is resized to nothing when dropped and grows back when gathered again ([Note:
-        transient chunks] in the manager). With CUDA the caching allocator serves the growth; on a CPU device the C
-        heap hands out a fresh mapping ([Note: the heap keeps what the budgets free]) whose pages the kernel faults
-        in and zeroes, twice a step for every parameter at stage 3 (the 416M Llama of benchmarks/bigger_than_ram.py:
-        3.3 GB of fresh pages a step). So there the storage borrows a pooled buffer's memory instead, by exchanging
-        the two storages' data pointers: the storage object, and with it every view of it (the parameters, what
-        autograd saved), stays the same; the pool gets the buffer back, swapped back, when the chunk drops it."""
+        transient chunks] in the manager). With CUDA the caching allocator serves the growth; on a CPU device the C heap
+        hands out a fresh mapping (above its threshold, [Note: the heap keeps what the budgets free]; always above 32
+        MiB) whose pages the kernel faults in and zeroes, twice a step for every parameter at stage 3 (the 416M Llama of
+        benchmarks/bigger_than_ram.py: 3.3 GB of fresh pages a step). So there the storage borrows a pooled buffer's
+        memory instead, by exchanging the two storages' data pointers: the storage object, and with it every view of it
+        (the parameters, what autograd saved), stays the same; the pool gets the buffer back, swapped back, when the
+        chunk drops it."""
         if kept is None:
             shell = torch.UntypedStorage(0)
             shell._swap_data_ptr_(buf.untyped_storage())  # `buf` may be the head of a larger buffer (pool.py)

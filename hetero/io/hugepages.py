@@ -57,11 +57,11 @@ def advise_huge(t: Any) -> bool:
 
     [Note: huge pages for fresh CPU buffers]
     On a CPU compute device the buffers hetero allocates and frees per chunk use (gathered and transient chunks,
-    gradient staging, reduction targets: several MiB each, hundreds a step) come from the C heap's own mappings,
-    fresh each time (`hetero/memory/heap.py`), and the first write faults once per 4 KiB page: 4.1 ms to fill 16 MiB
-    on the 2-core VM, against 0.6 ms into a buffer already touched and 1.3 ms into a fresh one on huge pages. This asks
-    for those. A heap-served (small) buffer's range is skipped; a kernel without THP, or a libc without madvise,
-    leaves small pages. Better still is no fresh buffer: the largest per-step ones (gathered chunks, tiles'
+    gradient staging, reduction targets: several MiB each, hundreds a step) came from the C heap's own mappings, fresh
+    each time (with a fixed threshold, `hetero/memory/heap.py`), and the first write faults once per 4 KiB page: 4.1 ms
+    to fill 16 MiB on the 2-core VM, against 0.6 ms into a buffer already touched and 1.3 ms into a fresh one on huge
+    pages. This asks for those. A heap-served (small) buffer's range is skipped; a kernel without THP, or a libc without
+    madvise, leaves small pages. Better still is no fresh buffer: the largest per-step ones (gathered chunks, tiles'
     gradients) now reuse pooled memory ([Note: transient storage on pooled memory] in hetero/device.py). Returns
     whether the advice was taken."""
     if t.device.type != "cpu":

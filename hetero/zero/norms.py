@@ -3,9 +3,9 @@
 [Note: float64 squares in blocks]
 The gradient norm is summed in float64 so that it does not depend on how the gradient is cut into chunks, shards and
 tiles (fp32 sums of millions of squares lose about 1e-6 relative, ten times the gradient's own rounding).
-`torch.linalg.vector_norm(g, dtype=torch.float64)` casts the whole input first: a fresh float64 buffer twice the
-chunk's size on every call. On the CPU that buffer is above the C heap's mmap threshold (`hetero/memory/heap.py`), so
-each call maps it anew and faults in every page: 11.7 ms and 4,084 faults for a 4.2M-element chunk on the 2-core VM,
+`torch.linalg.vector_norm(g, dtype=torch.float64)` casts the whole input first: a fresh float64 buffer twice the chunk's
+size on every call. On the CPU a buffer above the C heap's mmap threshold (`hetero/memory/heap.py`; any above 32 MiB) is
+mapped anew on each call and faults in every page: 11.7 ms and 4,084 faults for a 4.2M-element chunk on the 2-core VM,
 1.8 s of a 416M-parameter Llama's step with 152 chunks. Converting `BLOCK` elements at a time into a buffer the heap
 reuses and summing each block with a float64 dot product takes 1.3 ms, faults nothing, and is as exact (1e-16 from a
 float64 reference against 1e-14 for the cast). On a GPU the cast is a device allocation from the caching allocator
