@@ -12,6 +12,9 @@ configuration in fresh processes (so peak RSS is its own):
 
   plain       plain PyTorch, world size 1, 2 intra-op threads, the whole global batch (2 x B sequences)
   fsdp2       torch.distributed.fsdp.fully_shard on every block and on the root, world size 2 on gloo
+  floor       world size 2, each rank its own forward, backward and fused AdamW on half the parameters, with no
+              communication at all: the least any sharded engine's step can take on this machine; each race
+              reports it over the peer's step (floor_ratio), and says when a step target lies below it
   hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo
   deepspeed   DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), world size 2 on gloo, when DeepSpeed is importable
   *_nvme      with --with-nvme DIR: hetero stage 3 and DeepSpeed ZeRO-3 with params and optimizer states on NVMe
@@ -85,7 +88,7 @@ class Spec:
     """One configuration to run: what trains, on how many ranks, with how many threads each."""
 
     name: str
-    kind: str  # "plain" | "fsdp2" | "hetero" | "deepspeed"
+    kind: str  # "plain" | "fsdp2" | "hetero" | "deepspeed" | "floor"
     world: int
     threads: int
     batch: int  # sequences per rank per step
@@ -372,7 +375,35 @@ def _setup_deepspeed(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[],
     return step, dict
 
 
-_SETUP = {"plain": _setup_plain, "fsdp2": _setup_fsdp2, "hetero": _setup_hetero, "deepspeed": _setup_deepspeed}
+def _setup_floor(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dict[str, Any]]]:
+    """What no sharded engine can beat here: each rank's forward and backward on its own rows and the fused AdamW on
+    its half of the parameters (by elements), with no communication at all. Its losses are the rank's own, not a
+    data-parallel run's, and are left out of losses_agree."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    params, total, seen, mine = list(model.parameters()), sum(p.numel() for p in model.parameters()), 0, []
+    for p in params:
+        if (seen * spec.world) // total == rank:  # the shard this rank would step, cut at parameter boundaries
+            mine.append(p)
+        seen += p.numel()
+    opt = adamw(mine, spec.lr)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    return step, dict
+
+
+_SETUP = {
+    "plain": _setup_plain,
+    "fsdp2": _setup_fsdp2,
+    "hetero": _setup_hetero,
+    "deepspeed": _setup_deepspeed,
+    "floor": _setup_floor,
+}
 
 
 def _train(spec: Spec, rank: int) -> dict[str, Any]:
@@ -625,6 +656,7 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
     specs = [
         Spec("plain", "plain", world=1, threads=TOTAL_THREADS, batch=WORLD * args.batch, **common),
         Spec("fsdp2", "fsdp2", world=WORLD, threads=per_rank, batch=args.batch, **common),
+        Spec("floor", "floor", world=WORLD, threads=per_rank, batch=args.batch, **common),
     ]
     specs += [
         Spec(f"hetero_stage{k}", "hetero", world=WORLD, threads=per_rank, batch=args.batch, stage=k, **common)
@@ -797,6 +829,7 @@ def report(
         "torch": torch.__version__,
         "plain_step_s": step_s("plain"),
         "fsdp2_step_s": step_s("fsdp2"),
+        "floor_step_s": step_s("floor"),
     }
     plain, fsdp2 = out["plain_step_s"], out["fsdp2_step_s"]
     out["fsdp2_vs_plain"] = _ratio(fsdp2, plain)
@@ -813,6 +846,7 @@ def report(
             out[f"{name}_step_s"] = step_s(name)
             out[f"{name}_skipped_reason"] = skipped.get(name)
     out["races"] = races(results)
+    out["floor_vs_fsdp2"] = _ratio(out["floor_step_s"], fsdp2)
     h3 = out["hetero_stage3_step_s"]
     out["targets"] = {
         "hetero_stage3_vs_fsdp2_max": TARGET_VS_FSDP2,
@@ -831,7 +865,7 @@ def report(
         out["max_loss_diff_vs_plain"] = {
             name: round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 6) for name, r in results.items()
         }
-        exact = {n: g for n, g in out["max_loss_diff_vs_plain"].items() if not n.endswith("_dpu")}
+        exact = {n: g for n, g in out["max_loss_diff_vs_plain"].items() if not n.endswith("_dpu") and n != "floor"}
         out["losses_agree"] = all(gap <= LOSS_TOLERANCE for gap in exact.values())
     out["round_step_s"] = {name: [round(t, 5) for t in r["round_step_s"]] for name, r in results.items()}
     out["skipped"] = skipped
@@ -859,6 +893,8 @@ def races(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         met = None
         if step_target is not None:
             met = step <= step_target and rss <= rss_target
+        # The floor's step over theirs: above the step target, no engine could meet it on this machine.
+        floor = round(results["floor"]["step_s"] / b["step_s"], 4) if "floor" in results else None
         out[name] = {
             "ours": ours,
             "theirs": theirs,
@@ -867,6 +903,8 @@ def races(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "step_target": step_target,
             "rss_target": rss_target,
             "met": met,
+            "floor_ratio": floor,
+            "step_target_below_floor": None if floor is None or step_target is None else floor > step_target,
         }
     return out
 
@@ -904,6 +942,10 @@ def print_report(out: dict[str, Any]) -> None:
             f"race {name}: {r['ours']} / {r['theirs']}: step time {r['step_ratio']:.3f}x, "
             f"peak RSS (sum of ranks) {r['rss_ratio']:.3f}x{target}"
         )
+        if r["floor_ratio"] is not None:
+            below = " (the step target lies below it)" if r["step_target_below_floor"] else ""
+            floor = f"{r['floor_ratio']:.3f}x{below}"
+            print(f"     floor (each rank's compute alone, no communication) / {r['theirs']}: {floor}")
     gaps = out.get("max_loss_diff_vs_plain", {})
     if gaps:
         worst = max(gaps, key=gaps.get)
