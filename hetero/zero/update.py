@@ -87,6 +87,7 @@ class Updater:
         was_pending = delayed is not None and delayed.pending
         if delayed is not None:
             delayed.complete()  # the update before: its last chunks, its parameters written back
+            delayed.boundary()  # the step since the last boundary paces the next delayed update
         plan = self.prepare()
         if plan is None:
             return
