@@ -14,7 +14,10 @@ configuration in fresh processes (so peak RSS is its own):
   fsdp2       torch.distributed.fsdp.fully_shard on every block and on the root, world size 2 on gloo
   floor       world size 2, each rank its own forward, backward and fused AdamW on half the parameters, with no
               communication at all: the least any sharded engine's step can take on this machine; each race
-              reports it over the peer's step (floor_ratio), and says when a step target lies below it
+              reports it over the peer's step (floor_ratio)
+  floor_zero3 the floor plus the least a ZeRO-3 step sends: one all-gather of the parameters (started before
+              forward, waited for after backward) and one reduce-scatter of the gradients (floor_zero3_ratio);
+              a race says when its step target lies below the lower of the floors it measured
   hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo
   deepspeed   DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), world size 2 on gloo, when DeepSpeed is importable
   *_nvme      with --with-nvme DIR: hetero stage 3 and DeepSpeed ZeRO-3 with params and optimizer states on NVMe
@@ -386,10 +389,20 @@ def _setup_floor(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dic
             mine.append(p)
         seen += p.numel()
     opt = adamw(mine, spec.lr)
+    # floor_zero3: also the least a ZeRO-3 step must send, once each: the parameters all-gathered (started before
+    # forward and waited for after backward, so that it may overlap all the compute) and the gradients
+    # reduce-scattered. Flat fp32 buffers of the model's size; the data sent is not used.
+    comm = spec.name == "floor_zero3" and spec.world > 1
+    flat = -(-total // spec.world) * spec.world if comm else 0
+    full, shard = torch.zeros(flat), torch.zeros(flat // spec.world)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        gather = dist.all_gather_into_tensor(full, shard, async_op=True) if comm else None
         loss = model(input_ids=x, labels=y).loss
         loss.backward()
+        if gather is not None:
+            gather.wait()
+            dist.reduce_scatter_tensor(shard, full)
         opt.step()
         model.zero_grad(set_to_none=True)
         return loss
@@ -657,6 +670,7 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
         Spec("plain", "plain", world=1, threads=TOTAL_THREADS, batch=WORLD * args.batch, **common),
         Spec("fsdp2", "fsdp2", world=WORLD, threads=per_rank, batch=args.batch, **common),
         Spec("floor", "floor", world=WORLD, threads=per_rank, batch=args.batch, **common),
+        Spec("floor_zero3", "floor", world=WORLD, threads=per_rank, batch=args.batch, **common),
     ]
     specs += [
         Spec(f"hetero_stage{k}", "hetero", world=WORLD, threads=per_rank, batch=args.batch, stage=k, **common)
@@ -800,6 +814,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exact(name: str) -> bool:
+    """Whether a configuration trains plain PyTorch's trajectory (the delayed update and the floors do not)."""
+    return not name.endswith("_dpu") and not name.startswith("floor")
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a / b, 4)
 
@@ -830,6 +849,7 @@ def report(
         "plain_step_s": step_s("plain"),
         "fsdp2_step_s": step_s("fsdp2"),
         "floor_step_s": step_s("floor"),
+        "floor_zero3_step_s": step_s("floor_zero3"),
     }
     plain, fsdp2 = out["plain_step_s"], out["fsdp2_step_s"]
     out["fsdp2_vs_plain"] = _ratio(fsdp2, plain)
@@ -847,6 +867,7 @@ def report(
             out[f"{name}_skipped_reason"] = skipped.get(name)
     out["races"] = races(results)
     out["floor_vs_fsdp2"] = _ratio(out["floor_step_s"], fsdp2)
+    out["floor_zero3_vs_fsdp2"] = _ratio(out["floor_zero3_step_s"], fsdp2)
     h3 = out["hetero_stage3_step_s"]
     out["targets"] = {
         "hetero_stage3_vs_fsdp2_max": TARGET_VS_FSDP2,
@@ -865,7 +886,7 @@ def report(
         out["max_loss_diff_vs_plain"] = {
             name: round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 6) for name, r in results.items()
         }
-        exact = {n: g for n, g in out["max_loss_diff_vs_plain"].items() if not n.endswith("_dpu") and n != "floor"}
+        exact = {n: g for n, g in out["max_loss_diff_vs_plain"].items() if _exact(n)}
         out["losses_agree"] = all(gap <= LOSS_TOLERANCE for gap in exact.values())
     out["round_step_s"] = {name: [round(t, 5) for t in r["round_step_s"]] for name, r in results.items()}
     out["skipped"] = skipped
@@ -893,8 +914,10 @@ def races(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         met = None
         if step_target is not None:
             met = step <= step_target and rss <= rss_target
-        # The floor's step over theirs: above the step target, no engine could meet it on this machine.
+        # The floors' steps over theirs: above the step target, no engine could meet it on this machine.
         floor = round(results["floor"]["step_s"] / b["step_s"], 4) if "floor" in results else None
+        floor3 = round(results["floor_zero3"]["step_s"] / b["step_s"], 4) if "floor_zero3" in results else None
+        lowest = floor3 if floor3 is not None else floor
         out[name] = {
             "ours": ours,
             "theirs": theirs,
@@ -904,7 +927,8 @@ def races(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "rss_target": rss_target,
             "met": met,
             "floor_ratio": floor,
-            "step_target_below_floor": None if floor is None or step_target is None else floor > step_target,
+            "floor_zero3_ratio": floor3,
+            "step_target_below_floor": None if lowest is None or step_target is None else lowest > step_target,
         }
     return out
 
@@ -942,12 +966,15 @@ def print_report(out: dict[str, Any]) -> None:
             f"race {name}: {r['ours']} / {r['theirs']}: step time {r['step_ratio']:.3f}x, "
             f"peak RSS (sum of ranks) {r['rss_ratio']:.3f}x{target}"
         )
+        below = " (the step target lies below it)" if r["step_target_below_floor"] else ""
         if r["floor_ratio"] is not None:
-            below = " (the step target lies below it)" if r["step_target_below_floor"] else ""
-            floor = f"{r['floor_ratio']:.3f}x{below}"
+            floor = f"{r['floor_ratio']:.3f}x" + ("" if r["floor_zero3_ratio"] is not None else below)
             print(f"     floor (each rank's compute alone, no communication) / {r['theirs']}: {floor}")
+        if r["floor_zero3_ratio"] is not None:
+            floor = f"{r['floor_zero3_ratio']:.3f}x{below}"
+            print(f"     floor_zero3 (the same and one all-gather, one reduce-scatter) / {r['theirs']}: {floor}")
     # The delayed update and the floor train other trajectories on purpose: only the exact runs must agree.
-    gaps = {n: g for n, g in out.get("max_loss_diff_vs_plain", {}).items() if not n.endswith("_dpu") and n != "floor"}
+    gaps = {n: g for n, g in out.get("max_loss_diff_vs_plain", {}).items() if _exact(n)}
     if gaps:
         worst = max(gaps, key=gaps.get)
         agree = "within" if out["losses_agree"] else "NOT within"
