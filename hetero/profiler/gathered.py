@@ -7,18 +7,18 @@ import torch
 from torch import nn
 
 from hetero.zero.layout import ChunkSpec
-from hetero.zero.protocol import KEEP_UNITS, gathered_peak, keep_for
+from hetero.zero.protocol import KEEP_UNITS, gathered_peak
 from hetero.zero.units import unit_parameters
 
 
 def gathered_bytes(model: nn.Module, specs: list[ChunkSpec], dtype: torch.dtype, budget: int | None) -> int:
     """Stage 3's peak of gathered parameter bytes, as `Gathers` keeps them: units in module order forward, reverse
-    backward, every unit or the last KEEP_UNITS kept after forward where the device budget has room for them
-    (`keep_for`; with no budget given, KEEP_UNITS); plus one tile of a weight split into tiles, gathered alone while it
-    is computed on ([Note: computing on tiles])."""
+    backward, the last KEEP_UNITS kept after forward where the device budget has room for them; plus one tile of a
+    weight split into tiles, gathered alone while it is computed on ([Note: computing on tiles])."""
     index = {id(info.param): spec.index for spec in specs for info in spec.params if not spec.tile}
     per_unit = [sorted({index[id(p)] for p in ps if id(p) in index}) for _, _, ps in unit_parameters(model)]
     nbytes = {spec.index: spec.capacity * dtype.itemsize for spec in specs}
-    keep = KEEP_UNITS if budget is None else keep_for([sum(nbytes[c] for c in u) for u in per_unit], budget)
+    sizes = sorted((sum(nbytes[c] for c in u) for u in per_unit), reverse=True)
+    keep = KEEP_UNITS if budget is None or budget >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
     tile = max((nbytes[spec.index] for spec in specs if spec.tile), default=0)
     return gathered_peak(per_unit, nbytes, keep) + tile

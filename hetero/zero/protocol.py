@@ -9,9 +9,8 @@ eviction, timing or data:
     (which every rank sees in the same order) and at step ends. Where a gathered chunk's bytes sit is the rank's
     own business: under memory pressure the manager moves it to the host like any chunk (see [Note: transient
     chunks]) and brings it back at its next use without a collective.
-  - Release after forward keeps every unit gathered for backward, or else the last `KEEP_UNITS` (backward starts with
-    them), when every rank's device budget has room for them (`keep_units`: the smallest budget, agreed by a
-    collective at initialisation; [Note: keeping the gathered model for backward]);
+  - Release after forward keeps the last `KEEP_UNITS` units gathered (backward starts with them) when every rank's
+    device budget has room for them (`keep_units`: the smallest budget, agreed by a collective at initialisation);
     a chunk is released once every unit using it has finished the phase (or, for units that did not run, at the
     step's end). After backward everything is released: the update changes the shards.
   - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`; where nothing else
@@ -273,27 +272,14 @@ def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> 
 
 
 def keep_units(units: list[Unit], comm: Comm, device_budget: int) -> int:
-    """How many units stay gathered after forward (`keep_for`), from the smallest device budget of the group:
-    agreed by a collective, the same on every rank."""
+    """How many units stay gathered after forward: KEEP_UNITS where the smallest device budget of the group holds
+    them and the largest unit besides, with half as much again to spare, else none (gathered chunks that do not
+    fit would only be moved to the host and back). Agreed by a collective: the same on every rank."""
     smallest = torch.tensor([device_budget], dtype=torch.int64)
     comm.control.all_reduce(smallest, op="min")
-    return keep_for([sum(zc.full.nbytes for zc in u.chunks) for u in units], int(smallest))
-
-
-def keep_for(sizes: list[int], budget: int) -> int:
-    """How many units stay gathered after forward, given each unit's gathered bytes and the device budget.
-
-    [Note: keeping the gathered model for backward]
-    Every unit stays gathered from its forward to its backward where the budget holds all of them with half as much
-    again to spare: backward then gathers nothing, one all-gather of the parameters a step instead of two (FSDP2's
-    `reshard_after_forward=False`; DeepSpeed's ZeRO-3 keeps parameters it will reuse up to
-    `stage3_max_live_parameters`, 1e9 elements by default). On the 2-core VM a 23M GPT at stage 3 over two ranks
-    on gloo sends 46 MiB a rank per all-gather, 88 ms each. Else KEEP_UNITS (the first units backward needs) where
-    the budget holds them and the largest unit besides, with the same spare; else none (gathered chunks that do not
-    fit would only be moved to the host and back)."""
-    if budget >= 1.5 * sum(sizes):
-        return len(sizes)
-    return KEEP_UNITS if budget >= 1.5 * sum(sorted(sizes, reverse=True)[: KEEP_UNITS + 1]) else 0
+    sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
+    need = sum(sizes[: KEEP_UNITS + 1])
+    return KEEP_UNITS if int(smallest) >= 1.5 * need else 0
 
 
 class Reducer:
