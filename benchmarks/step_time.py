@@ -15,8 +15,9 @@ configuration in fresh processes (so peak RSS is its own):
   floor       world size 2, each rank its own forward, backward and fused AdamW on half the parameters, with no
               communication at all: the least any sharded engine's step can take on this machine; each race
               reports it over the peer's step (floor_ratio)
-  floor_zero3 the floor plus the least a ZeRO-3 step sends: one all-gather of the parameters (started before
-              forward, waited for after backward) and one reduce-scatter of the gradients (floor_zero3_ratio);
+  floor_zero3 the floor plus the least a ZeRO-3 step sends: one all-gather of the parameters and one
+              reduce-scatter of the gradients, both started before forward and waited for after backward
+              (floor_zero3_ratio);
               a race says when its step target lies below the lower of the floors it measured
   hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo
   deepspeed   DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), world size 2 on gloo, when DeepSpeed is importable
@@ -389,20 +390,23 @@ def _setup_floor(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dic
             mine.append(p)
         seen += p.numel()
     opt = adamw(mine, spec.lr)
-    # floor_zero3: also the least a ZeRO-3 step must send, once each: the parameters all-gathered (started before
-    # forward and waited for after backward, so that it may overlap all the compute) and the gradients
-    # reduce-scattered. Flat fp32 buffers of the model's size; the data sent is not used.
+    # floor_zero3: also the least a ZeRO-3 step must send, once each: the parameters all-gathered and the gradients
+    # reduce-scattered, both started before forward and waited for after backward, so that they may overlap all the
+    # compute (no engine can start them earlier). Flat fp32 buffers of the model's size; the data sent is not used.
     comm = spec.name == "floor_zero3" and spec.world > 1
     flat = -(-total // spec.world) * spec.world if comm else 0
     full, shard = torch.zeros(flat), torch.zeros(flat // spec.world)
+    grads, reduced = torch.zeros(flat), torch.zeros(flat // spec.world)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        gather = dist.all_gather_into_tensor(full, shard, async_op=True) if comm else None
+        sent = []
+        if comm:
+            sent.append(dist.all_gather_into_tensor(full, shard, async_op=True))
+            sent.append(dist.reduce_scatter_tensor(reduced, grads, async_op=True))
         loss = model(input_ids=x, labels=y).loss
         loss.backward()
-        if gather is not None:
-            gather.wait()
-            dist.reduce_scatter_tensor(shard, full)
+        for work in sent:
+            work.wait()
         opt.step()
         model.zero_grad(set_to_none=True)
         return loss
