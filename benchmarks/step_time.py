@@ -384,7 +384,8 @@ def _setup_floor(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dic
     its half of the parameters (by elements), with no communication at all. Its losses are the rank's own, not a
     data-parallel run's, and are left out of losses_agree."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    params, total, seen, mine = list(model.parameters()), sum(p.numel() for p in model.parameters()), 0, []
+    params = list(model.parameters())
+    total, seen, mine = sum(p.numel() for p in params), 0, []
     for p in params:
         if (seen * spec.world) // total == rank:  # the shard this rank would step, cut at parameter boundaries
             mine.append(p)

@@ -37,7 +37,7 @@ class Storage:
         check_budgets(
             device, device_budget=device_budget, host_budget=host_budget, nvme_dir=nvme_dir, nvme_budget=nvme_budget
         )
-        bound_heap_retention()  # freed buffers leave the process ([Note: the heap keeps what the budgets free])
+        bound_heap_retention()  # where HETERO_MALLOC_MMAP_THRESHOLD asks ([Note: the heap keeps what the budgets free])
         self.store = None  # the NVMe swap store, when nvme_dir is given
         if nvme_dir is not None:
             from hetero.memory.nvme import NvmeStore

@@ -278,7 +278,7 @@ class DelayedUpdate:
         self._stepped.add(id(zc))
         if zc.placement.optim is Tier.NVME:
             self.updater.release_stepped(zc)
-            self._read_ahead(self.order.index(zc) + 1)
+            self._read_ahead(self._next)  # `zc` is order[_next - 1]: one chunk's math runs at a time
         else:
             self.updater.release_zeroed(zc)
 
