@@ -78,6 +78,11 @@ def _worker(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    if backend == "gloo":
+        # Ranks on gloo are CPU ranks, also on a GPU machine: several ranks cannot share one GPU as NCCL ranks, and
+        # the engine would put its chunks on cuda:0 for a backend that is tested here as the CPU's. Set before CUDA
+        # is first touched in this fresh (spawned) process.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 

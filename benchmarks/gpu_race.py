@@ -1,0 +1,440 @@
+"""One GPU: hetero against plain PyTorch, FSDP2 and DeepSpeed ZeRO-3, with everything on the GPU, with parameters
+and optimizer states offloaded to host memory, and offloaded to NVMe. Step time, model FLOPs utilisation, peak GPU
+memory and peak host RSS, side by side in one run.
+
+    python benchmarks/gpu_race.py [--json] [--only NAME,...] [--nvme-dir DIR] [--hidden H] [--layers L]
+                                  [--heads A] [--intermediate I] [--vocab V] [--seq T] [--batch B]
+                                  [--steps N] [--warmup W] [--timeout S]
+    python benchmarks/gpu_race.py --dry-run --json     # the same code paths on the CPU with a tiny model
+
+Every configuration trains transformers' LlamaForCausalLM (untied embeddings) from the same seed on the same random
+token batches, with bf16 compute, fp32 master weights and AdamW (lr 1e-4, weight decay 0.01) with a fused kernel
+(torch's fused AdamW on the GPU or on the host; DeepSpeed's own CPU Adam where it offloads, since it takes no other),
+no activation checkpointing and no gradient clipping, W warm-up steps then N timed ones, each configuration in a
+fresh process:
+
+  plain              plain PyTorch: the model on the GPU, autocast to bf16, fused AdamW on the GPU
+  fsdp2              torch's fully_shard on every decoder layer and the root, bf16 parameters, fp32 reduction
+  hetero             hetero ZeRO-3, precision bf16, everything on the GPU
+  fsdp2_offload      FSDP2 with CPUOffloadPolicy (pinned): parameters and gradients on the host, fused AdamW there
+  deepspeed_offload  DeepSpeed ZeRO-3, offload_param and offload_optimizer to pinned CPU memory, its CPU Adam
+  hetero_offload     hetero ZeRO-3, parameters and optimizer states on the host
+  hetero_offload_delayed   the same with delayed_param_update (the host update of step t overlaps step t+1)
+  deepspeed_nvme     (--nvme-dir) DeepSpeed ZeRO-Infinity: parameters and optimizer states on NVMe, its aio engine
+  hetero_nvme        (--nvme-dir) hetero with parameters and optimizer states on NVMe
+  hetero_nvme_delayed      (--nvme-dir) the same with delayed_param_update
+
+Step time is the wall time of the timed steps over their count, the GPU synchronised at both ends (work an engine
+leaves running past a step is counted in the step that waits for it); step_median_s is the median of per-step times
+with the GPU synchronised after each. MFU is the model's FLOPs per step (6 x parameters x tokens + 12 x layers x
+hidden x seq x tokens for attention, without recomputation) per second over the GPU's peak dense bf16 rate (the
+vendor's figure; measured_bf16_tflops is an 8192^3 matrix product timed here, for comparison). Races are reported as
+hetero's step time and memory over the peer's with the same placement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16, vendor figures, no sparsity
+LR, WEIGHT_DECAY, SEED = 1e-4, 0.01, 0
+LOSS_REL_TOL = 0.02  # bf16 compute: engines that round differently stay within this of plain PyTorch's last loss
+CONFIGS = (
+    "plain",
+    "fsdp2",
+    "hetero",
+    "fsdp2_offload",
+    "deepspeed_offload",
+    "hetero_offload",
+    "hetero_offload_delayed",
+    "deepspeed_nvme",
+    "hetero_nvme",
+    "hetero_nvme_delayed",
+)
+RACES = (  # (name, hetero's configuration, the peer's)
+    ("vs_fsdp2", "hetero", "fsdp2"),
+    ("vs_plain", "hetero", "plain"),
+    ("vs_fsdp2_offload", "hetero_offload", "fsdp2_offload"),
+    ("vs_deepspeed_offload", "hetero_offload", "deepspeed_offload"),
+    ("vs_deepspeed_offload_delayed", "hetero_offload_delayed", "deepspeed_offload"),
+    ("vs_deepspeed_nvme", "hetero_nvme", "deepspeed_nvme"),
+    ("vs_deepspeed_nvme_delayed", "hetero_nvme_delayed", "deepspeed_nvme"),
+)
+
+
+# ------------------------------------------------------------------------------------------------ one process
+def _llama(args: argparse.Namespace) -> Any:
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[Any, Any]:
+    """(step(x, y) -> loss, close()) for one configuration."""
+    import torch
+
+    bf16 = torch.bfloat16
+    if name == "plain":
+        model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+        def plain_step(x: Any, y: Any) -> Any:
+            with torch.autocast(dev.type, dtype=bf16):
+                loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return plain_step, lambda: None
+    if name.startswith("fsdp2"):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        offload = CPUOffloadPolicy(pin_memory=dev.type == "cuda") if name == "fsdp2_offload" else OffloadPolicy()
+        if name == "fsdp2":
+            model.to(dev)
+        kw = {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
+            "offload_policy": offload,
+        }
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+        def fsdp_step(x: Any, y: Any) -> Any:
+            loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return fsdp_step, lambda: None
+    if name.startswith("hetero"):
+        import hetero
+
+        where = "device" if name == "hetero" else ("nvme" if "nvme" in name else "host")
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        config: dict[str, Any] = {
+            "zero_stage": 3,
+            "precision": "bf16",
+            "offload": {"params": where, "optimizer": where},
+            "memory": {"nvme_dir": args.nvme_dir} if where == "nvme" else {},
+        }
+        if args.dry_run:
+            config["precision"] = "fp32"  # the CPU's bf16 matmuls are emulated and slow; the code path is the same
+        if name.endswith("_delayed"):
+            config.update(delayed_param_update=True, delayed_param_update_warmup=0)
+        engine = hetero.initialize(model, opt, config, device=dev)
+
+        def hetero_step(x: Any, y: Any) -> Any:
+            loss = engine(input_ids=x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        def close() -> dict[str, Any]:
+            engine.manager.synchronize()
+            stats = engine.memory_stats()
+            engine.close()
+            return {"tiers": {t: stats[t] for t in ("device", "host", "nvme") if t in stats}}
+
+        return hetero_step, close
+    if name.startswith("deepspeed"):
+        import deepspeed  # type: ignore[import-not-found]
+
+        where = "nvme" if "nvme" in name else "cpu"
+        off: dict[str, Any] = {"device": where, "pin_memory": dev.type == "cuda"}
+        if where == "nvme":
+            off["nvme_path"] = args.nvme_dir
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": not args.dry_run},
+            "zero_optimization": {"stage": 3, "offload_param": dict(off), "offload_optimizer": dict(off)},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told not to; nobody else clips
+            # Its aio engine with deeper queues and more threads than its defaults (8, 1): the disk's best.
+            "aio": {"block_size": 8 << 20, "queue_depth": 32, "intra_op_parallelism": 8, "single_submit": False},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def ds_step(x: Any, y: Any) -> Any:
+            loss = engine(input_ids=x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return ds_step, lambda: None
+    raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    if name.startswith("fsdp2"):
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    torch.manual_seed(SEED)
+    model = _llama(args)
+    params = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    step, close = _setup(name, model, args, dev)
+    setup_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(SEED + 1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses, per_step = [], []
+    warmup, steps = (args.nvme_warmup, args.nvme_steps) if "nvme" in name else (args.warmup, args.steps)
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            start = time.perf_counter()
+        ids = batches[i % len(batches)].to(dev)
+        t = time.perf_counter()
+        loss = step(ids[:, :-1], ids[:, :-1])
+        losses.append(float(loss.detach()))  # a host read: the step's GPU work is done
+        sync()
+        per_step.append(time.perf_counter() - t)
+    sync()
+    step_s = (time.perf_counter() - start) / steps
+    extra = close() or {}
+    out = {
+        "name": name,
+        "params": params,
+        "setup_s": setup_s,
+        "step_s": step_s,
+        "step_median_s": statistics.median(per_step[warmup:]),
+        "losses": losses,
+        "peak_rss_mb": _hwm_mb(),
+        **extra,
+    }
+    if cuda:
+        out["gpu_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["gpu_peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    name: str, args: argparse.Namespace, passthrough: list[str], log_dir: str, nvme: bool = True
+) -> dict[str, Any]:
+    if nvme and "nvme" in name:  # each configuration its own directory, removed after it: the disk holds one at a time
+        sub = tempfile.mkdtemp(prefix=f"{name}_", dir=args.nvme_dir)
+        try:
+            return _child(name, args, [*passthrough, "--nvme-dir", sub], log_dir, nvme=False)
+        finally:
+            shutil.rmtree(sub, ignore_errors=True)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
+    log = os.path.join(log_dir, f"{name}.log")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, *passthrough]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"name": name, "error": f"timed out after {args.timeout} s", "log_tail": _tail(log)}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        return {"name": name, "error": f"exit code {proc.returncode}", "log_tail": _tail(log)}
+    out = json.loads(lines[-1])
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
+def measured_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
+
+
+def model_flops(params: int, args: argparse.Namespace) -> float:
+    tokens = args.batch * args.seq
+    return 6 * params * tokens + 12 * args.layers * args.hidden * args.seq * tokens
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]:
+    peak = machine["peak_tflops"]
+    for r in results.values():
+        if "step_s" in r:
+            r["tflops"] = model_flops(r["params"], args) / r["step_s"] / 1e12
+            r["mfu"] = r["tflops"] / peak if peak else None
+    ref = results.get("plain", {}).get("losses")
+    for r in results.values():
+        if ref and r.get("losses"):
+            r["last_loss_rel_gap"] = abs(r["losses"][-1] - ref[-1]) / abs(ref[-1])
+            r["loss_agrees"] = r["last_loss_rel_gap"] <= LOSS_REL_TOL
+    races = {}
+    for race, ours, peer in RACES:
+        a, b = results.get(ours, {}), results.get(peer, {})
+        if "step_s" in a and "step_s" in b:
+            races[race] = {
+                "ours": ours,
+                "peer": peer,
+                "step_ratio": a["step_s"] / b["step_s"],
+                "rss_ratio": a["peak_rss_mb"] / b["peak_rss_mb"],
+                "gpu_peak_ratio": a.get("gpu_peak_reserved_mb", 0) / max(b.get("gpu_peak_reserved_mb", 0), 1e-9),
+            }
+    return {"machine": machine, "shape": vars(args) | {"passthrough": None}, "configs": results, "races": races}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--only", help="comma-separated configurations (default: all that can run)")
+    ap.add_argument("--nvme-dir", help="directory on NVMe for the *_nvme configurations")
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--intermediate", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--nvme-steps", type=int, default=2, help="timed steps of the *_nvme configurations")
+    ap.add_argument("--nvme-warmup", type=int, default=1, help="warm-up steps of the *_nvme configurations")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
+    ap.add_argument("--dry-run", action="store_true", help="the CPU and a tiny model: checks the code paths")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.hidden, args.layers, args.heads, args.intermediate, args.vocab, args.seq, args.batch = (
+            64,
+            2,
+            4,
+            128,
+            256,
+            32,
+            2,
+        )
+    if args.child:
+        if args.dry_run:
+            os.environ["DS_ACCELERATOR"] = "cpu"  # read by DeepSpeed on import
+        print(json.dumps(run_one(args.child, args)))
+        return 0
+    import importlib.util
+
+    import torch
+
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    skipped = {}
+    for n in names:
+        if "nvme" in n and not args.nvme_dir:
+            skipped[n] = "needs --nvme-dir"
+        elif n.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+            skipped[n] = "DeepSpeed is not installed"
+    cuda = torch.cuda.is_available() and not args.dry_run
+    name = torch.cuda.get_device_name(0) if cuda else "cpu (dry run)"
+    machine = {
+        "gpu": name,
+        "peak_tflops": args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None),
+        "measured_bf16_tflops": measured_tflops() if cuda else None,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "skipped": skipped,
+    }
+    raw = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
+    valued = ("--only", "--nvme-dir")  # the driver's own: each child gets its configuration and directory
+    passthrough = [a for i, a in enumerate(raw) if a not in valued and (i == 0 or raw[i - 1] not in valued)]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_race_") as log_dir:
+        for n in names:
+            if n in skipped:
+                continue
+            results[n] = _child(n, args, passthrough, log_dir)
+            if not args.json:
+                print(_line(results[n]), flush=True)
+    out = report(results, args, machine)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for n, r in out["configs"].items():
+            if "mfu" in r and r["mfu"] is not None:
+                print(f"{n:24s} {r['tflops']:.1f} TFLOP/s, MFU {r['mfu']:.3f}")
+        for race, r in out["races"].items():
+            print(
+                f"{race:32s} {r['ours']} / {r['peer']}: step {r['step_ratio']:.3f}x, RSS {r['rss_ratio']:.3f}x, "
+                f"GPU {r['gpu_peak_ratio']:.3f}x"
+            )
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['name']:24s} FAILED: {r['error']}\n{r['log_tail']}"
+    gpu = f", GPU peak {r['gpu_peak_reserved_mb']:.0f} MB" if "gpu_peak_reserved_mb" in r else ""
+    return (
+        f"{r['name']:24s} step {r['step_s']:.3f} s (median {r['step_median_s']:.3f}), RSS {r['peak_rss_mb']:.0f} "
+        f"MB{gpu}, last loss {r['losses'][-1]:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
