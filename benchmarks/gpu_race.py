@@ -103,6 +103,7 @@ def _hwm_mb() -> float:
 def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[Any, Any]:
     """(step(x, y) -> loss, close()) for one configuration."""
     import torch
+    from torch.profiler import record_function
 
     bf16 = torch.bfloat16
     if name == "plain":
@@ -134,9 +135,12 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
         def fsdp_step(x: Any, y: Any) -> Any:
-            loss = model(input_ids=x, labels=y).loss
-            loss.backward()
-            opt.step()
+            with record_function("race.forward"):
+                loss = model(input_ids=x, labels=y).loss
+            with record_function("race.backward"):
+                loss.backward()
+            with record_function("race.update"):
+                opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
 
@@ -159,16 +163,19 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
         engine = hetero.initialize(model, opt, config, device=dev)
 
         def hetero_step(x: Any, y: Any) -> Any:
-            loss = engine(input_ids=x, labels=y).loss
-            engine.backward(loss)
-            engine.step()
+            with record_function("race.forward"):
+                loss = engine(input_ids=x, labels=y).loss
+            with record_function("race.backward"):
+                engine.backward(loss)
+            with record_function("race.update"):
+                engine.step()
             return loss
 
         def close() -> dict[str, Any]:
             engine.manager.synchronize()
             stats = engine.memory_stats()
             engine.close()
-            return {"tiers": {t: stats[t] for t in ("device", "host", "nvme") if t in stats}}
+            return {"memory_stats": json.loads(json.dumps(stats, default=repr))}
 
         return hetero_step, close
     if name.startswith("deepspeed"):
@@ -220,7 +227,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     setup_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(SEED + 1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else _no_sync
     losses, per_step = [], []
     warmup, steps = (args.nvme_warmup, args.nvme_steps) if "nvme" in name else (args.warmup, args.steps)
     start = 0.0
@@ -236,6 +243,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         per_step.append(time.perf_counter() - t)
     sync()
     step_s = (time.perf_counter() - start) / steps
+    if args.profile:
+        ids = batches[0].to(dev)
+        _profile(name, lambda: step(ids[:, :-1], ids[:, :-1]), sync, args.profile)
     extra = close() or {}
     out = {
         "name": name,
@@ -253,6 +263,66 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if dist.is_initialized():
         dist.destroy_process_group()
     return out
+
+
+# Host-side calls that wait for the GPU or move bytes over the bus: where a step's time goes when it is not the GPU's.
+_WAITS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaMemcpyAsync",
+    "cudaHostRegister",
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::item",
+    "aten::_local_scalar_dense",
+)
+
+
+def _profile(name: str, step: Any, sync: Any, out_dir: str) -> None:
+    """One more step under torch.profiler: the operator tables, the waits with the Python stacks that made them,
+    and a trace Perfetto opens (gzipped)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if sync is not _no_sync else [])
+    with profile(activities=acts, with_stack=True, record_shapes=False) as prof:
+        step()
+        sync()
+    lines = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
+    with_device = "self_device_time_total" if hasattr(prof.key_averages()[0], "self_device_time_total") else None
+    if with_device and len(acts) > 1:
+        lines.append(prof.key_averages().table(sort_by=with_device, row_limit=30))
+    # Each wait with the chain of Python frames above it (the profiler's Python tracer records them as parents).
+    by_site: dict[tuple[str, ...], list[float]] = {}
+    for e in prof.events():
+        if not any(e.name.startswith(w) for w in _WAITS):
+            continue
+        chain, p = [e.name], e.cpu_parent
+        while p is not None and len(chain) < 40:
+            if any(k in p.name for k in ("hetero/", "gpu_race", "fsdp/", "deepspeed/")):
+                chain.append(p.name)
+            p = p.cpu_parent
+        site = by_site.setdefault(tuple(chain[:7]), [0, 0.0])
+        site[0] += 1
+        site[1] += e.cpu_time_total
+    for chain, (calls, us) in sorted(by_site.items(), key=lambda kv: -kv[1][1])[:40]:
+        lines.append(f"{chain[0]}: calls {calls}, CPU total {us / 1e3:.1f} ms")
+        lines.extend("    " + frame for frame in chain[1:])
+    with open(os.path.join(out_dir, f"{name}_ops.txt"), "w") as f:
+        f.write("\n".join(lines))
+    trace = os.path.join(out_dir, f"{name}_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
+
+
+def _no_sync() -> None:
+    pass
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -359,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-warmup", type=int, default=1, help="warm-up steps of the *_nvme configurations")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
+    ap.add_argument("--profile", metavar="DIR", help="profile one more step of each configuration into DIR")
     ap.add_argument("--dry-run", action="store_true", help="the CPU and a tiny model: checks the code paths")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
