@@ -179,6 +179,10 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
 
         return hetero_step, close
     if name.startswith("deepspeed"):
+        if dev.type == "cuda":
+            # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers and fails on "9.0a" (seen on an H200
+            # image): name this GPU's plain capability for the ops it compiles on first use.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "{}.{}".format(*torch.cuda.get_device_capability(dev))
         import deepspeed  # type: ignore[import-not-found]
 
         where = "nvme" if "nvme" in name else "cpu"

@@ -186,6 +186,7 @@ def run_hetero(
         "stats": engine.memory_stats(),
         "skipped": engine.skipped_steps,
         "chunks": len(engine.chunks),
+        "grad_norm": engine.last_grad_norm,
     }
     engine.close()
     return out

@@ -97,9 +97,33 @@ class DenseReduce:
         handle, acc, buf, target, staged = self._running.pop(id(zc))
         handle.wait()
         on_device = zc.grad.tier is Tier.DEVICE
+        # Down to a host gradient by a copy into its pinned memory, not through fresh pageable memory ([Note:
+        # gradients to the host through pinned memory]).
         if target is not None:
-            zc.kept(acc).copy_(target if on_device else zc.device.to_host(target))
+            if on_device or not zc.device.separate_memory:
+                zc.kept(acc).copy_(target)
+            else:
+                zc.device.copy(zc.kept(acc), target, after=zc.device.compute_marker())
         elif staged:
-            acc.copy_(zc.device.to_host(buf))
+            zc.device.copy(acc, buf, after=zc.device.compute_marker())
         self.manager.unpin(zc.grad)
         self._reduced.add(id(zc))
+
+
+def reduce_at_update(zc: ZeroChunk) -> None:
+    """Stages 0-1, when backward did not reduce: the gradient accumulated over the micro-batches reduced (mean over
+    ranks) in place."""
+    if zc.layout.grads_sharded:
+        return
+    acc = zc.grad_buffer()
+    staged = zc.comm.needs_device_tensors and zc.grad.tier is not Tier.DEVICE
+    # NCCL reduces device memory only: a gradient kept on the host (optimizer offload) goes through the device.
+    buf = zc.device.to_device(acc) if staged else acc
+    what = f"the gradients of {zc.label}"
+    if not zc.layout.optim_sharded:  # every rank updates the whole chunk
+        zc.comm.all_reduce(buf, op="avg")
+    else:  # each rank updates its shard: it needs only its shard's sum
+        lo, hi = zc.kept_range()
+        zc.comm.reduce_scatter(buf[lo:hi], buf, op="avg", what=what)
+    if staged:
+        zc.device.copy(acc, buf, after=zc.device.compute_marker())

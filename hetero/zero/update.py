@@ -28,6 +28,8 @@ from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.tied import counts_in_norm
 from hetero.zero import master as master_weights
+from hetero.zero.buckets import reduce_at_update
+from hetero.zero.host_grads import chunk_sum_of_squares
 from hetero.zero.norms import sum_of_squares
 from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
@@ -117,7 +119,7 @@ class Updater:
             self.prefetch(i, zc.placement.compute, order)
         grad = zc.grad_view()
         if plan.fused_norm:
-            plan.sq += zc.device.to_host(sum_of_squares(grad))
+            plan.sq += zc.device.to_host(chunk_sum_of_squares(zc, grad))
         self._step_chunk(zc, grad, plan.coef, used, gather=gather)
         if streamed:
             self.release_stepped(zc)
@@ -132,7 +134,7 @@ class Updater:
         self.check(UPDATE)
         for zc in self.chunks:
             if not self.reduced_early(zc):
-                zc.reduce_at_update()
+                reduce_at_update(zc)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
         fused_norm = (
@@ -236,7 +238,7 @@ class Updater:
         for zc in self.chunks:
             g = zc.grad_view()
             if tp == 1 and all(counts_in_norm(info.param) for info in zc.spec.params):
-                sq += zc.device.to_host(sum_of_squares(g))
+                sq += zc.device.to_host(chunk_sum_of_squares(zc, g))
                 continue
             lo, _ = zc.kept_range()
             for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):

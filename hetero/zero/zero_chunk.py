@@ -15,6 +15,7 @@ from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
 from hetero.zero import master as master_weights
 from hetero.zero import released
+from hetero.zero.host_grads import grad_to_host
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.segments import update_segments
 from hetero.zero.stages import STAGES, Placement, master_is_shard
@@ -69,6 +70,7 @@ class ZeroChunk:
         self.n_trainable = sum(1 for p in spec.params if p.trainable)
         self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
         self.grad_is_zero = True  # nothing accumulated into the gradient since the last update
+        self.grad_sq: torch.Tensor | None = None  # see hetero/zero/host_grads.py
         self._reducing: tuple | None = None  # a reduce-scatter in flight: (handle, target, into the gradient itself)
         # Stages 2-3 in train_batch: sum the full gradient over the batch's micro-batches, reduce once at its end.
         self.accumulate_full = False
@@ -208,6 +210,10 @@ class ZeroChunk:
     def _readable(self, chunk: Chunk) -> Tier:
         """The nearest tier a collective can read the chunk on: NCCL (and the stand-in) reads device memory; gloo
         reads host memory, where a chunk already on the device or the host stays."""
+        if self.comm.size == 1:
+            # Nothing is exchanged: the "gather" is a local copy from wherever the shard is. (Sending a device shard
+            # to the host for gloo's sake and back cost a GPU step 1.1 GB each way on one H200.)
+            return chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) else Tier.HOST
         if self.comm.needs_device_tensors:
             return Tier.DEVICE
         if self.device.separate_memory:
@@ -279,19 +285,23 @@ class ZeroChunk:
             target = acc
         else:
             target = self.device.empty((self.shard_numel,), torch.float32)
+        first = self.grad_is_zero
         self.grad_is_zero = False
         what = f"the gradients of {self.label}"
-        self._reducing = (self.comm.reduce_scatter_async(target, full, op="avg", what=what), target, direct)
+        handle = self.comm.reduce_scatter_async(target, full, op="avg", what=what)
+        self._reducing = (handle, target, direct, first)
 
     def finish_reduce(self) -> None:
         if self._reducing is None:
             return
-        handle, target, direct = self._reducing
+        handle, target, direct, first = self._reducing
         self._reducing = None
         handle.wait()
         m = self.manager
         if direct:
             m.unpin(self.grad)
+        elif self.grad.tier is not Tier.DEVICE and self.device.separate_memory:
+            self.grad_sq = grad_to_host(self.device, self.grad_buffer(), target, first=first)
         else:
             acc = self.grad_buffer()
             acc.add_(self._to(target, self.grad.tier))
@@ -306,23 +316,6 @@ class ZeroChunk:
         self.start_reduce()
         self.finish_reduce()
 
-    def reduce_at_update(self) -> None:
-        """Stages 0-1: reduce the gradient accumulated over the micro-batches (mean over ranks), in place."""
-        if self.layout.grads_sharded:
-            return
-        acc = self.grad_buffer()
-        staged = self.comm.needs_device_tensors and self.grad.tier is not Tier.DEVICE
-        # NCCL reduces device memory only: a gradient kept on the host (optimizer offload) goes through the device.
-        buf = self.device.to_device(acc) if staged else acc
-        what = f"the gradients of {self.label}"
-        if not self.layout.optim_sharded:  # every rank updates the whole chunk
-            self.comm.all_reduce(buf, op="avg")
-        else:  # each rank updates its shard: it needs only its shard's sum
-            lo, hi = self.kept_range()
-            self.comm.reduce_scatter(buf[lo:hi], buf, op="avg", what=what)
-        if staged:
-            acc.copy_(self.device.to_host(buf))
-
     def grad_view(self) -> torch.Tensor:
         """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier."""
         acc = self.grad_buffer()
@@ -334,6 +327,7 @@ class ZeroChunk:
         self.grads_seen.clear()
         self.used.zero_()
         self.grad_is_zero = True
+        self.grad_sq = None
         slot = self.grad.slots[0]
         if slot.state is _T.HOLD:
             self.grad.set_state(slot, _T.FREE)
