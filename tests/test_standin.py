@@ -152,6 +152,13 @@ CONFIGS = {
         "offload": {"params": "host", "optimizer": "host"},
         "memory": {"device_budget": 5 * parity.CHUNK * 4},
     },
+    "z3-host-delayed": {
+        "zero_stage": 3,
+        "offload": {"optimizer": "host"},
+        "delayed_param_update": True,
+        "delayed_param_update_warmup": 0,
+    },
+    "z3-host-in-backward": {"zero_stage": 3, "offload": {"optimizer": "host"}, "update_in_backward": True},
     "z3-host-clip": {"zero_stage": 3, "offload": {"optimizer": "host"}, "grad_clip_norm": 0.05},
     "z3-act-offload": {"zero_stage": 3, "activation_checkpointing": True, "activation_offload": True},
     "z2-bf16-clip": {"zero_stage": 2, "precision": "bf16", "grad_clip_norm": 0.05},
