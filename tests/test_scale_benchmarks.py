@@ -46,3 +46,20 @@ def test_bigger_than_ram_tiny(tmp_path, in_backward):
     assert r["update_in_backward"] is in_backward
     if in_backward:  # the update ran inside backward: what is left after it is counting
         assert all(s["update_s"] < s["fwd_bwd_s"] / 10 for s in r["steps"])
+
+
+@pytest.mark.timeout(180)
+def test_gpu_race_dry_run(tmp_path):
+    """Every engine of the GPU race trains the tiny Llama on the CPU to plain PyTorch's loss, and the profile writes
+    its tables (with the host-side waits) and a trace."""
+    only = "plain,fsdp2,hetero,fsdp2_offload,hetero_offload,hetero_nvme"
+    prof = tmp_path / "prof"
+    args = ["--dry-run", "--only", only, "--nvme-dir", str(tmp_path), "--profile", str(prof), "--steps", "2"]
+    r = _run([os.path.join(ROOT, "benchmarks/gpu_race.py"), *args], 170)
+    assert set(r["configs"]) == set(only.split(","))
+    for name, c in r["configs"].items():
+        assert "error" not in c, (name, c.get("log_tail"))
+        assert c["loss_agrees"], (name, c["losses"], r["configs"]["plain"]["losses"])
+    assert {"vs_fsdp2", "vs_plain", "vs_fsdp2_offload"} <= set(r["races"])
+    assert (prof / "hetero_offload_ops.txt").read_text().count("aten::") > 0
+    assert (prof / "hetero_offload_trace.json.gz").stat().st_size > 0
