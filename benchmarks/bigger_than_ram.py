@@ -60,6 +60,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 import torch  # noqa: E402
 
 import hetero  # noqa: E402
+from benchmarks.gpu_race import llama  # noqa: E402
 from benchmarks.nvme_bandwidth import fair_raw  # noqa: E402
 from hetero.config import format_size, parse_size  # noqa: E402
 
@@ -86,22 +87,6 @@ TARGETS = {"llama-416m": {"peak_rss_bytes": 2 << 30, "step_over_lower_bound_min_
 
 def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def llama(args: argparse.Namespace) -> torch.nn.Module:
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=max(128, args.seq),
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def nvme_bytes(moved: dict[str, int]) -> tuple[int, int]:

@@ -81,7 +81,9 @@ RACES = (  # (name, hetero's configuration, the peer's)
 
 
 # ------------------------------------------------------------------------------------------------ one process
-def _llama(args: argparse.Namespace) -> Any:
+def llama(args: argparse.Namespace) -> Any:
+    """transformers' LlamaForCausalLM, untied, at args' shape (hidden, intermediate, layers, heads, vocab, seq); also
+    benchmarks/bigger_than_ram.py's."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -91,7 +93,7 @@ def _llama(args: argparse.Namespace) -> Any:
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq,
+        max_position_embeddings=max(128, args.seq),
         tie_word_embeddings=False,
         use_cache=False,
     )
@@ -232,7 +234,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name.startswith("fsdp2"):
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     torch.manual_seed(SEED)
-    model = _llama(args)
+    model = llama(args)
     params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     step, close = _setup(name, model, args, dev)
