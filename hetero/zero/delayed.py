@@ -276,7 +276,7 @@ class DelayedUpdate:
             m.unpin(self._values[id(zc)])
         pre = self._taken.pop(id(zc), None)
         if self.plan is not None and self.plan.fused_norm:
-            self.plan.sq += sq.to(torch.float64) if pre is None else zc.device.to_host(pre, torch.float64)
+            self.plan.add_sq(sq if pre is None else pre)  # one on the GPU is read at the update's end
         if self.updater.on_span is not None:
             name = f"step chunk {zc.spec.index} (delayed)"
             self.updater.on_span("optimizer", name, t0, t1)

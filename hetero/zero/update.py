@@ -119,7 +119,7 @@ class Updater:
             self.prefetch(i, zc.placement.compute, order)
         grad = zc.grad_view()
         if plan.fused_norm:
-            plan.sq += zc.device.to_host(chunk_sum_of_squares(zc, grad))
+            plan.add_sq(chunk_sum_of_squares(zc, grad))
         self._step_chunk(zc, grad, plan.coef, used, gather=gather)
         if streamed:
             self.release_stepped(zc)
@@ -172,6 +172,9 @@ class Updater:
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
         if plan.fused_norm:
+            if plan.sq_device is not None:
+                plan.sq += self.manager.device.to_host(plan.sq_device, torch.float64)
+                plan.sq_device = None
             if zc_sharded(self.chunks):
                 self.comm.control.all_reduce(plan.sq, op="sum")
             self.last_grad_norm = math.sqrt(float(plan.sq))
@@ -234,11 +237,12 @@ class Updater:
         every tensor rank, so each rank counts 1 / degree of it."""
         mesh = self.mesh
         tp = mesh.tp_size
-        sq = torch.zeros((), dtype=torch.float64)
+        sums = Plan(coef=1.0, used_of=[], fused_norm=True, sq=torch.zeros((), dtype=torch.float64), groups=[])
+        sq = sums.sq
         for zc in self.chunks:
             g = zc.grad_view()
             if tp == 1 and all(counts_in_norm(info.param) for info in zc.spec.params):
-                sq += zc.device.to_host(chunk_sum_of_squares(zc, g))
+                sums.add_sq(chunk_sum_of_squares(zc, g))  # a part on a GPU is read once, below
                 continue
             lo, _ = zc.kept_range()
             for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
@@ -247,6 +251,8 @@ class Updater:
                 cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
                 weight = 1.0 / (cut.replicas if cut is not None else tp)
                 sq += weight * zc.device.to_host(sum_of_squares(g[a - lo : b - lo]))
+        if sums.sq_device is not None:
+            sq += self.manager.device.to_host(sums.sq_device, torch.float64)
         if zc_sharded(self.chunks):  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
             self.comm.control.all_reduce(sq, op="sum")
         mesh.tp.control.all_reduce(sq, op="sum")
@@ -287,6 +293,15 @@ class Plan:
     fused_norm: bool  # the norm is only reported: summed while the chunks step, into `sq`
     sq: torch.Tensor  # float64 sum of squares (fused_norm)
     groups: list[dict[str, Any]]  # the param groups' hyperparameters at the update
+    sq_device: torch.Tensor | None = None  # the part summed on a GPU, read once in `Updater.finish`
+
+    def add_sq(self, part: torch.Tensor) -> None:
+        """Add one chunk's sum of squares. One on a GPU stays there until the update ends: reading each (a wait for
+        the GPU) would stall the host between chunks, and in the delayed update in the middle of forward."""
+        if part.device.type == "cpu":
+            self.sq += part.to(torch.float64)
+        else:
+            self.sq_device = part if self.sq_device is None else self.sq_device + part
 
 
 def step_chunk(
