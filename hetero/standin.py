@@ -17,7 +17,9 @@ follows NCCL's rules. It behaves like a separate accelerator:
   - A copy that touches device memory runs on a copy engine thread after a random delay and must carry a compute
     marker recorded after the destination buffer was last handed back to a pool: a copy ordered after nothing, or
     after a marker older than its buffer's reuse, fails (`StandinOrderingError`), where a GPU would give wrong
-    values some of the time.
+    values some of the time. So does a copy of device memory that the compute wrote after its marker: every write
+    an operation makes (its outputs, the arguments its schema marks written) is stamped with the compute clock, and
+    the copy stream would run ahead of that write on a GPU.
   - Buffers given back to a pool, and transient storage grown back, are poisoned (all bytes 0xFF: NaN in floating
     point), so a read of memory that is no longer the reader's gives NaN instead of yesterday's values.
   - Host buffers are "pinned": the bytes registered are counted (`pinned_bytes`), so the host ledger can be checked
@@ -76,6 +78,7 @@ class _Registry:
         self._lock = threading.Lock()  # copy workers register and look up too
         self._entries: dict[int, tuple[str, int, Any]] = {}
         self._released: dict[int, int] = {}  # storage address -> compute clock when last handed back to a pool
+        self._written: dict[int, int] = {}  # storage address -> compute clock when compute last wrote device memory
 
     def add(self, t: torch.Tensor, kind: str, *, strong: bool) -> None:
         storage = t.untyped_storage()
@@ -84,6 +87,7 @@ class _Registry:
         with self._lock:
             self._entries[key] = (kind, storage._cdata, owner)
             self._released.pop(key, None)
+            self._written.pop(key, None)
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -91,12 +95,14 @@ class _Registry:
             if entry is not None and isinstance(entry[2], weakref.ref) and entry[2]() is None:
                 del self._entries[key]
                 self._released.pop(key, None)
+                self._written.pop(key, None)
 
     def remove(self, t: torch.Tensor) -> None:
         key = _address(t)
         with self._lock:
             self._entries.pop(key, None)
             self._released.pop(key, None)
+            self._written.pop(key, None)
 
     def kind(self, t: torch.Tensor) -> str | None:
         storage = t.untyped_storage()
@@ -118,6 +124,14 @@ class _Registry:
     def released_at(self, t: torch.Tensor) -> int:
         with self._lock:
             return self._released.get(_address(t), -1)
+
+    def mark_written(self, t: torch.Tensor, clock: int) -> None:
+        with self._lock:
+            self._written[_address(t)] = clock
+
+    def written_at(self, t: torch.Tensor) -> int:
+        with self._lock:
+            return self._written.get(_address(t), -1)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -195,7 +209,12 @@ class _CopyEngine:
 
 # ---- compute on the device ----------------------------------------------------------------------------------------
 class _Compute(TorchDispatchMode):
-    """See the note: outputs of operations are device memory; host-tier operands next to device memory fail."""
+    """See the note: outputs of operations are device memory; host-tier operands next to device memory fail; what
+    an operation writes in device memory is stamped with the compute clock."""
+
+    def __init__(self, standin: Standin) -> None:
+        super().__init__()
+        self.standin = standin
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -210,9 +229,20 @@ class _Compute(TorchDispatchMode):
                 "(Device.to_device) or keep the whole operation on the host"
             )
         out = func(*args, **kwargs)
+        clock = self.standin.clock
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
                 register(t, DEVICE)
+                _registry.mark_written(t, clock)
+        # What the operation wrote in place (its schema says which arguments): device memory written at this point of
+        # the compute stream, which a copy may read only after a marker recorded since.
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor) and kind_of(t) == DEVICE:
+                    _registry.mark_written(t, clock)
         return out
 
 
@@ -224,6 +254,11 @@ class Standin:
         self._lock = threading.Lock()
         self._engine = _CopyEngine(seed)
         self.pinned = 0  # bytes of host memory registered as pinned
+
+    @property
+    def clock(self) -> int:
+        """Compute markers recorded so far: compute issued now runs after every one of them."""
+        return self._clock
 
     def marker(self) -> Marker:
         with self._lock:
@@ -253,11 +288,18 @@ class Standin:
                     f"was handed back to a pool at {stale}, after that marker: record the marker when the copy is "
                     "submitted, after the buffer was acquired"
                 )
+            written = max(_registry.written_at(t) for t in touches)
+            if written >= after.clock:
+                raise StandinOrderingError(
+                    f"a copy of {src.numel()} elements was ordered after compute marker {after.clock}, but compute "
+                    "queued after that marker wrote its memory: on a GPU the copy would race that write. Record the "
+                    "marker after the compute that produces what the copy moves"
+                )
         self._engine.submit(dst, src).result()
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        with _Compute():
+        with _Compute(self):
             yield
 
     @contextlib.contextmanager

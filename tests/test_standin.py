@@ -133,6 +133,24 @@ def test_a_group_of_one_gathers_from_where_the_shard_is(monkeypatch):
     assert moved == {}, moved
 
 
+def test_one_rank_with_host_gradients_trains_under_the_standin_as_without_it(monkeypatch):
+    """A group of one copies each reduced gradient to the host after a marker taken as the "reduction" (a copy on the
+    compute stream) is queued, not when backward completes it later (hetero/zero/host_grads.py): the stand-in runs
+    that copy late, so a marker taken before the reduction would land a stale gradient."""
+    configs = [
+        {"zero_stage": 3, "offload": {"optimizer": "host"}},
+        {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}, "grad_accumulation_steps": 2},
+    ]
+    for config in configs:
+        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config)
+        monkeypatch.setenv("HETERO_STANDIN", "1")
+        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config)
+        monkeypatch.delenv("HETERO_STANDIN")
+        assert strict["losses"] == plain["losses"] and strict["grad_norm"] == plain["grad_norm"], config
+        for k, v in plain["state"].items():
+            assert torch.equal(strict["state"][k], v), (config, k)
+
+
 def test_collectives_take_device_memory_only(monkeypatch):
     monkeypatch.setenv("HETERO_STANDIN", "1")
     for seen in run_distributed(_run_comm_rule, 2, timeout=100):

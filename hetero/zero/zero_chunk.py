@@ -289,19 +289,21 @@ class ZeroChunk:
         self.grad_is_zero = False
         what = f"the gradients of {self.label}"
         handle = self.comm.reduce_scatter_async(target, full, op="avg", what=what)
-        self._reducing = (handle, target, direct, first)
+        # A group of one "reduces" with a copy on the compute stream: done at this marker (hetero/zero/host_grads.py).
+        early = self.device.compute_marker() if self.comm.size == 1 else None
+        self._reducing = (handle, target, direct, first, early)
 
     def finish_reduce(self) -> None:
         if self._reducing is None:
             return
-        handle, target, direct, first = self._reducing
+        handle, target, direct, first, early = self._reducing
         self._reducing = None
         handle.wait()
         m = self.manager
         if direct:
             m.unpin(self.grad)
         elif self.grad.tier is not Tier.DEVICE and self.device.separate_memory:
-            self.grad_sq = grad_to_host(self.device, self.grad_buffer(), target, first=first)
+            self.grad_sq = grad_to_host(self.device, self.grad_buffer(), target, first=first, ready=early)
         else:
             acc = self.grad_buffer()
             acc.add_(self._to(target, self.grad.tier))
