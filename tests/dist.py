@@ -50,6 +50,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_ranks_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for ranks launched as processes (torchrun, srun-style) that this suite runs on gloo and the CPU: with the
+    GPUs hidden, also on a GPU machine, where the launcher's ranks would otherwise pick NCCL and share one GPU."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
 def torchrun_failure(proc: Any, keep: int = 6000) -> str:
     """What a failed torchrun printed, without the launcher's own report: its traceback and per-rank table take
     the last few thousand characters and push out the failing rank's message (an abort's "terminate called ...")."""

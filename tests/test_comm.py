@@ -473,7 +473,7 @@ def test_ranks_leave_the_group_together(tmp_path: Path, ending: str) -> None:
     import subprocess
     import sys
 
-    from tests.dist import free_port
+    from tests.dist import cpu_ranks_env, free_port
 
     script = tmp_path / "leave.py"
     script.write_text(_LEAVER)
@@ -484,7 +484,7 @@ def test_ranks_leave_the_group_together(tmp_path: Path, ending: str) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(tmp_path / f"end{r}"), str(late), ending],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            env=cpu_ranks_env({**env, "RANK": str(r), "LOCAL_RANK": str(r)}),
             stderr=subprocess.PIPE,
             text=True,
         )

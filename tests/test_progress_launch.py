@@ -18,7 +18,7 @@ from hetero.checkpoint import consolidate, verify
 from hetero.comm.launchers import adopt_launcher_env
 from hetero.errors import CheckpointError, CommError
 from tests import parity
-from tests.dist import free_port, run_distributed
+from tests.dist import cpu_ranks_env, free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 DESCS = ("hetero: placing weights", "hetero: saving checkpoint", "hetero: loading checkpoint")
@@ -110,7 +110,8 @@ def test_srun_tasks_join_one_world():
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _SRUN_TASK], cwd=ROOT, env=env, stdout=subprocess.PIPE))
+        cmd = [sys.executable, "-c", _SRUN_TASK]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=cpu_ranks_env(env), stdout=subprocess.PIPE))
     outs = sorted(p.communicate(timeout=100)[0].decode().split() for p in procs)
     assert all(p.returncode == 0 for p in procs)
     assert outs == [["0", "2", "3.0"], ["1", "2", "3.0"]]
