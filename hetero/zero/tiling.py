@@ -317,6 +317,39 @@ class _TiledConv1D(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+def embedding_rows(
+    out: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, lo: int, *, sync_free: bool | None = None
+) -> torch.Tensor:
+    """`out` (one row per id) with the rows of the tile `w` (the embedding's rows [lo, lo + len(w))) filled in where
+    the ids fall in it. On a GPU without `nonzero`, which waits for the GPU to tell the host how many ids hit: every id
+    looks a row up (clamped into the tile) and a select keeps the ones inside. The host a step ahead of the GPU is
+    what keeps it busy (the H200's profile: 42 ms waited there per step). sync_free None: on any device but the CPU."""
+    local = ids - lo
+    inside = (local >= 0) & (local < w.shape[0])
+    if not (ids.device.type != "cpu" if sync_free is None else sync_free):
+        hit = inside.nonzero().squeeze(1)
+        if hit.numel():
+            out[hit] = w.index_select(0, local[hit])
+        return out
+    return torch.where(inside.unsqueeze(1), w.index_select(0, local.clamp(0, w.shape[0] - 1)), out)
+
+
+def embedding_grad_rows(
+    g: torch.Tensor, dy2: torch.Tensor, ids: torch.Tensor, lo: int, *, sync_free: bool | None = None
+) -> torch.Tensor:
+    """The tile's gradient `g` (zeroed; rows [lo, lo + len(g)) of the embedding) with each id's output gradient (a row
+    of `dy2`) added to its row, for the ids that fall in the tile; on a GPU without `nonzero`, as `embedding_rows`
+    (ids outside add a zero row to a clamped one: the same sums)."""
+    local = ids - lo
+    inside = (local >= 0) & (local < g.shape[0])
+    if not (ids.device.type != "cpu" if sync_free is None else sync_free):
+        hit = inside.nonzero().squeeze(1)
+        if hit.numel():
+            g.index_add_(0, local[hit], dy2[hit])
+        return g
+    return g.index_add_(0, local.clamp(0, g.shape[0] - 1), torch.where(inside.unsqueeze(1), dy2, 0))
+
+
 class _TiledEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -338,11 +371,8 @@ class _TiledEmbedding(torch.autograd.Function):
             try:
                 if out is None:
                     out = torch.zeros(flat.numel(), w.shape[1], dtype=w.dtype, device=w.device)
-                rows = w.shape[0]
-                hit = ((flat >= lo) & (flat < lo + rows)).nonzero().squeeze(1)
-                if hit.numel():
-                    out[hit] = w.index_select(0, flat[hit] - lo)
-                lo += rows
+                out = embedding_rows(out, w, flat, lo)
+                lo += w.shape[0]
             finally:
                 r.close(e)
         return out.view(*ids.shape, -1)
@@ -358,10 +388,7 @@ class _TiledEmbedding(torch.autograd.Function):
             rows, dim = e.info.shape
             if t.trainable:
                 # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
-                g = r.grad_out(e, dy).zero_()
-                hit = ((flat >= lo) & (flat < lo + rows)).nonzero().squeeze(1)
-                if hit.numel():
-                    g.index_add_(0, flat[hit] - lo, dy2[hit])
+                g = embedding_grad_rows(r.grad_out(e, dy).zero_(), dy2, flat, lo)
                 pad = ctx.padding_idx
                 if pad is not None and lo <= pad < lo + rows:
                     g[pad - lo].zero_()
