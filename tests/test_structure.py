@@ -21,8 +21,9 @@ EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "thre
 # Private names of other projects' objects that hetero must read: a storage's identity (PyTorch), the attention
 # implementation a transformers config selects, the mark transformers 4 leaves on modules post_init initialised, and
 # the storage method that lends a pooled buffer's memory to a gathered chunk ([Note: transient storage on pooled
-# memory] in hetero/device.py).
-EXTERNAL_ATTRS = {"_cdata", "_attn_implementation", "_is_hf_initialized", "_swap_data_ptr_"}
+# memory] in hetero/device.py), and an operator's schema, which says what arguments it writes (the CPU stand-in's
+# write stamps, [Note: the CPU stand-in]).
+EXTERNAL_ATTRS = {"_cdata", "_attn_implementation", "_is_hf_initialized", "_swap_data_ptr_", "_schema"}
 
 
 def _modules() -> dict[str, ast.Module]:
