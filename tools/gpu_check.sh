@@ -59,7 +59,13 @@ AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
   echo "smoke exit $?" >>"$OUT/smoke.txt"
 fi
 if [ "$PHASE" = race ] || [ "$PHASE" = all ]; then
+  # PROFILE_DIR=/tmp/prof: every configuration profiled; the tables come back in one archive (the machine returns 8
+  # files at most), with hetero_offload's trace beside it.
   timeout "${RACE_TIMEOUT:-400}" python3 benchmarks/gpu_race.py --nvme-dir "$NV" --timeout 150 --json \
-    ${RACE_ARGS:-} >"$OUT/race.json" 2>"$OUT/race.err"
+    ${PROFILE_DIR:+--profile "$PROFILE_DIR"} ${RACE_ARGS:-} >"$OUT/race.json" 2>"$OUT/race.err"
   echo "race exit $?" >>"$OUT/race.err"
+  if [ -n "${PROFILE_DIR:-}" ] && [ -d "$PROFILE_DIR" ]; then
+    tar czf "$OUT/profile.tgz" -C "$PROFILE_DIR" --exclude='*_trace.json.gz' .
+    cp "$PROFILE_DIR/hetero_offload_trace.json.gz" "$OUT/" 2>/dev/null || true
+  fi
 fi
