@@ -151,8 +151,10 @@ def run_hetero(
     freeze: tuple[str, ...] = (),
     model_overrides: dict | None = None,
     nvme_dir: str | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
-    """hetero on this rank's rows; losses are means over the whole global batch (all ranks)."""
+    """hetero on this rank's rows; losses are means over the whole global batch (all ranks). device: the engine's
+    (default: the GPU where there is one, or the stand-in under HETERO_STANDIN=1)."""
     model = build(**(model_overrides or {}))
     for n, p in model.named_parameters():
         if any(n.startswith(f) for f in freeze):
@@ -163,7 +165,7 @@ def run_hetero(
     if nvme_dir is not None:
         config.setdefault("memory", {})["nvme_dir"] = os.path.join(nvme_dir, f"rank{rank}")
         os.makedirs(config["memory"]["nvme_dir"], exist_ok=True)
-    engine = hetero.initialize(model, opt, config)
+    engine = hetero.initialize(model, opt, config, device=device)
     accum = config.get("grad_accumulation_steps", 1)
     local = rows // world
     data = batches(steps * accum, rows)

@@ -141,10 +141,10 @@ def test_one_rank_with_host_gradients_trains_under_the_standin_as_without_it(mon
         {"zero_stage": 3, "offload": {"optimizer": "host"}},
         {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}, "grad_accumulation_steps": 2},
     ]
-    for config in configs:
-        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config)
+    for config in configs:  # the CPU named: on a GPU machine the plain run would take the GPU and other bits
+        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu")
         monkeypatch.setenv("HETERO_STANDIN", "1")
-        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config)
+        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu")
         monkeypatch.delenv("HETERO_STANDIN")
         assert strict["losses"] == plain["losses"] and strict["grad_norm"] == plain["grad_norm"], config
         for k, v in plain["state"].items():
