@@ -259,7 +259,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     step_s = (time.perf_counter() - start) / steps
     if args.profile:
         ids = batches[0].to(dev)
-        _profile(name, lambda: step(ids[:, :-1], ids[:, :-1]), sync, args.profile)
+        _profile(name, lambda: step(ids[:, :-1], ids[:, :-1]), cuda, args.profile)
     extra = close() or {}
     out = {
         "name": name,
@@ -294,18 +294,20 @@ _WAITS = (
 )
 
 
-def _profile(name: str, step: Any, sync: Any, out_dir: str) -> None:
+def _profile(name: str, step: Any, cuda: bool, out_dir: str) -> None:
     """One more step under torch.profiler: the operator tables, the waits with the Python stacks that made them,
     and a trace Perfetto opens (gzipped)."""
     import gzip
 
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(out_dir, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if sync is not _no_sync else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts, with_stack=True, record_shapes=False) as prof:
         step()
-        sync()
+        if cuda:
+            torch.cuda.synchronize()
     lines = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
     with_device = "self_device_time_total" if hasattr(prof.key_averages()[0], "self_device_time_total") else None
     if with_device and len(acts) > 1:
@@ -424,7 +426,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, machine
                 "rss_ratio": a["peak_rss_mb"] / b["peak_rss_mb"],
                 "gpu_peak_ratio": a.get("gpu_peak_reserved_mb", 0) / max(b.get("gpu_peak_reserved_mb", 0), 1e-9),
             }
-    return {"machine": machine, "shape": vars(args) | {"passthrough": None}, "configs": results, "races": races}
+    return {"machine": machine, "shape": vars(args), "configs": results, "races": races}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,7 +117,6 @@ class DelayedUpdate:
         self._next = 0  # index into `order` of the next chunk to step
         # The chunk whose math runs now, and its result: (sum of squares, start, end).
         self._running: tuple[ZeroChunk, Future[tuple[torch.Tensor, float, float]]] | None = None
-        self._taken: dict[int, torch.Tensor] = {}  # chunk id -> its gradient's sum of squares taken on the device
         self._stepped: set[int] = set()  # chunks of the pending update that have stepped (ids)
         # Per chunk: its new parameter values (compute dtype, this rank's range) until they are applied.
         self._values: dict[int, Chunk] = {}
@@ -212,7 +211,6 @@ class DelayedUpdate:
             self.manager.unpin(zc.grad)
             self.manager.unpin(zc.optim)
             self.manager.unpin(self._values[id(zc)])
-        self._taken.clear()
         self.plan = None
         self._worker.shutdown(wait=True)
         for h in self._handles:
@@ -244,8 +242,6 @@ class DelayedUpdate:
         algorithm, coef, fused = self.updater.algorithm, plan.coef, plan.fused_norm
         # Taken on the device on the gradient's way to the host (hetero/zero/host_grads.py): the worker skips it.
         pre, zc.grad_sq = zc.grad_sq, None
-        if fused and pre is not None:
-            self._taken[id(zc)] = pre
         # The step is counted here, in order; the generic path counts it in its own update, on the worker.
         runs = zc.update_segments(used) if algorithm.generic is None else None
         group = plan.groups[zc.spec.group]
@@ -253,7 +249,7 @@ class DelayedUpdate:
         def math() -> tuple[torch.Tensor, float, float]:
             t0 = time.perf_counter()
             with torch.no_grad():
-                sq = sum_of_squares(grad) if fused and pre is None else torch.zeros((), dtype=torch.float64)
+                sq = (sum_of_squares(grad) if pre is None else pre) if fused else torch.zeros((), dtype=torch.float64)
                 step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
                 values.copy_(master)
             return sq, t0, time.perf_counter()
@@ -274,9 +270,8 @@ class DelayedUpdate:
             m.unpin(zc.grad)
             m.unpin(zc.optim)
             m.unpin(self._values[id(zc)])
-        pre = self._taken.pop(id(zc), None)
         if self.plan is not None and self.plan.fused_norm:
-            self.plan.add_sq(sq if pre is None else pre)  # one on the GPU is read at the update's end
+            self.plan.sq.add(sq)  # one on the GPU is read at the update's end
         if self.updater.on_span is not None:
             name = f"step chunk {zc.spec.index} (delayed)"
             self.updater.on_span("optimizer", name, t0, t1)

@@ -36,7 +36,7 @@ import torch
 
 from hetero.memory import Tier
 from hetero.zero.protocol import UPDATE, reduce_order
-from hetero.zero.update import Plan, Updater
+from hetero.zero.update import Plan, SquareSum, Updater
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
@@ -71,7 +71,7 @@ class InBackward:
         u = self.updater
         # No scale and no clipping (the config refuses them): the norm is only reported, summed as chunks step.
         groups = [dict(g) for g in u.param_groups]
-        self.plan = Plan(coef=1.0, used_of=[], fused_norm=True, sq=torch.zeros((), dtype=torch.float64), groups=groups)
+        self.plan = Plan(coef=1.0, used_of=[], fused_norm=True, sq=SquareSum(), groups=groups)
         self._next = 0
         self._used.clear()
         first = self.order[0]

@@ -37,6 +37,7 @@ from hetero.zero.protocol import UPDATE, Checker
 from hetero.zero.zero_chunk import ZeroChunk
 
 if TYPE_CHECKING:
+    from hetero.device import Device
     from hetero.zero.delayed import DelayedUpdate
     from hetero.zero.in_backward import InBackward
 
@@ -119,7 +120,7 @@ class Updater:
             self.prefetch(i, zc.placement.compute, order)
         grad = zc.grad_view()
         if plan.fused_norm:
-            plan.add_sq(chunk_sum_of_squares(zc, grad))
+            plan.sq.add(chunk_sum_of_squares(zc, grad))
         self._step_chunk(zc, grad, plan.coef, used, gather=gather)
         if streamed:
             self.release_stepped(zc)
@@ -143,7 +144,7 @@ class Updater:
             and self.mesh.tp_size == 1
             and self.mesh.pp_size == 1
         )
-        sq, finite = (torch.zeros((), dtype=torch.float64), True) if fused_norm else self.grad_stats()
+        sq, finite = (0.0, True) if fused_norm else self.grad_stats()
         self.last_update_skipped = False
         if self.scaler is not None:
             overflow = not finite
@@ -164,20 +165,17 @@ class Updater:
         used = torch.cat([zc.used for zc in self.chunks])
         self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
         used_of = used.split([len(zc.spec.params) for zc in self.chunks])
-        sq_t = sq if fused_norm else torch.zeros((), dtype=torch.float64)
         # The hyperparameters as they are now: a scheduler may change them before a delayed update runs.
         groups = [dict(g) for g in self.param_groups]
-        return Plan(coef=coef, used_of=list(used_of), fused_norm=fused_norm, sq=sq_t, groups=groups)
+        return Plan(coef=coef, used_of=list(used_of), fused_norm=fused_norm, sq=SquareSum(), groups=groups)
 
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
         if plan.fused_norm:
-            if plan.sq_device is not None:
-                plan.sq += self.manager.device.to_host(plan.sq_device, torch.float64)
-                plan.sq_device = None
+            sq = plan.sq.total(self.manager.device)
             if zc_sharded(self.chunks):
-                self.comm.control.all_reduce(plan.sq, op="sum")
-            self.last_grad_norm = math.sqrt(float(plan.sq))
+                self.comm.control.all_reduce(sq, op="sum")
+            self.last_grad_norm = math.sqrt(float(sq))
         self.global_steps += 1
         # Buffers cached for reuse would sit through the next forward, where the step's memory peaks (activations):
         # give them back. Backward takes what it needs again.
@@ -237,12 +235,11 @@ class Updater:
         every tensor rank, so each rank counts 1 / degree of it."""
         mesh = self.mesh
         tp = mesh.tp_size
-        sums = Plan(coef=1.0, used_of=[], fused_norm=True, sq=torch.zeros((), dtype=torch.float64), groups=[])
-        sq = sums.sq
+        sums = SquareSum()
         for zc in self.chunks:
             g = zc.grad_view()
             if tp == 1 and all(counts_in_norm(info.param) for info in zc.spec.params):
-                sums.add_sq(chunk_sum_of_squares(zc, g))  # a part on a GPU is read once, below
+                sums.add(chunk_sum_of_squares(zc, g))
                 continue
             lo, _ = zc.kept_range()
             for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
@@ -250,9 +247,8 @@ class Updater:
                     continue
                 cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
                 weight = 1.0 / (cut.replicas if cut is not None else tp)
-                sq += weight * zc.device.to_host(sum_of_squares(g[a - lo : b - lo]))
-        if sums.sq_device is not None:
-            sq += self.manager.device.to_host(sums.sq_device, torch.float64)
+                sums.add(weight * zc.device.to_host(sum_of_squares(g[a - lo : b - lo])))
+        sq = sums.total(self.manager.device)
         if zc_sharded(self.chunks):  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
             self.comm.control.all_reduce(sq, op="sum")
         mesh.tp.control.all_reduce(sq, op="sum")
@@ -291,17 +287,30 @@ class Plan:
     coef: float  # the gradient's multiplier: loss unscaling and clipping in one
     used_of: list[torch.Tensor]  # per chunk: which parameters got a gradient on some rank
     fused_norm: bool  # the norm is only reported: summed while the chunks step, into `sq`
-    sq: torch.Tensor  # float64 sum of squares (fused_norm)
+    sq: SquareSum  # the gradient's sum of squares (fused_norm)
     groups: list[dict[str, Any]]  # the param groups' hyperparameters at the update
-    sq_device: torch.Tensor | None = None  # the part summed on a GPU, read once in `Updater.finish`
 
-    def add_sq(self, part: torch.Tensor) -> None:
-        """Add one chunk's sum of squares. One on a GPU stays there until the update ends: reading each (a wait for
-        the GPU) would stall the host between chunks, and in the delayed update in the middle of forward."""
+
+class SquareSum:
+    """A float64 sum of squares added up chunk by chunk. A part on a GPU stays there until the total is read: reading
+    each (a wait for the GPU) would stall the host between chunks, and in the delayed update in the middle of forward.
+    """
+
+    def __init__(self) -> None:
+        self.host = torch.zeros((), dtype=torch.float64)
+        self.device: torch.Tensor | None = None
+
+    def add(self, part: torch.Tensor) -> None:
         if part.device.type == "cpu":
-            self.sq += part.to(torch.float64)
+            self.host += part.to(torch.float64)
         else:
-            self.sq_device = part if self.sq_device is None else self.sq_device + part
+            self.device = part if self.device is None else self.device + part
+
+    def total(self, device: Device) -> torch.Tensor:
+        """The sum as a host float64 scalar (one wait for the GPU if a part is there)."""
+        if self.device is None:
+            return self.host
+        return self.host + device.to_host(self.device, torch.float64)
 
 
 def step_chunk(

@@ -71,7 +71,9 @@ class ZeroChunk:
         self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
         self.grad_is_zero = True  # nothing accumulated into the gradient since the last update
         self.grad_sq: torch.Tensor | None = None  # see hetero/zero/host_grads.py
-        self._reducing: tuple | None = None  # a reduce-scatter in flight: (handle, target, into the gradient itself)
+        # A reduce-scatter in flight: (handle, target, into the gradient itself, first since the update, a marker of
+        # its completion where it is known when issued).
+        self._reducing: tuple | None = None
         # Stages 2-3 in train_batch: sum the full gradient over the batch's micro-batches, reduce once at its end.
         self.accumulate_full = False
         self.batch_seen: set[int] = set()  # param ids with a gradient in grad_full this batch (accumulate_full)
@@ -289,8 +291,10 @@ class ZeroChunk:
         self.grad_is_zero = False
         what = f"the gradients of {self.label}"
         handle = self.comm.reduce_scatter_async(target, full, op="avg", what=what)
-        # A group of one "reduces" with a copy on the compute stream: done at this marker (hetero/zero/host_grads.py).
-        early = self.device.compute_marker() if self.comm.size == 1 else None
+        # A group of one "reduces" with a copy on the compute stream: done at this marker, which a gradient on its way
+        # to the host waits for (hetero/zero/host_grads.py).
+        to_host = not direct and self.grad.tier is not Tier.DEVICE and self.device.separate_memory
+        early = self.device.compute_marker() if to_host and self.comm.size == 1 else None
         self._reducing = (handle, target, direct, first, early)
 
     def finish_reduce(self) -> None:
