@@ -83,7 +83,10 @@ class _Registry:
     def add(self, t: torch.Tensor, kind: str, *, strong: bool) -> None:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        owner: Any = t if strong else weakref.ref(t, lambda _, k=key: self._forget(k))
+        # A weak entry lives as long as the storage, not the tensor registered: a view or a detached alias (a
+        # gradient autograd reshaped, a stage output sent on) outlives the operation's own output. torch keeps one
+        # Python object per live storage, so a weak reference to it dies with the storage's last tensor.
+        owner: Any = t if strong else weakref.ref(storage, lambda _, k=key: self._forget(k))
         with self._lock:
             self._entries[key] = (kind, storage._cdata, owner)
             self._released.pop(key, None)

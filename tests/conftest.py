@@ -36,3 +36,16 @@ def make_manager(tmp_path):
     yield make
     for m in made:
         m.close()
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """A test of what hetero does on a CPU device (the device tier in host memory: borrowed pool buffers, chunks read
+    in place with O_DIRECT, the CPU's ledgers) runs on the CPU whatever the machine: an engine or manager built
+    without a device takes the CPU, not a GPU, and not the stand-in (HETERO_STANDIN=1 runs the rest of the suite as if
+    on a GPU); processes it starts inherit the same. Returns the device to name."""
+    import hetero.device
+
+    monkeypatch.delenv("HETERO_STANDIN", raising=False)
+    monkeypatch.setattr(hetero.device, "default_device", lambda: torch.device("cpu"))
+    return "cpu"

@@ -27,9 +27,10 @@ RESIDENT_SHARE = fmt._resident_share
 
 
 @pytest.fixture
-def counted(monkeypatch):
+def counted(monkeypatch, cpu_device):
     """Bytes read with O_DIRECT during the test; every stretch of 8 KiB or more is eligible, even when cached (the
-    test models' files are small enough for the read-ahead of their headers to cache them whole)."""
+    test models' files are small enough for the read-ahead of their headers to cache them whole). On a CPU device:
+    chunks in device memory are read in place only there."""
     monkeypatch.setattr(fmt, "_DIRECT_MIN", 2 * fmt.DIRECT_ALIGN)
     monkeypatch.setattr(fmt, "_resident_share", lambda fd, offset, length: 0.0)
     seen = {"direct": 0}

@@ -220,7 +220,7 @@ def _world_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_collectives_match_local_math(world_size: int) -> None:
+def test_collectives_match_local_math(world_size: int, cpu_device) -> None:
     reports = run_distributed(_world_checks, world_size, timeout=110)
     assert len(reports) == world_size
     for report in reports:

@@ -59,7 +59,7 @@ def _hetero(name: str, steps: int, stage: int, rank: int = 0, world: int = 1) ->
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
-        engine.comm.all_reduce(mean, op="avg")
+        engine.comm.control.all_reduce(mean, op="avg")  # a host scalar: the control group
         losses.append(mean.item())
     state = engine.full_state_dict()
     algo = engine.algorithm

@@ -408,7 +408,7 @@ def test_estimator_counts_each_modes_rank():
 
 
 @pytest.mark.timeout(240)
-def test_tp_comm_measures_the_formulas():
+def test_tp_comm_measures_the_formulas(cpu_device):
     """benchmarks/tp_comm.py on tiny settings, 4 gloo ranks: for 2D and ring every layer's recorded bytes
     (both directions) equal the papers' formulas, and 2D holds a quarter of a layer's parameters. (The full run,
     every mode at 4 and 8 ranks on three models, is the benchmark's.)"""

@@ -412,7 +412,7 @@ def test_free_head_slots_are_not_stored(make_manager):
     assert c.free_head() == 0
 
 
-def test_transient_storage_borrows_pooled_memory_on_a_cpu_device(make_manager):
+def test_transient_storage_borrows_pooled_memory_on_a_cpu_device(make_manager, cpu_device):
     """[Note: transient storage on pooled memory]: on a CPU device a transient chunk gathered again takes a pooled
     buffer's memory into the same storage object (no fresh allocation, so no page faults), and every view made
     before the drop reads the new bytes; dropped, the storage holds nothing and the ledger is back where it was."""

@@ -96,7 +96,7 @@ import sys, torch, hetero
 from hetero.comm import init_from_env
 comm = init_from_env(timeout_s=60)
 t = torch.tensor([float(comm.rank + 1)])
-comm.all_reduce(t)
+comm.control.all_reduce(t)
 print(comm.rank, comm.size, float(t))
 """
 

@@ -18,10 +18,11 @@ from hetero.memory.pool import BufferPool
 from hetero.memory.tier import TierLedger
 
 try:
-    from tests import parity
+    from tests import parity, pipe_parity
     from tests.dist import run_distributed
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
+    import pipe_parity  # type: ignore[no-redef]
     from dist import run_distributed  # type: ignore[no-redef]
 
 
@@ -61,6 +62,23 @@ def test_device_and_host_memory_are_told_apart_and_not_mixed():
         d * torch.tensor(3.0)  # a 0-dim host scalar is fine, as with CUDA
     assert standin.collective_rule(h) is not None and standin.collective_rule(torch.ones(2)) is not None
     assert standin.collective_rule(d) is None
+
+
+def test_device_memory_stays_device_memory_while_any_view_of_it_lives():
+    """A compute output's storage is device memory for as long as the storage lives: a view or a detached alias (a
+    gradient autograd reshaped, a pipeline stage's output sent on) often outlives the operation's own output. The
+    registry once forgot the storage with the first tensor, and NCCL's rule then refused the view."""
+    import gc
+
+    dev = StandinDevice()
+    d = dev.to_device(torch.ones(4))
+    with dev.compute_context():
+        out = d * 2
+        alias = out.detach()  # no `_base`: nothing keeps `out` itself alive
+    del out
+    gc.collect()
+    assert standin.kind_of(alias) == standin.DEVICE
+    assert standin.collective_rule(alias) is None
 
 
 def test_pinned_host_bytes_follow_the_ledger_and_trim_gives_them_back(monkeypatch):
@@ -133,22 +151,47 @@ def test_a_group_of_one_gathers_from_where_the_shard_is(monkeypatch):
     assert moved == {}, moved
 
 
-def test_one_rank_with_host_gradients_trains_under_the_standin_as_without_it(monkeypatch):
+def test_one_rank_with_host_gradients_trains_under_the_standin_as_without_it(tmp_path, monkeypatch):
     """A group of one copies each reduced gradient to the host after a marker taken as the "reduction" (a copy on the
     compute stream) is queued, not when backward completes it later (hetero/zero/host_grads.py): the stand-in runs
-    that copy late, so a marker taken before the reduction would land a stale gradient."""
+    that copy late, so a marker taken before the reduction would land a stale gradient. Stages 0-1 reduce a host
+    gradient where it is: a stage-1 group of one once filled a device target from host memory (a GPU refuses that in
+    the compute)."""
     configs = [
+        {"zero_stage": 1, "offload": {"optimizer": "host"}},
+        {"zero_stage": 0, "offload": {"optimizer": "nvme"}, "grad_accumulation_steps": 2},
         {"zero_stage": 3, "offload": {"optimizer": "host"}},
         {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}, "grad_accumulation_steps": 2},
     ]
-    for config in configs:  # the CPU named: on a GPU machine the plain run would take the GPU and other bits
-        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu")
+    for i, config in enumerate(configs):  # the CPU named: on a GPU machine the plain run would take the GPU
+        nvme = str(tmp_path / str(i)) if "nvme" in repr(config) else None
+        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
         monkeypatch.setenv("HETERO_STANDIN", "1")
-        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu")
+        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
         monkeypatch.delenv("HETERO_STANDIN")
         assert strict["losses"] == plain["losses"] and strict["grad_norm"] == plain["grad_norm"], config
         for k, v in plain["state"].items():
             assert torch.equal(strict["state"][k], v), (config, k)
+
+
+def _pipeline(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out = pipe_parity.run(rank, world, {"zero_stage": 1, "parallel": {"pipeline": 2, "microbatches": 2}})
+    return {k: out[k] for k in ("losses", "eval_loss", "eval_fn_loss", "eval_logits")}
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_trains_and_evaluates_under_the_standin_as_without_it(monkeypatch):
+    """Two pipeline stages: what they send each other (activations, gradients, their headers) and what eval_batch
+    shares from the last stage are device memory under NCCL's rule, in train_batch and in eval_batch alike (the
+    evaluation once ran its exchanges outside the device's compute, with headers and buffers in host memory)."""
+    plain = run_distributed(_pipeline, 2, timeout=120)
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    strict = run_distributed(_pipeline, 2, timeout=240)
+    for a, b in zip(plain, strict):
+        for k in ("losses", "eval_loss", "eval_fn_loss"):
+            assert a[k] == b[k], k
+        assert torch.equal(a["eval_logits"], b["eval_logits"])
 
 
 def test_collectives_take_device_memory_only(monkeypatch):

@@ -136,7 +136,7 @@ def _tp_parity(rank: int, world: int, family: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["gpt", "gpt2", "llama"])
-def test_tp2_matches_single_process(family):
+def test_tp2_matches_single_process(family, cpu_device):
     if family != "gpt":
         pytest.importorskip("transformers")
     out = run_distributed(_tp_parity, 2, family, timeout=240)
@@ -171,7 +171,7 @@ def _cross_entropy(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_vocab_parallel_cross_entropy_and_collectives():
+def test_vocab_parallel_cross_entropy_and_collectives(cpu_device):
     run_distributed(_cross_entropy, 2, timeout=100)
 
 

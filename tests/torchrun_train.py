@@ -26,7 +26,7 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
-        engine.comm.all_reduce(mean, op="avg")
+        engine.comm.control.all_reduce(mean, op="avg")  # a host scalar: the control group
         losses.append(mean.item())
     state = engine.full_state_dict()
     if rank == 0:

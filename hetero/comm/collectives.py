@@ -159,7 +159,8 @@ class Collectives:
         what = f"reduce_scatter of {what or f'{inp.numel()} {inp.dtype} elements'}"
         with torch.no_grad():
             if self._local:
-                out.copy_(inp.reshape(out.shape))
+                if out.data_ptr() != inp.data_ptr() or out.numel() != inp.numel():  # else in place: nothing to do
+                    out.copy_(inp.reshape(out.shape))
                 return
             self._check_data(what, out, inp)
             n = out.numel()

@@ -55,7 +55,8 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
             ys = [to_device_tree(y, engine.device) for y in split_batch(labels, m)]
             total, outputs = _run(engine, xs, ys if labels is not None else None, loss_fn)
             if labels is None:
-                return _share(outputs, engine.pipeline_runtime(), m)
+                with engine.device.compute_context():  # headers and buffers are device memory (NCCL's rule)
+                    return _share(outputs, engine.pipeline_runtime(), m)
     mean = (total / m).to(torch.float32)
     mesh.pp.control.all_reduce(mean, op="sum")  # only the ranks holding last stages have a non-zero sum
     mesh.dp.control.all_reduce(mean, op="avg")
@@ -86,7 +87,8 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
     total = torch.zeros((), dtype=torch.float32)
     outputs: dict[int, torch.Tensor] = {}
     gathers = engine.gathers
-    with engine.trace_step():
+    # The exchanges run in the device's compute too: headers and received buffers are device memory (NCCL's rule).
+    with engine.trace_step(), engine.device.compute_context():
         try:
             for item in prog:
                 if isinstance(item, Exchange):
@@ -97,8 +99,7 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
                 x = xs[mb] if s == 0 else inbox.pop((0, mb, s))
                 last = s == rt.last_stage
                 with_labels = last and ys is not None and loss_fn is None
-                with engine.device.compute_context():
-                    y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
+                y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
                 if last and ys is not None:
                     loss = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
                     total += engine.device.to_host(loss.detach(), torch.float32, copy=True)

@@ -89,8 +89,13 @@ class DenseReduce:
             handle = self.comm.all_reduce_async(buf, op="avg", what=what)
         else:  # stage 1: each rank updates its shard and needs only its shard's mean
             lo, hi = zc.kept_range()
-            target = zc.device.empty((hi - lo,), torch.float32)
-            handle = self.comm.reduce_scatter_async(target, buf, op="avg", what=what)
+            if staged or zc.grad.tier is Tier.DEVICE or not zc.device.separate_memory:
+                target = zc.device.empty((hi - lo,), torch.float32)
+                handle = self.comm.reduce_scatter_async(target, buf, op="avg", what=what)
+            else:
+                # A host gradient the group reduces where it is (gloo, or a group of one): into its own shard's
+                # range, never through device memory (a device target would be filled from host memory).
+                handle = self.comm.reduce_scatter_async(buf[lo:hi], buf, op="avg", what=what)
         self._running[id(zc)] = (handle, acc, buf, target, staged)
 
     def _finish(self, zc: ZeroChunk) -> None:
