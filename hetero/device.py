@@ -325,6 +325,8 @@ class StandinDevice(Device):
         return out
 
     def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
+        if standin.kind_of(t) == standin.DEVICE:
+            self.standin.waited("to_host")  # a copy into pageable memory: the host waits for it
         if standin.kind_of(t) == standin.HOST and not copy:
             return t if dtype is None or t.dtype == dtype else standin.register(t.to(dtype), standin.HOST)
         with torch._C._DisableTorchDispatch():  # a host copy is not device memory, whatever the compute context

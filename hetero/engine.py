@@ -319,6 +319,8 @@ class Engine:
             self.in_backward.begin(boundary=boundary)
         with self.device.compute_context():
             (loss * scale if scale != 1.0 else loss).backward()
+            for zc in self.trainable:
+                zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()

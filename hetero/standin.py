@@ -36,6 +36,7 @@ import os
 import random
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -211,6 +212,22 @@ class _CopyEngine:
 
 
 # ---- compute on the device ----------------------------------------------------------------------------------------
+# [Note: host waits]
+# On a GPU the host queues kernels and runs ahead; an operation that needs a device value on the host (`item()`, a
+# condition on a tensor, `nonzero` and other ops whose output size depends on the data, a copy to pageable host
+# memory) makes it wait until the device has run everything queued before, and the device then idles while the host
+# catches up. The stand-in records each such operation on device memory made in the compute (`Standin.waits`), so a
+# test can say how many waits a step may have and where (one H200 profile found a wait per tile of an embedding,
+# and one per chunk in the update, costing tens of milliseconds a step).
+_WAITS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
+
+
 class _Compute(TorchDispatchMode):
     """See the note: outputs of operations are device memory; host-tier operands next to device memory fail; what
     an operation writes in device memory is stamped with the compute clock."""
@@ -224,6 +241,8 @@ class _Compute(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         kinds = [kind_of(t) if t.dim() > 0 else None for t in tensors]
+        if func in _WAITS and any(kind_of(t) == DEVICE for t in tensors):
+            self.standin.waited(str(func))
         if DEVICE in kinds and HOST in kinds:
             host = next(t for t, k in zip(tensors, kinds) if k == HOST)
             raise StandinError(
@@ -233,7 +252,11 @@ class _Compute(TorchDispatchMode):
             )
         out = func(*args, **kwargs)
         clock = self.standin.clock
-        for t in tree_flatten(out)[0]:
+        # A tensor made from nothing (a factory) is device memory, as the model's `device=x.device` makes it; one
+        # computed only from memory the stand-in never saw (a CPU tensor of the engine's bookkeeping) stays where
+        # a GPU would leave it, on the host.
+        made = not tensors or any(kind_of(t) == DEVICE for t in tensors)
+        for t in tree_flatten(out)[0] if made else ():
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
                 register(t, DEVICE)
                 _registry.mark_written(t, clock)
@@ -257,6 +280,13 @@ class Standin:
         self._lock = threading.Lock()
         self._engine = _CopyEngine(seed)
         self.pinned = 0  # bytes of host memory registered as pinned
+        self.waits: list[tuple[str, str]] = []  # (what, where): the host waiting for the device ([Note: host waits])
+
+    def waited(self, what: str) -> None:
+        """The host waits here for the device's queue to run dry: record what and where (hetero's frames)."""
+        frames = [f for f in traceback.extract_stack()[:-2] if "/hetero/" in f.filename and "standin" not in f.filename]
+        where = " < ".join(f"{f.filename.rsplit('/hetero/', 1)[1]}:{f.lineno}" for f in reversed(frames[-4:]))
+        self.waits.append((what, where))
 
     @property
     def clock(self) -> int:

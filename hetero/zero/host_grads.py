@@ -16,6 +16,14 @@ would wait for the GPU to run dry once a chunk, and the GPU would then idle whil
 group of one "reduces" with a copy on the compute stream, so its marker is taken right then (`ZeroChunk.start_reduce`)
 and the copy overlaps the backward kernels queued after it. (With NCCL the reduction ends on its own stream, and the
 marker is taken after waiting for it.)
+
+[Note: stage 0-1 gradients summed on the device]
+Stages 0-1 accumulate each parameter's gradient into the chunk's full-size gradient buffer as it arrives. With that
+buffer on the host, `acc.add_(grad.to("cpu"))` per parameter is a copy into pageable memory, which the host waits
+for: on a GPU every parameter's gradient hook would wait for the whole queue of backward kernels before it (the
+stand-in counts 19 such waits a step for the tiny test GPT, [Note: host waits]). So a chunk's gradients of one
+micro-batch are summed into a device buffer (`HostSum`) and go down once, when the chunk has them all (or at the end
+of backward), through pinned memory as the reduced gradients of stages 2-3 do.
 """
 
 from __future__ import annotations
@@ -51,3 +59,28 @@ def chunk_sum_of_squares(zc: ZeroChunk, grad: torch.Tensor) -> torch.Tensor:
     device on the gradient's way to the host if there is one (consumed), else computed where the gradient is."""
     sq, zc.grad_sq = zc.grad_sq, None
     return sum_of_squares(grad) if sq is None else sq
+
+
+class HostSum:
+    """One chunk's gradients of the micro-batch, summed on the device on their way to its host gradient buffer
+    (stages 0-1); see [Note: stage 0-1 gradients summed on the device]."""
+
+    def __init__(self, zc: ZeroChunk) -> None:
+        self.zc = zc
+        self.buf: torch.Tensor | None = None  # device memory, the gradient buffer's size, while gradients arrive
+
+    def add(self, offset: int, flat: torch.Tensor) -> None:
+        if self.buf is None:
+            self.buf = self.zc.device.empty((self.zc.grad.capacity,), torch.float32).zero_()
+        self.buf.narrow(0, offset, flat.numel()).add_(flat)
+
+    def flush(self) -> None:
+        """Add what arrived into the host buffer (replacing its zeros when nothing is accumulated there yet)."""
+        if self.buf is None:
+            return
+        buf, self.buf = self.buf, None
+        zc = self.zc
+        acc = zc.grad_buffer()
+        with zc.manager.pinned(zc.grad):
+            grad_to_host(zc.device, acc, buf, first=zc.grad_is_zero)  # its square sum is before the reduction: unused
+        zc.grad_is_zero = False

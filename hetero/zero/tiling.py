@@ -323,7 +323,7 @@ def embedding_rows(
     """`out` (one row per id) with the rows of the tile `w` (the embedding's rows [lo, lo + len(w))) filled in where
     the ids fall in it. On a GPU without `nonzero`, which waits for the GPU to tell the host how many ids hit: every id
     looks a row up (clamped into the tile) and a select keeps the ones inside. The host a step ahead of the GPU is
-    what keeps it busy (the H200's profile: 42 ms waited there per step). sync_free None: on any device but the CPU."""
+    what keeps it busy (the H200: 42 ms waited per step). sync_free: separate_memory (None: not a CPU)."""
     local = ids - lo
     inside = (local >= 0) & (local < w.shape[0])
     if not (ids.device.type != "cpu" if sync_free is None else sync_free):
@@ -371,7 +371,7 @@ class _TiledEmbedding(torch.autograd.Function):
             try:
                 if out is None:
                     out = torch.zeros(flat.numel(), w.shape[1], dtype=w.dtype, device=w.device)
-                out = embedding_rows(out, w, flat, lo)
+                out = embedding_rows(out, w, flat, lo, sync_free=e.chunk.device.separate_memory)
                 lo += w.shape[0]
             finally:
                 r.close(e)
@@ -388,7 +388,8 @@ class _TiledEmbedding(torch.autograd.Function):
             rows, dim = e.info.shape
             if t.trainable:
                 # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
-                g = embedding_grad_rows(r.grad_out(e, dy).zero_(), dy2, flat, lo)
+                g = r.grad_out(e, dy).zero_()
+                g = embedding_grad_rows(g, dy2, flat, lo, sync_free=e.chunk.device.separate_memory)
                 pad = ctx.padding_idx
                 if pad is not None and lo <= pad < lo + rows:
                     g[pad - lo].zero_()

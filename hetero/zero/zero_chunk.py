@@ -15,7 +15,7 @@ from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
 from hetero.zero import master as master_weights
 from hetero.zero import released
-from hetero.zero.host_grads import grad_to_host
+from hetero.zero.host_grads import HostSum, grad_to_host
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.segments import update_segments
 from hetero.zero.stages import STAGES, Placement, master_is_shard
@@ -71,6 +71,7 @@ class ZeroChunk:
         self.used_numel = sum(p.numel for p in spec.params)  # elements before the padding
         self.grad_is_zero = True  # nothing accumulated into the gradient since the last update
         self.grad_sq: torch.Tensor | None = None  # see hetero/zero/host_grads.py
+        self.host_sum = HostSum(self)  # stages 0-1, a gradient on the host: summed on the device first (ibid.)
         # A reduce-scatter in flight: (handle, target, into the gradient itself, first since the update, a marker of
         # its completion where it is known when issued).
         self._reducing: tuple | None = None
@@ -237,13 +238,17 @@ class ZeroChunk:
                 region.copy_(flat)
             if self.accumulate_full:
                 self.batch_seen.add(id(info.param))
+        elif self.placement.compute is not Tier.DEVICE and self.device.separate_memory:
+            self.host_sum.add(info.offset, flat)
         else:
-            buf = self.grad_buffer()
-            buf.narrow(0, info.offset, info.numel).add_(self._to(flat, self.grad.tier))
+            self.grad_buffer().narrow(0, info.offset, info.numel).add_(flat)
             self.grad_is_zero = False
         self.grads_seen.add(id(info.param))
         self.used[self._index[id(info.param)]] = 1
-        return len(self.grads_seen) == self.n_trainable
+        if len(self.grads_seen) < self.n_trainable:
+            return False
+        self.host_sum.flush()
+        return True
 
     def grad_target(self, e: Entry) -> torch.Tensor | None:
         """Where `e`'s gradient may be computed in place (a tile's: tiling.py): its region of grad_full, or None."""
@@ -261,10 +266,6 @@ class ZeroChunk:
         if chunk.slots[0].state is _T.FREE:
             chunk.set_state(chunk.slots[0], _T.HOLD)
         return buf
-
-    def _to(self, t: torch.Tensor, tier: Tier | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """`t` (device memory) where a buffer on `tier` can take it."""
-        return self.device.to_device(t, dtype) if tier is Tier.DEVICE else self.device.to_host(t, dtype)
 
     def start_reduce(self) -> None:
         """Issue the reduce-scatter of this micro-batch's gradient (mean over ranks); `finish_reduce` completes it.
@@ -308,9 +309,8 @@ class ZeroChunk:
             m.unpin(self.grad)
         elif self.grad.tier is not Tier.DEVICE and self.device.separate_memory:
             self.grad_sq = grad_to_host(self.device, self.grad_buffer(), target, first=first, ready=early)
-        else:
-            acc = self.grad_buffer()
-            acc.add_(self._to(target, self.grad.tier))
+        else:  # the gradient where the target is (on the device, or a CPU device's host memory)
+            self.grad_buffer().add_(target)
         m.unpin(self.grad_full)
         self.grad_full.set_state(self.grad_full.slots[0], _T.FREE)
         m.release(self.grad_full)
