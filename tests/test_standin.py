@@ -195,19 +195,11 @@ def test_a_pipeline_trains_and_evaluates_under_the_standin_as_without_it(monkeyp
 
 
 WAIT_FREE = {
-    "z3-device": {"zero_stage": 3},
     "z3-host": {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}},
-    "z3-host-delayed": {
-        "zero_stage": 3,
-        "offload": {"optimizer": "host"},
-        "delayed_param_update": True,
-        "delayed_param_update_warmup": 0,
-    },
-    "z3-host-in-backward": {"zero_stage": 3, "offload": {"optimizer": "host"}, "update_in_backward": True},
     "z3-tiles": {"zero_stage": 3, "chunk_size": 1024, "tiling": True},
     "z1-host": {"zero_stage": 1, "offload": {"optimizer": "host"}},
     "z0-nvme-accum": {"zero_stage": 0, "offload": {"optimizer": "nvme"}, "grad_accumulation_steps": 2},
-}
+}  # and three of CONFIGS (below)
 
 
 @pytest.mark.timeout(300)
@@ -217,7 +209,8 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
     bound for the host went down parameter by parameter through pageable memory (19 waits a step here), the delayed
     update's flags of used parameters looked device-resident, and the tiled embedding counted its hits."""
     monkeypatch.setenv("HETERO_STANDIN", "1")
-    for name, config in WAIT_FREE.items():
+    more = {k: CONFIGS[k] for k in ("z3-device", "z3-host-delayed", "z3-host-in-backward")}
+    for name, config in {**WAIT_FREE, **more}.items():
         config = {"chunk_size": parity.CHUNK, **config}
         if "nvme" in name:
             config["memory"] = {"nvme_dir": str(tmp_path)}
