@@ -265,6 +265,31 @@ class Device:
                     t.record_stream(stream)
         stream.synchronize()
 
+    def copy_later(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any) -> Any:
+        """Start copying device memory `src` into host memory `dst` after `after` (a `compute_marker`) and return at
+        once with a handle for `landed`; until it has landed the host must neither read nor reuse `dst`. See [Note:
+        copies the host does not wait for] in hetero/memory/moves.py. None: already done (no CUDA)."""
+        if not self.is_cuda:
+            dst.copy_(src)
+            return None
+        stream = self._copy_stream()
+        with torch.cuda.stream(stream):
+            stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)  # the caching allocator keeps `src` until the copy is done
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def landed(self, handle: Any, *, wait: bool = True) -> bool:
+        """Whether a `copy_later` is done; wait: block until it is."""
+        if handle is None:
+            return True
+        if wait:
+            handle.synchronize()
+            return True
+        return bool(handle.query())
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
@@ -364,6 +389,16 @@ class StandinDevice(Device):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> None:
         self.standin.copy(dst, src, after)
+
+    def copy_later(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any) -> Any:
+        return self.standin.copy(dst, src, after, wait=False)
+
+    def landed(self, handle: Any, *, wait: bool = True) -> bool:
+        if handle is None:
+            return True
+        if wait:
+            handle.result()
+        return handle.done()
 
 
 def make_device(device: torch.device | str | int | None = None) -> Device:

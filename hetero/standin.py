@@ -305,7 +305,8 @@ class Standin:
         _registry.mark_released(buf, clock)
         poison(buf)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any, *, wait: bool = True) -> Future | None:
+        """A copy on the copy engine, after its checks; wait False: return at once with its Future (it lands late)."""
         touches = [t for t in (dst, src) if kind_of(t) != HOST]  # unknown memory counts as device: the strict side
         if touches:
             if not isinstance(after, Marker):
@@ -328,7 +329,11 @@ class Standin:
                     "queued after that marker wrote its memory: on a GPU the copy would race that write. Record the "
                     "marker after the compute that produces what the copy moves"
                 )
-        self._engine.submit(dst, src).result()
+        done = self._engine.submit(dst, src)
+        if not wait:
+            return done
+        done.result()
+        return None
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:

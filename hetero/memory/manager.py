@@ -254,6 +254,11 @@ class ChunkManager:
             for c in chunks:
                 c.pins -= 1
 
+    def land_later(self, chunk: Chunk, handle: Any) -> None:
+        """A `Device.copy_later` is writing into the chunk's payload: it stays where it is until the copy lands, and
+        the next call that needs it waits for that ([Note: copies the host does not wait for] in moves.py)."""
+        self._mover.land_later(chunk, handle)
+
     def release(self, chunk: Chunk) -> None:
         """Drop a chunk's payload (every tensor must be FREE); it becomes EMPTY and holds no memory."""
         if not chunk.all_free:

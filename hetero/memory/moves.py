@@ -15,6 +15,16 @@ because the parameter shard holds the same values ([Note: the master follows the
 `hetero/zero/master.py`), which takes a quarter of the optimizer's swap traffic away. A clean eviction (no
 write) is allowed only while every slot with data lies in the stored range. The NVMe ledger still counts the whole
 chunk: a later write may store all of it.
+
+[Note: copies the host does not wait for]
+A gradient reduced on the device goes down into its host chunk by a copy on a copy stream (hetero/zero/host_grads.py).
+`Device.copy` would make the host wait until those bytes are in place, which is a wait for the GPU to reach the copy's
+marker and, where the marker is taken when the copy is asked for (after an earlier micro-batch's sum is added, after
+an NCCL reduction), for the whole queue of kernels. Instead the copy is started with `Device.copy_later` and the
+chunk is handed to `land_later`: it stays pinned where it is (no eviction, no move, its host buffer never reused)
+until the copy has landed, and whoever asks for it next through the manager (`wait`: an access, a move, a release,
+the update's read) waits for that copy first. `poll` unpins the ones already done. The stand-in runs such a copy late
+on its copy engine, so a read that skipped the wait sees the old bytes and the run differs from the plain one.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ class Mover:
         self.counters = counters  # the manager's: moves, evictions, chained reads, ...
         self.room: RoomMaker | None = None  # set by the manager: the destination's room is made through it
         self.moving: dict[int, Chunk] = {}  # chunks with a move in flight
+        self.landing: dict[int, tuple[Chunk, Any]] = {}  # chunks a copy is still writing into (see land_later)
         self.moved: Counter[tuple[Tier, Tier]] = Counter()  # bytes moved per (src, dst)
         self.observers: list[Callable[[MoveEvent], None]] = []  # called on every finished move
         self.wait_seconds = 0.0  # time the driving thread spent waiting for moves
@@ -265,8 +276,28 @@ class Mover:
         return start, time.perf_counter()
 
     # ---- finishing ----------------------------------------------------------------------------------------
+    def land_later(self, chunk: Chunk, handle: Any) -> None:
+        """A `Device.copy_later` into the chunk's payload is in flight ([Note: copies the host does not wait for])."""
+        if handle is None:
+            return
+        self.land(chunk)  # one copy in flight per chunk: the one before has landed
+        chunk.pins += 1
+        self.landing[chunk.id] = (chunk, handle)
+
+    def land(self, chunk: Chunk, *, block: bool = True) -> bool:
+        """Whether no copy is writing into the chunk any more (block: wait for it); unpins it once landed."""
+        entry = self.landing.get(chunk.id)
+        if entry is None:
+            return True
+        if not self.device.landed(entry[1], wait=block):
+            return False
+        del self.landing[chunk.id]
+        chunk.pins -= 1
+        return True
+
     def wait(self, chunk: Chunk) -> None:
-        """Finish the chunk's move, if any, waiting for its bytes."""
+        """Finish the chunk's move, if any, waiting for its bytes (and for a copy landing in it)."""
+        self.land(chunk)
         move = chunk.move
         if move is None:
             return
@@ -278,13 +309,17 @@ class Mover:
 
     def poll(self) -> bool:
         """Finish every move that is done; True if any was."""
+        for chunk, _ in list(self.landing.values()):
+            self.land(chunk, block=False)
         done = [c for c in self.moving.values() if c.move.future.done()]
         for chunk in done:
             self.finish(chunk)
         return bool(done)
 
     def synchronize(self) -> None:
-        """Wait for every move in flight."""
+        """Wait for every move in flight, and every copy landing."""
+        for chunk, _ in list(self.landing.values()):
+            self.land(chunk)
         for chunk in list(self.moving.values()):
             self.wait(chunk)
 

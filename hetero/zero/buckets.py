@@ -104,13 +104,15 @@ class DenseReduce:
         on_device = zc.grad.tier is Tier.DEVICE
         # Down to a host gradient by a copy into its pinned memory, not through fresh pageable memory ([Note:
         # gradients to the host through pinned memory]).
+        # The copy lands while backward goes on ([Note: copies the host does not wait for]).
         if target is not None:
             if on_device or not zc.device.separate_memory:
                 zc.kept(acc).copy_(target)
             else:
-                zc.device.copy(zc.kept(acc), target, after=zc.device.compute_marker())
+                later = zc.device.copy_later(zc.kept(acc), target, after=zc.device.compute_marker())
+                self.manager.land_later(zc.grad, later)
         elif staged:
-            zc.device.copy(acc, buf, after=zc.device.compute_marker())
+            self.manager.land_later(zc.grad, zc.device.copy_later(acc, buf, after=zc.device.compute_marker()))
         self.manager.unpin(zc.grad)
         self._reduced.add(id(zc))
 

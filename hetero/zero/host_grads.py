@@ -32,25 +32,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.device import Device
 from hetero.zero.norms import sum_of_squares
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
 
-def grad_to_host(
-    device: Device, acc: torch.Tensor, target: torch.Tensor, *, first: bool, ready: Any = None
-) -> torch.Tensor:
-    """Put `target` (this micro-batch's reduced gradient, device memory, fp32) into `acc` (the host gradient chunk):
+def grad_to_host(zc: ZeroChunk, target: torch.Tensor, *, first: bool, ready: Any = None) -> torch.Tensor:
+    """Put `target` (this micro-batch's reduced gradient, device memory, fp32) into the chunk's host gradient buffer:
     replacing what is there when `first` (nothing accumulated since the update), else adding to it. `ready`: a
-    compute marker at which `target` was complete, if one was taken then (else one is taken now). Returns the
-    accumulated gradient's float64 sum of squares, a device scalar."""
+    compute marker at which `target` was complete, if one was taken then (else one is taken now). The copy lands
+    while the host goes on ([Note: copies the host does not wait for]). Returns the accumulated gradient's float64 sum
+    of squares, a device scalar."""
+    device = zc.device
+    acc = zc.grad_buffer()
     if not first:
         target.add_(device.to_device(acc))
         ready = None  # the sum is work queued now
     sq = sum_of_squares(target)
-    device.copy(acc, target, after=ready if ready is not None else device.compute_marker())
+    handle = device.copy_later(acc, target, after=ready if ready is not None else device.compute_marker())
+    zc.manager.land_later(zc.grad, handle)
     return sq
 
 
@@ -79,8 +80,5 @@ class HostSum:
         if self.buf is None:
             return
         buf, self.buf = self.buf, None
-        zc = self.zc
-        acc = zc.grad_buffer()
-        with zc.manager.pinned(zc.grad):
-            grad_to_host(zc.device, acc, buf, first=zc.grad_is_zero)  # its square sum is before the reduction: unused
-        zc.grad_is_zero = False
+        grad_to_host(self.zc, buf, first=self.zc.grad_is_zero)  # its square sum is before the reduction: unused
+        self.zc.grad_is_zero = False

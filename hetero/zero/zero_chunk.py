@@ -308,7 +308,7 @@ class ZeroChunk:
         if direct:
             m.unpin(self.grad)
         elif self.grad.tier is not Tier.DEVICE and self.device.separate_memory:
-            self.grad_sq = grad_to_host(self.device, self.grad_buffer(), target, first=first, ready=early)
+            self.grad_sq = grad_to_host(self, target, first=first, ready=early)
         else:  # the gradient where the target is (on the device, or a CPU device's host memory)
             self.grad_buffer().add_(target)
         m.unpin(self.grad_full)
