@@ -466,3 +466,25 @@ def test_elastic_pool_serves_other_sizes_from_one_buffer():
     assert pool.allocations == 1 and (ledger.current, ledger.cached) == (small, 0)
     pool.release(c)
     assert pool.trim() == small and ledger.used == 0
+
+
+def test_room_waits_for_a_copy_landing_in_a_victim_rather_than_fail(make_manager, monkeypatch):
+    """[Note: copies the host does not wait for]: a chunk a copy is still writing into stays pinned, and the next
+    access waits for the copy; making room that has no other victim waits for it to land and evicts it then, instead
+    of reporting the tier full."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")  # its device's copy handles are futures: one that lands in 0.2 s
+    numel = 1 << 14
+    m = make_manager(nvme=True, device_budget=1 << 20, host_budget=numel * 4)
+    a = m.new_chunk(dtype=torch.float32, capacity=numel, kind="grad")
+    slot = a.add_tensor("g", (numel,))
+    m.access(a, Tier.HOST).fill_(3.0)
+    a.set_state(slot, TensorState.HOLD)
+    copy = concurrent.futures.Future()
+    threading.Timer(0.2, copy.set_result, [None]).start()
+    m.land_later(a, copy)
+    assert not a.movable  # pinned while the copy writes into it
+    b = m.new_chunk(dtype=torch.float32, capacity=numel)
+    b.add_tensor("x", (numel,))
+    m.access(b, Tier.HOST)  # the host holds one of them: `a` must go once its copy has landed
+    assert copy.done() and a.tier is Tier.NVME and a.movable
+    assert torch.equal(m.access(a, Tier.DEVICE, write=False), torch.full((numel,), 3.0))
