@@ -240,8 +240,9 @@ class _Compute(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        kinds = [kind_of(t) if t.dim() > 0 else None for t in tensors]
-        if func in _WAITS and any(kind_of(t) == DEVICE for t in tensors):
+        every = [kind_of(t) for t in tensors]
+        kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
+        if func in _WAITS and DEVICE in every:
             self.standin.waited(str(func))
         if DEVICE in kinds and HOST in kinds:
             host = next(t for t, k in zip(tensors, kinds) if k == HOST)
@@ -255,7 +256,7 @@ class _Compute(TorchDispatchMode):
         # A tensor made from nothing (a factory) is device memory, as the model's `device=x.device` makes it; one
         # computed only from memory the stand-in never saw (a CPU tensor of the engine's bookkeeping) stays where
         # a GPU would leave it, on the host.
-        made = not tensors or any(kind_of(t) == DEVICE for t in tensors)
+        made = not tensors or DEVICE in every
         for t in tree_flatten(out)[0] if made else ():
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
                 register(t, DEVICE)

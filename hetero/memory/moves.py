@@ -309,8 +309,9 @@ class Mover:
 
     def poll(self) -> bool:
         """Finish every move that is done; True if any was."""
-        for chunk, _ in list(self.landing.values()):
-            self.land(chunk, block=False)
+        if self.landing:
+            for chunk, _ in list(self.landing.values()):
+                self.land(chunk, block=False)
         done = [c for c in self.moving.values() if c.move.future.done()]
         for chunk in done:
             self.finish(chunk)

@@ -38,18 +38,20 @@ if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
 
-def grad_to_host(zc: ZeroChunk, target: torch.Tensor, *, first: bool, ready: Any = None) -> torch.Tensor:
+def grad_to_host(
+    zc: ZeroChunk, target: torch.Tensor, *, first: bool, ready: Any = None, squares: bool = True
+) -> torch.Tensor | None:
     """Put `target` (this micro-batch's reduced gradient, device memory, fp32) into the chunk's host gradient buffer:
     replacing what is there when `first` (nothing accumulated since the update), else adding to it. `ready`: a
     compute marker at which `target` was complete, if one was taken then (else one is taken now). The copy lands
     while the host goes on ([Note: copies the host does not wait for]). Returns the accumulated gradient's float64 sum
-    of squares, a device scalar."""
+    of squares, a device scalar (squares False: None, not taken)."""
     device = zc.device
     acc = zc.grad_buffer()
     if not first:
         target.add_(device.to_device(acc))
         ready = None  # the sum is work queued now
-    sq = sum_of_squares(target)
+    sq = sum_of_squares(target) if squares else None
     handle = device.copy_later(acc, target, after=ready if ready is not None else device.compute_marker())
     zc.manager.land_later(zc.grad, handle)
     return sq
@@ -80,5 +82,5 @@ class HostSum:
         if self.buf is None:
             return
         buf, self.buf = self.buf, None
-        grad_to_host(self.zc, buf, first=self.zc.grad_is_zero)  # its square sum is before the reduction: unused
+        grad_to_host(self.zc, buf, first=self.zc.grad_is_zero, squares=False)  # before the reduction: no norm
         self.zc.grad_is_zero = False
