@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hetero
+import hetero.device
 from hetero import standin
 from hetero.device import StandinDevice
 from hetero.errors import CommError
@@ -97,6 +98,44 @@ def test_pinned_host_bytes_follow_the_ledger_and_trim_gives_them_back(monkeypatc
     assert host.cached == 0 and engine.device.pinned_bytes() == host.current
     engine.close()
     assert engine.device.pinned_bytes() == 0
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["cpu-device", "standin"])
+def test_the_update_gives_back_cached_buffers_unless_pinned(tmp_path, monkeypatch, pinned):
+    """Buffers the pools cached sit idle through the next phase of a step: the device's from backward through the
+    update, and on a CPU device (host memory not pinned) the host's, a window of the states streamed from NVMe,
+    through the next forward. The update gives them back; pinned host buffers stay (freeing pinned memory waits for
+    the whole GPU, and pinning again costs more than the copies it serves)."""
+    from hetero.zero.update import Updater
+
+    if pinned:
+        monkeypatch.setenv("HETERO_STANDIN", "1")
+    else:
+        monkeypatch.delenv("HETERO_STANDIN", raising=False)
+        monkeypatch.setattr(hetero.device, "default_device", lambda: torch.device("cpu"))
+    model = parity.build()
+    where = {"params": "nvme", "optimizer": "nvme"}
+    cfg = {"zero_stage": 3, "chunk_size": parity.CHUNK, "offload": where, "memory": {"nvme_dir": str(tmp_path)}}
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    assert isinstance(engine.device, StandinDevice) == pinned
+    device, host = engine.manager.ledgers[Tier.DEVICE], engine.manager.ledgers[Tier.HOST]
+    at_first_chunk = []
+    step_one = Updater.step_one
+
+    def spy(self, order, i, *args, **kwargs):
+        if i == 0:
+            at_first_chunk.append(device.cached)
+        return step_one(self, order, i, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "step_one", spy)
+    for x, y in parity.batches(3, 4):
+        engine.backward(engine(x, labels=y).loss)
+        assert device.cached > 0  # backward cached gradient buffers: what the update gives back
+        engine.step()
+        assert device.cached == 0
+        assert (host.cached > 0) if pinned else (host.cached == 0)
+    assert at_first_chunk == [0, 0, 0]
+    engine.close()
 
 
 def test_manager_moves_under_the_standin(tmp_path, monkeypatch):
