@@ -103,7 +103,7 @@ def test_profile_records_what_the_engine_accounts(tmp_path):
     assert sum(summary["activations"]["backward_released"].values()) > 0
 
     text = (out / "summary.txt").read_text()
-    for needle in ("peak per tier", "top holders", "bytes moved per tier pair", "prefetch:", "hit rate", "GB/s"):
+    for needle in ("peak per tier", "process RSS", "top holders", "bytes moved", "prefetch:", "hit rate", "GB/s"):
         assert needle in text
     assert (out / "timeline.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -119,7 +119,46 @@ def test_profile_records_what_the_engine_accounts(tmp_path):
     assert {"modules: forward", "modules: backward", "host->nvme", "nvme->host"} <= names
     assert sum(1 for e in events if e.get("cat") == "move") == len(prof.moves) > 0
     assert any(e["ph"] == "X" and e.get("cat") == "forward" and e["name"] == "layers.1.mlp" for e in events)
-    assert {e["name"] for e in events if e["ph"] == "C"} >= {"device ledger", "host by kind", "activations held"}
+    assert {e["name"] for e in events if e["ph"] == "C"} >= {
+        "device ledger",
+        "host by kind",
+        "activations held",
+        "process RSS",
+    }
+    engine.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_process_rss_peak_is_found_where_it_happens(tmp_path):
+    """The ledgers count hetero's buffers only ([Note: what the ledgers do not see] in hetero/profiler/rss.py): the
+    profile samples the process's RSS too and names the phase and module of its peak. A module that holds 256 MiB of
+    its own for 200 ms in its forward makes that peak."""
+    import time
+
+    import torch
+
+    engine = _engine(tmp_path)
+    _train(engine, 1)
+    held = 256 << 20
+
+    def hog(module, args, out):
+        buf = torch.ones(held // 4)  # written: every page resident
+        time.sleep(0.2)  # the sampler reads every 5 ms; a loaded machine may delay it
+        del buf
+
+    handle = engine.module.get_submodule("layers.1.mlp").register_forward_hook(hog)
+    out = tmp_path / "prof"
+    with hetero.profile(engine, out) as prof:
+        _train(engine, 2)
+    handle.remove()
+    rss = json.loads((out / "summary.json").read_text())["process_rss"]
+    assert rss["where"] == "forward of layers.1.mlp", rss
+    assert rss["peak_bytes"] >= rss["first_bytes"] + held * 3 // 4
+    assert rss["samples"] == len(prof.rss_series) >= 20
+    # On a CPU device the device tier is host memory too (the stand-in's is not).
+    assert rss["ledger_tiers"] == (["host"] if engine.device.separate_memory else ["device", "host"])
+    assert 0 <= rss["ledgers_at_peak"] < rss["peak_bytes"] - held
+    assert "process RSS" in (out / "summary.txt").read_text()
     engine.close()
 
 

@@ -1,5 +1,6 @@
 """The profile's timeline as a PNG: per tier, memory stacked by chunk kind over the recording, the exact ledger
-total on top, optimizer steps as dashed lines and chunk moves as ticks (arriving above the axis, leaving below).
+total on top, optimizer steps as dashed lines and chunk moves as ticks (arriving above the axis, leaving below);
+below them the process's RSS beside what the ledgers in host memory held.
 
 matplotlib is imported here only, and only when a profile is written (an optional dependency: hetero[profile]).
 It draws on a bare Figure with the Agg canvas, so it never touches pyplot's global state or a display.
@@ -13,15 +14,20 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from hetero.profiler.rss import host_tiers, value_at
+
 _MIB = 1 << 20
 _ORDER = ("param", "param_shard", "grad", "grad_full", "optim", "cached", "staging")
 
 
 def timeline_png(prof: Any, path: Path) -> None:
     tiers = list(prof.series)
-    fig = Figure(figsize=(12, 2.6 * len(tiers)), dpi=110, layout="constrained")
+    panels = len(tiers) + (1 if prof.rss_series else 0)
+    fig = Figure(figsize=(12, 2.6 * panels), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(tiers), 1, sharex=True, squeeze=False)[:, 0]
+    axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+    if prof.rss_series:
+        _rss_panel(prof, axes[-1])
     kinds_seen = {k for _, s in prof.samples for d in s.values() for k in d}
     kinds = [k for k in _ORDER if k in kinds_seen] + sorted(kinds_seen - set(_ORDER))
     times = [t for t, _ in prof.samples]
@@ -68,3 +74,18 @@ def timeline_png(prof: Any, path: Path) -> None:
     axes[-1].set_xlabel("seconds since the profile began (dashed: optimizer steps)")
     fig.suptitle("hetero memory timeline")
     fig.savefig(path)
+
+
+def _rss_panel(prof: Any, ax: Any) -> None:
+    """The process's RSS beside what hetero's ledgers in host memory held ([Note: what the ledgers do not see])."""
+    times = [t for t, _ in prof.rss_series]
+    ax.plot(times, [n / _MIB for _, n in prof.rss_series], color="black", linewidth=0.9, label="process RSS")
+    tiers = host_tiers(prof)
+    held = [sum(value_at(prof.series[tier], t) for tier in tiers) / _MIB for t in times]
+    label = f"{' + '.join(tiers)} ledgers"
+    ax.plot(times, held, drawstyle="steps-post", color="tab:purple", linewidth=0.8, label=label)
+    for t, _ in prof.steps:
+        ax.axvline(t, color="grey", linestyle="--", linewidth=0.7)
+    ax.set_ylabel("process (MiB)")
+    ax.set_ylim(0, max(n for _, n in prof.rss_series) / _MIB * 1.1)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)

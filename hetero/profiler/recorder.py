@@ -30,12 +30,14 @@ from hetero.device import allocated_bytes
 from hetero.memory import ChunkState, Tier
 from hetero.memory.manager import MoveEvent
 from hetero.profiler.activations import storage_key
+from hetero.profiler.rss import RssSampler
 
 log = logging.getLogger("hetero.profiler")
 
 # Seconds between by-kind samples after manager operations, at most: a burst of operations (an update, evictions)
 # is sampled at its end; module boundaries, steps and new peaks are always sampled.
 SAMPLE_INTERVAL = 1e-3
+RSS_INTERVAL = 5e-3  # seconds between samples of the process's RSS
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class Profile:
         self._update_start = 0.0  # when the update in progress began
         self._stop_after_step = False  # max_steps reached: stop once the step's bookkeeping is done
         self._device = engine.device.torch_device
+        self.rss_series: list[tuple[float, int]] = []  # the process's RSS ([Note: what the ledgers do not see])
+        self.rss_interval = RSS_INTERVAL
+        self._rss: RssSampler | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> Profile:
@@ -173,6 +178,8 @@ class Profile:
         ):
             self._undo.append(self.engine.events.subscribe(name, fn))
         self._sample(0.0, force=True)
+        self._rss = RssSampler(self.t0, interval=self.rss_interval)
+        self._rss.start()
 
     def stop(self) -> None:
         """Remove every hook, then write the outputs. Idempotent."""
@@ -184,6 +191,9 @@ class Profile:
         self._sample(self._now(), force=True)
         while self._undo:
             self._undo.pop()()
+        if self._rss is not None:
+            self._rss.stop()
+            self.rss_series, self._rss = self._rss.series, None
         self._stack.clear()
         self._saved.clear()
         self.counters = {k: v - self._counters0.get(k, 0) for k, v in self.manager.counters.items()}

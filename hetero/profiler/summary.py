@@ -8,6 +8,7 @@ from typing import Any
 
 from hetero.config import format_size
 from hetero.profiler.overlap import overlap
+from hetero.profiler.rss import rss_summary
 
 TOP = 10  # holders and modules listed
 
@@ -65,6 +66,7 @@ def summary_data(prof: Any) -> dict[str, Any]:
         "rank": prof.engine.data_parallel_rank,
         "world_size": prof.engine.data_parallel_size,
         "peaks": peaks,
+        "process_rss": rss_summary(prof),  # [Note: what the ledgers do not see]
         "moved": moved,
         "prefetch": {
             "hits": hits,
@@ -99,6 +101,15 @@ def summary_text(d: dict[str, Any]) -> str:
         lines.append(
             f"  {tier:<7}{format_size(p['bytes']):>12} of {budget:>11} budget   at {p['time']:.4f} s, {p['where']}"
         )
+    rss = d.get("process_rss")
+    if rss:
+        tiers = " and ".join(rss["ledger_tiers"])
+        lines += [
+            f"  process RSS {format_size(rss['peak_bytes']):>8} (sampled every {1e3 * rss['interval']:.0f} ms)"
+            f"   at {rss['time']:.4f} s, {rss['where']}: hetero's {tiers} ledgers held "
+            f"{format_size(rss['ledgers_at_peak'])}, the rest {format_size(rss['outside_ledgers_at_peak'])} "
+            "(activations, operators' temporaries, the C heap, the runtime)",
+        ]
     for tier, p in d["peaks"].items():
         if not p["bytes"]:
             continue

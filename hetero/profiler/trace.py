@@ -5,7 +5,7 @@ Tracks (threads of one process per rank): the step phases, module forward spans 
 (async: a module's backward uses of what it saved may interleave with its neighbours'), and one track per tier
 pair for chunk moves, one for the gradient collectives (issued to completed) and one for the optimizer's math per
 chunk (the delayed update's runs beside forward and backward). Counters: each tier's bytes by chunk kind, the exact
-ledger total, and activations held.
+ledger total, activations held, and the process's RSS.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
             events.append({"ph": "C", "name": f"{tier} ledger", "ts": _us(t), "pid": pid, "args": {"bytes": used}})
     for t, held in prof.activation_series:
         events.append({"ph": "C", "name": "activations held", "ts": _us(t), "pid": pid, "args": {"bytes": held}})
+    for t, rss in prof.rss_series:
+        events.append({"ph": "C", "name": "process RSS", "ts": _us(t), "pid": pid, "args": {"bytes": rss}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "hetero.profile"}}
 
 
