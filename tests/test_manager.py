@@ -488,3 +488,29 @@ def test_room_waits_for_a_copy_landing_in_a_victim_rather_than_fail(make_manager
     m.access(b, Tier.HOST)  # the host holds one of them: `a` must go once its copy has landed
     assert copy.done() and a.tier is Tier.NVME and a.movable
     assert torch.equal(m.access(a, Tier.DEVICE, write=False), torch.full((numel,), 3.0))
+
+
+def test_buffers_of_write_backs_landing_after_a_trim_are_given_back_at_the_next_access(make_manager, cpu_device):
+    """`trim_idle` at the update's end finds the last write-backs to NVMe still in flight: their host buffers reach
+    the pool's cache only when they land. On a CPU device the first access after they all have gives those back too
+    (they sat through the next forward, where the step's memory peaks)."""
+    numel = 1 << 14
+    m = make_manager(nvme=True)
+    chunks = []
+    for i in range(4):
+        c = m.new_chunk(dtype=torch.float32, capacity=numel)
+        slot = c.add_tensor(f"t{i}", (numel,))
+        m.access(c, Tier.HOST).fill_(float(i))
+        c.set_state(slot, TensorState.HOLD)
+        chunks.append(c)
+    for c in chunks[:3]:
+        m.move(c, Tier.NVME, wait=False)
+    m.trim_idle()  # the writes are in flight: nothing of theirs is cached yet
+    m.synchronize()  # they land: their host buffers are cached now
+    host = m.ledgers[Tier.HOST]
+    assert host.cached == 3 * numel * 4
+    m.access(chunks[3], Tier.HOST)
+    assert host.cached == 0
+    m.trim_idle()  # nothing in flight: nothing left to give back later
+    assert torch.equal(m.access(chunks[1], Tier.HOST, write=False), torch.full((numel,), 1.0))
+    assert host.cached == 0

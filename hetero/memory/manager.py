@@ -117,6 +117,7 @@ class ChunkManager:
         )
         self._next_id = 0
         self._clock = 0  # access counter, for LRU
+        self._trim_host_later = False  # trim_idle ran while write-backs were in flight: trim once they land
         self._closed = False
         # Hook points, any number of subscribers each: "access" and "step_begin" run before anything moves
         # (automatic placement adjusts the device budget there, hetero/memory/auto.py); "move" gets every finished
@@ -185,6 +186,9 @@ class ChunkManager:
         self._check_open()
         mover = self._mover
         mover.poll()
+        if self._trim_host_later and not self._writing():
+            self._trim_host_later = False
+            self.trim(Tier.HOST)
         self.events.emit("access")
         self._clock += 1
         self.counters["accesses"] += 1
@@ -337,7 +341,13 @@ class ChunkManager:
         freed = self.trim(Tier.DEVICE)
         if not self.device.separate_memory:
             freed += self.trim(Tier.HOST)
+            # The update's last write-backs to NVMe land after it returns, and give their host buffers to the pool
+            # then: the next access after they have all landed gives those back too.
+            self._trim_host_later = self._writing()
         return freed
+
+    def _writing(self) -> bool:
+        return any(c.move is not None and c.move.dst is Tier.NVME for c in self._mover.moving.values())
 
     def reset_peaks(self) -> None:
         for ledger in self.ledgers.values():
