@@ -157,8 +157,12 @@ def _meminfo() -> dict[str, int]:
 @contextlib.contextmanager
 def huge_pages_for(nbytes: int) -> Iterator[str | None]:
     """Make sure fio finds `nbytes` of free huge pages (hugetlbfs) for --iomem=mmaphuge; yields None when it does,
-    else the reason why not. Pages this reserves (through /proc/sys/vm/nr_hugepages, which needs root) are given
-    back afterwards. fio crashes rather than fall back when it finds too few, so it must not be run then."""
+    else the reason why not. fio crashes rather than fall back when it finds too few, so it must not be run then.
+
+    Where /proc/sys/vm/nr_hugepages is writable (root) this adds its own pages to the pool and takes exactly those
+    away again, whatever else the pool holds: a benchmark beside it doing the same (two test suites on one machine)
+    once saw its fio fail when this one set the pool back to its old size under it. Elsewhere it can only count on
+    pages already free."""
     info = _meminfo()
     if "Hugepagesize" not in info:
         yield "this system reports no huge pages (/proc/meminfo)"
@@ -166,29 +170,32 @@ def huge_pages_for(nbytes: int) -> Iterator[str | None]:
     page = info["Hugepagesize"] << 10
     need = -(-nbytes // page) + 4  # fio aligns and pads its buffer area: a few pages to spare
     free = info.get("HugePages_Free", 0)
-    if free >= need:
-        yield None
-        return
     try:
         with open(NR_HUGEPAGES) as f:
             before = int(f.read())
         with open(NR_HUGEPAGES, "w") as f:
-            f.write(str(before + need - free))
+            f.write(str(before + need))
     except OSError as e:
-        yield (
-            f"cannot reserve {need} huge pages ({e.strerror or e}): run `sysctl -w vm.nr_hugepages={need}` as root "
-            "before the benchmark"
-        )
+        if free >= need:
+            yield None
+        else:
+            yield (
+                f"cannot reserve {need} huge pages ({e.strerror or e}): run `sysctl -w vm.nr_hugepages={need}` as "
+                "root before the benchmark"
+            )
         return
     try:
-        got = _meminfo().get("HugePages_Free", 0)
+        got = _meminfo().get("HugePages_Free", 0) - free
         if got < need:  # physical memory too fragmented for that many 2 MiB pages
-            yield f"asked the kernel for {need} free huge pages and got {got} (memory fragmented)"
+            yield f"asked the kernel for {need} more free huge pages and got {got} (memory fragmented)"
         else:
             yield None
     finally:
-        with open(NR_HUGEPAGES, "w") as f:
-            f.write(str(before))
+        with contextlib.suppress(OSError):
+            with open(NR_HUGEPAGES) as f:
+                now = int(f.read())
+            with open(NR_HUGEPAGES, "w") as f:
+                f.write(str(max(now - need, 0)))
 
 
 def raw_fio(directory: str, total: int, block: int, depth: int, iomem: str) -> dict:
@@ -229,12 +236,16 @@ def fair_raw(directory: str, total: int, block: int = 8 << 20, depth: int = 8) -
     if why is None:
         with huge_pages_for((depth + 1) * block) as no_huge:
             if no_huge is None:
-                got = raw_fio(directory, total, block, depth, "mmaphuge")
-                return {
-                    "raw_write_GBps": got["write"],
-                    "raw_read_GBps": got["read"],
-                    "raw_method": f"fio libaio direct=1 bs={block} iodepth={depth} iomem=mmaphuge",
-                }
+                try:
+                    got = raw_fio(directory, total, block, depth, "mmaphuge")
+                except subprocess.CalledProcessError as e:  # e.g. another process took the pages in between
+                    no_huge = f"fio failed ({(e.stderr or '').strip()[-300:] or e})"
+                else:
+                    return {
+                        "raw_write_GBps": got["write"],
+                        "raw_read_GBps": got["read"],
+                        "raw_method": f"fio libaio direct=1 bs={block} iodepth={depth} iomem=mmaphuge",
+                    }
             why = f"fio without huge pages: {no_huge}"
     return {**raw_python(directory, total, block, depth), "raw_warning": why}
 

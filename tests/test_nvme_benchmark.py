@@ -55,3 +55,29 @@ def test_with_fio(tmp_path):
     assert huge or any("without huge pages" in w for w in r["warnings"])
     assert r["raw_4k_write_GBps"] > 0 and r["raw_4k_read_GBps"] > 0  # the 4 KiB-page figure, for information
     assert r["read_ratio"] == r["tier_read_GBps"] / r["raw_read_GBps"]
+
+
+def test_overlapping_huge_page_reservations_keep_each_others_pages():
+    """Two benchmarks on one machine (two test suites at once) reserve huge pages for their fio runs: the first to
+    finish must take away its own pages only. It once set the pool back to its old size, and the other's fio, in
+    mid-run, failed to map its buffers."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import nvme_bandwidth as nb
+
+    path = "/proc/sys/vm/nr_hugepages"
+    if not os.access(path, os.W_OK) or "Hugepagesize" not in nb._meminfo():
+        pytest.skip("needs a writable /proc/sys/vm/nr_hugepages (root) and huge pages")
+    with open(path) as f:
+        start = int(f.read())
+    nbytes = 4 << 20
+    need = -(-nbytes // (nb._meminfo()["Hugepagesize"] << 10)) + 4
+    first, second = nb.huge_pages_for(nbytes), nb.huge_pages_for(nbytes)
+    got = (first.__enter__(), second.__enter__())
+    first.__exit__(None, None, None)  # the first to come leaves while the second's fio would still run
+    left = nb._meminfo()["HugePages_Free"]
+    second.__exit__(None, None, None)
+    if got != (None, None):
+        pytest.skip(f"the kernel gave too few huge pages: {got}")
+    assert left >= need  # the second's pages are all still there
+    with open(path) as f:
+        assert int(f.read()) == start
