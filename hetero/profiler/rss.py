@@ -3,13 +3,13 @@
 [Note: what the ledgers do not see]
 The tier ledgers count every buffer hetero takes for a chunk, exactly; a step's memory holds more: the activations and
 the temporaries of the model's own operators, the C heap's slack, torch's runtime, the user's data. On a CPU device all
-of it is the process's resident set, and on a GPU machine everything outside the device tier is. So the profile also
+of it is in the process's resident set; on a GPU machine, whatever of it lives in host memory. So the profile also
 samples the process's RSS and reports its peak with the phase and module it fell in, and how much of it the ledgers in
 host memory held then (on a CPU device: the device tier's too): what is left is memory hetero does not own.
 
 A thread, because the peak falls where nothing of hetero's runs (in an operator's temporaries, between two modules'
-hooks); every `interval` seconds, so a peak held for less than that can be missed. It reads /proc/self/statm (one
-read, no allocation in the common case) and holds the GIL only for that.
+hooks); every `interval` seconds, so a peak held for less than that can be missed. Each sample is one read of
+/proc/self/statm, the only time the thread holds the GIL.
 """
 
 from __future__ import annotations
