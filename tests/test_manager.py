@@ -188,15 +188,13 @@ def test_prefetch_follows_the_trace(make_manager):
 
 
 class _GatedStore:
-    """Wraps the NVMe store so reads wait for a gate: shows a prefetch returns before its I/O finishes."""
+    """Wraps the NVMe store so reads (and, with gate_writes, writes) wait for a gate: shows a prefetch returns before
+    its I/O finishes, or holds write-backs in flight for as long as a test needs them there."""
 
-    def __init__(self, store):
-        self.store, self.gate, self.reads = store, threading.Event(), 0
+    def __init__(self, store, *, gate_writes=False):
+        self.store, self.gate, self.reads, self.gate_writes = store, threading.Event(), 0, gate_writes
 
-    def read(self, key, dst):
-        self.reads += 1
-        inner = self.store.read(key, dst)
-
+    def _held(self, inner):
         held = concurrent.futures.Future()
 
         def waited():
@@ -209,6 +207,14 @@ class _GatedStore:
 
         threading.Thread(target=waited).start()
         return held
+
+    def read(self, key, dst):
+        self.reads += 1
+        return self._held(self.store.read(key, dst))
+
+    def write(self, key, src):
+        inner = self.store.write(key, src)
+        return self._held(inner) if self.gate_writes else inner
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -503,9 +509,12 @@ def test_buffers_of_write_backs_landing_after_a_trim_are_given_back_at_the_next_
         m.access(c, Tier.HOST).fill_(float(i))
         c.set_state(slot, TensorState.HOLD)
         chunks.append(c)
+    gated = _GatedStore(m.storage.store, gate_writes=True)
+    m.storage.store = gated  # the writes stay in flight until the gate opens, however fast the disk
     for c in chunks[:3]:
         m.move(c, Tier.NVME, wait=False)
     m.trim_idle()  # the writes are in flight: nothing of theirs is cached yet
+    gated.gate.set()
     m.synchronize()  # they land: their host buffers are cached now
     host = m.ledgers[Tier.HOST]
     assert host.cached == 3 * numel * 4
