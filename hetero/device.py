@@ -290,6 +290,12 @@ class Device:
             return True
         return bool(handle.query())
 
+    def compute_reached(self) -> Any:
+        """A handle for `landed` that lands once the compute queued so far has run: what keeps host memory that a copy
+        on the compute stream reads (`to_device`) unchanged until then (`ChunkManager.land_later`). None on the CPU,
+        where compute is done when queued."""
+        return self.compute_marker()  # a CUDA event: `landed` waits for it or asks whether it is done
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
@@ -347,6 +353,8 @@ class StandinDevice(Device):
         with torch._C._DisableTorchDispatch():
             out = self.empty(t.shape, dtype or t.dtype)
             out.copy_(t)
+        if standin.kind_of(t) == standin.HOST:  # pinned memory: a GPU reads it when it gets there
+            self.standin.read_later(t)
         return out
 
     def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
@@ -366,6 +374,7 @@ class StandinDevice(Device):
         return standin.register(t, standin.HOST, strong=True)
 
     def _unpin(self, t: torch.Tensor, nbytes: int) -> None:
+        self.standin.check_unread(t, "freed")
         self.standin.pinned -= nbytes
         standin.unregister(t)
 
@@ -393,12 +402,22 @@ class StandinDevice(Device):
     def copy_later(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any) -> Any:
         return self.standin.copy(dst, src, after, wait=False)
 
+    def compute_reached(self) -> Any:
+        return self.standin.reached()
+
     def landed(self, handle: Any, *, wait: bool = True) -> bool:
         if handle is None:
             return True
         if wait:
             handle.result()
-        return handle.done()
+        if not handle.done():
+            return False
+        if handle.clock is not None:  # the copy ran after its marker: the compute had passed it
+            self.standin.settle(handle.clock)
+        return True
+
+    def synchronize(self) -> None:
+        self.standin.settle()
 
 
 def make_device(device: torch.device | str | int | None = None) -> Device:

@@ -20,6 +20,9 @@ follows NCCL's rules. It behaves like a separate accelerator:
     values some of the time. So does a copy of device memory that the compute wrote after its marker: every write
     an operation makes (its outputs, the arguments its schema marks written) is stamped with the compute clock, and
     the copy stream would run ahead of that write on a GPU.
+  - A copy from host memory queued on the compute stream (`to_device`) reads that memory late, when the device gets
+    there: until the host has waited for the compute past it, the buffer may be neither handed back nor changed by
+    the host ([Note: the compute stream reads host memory late]).
   - Buffers given back to a pool, and transient storage grown back, are poisoned (all bytes 0xFF: NaN in floating
     point), so a read of memory that is no longer the reader's gives NaN instead of yesterday's values.
   - Host buffers are "pinned": the bytes registered are counted (`pinned_bytes`), so the host ledger can be checked
@@ -194,7 +197,7 @@ class _CopyEngine:
         self._thread = threading.Thread(target=self._run, name="hetero-standin-copy", daemon=True)
         self._thread.start()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+    def submit(self, dst: torch.Tensor | None, src: torch.Tensor | None) -> Future:
         done: Future = Future()
         self._jobs.put((dst, src, done, self._random.uniform(0, _MAX_DELAY_S)))
         return done
@@ -205,7 +208,8 @@ class _CopyEngine:
             time.sleep(delay)
             try:
                 with torch.no_grad():
-                    dst.copy_(src)
+                    if dst is not None:  # None: a marker of the stream's progress, no copy
+                        dst.copy_(src)
                 done.set_result(None)
             except BaseException as e:  # reported to the waiter
                 done.set_exception(e)
@@ -282,12 +286,73 @@ class Standin:
         self._engine = _CopyEngine(seed)
         self.pinned = 0  # bytes of host memory registered as pinned
         self.waits: list[tuple[str, str]] = []  # (what, where): the host waiting for the device ([Note: host waits])
+        # Host memory the compute stream reads late: storage address -> [(clock when queued, the memory, its bytes
+        # then)] ([Note: the compute stream reads host memory late]).
+        self._reads: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
     def waited(self, what: str) -> None:
         """The host waits here for the device's queue to run dry: record what and where (hetero's frames)."""
         frames = [f for f in traceback.extract_stack()[:-2] if "/hetero/" in f.filename and "standin" not in f.filename]
         where = " < ".join(f"{f.filename.rsplit('/hetero/', 1)[1]}:{f.lineno}" for f in reversed(frames[-4:]))
         self.waits.append((what, where))
+        self.settle()
+
+    # [Note: the compute stream reads host memory late]
+    # A copy from pinned host memory queued on the compute stream (`Device.to_device` of a host-tier buffer) returns
+    # at once, and the GPU reads the bytes when it gets there, which may be long after the host has gone on. Until
+    # the host has waited for the compute past that copy (a copy ordered after a later marker has landed, a wait for
+    # the device, a synchronize), the host may neither hand the buffer back to a pool, where an NVMe read or another
+    # chunk may take it, nor write it: the GPU would read whichever bytes are there when it gets there. The
+    # stand-in's compute runs at once, so it keeps each such read pending with a copy of the bytes it read: handing
+    # the buffer back while one is pending fails, and so does finding, when a wait settles it, that the host has
+    # changed those bytes since.
+    def read_later(self, t: torch.Tensor) -> None:
+        """The compute stream reads host memory `t` late: see the note."""
+        with torch._C._DisableTorchDispatch():
+            seen = t.detach().clone()
+        with self._lock:
+            self._reads.setdefault(_address(t), []).append((self._clock, t.detach(), seen))
+
+    def settle(self, before: int | None = None, *, address: int | None = None) -> None:
+        """The host has seen the compute pass marker `before` (None: all of it): the reads queued before it are done
+        (only those of `address`'s memory, if given); each must have read what the host left there."""
+        with self._lock:
+            keys = list(self._reads) if address is None else [address] if address in self._reads else []
+            done = []
+            for key in keys:
+                kept = [r for r in self._reads[key] if before is not None and r[0] >= before]
+                done += [r for r in self._reads[key] if before is None or r[0] < before]
+                if kept:
+                    self._reads[key] = kept
+                else:
+                    del self._reads[key]
+        with torch._C._DisableTorchDispatch():
+            for _, t, seen in done:
+                if not torch.equal(t.reshape(-1).view(torch.uint8), seen.reshape(-1).view(torch.uint8)):
+                    raise StandinOrderingError(
+                        f"host memory of {t.numel()} elements that a copy queued on the compute stream reads was "
+                        "changed by the host before it waited for that copy: on a GPU the copy may read either "
+                        "bytes. Keep the memory unchanged (Manager.land_later) until a wait covers the copy"
+                    )
+
+    def check_unread(self, buf: torch.Tensor, what: str) -> None:
+        """`buf` is handed back or freed: fail if a read queued on the compute stream may still read it."""
+        with self._lock:
+            pending = self._reads.get(_address(buf))
+        if pending:
+            raise StandinOrderingError(
+                f"a host buffer of {buf.numel()} bytes was {what} while a copy queued on the compute stream "
+                f"({len(pending)} of them) may still read it: on a GPU an NVMe read or another chunk taking it would "
+                "change what that copy reads. Keep the chunk where it is (Manager.land_later) until a wait covers "
+                "the copy ([Note: the compute stream reads host memory late])"
+            )
+
+    def reached(self) -> Future:
+        """A handle that lands once the compute queued so far has run (its `clock`: the marker it stands for)."""
+        marker = self.marker()
+        done = self._engine.submit(None, None)
+        done.clock = marker.clock  # type: ignore[attr-defined]
+        return done
 
     @property
     def clock(self) -> int:
@@ -300,10 +365,14 @@ class Standin:
             return Marker(self._clock)
 
     def released(self, buf: torch.Tensor) -> None:
-        """A buffer went back to a pool: compute queued before now may still read it; poison it."""
-        with self._lock:
-            clock = self._clock
-        _registry.mark_released(buf, clock)
+        """A buffer went back to a pool: compute queued before now may still read it; poison it. Host memory is read
+        by the compute only through `read_later`, whose reads must all be settled by now: a copy into it later needs
+        no marker newer than this."""
+        self.check_unread(buf, "handed back to its pool")
+        if kind_of(buf) != HOST:
+            with self._lock:
+                clock = self._clock
+            _registry.mark_released(buf, clock)
         poison(buf)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any, *, wait: bool = True) -> Future | None:
@@ -316,12 +385,12 @@ class Standin:
                     "a GPU it would race the kernels still queued on that memory. Pass "
                     "after=device.compute_marker(), recorded when the copy is submitted"
                 )
-            stale = max(_registry.released_at(t) for t in (dst, src))
+            stale, which = max((_registry.released_at(t), w) for t, w in ((dst, "destination"), (src, "source")))
             if after.clock <= stale:
                 raise StandinOrderingError(
-                    f"a copy of {src.numel()} elements was ordered after compute marker {after.clock}, but its buffer "
-                    f"was handed back to a pool at {stale}, after that marker: record the marker when the copy is "
-                    "submitted, after the buffer was acquired"
+                    f"a copy of {src.numel()} elements was ordered after compute marker {after.clock}, but its {which} "
+                    f"({kind_of(dst if which == 'destination' else src)} memory) was handed back to a pool at {stale}, "
+                    "after that marker: record the marker when the copy is submitted, after the buffer was acquired"
                 )
             written = max(_registry.written_at(t) for t in touches)
             if written >= after.clock:
@@ -330,7 +399,16 @@ class Standin:
                     "queued after that marker wrote its memory: on a GPU the copy would race that write. Record the "
                     "marker after the compute that produces what the copy moves"
                 )
+        if isinstance(after, Marker):  # the copy stream waits for the marker: reads queued before it are done
+            self.settle(after.clock, address=_address(dst))
+        if self._reads.get(_address(dst)):
+            raise StandinOrderingError(
+                f"a copy of {src.numel()} elements writes host memory that a copy queued on the compute stream after "
+                "its marker may still read: record the marker after that read "
+                "([Note: the compute stream reads host memory late])"
+            )
         done = self._engine.submit(dst, src)
+        done.clock = after.clock if isinstance(after, Marker) else None  # type: ignore[attr-defined]
         if not wait:
             return done
         done.result()

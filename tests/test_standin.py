@@ -48,6 +48,63 @@ def test_a_copy_touching_device_memory_needs_a_fresh_compute_marker():
     assert torch.equal(reused, h)
 
 
+def test_the_compute_stream_reads_host_memory_late():
+    """A copy from host memory queued on the compute stream (`to_device`) reads it when the device gets there: until a
+    wait covers that copy the host may neither hand the buffer back nor change it ([Note: the compute stream reads
+    host memory late])."""
+    dev = StandinDevice()
+    buf = dev.empty_host(64).view(torch.float32)
+    buf.fill_(1.0)
+    dev.to_device(buf)
+    with pytest.raises(standin.StandinOrderingError, match="may still read it"):
+        dev.released(buf)  # an NVMe read or another chunk could take it before the device has read it
+    assert dev.landed(dev.compute_reached())  # the host waits for the compute to pass the copy
+    dev.released(buf)
+    buf.fill_(2.0)
+    dev.to_device(buf)
+    buf.fill_(3.0)  # the host changes what the queued copy reads
+    with pytest.raises(standin.StandinOrderingError, match="changed by the host"):
+        dev.synchronize()
+    dev.to_device(buf)
+    d = dev.empty((16,), torch.float32)
+    dev.copy(d, dev.to_device(torch.zeros(16)), after=dev.compute_marker())
+    marker = dev.compute_marker()  # recorded after the read: a copy into the buffer after it is ordered behind it
+    dev.copy(buf, d, after=marker)
+    assert torch.equal(buf, torch.zeros(16))
+    dev.to_device(buf)
+    with pytest.raises(standin.StandinOrderingError, match="after its marker may still read"):
+        dev.copy(buf, d, after=marker)  # ordered before the read: it would race it
+
+
+def test_a_group_of_one_keeps_a_host_shard_until_the_device_has_read_it(tmp_path, monkeypatch):
+    """One rank gathers a stage-3 shard kept in host memory by a copy queued on the compute stream, which reads it when
+    the GPU gets there. With the parameters on NVMe and a tight host budget, the shard's host buffer went back to the
+    pool as soon as the gather was queued, for the next NVMe read to fill: the shard now stays until a wait covers
+    that copy (`ChunkManager.land_later`, [Note: the compute stream reads host memory late])."""
+    configs = [
+        {
+            "zero_stage": 3,
+            "offload": {"params": "nvme", "optimizer": "nvme"},
+            "memory": {"host_budget": 6 * parity.CHUNK * 4},
+        },
+        {
+            "zero_stage": 3,
+            "offload": {"params": "nvme", "optimizer": "nvme"},
+            "delayed_param_update": True,
+            "delayed_param_update_warmup": 0,
+        },
+    ]
+    for i, config in enumerate(configs):
+        nvme = str(tmp_path / str(i))
+        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
+        monkeypatch.setenv("HETERO_STANDIN", "1")
+        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
+        monkeypatch.delenv("HETERO_STANDIN")
+        assert strict["losses"] == plain["losses"], config
+        for k, v in plain["state"].items():
+            assert torch.equal(strict["state"][k], v), (config, k)
+
+
 def test_device_and_host_memory_are_told_apart_and_not_mixed():
     dev = StandinDevice()
     d = dev.to_device(torch.ones(4))

@@ -259,8 +259,10 @@ class ChunkManager:
                 c.pins -= 1
 
     def land_later(self, chunk: Chunk, handle: Any) -> None:
-        """A `Device.copy_later` is writing into the chunk's payload: it stays where it is until the copy lands, and
-        the next call that needs it waits for that ([Note: copies the host does not wait for] in moves.py)."""
+        """A `Device.copy_later` is writing into the chunk's payload, or a copy on the compute stream reading it
+        (`handle`: `Device.compute_reached`): it stays where it is, unchanged, until the copy is done, and the next
+        call that needs it waits for that ([Note: copies the host does not wait for] in moves.py, [Note: the compute
+        stream reads host memory late] in hetero/standin.py)."""
         self._mover.land_later(chunk, handle)
 
     def release(self, chunk: Chunk) -> None:

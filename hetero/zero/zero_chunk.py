@@ -87,8 +87,7 @@ class ZeroChunk:
                 self.grad_full.add_tensor(f"{spec.params[0].name}..grad_full", (spec.capacity,))
             s = layout.optim_numel(spec.capacity, n)
             self.optim = manager.new_chunk(dtype=torch.float32, capacity=s * (1 + len(state_names)), kind="optim")
-            self.optim.add_tensor(f"{spec.params[0].name}..master", (s,))
-            for name in state_names:
+            for name in ("master", *state_names):
                 self.optim.add_tensor(f"{spec.params[0].name}..{name}", (s,))
 
     @property
@@ -156,6 +155,8 @@ class ZeroChunk:
             with m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
                 src = shard if held.tier is Tier.DEVICE else self.device.to_device(shard)
                 self.comm.all_gather(full.payload, src, what=f"the parameters of {self.label}")
+        if src is not shard:  # the device reads the host shard late ([Note: the compute stream reads host memory late])
+            m.land_later(held, self.device.compute_reached())
         for slot in self.slots:
             full.set_state(slot, _T.HOLD)
         self.gathered = True
