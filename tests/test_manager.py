@@ -496,6 +496,32 @@ def test_room_waits_for_a_copy_landing_in_a_victim_rather_than_fail(make_manager
     assert torch.equal(m.access(a, Tier.DEVICE, write=False), torch.full((numel,), 3.0))
 
 
+class _NotToWaitFor(concurrent.futures.Future):
+    def result(self, timeout=None):
+        raise AssertionError("waited for a copy that only reads the chunk")
+
+
+def test_a_chunk_the_device_reads_is_read_at_once_and_written_after_the_reads(make_manager, monkeypatch):
+    """A copy on the compute stream reading a host chunk (`land_later(reads=True)`, [Note: the compute stream reads
+    host memory late]) keeps the chunk where it is, unchanged, until the copy is done; another read needs no wait (a
+    group of one gathering a host shard again in backward would wait for the GPU to reach forward's copy of it)."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")  # its device's handles are futures
+    numel = 1 << 12
+    m = make_manager()
+    a = m.new_chunk(dtype=torch.float32, capacity=numel)
+    slot = a.add_tensor("p", (numel,))
+    m.access(a, Tier.HOST).fill_(1.0)
+    a.set_state(slot, TensorState.HOLD)
+    m.land_later(a, _NotToWaitFor(), reads=True)
+    assert not a.movable
+    assert torch.equal(m.access(a, Tier.HOST, write=False), torch.ones(numel))
+    later = concurrent.futures.Future()
+    m.land_later(a, later, reads=True)  # reads end in order: the newer covers the older, no wait
+    threading.Timer(0.2, later.set_result, [None]).start()
+    m.access(a, Tier.HOST).fill_(2.0)  # a write waits for the reads
+    assert later.done() and a.movable
+
+
 def test_buffers_of_write_backs_landing_after_a_trim_are_given_back_at_the_next_access(make_manager, cpu_device):
     """`trim_idle` at the update's end finds the last write-backs to NVMe still in flight: their host buffers reach
     the pool's cache only when they land. On a CPU device the first access after they all have gives those back too

@@ -199,7 +199,8 @@ class ChunkManager:
             arriving = chunk.tier == tier if chunk.move is None else chunk.move.dst == tier
             if chunk.prefetched and arriving:
                 self.counters["prefetch_hits"] += 1
-            mover.wait(chunk)
+            if write or chunk.move is not None or chunk.tier != tier or not mover.reading(chunk):
+                mover.wait(chunk)  # (the device reading it too is no reason to wait for a read)
             if chunk.tier != tier:
                 self.counters["prefetch_misses"] += 1
                 mover.start(chunk, tier, blocking=True, inline=True)
@@ -258,12 +259,12 @@ class ChunkManager:
             for c in chunks:
                 c.pins -= 1
 
-    def land_later(self, chunk: Chunk, handle: Any) -> None:
+    def land_later(self, chunk: Chunk, handle: Any, *, reads: bool = False) -> None:
         """A `Device.copy_later` is writing into the chunk's payload, or a copy on the compute stream reading it
-        (`handle`: `Device.compute_reached`): it stays where it is, unchanged, until the copy is done, and the next
-        call that needs it waits for that ([Note: copies the host does not wait for] in moves.py, [Note: the compute
-        stream reads host memory late] in hetero/standin.py)."""
-        self._mover.land_later(chunk, handle)
+        (reads, `handle` from `Device.compute_reached`): it stays where it is, unchanged, until the copy is done, and
+        the next call that needs it waits for that, but for a read of a chunk being read ([Note: copies the host does
+        not wait for] in moves.py, [Note: the compute stream reads host memory late] in hetero/standin.py)."""
+        self._mover.land_later(chunk, handle, reads=reads)
 
     def release(self, chunk: Chunk) -> None:
         """Drop a chunk's payload (every tensor must be FREE); it becomes EMPTY and holds no memory."""

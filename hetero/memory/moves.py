@@ -276,13 +276,23 @@ class Mover:
         return start, time.perf_counter()
 
     # ---- finishing ----------------------------------------------------------------------------------------
-    def land_later(self, chunk: Chunk, handle: Any) -> None:
-        """A `Device.copy_later` into the chunk's payload is in flight ([Note: copies the host does not wait for])."""
+    def land_later(self, chunk: Chunk, handle: Any, *, reads: bool = False) -> None:
+        """A `Device.copy_later` into the chunk's payload is in flight ([Note: copies the host does not wait for]);
+        reads: a copy on the compute stream reading it instead (`Device.compute_reached`)."""
         if handle is None:
+            return
+        entry = self.landing.get(chunk.id)
+        if reads and entry is not None and entry[2]:
+            self.landing[chunk.id] = (chunk, handle, True)  # reads on one stream end in order: the newer covers both
             return
         self.land(chunk)  # one copy in flight per chunk: the one before has landed
         chunk.pins += 1
-        self.landing[chunk.id] = (chunk, handle)
+        self.landing[chunk.id] = (chunk, handle, reads)
+
+    def reading(self, chunk: Chunk) -> bool:
+        """Whether the copies in flight on the chunk only read it: a read of it need not wait for them."""
+        entry = self.landing.get(chunk.id)
+        return entry is not None and entry[2]
 
     def land(self, chunk: Chunk, *, block: bool = True) -> bool:
         """Whether no copy is writing into the chunk any more (block: wait for it); unpins it once landed."""
@@ -310,7 +320,7 @@ class Mover:
     def poll(self) -> bool:
         """Finish every move that is done; True if any was."""
         if self.landing:
-            for chunk, _ in list(self.landing.values()):
+            for chunk, *_ in list(self.landing.values()):
                 self.land(chunk, block=False)
         done = [c for c in self.moving.values() if c.move.future.done()]
         for chunk in done:
@@ -319,7 +329,7 @@ class Mover:
 
     def synchronize(self) -> None:
         """Wait for every move in flight, and every copy landing."""
-        for chunk, _ in list(self.landing.values()):
+        for chunk, *_ in list(self.landing.values()):
             self.land(chunk)
         for chunk in list(self.moving.values()):
             self.wait(chunk)

@@ -73,7 +73,7 @@ class RoomMaker:
                     # What is left is arriving (prefetches, reads chained into handed-off buffers): once in, it
                     # can be evicted.
                     arriving = mover.arriving(tier)
-                    landing = [c for c, _ in mover.landing.values() if c.tier is tier]
+                    landing = [c for c, *_ in mover.landing.values() if c.tier is tier]
                     if not arriving and landing:
                         mover.land(landing[0])  # a copy writing into it pins it; once it lands it can go
                         continue

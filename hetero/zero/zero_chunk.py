@@ -156,7 +156,7 @@ class ZeroChunk:
                 src = shard if held.tier is Tier.DEVICE else self.device.to_device(shard)
                 self.comm.all_gather(full.payload, src, what=f"the parameters of {self.label}")
         if src is not shard:  # the device reads the host shard late ([Note: the compute stream reads host memory late])
-            m.land_later(held, self.device.compute_reached())
+            m.land_later(held, self.device.compute_reached(), reads=True)
         for slot in self.slots:
             full.set_state(slot, _T.HOLD)
         self.gathered = True
