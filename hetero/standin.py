@@ -332,7 +332,7 @@ class Standin:
                     raise StandinOrderingError(
                         f"host memory of {t.numel()} elements that a copy queued on the compute stream reads was "
                         "changed by the host before it waited for that copy: on a GPU the copy may read either "
-                        "bytes. Keep the memory unchanged (Manager.land_later) until a wait covers the copy"
+                        "bytes. Keep the memory unchanged (ChunkManager.land_later) until a wait covers the copy"
                     )
 
     def check_unread(self, buf: torch.Tensor, what: str) -> None:
@@ -343,7 +343,7 @@ class Standin:
             raise StandinOrderingError(
                 f"a host buffer of {buf.numel()} bytes was {what} while a copy queued on the compute stream "
                 f"({len(pending)} of them) may still read it: on a GPU an NVMe read or another chunk taking it would "
-                "change what that copy reads. Keep the chunk where it is (Manager.land_later) until a wait covers "
+                "change what that copy reads. Keep the chunk where it is (ChunkManager.land_later) until a wait covers "
                 "the copy ([Note: the compute stream reads host memory late])"
             )
 
