@@ -320,12 +320,11 @@ class Standin:
             keys = list(self._reads) if address is None else [address] if address in self._reads else []
             done = []
             for key in keys:
-                kept = [r for r in self._reads[key] if before is not None and r[0] >= before]
-                done += [r for r in self._reads[key] if before is None or r[0] < before]
-                if kept:
-                    self._reads[key] = kept
-                else:
-                    del self._reads[key]
+                for r in self._reads.pop(key):
+                    if before is None or r[0] < before:
+                        done.append(r)
+                    else:
+                        self._reads.setdefault(key, []).append(r)
         with torch._C._DisableTorchDispatch():
             for _, t, seen in done:
                 if not torch.equal(t.reshape(-1).view(torch.uint8), seen.reshape(-1).view(torch.uint8)):

@@ -66,8 +66,7 @@ def timeline_png(prof: Any, path: Path) -> None:
             ax.plot(arrive, [top * 1.04] * len(arrive), "|", color="tab:green", markersize=6, label="move in")
         if leave:
             ax.plot(leave, [-top * 0.04] * len(leave), "|", color="tab:red", markersize=6, label="move out")
-        for t, _ in prof.steps:
-            ax.axvline(t, color="grey", linestyle="--", linewidth=0.7)
+        _step_lines(ax, prof)
         ax.set_ylabel(f"{tier} (MiB)")
         ax.set_ylim(-top * 0.08, top * 1.1)
         ax.legend(loc="upper left", fontsize=7, ncol=4)
@@ -84,8 +83,13 @@ def _rss_panel(prof: Any, ax: Any) -> None:
     held = [sum(value_at(prof.series[tier], t) for tier in tiers) / _MIB for t in times]
     label = f"{' + '.join(tiers)} ledgers"
     ax.plot(times, held, drawstyle="steps-post", color="tab:purple", linewidth=0.8, label=label)
-    for t, _ in prof.steps:
-        ax.axvline(t, color="grey", linestyle="--", linewidth=0.7)
+    _step_lines(ax, prof)
     ax.set_ylabel("process (MiB)")
     ax.set_ylim(0, max(n for _, n in prof.rss_series) / _MIB * 1.1)
     ax.legend(loc="upper left", fontsize=7, ncol=2)
+
+
+def _step_lines(ax: Any, prof: Any) -> None:
+    """The optimizer steps, as dashed lines."""
+    for t, _ in prof.steps:
+        ax.axvline(t, color="grey", linestyle="--", linewidth=0.7)

@@ -35,7 +35,7 @@ def rss_bytes() -> int | None:
 class RssSampler:
     """Samples `rss_bytes()` every `interval` seconds into `series` as (seconds since t0, bytes)."""
 
-    def __init__(self, t0: float, *, interval: float = 0.005) -> None:
+    def __init__(self, t0: float, *, interval: float) -> None:
         self.t0 = t0
         self.interval = interval
         self.series: list[tuple[float, int]] = []
@@ -43,9 +43,9 @@ class RssSampler:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if rss_bytes() is None:
-            return  # nothing to read here: the profile reports no RSS
         self._sample()
+        if not self.series:
+            return  # nothing to read here (no /proc): the profile reports no RSS
         self._thread = threading.Thread(target=self._run, name="hetero-rss", daemon=True)
         self._thread.start()
 
