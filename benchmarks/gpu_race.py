@@ -257,7 +257,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         per_step.append(time.perf_counter() - t)
     sync()
     step_s = (time.perf_counter() - start) / steps
-    if args.profile:
+    if args.profile and (not args.profile_only or name in args.profile_only.split(",")):
         ids = batches[0].to(dev)
         _profile(name, lambda: step(ids[:, :-1], ids[:, :-1]), cuda, args.profile)
     extra = close() or {}
@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
     ap.add_argument("--profile", metavar="DIR", help="profile one more step of each configuration into DIR")
+    ap.add_argument("--profile-only", metavar="NAME,...", help="with --profile: only these configurations")
     ap.add_argument("--dry-run", action="store_true", help="the CPU and a tiny model: checks the code paths")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -500,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             results[n] = _child(n, args, passthrough, log_dir)
             if not args.json:
                 print(_line(results[n]), flush=True)
+            else:  # each result as it comes, on stderr: a run cut short by its caller's timeout keeps what it measured
+                print(_line(results[n]), json.dumps(results[n]), sep="\n", file=sys.stderr, flush=True)
     out = report(results, args, machine)
     if args.json:
         print(json.dumps(out))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, for a lent GPU machine that has no network (see README, "GPU runs"):
 #
-#   bash tools/gpu_check.sh tests   the test suite with CUDA visible (gloo ranks stay on the CPU), one line a test
+#   bash tools/gpu_check.sh tests   the test suite (or TESTS="files") with CUDA visible (gloo ranks stay on the CPU)
 #   bash tools/gpu_check.sh smoke   a small run of every configuration of benchmarks/gpu_race.py; DeepSpeed's ops
 #                                   are built first
 #   bash tools/gpu_check.sh race    benchmarks/gpu_race.py at its default size, nothing else running
@@ -45,7 +45,7 @@ fi
 
 if [ "$PHASE" = tests ]; then
   timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 150 --tb=line -rfE \
-    tests >"$OUT/pytest.log" 2>&1
+    ${TESTS:-tests} >"$OUT/pytest.log" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.log"
   grep -E "FAILED|ERROR" "$OUT/pytest.log" | sort | uniq >"$OUT/pytest_failed.txt"
 fi
