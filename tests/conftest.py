@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -49,3 +51,12 @@ def cpu_device(monkeypatch):
     monkeypatch.delenv("HETERO_STANDIN", raising=False)
     monkeypatch.setattr(hetero.device, "default_device", lambda: torch.device("cpu"))
     return "cpu"
+
+
+def pytest_runtest_logreport(report):
+    """`HETERO_FAILURES=FILE`: each failure's traceback is appended to FILE as it happens (in the controlling process
+    under xdist), so a run cut short by a timeout (tools/gpu_check.sh on a lent GPU) still says why tests failed."""
+    path = os.environ.get("HETERO_FAILURES")
+    if path and report.failed and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

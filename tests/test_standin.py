@@ -270,6 +270,32 @@ def test_one_rank_with_host_gradients_trains_under_the_standin_as_without_it(tmp
             assert torch.equal(strict["state"][k], v), (config, k)
 
 
+def test_a_gradient_written_whole_to_the_host_is_not_zeroed_first(monkeypatch):
+    """Stage 3, one rank, gradients on the host: the first micro-batch's reduced gradient is copied down over the
+    whole host chunk, so that chunk is not zeroed first (a pass over host memory in backward's hooks: 52 ms of a
+    423 ms step on one H100). A second micro-batch adds to it, and the update is exact either way (the parity test
+    above)."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    model = parity.build()
+    config = {"zero_stage": 3, "chunk_size": parity.CHUNK, "offload": {"optimizer": "host"}}
+    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    grad_numel = {zc.grad.capacity for zc in engine.chunks}
+    zeroed = []
+    zero_ = torch.Tensor.zero_
+
+    def spy(t):
+        if t.numel() in grad_numel and t.dtype == torch.float32:
+            zeroed.append(t.numel())
+        return zero_(t)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", spy)
+    ((x, y),) = parity.batches(1, 4)
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()
+    engine.close()
+    assert zeroed == [], f"{len(zeroed)} gradient buffers zeroed"
+
+
 def _pipeline(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = pipe_parity.run(rank, world, {"zero_stage": 1, "parallel": {"pipeline": 2, "microbatches": 2}})
