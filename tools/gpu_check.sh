@@ -5,13 +5,17 @@
 #   bash tools/gpu_check.sh smoke   a small run of every configuration of benchmarks/gpu_race.py; DeepSpeed's ops
 #                                   are built first
 #   bash tools/gpu_check.sh race    benchmarks/gpu_race.py at its default size, nothing else running
+#   bash tools/gpu_check.sh nvme    benchmarks/nvme_bandwidth.py on the machine's disk, 1 GiB and 4 GiB, against fio
 #   bash tools/gpu_check.sh all     smoke, then race
 #
 # Measured on one H200 (2026-11-26): the suite takes longer than 230 s on its 16 cores with 12 workers; the race at
-# its default size about 330 s, the NVMe configurations most of it.
+# its default size about 330 s, the NVMe configurations most of it. On one H100 (2026-11-26): eight configurations of
+# the race 390 s (DeepSpeed's CPU Adam build 73 s of it: DS_PREBUILD=1 builds its ops first, outside the timings).
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/ (DeepSpeed and its
-# pydantic, hjson; crc32c) and libaio for DeepSpeed's aio op as .deb files in .debs/; both are optional.
+# pydantic, hjson; crc32c), libaio for DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/ (the
+# image has none: built from Debian's source with `./configure --build-static --disable-native` and the optional
+# engines off); all are optional.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -60,6 +64,10 @@ AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
   echo "smoke exit $?" >>"$OUT/smoke.txt"
 fi
 if [ "$PHASE" = race ] || [ "$PHASE" = all ]; then
+  if [ -n "${DS_PREBUILD:-}" ]; then
+    timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
+CPUAdamBuilder().load(); AsyncIOBuilder().load()" >"$OUT/ds_build.log" 2>&1
+  fi
   # PROFILE_DIR=/tmp/prof: every configuration profiled; the tables come back in one archive (the machine returns 8
   # files at most), with hetero_offload's trace beside it.
   timeout "${RACE_TIMEOUT:-400}" python3 benchmarks/gpu_race.py --nvme-dir "$NV" --timeout 150 --json \
@@ -69,4 +77,11 @@ if [ "$PHASE" = race ] || [ "$PHASE" = all ]; then
     tar czf "$OUT/profile.tgz" -C "$PROFILE_DIR" --exclude='*_trace.json.gz' .
     cp "$PROFILE_DIR/hetero_offload_trace.json.gz" "$OUT/" 2>/dev/null || true
   fi
+fi
+if [ "$PHASE" = nvme ]; then
+  # The raw-disk reference is fio from huge-page buffers (benchmarks/README.md, "Disks get huge-page buffers").
+  for size in 1GiB 4GiB; do
+    PATH=$PWD/.tools:$PATH timeout "${NVME_TIMEOUT:-150}" python3 benchmarks/nvme_bandwidth.py --dir "$NV" \
+      --size $size --repeat 3 --json >"$OUT/nvme_$size.json" 2>"$OUT/nvme_$size.err"
+  done
 fi
