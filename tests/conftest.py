@@ -45,7 +45,9 @@ def cpu_device(monkeypatch):
     """A test of what hetero does on a CPU device (the device tier in host memory: borrowed pool buffers, chunks read
     in place with O_DIRECT, the CPU's ledgers) runs on the CPU whatever the machine: an engine or manager built
     without a device takes the CPU, not a GPU, and not the stand-in (HETERO_STANDIN=1 runs the rest of the suite as if
-    on a GPU); processes it starts inherit the same. Returns the device to name."""
+    on a GPU). Processes the test starts inherit only the stand-in's absence: hide the GPUs from them with
+    `tests.dist.cpu_ranks_env` (spawned gloo ranks hide them themselves). Not hidden here: a process that has not
+    touched CUDA yet would keep them hidden for the tests after this one. Returns the device to name."""
     import hetero.device
 
     monkeypatch.delenv("HETERO_STANDIN", raising=False)

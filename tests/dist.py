@@ -176,8 +176,20 @@ def _run_once(
     errors: dict[int, str] = {}
     silent_since: dict[int, float] = {}
     try:
-        for p in procs:
-            p.start()
+        # A spawned rank unpickles `fn`, importing its module, before `_worker` runs: a module that asks CUDA
+        # anything at import (a skipif on the GPU count) would see the GPU there. Hidden in the environment the
+        # ranks start with, gloo ranks never see it.
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if backend == "gloo":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if hidden is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
         first_error_at: float | None = None
         while len(results) + len(errors) < world_size:
             now = time.monotonic()

@@ -19,7 +19,7 @@ from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.chunk_size import budget_cap, pack_tiled
 from hetero.zero.layout import build_layout
 from tests import parity, tolerance
-from tests.dist import run_distributed
+from tests.dist import cpu_ranks_env, run_distributed
 
 V, D, H = 96, 16, 48  # vocabulary, width, hidden width of the tiled test model
 
@@ -43,7 +43,9 @@ def _net(dtype: torch.dtype = torch.float32) -> _Net:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    """Relative distance, compared on the CPU: the engine's outputs are on its device (cuda:0 on a GPU machine)."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float((a - b).norm() / b.norm())
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,8 +71,8 @@ def test_tiled_layers_match_untiled_forward_and_backward(stage):
     assert set(tiled) == {"embed.weight", "up.weight", "head.weight"} and all(t["tiles"] > 1 for t in tiled.values())
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
     xh = x.clone().requires_grad_()
-    got = engine(ids, xh)
-    engine.backward((got * w).sum())
+    got = engine(ids, xh)  # on the engine's device: the weights of the loss go there
+    engine.backward((got * w.to(got.device)).sum())
     engine.step()
     assert _rel(got.detach(), out.detach()) <= 1e-5
     assert _rel(xh.grad, xp.grad) <= 1e-5
@@ -100,7 +102,8 @@ def test_tile_gradients_are_computed_in_their_chunks(stage):
         deliver(e, grad, last)
 
     runner._deliver = spy
-    engine.backward((engine(ids, x) * w).sum())
+    out = engine(ids, x)
+    engine.backward((out * w.to(out.device)).sum())
     engine.step()
     assert len(seen) == sum(t["tiles"] for t in engine.memory_stats()["tiled"].values())
     assert all(in_place for _, in_place in seen), [n for n, ok in seen if not ok]
@@ -113,7 +116,8 @@ def test_the_profiler_names_the_tiled_weights(tmp_path):
     cfg = {"zero_stage": 3, "chunk_size": "auto", "memory": {"device_budget": 40 << 10, "host_budget": 1 << 20}}
     engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg)
     with hetero.profile(engine, tmp_path / "prof", plot=False):
-        engine.backward((engine(ids, x) * w).sum())
+        out = engine(ids, x)
+        engine.backward((out * w.to(out.device)).sum())
         engine.step()
     summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
     tiled = engine.memory_stats()["tiled"]
@@ -477,14 +481,16 @@ print(rss() - before)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS (Linux)")
-def test_freed_buffers_leave_the_process():
+def test_freed_buffers_leave_the_process(cpu_device):
     """[Note: the heap keeps what the budgets free]: with malloc's threshold fixed (HETERO_MALLOC_MMAP_THRESHOLD), 192
-    MiB of freed buffers go back to the system; with glibc's own dynamic threshold (the default) they stay resident."""
+    MiB of freed buffers go back to the system; with glibc's own dynamic threshold (the default) they stay resident.
+    The C heap of a process on the CPU device: the probe runs with the GPUs hidden, so its manager takes the CPU and
+    no CUDA driver or context (its threads, its own host memory) is in the process whose RSS is measured."""
     import subprocess
     import sys
 
     def kept(env: dict) -> int:
-        env = {k: v for k, v in {**os.environ, **env}.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        env = {k: v for k, v in cpu_ranks_env({**os.environ, **env}).items() if k != "MALLOC_MMAP_THRESHOLD_"}
         out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], env=env, capture_output=True, text=True, check=True)
         return int(out.stdout.split()[-1])
 

@@ -142,14 +142,18 @@ class SmallCNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def test_cnn_with_batch_norm():
+def test_cnn_with_batch_norm(monkeypatch):
+    # cuDNN convolves fp32 in TF32 by default (a 10-bit mantissa): the engine's run on a GPU would then be compared
+    # with the CPU's fp32 references at a tolerance of fp32 rounding (tests/tolerance.py). fp32 it is, as on the CPU.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(4)]
 
     def loss_of(runner, batch, i):
         x, y = batch
-        return nn.functional.cross_entropy(runner(x), y)
+        out = runner(x)  # the engine's outputs are on its device (cuda:0 on a GPU machine); the labels follow them
+        return nn.functional.cross_entropy(out, y.to(out.device))
 
     _check(SmallCNN(), batches, loss_of, stages=(0, 2, 3))
 
@@ -180,7 +184,8 @@ def test_skipped_modules_and_params_used_twice():
 
     def loss_of(runner, batch, i):
         x, y = batch
-        return nn.functional.cross_entropy(runner(x, use_branch=i % 3 != 1), y)
+        out = runner(x, use_branch=i % 3 != 1)  # on the engine's device: the labels follow it
+        return nn.functional.cross_entropy(out, y.to(out.device))
 
     # Small chunks, so the skipped branch has a chunk of its own that some steps never gather.
     torch.manual_seed(0)
