@@ -162,7 +162,9 @@ class GenericUpdate:
                 st: dict[str, Any] = dict(views)
                 st.update(self.scalars.get((zc.spec.index, i), {}))
                 step = float(steps_before[i])
-                st["step"] = torch.tensor(step) if self.tensor_step else steps_before[i]
+                # capturable=True (a GPU's graph-safe step) wants the count beside the parameter; else on the host.
+                where = p.device if hyper.get("capturable") else None
+                st["step"] = torch.tensor(step, device=where) if self.tensor_step else steps_before[i]
                 shadow.state[p] = st
             pieces.append((i, p, views))
         if not pieces:
