@@ -49,8 +49,8 @@ fi
 
 if [ "$PHASE" = tests ]; then
   # SIGINT at the limit: pytest stops and still prints its summary; each failure's traceback is written as it comes.
-  HETERO_FAILURES="$OUT/failures.txt" timeout -s INT -k 20 "${TESTS_TIMEOUT:-500}" python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 150 --tb=line -rfE \
-    ${TESTS:-tests} >"$OUT/pytest.log" 2>&1
+  HETERO_FAILURES="$OUT/failures.txt" timeout -s INT -k 20 "${TESTS_TIMEOUT:-500}" \
+    python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 150 --tb=short -rfE ${TESTS:-tests} >"$OUT/pytest.log" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.log"
   grep -E "FAILED|ERROR" "$OUT/pytest.log" | sort | uniq >"$OUT/pytest_failed.txt"
 fi
