@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.memory import TensorState
 from hetero.zero.norms import sum_of_squares
 
 if TYPE_CHECKING:
@@ -48,14 +47,9 @@ def grad_to_host(
     while the host goes on ([Note: copies the host does not wait for]). Returns the accumulated gradient's float64 sum
     of squares, a device scalar (squares False: None, not taken)."""
     device = zc.device
-    grad, slot = zc.grad, zc.grad.slots[0]
-    if first and slot.state is TensorState.FREE and grad.capacity == target.numel():
-        # The copy below writes the buffer whole: zeros first would be a pass over host memory for nothing (52 ms of
-        # the 423 ms step of benchmarks/gpu_race.py's hetero_offload on one H100, in backward's gradient hooks).
-        acc = zc.manager.access(grad, zc.placement.compute)
-        grad.set_state(slot, TensorState.HOLD)
-    else:
-        acc = zc.grad_buffer()
+    # The first micro-batch's copy below writes the buffer whole: zeros first would be a pass over host memory for
+    # nothing (52 ms of the 423 ms step of benchmarks/gpu_race.py's hetero_offload on one H100, in backward's hooks).
+    acc = zc.grad_buffer(whole=first and zc.grad.capacity == target.numel())
     if not first:
         target.add_(device.to_device(acc))
         ready = None  # the sum is work queued now

@@ -344,12 +344,12 @@ class ZeroChunk:
             return
         self.grad_buffer()  # zeros; one on NVMe gets fresh memory rather than being read back
 
-    def grad_buffer(self) -> torch.Tensor:
-        """The accumulated gradient on the compute tier: zeros where nothing has been accumulated yet."""
+    def grad_buffer(self, *, whole: bool = False) -> torch.Tensor:
+        """The accumulated gradient on the compute tier: zeros where none is yet, unless the caller writes it whole."""
         acc = self.manager.access(self.grad, self.placement.compute)
-        if self.grad.slots[0].state is _T.FREE:
+        if self.grad.slots[0].state is _T.FREE and not whole:
             acc.zero_()
-            self._grad_holds()
+        self._grad_holds()
         return acc
 
     def _grad_holds(self) -> None:
