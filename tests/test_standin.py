@@ -76,6 +76,18 @@ def test_the_compute_stream_reads_host_memory_late():
         dev.copy(buf, d, after=marker)  # ordered before the read: it would race it
 
 
+def _one_rank_plain_and_strict(config: dict, nvme: str | None, monkeypatch) -> tuple[dict, dict]:
+    """One rank trained as configured without the stand-in and under it, the CPU named for both (on a GPU machine the
+    plain run would take the GPU); their final weights must be the same bits."""
+    plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
+    monkeypatch.delenv("HETERO_STANDIN")
+    for k, v in plain["state"].items():
+        assert torch.equal(strict["state"][k], v), (config, k)
+    return plain, strict
+
+
 def test_a_group_of_one_keeps_a_host_shard_until_the_device_has_read_it(tmp_path, monkeypatch):
     """One rank gathers a stage-3 shard kept in host memory by a copy queued on the compute stream, which reads it when
     the GPU gets there. With the parameters on NVMe and a tight host budget, the shard's host buffer went back to the
@@ -95,14 +107,8 @@ def test_a_group_of_one_keeps_a_host_shard_until_the_device_has_read_it(tmp_path
         },
     ]
     for i, config in enumerate(configs):
-        nvme = str(tmp_path / str(i))
-        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
-        monkeypatch.setenv("HETERO_STANDIN", "1")
-        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
-        monkeypatch.delenv("HETERO_STANDIN")
+        plain, strict = _one_rank_plain_and_strict(config, str(tmp_path / str(i)), monkeypatch)
         assert strict["losses"] == plain["losses"], config
-        for k, v in plain["state"].items():
-            assert torch.equal(strict["state"][k], v), (config, k)
 
 
 def test_device_and_host_memory_are_told_apart_and_not_mixed():
@@ -259,15 +265,10 @@ def test_one_rank_with_host_gradients_trains_under_the_standin_as_without_it(tmp
         {"zero_stage": 3, "offload": {"optimizer": "host"}},
         {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}, "grad_accumulation_steps": 2},
     ]
-    for i, config in enumerate(configs):  # the CPU named: on a GPU machine the plain run would take the GPU
+    for i, config in enumerate(configs):
         nvme = str(tmp_path / str(i)) if "nvme" in repr(config) else None
-        plain = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
-        monkeypatch.setenv("HETERO_STANDIN", "1")
-        strict = parity.run_hetero(0, 1, steps=3, rows=4, config=config, device="cpu", nvme_dir=nvme)
-        monkeypatch.delenv("HETERO_STANDIN")
+        plain, strict = _one_rank_plain_and_strict(config, nvme, monkeypatch)
         assert strict["losses"] == plain["losses"] and strict["grad_norm"] == plain["grad_norm"], config
-        for k, v in plain["state"].items():
-            assert torch.equal(strict["state"][k], v), (config, k)
 
 
 def test_a_gradient_written_whole_to_the_host_is_not_zeroed_first(monkeypatch):
