@@ -63,3 +63,17 @@ def test_gpu_race_dry_run(tmp_path):
     assert {"vs_fsdp2", "vs_plain", "vs_fsdp2_offload"} <= set(r["races"])
     assert (prof / "hetero_offload_ops.txt").read_text().count("aten::") > 0
     assert (prof / "hetero_offload_trace.json.gz").stat().st_size > 0
+
+
+@pytest.mark.timeout(180)
+def test_host_overhead_tiny():
+    """Plain PyTorch, FSDP2 and hetero at stages 0 and 3 train the same tiny Llama to the same loss, and the JSON
+    gives each one's overhead over plain PyTorch."""
+    args = ["--layers", "2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--stages", "0,3"]
+    r = _run([os.path.join(ROOT, "benchmarks/host_overhead.py"), *args], 170)
+    rows = r["configurations"]
+    assert set(rows) == {"plain", "fsdp2", "hetero_s0", "hetero_s3"}
+    for name, row in rows.items():
+        assert abs(row["last_loss"] - rows["plain"]["last_loss"]) < 1e-4, (name, row)
+        assert row["median_step_s"] > 0 and "overhead_s" in row
+    assert "vs_fsdp2" in rows["hetero_s3"]

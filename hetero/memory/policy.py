@@ -28,6 +28,7 @@ class AccessTrace:
     def __init__(self) -> None:
         self.trace: list[Access] | None = None  # the last complete step's accesses; None before one is recorded
         self._positions: dict[int, list[int]] = {}  # chunk id -> sorted positions in `trace`
+        self._ahead: dict[int, list[Access]] = {}  # position -> the distinct accesses from it on (memo of `upcoming`)
         self._recording: list[Access] = []  # this step's accesses so far
         self.pos = 0  # index in `trace` of the next expected access
         self.matching = False  # replaying and every access so far matched
@@ -62,6 +63,7 @@ class AccessTrace:
         for i, (cid, _) in enumerate(self.trace):
             positions[cid].append(i)
         self._positions = dict(positions)
+        self._ahead = {}
 
     def forget(self) -> None:
         """End the step without keeping it, and drop the trace: the next step is recorded afresh instead of
@@ -72,6 +74,7 @@ class AccessTrace:
         self._recording = []
         self.trace = None
         self._positions = {}
+        self._ahead = {}
         self.matching = False
 
     # ---- during a step ------------------------------------------------------------------------------------
@@ -90,19 +93,33 @@ class AccessTrace:
             self.mismatches += 1
 
     def upcoming(self, depth: int, skip: Iterable[int] = ()) -> list[Access]:
-        """The next `depth` distinct chunks the replay expects (wrapping into the next step); [] when not replaying."""
+        """The next `depth` distinct chunks the replay expects (wrapping into the next step), leaving out the chunks
+        in `skip`; [] when not replaying."""
         if not self.matching or depth <= 0 or not self.trace:
             return []
-        seen = set(skip)
+        skip = set(skip)
+        # Every access asks this, and the answer at a position never changes while the trace stands: walk the trace
+        # once per position (for as many chunks as any caller wanted so far), not once per access.
+        want = depth + len(skip)
+        ahead = self._ahead.get(self.pos)
+        if ahead is None or (len(ahead) < want and len(ahead) < len(self._positions)):
+            ahead = self._distinct_from(self.pos, max(want, 2 * depth))
+            self._ahead[self.pos] = ahead
+        out = [a for a in ahead if a[0] not in skip]
+        return out[:depth]
+
+    def _distinct_from(self, pos: int, count: int) -> list[Access]:
+        assert self.trace is not None
+        seen: set[int] = set()
         out: list[Access] = []
         n = len(self.trace)
         for k in range(n):
-            cid, tier = self.trace[(self.pos + k) % n]
+            cid, tier = self.trace[(pos + k) % n]
             if cid in seen:
                 continue
             seen.add(cid)
             out.append((cid, tier))
-            if len(out) == depth:
+            if len(out) == count:
                 break
         return out
 

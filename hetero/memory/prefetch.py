@@ -42,6 +42,8 @@ class Prefetcher:
             chunk = self.chunks.get(cid)
             if chunk is None or tier is Tier.NVME:
                 continue
+            if chunk.move is None and (chunk.state is ChunkState.EMPTY or chunk.tier == tier or tier > chunk.tier):
+                continue  # there already, or wanted lower down (what `start` would say, without the horizon's cost)
             # Evict only what is needed later than this chunk; else prefetching would evict what comes sooner.
             horizon = self.trace.next_use(cid)
             if self.start(chunk, tier, horizon=horizon, protect=protect | {cid}, earmarked=earmarked[tier]):
