@@ -39,7 +39,7 @@ from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
-from hetero.zero.protocol import Checker, Gathers, Reducer, adopt_observed_order, keep_units
+from hetero.zero.protocol import Checker, Gathers, Reducer, adopt_observed_order, unit_rules
 from hetero.zero.stages import Placement
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
@@ -188,8 +188,8 @@ class Engine:
         self.check = Checker(self.comm, enabled=config.check_collectives, units=self.units, chunks=self.chunks)
         self.gathers = None
         if self.stage == 3:
-            keep = keep_units(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
-            self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep)
+            keep, whole = unit_rules(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
+            self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep, whole=whole)
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         deliver = weakref.WeakMethod(self._on_tile_grad)
         target = weakref.WeakMethod(self._tile_grad_target)

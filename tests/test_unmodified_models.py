@@ -194,3 +194,69 @@ def test_skipped_modules_and_params_used_twice():
         torch.manual_seed(0)
         cfg = {"zero_stage": stage, "chunk_size": 300}
         _compare(_train(SkipAndReuse(), batches, engine_cfg=cfg, loss_of=loss_of), refs)
+
+
+class CrossBlock(nn.Module):
+    """Blocks (the units of stage 3) whose modules also run outside their own block: block 2 calls block 0's
+    second layer, and the model calls block 1's first layer after the blocks, outside any."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)) for _ in range(3))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for i, block in enumerate(self.blocks):
+            h = h + block(h)
+            if i == 2:
+                h = h + self.blocks[0][2](torch.tanh(h))
+        h = torch.tanh(self.blocks[1][0](h))
+        return self.out(h)
+
+
+def _count_unit_hooks(monkeypatch):
+    """Count the backward hooks (`_OnBackward` nodes) a step's forward installs."""
+    from hetero.zero import hooks
+
+    calls = [0]
+    apply = hooks._OnBackward.apply
+
+    def counted(*args):
+        calls[0] += 1
+        return apply(*args)
+
+    monkeypatch.setattr(hooks._OnBackward, "apply", counted)
+    return calls
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["unit-pins-all", "module-pins-own"])
+def test_modules_run_outside_their_block(monkeypatch, whole):
+    """A unit's backward pins all of its parameters where the budget holds it ([Note: one backward hook per unit]),
+    so its modules install no backward hook of their own; a module run outside its block keeps one, or its
+    parameters would be released when its backward needs them (ReleasedParameterError, or the wrong gradients)."""
+    from hetero import engine as engine_module
+
+    rules = engine_module.unit_rules
+    monkeypatch.setattr(engine_module, "unit_rules", lambda *a: (rules(*a)[0], whole))
+    calls = _count_unit_hooks(monkeypatch)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(6)]
+
+    def loss_of(runner, batch, i):
+        x, y = batch
+        out = runner(x)
+        return nn.functional.cross_entropy(out, y.to(out.device))
+
+    model = CrossBlock()
+    refs = _references(model, batches, loss_of)
+    calls[0] = 0
+    # Chunks of 300 elements: each block's two layers in chunks of their own, released between the blocks.
+    _compare(_train(model, batches, engine_cfg={"zero_stage": 3, "chunk_size": 300}, loss_of=loss_of), refs)
+    per_step = calls[0] / len(batches)
+    # Units: inp, out and the three blocks, each with a hook on its outputs and (but inp, whose input needs no
+    # gradient) one on its inputs: 9. The six modules inside the blocks, each once more where it also ran outside its
+    # block: with the unit pinning all, only those two calls; else all eight.
+    assert per_step == (11 if whole else 17), per_step

@@ -10,9 +10,11 @@ eviction, timing or data:
     own business: under memory pressure the manager moves it to the host like any chunk (see [Note: transient
     chunks]) and brings it back at its next use without a collective.
   - Release after forward keeps the last `KEEP_UNITS` units gathered (backward starts with them) when every rank's
-    device budget has room for them (`keep_units`: the smallest budget, agreed by a collective at initialisation);
+    device budget has room for them (`unit_rules`: the smallest budget, agreed by a collective at initialisation);
     a chunk is released once every unit using it has finished the phase (or, for units that did not run, at the
-    step's end). After backward everything is released: the update changes the shards.
+    step's end). After backward everything is released: the update changes the shards. In backward a unit gathers
+    its chunks all at its start where that budget has room for it (`unit_rules`, [Note: one backward hook per
+    unit]), else each module as its own backward starts.
   - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`; where nothing else
     runs in backward, the order the first backward completed them in on rank 0: [Note: the reduce order learnt
     from a backward]); a chunk is issued once its gradients are all in and every chunk before it in the order has
@@ -123,17 +125,21 @@ class Gathers:
     called outside its unit gathers on the spot, and the check covers that too.
     """
 
-    def __init__(self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int) -> None:
+    def __init__(
+        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, whole: bool = True
+    ) -> None:
         self.units = units
         self.check = check
-        self.keep = keep  # units kept gathered after their forward: the same on every rank (see keep_units)
+        self.keep = keep  # units kept gathered after their forward: the same on every rank (see unit_rules)
+        self.whole = whole  # a unit's backward pins all of its parameters (see unit_rules)
         self._users = {id(zc): [u for u in units if zc in u.chunks] for zc in chunks}  # units using each chunk
         self._window: deque[Unit] = deque()  # units done with forward and still gathered, oldest first
         self._done: dict[int, set[int]] = {FORWARD: set(), BACKWARD: set()}  # unit indices done this step
         self._active: dict[int, int] = {}  # unit index -> calls in progress (a unit may be running twice)
-        self._held: dict[int, list[Entry]] = {}  # unit index -> parameters its modules use in backward, until it ends
+        self._held: dict[int, list[Entry]] = {}  # unit index -> parameters in use in its backward, until it ends
         self._pending: dict[int, list[ZeroChunk]] = {}  # unit index -> its chunks still to gather, in layout order
         self._chunks = chunks
+        self._groups: dict[int, tuple[list[Entry], list[tuple[ZeroChunk, list[Entry]]]]] = {}  # see _by_chunk
 
     # ---- unit events --------------------------------------------------------------------------------------
     def enter_unit(self, unit: Unit) -> None:
@@ -175,19 +181,30 @@ class Gathers:
     def use(self, entries: list[Entry], unit: Unit) -> None:
         """A module of `unit` starts using its parameters: resident on the device and pinned there."""
         phase = BACKWARD if in_backward() else FORWARD
-        for zc in sorted({id(e.chunk): e.chunk for e in entries}.values(), key=lambda c: c.spec.index):
-            pending = self._pending.get(unit.index, [])
-            upto = next((i for i, c in enumerate(pending) if c is zc), -1)
-            for c in pending[: upto + 1]:  # the unit's gathers before this one come first, on every rank
-                self._gather(c, unit, phase)
-            del pending[: upto + 1]
+        pending = self._pending.get(unit.index)
+        for zc, group in self._by_chunk(entries):
+            if pending and zc in pending:  # the unit's gathers before this one come first, on every rank
+                upto = pending.index(zc)
+                for c in pending[: upto + 1]:
+                    self._gather(c, unit, phase)
+                del pending[: upto + 1]
             self._gather(zc, unit, phase)
             zc.unshard()  # resident on the device (if this rank moved it away since)
-            for e in entries:
-                if e.chunk is zc:
-                    zc.enter(e)
+            for e in group:
+                zc.enter(e)
         if phase == BACKWARD:
-            self._held.setdefault(unit.index, []).extend(entries)  # until the unit's backward ends
+            self._held.setdefault(unit.index, []).extend(entries)  # until their gradients come, or the unit ends
+
+    def _by_chunk(self, entries: list[Entry]) -> list[tuple[ZeroChunk, list[Entry]]]:
+        """A module's parameters by chunk, in layout order; worked out once per list (a module's hooks keep theirs)."""
+        got = self._groups.get(id(entries))
+        if got is None or got[0] is not entries:
+            groups: dict[int, tuple[ZeroChunk, list[Entry]]] = {}
+            for e in entries:
+                groups.setdefault(id(e.chunk), (e.chunk, []))[1].append(e)
+            got = (entries, sorted(groups.values(), key=lambda g: g[0].spec.index))
+            self._groups[id(entries)] = got
+        return got[1]
 
     def done_using(self, entries: list[Entry]) -> None:
         """A module's forward ended."""
@@ -197,9 +214,13 @@ class Gathers:
     def grad_arrived(self, e: Entry, unit: Unit) -> None:
         """A parameter's gradient is complete: its backward use is over (the unit's end settles any other)."""
         held = self._held.get(unit.index)
-        if held is not None and e in held:
-            held.remove(e)
+        if held and e in held:
+            held.remove(e)  # a list: a unit holds dozens, and a parameter used twice is held twice
             e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
+
+    def running(self, unit: Unit) -> bool:
+        """Whether the unit's forward (or a recomputation of it) is in progress."""
+        return unit.index in self._active
 
     def _gather(self, zc: ZeroChunk, unit: Unit, phase: int) -> None:
         if not zc.gathered:
@@ -271,15 +292,22 @@ def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> 
     return peak
 
 
-def keep_units(units: list[Unit], comm: Comm, device_budget: int) -> int:
-    """How many units stay gathered after forward: KEEP_UNITS where the smallest device budget of the group holds
-    them and the largest unit besides, with half as much again to spare, else none (gathered chunks that do not
-    fit would only be moved to the host and back). Agreed by a collective: the same on every rank."""
+def unit_rules(units: list[Unit], comm: Comm, device_budget: int) -> tuple[int, bool]:
+    """(keep, whole): how many units stay gathered after forward, and whether a unit's backward pins all of its
+    parameters at once ([Note: one backward hook per unit]), both from the smallest device budget of the group,
+    agreed by a collective, so the same on every rank (each changes when gathers are issued).
+
+    keep: KEEP_UNITS where that budget holds them and the largest unit besides, with half as much again to spare,
+    else none (gathered chunks that do not fit would only be moved to the host and back). whole: where it holds the
+    largest unit pinned and two chunks' gradient buffers, with half as much again to spare; else each module pins
+    its own parameters in its backward, and a unit's other chunks may be moved away meanwhile."""
     smallest = torch.tensor([device_budget], dtype=torch.int64)
     comm.control.all_reduce(smallest, op="min")
     sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
-    need = sum(sizes[: KEEP_UNITS + 1])
-    return KEEP_UNITS if int(smallest) >= 1.5 * need else 0
+    grads = max((4 * zc.spec.capacity for u in units for zc in u.chunks), default=0)  # fp32 per micro-batch
+    keep = KEEP_UNITS if int(smallest) >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
+    whole = bool(sizes) and int(smallest) >= 1.5 * (sizes[0] + 2 * grads)
+    return keep, whole
 
 
 class Reducer:
