@@ -23,9 +23,10 @@ def update_segments(zc: ZeroChunk, used: torch.Tensor) -> list[tuple[int, int, i
     gradient on any rank), then count the step of each used parameter."""
     lo, hi = zc.kept_range()
     runs: list[tuple[int, int, int]] = []
+    flags = used.tolist()  # one call, not a tensor index per parameter
     for i, info in enumerate(zc.spec.params):
         a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-        if not used[i]:
+        if not flags[i]:
             continue
         if a < b:
             if runs and runs[-1][1] == a - lo and runs[-1][2] == zc.param_steps[i]:

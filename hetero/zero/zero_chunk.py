@@ -64,7 +64,8 @@ class ZeroChunk:
         self.grad_full: Chunk | None = None
         self.optim: Chunk | None = None
         self.param_steps = [0] * len(spec.params)  # optimizer steps each parameter has taken (see update_segments)
-        self.used = torch.zeros(len(spec.params), dtype=torch.uint8)  # got a gradient since the last update
+        self._used = bytearray(len(spec.params))  # got a gradient since the last update (set with no tensor call)
+        self.used = torch.frombuffer(self._used, dtype=torch.uint8)  # the same bytes, for the collectives
         self._index = {id(p.param): i for i, p in enumerate(spec.params)}
         self.grads_seen: set[int] = set()  # trainable param ids whose gradient this micro-batch has arrived
         self.n_trainable = sum(1 for p in spec.params if p.trainable)
@@ -176,8 +177,7 @@ class ZeroChunk:
         self.gathered = False
 
     def enter(self, e: Entry) -> None:
-        """A use of a parameter begins: its slot is COMPUTE (pinned to the device), its values readable. Stages 0-2
-        hold every parameter in use for the model's whole life."""
+        """A use of a parameter begins: its slot is COMPUTE (pinned to the device), its values readable (stage 3)."""
         if not self.layout.params_sharded:
             return
         k = id(e.info.param)
@@ -245,7 +245,7 @@ class ZeroChunk:
             self.grad_buffer().narrow(0, info.offset, info.numel).add_(flat)
             self.grad_is_zero = False
         self.grads_seen.add(id(info.param))
-        self.used[self._index[id(info.param)]] = 1
+        self._used[self._index[id(info.param)]] = 1
         if len(self.grads_seen) < self.n_trainable:
             return False
         self.host_sum.flush()
@@ -437,7 +437,7 @@ class ZeroChunk:
         if "param_steps" in state:
             self.param_steps = list(state["param_steps"])
         if "used" in state:
-            self.used = torch.tensor(state["used"], dtype=torch.uint8)
+            self.used.copy_(torch.tensor(state["used"], dtype=torch.uint8))
         if "grad_is_zero" in state:
             self.grad_is_zero = bool(state["grad_is_zero"])
 
