@@ -32,6 +32,7 @@ from hetero.parallel.pipeline.tied import TiedGrads
 from hetero.parallel.setup import setup_parallel
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
+from hetero.zero.gathers import Gathers, unit_rules
 from hetero.zero.hooks import Hooks
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -39,7 +40,7 @@ from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
-from hetero.zero.protocol import Checker, Gathers, Reducer, adopt_observed_order, unit_rules
+from hetero.zero.protocol import Checker, Reducer, adopt_observed_order
 from hetero.zero.stages import Placement
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
@@ -335,6 +336,7 @@ class Engine:
             zc.grads_seen.clear()
         if self.gathers is not None:
             self.gathers.release_all()
+            self.gathers.learn(self.comm)  # once, after the first backward ([Note: one backward hook per unit])
         if self.activations is not None:
             self.activations.step_end()
         if self.config.grad_accumulation_steps != 1:

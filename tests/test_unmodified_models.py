@@ -253,10 +253,100 @@ def test_modules_run_outside_their_block(monkeypatch, whole):
     model = CrossBlock()
     refs = _references(model, batches, loss_of)
     calls[0] = 0
+
+    def counting(runner, batch, i):
+        if i == 1:
+            calls[0] = 0  # the first step runs with every module's hook (see Gathers.learn): count from the second
+        return loss_of(runner, batch, i)
+
     # Chunks of 300 elements: each block's two layers in chunks of their own, released between the blocks.
-    _compare(_train(model, batches, engine_cfg={"zero_stage": 3, "chunk_size": 300}, loss_of=loss_of), refs)
-    per_step = calls[0] / len(batches)
+    _compare(_train(model, batches, engine_cfg={"zero_stage": 3, "chunk_size": 300}, loss_of=counting), refs)
+    per_step = calls[0] / (len(batches) - 1)
     # Units: inp, out and the three blocks, each with a hook on its outputs and (but inp, whose input needs no
     # gradient) one on its inputs: 9. The six modules inside the blocks, each once more where it also ran outside its
     # block: with the unit pinning all, only those two calls; else all eight.
     assert per_step == (11 if whole else 17), per_step
+
+
+class _SideBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(6, 6)
+        self.side = nn.Linear(6, 6)
+        self.kept: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.kept = self.side(h)  # kept aside, not among the block's outputs
+        return torch.tanh(self.main(h))
+
+
+class SideOutput(nn.Module):
+    """Block 0's output is left unused, but an output of one of its layers, which it kept aside, reaches the loss:
+    that layer's backward runs while block 0's backward never starts (autograd runs nodes in reverse order of
+    creation, so a kept-aside output used by a later block would not do: the block's own backward comes first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_SideBlock() for _ in range(3))
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))  # an input that needs a gradient: the kept-aside layer's backward reads its weight
+        self.blocks[0](h)  # its output unused: only what it kept aside reaches the loss
+        h = self.blocks[2](self.blocks[1](h))
+        return self.out(h + self.blocks[0].kept)
+
+
+def _side_batches():
+    g = torch.Generator().manual_seed(8)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(5)]
+
+
+def _ce(runner, batch, i):
+    x, y = batch
+    out = runner(x)
+    return nn.functional.cross_entropy(out, y.to(out.device))
+
+
+def test_an_output_kept_aside_past_its_unit():
+    """The first backward finds a module's backward outside its unit's, so units never pin whole (each module keeps
+    its backward hook), and the model trains as plain PyTorch does."""
+    torch.manual_seed(0)
+    model, batches = SideOutput(), _side_batches()
+    refs = _references(model, batches, _ce)
+    _compare(_train(model, batches, engine_cfg={"zero_stage": 3, "chunk_size": 64}, loss_of=_ce), refs)
+    engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3, "chunk_size": 64})
+    for i, batch in enumerate(batches[:2]):
+        engine.backward(_ce(engine, batch, i))
+        engine.step()
+    assert engine.gathers.whole is False
+    engine.close()
+
+
+def test_whole_units_from_the_start_fail_on_an_output_kept_aside():
+    """Why the first backward looks first: pinning whole units from the start leaves the kept-aside layer's chunk
+    released when its backward comes."""
+    torch.manual_seed(0)
+    model, batches = SideOutput(), _side_batches()
+    engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3, "chunk_size": 64})
+    engine.gathers.whole = True
+    with pytest.raises(RuntimeError):
+        engine.backward(_ce(engine, batches[0], 0))
+    engine.close()
+
+
+def test_units_pin_whole_from_the_second_backward():
+    """Where nothing escapes its unit, the second backward on pins whole units."""
+    model = CrossBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = hetero.initialize(model, opt, {"zero_stage": 3, "chunk_size": 300})
+    x, y = torch.randn(4, 6), torch.randint(0, 2, (4,))
+    whole = []
+    for _ in range(2):
+        out = engine(x)
+        whole.append(engine.gathers.whole)
+        engine.backward(nn.functional.cross_entropy(out, y.to(out.device)))
+        engine.step()
+    engine.close()
+    assert whole == [False, True]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hetero.zero.gathers import KEEP_UNITS, gathered_peak
 from hetero.zero.layout import ChunkSpec
-from hetero.zero.protocol import KEEP_UNITS, gathered_peak
 from hetero.zero.units import unit_parameters
 
 

@@ -14,11 +14,15 @@ are gathered as late as its modules allow. In backward, where every rank's devic
 (`unit_rules`), the unit's own pre-backward gathers its chunks and pins every parameter of the unit until its gradient
 arrives (or the unit's backward ends); a module then wraps its outputs for a backward hook of its own only where it
 ran outside its unit's forward (a module of one block called from another, or from no block), where its unit's
-backward may come too late. Wrapping every module's outputs cost an autograd node and a hook call per module and
-step, the larger part of the hooks' cost on small layers (host_overhead.py: 28 -> 22 ms a step over plain PyTorch on
-a 16-layer Llama). Under a tighter budget every module keeps its backward hook and pins only its own parameters
-while its backward runs, so the unit's other chunks may move to the host meanwhile. Which of the two is a shared
-decision: it changes where backward's gathers fall between the reduce-scatters.
+backward may come too late. Autograd runs a device's nodes in reverse order of creation, so a module's backward falls
+between its unit's pre- and post-backward, except where the unit's outputs reach no loss and something the unit kept
+aside does (its pre-backward never runs): the first backward runs with every module's hook and notes whether any
+module's backward came outside its unit's (`Gathers.learn`, agreed by every rank); only where none did do the units
+pin whole, from the second backward on. Wrapping every module's outputs cost an autograd node and a hook call per
+module and step, the larger part of the hooks' cost on small layers (`benchmarks/host_overhead.py`: 28 -> 22 ms a step
+over plain PyTorch on a 16-layer Llama). Under a tighter budget every module keeps its backward hook and pins only its
+own parameters while its backward runs, so the unit's other chunks may move to the host meanwhile. Which of the two is
+a shared decision: it changes where backward's gathers fall between the reduce-scatters.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hetero.zero.protocol import Gathers, in_backward
+from hetero.zero.gathers import Gathers
+from hetero.zero.protocol import in_backward
 from hetero.zero.units import Entry, Unit
 
 
@@ -154,26 +159,32 @@ def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gath
 
 
 def _post_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers) -> Callable:
-    # A unit's backward pins all of its parameters; a module's own, only where it ran outside its unit's forward
-    # (see [Note: one backward hook per unit]).
-    used_in_backward = unit.entries if unit is not None and gathers.whole else own
-
+    # A unit's backward pins all of its parameters (where `gathers.whole`); a module's own, only where it ran outside
+    # its unit's forward. See [Note: one backward hook per unit].
     def pre_backward() -> None:
         if unit is not None:
             gathers.enter_unit(unit)
-        if used_in_backward:
-            gathers.use(used_in_backward, owner)
+        used = unit.entries if unit is not None and gathers.whole else own
+        if used:
+            gathers.use(used, owner)
+
+    def pre_backward_inside() -> None:  # a module that ran inside its unit's forward, before `gathers.whole`
+        gathers.module_backward(owner)
+        pre_backward()
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         training = torch.is_grad_enabled()
         if own:
             gathers.done_using(own)
+        inside = False
         if unit is not None:
             gathers.exit_unit_forward(unit, training=training)
-        elif gathers.whole and gathers.running(owner):
-            return output  # its unit's backward gathers and pins it
+        elif gathers.running(owner):
+            if gathers.whole:
+                return output  # its unit's backward gathers and pins it
+            inside = True
         if training and not in_backward():
-            return wrap_outputs(output, pre_backward)
+            return wrap_outputs(output, pre_backward_inside if inside else pre_backward)
         return output
 
     return hook

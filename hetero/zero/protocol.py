@@ -10,11 +10,12 @@ eviction, timing or data:
     own business: under memory pressure the manager moves it to the host like any chunk (see [Note: transient
     chunks]) and brings it back at its next use without a collective.
   - Release after forward keeps the last `KEEP_UNITS` units gathered (backward starts with them) when every rank's
-    device budget has room for them (`unit_rules`: the smallest budget, agreed by a collective at initialisation);
-    a chunk is released once every unit using it has finished the phase (or, for units that did not run, at the
-    step's end). After backward everything is released: the update changes the shards. In backward a unit gathers
-    its chunks all at its start where that budget has room for it (`unit_rules`, [Note: one backward hook per
-    unit]), else each module as its own backward starts.
+    device budget has room for them (`unit_rules` in `hetero/zero/gathers.py`: the smallest budget, agreed by a
+    collective at initialisation); a chunk is released once every unit using it has finished the phase (or, for
+    units that did not run, at the step's end). After backward everything is released: the update changes the
+    shards. In backward a unit gathers its chunks all at its start where that budget has room for it and the first
+    backward showed it safe (`Gathers.learn`, [Note: one backward hook per unit]), else each module as its own
+    backward starts.
   - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`; where nothing else
     runs in backward, the order the first backward completed them in on rank 0: [Note: the reduce order learnt
     from a backward]); a chunk is issued once its gradients are all in and every chunk before it in the order has
@@ -39,15 +40,13 @@ import torch
 
 from hetero.comm import Comm
 from hetero.errors import CollectiveMismatchError
-from hetero.memory import TensorState
-from hetero.zero.units import Entry, Unit
+from hetero.zero.units import Unit
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
 
-KEEP_UNITS = 2  # units left gathered at the end of forward (the first ones backward needs), where memory allows
 _FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase
 OPS = ("?", "gather", "reduce-scatter", "update", "read (gathered_parameters)", "batch reduce-scatter", "all-reduce")
 GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE = 1, 2, 3, 4, 5, 6
@@ -111,203 +110,6 @@ class Checker:
         if 0 <= phase < len(PHASES):
             what += f", in {PHASES[phase]}"
         return what
-
-
-class Gathers:
-    """Stage 3: gathers and releases chunks at unit events; see [Note: every rank in step].
-
-    Two kinds of events drive it. A unit's start and end (every rank sees the same ones) decide what is gathered:
-    every chunk the unit uses, in layout order, by its end at the latest. A module's use of its parameters (which
-    a branch may skip on one rank) pins them to the device while it runs, and decides only *when* the gathers
-    happen: a module needing chunk k gathers the unit's pending chunks up to k, in order, and the unit's end
-    gathers the rest. Every rank therefore issues the same gathers in the same order, each as late as its own
-    modules allow, which keeps the device's working set to what runs now rather than the whole unit. A module
-    called outside its unit gathers on the spot, and the check covers that too.
-    """
-
-    def __init__(
-        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, whole: bool = True
-    ) -> None:
-        self.units = units
-        self.check = check
-        self.keep = keep  # units kept gathered after their forward: the same on every rank (see unit_rules)
-        self.whole = whole  # a unit's backward pins all of its parameters (see unit_rules)
-        self._users = {id(zc): [u for u in units if zc in u.chunks] for zc in chunks}  # units using each chunk
-        self._window: deque[Unit] = deque()  # units done with forward and still gathered, oldest first
-        self._done: dict[int, set[int]] = {FORWARD: set(), BACKWARD: set()}  # unit indices done this step
-        self._active: dict[int, int] = {}  # unit index -> calls in progress (a unit may be running twice)
-        self._held: dict[int, list[Entry]] = {}  # unit index -> parameters in use in its backward, until it ends
-        self._pending: dict[int, list[ZeroChunk]] = {}  # unit index -> its chunks still to gather, in layout order
-        self._chunks = chunks
-        self._groups: dict[int, tuple[list[Entry], list[tuple[ZeroChunk, list[Entry]]]]] = {}  # see _by_chunk
-
-    # ---- unit events --------------------------------------------------------------------------------------
-    def enter_unit(self, unit: Unit) -> None:
-        """A unit starts (forward, or backward): every chunk it uses will be gathered, in layout order."""
-        self._pending[unit.index] = [zc for zc in unit.chunks if not zc.gathered]
-        self._active[unit.index] = self._active.get(unit.index, 0) + 1
-
-    def exit_unit_forward(self, unit: Unit, *, training: bool) -> None:
-        self._flush(unit, BACKWARD if in_backward() else FORWARD)
-        self._leave(unit)
-        if in_backward():
-            return  # a checkpoint's recomputation: the unit's backward releases
-        self._done[FORWARD].add(unit.index)
-        if not training:
-            self._release_idle(unit.chunks, FORWARD)
-            return
-        if unit in self._window:
-            self._window.remove(unit)
-        self._window.append(unit)
-        while len(self._window) > self.keep:
-            self._release_idle(self._window.popleft().chunks, FORWARD)
-
-    def exit_unit_backward(self, unit: Unit) -> None:
-        self._flush(unit, BACKWARD)
-        for e in self._held.pop(unit.index, []):
-            e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
-        self._leave(unit)
-        self._done[BACKWARD].add(unit.index)
-        self._release_idle(unit.chunks, BACKWARD)
-
-    def _leave(self, unit: Unit) -> None:
-        n = self._active.get(unit.index, 0) - 1
-        if n > 0:
-            self._active[unit.index] = n
-        else:
-            self._active.pop(unit.index, None)
-
-    # ---- a module's use of its parameters -------------------------------------------------------------------
-    def use(self, entries: list[Entry], unit: Unit) -> None:
-        """A module of `unit` starts using its parameters: resident on the device and pinned there."""
-        phase = BACKWARD if in_backward() else FORWARD
-        pending = self._pending.get(unit.index)
-        for zc, group in self._by_chunk(entries):
-            if pending and zc in pending:  # the unit's gathers before this one come first, on every rank
-                upto = pending.index(zc)
-                for c in pending[: upto + 1]:
-                    self._gather(c, unit, phase)
-                del pending[: upto + 1]
-            self._gather(zc, unit, phase)
-            zc.unshard()  # resident on the device (if this rank moved it away since)
-            for e in group:
-                zc.enter(e)
-        if phase == BACKWARD:
-            self._held.setdefault(unit.index, []).extend(entries)  # until their gradients come, or the unit ends
-
-    def _by_chunk(self, entries: list[Entry]) -> list[tuple[ZeroChunk, list[Entry]]]:
-        """A module's parameters by chunk, in layout order; worked out once per list (a module's hooks keep theirs)."""
-        got = self._groups.get(id(entries))
-        if got is None or got[0] is not entries:
-            groups: dict[int, tuple[ZeroChunk, list[Entry]]] = {}
-            for e in entries:
-                groups.setdefault(id(e.chunk), (e.chunk, []))[1].append(e)
-            got = (entries, sorted(groups.values(), key=lambda g: g[0].spec.index))
-            self._groups[id(entries)] = got
-        return got[1]
-
-    def done_using(self, entries: list[Entry]) -> None:
-        """A module's forward ended."""
-        for e in entries:
-            e.chunk.exit(e, TensorState.HOLD_AFTER_FWD)
-
-    def grad_arrived(self, e: Entry, unit: Unit) -> None:
-        """A parameter's gradient is complete: its backward use is over (the unit's end settles any other)."""
-        held = self._held.get(unit.index)
-        if held and e in held:
-            held.remove(e)  # a list: a unit holds dozens, and a parameter used twice is held twice
-            e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
-
-    def running(self, unit: Unit) -> bool:
-        """Whether the unit's forward (or a recomputation of it) is in progress."""
-        return unit.index in self._active
-
-    def _gather(self, zc: ZeroChunk, unit: Unit, phase: int) -> None:
-        if not zc.gathered:
-            self.check(GATHER, chunk=zc.spec.index, unit=unit.index, phase=phase)
-            zc.unshard()
-
-    def _flush(self, unit: Unit, phase: int) -> None:
-        """The unit's gathers its modules did not need on this rank: another rank's modules may have."""
-        for zc in self._pending.pop(unit.index, []):
-            self._gather(zc, unit, phase)
-
-    def _release_idle(self, chunks: Iterable[ZeroChunk], phase: int) -> None:
-        """Release each chunk that no unit is using and that every unit using it has finished this phase with."""
-        kept = {id(zc) for u in self._window for zc in u.chunks} if phase == FORWARD else set()
-        for zc in chunks:
-            users = self._users[id(zc)]
-            if id(zc) in kept or any(u.index in self._active for u in users):
-                continue
-            if all(u.index in self._done[phase] for u in users):
-                zc.reshard()
-
-    # ---- step ends (the engine) ---------------------------------------------------------------------------
-    def end_forward(self, *, training: bool) -> None:
-        """After the model's forward: without autograd nothing will need the gathered chunks."""
-        if not training:
-            self.release_all()
-
-    def release_all(self) -> None:
-        """End of backward (or of a forward without one): everything still gathered is released, in layout order;
-        units whose backward never ended (no input needed a gradient) are left first."""
-        for entries in self._held.values():
-            for e in entries:
-                e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
-        self._held.clear()
-        self._pending.clear()
-        self._active.clear()
-        self._window.clear()
-        for zc in self._chunks:
-            zc.reshard()
-        for done in self._done.values():
-            done.clear()
-
-
-def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> int:
-    """The most bytes gathered at once when `units` (each a list of chunk indices) run forward in order and backward
-    in reverse, under the rules of `Gathers`: what the estimator counts for a stage-3 step."""
-    users: dict[int, set[int]] = {}
-    for u, chunks in enumerate(units):
-        for c in chunks:
-            users.setdefault(c, set()).add(u)
-    gathered: set[int] = set()
-    peak = 0
-    for order, windowed in ((range(len(units)), True), (range(len(units) - 1, -1, -1), False)):
-        done: set[int] = set()
-        window: deque[int] = deque()
-        for u in order:
-            gathered.update(units[u])
-            peak = max(peak, sum(nbytes[c] for c in gathered))
-            done.add(u)
-            if windowed:
-                window.append(u)
-                ending = [window.popleft()] if len(window) > keep else []
-            else:
-                ending = [u]
-            kept = {c for w in window for c in units[w]} if windowed else set()
-            for e in ending:
-                gathered -= {c for c in units[e] if c not in kept and users[c] <= done}
-        gathered.clear()  # the end of backward releases everything
-    return peak
-
-
-def unit_rules(units: list[Unit], comm: Comm, device_budget: int) -> tuple[int, bool]:
-    """(keep, whole): how many units stay gathered after forward, and whether a unit's backward pins all of its
-    parameters at once ([Note: one backward hook per unit]), both from the smallest device budget of the group,
-    agreed by a collective, so the same on every rank (each changes when gathers are issued).
-
-    keep: KEEP_UNITS where that budget holds them and the largest unit besides, with half as much again to spare,
-    else none (gathered chunks that do not fit would only be moved to the host and back). whole: where it holds the
-    largest unit pinned and two chunks' gradient buffers, with half as much again to spare; else each module pins
-    its own parameters in its backward, and a unit's other chunks may be moved away meanwhile."""
-    smallest = torch.tensor([device_budget], dtype=torch.int64)
-    comm.control.all_reduce(smallest, op="min")
-    sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
-    grads = max((4 * zc.spec.capacity for u in units for zc in u.chunks), default=0)  # fp32 per micro-batch
-    keep = KEEP_UNITS if int(smallest) >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
-    whole = bool(sizes) and int(smallest) >= 1.5 * (sizes[0] + 2 * grads)
-    return keep, whole
 
 
 class Reducer:
