@@ -19,7 +19,7 @@ between its unit's pre- and post-backward, except where the unit's outputs reach
 aside does (its pre-backward never runs): the first backward runs with every module's hook and notes whether any
 module's backward came outside its unit's (`Gathers.learn`, agreed by every rank); only where none did do the units
 pin whole, from the second backward on. Wrapping every module's outputs cost an autograd node and a hook call per
-module and step, the larger part of the hooks' cost on small layers (`benchmarks/host_overhead.py`: 28 -> 22 ms a step
+module and step, the larger part of the hooks' cost on small layers (`benchmarks/host_overhead.py`: 28-30 -> 21-23 ms
 over plain PyTorch on a 16-layer Llama). Under a tighter budget every module keeps its backward hook and pins only its
 own parameters while its backward runs, so the unit's other chunks may move to the host meanwhile. Which of the two is
 a shared decision: it changes where backward's gathers fall between the reduce-scatters.
