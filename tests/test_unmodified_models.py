@@ -350,3 +350,19 @@ def test_units_pin_whole_from_the_second_backward():
         engine.step()
     engine.close()
     assert whole == [False, True]
+
+
+def test_train_batch_learns_whole_units_too():
+    """`train_batch` over micro-batches (no pipeline) decides after its first backward as well."""
+    torch.manual_seed(0)
+    model = CrossBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"zero_stage": 3, "chunk_size": 300, "parallel": {"microbatches": 2}}
+    engine = hetero.initialize(model, opt, cfg)
+    x, y = torch.randn(4, 6), torch.randint(0, 2, (4,))
+    whole = []
+    for _ in range(2):
+        whole.append(engine.gathers.whole)
+        engine.train_batch(x, y, loss_fn=nn.functional.cross_entropy)
+    engine.close()
+    assert whole == [False, True]

@@ -67,6 +67,8 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     def after_backward() -> None:
         if gathers is not None:
             gathers.release_all()
+            if engine.stages is None:  # a schedule interleaving micro-batches keeps every module's backward hook
+                gathers.learn(engine.comm)  # [Note: one backward hook per unit]
         engine.events.emit("backward_end")
 
     accumulate = [zc for zc in engine.chunks if zc.spec.trainable and zc.grad_full is not None]

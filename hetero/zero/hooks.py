@@ -18,11 +18,12 @@ backward may come too late. Autograd runs a device's nodes in reverse order of c
 between its unit's pre- and post-backward, except where the unit's outputs reach no loss and something the unit kept
 aside does (its pre-backward never runs): the first backward runs with every module's hook and notes whether any
 module's backward came outside its unit's (`Gathers.learn`, agreed by every rank); only where none did do the units
-pin whole, from the second backward on. Wrapping every module's outputs cost an autograd node and a hook call per
-module and step, the larger part of the hooks' cost on small layers (`benchmarks/host_overhead.py`: 28-30 -> 21-23 ms
-over plain PyTorch on a 16-layer Llama). Under a tighter budget every module keeps its backward hook and pins only its
-own parameters while its backward runs, so the unit's other chunks may move to the host meanwhile. Which of the two is
-a shared decision: it changes where backward's gathers fall between the reduce-scatters.
+pin whole, from the second backward on. (A pipeline's schedule, which interleaves micro-batches, never learns it:
+there every module keeps its hook.) Wrapping every module's outputs cost an autograd node and a hook call per module
+and step, the larger part of the hooks' cost on small layers (`benchmarks/host_overhead.py`: 28-30 -> 21-23 ms over
+plain PyTorch on a 16-layer Llama). Under a tighter budget every module keeps its backward hook and pins only its own
+parameters while its backward runs, so the unit's other chunks may move to the host meanwhile. Which of the two is a
+shared decision: it changes where backward's gathers fall between the reduce-scatters.
 """
 
 from __future__ import annotations
