@@ -3,6 +3,7 @@ in step] (`hetero/zero/protocol.py`); and the rules the budgets set for them, ag
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -11,11 +12,13 @@ import torch
 
 from hetero.comm import Comm
 from hetero.memory import TensorState
-from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, Checker, in_backward, log
+from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, Checker, in_backward
 from hetero.zero.units import Entry, Unit
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
+
+log = logging.getLogger("hetero.zero")
 
 KEEP_UNITS = 2  # units left gathered at the end of forward (the first ones backward needs), where memory allows
 
@@ -33,7 +36,7 @@ class Gathers:
     """
 
     def __init__(
-        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, whole: bool = True
+        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, whole: bool = False
     ) -> None:
         self.units = units
         self.check = check

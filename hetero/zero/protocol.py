@@ -30,7 +30,6 @@ eviction, timing or data:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -45,7 +44,6 @@ from hetero.zero.units import Unit
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
-log = logging.getLogger("hetero.zero")
 
 _FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase
 OPS = ("?", "gather", "reduce-scatter", "update", "read (gathered_parameters)", "batch reduce-scatter", "all-reduce")
