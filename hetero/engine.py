@@ -190,7 +190,7 @@ class Engine:
         self.gathers = None
         if self.stage == 3:
             keep, whole = unit_rules(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
-            self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep, whole=whole)
+            self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep, may_pin_whole=whole)
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         deliver = weakref.WeakMethod(self._on_tile_grad)
         target = weakref.WeakMethod(self._tile_grad_target)

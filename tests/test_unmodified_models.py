@@ -216,6 +216,18 @@ class CrossBlock(nn.Module):
         return self.out(h)
 
 
+def _class_batches(seed: int, n: int):
+    """n batches of 4 rows of 6 features with a class label each."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(n)]
+
+
+def _ce(runner, batch, i):
+    x, y = batch
+    out = runner(x)  # on the engine's device: the labels follow it
+    return nn.functional.cross_entropy(out, y.to(out.device))
+
+
 def _count_unit_hooks(monkeypatch):
     """Count the backward hooks (`_OnBackward` nodes) a step's forward installs."""
     from hetero.zero import hooks
@@ -235,29 +247,21 @@ def _count_unit_hooks(monkeypatch):
 def test_modules_run_outside_their_block(monkeypatch, whole):
     """A unit's backward pins all of its parameters where the budget holds it ([Note: one backward hook per unit]),
     so its modules install no backward hook of their own; a module run outside its block keeps one, or its
-    parameters would be released when its backward needs them (ReleasedParameterError, or the wrong gradients)."""
+    parameters would be released when its backward reads them (an error)."""
     from hetero import engine as engine_module
 
     rules = engine_module.unit_rules
     monkeypatch.setattr(engine_module, "unit_rules", lambda *a: (rules(*a)[0], whole))
     calls = _count_unit_hooks(monkeypatch)
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(6)]
-
-    def loss_of(runner, batch, i):
-        x, y = batch
-        out = runner(x)
-        return nn.functional.cross_entropy(out, y.to(out.device))
-
+    batches = _class_batches(7, 6)
     model = CrossBlock()
-    refs = _references(model, batches, loss_of)
-    calls[0] = 0
+    refs = _references(model, batches, _ce)
 
     def counting(runner, batch, i):
         if i == 1:
             calls[0] = 0  # the first step runs with every module's hook (see Gathers.learn): count from the second
-        return loss_of(runner, batch, i)
+        return _ce(runner, batch, i)
 
     # Chunks of 300 elements: each block's two layers in chunks of their own, released between the blocks.
     _compare(_train(model, batches, engine_cfg={"zero_stage": 3, "chunk_size": 300}, loss_of=counting), refs)
@@ -298,22 +302,11 @@ class SideOutput(nn.Module):
         return self.out(h + self.blocks[0].kept)
 
 
-def _side_batches():
-    g = torch.Generator().manual_seed(8)
-    return [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(5)]
-
-
-def _ce(runner, batch, i):
-    x, y = batch
-    out = runner(x)
-    return nn.functional.cross_entropy(out, y.to(out.device))
-
-
 def test_an_output_kept_aside_past_its_unit():
     """The first backward finds a module's backward outside its unit's, so units never pin whole (each module keeps
     its backward hook), and the model trains as plain PyTorch does."""
     torch.manual_seed(0)
-    model, batches = SideOutput(), _side_batches()
+    model, batches = SideOutput(), _class_batches(8, 5)
     refs = _references(model, batches, _ce)
     _compare(_train(model, batches, engine_cfg={"zero_stage": 3, "chunk_size": 64}, loss_of=_ce), refs)
     engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3, "chunk_size": 64})
@@ -328,7 +321,7 @@ def test_whole_units_from_the_start_fail_on_an_output_kept_aside():
     """Why the first backward looks first: pinning whole units from the start leaves the kept-aside layer's chunk
     released when its backward comes."""
     torch.manual_seed(0)
-    model, batches = SideOutput(), _side_batches()
+    model, batches = SideOutput(), _class_batches(8, 5)
     engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3, "chunk_size": 64})
     engine.gathers.whole = True
     with pytest.raises(RuntimeError):

@@ -36,7 +36,7 @@ class Gathers:
     """
 
     def __init__(
-        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, whole: bool = False
+        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, may_pin_whole: bool = False
     ) -> None:
         self.units = units
         self.check = check
@@ -44,7 +44,7 @@ class Gathers:
         # A unit's backward pins all of its parameters ([Note: one backward hook per unit]): from the second backward
         # on, where the budgets allow it (`unit_rules`) and the first backward showed it safe (`learn`).
         self.whole = False
-        self._may_pin_whole = whole
+        self._may_pin_whole = may_pin_whole
         self._escaped = False  # a module's backward ran outside its unit's, where its unit's forward had run it
         self._users = {id(zc): [u for u in units if zc in u.chunks] for zc in chunks}  # units using each chunk
         self._window: deque[Unit] = deque()  # units done with forward and still gathered, oldest first
