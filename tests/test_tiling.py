@@ -475,8 +475,9 @@ big, small = [], []
 for _ in range(24):  # 8 MiB buffers interleaved with small ones that stay: holes if the buffers came from the heap
     big.append(torch.ones(8 << 20, dtype=torch.uint8))
     small.append(torch.ones(64 << 10, dtype=torch.uint8))
+held = rss() - before
 del big
-print(rss() - before)
+print(held, rss() - before)
 """
 
 
@@ -492,7 +493,10 @@ def test_freed_buffers_leave_the_process(cpu_device):
     def kept(env: dict) -> int:
         env = {k: v for k, v in cpu_ranks_env({**os.environ, **env}).items() if k != "MALLOC_MMAP_THRESHOLD_"}
         out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], env=env, capture_output=True, text=True, check=True)
-        return int(out.stdout.split()[-1])
+        held, after = (int(v) for v in out.stdout.split()[-2:])
+        if held < 160 << 20:  # 192 MiB written and held: a VmRSS that does not show them cannot show them freed
+            pytest.skip(f"VmRSS grew by {held >> 20} MiB for 192 MiB held: this machine does not count them")
+        return after
 
     assert kept({"HETERO_MALLOC_MMAP_THRESHOLD": str(1 << 20)}) < 16 << 20  # the small buffers (1.5 MiB) and noise
     assert kept({}) > 128 << 20  # the knob is what returns them

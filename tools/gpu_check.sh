@@ -5,17 +5,25 @@
 #   bash tools/gpu_check.sh smoke   a small run of every configuration of benchmarks/gpu_race.py; DeepSpeed's ops
 #                                   are built first
 #   bash tools/gpu_check.sh race    benchmarks/gpu_race.py at its default size, nothing else running
-#   bash tools/gpu_check.sh nvme    benchmarks/nvme_bandwidth.py on the machine's disk, 1 GiB and 4 GiB, against fio
+#   bash tools/gpu_check.sh nvme    benchmarks/nvme_bandwidth.py on the machine's disk, 1 GiB and 4 GiB (NVME_SIZES),
+#                                   against fio
 #   bash tools/gpu_check.sh all     smoke, then race
 #
 # Measured on one H200 (2026-11-26): the suite takes longer than 230 s on its 16 cores with 12 workers; the race at
 # its default size about 330 s, the NVMe configurations most of it. On one H100 (2026-11-26): eight configurations of
 # the race 390 s (DeepSpeed's CPU Adam build 73 s of it: DS_PREBUILD=1 builds its ops first, outside the timings).
+# On one H100 again: nine configurations with deepspeed_nvme took more than 390 s after the build; the nvme phase at
+# 1 GiB about 60 s; the eight test files that had failed there 85 s. The machine's start took about 30 s.
 #
-# Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/ (DeepSpeed and its
-# pydantic, hjson; crc32c), libaio for DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/ (the
-# image has none: built from Debian's source with `./configure --build-static --disable-native` and the optional
-# engines off); all are optional.
+# Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
+# DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
+# Made on the 2-core VM (Python 3.12 wheels for the image), all three ignored through .git/info/exclude:
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic \
+#     typing-extensions hjson xxhash einops msgpack py-cpuinfo ninja nvidia-ml-py   (--no-deps for all but pydantic)
+#   DS_BUILD_OPS=0 .venv/bin/pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
+#   apt-get download libaio1 libaio-dev   (into .debs)
+#   fio: `apt-get source fio` (a deb-src line added), `./configure --build-static --disable-native` with the optional
+#     engines off (numa, rdma, rados, rbd, http, gfapi, libnfs, pmem, xnvme, libzbc, tcmalloc, dfs), make, strip
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -80,7 +88,7 @@ CPUAdamBuilder().load(); AsyncIOBuilder().load()" >"$OUT/ds_build.log" 2>&1
 fi
 if [ "$PHASE" = nvme ]; then
   # The raw-disk reference is fio from huge-page buffers (benchmarks/README.md, "Disks get huge-page buffers").
-  for size in 1GiB 4GiB; do
+  for size in ${NVME_SIZES:-1GiB 4GiB}; do
     PATH=$PWD/.tools:$PATH timeout "${NVME_TIMEOUT:-150}" python3 benchmarks/nvme_bandwidth.py --dir "$NV" \
       --size $size --repeat 3 --json >"$OUT/nvme_$size.json" 2>"$OUT/nvme_$size.err"
   done
