@@ -297,6 +297,40 @@ def test_a_gradient_written_whole_to_the_host_is_not_zeroed_first(monkeypatch):
     assert zeroed == [], f"{len(zeroed)} gradient buffers zeroed"
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_placing_a_built_model_makes_no_host_copy_of_a_chunk(monkeypatch, stage):
+    """A built model's weights go to their chunks through a chunk-sized fp32 buffer in device memory: built on the
+    host, it sat beside the model's own weights at the peak of placing them (115 MB for the 551M Llama of
+    benchmarks/gpu_race.py, where hetero's peak host memory was 1.06x FSDP2's on one H100). Every chunk-sized fp32
+    tensor made while placing must be device memory, and the weights must arrive intact."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    model = parity.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    made = []
+    factories = {name: getattr(torch, name) for name in ("zeros", "empty")}
+
+    def spy(name):
+        def make(*args, **kwargs):
+            t = factories[name](*args, **kwargs)
+            if t.dtype == torch.float32 and t.numel() == parity.CHUNK:
+                made.append(t)
+            return t
+
+        return make
+
+    for name in factories:
+        monkeypatch.setattr(torch, name, spy(name))
+    config = {"zero_stage": stage, "chunk_size": parity.CHUNK}
+    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    for name, f in factories.items():
+        monkeypatch.setattr(torch, name, f)
+    kinds = [standin.kind_of(t) for t in made]
+    after = engine.full_state_dict()
+    engine.close()
+    assert made and all(k == standin.DEVICE for k in kinds), kinds
+    assert all(torch.equal(after[k].float(), v.float()) for k, v in before.items())
+
+
 def _pipeline(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = pipe_parity.run(rank, world, {"zero_stage": 1, "parallel": {"pipeline": 2, "microbatches": 2}})

@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from hetero.comm import Comm
+from hetero.device import Device
 from hetero.errors import WeightsError
 from hetero.memory import ChunkManager
 from hetero.progress import bar as make_bar
@@ -90,7 +91,7 @@ def load_values(
         shown = bar(len(chunks), "hetero: placing weights", unit="chunk")
         for zc in chunks:
             # Every rank starts from rank 0's weights, as DDP does (on the device: NCCL broadcasts device memory).
-            flat = manager.device.to_device(flat_values(zc.spec)) if comm.size > 1 else flat_values(zc.spec)
+            flat = flat_values(zc.spec, manager.device)  # where NCCL broadcasts it, and no host copy beside the model
             comm.broadcast(flat, src=0)
             zc.load(flat)
             del flat
@@ -417,9 +418,15 @@ def _initialise_buffers(model: nn.Module) -> None:
             setattr(module, metas[key][0], value)
 
 
-def flat_values(spec: ChunkSpec) -> torch.Tensor:
-    """The chunk's parameters as one flat fp32 CPU tensor of `capacity` elements, zero-padded."""
-    flat = torch.zeros(spec.capacity, dtype=torch.float32)
+def flat_values(spec: ChunkSpec, device: Device | None = None) -> torch.Tensor:
+    """The chunk's parameters as one flat fp32 tensor of `capacity` elements, zero-padded: in the device's own memory
+    where it has one (a GPU), else on the CPU. A chunk built on the host would sit there beside the built model's
+    weights, which are freed only as their chunk loads: one fp32 chunk (115 MB for the 551M Llama of
+    benchmarks/gpu_race.py) on top of the peak host memory of placing a model, which FSDP2 does not pay."""
+    if device is not None and device.separate_memory:
+        flat = device.empty((spec.capacity,), torch.float32).zero_()
+    else:
+        flat = torch.zeros(spec.capacity, dtype=torch.float32)
     for info in spec.params:
         flat.narrow(0, info.offset, info.numel).copy_(info.param.detach().reshape(-1).narrow(0, info.start, info.numel))
     return flat
