@@ -155,7 +155,8 @@ def test_a_top_level_module_only_some_ranks_run_is_a_clear_error_at_stage3():
 
 
 # ---- ranks that do not come -----------------------------------------------------------------------------------------
-def _run_one_rank_stops(rank: int, world: int, mode: str) -> str:
+def _run_one_rank_stops(rank: int, world: int, mode: str, done: str = "") -> str:
+    """Rank 1 dies, or hangs (never reaches the step) for 30 s or until rank 0 has its error and touches `done`."""
     import hetero
 
     torch.set_num_threads(1)
@@ -166,24 +167,30 @@ def _run_one_rank_stops(rank: int, world: int, mode: str) -> str:
     if rank == 1:
         if mode == "dies":
             os._exit(3)
-        time.sleep(30)  # hung: never reaches the step while rank 0 waits (4 s)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (done and os.path.exists(done)):
+            time.sleep(0.2)
         return "slept"
     started = time.monotonic()
     try:
         engine.backward(engine(x[:2], labels=y[:2]).loss)
     except hetero.errors.RankTimeoutError as err:
-        return f"{time.monotonic() - started:.1f}|{err}"
+        report = f"{time.monotonic() - started:.1f}|{err}"
     except RuntimeError as err:
-        return f"{time.monotonic() - started:.1f}|{type(err).__name__}: {err}"
-    return "no error"
+        report = f"{time.monotonic() - started:.1f}|{type(err).__name__}: {err}"
+    else:
+        report = "no error"
+    if done:
+        open(done, "w").close()
+    return report
 
 
 @pytest.mark.timeout(180)
-def test_a_hung_rank_is_named_after_comm_timeout():
+def test_a_hung_rank_is_named_after_comm_timeout(tmp_path):
     # The time limit leaves room for a loaded machine's start-up (spawn, import torch, initialize): what is measured
     # is the time from the step to the error, inside rank 0.
     try:
-        report = run_distributed(_run_one_rank_stops, 2, "hangs", timeout=90)[0]
+        report = run_distributed(_run_one_rank_stops, 2, "hangs", str(tmp_path / "done"), timeout=90)[0]
     except DistributedTestError as err:  # rank 1 may fail on waking: rank 0's report is what counts
         report = err.results.get(0)
     except TimeoutError as err:
