@@ -4,7 +4,7 @@ memory and peak host RSS, side by side in one run.
 
     python benchmarks/gpu_race.py [--json] [--only NAME,...] [--nvme-dir DIR] [--hidden H] [--layers L]
                                   [--heads A] [--intermediate I] [--vocab V] [--seq T] [--batch B]
-                                  [--steps N] [--warmup W] [--timeout S]
+                                  [--steps N] [--warmup W] [--timeout S] [--max-in-cpu N]
     python benchmarks/gpu_race.py --dry-run --json     # the same code paths on the CPU with a tiny model
 
 Every configuration trains transformers' LlamaForCausalLM (untied embeddings) from the same seed on the same random
@@ -25,6 +25,11 @@ fresh process:
   hetero_nvme        (--nvme-dir) hetero with parameters and optimizer states on NVMe
   hetero_nvme_delayed      (--nvme-dir) the same with delayed_param_update
   hetero_nvme_in_backward  (--nvme-dir) the same with update_in_backward
+
+With parameters on NVMe both engines keep the same number of parameter elements in host memory (--max-in-cpu N:
+DeepSpeed's offload_param.max_in_cpu, hetero's offload.params_host_bytes at the compute dtype's bytes an element);
+the default is DeepSpeed's own, 1e9, which keeps every parameter of a model under a billion on the host; 0 sends
+them all to NVMe.
 
 Step time is the wall time of the timed steps over their count, the GPU synchronised at both ends (work an engine
 leaves running past a step is counted in the step that waits for it); step_median_s is the median of per-step times
@@ -166,6 +171,8 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
         }
         if args.dry_run:
             config["precision"] = "fp32"  # the CPU's bf16 matmuls are emulated and slow; the code path is the same
+        if where == "nvme":  # DeepSpeed's max_in_cpu, in bytes of the compute dtype
+            config["offload"]["params_host_bytes"] = args.max_in_cpu * (4 if args.dry_run else 2)
         if name.endswith("_delayed"):
             config.update(delayed_param_update=True, delayed_param_update_warmup=0)
         if name.endswith("_in_backward"):
@@ -199,11 +206,12 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
         off: dict[str, Any] = {"device": where, "pin_memory": dev.type == "cuda"}
         if where == "nvme":
             off["nvme_path"] = args.nvme_dir
+        param_off = {**off, "max_in_cpu": args.max_in_cpu} if where == "nvme" else dict(off)
         config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": not args.dry_run},
-            "zero_optimization": {"stage": 3, "offload_param": dict(off), "offload_optimizer": dict(off)},
+            "zero_optimization": {"stage": 3, "offload_param": param_off, "offload_optimizer": dict(off)},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
             "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told not to; nobody else clips
             # Its aio engine with deeper queues and more threads than its defaults (8, 1): the disk's best.
@@ -446,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-steps", type=int, default=2, help="timed steps of the *_nvme configurations")
     ap.add_argument("--nvme-warmup", type=int, default=1, help="warm-up steps of the *_nvme configurations")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    ap.add_argument(
+        "--max-in-cpu",
+        type=int,
+        default=10**9,
+        metavar="N",
+        help="*_nvme: parameter elements both engines keep in host memory (default DeepSpeed's 1e9; 0: none)",
+    )
     ap.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
     ap.add_argument("--profile", metavar="DIR", help="profile one more step of each configuration into DIR")
     ap.add_argument("--profile-only", metavar="NAME,...", help="with --profile: only these configurations")
@@ -488,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured_bf16_tflops": measured_tflops() if cuda else None,
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
+        "max_in_cpu": args.max_in_cpu,
         "skipped": skipped,
     }
     raw = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]

@@ -3,7 +3,7 @@
     python benchmarks/step_time.py [--json] [--steps N] [--warmup W] [--layers L] [--embd E] [--heads H]
                                    [--seq T] [--batch B] [--vocab V] [--with-nvme DIR] [--rounds R]
                                    [--wait-idle S] [--only NAME,...] [--builtin-model] [--keep-logs DIR]
-                                   [--timeout S] [--model gpt|llama] [--intermediate I]
+                                   [--timeout S] [--model gpt|llama] [--intermediate I] [--max-in-cpu N]
 
 Every configuration trains the same GPT-style model (hetero.models.gpt when it is importable, else the small
 nanoGPT-like model in this file; with --model llama, transformers' LlamaForCausalLM at the same shape) from the
@@ -21,7 +21,10 @@ configuration in fresh processes (so peak RSS is its own):
               a race says when its step target lies below the lower of the floors it measured
   hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo
   deepspeed   DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), world size 2 on gloo, when DeepSpeed is importable
-  *_nvme      with --with-nvme DIR: hetero stage 3 and DeepSpeed ZeRO-3 with params and optimizer states on NVMe
+  *_nvme      with --with-nvme DIR: hetero stage 3 and DeepSpeed ZeRO-3 with params and optimizer states on NVMe;
+              both keep the same parameter elements in host memory (--max-in-cpu N: DeepSpeed's
+              offload_param.max_in_cpu, hetero's offload.params_host_bytes at 4 bytes an element; default
+              DeepSpeed's own 1e9, which keeps every parameter of these models there; 0 puts them all on NVMe)
 
 The world-size-2 configurations run B sequences per rank, so every configuration does the same work per step:
 2 x B sequences of T tokens, one optimizer update, and (with the gradients averaged over ranks) the same loss
@@ -103,6 +106,7 @@ class Spec:
     lr: float
     stage: int = 3  # ZeRO stage (hetero, deepspeed)
     nvme_dir: str | None = None  # params and optimizer states on NVMe under this directory
+    max_in_cpu: int = 10**9  # with nvme_dir: parameter elements kept in host memory (DeepSpeed's default)
     builtin_model: bool = False  # MiniGPT even when hetero.models.gpt exists
     family: str = "gpt"  # "gpt": hetero.models.gpt (or MiniGPT); "llama": transformers' LlamaForCausalLM
     intermediate: int = 1312  # the Llama's MLP width
@@ -318,10 +322,13 @@ def _setup_hetero(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], di
     opt = adamw(model.parameters(), spec.lr)
     where = "nvme" if spec.nvme_dir else "device"
     memory: dict[str, Any] = {"nvme_dir": spec.nvme_dir} if spec.nvme_dir else {}
+    offload: dict[str, Any] = {"params": where, "optimizer": where}
+    if spec.nvme_dir:
+        offload["params_host_bytes"] = spec.max_in_cpu * 4  # DeepSpeed's max_in_cpu, fp32 elements
     config = {
         "zero_stage": spec.stage,
         "precision": "fp32",
-        "offload": {"params": where, "optimizer": where},
+        "offload": offload,
         "memory": memory,
         "grad_accumulation_steps": 1,
         "delayed_param_update": spec.delayed,
@@ -353,7 +360,7 @@ def _setup_deepspeed(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[],
 
     zero: dict[str, Any] = {"stage": spec.stage}
     if spec.nvme_dir:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": spec.nvme_dir}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": spec.nvme_dir, "max_in_cpu": spec.max_in_cpu}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": spec.nvme_dir}
     config = {
         "train_micro_batch_size_per_gpu": spec.batch,
@@ -685,9 +692,9 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
     if args.with_nvme:
         for kind in ("hetero", "deepspeed"):
             name = "hetero_stage3_nvme" if kind == "hetero" else "deepspeed_nvme"
-            nvme = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme))
+            nvme = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), max_in_cpu=args.max_in_cpu)
             specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **common))
-        dpu = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), delayed=True)
+        dpu = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), delayed=True, max_in_cpu=args.max_in_cpu)
         specs.append(
             Spec("hetero_stage3_nvme_dpu", "hetero", world=WORLD, threads=per_rank, batch=args.batch, **dpu, **common)
         )
@@ -708,6 +715,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--with-nvme", metavar="DIR", help="also run hetero stage 3 and DeepSpeed with NVMe offload")
+    ap.add_argument(
+        "--max-in-cpu",
+        type=int,
+        default=10**9,
+        metavar="N",
+        help="*_nvme: parameter elements both engines keep in host memory (default DeepSpeed's 1e9; 0: none)",
+    )
     ap.add_argument("--only", help="comma-separated configuration names to run (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="run every configuration this many times (noisy hosts)")
     ap.add_argument(
@@ -734,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("not an object")
         except ValueError as e:
             ap.error(f"--hetero-config: expected a JSON object of config keys ({e})")
+    if args.max_in_cpu < 0:
+        ap.error("--max-in-cpu: a number of parameter elements, 0 or more")
     if args.with_nvme and not os.path.isdir(args.with_nvme):
         ap.error(f"--with-nvme {args.with_nvme}: not a directory")
 
@@ -850,6 +866,7 @@ def report(
         "plain_threads": TOTAL_THREADS,
         "steps": args.steps,
         "warmup": args.warmup,
+        "max_in_cpu": args.max_in_cpu if args.with_nvme else None,
         "torch": torch.__version__,
         "plain_step_s": step_s("plain"),
         "fsdp2_step_s": step_s("fsdp2"),
@@ -940,6 +957,8 @@ def races(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def print_report(out: dict[str, Any]) -> None:
     print(f"\nmodel: {out['model']}, {out['params'] / 1e6:.2f} M parameters" if out["params"] else "\nno results")
+    if out["max_in_cpu"] is not None:
+        print(f"*_nvme: up to {out['max_in_cpu']:.3g} parameter elements kept in host memory by both engines")
     print(f"{'configuration':20s} {'ms/step':>9s} {'vs plain':>9s} {'vs fsdp2':>9s} {'final loss':>11s}  peak RSS MB")
     plain, fsdp2 = out["plain_step_s"], out["fsdp2_step_s"]
     for name, loss in out["final_loss"].items():

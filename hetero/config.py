@@ -60,10 +60,23 @@ class OffloadConfig:
     """Where parameter chunks live between uses ("nvme" needs zero_stage 3 in the engine)."""
     optimizer: Placement = "device"
     """Where optimizer states and fp32 master weights live."""
+    params_host_bytes: int = 0
+    """With params on "nvme": bytes of each rank's parameter shards that live on the host instead, never written to
+    NVMe (in layout order, the order forward gathers them, each chunk whose shard still fits). DeepSpeed's
+    offload_param.max_in_cpu, in bytes; 0: every shard on NVMe. [Note: parameter shards kept on the host] in
+    hetero/zero/stages.py."""
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer"):
             check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
+        n = parse_size(self.params_host_bytes, key="offload.params_host_bytes")
+        object.__setattr__(self, "params_host_bytes", n)
+        if n and self.params != "nvme":
+            raise ConfigError(
+                f"offload.params_host_bytes: keeps part of the parameter shards on the host when offload.params is "
+                f"'nvme'; offload.params is {self.params!r}. Set offload.params to 'nvme', or leave "
+                "params_host_bytes at 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

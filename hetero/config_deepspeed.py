@@ -75,6 +75,7 @@ _ZERO_TUNING = {
     "mics_shard_size": "not available",
     "aio": "hetero sizes its NVMe I/O itself (O_DIRECT, its own thread pool)",
 }
+_DS_MAX_IN_CPU = 10**9  # DeepSpeed's default offload_param.max_in_cpu, in parameter elements
 _OFFLOAD_TUNING = ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read",
                    "pipeline_write", "ratio")  # fmt: skip
 _FP16_TUNING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
@@ -120,6 +121,9 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
             notes.append(f"{key}: no hetero equivalent")
     if "precision" in out and isinstance(out["precision"], list):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16: enable one")
+    if "params_host_bytes" in out.get("offload", {}):  # DeepSpeed counts 16-bit elements (fp32 without fp16/bf16)
+        itemsize = 2 if out.get("precision") in ("fp16", "bf16") else 4
+        out["offload"]["params_host_bytes"] *= itemsize
     if notes:
         text = "; ".join(notes)
         if strict:
@@ -179,7 +183,19 @@ def _zero(zero: Any, out: dict[str, Any], notes: list[str]) -> None:
                     notes.append(f"zero_optimization.{key}.nvme_path: hetero uses one nvme_dir ({have!r}) for both")
                 else:
                     out["memory"]["nvme_dir"] = nvme
-            tuning = [k for k in value if k in _OFFLOAD_TUNING]
+            translated = ()
+            if key == "offload_param" and device == "nvme":
+                # DeepSpeed keeps up to max_in_cpu parameter elements (1e9 unless set) on the host: so does hetero,
+                # in bytes once the precision is known ([Note: parameter shards kept on the host]).
+                elements = value.get("max_in_cpu", _DS_MAX_IN_CPU)
+                if isinstance(elements, bool) or not isinstance(elements, (int, float)) or elements < 0:
+                    raise ConfigError(
+                        f"zero_optimization.offload_param.max_in_cpu: expected a number of parameter elements "
+                        f"(>= 0), got {elements!r}"
+                    )
+                out["offload"]["params_host_bytes"] = int(elements)  # elements here: scaled in from_deepspeed
+                translated = ("max_in_cpu",)
+            tuning = [k for k in value if k in _OFFLOAD_TUNING and k not in translated]
             if tuning:
                 notes.append(f"zero_optimization.{key}.{'/'.join(tuning)}: hetero pins, buffers and pipelines itself")
         elif key in _ZERO_TUNING:

@@ -7,6 +7,7 @@ It composes the pieces and holds the training-loop state (micro-step, loss scale
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -41,7 +42,7 @@ from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.protocol import Checker, Reducer, adopt_observed_order
-from hetero.zero.stages import Placement
+from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
@@ -144,14 +145,21 @@ class Engine:
         self.chunks: list[ZeroChunk] = []
         self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives (a whole one)
         tiled: dict[int, Tiled] = {}  # param id -> its tiles, for a parameter split over chunks ([Note: tiles])
-        for spec in specs:
+        homes = shard_homes(  # [Note: parameter shards kept on the host]
+            [s.capacity for s in specs],
+            placement,
+            world=self.comm.size,
+            itemsize=self.dtype.itemsize,
+            host_bytes=config.offload.params_host_bytes,
+        )
+        for spec, home in zip(specs, homes):
             zc = ZeroChunk(
                 spec,
                 manager=self.manager,
                 comm=self.comm,
                 stage=self.stage,
                 dtype=self.dtype,
-                placement=placement,
+                placement=dataclasses.replace(placement, params=home),
                 state_names=self.algorithm.state_names,
             )
             self.chunks.append(zc)

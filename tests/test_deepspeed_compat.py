@@ -61,6 +61,7 @@ def test_docs_config_translates_and_trains(tmp_path, caplog):
         config = hetero.Config.from_deepspeed(path)
     assert config.zero_stage == 3 and config.precision == "fp32"  # fp16 "auto": left to hetero's default
     assert (config.offload.params, config.offload.optimizer) == ("nvme", "nvme")
+    assert config.offload.params_host_bytes == 4 * 10**9  # DeepSpeed's max_in_cpu default, 1e9 fp32 elements
     assert config.memory.nvme_dir == str(tmp_path)
     assert config.grad_accumulation_steps == 2 and config.grad_clip_norm == 1.0
     for named in ("optimizer", "scheduler", "train_micro_batch_size_per_gpu", "overlap_comm", "aio"):

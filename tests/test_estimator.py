@@ -130,6 +130,8 @@ CONFIGS = [
     {"zero_stage": 3},
     {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}},
     {"zero_stage": 3, "offload": {"params": "nvme", "optimizer": "nvme"}},
+    # Two chunks' shards (4096 fp32 elements each) kept on the host ([Note: parameter shards kept on the host]).
+    {"zero_stage": 3, "offload": {"params": "nvme", "optimizer": "nvme", "params_host_bytes": 32768}},
     {"zero_stage": 2, "offload": {"optimizer": "nvme"}},
     {"zero_stage": 3, "precision": "bf16", "offload": {"optimizer": "host"}},
     {"zero_stage": 1, "precision": "fp16"},

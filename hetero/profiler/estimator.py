@@ -35,7 +35,7 @@ from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.zero.layout import ChunkSpec, build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
-from hetero.zero.stages import STAGES, Placement, master_is_shard
+from hetero.zero.stages import STAGES, Placement, master_is_shard, shard_homes
 
 TIERS = ("device", "host", "nvme")
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -45,19 +45,10 @@ REDUCES_IN_FLIGHT = 2  # the engine's _REDUCES_IN_FLIGHT: gradient reduce-scatte
 # (zero_stage, offload.params, offload.optimizer), fastest first: everything on the device at the lowest stage, then
 # optimizer states on the host, then on NVMe, parameters leaving the device last.
 CANDIDATES = (
-    (0, "device", "device"),
-    (1, "device", "device"),
-    (2, "device", "device"),
-    (3, "device", "device"),
-    (1, "device", "host"),
-    (2, "device", "host"),
-    (3, "device", "host"),
-    (3, "host", "host"),
-    (2, "device", "nvme"),
-    (3, "device", "nvme"),
-    (3, "host", "nvme"),
-    (3, "nvme", "nvme"),
-)
+    (0, "device", "device"), (1, "device", "device"), (2, "device", "device"), (3, "device", "device"),
+    (1, "device", "host"), (2, "device", "host"), (3, "device", "host"), (3, "host", "host"),
+    (2, "device", "nvme"), (3, "device", "nvme"), (3, "host", "nvme"), (3, "nvme", "nvme"),
+)  # fmt: skip
 
 
 def _zeros() -> dict[str, dict[str, int]]:
@@ -310,6 +301,7 @@ def estimate(
             params=params,
             optim=optim,
             prefetch_depth=cfg.prefetch_depth,
+            params_host_bytes=cfg.offload.params_host_bytes if params == "nvme" else 0,
         )
         resident["device"]["buffers"] += buffers
         transient["device"]["activations"] += acts
@@ -373,25 +365,28 @@ def place(
     params: str,
     optim: str,
     prefetch_depth: int,
+    params_host_bytes: int = 0,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Per tier and kind: the resident bytes of every chunk's buffers (the engine's table: [Note: what each stage
     keeps]), and the transient peak of a step."""
     resident, transient = _zeros(), _zeros()
-    layout = STAGES[stage]
-    compute = Placement.of(params, optim).compute.label  # where gradients accumulate and the optimizer steps
+    layout, placement = STAGES[stage], Placement.of(params, optim)
+    compute = placement.compute.label  # where gradients accumulate and the optimizer steps
+    capacities = [s.capacity for s in specs]  # [Note: parameter shards kept on the host]
+    homes = shard_homes(capacities, placement, world=world, itemsize=dtype.itemsize, host_bytes=params_host_bytes)
     full_chunks: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
     shards: list[int] = []  # stage 3: bytes of each parameter shard
     grad_full: list[int] = []  # stages 2-3: each chunk's per-micro-batch fp32 gradient buffer
     reduce_targets: list[int] = []
     optim_chunks: list[int] = []  # bytes of each chunk's master + states
-    for spec in specs:
+    for spec, home in zip(specs, homes):
         cap = spec.capacity
         shard = cap // world
         if not layout.params_sharded:
             resident["device"]["parameters"] += cap * dtype.itemsize
         else:
-            if not master_is_shard(layout, spec.trainable, dtype, Placement.of(params, optim)):  # see the note
-                resident[params]["parameters"] += shard * dtype.itemsize
+            if not master_is_shard(layout, spec.trainable, dtype, placement):  # see the note
+                resident[home.label]["parameters"] += shard * dtype.itemsize
             full_chunks.append(cap * dtype.itemsize)
             shards.append(shard * dtype.itemsize)
         if not spec.trainable:
