@@ -76,6 +76,11 @@ DELAYED = {
 }
 DELAYED["z2-nvme-warmup"] = {**DELAYED["z2-nvme"], "delayed_param_update_warmup": WARMUP}
 DELAYED["z3-nvme-warmup"] = {**DELAYED["z3-nvme"], "delayed_param_update_warmup": WARMUP}
+# Three chunks' parameter shards on the host, the rest on NVMe ([Note: parameter shards kept on the host]).
+DELAYED["z3-nvme-some-host"] = {
+    **DELAYED["z3-nvme"],
+    "offload": {"optimizer": "nvme", "params": "nvme", "params_host_bytes": 3 * parity.CHUNK * 4 // 2},
+}
 # Budgets that make every access evict: the chunks a step's math reads and writes must stay put until it ends.
 DELAYED["z3-nvme-tight"] = {
     **DELAYED["z3-nvme"],

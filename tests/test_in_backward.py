@@ -26,6 +26,10 @@ CONFIGS = {
     "z2-nvme": {"zero_stage": 2, "offload": {"optimizer": "nvme"}},
     "z3-device-accum": {"zero_stage": 3, "grad_accumulation_steps": 2},
     "z3-nvme": {"zero_stage": 3, "offload": {"optimizer": "nvme", "params": "nvme"}},
+    "z3-nvme-some-host": {  # three chunks' shards on the host ([Note: parameter shards kept on the host])
+        "zero_stage": 3,
+        "offload": {"optimizer": "nvme", "params": "nvme", "params_host_bytes": 3 * parity.CHUNK * 4 // 2},
+    },
     "z3-nvme-tight": {
         "zero_stage": 3,
         "offload": {"optimizer": "nvme", "params": "nvme"},

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
     ap.add_argument("--offload-params", choices=("device", "host", "nvme"))
     ap.add_argument("--offload-optimizer", choices=("device", "host", "nvme"))
+    ap.add_argument(
+        "--params-host-bytes", metavar="SIZE", help="with --offload-params nvme: shard bytes kept on the host ('4GiB')"
+    )
     ap.add_argument("--nvme-dir", help="swap directory: its free space is the NVMe tier's capacity")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
     ap.add_argument("--world-size", type=int, default=1, help="ranks in all (data x tensor x pipeline)")
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         offload["params"] = args.offload_params
     if args.offload_optimizer:
         offload["optimizer"] = args.offload_optimizer
+    if args.params_host_bytes is not None:
+        offload["params_host_bytes"] = args.params_host_bytes
     config["offload"] = offload
     if args.nvme_dir:
         config["memory"] = {**config.get("memory", {}), "nvme_dir": args.nvme_dir}
