@@ -301,7 +301,7 @@ def estimate(
             params=params,
             optim=optim,
             prefetch_depth=cfg.prefetch_depth,
-            params_host_bytes=cfg.offload.params_host_bytes if params == "nvme" else 0,
+            params_host_bytes=cfg.offload.params_host_bytes,  # used only where params are on NVMe (shard_homes)
         )
         resident["device"]["buffers"] += buffers
         transient["device"]["activations"] += acts
