@@ -85,6 +85,40 @@ def test_matches_plain_pytorch(name):
         torch.testing.assert_close(out["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_capturable_steps_wherever_the_shard_is(where):
+    """[Note: capturable where the shard is]: NAdam built with capturable=True trains, its optimizer on the device
+    or on the host (where torch refuses a capturable step), to the losses and weights of plain PyTorch's NAdam with
+    capturable where the device takes it. Refused by the probe before (it steps small CPU tensors)."""
+    model = parity.build()
+    opt = torch.optim.NAdam(_groups(model), lr=0.005, momentum_decay=0.004, weight_decay=0.01, capturable=True)
+    engine = hetero.initialize(
+        model, opt, {"zero_stage": 3, "chunk_size": parity.CHUNK, "offload": {"optimizer": where}}
+    )
+    losses = []
+    for x, y in parity.batches(4, 4):
+        loss = engine(x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state, device = engine.full_state_dict(), engine.device.torch_device
+    engine.close()
+    ref = parity.build().to(device)
+    ref_opt = torch.optim.NAdam(
+        _groups(ref), lr=0.005, momentum_decay=0.004, weight_decay=0.01, capturable=device.type == "cuda"
+    )
+    ref_losses = []
+    for x, y in parity.batches(4, 4):
+        loss = ref(x.to(device), labels=y.to(device)).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-5)  # the tolerance of test_matches_plain_pytorch (module doc)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v.detach().cpu(), rtol=1e-5, atol=1e-6, msg=k)
+
+
 def _two_ranks(rank: int, world: int, name: str) -> list[float]:
     return _hetero(name, 3, stage=2, rank=rank, world=world)[0]
 

@@ -499,7 +499,12 @@ def test_freed_buffers_leave_the_process(cpu_device):
         return after
 
     assert kept({"HETERO_MALLOC_MMAP_THRESHOLD": str(1 << 20)}) < 16 << 20  # the small buffers (1.5 MiB) and noise
-    assert kept({}) > 128 << 20  # the knob is what returns them
+    default = kept({})
+    if default < 16 << 20:
+        # Seen on one H100's image (glibc 2.39, torch 2.11.0+cu130): freed buffers left the process without the
+        # knob too, so there the knob has nothing to change; on glibc 2.36 (this project's CI) they stay.
+        pytest.skip(f"this process's allocator returned the freed buffers without the knob ({default >> 20} MiB kept)")
+    assert default > 128 << 20  # the knob is what returns them
     assert kept({"HETERO_MALLOC_MMAP_THRESHOLD": "0"}) > 128 << 20
 
 

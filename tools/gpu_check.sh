@@ -35,8 +35,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null) &&
   export TORCH_CUDA_ARCH_LIST
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+  # Once a machine: a second call's reinstall would replace files under a DeepSpeed build still importing them.
+  if [ -e /tmp/site/.installed ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl; then
+    touch /tmp/site/.installed
     export PYTHONPATH=$PWD:/tmp/site
+  fi
 fi
 if compgen -G ".debs/*.deb" >/dev/null; then
   for f in .debs/*.deb; do dpkg -x "$f" /; done

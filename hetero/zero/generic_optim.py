@@ -44,6 +44,18 @@ _PROBE_SHAPE = (4, 6)
 _PROBE_CUT = 7  # the flat halves' boundary: not a row boundary, as a shard's is not
 
 
+def _on_host(hyper: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters for a step on host tensors.
+
+    [Note: capturable where the shard is]
+    `capturable=True` asks for a step that a CUDA graph can capture (the step count and bias corrections kept as
+    device tensors, no host reads). It changes where the arithmetic's scalars live, not the arithmetic, and torch
+    refuses it for host tensors. The probe (small CPU tensors) and the step of a shard on the host (optimizer
+    offload) run without it; a shard on the GPU keeps it, its step count beside the parameter. Found on one H100:
+    the probe refused NAdam(capturable=True) outright."""
+    return {**hyper, "capturable": False} if hyper.get("capturable") else hyper
+
+
 class GenericUpdate:
     """Steps one torch optimizer class on flat shards (see [Note: the generic update])."""
 
@@ -63,7 +75,7 @@ class GenericUpdate:
         name = kind.__name__
         if name in _WHY_NOT:
             raise ConfigError(f"optimizer {name} cannot run on hetero's flat shards: {_WHY_NOT[name]}")
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        hyper = _on_host({k: v for k, v in optimizer.param_groups[0].items() if k != "params"})
         g = torch.Generator().manual_seed(0)
         value = torch.rand(_PROBE_SHAPE, generator=g) + 0.5
         grads = [torch.randn(_PROBE_SHAPE, generator=g) for _ in range(2)]
@@ -141,6 +153,8 @@ class GenericUpdate:
         steps_before = list(zc.param_steps)
         zc.update_segments(used)  # counts the step of every used parameter (and Adam's runs, unused here)
         hyper = {k: v for k, v in group.items() if k != "params"}
+        if master.device.type == "cpu":
+            hyper = _on_host(hyper)
         shadow = self._shadows.get(zc.spec.group)
         if shadow is None:
             shadow = self._shadows[zc.spec.group] = _shadow(self.cls, [], hyper)
