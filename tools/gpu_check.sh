@@ -14,6 +14,9 @@
 # the race 390 s (DeepSpeed's CPU Adam build 73 s of it: DS_PREBUILD=1 builds its ops first, outside the timings).
 # On one H100 again: nine configurations with deepspeed_nvme took more than 390 s after the build; the nvme phase at
 # 1 GiB about 60 s; the eight test files that had failed there 85 s. The machine's start took about 30 s.
+# On one H100 (2026-11-27), one call of 482 s: four test files beside DeepSpeed's op build 106 s (the build 150 s),
+# the race's deepspeed_nvme, hetero_nvme, hetero_nvme_delayed, fsdp2 and hetero 248 s, the nvme phase at 4 GiB 84 s.
+# The machine returns 8 files at most: that call's race.json did not come back (race.err holds each result).
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
