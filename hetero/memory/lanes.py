@@ -5,9 +5,13 @@ The NVMe tier's reads are waited for: a prefetch that is late stalls the trainin
 write-back only has to end before its host buffer is wanted again, and room-making waits for it then. With one FIFO
 queue, a read queued behind a burst of write-backs (an updated optimizer chunk is four states of a chunk each) waits
 for all of them, on a disk that writes and reads at about the same speed. So the store's pools take reads (and the
-checksums that finish them) from an urgent lane first and writes from a background lane. Writes are never starved
-for long: reads come only from prefetches and accesses, which need host room, which the writes give back. Jobs in
-one lane run in the order they were queued.
+checksums that finish them) from an urgent lane first and writes from a background lane. Reads come only from
+prefetches and accesses, which need host room, which the writes give back: the host budget bounds how long writes
+wait. Where it holds all the states streamed (a GPU machine's 65 GB against 6.7 GB of optimizer states), an exact
+update that asks for each chunk's states as soon as the last one stepped keeps the read lane full, and its
+write-backs wait until it ends, their buffers held: on one H100 that update moved 2.06 GB/s, the delayed one, which
+leaves the lane empty between chunks, 2.88 (benchmarks/README.md, tenth session; not yet profiled). Jobs in one lane
+run in the order they were queued.
 """
 
 from __future__ import annotations
