@@ -349,6 +349,25 @@ def test_init_from_env_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         init_from_env(timeout_s=0)
 
 
+# ------------------------------------------------------------------------------------- the harness itself
+def _probe_env(rank: int, world_size: int) -> tuple[str | None, str]:
+    return os.environ.get("HETERO_TEST_PROBE"), os.getcwd()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_start_with_the_test_processs_environment_and_directory(monkeypatch, tmp_path) -> None:
+    """[Note: ranks forked from a server] (tests/dist.py): ranks forked from a server started earlier still see the
+    environment and working directory of the test process when it starts them, as spawned ranks did. The first
+    call starts the server (if no earlier test did) before the variable is set."""
+    monkeypatch.delenv("HETERO_TEST_PROBE", raising=False)
+    assert run_distributed(_probe_env, 2, timeout=100)[0][0] is None
+    monkeypatch.setenv("HETERO_TEST_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert run_distributed(_probe_env, 2, timeout=100) == [("set after the server started", str(tmp_path))] * 2
+    monkeypatch.delenv("HETERO_TEST_PROBE")
+    assert run_distributed(_probe_env, 2, timeout=100)[1][0] is None
+
+
 # ------------------------------------------------------------------------------------- failures and timeouts
 def _raise_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
@@ -382,11 +401,16 @@ def _sleep_forever_on_rank_one(rank: int, world_size: int) -> int:
 
 
 def _children() -> list[psutil.Process]:
-    """Live child processes of this test process, but multiprocessing's long-lived resource tracker."""
+    """Live child processes of this test process, but multiprocessing's long-lived resource tracker and fork server
+    (tests/dist.py, [Note: ranks forked from a server]; the ranks it forks carry its command line, and count)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
     kids = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in cmd and p.pid != server:
                 kids.append(p)
         except psutil.NoSuchProcess:
             pass
