@@ -16,7 +16,8 @@
 # 1 GiB about 60 s; the eight test files that had failed there 85 s. The machine's start took about 30 s.
 # On one H100 (2026-11-27), one call of 482 s: four test files beside DeepSpeed's op build 106 s (the build 150 s),
 # the race's deepspeed_nvme, hetero_nvme, hetero_nvme_delayed, fsdp2 and hetero 248 s, the nvme phase at 4 GiB 84 s.
-# The machine returns 8 files at most: that call's race.json did not come back (race.err holds each result).
+# The machine returns 8 files at most: that call's race.json did not come back (race.err holds each result); the
+# failed tests now go to the end of pytest.log instead of a file of their own.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
@@ -67,7 +68,8 @@ if [ "$PHASE" = tests ]; then
   HETERO_FAILURES="$OUT/failures.txt" timeout -s INT -k 20 "${TESTS_TIMEOUT:-500}" \
     python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 150 --tb=short -rfE ${TESTS:-tests} >"$OUT/pytest.log" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.log"
-  grep -E "FAILED|ERROR" "$OUT/pytest.log" | sort | uniq >"$OUT/pytest_failed.txt"
+  # The failed tests at the log's end (the machine returns 8 files at most: no file of their own).
+  { echo "---- failed"; grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | sort -u; } >>"$OUT/pytest.log"
 fi
 if [ "$PHASE" = smoke ] || [ "$PHASE" = all ]; then
   timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
