@@ -178,9 +178,7 @@ def _run_once(
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: once a test session
     reports = ctx.Queue()
     port = free_port()
-    environ = dict(os.environ)
-    if backend == "gloo":
-        environ["CUDA_VISIBLE_DEVICES"] = ""
+    environ = dict(os.environ)  # _worker hides the GPUs from gloo ranks after applying it
     procs = [
         ctx.Process(
             target=_worker,
