@@ -251,10 +251,9 @@ def test_calls_from_several_threads(store):
 # ------------------------------------------------------------------------------------------------ slots
 
 
-def test_reads_are_served_before_queued_writes(stores, tmp_path):
-    """[Note: reads before writes]: a read queued behind write-backs reaches the disk first."""
-    # Buffered and unverified: each request is one I/O stage, so completion order is the disk's order.
-    s = stores(tmp_path, io_threads=1, cpu_threads=1, block_bytes=1 << 20, direct=False, verify=False)
+def _queue_behind_a_busy_worker(s, writes: int):
+    """The store's only I/O worker held busy; `writes` write-backs and then one read queued behind it. Returns
+    (release, done): release() lets the worker go and waits for every request; done lists them in completion order."""
     s.write(0, random_tensor(1 << 18, torch.float32)).result()
     hold, started = threading.Event(), threading.Event()
 
@@ -265,16 +264,54 @@ def test_reads_are_served_before_queued_writes(stores, tmp_path):
     s._blocks.io.submit(blocker)  # the only I/O worker is busy: everything below queues
     assert started.wait(10)
     done: list[str] = []
-    writes = [s.write(k, random_tensor(1 << 18, torch.float32)) for k in (1, 2, 3)]
-    for k, f in zip((1, 2, 3), writes):
+    keys = range(1, writes + 1)
+    futures = [s.write(k, random_tensor(1 << 18, torch.float32)) for k in keys]
+    for k, f in zip(keys, futures):
         f.add_done_callback(lambda _f, k=k: done.append(f"write {k}"))
     read = s.read(0, torch.empty(1 << 18))
     read.add_done_callback(lambda _f: done.append("read 0"))
-    hold.set()
-    read.result(10)
-    for f in writes:
-        f.result(10)
+
+    def release():
+        hold.set()
+        read.result(10)
+        for f in futures:
+            f.result(10)
+
+    return release, done
+
+
+def test_reads_are_served_before_queued_writes(stores, tmp_path):
+    """[Note: reads before writes]: a read queued behind write-backs within the backlog reaches the disk first."""
+    # Buffered and unverified: each request is one I/O stage, so completion order is the disk's order.
+    s = stores(tmp_path, io_threads=1, cpu_threads=1, block_bytes=1 << 20, direct=False, verify=False, write_backlog=3)
+    release, done = _queue_behind_a_busy_worker(s, writes=3)
+    release()
     assert done[0] == "read 0", done
+
+
+def test_writes_beyond_the_backlog_go_before_reads(stores, tmp_path):
+    """[Note: a bounded write backlog]: with more writes waiting than the backlog, the oldest go first until it is
+    down to the backlog; then the read. Reads first without a bound let write-backs (and their host buffers) pile up
+    for as long as reads keep coming."""
+    s = stores(tmp_path, io_threads=1, cpu_threads=1, block_bytes=1 << 20, direct=False, verify=False, write_backlog=1)
+    release, done = _queue_behind_a_busy_worker(s, writes=4)
+    release()
+    assert done == ["write 1", "write 2", "write 3", "read 0", "write 4"], done
+
+
+def test_write_backlog_default_and_environment(stores, tmp_path, monkeypatch):
+    monkeypatch.delenv("HETERO_NVME_WRITE_BACKLOG", raising=False)
+    s = stores(tmp_path, io_threads=3, direct=False)
+    assert s._blocks.io.backlog == 3 and s._blocks.cpu.backlog == 3  # one block per I/O thread
+    monkeypatch.setenv("HETERO_NVME_WRITE_BACKLOG", "none")
+    assert stores(tmp_path, direct=False)._blocks.io.backlog is None
+    monkeypatch.setenv("HETERO_NVME_WRITE_BACKLOG", "5")
+    assert stores(tmp_path, direct=False)._blocks.io.backlog == 5
+    monkeypatch.setenv("HETERO_NVME_WRITE_BACKLOG", "lots")
+    with pytest.raises(ValueError, match="HETERO_NVME_WRITE_BACKLOG='lots'.*number of blocks"):
+        stores(tmp_path, direct=False)
+    with pytest.raises(ValueError, match="write_backlog: expected a number of blocks >= 0"):
+        stores(tmp_path, direct=False, write_backlog=-2)
 
 
 def test_lane_pool_order_and_shutdown():
@@ -292,6 +329,24 @@ def test_lane_pool_order_and_shutdown():
     assert order == ["urgent0", "urgent1", "bg0", "bg1", "bg2"]
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(order.append, "late")
+
+
+def test_lane_pool_backlog():
+    """Background jobs beyond the backlog run first, oldest first; within it urgent ones do."""
+    from hetero.memory.lanes import LanePool
+
+    pool = LanePool(1, name="t", backlog=2)
+    hold, order = threading.Event(), []
+    pool.submit(lambda: hold.wait(10))
+    for i in range(4):
+        pool.submit(order.append, f"bg{i}")
+    for i in range(2):
+        pool.submit(order.append, f"urgent{i}", urgent=True)
+    hold.set()
+    pool.shutdown(wait=True)
+    assert order == ["bg0", "bg1", "urgent0", "urgent1", "bg2", "bg3"]
+    with pytest.raises(ValueError, match="backlog"):
+        LanePool(1, name="t", backlog=-1)
 
 
 def test_same_size_overwrite_reuses_the_slot(store):

@@ -77,3 +77,19 @@ def test_host_overhead_tiny():
         assert abs(row["last_loss"] - rows["plain"]["last_loss"]) < 1e-4, (name, row)
         assert row["median_step_s"] > 0 and "overhead_s" in row
     assert "vs_fsdp2" in rows["hetero_s3"]
+
+
+@pytest.mark.timeout(180)
+def test_update_stream_tiny(tmp_path):
+    """The four runs (the math on or off, the write backlog bounded or not) stream the same states through NVMe, and
+    the JSON gives each one's update time, host peak and the ratios of the bounded backlog."""
+    args = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--vocab", "256", "--rounds", "1"]
+    r = _run(
+        [os.path.join(ROOT, "benchmarks/update_stream.py"), *args, "--steps", "1", "--nvme-dir", str(tmp_path)], 170
+    )
+    assert set(r["best"]) == {"cpu:auto", "cpu:none", "none:auto", "none:none"}
+    states = {b["states_gb"] for b in r["best"].values()}
+    assert len(states) == 1 and states.pop() > 0
+    for b in r["best"].values():
+        assert b["drained_s"] >= b["update_s"] > 0 and b["gb_per_s"] > 0 and b["host_peak_gb"] > 0
+    assert set(r["auto_over_none"]) == {"cpu", "none"}

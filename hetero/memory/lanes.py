@@ -5,13 +5,19 @@ The NVMe tier's reads are waited for: a prefetch that is late stalls the trainin
 write-back only has to end before its host buffer is wanted again, and room-making waits for it then. With one FIFO
 queue, a read queued behind a burst of write-backs (an updated optimizer chunk is four states of a chunk each) waits
 for all of them, on a disk that writes and reads at about the same speed. So the store's pools take reads (and the
-checksums that finish them) from an urgent lane first and writes from a background lane. Reads come only from
-prefetches and accesses, which need host room, which the writes give back: the host budget bounds how long writes
-wait. Where it holds all the states streamed (a GPU machine's 65 GB against 6.7 GB of optimizer states), an exact
-update that asks for each chunk's states as soon as the last one stepped keeps the read lane full, and its
-write-backs wait until it ends, their buffers held: on one H100 that update moved 2.06 GB/s, the delayed one, which
-leaves the lane empty between chunks, 2.88 (benchmarks/README.md, tenth session; not yet profiled). Jobs in one lane
-run in the order they were queued.
+checksums that finish them) from an urgent lane first and writes from a background lane, up to a backlog.
+
+[Note: a bounded write backlog]
+Reads first without a bound starved the writes whenever reads never ran out. An update whose math is quick next to
+the disk (a GPU machine's 16 cores stepping states streamed from NVMe) asks for the next chunk's states the moment
+one has stepped, so the read lane is never empty, and every write-back waited until the update's last read: each
+chunk's buffer stayed held until then, and the host tier peaked at nearly all the states streamed (10.09 GB on one
+H100 with 6.7 GB of states; on this project's VM, with the math taken out to stand in for that machine, 2.95 GB of
+write-backs in flight at once). The host budget bounds it only when it is small. So a pool takes a background job
+first while more than `backlog` of them wait: writes then keep pace with the reads that free their chunks' turns,
+and the host holds the chunks read ahead and stepping and about one being written. A read waits behind at most
+`backlog` queued blocks, where it waited behind none; reads and writes then share the disk, which is what a
+write-back due anyway costs. Jobs in one lane run in the order they were queued.
 """
 
 from __future__ import annotations
@@ -26,12 +32,18 @@ log = logging.getLogger("hetero.memory.lanes")
 
 
 class LanePool:
-    """Up to `workers` daemon threads (started as jobs need them) serving an urgent and a background queue."""
+    """Up to `workers` daemon threads (started as jobs need them) serving an urgent and a background queue.
 
-    def __init__(self, workers: int, *, name: str) -> None:
+    backlog: background jobs that may wait while urgent ones run; beyond it the oldest background job goes first
+    ([Note: a bounded write backlog]). None: urgent jobs always first."""
+
+    def __init__(self, workers: int, *, name: str, backlog: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if backlog is not None and backlog < 0:
+            raise ValueError(f"backlog must be >= 0 or None, got {backlog}")
         self.max_workers = workers
+        self.backlog = backlog
         self.name = name
         self._cv = threading.Condition()
         self._lanes: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
@@ -75,7 +87,8 @@ class LanePool:
                 self._idle -= 1
                 if not urgent and not background:
                     return  # shut down and drained
-                fn, args = (urgent or background).popleft()
+                behind = self.backlog is not None and len(background) > self.backlog
+                fn, args = (background if behind or not urgent else urgent).popleft()
             try:
                 fn(*args)
             except BaseException:  # pragma: no cover - the pipeline's stages catch their own errors

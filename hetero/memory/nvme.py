@@ -81,13 +81,36 @@ def _cleanup(pools: tuple[LanePool, ...], swap: SwapFile) -> None:
     swap.close()
 
 
+def _write_backlog(value: int | str | None, io_threads: int) -> int | None:
+    """The store's write backlog in blocks: "auto" takes HETERO_NVME_WRITE_BACKLOG, else one block per I/O thread."""
+    where = "write_backlog"
+    if value == "auto":
+        env = os.environ.get("HETERO_NVME_WRITE_BACKLOG", "").strip()
+        if not env:
+            return io_threads
+        value, where = env, f"HETERO_NVME_WRITE_BACKLOG={env!r}"
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or isinstance(value, bool):
+        raise ValueError(
+            f"{where}: expected a number of blocks >= 0, None or 'none' (reads always first), got {value!r}"
+        )
+    return n
+
+
 class NvmeStore:
     """Key -> bytes store on NVMe. write()/read() return futures at once; requests on one key run in order.
 
     Besides the documented arguments, `cpu_threads` sets the workers that copy and checksum blocks (default:
     half the cores, at least 2, at most io_threads) and `checksum` the algorithm of the per-block checksums
-    (`hetero.io.checksum.ALGORITHMS`). After construction `direct` says whether O_DIRECT is in use and `mem_align`
-    the memory alignment it needs for a tensor to skip staging.
+    (`hetero.io.checksum.ALGORITHMS`), `write_backlog` the write blocks each pool lets wait behind reads before a
+    write goes first (default: io_threads, or the environment's HETERO_NVME_WRITE_BACKLOG; None or "none": reads
+    always first; [Note: a bounded write backlog] in lanes.py). After construction `direct` says whether O_DIRECT
+    is in use and `mem_align` the memory alignment it needs for a tensor to skip staging.
     Do not call close() from a future's done-callback: it waits for those very requests.
     """
 
@@ -103,7 +126,9 @@ class NvmeStore:
         verify: bool = True,
         cpu_threads: int | None = None,
         checksum: str = DEFAULT,
+        write_backlog: int | str | None = "auto",
     ) -> None:
+        write_backlog = _write_backlog(write_backlog, io_threads)
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
         if io_threads < 1:
@@ -131,7 +156,9 @@ class NvmeStore:
         self.path, self.direct, self.mem_align = self._file.path, self._file.direct, self._file.mem_align
         try:
             checks = checksum if verify else None
-            self._blocks = BlockPipeline(self._file, block_bytes, (io_threads, cpu_threads), staging_buffers, checks)
+            self._blocks = BlockPipeline(
+                self._file, block_bytes, (io_threads, cpu_threads), staging_buffers, checks, write_backlog
+            )
         except BaseException:
             self._file.close()
             raise

@@ -92,9 +92,16 @@ class BlockPipeline:
     """The thread pools, the staging pool and the block stages of one store's swap file."""
 
     def __init__(
-        self, swap: SwapFile, block_bytes: int, threads: tuple[int, int], staging_buffers: int, checksum: str | None
+        self,
+        swap: SwapFile,
+        block_bytes: int,
+        threads: tuple[int, int],
+        staging_buffers: int,
+        checksum: str | None,
+        write_backlog: int | None = None,
     ) -> None:
-        """threads: (I/O, CPU) workers; checksum: the algorithm every block is checked with, None for no checks."""
+        """threads: (I/O, CPU) workers; checksum: the algorithm every block is checked with, None for no checks;
+        write_backlog: write blocks each pool lets wait behind reads ([Note: a bounded write backlog])."""
         io_threads, cpu_threads = threads
         self.swap = swap
         self.block_bytes = block_bytes
@@ -104,9 +111,9 @@ class BlockPipeline:
         self.staging = StagingPool(staging_buffers, block_bytes)
         # Two pools, so the copies and checksums never hold an I/O thread: io_threads requests stay queued
         # on the device while cpu_threads workers stage and check the blocks around them. Both serve reads
-        # first ([Note: reads before writes] in lanes.py).
-        self.io = LanePool(io_threads, name="hetero-nvme-io")
-        self.cpu = LanePool(cpu_threads, name="hetero-nvme-cpu")
+        # first, up to a backlog of writes ([Note: reads before writes] in lanes.py).
+        self.io = LanePool(io_threads, name="hetero-nvme-io", backlog=write_backlog)
+        self.cpu = LanePool(cpu_threads, name="hetero-nvme-cpu", backlog=write_backlog)
 
     def start(self, op: Op) -> None:
         """Queue every block of op; op.finish(op) runs once all are done (at once if there is nothing to move)."""
