@@ -3,12 +3,13 @@ the parameters back; and, with states on NVMe, stream them through the host.
 
 [Note: the update pipeline]
 With optimizer states on NVMe the update streams them: chunk i steps while the states (and any gradient spilled to
-NVMe) of chunks i+1 and i+2 are read and chunk i-1 is written back. A read that finds the host full is chained
-behind a write-back of the same size (see the manager's [Note: reads chained behind write-backs]), so it starts the
-moment that write ends, not at the next call into the manager. A stage-3 shard that the update overwrites whole is
-marked FREE before anything can read it ahead (it gets fresh memory, not a read), and a chunk's zeroed gradient is
-released as soon as it has stepped. Without clipping or loss scaling the gradient norm is only reported: it is
-summed during the update instead of in a pass of its own, which would read every spilled gradient twice.
+NVMe) of chunk i+1 (and i+2 while chunks are small) are read and chunk i-1 is written back. A read that finds the
+host full is chained behind a write-back of the same size (see the manager's [Note: reads chained behind
+write-backs]), so it starts the moment that write ends, not at the next call into the manager. A stage-3 shard that
+the update overwrites whole is marked FREE before anything can read it ahead (it gets fresh memory, not a read), and
+a chunk's zeroed gradient is released as soon as it has stepped. Without clipping or loss scaling the gradient norm
+is only reported: it is summed during the update instead of in a pass of its own, which would read every spilled
+gradient twice.
 """
 
 from __future__ import annotations
