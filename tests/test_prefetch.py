@@ -195,3 +195,36 @@ def test_update_streams_states_near_the_minimum_nvme_traffic(tmp_path):
     # Whether a read chains behind a write-back depends on whether that write is still in flight when the prefetch
     # wants its room: timing, not behaviour (with swap moves queued on the store at once, writes often end first).
     # The chaining itself is tested deterministically above, behind a gated store.
+
+
+@pytest.mark.parametrize("ahead_bytes, most", [(1 << 40, 3), (1, 2)], ids=["small-chunks-two-ahead", "one-ahead"])
+def test_the_update_reads_a_second_chunk_ahead_only_while_little_is_ahead(tmp_path, monkeypatch, ahead_bytes, most):
+    """[Note: how far the update reads ahead]: with states on NVMe each of the update's reads asks for the chunk
+    stepping and at most two ahead, and no second one once AHEAD_BYTES are ahead (the chunk after it is read later)."""
+    import hetero.zero.update as update
+
+    monkeypatch.setattr(update, "AHEAD_BYTES", ahead_bytes)
+    model = parity.build()
+    cfg = {
+        "zero_stage": 3,
+        "chunk_size": parity.CHUNK,
+        "offload": {"optimizer": "nvme"},
+        "memory": {"nvme_dir": str(tmp_path)},
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    optim = {zc.optim.id: zc for zc in engine.chunks if zc.optim is not None}
+    assert len(optim) >= 4
+    asked: list[int] = []
+    real = engine.manager.prefetch
+
+    def spy(chunks, tier, **kw):
+        if any(c.id in optim for c in chunks):
+            asked.append(sum(c.id in optim for c in chunks))  # the optimizer chunks this read asks for
+        return real(chunks, tier, **kw)
+
+    monkeypatch.setattr(engine.manager, "prefetch", spy)
+    (x, y), _ = parity.batches(2, 4)
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()
+    engine.close()
+    assert asked and max(asked) == most, asked
