@@ -37,16 +37,11 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_race import _hwm_mb, llama  # noqa: E402  (the race's Llama and peak-RSS reader)
+
 MATHS = ("cpu", "none")
 BACKLOGS = ("auto", "none")
-
-
-def _hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _reset_hwm() -> bool:
@@ -62,25 +57,13 @@ def _reset_hwm() -> bool:
 def one(math: str, backlog: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run in this process."""
     import torch
-    import transformers
 
     import hetero
     from hetero.memory import Tier
 
     os.environ["HETERO_NVME_WRITE_BACKLOG"] = "" if backlog == "auto" else backlog  # read when the store is made
     torch.manual_seed(args.seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 128),
-        num_key_value_heads=max(1, args.hidden // 128),
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
+    model = llama(argparse.Namespace(**vars(args), heads=max(1, args.hidden // 128), seq=64))
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     config = {

@@ -314,37 +314,33 @@ def test_write_backlog_default_and_environment(stores, tmp_path, monkeypatch):
         stores(tmp_path, direct=False, write_backlog=-2)
 
 
-def test_lane_pool_order_and_shutdown():
+def _lane_order(backlog, background: int, urgent: int) -> list[str]:
+    """The order a one-worker LanePool runs `background` then `urgent` jobs queued while its worker is busy."""
     from hetero.memory.lanes import LanePool
 
-    pool = LanePool(1, name="t")
+    pool = LanePool(1, name="t", backlog=backlog)
     hold, order = threading.Event(), []
     pool.submit(lambda: hold.wait(10))
-    for i in range(3):
+    for i in range(background):
         pool.submit(order.append, f"bg{i}")
-    for i in range(2):
+    for i in range(urgent):
         pool.submit(order.append, f"urgent{i}", urgent=True)
     hold.set()
     pool.shutdown(wait=True)  # the queued jobs still run
-    assert order == ["urgent0", "urgent1", "bg0", "bg1", "bg2"]
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(order.append, "late")
+    return order
+
+
+def test_lane_pool_order_and_shutdown():
+    assert _lane_order(None, 3, 2) == ["urgent0", "urgent1", "bg0", "bg1", "bg2"]
 
 
 def test_lane_pool_backlog():
     """Background jobs beyond the backlog run first, oldest first; within it urgent ones do."""
     from hetero.memory.lanes import LanePool
 
-    pool = LanePool(1, name="t", backlog=2)
-    hold, order = threading.Event(), []
-    pool.submit(lambda: hold.wait(10))
-    for i in range(4):
-        pool.submit(order.append, f"bg{i}")
-    for i in range(2):
-        pool.submit(order.append, f"urgent{i}", urgent=True)
-    hold.set()
-    pool.shutdown(wait=True)
-    assert order == ["bg0", "bg1", "urgent0", "urgent1", "bg2", "bg3"]
+    assert _lane_order(2, 4, 2) == ["bg0", "bg1", "urgent0", "urgent1", "bg2", "bg3"]
     with pytest.raises(ValueError, match="backlog"):
         LanePool(1, name="t", backlog=-1)
 
