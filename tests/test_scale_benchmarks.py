@@ -81,8 +81,8 @@ def test_host_overhead_tiny():
 
 @pytest.mark.timeout(180)
 def test_update_stream_tiny(tmp_path):
-    """The four runs (the math on or off, the write backlog bounded or not) stream the same states through NVMe, and
-    the JSON gives each one's update time, host peak and the ratios of the bounded backlog."""
+    """The four runs (the math on or off, writes first or reads always first) stream the same states through NVMe,
+    and the JSON gives each one's update time, host peak and the ratios of the default order over reads first."""
     args = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--vocab", "256", "--rounds", "1"]
     r = _run(
         [os.path.join(ROOT, "benchmarks/update_stream.py"), *args, "--steps", "1", "--nvme-dir", str(tmp_path)], 170
@@ -93,3 +93,19 @@ def test_update_stream_tiny(tmp_path):
     for b in r["best"].values():
         assert b["drained_s"] >= b["update_s"] > 0 and b["gb_per_s"] > 0 and b["host_peak_gb"] > 0
     assert set(r["auto_over_none"]) == {"cpu", "none"}
+
+
+@pytest.mark.timeout(180)
+def test_update_stream_whole_step_tiny(tmp_path):
+    """--whole-step times unsynchronised steps (the parameters streamed from NVMe too, the update delayed) for the
+    default order and a numeric backlog; each step holds its forward, backward and update."""
+    args = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--vocab", "256", "--rounds", "1"]
+    args += ["--whole-step", "--delayed", "--params-host-gb", "0.0001", "--precision", "fp32", "--math", "cpu"]
+    r = _run(
+        [os.path.join(ROOT, "benchmarks/update_stream.py"), *args, "--backlog", "auto,8", "--steps", "1"]
+        + ["--nvme-dir", str(tmp_path)],
+        170,
+    )
+    assert set(r["best"]) == {"cpu:auto", "cpu:8"} and r["whole_step"] and r["delayed"]
+    for b in r["best"].values():
+        assert b["step_s"] >= b["fwd_bwd_s"] > 0 and b["update_s"] > 0 and b["host_peak_gb"] > 0
