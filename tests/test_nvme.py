@@ -299,10 +299,19 @@ def test_writes_beyond_the_backlog_go_before_reads(stores, tmp_path):
     assert done == ["write 1", "write 2", "write 3", "read 0", "write 4"], done
 
 
+def test_writes_go_first_by_default(stores, tmp_path, monkeypatch):
+    """[Note: writes first by default]: a store made without a backlog serves queued writes before a queued read."""
+    monkeypatch.delenv("HETERO_NVME_WRITE_BACKLOG", raising=False)
+    s = stores(tmp_path, io_threads=1, cpu_threads=1, block_bytes=1 << 20, direct=False, verify=False)
+    release, done = _queue_behind_a_busy_worker(s, writes=3)
+    release()
+    assert done == ["write 1", "write 2", "write 3", "read 0"], done
+
+
 def test_write_backlog_default_and_environment(stores, tmp_path, monkeypatch):
     monkeypatch.delenv("HETERO_NVME_WRITE_BACKLOG", raising=False)
     s = stores(tmp_path, io_threads=3, direct=False)
-    assert s._blocks.io.backlog == 3 and s._blocks.cpu.backlog == 3  # one block per I/O thread
+    assert s._blocks.io.backlog == 0 and s._blocks.cpu.backlog == 0  # writes first
     monkeypatch.setenv("HETERO_NVME_WRITE_BACKLOG", "none")
     assert stores(tmp_path, direct=False)._blocks.io.backlog is None
     monkeypatch.setenv("HETERO_NVME_WRITE_BACKLOG", "5")

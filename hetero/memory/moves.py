@@ -246,7 +246,7 @@ class Mover:
         Such a move has no copy to make on this side: a worker would only block on the store's future. When one did,
         the two workers were the real queue of every swap move: a prefetch read waited behind two write-backs in
         the workers' FIFO before the store could even order it, and more workers put more writes ahead of it in the
-        store's queue. Queued on the store at once, the store orders reads before writes ([Note: reads before
+        store's queue. Queued on the store at once, the store orders reads and writes itself ([Note: reads before
         writes] in lanes.py) and keeps all of them in flight."""
         start = time.perf_counter()
         done: Future[tuple[float, float]] = Future()

@@ -81,13 +81,14 @@ def _cleanup(pools: tuple[LanePool, ...], swap: SwapFile) -> None:
     swap.close()
 
 
-def _write_backlog(value: int | str | None, io_threads: int) -> int | None:
-    """The store's write backlog in blocks: "auto" takes HETERO_NVME_WRITE_BACKLOG, else one block per I/O thread."""
+def _write_backlog(value: int | str | None) -> int | None:
+    """The store's write backlog in blocks: "auto" takes HETERO_NVME_WRITE_BACKLOG, else 0, writes first
+    ([Note: writes first by default] in lanes.py)."""
     where = "write_backlog"
     if value == "auto":
         env = os.environ.get("HETERO_NVME_WRITE_BACKLOG", "").strip()
         if not env:
-            return io_threads
+            return 0
         value, where = env, f"HETERO_NVME_WRITE_BACKLOG={env!r}"
     if value is None or (isinstance(value, str) and value.lower() == "none"):
         return None
@@ -108,8 +109,8 @@ class NvmeStore:
     Besides the documented arguments, `cpu_threads` sets the workers that copy and checksum blocks (default:
     half the cores, at least 2, at most io_threads) and `checksum` the algorithm of the per-block checksums
     (`hetero.io.checksum.ALGORITHMS`), `write_backlog` the write blocks each pool lets wait behind reads before a
-    write goes first (default: io_threads, or the environment's HETERO_NVME_WRITE_BACKLOG; None or "none": reads
-    always first; [Note: a bounded write backlog] in lanes.py). After construction `direct` says whether O_DIRECT
+    write goes first (default 0, writes first, or the environment's HETERO_NVME_WRITE_BACKLOG; None or "none": reads
+    always first; [Note: writes first by default] in lanes.py). After construction `direct` says whether O_DIRECT
     is in use and `mem_align` the memory alignment it needs for a tensor to skip staging.
     Do not call close() from a future's done-callback: it waits for those very requests.
     """
@@ -128,7 +129,7 @@ class NvmeStore:
         checksum: str = DEFAULT,
         write_backlog: int | str | None = "auto",
     ) -> None:
-        write_backlog = _write_backlog(write_backlog, io_threads)
+        write_backlog = _write_backlog(write_backlog)
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
         if io_threads < 1:

@@ -110,8 +110,8 @@ class BlockPipeline:
         self._checksum = checksum_fn(checksum) if checksum is not None else None
         self.staging = StagingPool(staging_buffers, block_bytes)
         # Two pools, so the copies and checksums never hold an I/O thread: io_threads requests stay queued
-        # on the device while cpu_threads workers stage and check the blocks around them. Both serve reads
-        # first, up to a backlog of writes ([Note: reads before writes] in lanes.py).
+        # on the device while cpu_threads workers stage and check the blocks around them. Both order reads and
+        # writes by one backlog ([Note: reads before writes], [Note: writes first by default] in lanes.py).
         self.io = LanePool(io_threads, name="hetero-nvme-io", backlog=write_backlog)
         self.cpu = LanePool(cpu_threads, name="hetero-nvme-cpu", backlog=write_backlog)
 
