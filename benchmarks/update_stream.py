@@ -38,6 +38,7 @@ matrix products (36 s of forward and backward on the development VM, against abo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +55,6 @@ from gpu_race import _hwm_mb, llama  # noqa: E402  (the race's Llama and peak-RS
 
 MATHS = ("cpu", "none")
 BACKLOGS = ("auto", "none")
-DEFAULT_BACKLOGS = "auto,none"
 
 
 def _reset_hwm() -> bool:
@@ -66,12 +67,75 @@ def _reset_hwm() -> bool:
         return False
 
 
+def _updates(engine: Any, batches: Iterator[Any], steps: int) -> tuple[list[dict[str, float]], bool]:
+    """Time `steps` updates after one untimed step, each alone: synchronized before it starts and until it drained.
+    Returns one row per update and whether the peak RSS could be reset after the first step."""
+    from hetero.memory import Tier
+
+    manager = engine.manager
+
+    def nvme_bytes() -> int:
+        return sum(n for (s, d), n in manager.moved.items() if Tier.NVME in (s, d))
+
+    rows, hwm_reset = [], False
+    for i in range(1 + steps):
+        x = next(batches)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        manager.synchronize()
+        manager.reset_peaks()
+        before = nvme_bytes()
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        manager.synchronize()
+        t2 = time.perf_counter()
+        if i == 0:
+            hwm_reset = _reset_hwm()
+            continue
+        rows.append(
+            {
+                "update_s": t1 - t0,
+                "drained_s": t2 - t0,
+                "gb_per_s": (nvme_bytes() - before) / 1e9 / (t2 - t0),
+                "host_peak_gb": manager.ledgers[Tier.HOST].peak / 1e9,
+            }
+        )
+    return rows, hwm_reset
+
+
+def _whole_steps(engine: Any, batches: Iterator[Any], steps: int) -> tuple[list[dict[str, float]], bool]:
+    """Time `steps` whole steps after one untimed, nothing synchronized between them: a forward's parameter reads
+    meet the last update's write-backs (and, delayed, its whole update) on the disk as in training. A step runs from
+    one forward's start to the next's, so one more step is run than timed."""
+    from hetero.memory import Tier
+
+    manager = engine.manager
+    marks, hwm_reset = [], False
+    for i in range(2 + steps):
+        x = next(batches)
+        t0 = time.perf_counter()
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        t1 = time.perf_counter()
+        engine.step()
+        marks.append((t0, t1, time.perf_counter()))
+        if i == 0:
+            manager.synchronize()
+            manager.reset_peaks()
+            hwm_reset = _reset_hwm()
+    manager.synchronize()
+    peak = manager.ledgers[Tier.HOST].peak / 1e9  # over all the timed steps
+    rows = [
+        {"step_s": b[0] - a[0], "fwd_bwd_s": a[1] - a[0], "update_s": a[2] - a[1], "host_peak_gb": peak}
+        for a, b in zip(marks[1:-1], marks[2:])
+    ]
+    return rows, hwm_reset
+
+
 def one(math: str, backlog: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run in this process."""
     import torch
 
     import hetero
-    from hetero.memory import Tier
 
     os.environ["HETERO_NVME_WRITE_BACKLOG"] = "" if backlog == "auto" else backlog  # read when the store is made
     torch.manual_seed(args.seed)
@@ -92,58 +156,12 @@ def one(math: str, backlog: str, args: argparse.Namespace) -> dict[str, Any]:
         import hetero.zero.update as update
 
         update.step_chunk = lambda *a, **k: None  # the states are still read, handed to the step, and written back
-    manager = engine.manager
     g = torch.Generator().manual_seed(args.seed + 1)
-    rows: list[dict[str, float]] = []
-    hwm_reset = False
-    if args.whole_step:
-        # Whole steps, nothing synchronized between them: a forward's parameter reads meet the last update's
-        # write-backs (and, delayed, its whole update) on the disk as in training.
-        marks = []
-        for i in range(2 + args.steps):
-            x = torch.randint(0, args.vocab, (1, 64), generator=g)
-            t0 = time.perf_counter()
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            t1 = time.perf_counter()
-            engine.step()
-            marks.append((t0, t1, time.perf_counter()))
-            if i == 0:
-                manager.synchronize()
-                manager.reset_peaks()
-                hwm_reset = _reset_hwm()
-        manager.synchronize()
-        rows = [
-            {"step_s": b[0] - a[0], "fwd_bwd_s": a[1] - a[0], "update_s": a[2] - a[1]}
-            for a, b in zip(marks[1:-1], marks[2:])
-        ]
-        rows[-1]["host_peak_gb"] = manager.ledgers[Tier.HOST].peak / 1e9
-    for i in range(0 if args.whole_step else 1 + args.steps):
-        x = torch.randint(0, args.vocab, (1, 64), generator=g)
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        manager.synchronize()
-        manager.reset_peaks()
-        before = sum(n for (s, d), n in manager.moved.items() if Tier.NVME in (s, d))
-        t0 = time.perf_counter()
-        engine.step()
-        t1 = time.perf_counter()
-        manager.synchronize()
-        t2 = time.perf_counter()
-        moved = sum(n for (s, d), n in manager.moved.items() if Tier.NVME in (s, d)) - before
-        if i == 0:
-            hwm_reset = _reset_hwm()
-            continue
-        rows.append(
-            {
-                "update_s": t1 - t0,
-                "drained_s": t2 - t0,
-                "gb_per_s": moved / 1e9 / (t2 - t0),
-                "host_peak_gb": manager.ledgers[Tier.HOST].peak / 1e9,
-            }
-        )
+    batches = (torch.randint(0, args.vocab, (1, 64), generator=g) for _ in itertools.count())
+    rows, hwm_reset = (_whole_steps if args.whole_step else _updates)(engine, batches, args.steps)
     states = sum(zc.optim.nbytes for zc in engine.chunks if zc.optim is not None)
     engine.close()
-    out: dict[str, Any] = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[-1]}
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out.update(params=params, states_gb=states / 1e9, peak_rss_mb=_hwm_mb(), rss_after_first_step=hwm_reset)
     return out
 
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--math", default=",".join(MATHS), help="comma-separated: cpu, none (default both)")
     ap.add_argument(
         "--backlog",
-        default=DEFAULT_BACKLOGS,
+        default=",".join(BACKLOGS),
         help="comma-separated: auto, none or a number of blocks (default auto,none)",
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -233,11 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = best.get(f"{m}:auto"), best.get(f"{m}:none")
         if a and b:
             ratios[m] = {k: a[k] / b[k] for k in (timed[-1], "host_peak_gb", "peak_rss_mb")}
-    shape = {
-        k: getattr(args, k)
-        for k in ("layers", "hidden", "intermediate", "vocab", "rounds", "steps", "params_host_gb", "whole_step")
-    }
-    shape.update(delayed=args.delayed, precision=args.precision)
+    keys = ("layers", "hidden", "intermediate", "vocab", "rounds", "steps", "params_host_gb", "whole_step", "delayed")
+    shape = {k: getattr(args, k) for k in (*keys, "precision")}
     result = {
         **shape,
         "params": next(iter(results.values()))[0]["params"],
