@@ -18,6 +18,8 @@
 # the race's deepspeed_nvme, hetero_nvme, hetero_nvme_delayed, fsdp2 and hetero 248 s, the nvme phase at 4 GiB 84 s.
 # The machine returns 8 files at most: that call's race.json did not come back (race.err holds each result); the
 # failed tests now go to the end of pytest.log instead of a file of their own.
+# On one H100 (2026-11-27, thirteenth session), one call of 457 s: three test files and a script beside DeepSpeed's
+# op build 147 s, the same five race configurations 248 s, fio 2 GiB three ways 5 s, update_stream.py (two runs) 57 s.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
