@@ -11,6 +11,11 @@ ratios use: the tier's buffers are huge pages too, and O_DIRECT into 4 KiB pages
 one. fio from ordinary 4 KiB-page buffers (--iomem=malloc) is reported beside it, for information only. Without fio
 (or with --no-fio) a Python pwrite/preadv loop from huge-page memory stands in, with a warning. Tier and raw passes
 are interleaved, alternating which goes first, and medians are reported. GB = 1e9 bytes.
+
+Both ways at once (the traffic of an update streamed from NVMe, which reads one chunk's states while writing back
+another's): the tier reads back half of the chunks while writing the other half, against fio reading one file and
+writing another in one run, the same total depth (--fio-depth split between the two jobs), from huge pages. Its
+ratio is the reference for `benchmarks/update_stream.py` and the races' NVMe traffic. Needs fio; --no-mixed skips it.
 """
 
 from __future__ import annotations
@@ -142,6 +147,48 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
         store.close()
 
 
+def bench_tier_mixed(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
+    """One pass both ways at once: a fresh store holds the first half of the chunks (written untimed); then the
+    second half is written while the first is read back, the requests interleaved as an update issues them."""
+    half = len(srcs) // 2
+    options = {} if args.threads is None else {"io_threads": args.threads}
+    store = NvmeStore(
+        args.dir,
+        **options,
+        block_bytes=args.block,
+        staging_buffers=args.staging,
+        direct={"auto": None, "on": True, "off": False}[args.direct],
+        verify=not args.no_verify,
+        checksum=args.checksum,
+    )
+    try:
+        for f in [store.write(i, s) for i, s in enumerate(srcs[:half])]:
+            f.result()
+        for d in dsts:
+            d.zero_()
+        settle()
+        t0 = time.perf_counter()
+        futures = []
+        for i in range(half):
+            futures += [store.read(i, dsts[i]), store.write(half + i, srcs[half + i])]
+        for f in futures:
+            f.result()
+        if not store.direct:
+            fd = os.open(store.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        seconds = time.perf_counter() - t0
+        store.read(2 * half - 1, dsts[half]).result()  # the last chunk written, read back untimed
+        checks = [(srcs[0], dsts[0]), (srcs[half - 1], dsts[half - 1]), (srcs[2 * half - 1], dsts[half])]
+        if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in checks):
+            raise SystemExit("FAIL: a chunk read back in the mixed pass differs from what was written")
+        return {"tier_mixed_GBps": gbps(2 * half * srcs[0].numel() * srcs[0].element_size(), seconds)}
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------------------------------------- raw
 
 
@@ -226,6 +273,30 @@ def raw_fio(directory: str, total: int, block: int, depth: int, iomem: str) -> d
         result[rw] = job[rw]["bw_bytes"] / 1e9
     os.unlink(path)  # the next pass writes a fresh file, as the tier's fresh store does
     return result
+
+
+def raw_fio_mixed(directory: str, half: int, block: int, depth: int, iomem: str) -> float:
+    """fio both ways at once: one job reads a file of `half` bytes (laid out first, untimed) while another writes a
+    fresh one of `half` bytes, `depth` blocks in flight between them; GB/s of both together."""
+    src, dst = os.path.join(directory, "mixed_src.fio"), os.path.join(directory, "mixed_dst.fio")
+    common = ["--direct=1", "--ioengine=libaio", f"--bs={block}", f"--iomem={iomem}", "--output-format=json"]
+    lay = ["fio", "--name=lay", f"--filename={src}", "--rw=write", f"--size={half}", f"--iodepth={depth}"]
+    subprocess.run([*lay, *common, "--end_fsync=1"], check=True, capture_output=True, text=True)
+    settle()
+    each = f"--iodepth={max(depth // 2, 1)}"
+    cmd = ["fio", *common, "--name=read", f"--filename={src}", "--rw=read", f"--size={half}", each, "--invalidate=1"]
+    cmd += ["--name=write", f"--filename={dst}", "--rw=write", f"--size={half}", each, "--end_fsync=1"]
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    finally:
+        for path in (src, dst):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    jobs = json.loads(out[out.index("{") :])["jobs"]
+    if any(job.get("error") for job in jobs):
+        raise ValueError(f"fio reported error {[job.get('error') for job in jobs]}")
+    moved = sum(job["read"]["io_bytes"] + job["write"]["io_bytes"] for job in jobs)
+    return gbps(moved, max(job["job_runtime"] for job in jobs) / 1e3)
 
 
 def fair_raw(directory: str, total: int, block: int = 8 << 20, depth: int = 8) -> dict:
@@ -335,6 +406,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-verify", action="store_true", help="NvmeStore(verify=False): no checksum per block")
     p.add_argument("--no-fio", action="store_true", help="measure the raw disk with the Python loop")
+    p.add_argument("--no-mixed", action="store_true", help="skip the pass both ways at once (tier and fio)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved tier/raw passes; medians are reported (3)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of text")
     args = p.parse_args(argv)
@@ -363,10 +435,17 @@ def measure(args: argparse.Namespace, total: int, srcs: list, dsts: list, warnin
     workdir = tempfile.mkdtemp(prefix="hetero-bench-", dir=args.dir)
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
-        no_huge = stack.enter_context(huge_pages_for((args.fio_depth + 1) * args.block)) if use_fio else None
+        # Two fio jobs at once in the mixed pass: a few blocks more for the second job's alignment.
+        no_huge = stack.enter_context(huge_pages_for((args.fio_depth + 2) * args.block)) if use_fio else None
         if no_huge is not None:
             warnings.append(f"fio without huge pages: {no_huge}; the raw reference uses 4 KiB pages and is handicapped")
         sides = ["tier", "raw", "raw_4k"] if use_fio else ["tier", "raw"]
+        if not args.no_mixed and len(srcs) < 2:
+            warnings.append("both ways at once needs two chunks or more: skipped")
+        elif not args.no_mixed and not use_fio:
+            warnings.append("both ways at once needs fio as its reference: skipped")
+        elif not args.no_mixed:
+            sides += ["tier_mixed", "raw_mixed"]
         for r in range(args.repeat):
             # Cloud and shared disks drift from second to second: rotate which side goes first.
             run: dict = {}
@@ -374,6 +453,12 @@ def measure(args: argparse.Namespace, total: int, srcs: list, dsts: list, warnin
                 settle()
                 if side == "tier":
                     run.update(bench_tier(args, srcs, dsts))
+                elif side == "tier_mixed":
+                    run.update(bench_tier_mixed(args, srcs, dsts))
+                elif side == "raw_mixed":
+                    iomem = "malloc" if no_huge is not None else "mmaphuge"
+                    half = len(srcs) // 2 * args.chunk
+                    run["raw_mixed_GBps"] = raw_fio_mixed(workdir, half, args.block, args.fio_depth, iomem)
                 elif side == "raw_4k":
                     got = raw_fio(workdir, total, args.block, args.fio_depth, "malloc")
                     run.update(raw_4k_write_GBps=got["write"], raw_4k_read_GBps=got["read"])
@@ -397,12 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     srcs, dsts = make_chunks(args, args.chunk, nchunks)
     runs = measure(args, total, srcs, dsts, warnings)
     keys = ["tier_write_GBps", "tier_read_GBps", "raw_write_GBps", "raw_read_GBps"]
-    keys += [k for k in ("raw_4k_write_GBps", "raw_4k_read_GBps") if k in runs[0]]
+    keys += [k for k in ("raw_4k_write_GBps", "raw_4k_read_GBps", "tier_mixed_GBps", "raw_mixed_GBps") if k in runs[0]]
     res: dict = {k: statistics.median(run[k] for run in runs) for k in keys}
     for k in ("tier_write_queue_busy", "tier_read_queue_busy"):
         res[k] = statistics.median(run[k] for run in runs)
     res["write_ratio"] = res["tier_write_GBps"] / res["raw_write_GBps"]
     res["read_ratio"] = res["tier_read_GBps"] / res["raw_read_GBps"]
+    if "tier_mixed_GBps" in res:
+        res["mixed_ratio"] = res["tier_mixed_GBps"] / res["raw_mixed_GBps"]
     res.update(direct=runs[0]["direct"], raw_method=runs[-1]["raw_method"], size_bytes=total)
     res.update(verify=not args.no_verify, checksum=args.checksum, chunk_bytes=args.chunk, block_bytes=args.block)
     res.update(threads=runs[0]["threads"], fio_depth=args.fio_depth, pageable=args.pageable, repeat=args.repeat)
@@ -438,6 +525,11 @@ def report(args: argparse.Namespace, res: dict, nchunks: int) -> None:
         if f"raw_4k_{rw}_GBps" in res:
             line += f"   (fio from 4 KiB pages, for information: {res[f'raw_4k_{rw}_GBps']:.2f} GB/s)"
         print(line)
+    if "mixed_ratio" in res:
+        print(
+            f"both   tier {res['tier_mixed_GBps']:6.2f} GB/s   raw {res['raw_mixed_GBps']:6.2f} GB/s   ratio "
+            f"{res['mixed_ratio']:.2f}   (half read back while half is written; fio: two jobs, one file each)"
+        )
     print(
         f"tier I/O threads busy in pwrite/preadv: {res['tier_write_queue_busy']:.0%} of the write time, "
         f"{res['tier_read_queue_busy']:.0%} of the read time"

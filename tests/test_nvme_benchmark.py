@@ -42,6 +42,7 @@ def test_without_fio_it_warns_and_uses_the_python_loop(tmp_path):
     assert r["verify"] and r["tier_write_GBps"] > 0 and r["raw_read_GBps"] > 0
     assert r["write_ratio"] == r["tier_write_GBps"] / r["raw_write_GBps"]
     assert r["tier_huge_pages"]["buffers"] >= 1 and "before" in r["loadavg"]
+    assert any("both ways at once needs fio" in w for w in r["warnings"]) and "mixed_ratio" not in r
     assert os.listdir(tmp_path) == ["bin"]  # no swap or raw file left behind
 
 
@@ -55,6 +56,11 @@ def test_with_fio(tmp_path):
     assert huge or any("without huge pages" in w for w in r["warnings"])
     assert r["raw_4k_write_GBps"] > 0 and r["raw_4k_read_GBps"] > 0  # the 4 KiB-page figure, for information
     assert r["read_ratio"] == r["tier_read_GBps"] / r["raw_read_GBps"]
+    # Both ways at once: the tier's half read back while half is written, against fio's two jobs at once.
+    assert r["tier_mixed_GBps"] > 0 and r["raw_mixed_GBps"] > 0
+    assert r["mixed_ratio"] == r["tier_mixed_GBps"] / r["raw_mixed_GBps"]
+    assert set(r["runs"][0]) >= {"tier_mixed_GBps", "raw_mixed_GBps"}
+    assert os.listdir(tmp_path) == []  # neither fio's files nor the swap file left behind
 
 
 def test_overlapping_huge_page_reservations_keep_each_others_pages():
