@@ -92,13 +92,10 @@ def make_chunks(args: argparse.Namespace, chunk: int, nchunks: int) -> tuple[lis
     return srcs, dsts
 
 
-def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
-    """One pass: a fresh store (a fresh swap file, like the raw side), write all chunks, read all back."""
-    total = sum(s.numel() * s.element_size() for s in srcs)
-    for d in dsts:
-        d.zero_()
+def _store(args: argparse.Namespace) -> NvmeStore:
+    """A fresh store (a fresh swap file, like the raw side) with the benchmark's options."""
     options = {} if args.threads is None else {"io_threads": args.threads}
-    store = NvmeStore(
+    return NvmeStore(
         args.dir,
         **options,
         block_bytes=args.block,
@@ -107,23 +104,41 @@ def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
         verify=not args.no_verify,
         checksum=args.checksum,
     )
+
+
+def _sync(store: NvmeStore) -> None:
+    """Buffered: the data must reach the disk inside the timed region (O_DIRECT writes are there already)."""
+    if not store.direct:
+        fd = os.open(store.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _drop_cache(store: NvmeStore) -> None:
+    """Buffered: reads must come from the disk, not the page cache."""
+    if not store.direct:
+        fd = os.open(store.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench_tier(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
+    """One pass: a fresh store (a fresh swap file, like the raw side), write all chunks, read all back."""
+    total = sum(s.numel() * s.element_size() for s in srcs)
+    for d in dsts:
+        d.zero_()
+    store = _store(args)
     try:
         t0 = time.perf_counter()
         for f in [store.write(i, s) for i, s in enumerate(srcs)]:
             f.result()
-        if not store.direct:  # buffered: the data must reach the disk inside the timed region
-            fd = os.open(store.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        _sync(store)
         t_write = time.perf_counter() - t0
-        if not store.direct:
-            fd = os.open(store.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        _drop_cache(store)
         t0 = time.perf_counter()
         for f in [store.read(i, d) for i, d in enumerate(dsts)]:
             f.result()
@@ -151,19 +166,12 @@ def bench_tier_mixed(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
     """One pass both ways at once: a fresh store holds the first half of the chunks (written untimed); then the
     second half is written while the first is read back, the requests interleaved as an update issues them."""
     half = len(srcs) // 2
-    options = {} if args.threads is None else {"io_threads": args.threads}
-    store = NvmeStore(
-        args.dir,
-        **options,
-        block_bytes=args.block,
-        staging_buffers=args.staging,
-        direct={"auto": None, "on": True, "off": False}[args.direct],
-        verify=not args.no_verify,
-        checksum=args.checksum,
-    )
+    store = _store(args)
     try:
         for f in [store.write(i, s) for i, s in enumerate(srcs[:half])]:
             f.result()
+        _sync(store)
+        _drop_cache(store)
         for d in dsts:
             d.zero_()
         settle()
@@ -173,12 +181,7 @@ def bench_tier_mixed(args: argparse.Namespace, srcs: list, dsts: list) -> dict:
             futures += [store.read(i, dsts[i]), store.write(half + i, srcs[half + i])]
         for f in futures:
             f.result()
-        if not store.direct:
-            fd = os.open(store.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        _sync(store)
         seconds = time.perf_counter() - t0
         store.read(2 * half - 1, dsts[half]).result()  # the last chunk written, read back untimed
         checks = [(srcs[0], dsts[0]), (srcs[half - 1], dsts[half - 1]), (srcs[2 * half - 1], dsts[half])]
@@ -443,7 +446,7 @@ def measure(args: argparse.Namespace, total: int, srcs: list, dsts: list, warnin
         if not args.no_mixed and len(srcs) < 2:
             warnings.append("both ways at once needs two chunks or more: skipped")
         elif not args.no_mixed and not use_fio:
-            warnings.append("both ways at once needs fio as its reference: skipped")
+            warnings.append("both ways at once needs fio (O_DIRECT) as its reference: skipped")
         elif not args.no_mixed:
             sides += ["tier_mixed", "raw_mixed"]
         for r in range(args.repeat):
