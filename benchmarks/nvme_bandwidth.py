@@ -248,6 +248,15 @@ def huge_pages_for(nbytes: int) -> Iterator[str | None]:
                 f.write(str(max(now - need, 0)))
 
 
+def _fio_jobs(cmd: list[str]) -> list[dict]:
+    """Run fio with --output-format=json; its jobs' results, or ValueError where one reported an error."""
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    jobs = json.loads(out[out.index("{") :])["jobs"]
+    if errors := [job["error"] for job in jobs if job.get("error")]:
+        raise ValueError(f"fio reported error(s) {errors}")
+    return jobs
+
+
 def raw_fio(directory: str, total: int, block: int, depth: int, iomem: str) -> dict:
     """fio's sequential write then read of one fresh file: libaio, direct=1, `depth` blocks in flight, buffers from
     `iomem` (mmaphuge: huge pages; malloc: 4 KiB pages)."""
@@ -269,11 +278,7 @@ def raw_fio(directory: str, total: int, block: int, depth: int, iomem: str) -> d
             "--end_fsync=1" if rw == "write" else "--invalidate=1",
             "--output-format=json",
         ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        job = json.loads(out[out.index("{") :])["jobs"][0]
-        if job.get("error"):
-            raise ValueError(f"fio reported error {job['error']}")
-        result[rw] = job[rw]["bw_bytes"] / 1e9
+        result[rw] = _fio_jobs(cmd)[0][rw]["bw_bytes"] / 1e9
     os.unlink(path)  # the next pass writes a fresh file, as the tier's fresh store does
     return result
 
@@ -284,20 +289,17 @@ def raw_fio_mixed(directory: str, half: int, block: int, depth: int, iomem: str)
     src, dst = os.path.join(directory, "mixed_src.fio"), os.path.join(directory, "mixed_dst.fio")
     common = ["--direct=1", "--ioengine=libaio", f"--bs={block}", f"--iomem={iomem}", "--output-format=json"]
     lay = ["fio", "--name=lay", f"--filename={src}", "--rw=write", f"--size={half}", f"--iodepth={depth}"]
-    subprocess.run([*lay, *common, "--end_fsync=1"], check=True, capture_output=True, text=True)
+    _fio_jobs([*lay, *common, "--end_fsync=1"])
     settle()
     each = f"--iodepth={max(depth // 2, 1)}"
     cmd = ["fio", *common, "--name=read", f"--filename={src}", "--rw=read", f"--size={half}", each, "--invalidate=1"]
     cmd += ["--name=write", f"--filename={dst}", "--rw=write", f"--size={half}", each, "--end_fsync=1"]
     try:
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        jobs = _fio_jobs(cmd)
     finally:
         for path in (src, dst):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    jobs = json.loads(out[out.index("{") :])["jobs"]
-    if any(job.get("error") for job in jobs):
-        raise ValueError(f"fio reported error {[job.get('error') for job in jobs]}")
     moved = sum(job["read"]["io_bytes"] + job["write"]["io_bytes"] for job in jobs)
     return gbps(moved, max(job["job_runtime"] for job in jobs) / 1e3)
 
@@ -442,6 +444,7 @@ def measure(args: argparse.Namespace, total: int, srcs: list, dsts: list, warnin
         no_huge = stack.enter_context(huge_pages_for((args.fio_depth + 2) * args.block)) if use_fio else None
         if no_huge is not None:
             warnings.append(f"fio without huge pages: {no_huge}; the raw reference uses 4 KiB pages and is handicapped")
+        iomem = "malloc" if no_huge is not None else "mmaphuge"
         sides = ["tier", "raw", "raw_4k"] if use_fio else ["tier", "raw"]
         if not args.no_mixed and len(srcs) < 2:
             warnings.append("both ways at once needs two chunks or more: skipped")
@@ -459,14 +462,12 @@ def measure(args: argparse.Namespace, total: int, srcs: list, dsts: list, warnin
                 elif side == "tier_mixed":
                     run.update(bench_tier_mixed(args, srcs, dsts))
                 elif side == "raw_mixed":
-                    iomem = "malloc" if no_huge is not None else "mmaphuge"
                     half = len(srcs) // 2 * args.chunk
                     run["raw_mixed_GBps"] = raw_fio_mixed(workdir, half, args.block, args.fio_depth, iomem)
                 elif side == "raw_4k":
                     got = raw_fio(workdir, total, args.block, args.fio_depth, "malloc")
                     run.update(raw_4k_write_GBps=got["write"], raw_4k_read_GBps=got["read"])
                 elif use_fio:
-                    iomem = "malloc" if no_huge is not None else "mmaphuge"
                     got = raw_fio(workdir, total, args.block, args.fio_depth, iomem)
                     run.update(raw_write_GBps=got["write"], raw_read_GBps=got["read"])
                     run["raw_method"] = f"fio libaio direct=1 bs={args.block} iodepth={args.fio_depth} iomem={iomem}"

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     maths, backlogs = args.math.split(","), args.backlog.split(",")
     if bad := [m for m in maths if m not in MATHS] + [b for b in backlogs if b not in BACKLOGS and not b.isdigit()]:
-        ap.error(f"unknown --math or --backlog value(s) {bad}: --math takes {MATHS}, --backlog {BACKLOGS}")
+        ap.error(f"unknown --math or --backlog value(s) {bad}: --math takes {MATHS}, --backlog {BACKLOGS} or a number")
     if min(args.rounds, args.steps, args.layers, args.hidden, args.intermediate, args.vocab) < 1:
         ap.error("--rounds, --steps, --layers, --hidden, --intermediate and --vocab must be at least 1")
     if not os.path.isdir(args.nvme_dir):
