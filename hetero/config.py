@@ -118,7 +118,8 @@ class Config:
     tiling: bool = True
     """Split a weight larger than a chunk into tiles of whole rows, each a chunk, and compute its Linear, Embedding
     or Conv1D layer tile by tile (ZeRO-Infinity's memory-centric tiling); false: such a weight gets a chunk of its
-    own, and its layer runs whole."""
+    own, and its layer runs whole. With chunk_size "auto", only weights larger than the largest chunk the budgets
+    hold are split ([Note: tiling only what the budgets need])."""
     prefetch_depth: int = 2
     """How many chunks ahead of use to start moving along the recorded access trace."""
     activation_checkpointing: bool | list[str] = False

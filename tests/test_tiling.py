@@ -227,6 +227,28 @@ def test_only_tileable_layers_are_split():
         assert s.capacity % 2 == 0 and sum(i.numel for i in s.params) <= s.capacity
 
 
+def test_auto_chunk_size_tiles_only_what_the_budgets_cannot_hold():
+    """[Note: tiling only what the budgets need]: the automatic size leaves a weight whole when the budgets hold its
+    own chunk, though it is larger than the chunk chosen for low padding; it tiles it when they do not; an explicit
+    chunk size tiles whatever is larger than a chunk."""
+    # Eight 50 x 100 layers (5000 elements each) and a 512 x 64 head (32768): the automatic size packs the layers
+    # two or three to a chunk for low padding, far smaller than the head (shapes only: the model never runs).
+    model = nn.Sequential(*[nn.Linear(100, 50, bias=False) for _ in range(8)], nn.Linear(64, 512, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def tiled(**kw: int | None) -> set[str]:
+        specs = build_layout(model, opt, world=2, **kw)
+        assert sum(s.capacity for s in specs) >= sum(p.numel() for p in model.parameters())
+        return {s.params[0].name for s in specs if s.tile}
+
+    loose = build_layout(model, opt, chunk_numel=None, world=2, max_chunk_numel=1 << 20)
+    assert loose[0].chunk_numel < 512 * 64  # the head is larger than a chunk...
+    assert tiled(chunk_numel=None, max_chunk_numel=1 << 20) == set()  # ...but the budgets hold it whole
+    assert tiled(chunk_numel=None, max_chunk_numel=None) == set()  # no budget: up to 64M elements stay whole
+    assert tiled(chunk_numel=None, max_chunk_numel=8192) == {"8.weight"}  # the budgets cannot: tiles
+    assert tiled(chunk_numel=8192) == {"8.weight"}  # an explicit size: larger than a chunk is tiled
+
+
 def test_auto_chunk_size_follows_the_budgets():
     model = parity.build(vocab_size=512)
     cfg = {"zero_stage": 3, "memory": {"device_budget": 64 << 10, "host_budget": 1 << 20}}

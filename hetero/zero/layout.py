@@ -8,7 +8,21 @@ placed and sharded like the others but get no gradients and no optimizer state.
 
 Every chunk's capacity is a multiple of the data-parallel world size, so it splits into equal shards, one per rank.
 A parameter larger than a chunk is split over chunks of its own, one tile (a run of whole rows) each, where its
-modules can compute on it tile by tile (`hetero/memory/chunk_size.py`, [Note: tiles]; `hetero/zero/tiling.py`).
+modules can compute on it tile by tile (`hetero/memory/chunk_size.py`, [Note: tiles]; `hetero/zero/tiling.py`);
+with the automatic chunk size, only one larger than the budgets' chunk ([Note: tiling only what the budgets need]).
+
+[Note: tiling only what the budgets need]
+A tiled layer computes one tile at a time: smaller matrix products, the tiles' outputs joined, the input gradient
+summed over them. That is the price of a working set no larger than a chunk, worth paying for a weight the budgets
+could not hold whole. The automatic chunk size, though, is chosen for low padding within the budgets' cap
+(`_auto_chunk_numel`), and tiled anything above it: the 8192 x 512 embedding of the step_time race's Llama
+(tied to the head; 22.6M parameters, budgets of gigabytes) went into two tiles at a 3.8M-element chunk, and its
+tiled code took an eighth of a ZeRO-3 rank's samples on two CPU ranks (py-spy, 2026-11-27), its matrix products
+included; the step without the tiles was 0-10% faster in alternating runs, within that machine's spread. Nothing
+was bought with it. So with the automatic size a weight is split only when its own chunk would exceed the largest the
+budgets hold (`chunk_size.budget_cap`), or 64M elements (the automatic capacities' ceiling) where no budget limits
+it; below that it gets a chunk of its own, which the budgets hold like any other. An explicit `chunk_size` keeps
+the plain rule: whatever is larger than a chunk is tiled.
 """
 
 from __future__ import annotations
@@ -142,6 +156,10 @@ def build_layout(
     if not buckets:
         raise ValueError("the model has no parameters to place")
     rows = tile_rows(model) if tiling else {}
+    if chunk_numel is None:  # [Note: tiling only what the budgets need]
+        most = min(max_chunk_numel, AUTO_MAX) if max_chunk_numel is not None else AUTO_MAX
+        numel = {id(p): p.numel() for _, p in model.named_parameters()}  # a view's: perhaps not all the modules'
+        rows = {k: r for k, r in rows.items() if k in numel and _round_up(numel[k], world) > most}
     order = sorted(buckets, key=lambda g: (g is None, g if g is not None else 0))
     runs = [([i.numel for i in buckets[g]], [rows.get(id(i.param)) for i in buckets[g]]) for g in order]
     align = 1
@@ -167,6 +185,7 @@ def build_layout(
 
 
 AUTO_ALIGN = 1024  # elements: automatic capacities (and trimmed ones) are multiples of it
+AUTO_MAX = 64 << 20  # elements: the automatic capacity's ceiling, and the largest weight it leaves whole
 
 
 def _auto_chunk_numel(runs: list[tuple[list[int], list[int | None]]], cap: int | None) -> int:
@@ -176,7 +195,7 @@ def _auto_chunk_numel(runs: list[tuple[list[int], list[int | None]]], cap: int |
     numels = [n for run, _ in runs for n in run]
     total, largest = sum(numels), max(numels)
     lo = max(AUTO_ALIGN, min(1 << 20, total // 8))
-    hi = max(lo, min(64 << 20, max(largest, total // 4)))
+    hi = max(lo, min(AUTO_MAX, max(largest, total // 4)))
     if cap is not None:
         hi = max(AUTO_ALIGN, min(hi, cap))
         lo = min(lo, hi)
