@@ -18,11 +18,12 @@ could not hold whole. The automatic chunk size, though, is chosen for low paddin
 (`_auto_chunk_numel`), and tiled anything above it: the 8192 x 512 embedding of the step_time race's Llama
 (tied to the head; 22.6M parameters, budgets of gigabytes) went into two tiles at a 3.8M-element chunk, and its
 tiled code took an eighth of a ZeRO-3 rank's samples on two CPU ranks (py-spy, 2026-11-27), its matrix products
-included; the step without the tiles was 0-10% faster in alternating runs, within that machine's spread. Nothing
-was bought with it. So with the automatic size a weight is split only when its own chunk would exceed the largest the
-budgets hold (`chunk_size.budget_cap`), or 64M elements (the automatic capacities' ceiling) where no budget limits
-it; below that it gets a chunk of its own, which the budgets hold like any other. An explicit `chunk_size` keeps
-the plain rule: whatever is larger than a chunk is tiled.
+included. Nothing was bought with it. Against FSDP2 side by side (`benchmarks/step_time.py --only
+fsdp2,hetero_stage3`), three alternating runs each: 1.148x, 1.170x, 1.017x FSDP2's step with the tiles, 1.054x,
+0.989x, 0.961x without. So with the automatic size a weight is split only when its own chunk would exceed the
+largest the budgets hold (`chunk_size.budget_cap`), or 64M elements (the automatic capacities' ceiling) where no
+budget limits it; below that it gets a chunk of its own, which the budgets hold like any other. An explicit
+`chunk_size` keeps the plain rule: whatever is larger than a chunk is tiled.
 """
 
 from __future__ import annotations
