@@ -91,6 +91,16 @@ RACES = (  # (name, hetero's configuration, the peer's, or several: the best of 
 )
 
 
+def pipelined_swap(zero: dict[str, Any], elements: int) -> None:
+    """DeepSpeed's pipelined optimizer swapper in a `zero_optimization` section with an NVMe `offload_optimizer`, for
+    a rank stepping `elements` parameters. It overlaps a sub-group's step with the next one's reads and the last one's
+    writes, so it needs several sub-groups (the default sub_group_size, 1e9 elements, makes one of any model raced
+    here: a sixth each) and more swap buffers than its default 4 (with 4 or 8 it fails an assertion in DeepSpeed
+    0.19.8)."""
+    zero["sub_group_size"] = -(-elements // 6)
+    zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, buffer_count=16)
+
+
 # ------------------------------------------------------------------------------------------------ one process
 def llama(args: argparse.Namespace) -> Any:
     """transformers' LlamaForCausalLM, untied, at args' shape (hidden, intermediate, layers, heads, vocab, seq); also
@@ -213,14 +223,9 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
         if where == "nvme":
             off["nvme_path"] = args.nvme_dir
         param_off = {**off, "max_in_cpu": args.max_in_cpu} if where == "nvme" else dict(off)
-        opt_off = dict(off)
-        zero: dict[str, Any] = {"stage": 3, "offload_param": param_off, "offload_optimizer": opt_off}
+        zero: dict[str, Any] = {"stage": 3, "offload_param": param_off, "offload_optimizer": dict(off)}
         if name.endswith("_pipelined"):
-            # Its pipelined swapper overlaps a sub-group's step with the next one's reads and the last one's writes;
-            # it needs several sub-groups (the default, 1e9 elements, makes one of any model here) and more swap
-            # buffers than its default 4 (with 4 or 8 it fails an assertion in DeepSpeed 0.19.8).
-            zero["sub_group_size"] = -(-sum(p.numel() for p in model.parameters()) // 6)
-            opt_off.update(pipeline_read=True, pipeline_write=True, buffer_count=16)
+            pipelined_swap(zero, sum(p.numel() for p in model.parameters()))
         config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": 1,

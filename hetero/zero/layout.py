@@ -159,7 +159,7 @@ def build_layout(
     rows = tile_rows(model) if tiling else {}
     if chunk_numel is None:  # [Note: tiling only what the budgets need]
         most = min(max_chunk_numel, AUTO_MAX) if max_chunk_numel is not None else AUTO_MAX
-        numel = {id(p): p.numel() for _, p in model.named_parameters()}  # a view's: perhaps not all the modules'
+        numel = {id(i.param): i.param.numel() for infos in buckets.values() for i in infos}
         rows = {k: r for k, r in rows.items() if k in numel and _round_up(numel[k], world) > most}
     order = sorted(buckets, key=lambda g: (g is None, g if g is not None else 0))
     runs = [([i.numel for i in buckets[g]], [rows.get(id(i.param)) for i in buckets[g]]) for g in order]
