@@ -304,6 +304,8 @@ class Engine:
             out = self.module(*args, **kwargs)
         if self.gathers is not None:
             self.gathers.end_forward(training=training)
+        if training:
+            self.manager.forward_end()  # [Note: what the forward takes again]
         if not training:
             self.manager.step_end()
             self._in_step = False

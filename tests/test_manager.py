@@ -559,3 +559,53 @@ def test_buffers_of_write_backs_landing_after_a_trim_are_given_back_at_the_next_
     m.trim_idle()  # nothing in flight: nothing left to give back later
     assert torch.equal(m.access(chunks[1], Tier.HOST, write=False), torch.full((numel,), 1.0))
     assert host.cached == 0
+
+
+def test_trim_between_steps_keeps_the_buffers_the_forward_takes_again(make_manager, cpu_device):
+    """[Note: what the forward takes again]: `trim_idle` gives back the device buffers the next forward does not
+    take (a gradient's, used only after the forward) and keeps as many as the forward took at once beyond those in
+    use as it began (gathered parameters), so steps after the first map no new buffer for the forward; before any
+    forward has been seen it gives back everything."""
+    m = make_manager()
+    pool, ledger = m.pools[Tier.DEVICE], m.ledgers[Tier.DEVICE]
+    # In use throughout (a master's), of the gathered chunks' size: the forward's take does not count it.
+    kept = m.new_chunk(dtype=torch.float32, capacity=1 << 14, kind="optim")
+    m.access(kept, Tier.DEVICE)
+    kept.set_state(kept.add_tensor("m", (1 << 14,)), TensorState.HOLD)
+    gathered = []
+    for i in range(3):
+        c = m.new_chunk(dtype=torch.float32, capacity=1 << 14, kind="param")
+        gathered.append((c, c.add_tensor(f"w{i}", (1 << 14,))))
+    grad = m.new_chunk(dtype=torch.float32, capacity=1 << 13, kind="grad")
+    gslot = grad.add_tensor("g", (1 << 13,))
+
+    def step(*, forward_end: bool) -> None:
+        m.step_begin()
+        for c, s in gathered[:2]:  # the forward holds two at once
+            m.access(c, Tier.DEVICE)
+            c.set_state(s, TensorState.HOLD)
+        if forward_end:
+            m.forward_end()
+        for c, s in gathered[:2]:
+            c.set_state(s, TensorState.FREE)
+            m.release(c)
+        c, s = gathered[2]  # backward takes a third, and a gradient
+        m.access(c, Tier.DEVICE)
+        c.set_state(s, TensorState.HOLD)
+        m.access(grad, Tier.DEVICE)
+        grad.set_state(gslot, TensorState.HOLD)
+        for c, s in (gathered[2], (grad, gslot)):
+            c.set_state(s, TensorState.FREE)
+            m.release(c)
+        m.trim_idle()
+        m.step_end()
+
+    step(forward_end=False)  # no forward seen: everything goes
+    assert ledger.cached == 0
+    step(forward_end=True)
+    assert ledger.cached == 2 * (1 << 14) * 4  # the forward's two; the third and the gradient's given back
+    made = pool.allocations
+    step(forward_end=True)
+    # The forward reused both; backward's third gathered chunk one the forward gave back; only the gradient's is new.
+    assert pool.allocations == made + 1
+    assert ledger.cached == 2 * (1 << 14) * 4

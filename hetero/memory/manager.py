@@ -118,6 +118,9 @@ class ChunkManager:
         self._next_id = 0
         self._clock = 0  # access counter, for LRU
         self._trim_host_later = False  # trim_idle ran while write-backs were in flight: trim once they land
+        self._forward_need: dict[int, int] | None = None  # see [Note: what the forward takes again]
+        self._forward_seen = False  # this step's first forward has ended (`forward_end`)
+        self._forward_base: dict[int, int] = {}
         self._closed = False
         # Hook points, any number of subscribers each: "access" and "step_begin" run before anything moves
         # (automatic placement adjusts the device budget there, hetero/memory/auto.py); "move" gets every finished
@@ -296,9 +299,28 @@ class ChunkManager:
     # ---- steps and trace ----------------------------------------------------------------------------------
     def step_begin(self) -> None:
         self.events.emit("step_begin")
+        self.pools[Tier.DEVICE].mark()
+        self._forward_base = self.pools[Tier.DEVICE].in_use()  # in use as the step begins: not the forward's take
+        self._forward_seen = False
         self.trace.step_begin()
         self._prefetcher.ahead(protect=set())
         self.events.emit("done")
+
+    def forward_end(self) -> None:
+        """The model's forward has run: the device buffers it held at once are what the next step's forward will
+        take again ([Note: what the forward takes again]). Only the step's first forward counts (a micro-batch's
+        forward after a backward would count the backward's buffers too)."""
+        if not self._forward_seen:
+            self._forward_seen = True
+            base = self._forward_base
+            high = self.pools[Tier.DEVICE].high_water()
+            self._forward_need = {size: n - base.get(size, 0) for size, n in high.items() if n > base.get(size, 0)}
+
+    @property
+    def forward_take(self) -> dict[int, int]:
+        """Buffer size -> how many device buffers the last step's first forward held at once beyond those in use as
+        it began: what `trim_idle` leaves cached ([Note: what the forward takes again])."""
+        return dict(self._forward_need or {})
 
     def step_end(self, *, keep: bool = True) -> None:
         """The step's accesses are over. keep=False: the step is not kept as the trace to replay, and the next one
@@ -338,15 +360,34 @@ class ChunkManager:
 
     def trim_idle(self) -> int:
         """Between the phases of a step: give back the cached buffers that cost little to get again, the device
-        tier's and, where host memory is not pinned (a CPU device), the host tier's. Pinned ones stay: freeing pinned
+        tier's (but those the next forward takes again: [Note: what the forward takes again]) and, where host memory
+        is not pinned (a CPU device), the host tier's. Pinned ones stay: freeing pinned
         memory waits for the whole GPU, and pinning it again costs more than the copies it serves. Returns the bytes
         freed."""
-        freed = self.trim(Tier.DEVICE)
+        freed = self._trim_for_forward()
         if not self.device.separate_memory:
             freed += self.trim(Tier.HOST)
             # The update's last write-backs to NVMe land after it returns, and give their host buffers to the pool
             # then: the next access after they have all landed gives those back too.
             self._trim_host_later = self._writing()
+        return freed
+
+    def _trim_for_forward(self) -> int:
+        """The device tier's cached buffers, less those the next forward takes again.
+
+        [Note: what the forward takes again]
+        Buffers cached through the next forward add to the step's peak, where the activations are: `trim_idle` gives
+        them back between a step's phases. But the forward takes some of them again at once (stage 3's gathered
+        chunks), and those count in that peak either way; freed, they were mapped afresh every step and, on a CPU
+        device, faulted in 4 KiB at a time (the 22.6M Llama race of benchmarks/step_time.py: 35,000 page faults and
+        0.43 s of system time a rank a step). So, size by size, as many stay cached as the last step's first
+        forward held at once beyond those already in use when it began (a CPU device's masters and states, which
+        persist); the rest go (the reduced gradients' shards, which no forward takes): 16,000-18,000 faults and
+        0.20 s there, the peak RSS unchanged. Which buffers stay cached is the rank's own business: it decides no
+        collective."""
+        freed = self.pools[Tier.DEVICE].trim(keep=self._forward_need)
+        if freed:
+            self.events.emit("done")
         return freed
 
     def _writing(self) -> bool:

@@ -49,6 +49,9 @@ class BufferPool:
         # Elastic ([Note: elastic buffers]): None, or the size every new buffer is mapped with.
         self.elastic: int | None = 0 if elastic else None
         self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # address -> (whole buffer, bytes resident), in use
+        # Exact-size pools: buffers of each size in use now, and the most in use at once since `mark`.
+        self._in_use: dict[int, int] = defaultdict(int)
+        self._high: dict[int, int] = {}
 
     def reserve(self, nbytes: int) -> None:
         """Buffers mapped from now on can serve a request of nbytes (elastic pools)."""
@@ -59,6 +62,8 @@ class BufferPool:
         """A uint8 buffer of exactly nbytes. The caller has made room on the ledger for nbytes."""
         if self.elastic is not None:
             return self._acquire_elastic(nbytes)
+        self._in_use[nbytes] += 1
+        self._high[nbytes] = max(self._high.get(nbytes, 0), self._in_use[nbytes])
         cached = self._free.get(nbytes)
         if cached:
             self._ledger.from_cache(nbytes)
@@ -66,6 +71,18 @@ class BufferPool:
         self._ledger.take(nbytes)
         self.allocations += 1
         return self._alloc(nbytes)
+
+    def mark(self) -> None:
+        """Start counting the most buffers of each size in use at once from here (`high_water`)."""
+        self._high = {size: n for size, n in self._in_use.items() if n}
+
+    def high_water(self) -> dict[int, int]:
+        """Per size, the most buffers in use at once since `mark` (exact-size pools; elastic ones count none)."""
+        return dict(self._high)
+
+    def in_use(self) -> dict[int, int]:
+        """Per size, the buffers in use now (exact-size pools)."""
+        return {size: n for size, n in self._in_use.items() if n}
 
     def _acquire_elastic(self, nbytes: int) -> torch.Tensor:
         # The cached buffer that can hold nbytes with the fewest bytes to give back, else the most already resident.
@@ -99,17 +116,21 @@ class BufferPool:
         nbytes = flat.numel()
         if self.elastic is not None:
             flat, nbytes = self._lent.pop(flat.data_ptr())  # the whole buffer; its resident bytes are the request's
+        else:
+            self._in_use[nbytes] -= 1
         self._ledger.to_cache(nbytes)
         if self._on_release is not None:
             self._on_release(flat)
         self._free[nbytes].append(flat)
 
-    def trim(self, nbytes: int | None = None) -> int:
-        """Free cached buffers until at least nbytes are returned (all of them if None). Returns bytes freed."""
+    def trim(self, nbytes: int | None = None, *, keep: dict[int, int] | None = None) -> int:
+        """Free cached buffers until at least nbytes are returned (all of them if None), leaving `keep[size]`
+        buffers of each size cached. Returns bytes freed."""
         freed = 0
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
-            while bufs and (nbytes is None or freed < nbytes):
+            spare = (keep or {}).get(size, 0)
+            while len(bufs) > spare and (nbytes is None or freed < nbytes):
                 buf = bufs.pop()
                 if self._free_buf is not None:
                     self._free_buf(buf)
