@@ -40,7 +40,10 @@ trajectory up to float rounding. Cores: each rank gets 1 intra-op thread (2 rank
 oversubscription); plain PyTorch gets 2 threads, the same total. Step time is, per step, the slowest rank's wall
 time, then the median over the timed steps (with --rounds R, the lowest of the rounds' medians). Peak RSS is
 each process's high-water mark (VmHWM; a sampled psutil maximum where /proc is missing), torch import included;
-rss_base_mb is the RSS before the model is built.
+rss_base_mb is the RSS before the model is built. The work of a step is counted too: CPU seconds (user and
+system) and minor page faults, summed over ranks, median over the timed steps (cpu_s_per_step, sys_s_per_step,
+page_faults_per_step; each race's cpu_ratio): on a shared machine other load changes them far less than the wall
+time, so a change of a few percent that the step times' spread hides shows there.
 
 The final loss of every configuration should match plain PyTorch's to float rounding (losses_agree); a gap means
 an engine trains something else (DeepSpeed, for one, clips gradients at 1.0 unless told not to). The CPU share
@@ -470,20 +473,23 @@ def _train(spec: Spec, rank: int) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     step, finish = _SETUP[spec.kind](spec, model)
     rows = slice(rank * spec.batch, (rank + 1) * spec.batch)
-    times, losses = [], []
+    times, losses, usage = [], [], []
     distributed = dist.is_available() and dist.is_initialized()
     for i in range(spec.warmup + spec.steps):
         x, y = global_batch(i, spec.batch * spec.world, spec.shape, spec.seed)
         x, y = x[rows], y[rows]
         if distributed and i == spec.warmup:
             dist.barrier()  # start the timed steps together, so a slow warm-up on one rank is not counted
+        u0 = _usage()
         t0 = time.perf_counter()
         loss = step(x, y)
         times.append(time.perf_counter() - t0)
+        usage.append(tuple(b - a for a, b in zip(u0, _usage())))
         losses.append(float(loss.detach()))  # the rank's mean over its rows; averaged over ranks afterwards
     extra = finish()
     return {
         "times": times[spec.warmup :],
+        "usage": usage[spec.warmup :],
         "losses": losses,
         "peak_rss_mb": rss.peak_mb(),
         "rss_base_mb": base_mb,
@@ -491,6 +497,17 @@ def _train(spec: Spec, rank: int) -> dict[str, Any]:
         "model": source,
         **extra,
     }
+
+
+def _usage() -> tuple[float, float, int]:
+    """(user CPU s, system CPU s, minor page faults) of this process so far: the work a step does, which other load
+    on a shared machine disturbs far less than its wall time. Zeros where `resource` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return (0.0, 0.0, 0)
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return (r.ru_utime, r.ru_stime, r.ru_minflt)
 
 
 def _rank_main(spec: Spec, rank: int, port: int, log_path: str, reports: Any) -> None:
@@ -610,7 +627,12 @@ def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
     first = rounds[0]
     losses = [statistics.fmean(ls) for ls in zip(*(r["losses"] for r in first))]  # equal rows per rank
     world = len(first)
+    # The work of a step, summed over ranks, median over every timed step of every round.
+    work = [[sum(col) for col in zip(*us)] for ranks in rounds for us in zip(*(r["usage"] for r in ranks))]
     return {
+        "cpu_s": round(statistics.median(u + k for u, k, _ in work), 4),
+        "sys_s": round(statistics.median(k for _, k, _ in work), 4),
+        "page_faults": int(statistics.median(f for _, _, f in work)),
         "step_s": statistics.median(per_step),
         "step_s_min": min(per_step),
         "step_s_max": max(per_step),
@@ -860,7 +882,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(
                     f"{spec.name:20s} {r['step_s'] * 1e3:8.1f} ms/step (min {r['step_s_min'] * 1e3:.1f}, max "
                     f"{r['step_s_max'] * 1e3:.1f})  final loss {r['final_loss']:.4f}  peak RSS/rank "
-                    f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mb'])} MB  [{time.monotonic() - t0:.0f} s"
+                    f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mb'])} MB  CPU {r['cpu_s']:.2f} s/step "
+                    f"(system {r['sys_s']:.2f}, {r['page_faults']} page faults)  [{time.monotonic() - t0:.0f} s"
                     + f", others used {others.pct or 0:.0f}% CPU"
                     + (f", round {rnd + 1}]" if args.rounds > 1 else "]")
                 )
@@ -965,6 +988,8 @@ def report(
         exact = {n: g for n, g in out["max_loss_diff_vs_plain"].items() if _exact(n)}
         out["losses_agree"] = all(gap <= LOSS_TOLERANCE for gap in exact.values())
     out["round_step_s"] = {name: [round(t, 5) for t in r["round_step_s"]] for name, r in results.items()}
+    for key in ("cpu_s", "sys_s", "page_faults"):  # per step, summed over ranks (see `_usage`)
+        out[f"{key}_per_step"] = {name: r[key] for name, r in results.items()}
     out["skipped"] = skipped
     out["hetero_memory_stats"] = {n: r["memory_stats"] for n, r in results.items() if "memory_stats" in r}
     return out
@@ -1006,6 +1031,8 @@ def races(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "theirs_rss": smallest,
             "step_ratio": step,
             "rss_ratio": rss,
+            # The work of a step against the same peer's (CPU seconds summed over ranks): information, no target.
+            "cpu_ratio": round(a["cpu_s"] / b["cpu_s"], 4) if b["cpu_s"] else None,
             "step_target": step_target,
             "rss_target": rss_target,
             "met": met,
@@ -1053,6 +1080,8 @@ def print_report(out: dict[str, Any]) -> None:
             + ("" if r["theirs_rss"] == r["theirs"] else f" (/ {r['theirs_rss']})")
             + target
         )
+        if r["cpu_ratio"] is not None:
+            print(f"     CPU seconds a step (the work, summed over ranks) / {r['theirs']}: {r['cpu_ratio']:.3f}x")
         below = " (the step target lies below it)" if r["step_target_below_floor"] else ""
         if r["floor_ratio"] is not None:
             floor = f"{r['floor_ratio']:.3f}x" + ("" if r["floor_zero3_ratio"] is not None else below)
