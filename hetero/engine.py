@@ -306,7 +306,7 @@ class Engine:
             self.gathers.end_forward(training=training)
         if training:
             self.manager.forward_end()  # [Note: what the forward takes again]
-        if not training:
+        else:
             self.manager.step_end()
             self._in_step = False
         self.events.emit("forward_end")

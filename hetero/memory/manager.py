@@ -120,7 +120,6 @@ class ChunkManager:
         self._trim_host_later = False  # trim_idle ran while write-backs were in flight: trim once they land
         self._forward_need: dict[int, int] | None = None  # see [Note: what the forward takes again]
         self._forward_seen = False  # this step's first forward has ended (`forward_end`)
-        self._forward_base: dict[int, int] = {}
         self._closed = False
         # Hook points, any number of subscribers each: "access" and "step_begin" run before anything moves
         # (automatic placement adjusts the device budget there, hetero/memory/auto.py); "move" gets every finished
@@ -299,8 +298,7 @@ class ChunkManager:
     # ---- steps and trace ----------------------------------------------------------------------------------
     def step_begin(self) -> None:
         self.events.emit("step_begin")
-        self.pools[Tier.DEVICE].mark()
-        self._forward_base = self.pools[Tier.DEVICE].in_use()  # in use as the step begins: not the forward's take
+        self.pools[Tier.DEVICE].mark()  # what is in use now is not the forward's take
         self._forward_seen = False
         self.trace.step_begin()
         self._prefetcher.ahead(protect=set())
@@ -312,9 +310,7 @@ class ChunkManager:
         forward after a backward would count the backward's buffers too)."""
         if not self._forward_seen:
             self._forward_seen = True
-            base = self._forward_base
-            high = self.pools[Tier.DEVICE].high_water()
-            self._forward_need = {size: n - base.get(size, 0) for size, n in high.items() if n > base.get(size, 0)}
+            self._forward_need = self.pools[Tier.DEVICE].taken_since_mark()
 
     @property
     def forward_take(self) -> dict[int, int]:
@@ -350,30 +346,19 @@ class ChunkManager:
         """Bytes moved per (source, destination) tier pair."""
         return self._mover.moved
 
-    def trim(self, tier: Tier) -> int:
-        """Free the buffers cached for reuse on `tier` (they count in its ledger and in the process's memory);
-        returns the bytes freed."""
-        freed = self.pools[tier].trim()
+    def trim(self, tier: Tier, *, keep: dict[int, int] | None = None) -> int:
+        """Free the buffers cached for reuse on `tier` (they count in its ledger and in the process's memory), but
+        `keep[size]` of each size; returns the bytes freed."""
+        freed = self.pools[tier].trim(keep=keep)
         if freed:
             self.events.emit("done")
         return freed
 
     def trim_idle(self) -> int:
         """Between the phases of a step: give back the cached buffers that cost little to get again, the device
-        tier's (but those the next forward takes again: [Note: what the forward takes again]) and, where host memory
-        is not pinned (a CPU device), the host tier's. Pinned ones stay: freeing pinned
-        memory waits for the whole GPU, and pinning it again costs more than the copies it serves. Returns the bytes
-        freed."""
-        freed = self._trim_for_forward()
-        if not self.device.separate_memory:
-            freed += self.trim(Tier.HOST)
-            # The update's last write-backs to NVMe land after it returns, and give their host buffers to the pool
-            # then: the next access after they have all landed gives those back too.
-            self._trim_host_later = self._writing()
-        return freed
-
-    def _trim_for_forward(self) -> int:
-        """The device tier's cached buffers, less those the next forward takes again.
+        tier's (but those the next forward takes again) and, where host memory is not pinned (a CPU device), the host
+        tier's. Pinned ones stay: freeing pinned memory waits for the whole GPU, and pinning it again costs more than
+        the copies it serves. Returns the bytes freed.
 
         [Note: what the forward takes again]
         Buffers cached through the next forward add to the step's peak, where the activations are: `trim_idle` gives
@@ -385,9 +370,12 @@ class ChunkManager:
         persist); the rest go (the reduced gradients' shards, which no forward takes): 16,000-18,000 faults and
         0.20 s there, the peak RSS unchanged. Which buffers stay cached is the rank's own business: it decides no
         collective."""
-        freed = self.pools[Tier.DEVICE].trim(keep=self._forward_need)
-        if freed:
-            self.events.emit("done")
+        freed = self.trim(Tier.DEVICE, keep=self._forward_need)
+        if not self.device.separate_memory:
+            freed += self.trim(Tier.HOST)
+            # The update's last write-backs to NVMe land after it returns, and give their host buffers to the pool
+            # then: the next access after they have all landed gives those back too.
+            self._trim_host_later = self._writing()
         return freed
 
     def _writing(self) -> bool:

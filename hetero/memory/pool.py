@@ -49,8 +49,9 @@ class BufferPool:
         # Elastic ([Note: elastic buffers]): None, or the size every new buffer is mapped with.
         self.elastic: int | None = 0 if elastic else None
         self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # address -> (whole buffer, bytes resident), in use
-        # Exact-size pools: buffers of each size in use now, and the most in use at once since `mark`.
+        # Exact-size pools: buffers of each size in use now; at `mark`, those and the most in use at once since.
         self._in_use: dict[int, int] = defaultdict(int)
+        self._marked: dict[int, int] = {}
         self._high: dict[int, int] = {}
 
     def reserve(self, nbytes: int) -> None:
@@ -73,16 +74,14 @@ class BufferPool:
         return self._alloc(nbytes)
 
     def mark(self) -> None:
-        """Start counting the most buffers of each size in use at once from here (`high_water`)."""
-        self._high = {size: n for size, n in self._in_use.items() if n}
+        """Start counting what is taken from here (`taken_since_mark`)."""
+        self._marked = {size: n for size, n in self._in_use.items() if n}
+        self._high = dict(self._marked)
 
-    def high_water(self) -> dict[int, int]:
-        """Per size, the most buffers in use at once since `mark` (exact-size pools; elastic ones count none)."""
-        return dict(self._high)
-
-    def in_use(self) -> dict[int, int]:
-        """Per size, the buffers in use now (exact-size pools)."""
-        return {size: n for size, n in self._in_use.items() if n}
+    def taken_since_mark(self) -> dict[int, int]:
+        """Per size, the most buffers in use at once since `mark` beyond those in use at it (exact-size pools;
+        elastic ones count none)."""
+        return {size: n - self._marked.get(size, 0) for size, n in self._high.items() if n > self._marked.get(size, 0)}
 
     def _acquire_elastic(self, nbytes: int) -> torch.Tensor:
         # The cached buffer that can hold nbytes with the fewest bytes to give back, else the most already resident.

@@ -194,9 +194,9 @@ class Updater:
         self.global_steps += 1
         # Buffers cached for reuse would sit through the next forward, where the step's memory peaks (activations):
         # give them back, but those the forward takes again ([Note: what the forward takes again]). Backward takes
-        # what it needs again. On a CPU device the host tier's go too: the states
-        # streamed from NVMe leave about a chunk of buffers per chunk in flight cached, as much memory again as the
-        # parameters the forward gathers (the 22.6M Llama race: 50 MB a rank of peak RSS).
+        # what it needs again. On a CPU device the host tier's go too: the states streamed from NVMe leave about a
+        # chunk of buffers per chunk in flight cached, as much memory again as the parameters the forward gathers
+        # (the 22.6M Llama race: 50 MB a rank of peak RSS).
         self.manager.trim_idle()
         self.manager.step_end()  # a no-op unless backward left the step open for the update
 
