@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetero.comm.handles import Done, Handle, ThenDivide, Timed
+from hetero import standin
+from hetero.comm.handles import Done, Handle, LateGather, ThenDivide, Timed
 from hetero.comm.rules import timed_out
 from hetero.errors import RankTimeoutError
 
@@ -256,6 +257,38 @@ class Collectives:
                 self._run(what, dist.all_gather, list(flat.split(src.numel())), src)
             if dst is not out:
                 out.copy_(dst)
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, what: str | None = None) -> Handle:
+        """Start `all_gather` and return at once; ``out`` holds the result only after ``wait()``, and ``inp`` must
+        stay unchanged until then. Collectives run in the order they are issued, so ranks issuing the same sequence
+        stay matched. Falls back to the blocking path (a handle already done) for size 1, a backend without the
+        native operation, or overlapping or non-contiguous tensors. Under the stand-in ([Note: the CPU stand-in])
+        ``out`` reads NaN until ``wait()``, and a change to ``inp`` in between fails there, as either would give
+        wrong values on a GPU."""
+        self._check_pair(out, inp, big=out, small=inp, what="all_gather: out")
+        simple = out.is_contiguous() and inp.is_contiguous() and not _overlap(out, inp)
+        if self._local or self._native_ag is False or not simple:
+            self.all_gather(out, inp, what=what)
+            return Done()
+        label = f"all_gather of {what or f'{inp.numel()} {inp.dtype} elements'}"
+        self._check_data(label, out, inp)
+        strict = standin.active()
+        dst = torch.empty_like(out) if strict else out
+        try:
+            with torch.no_grad():
+                fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
+                work = fn(dst.view(-1), inp.view(-1), group=self.group, async_op=True)
+            self._native_ag = True
+        except (RuntimeError, NotImplementedError) as err:
+            if self._native_ag or not _unsupported(err):
+                raise
+            self._native_ag = False
+            self.all_gather(out, inp, what=what)
+            return Done()
+        if strict:
+            standin.poison(out)
+            return LateGather(Timed(work, self._wait, label), out, dst, inp, label)
+        return Timed(work, self._wait, label)
 
     def _check_pair(
         self, out: torch.Tensor, inp: torch.Tensor, *, big: torch.Tensor, small: torch.Tensor, what: str

@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
+from hetero.standin import StandinError
+
 
 class Handle(Protocol):
     """What isend / irecv and the asynchronous collectives return: wait() blocks until the transfer is done."""
@@ -68,4 +70,27 @@ class Timed:
 
     def wait(self) -> bool:
         self._waiter(self._work, self._what)
+        return True
+
+
+class LateGather:
+    """The stand-in's handle of an asynchronous gather ([Note: the CPU stand-in]): the backend writes a scratch
+    buffer, and `out` (poisoned meanwhile) gets the result only on wait(), as a device stream would order it; `inp`
+    must read the same then as when the gather was issued."""
+
+    def __init__(self, work: Handle, out: torch.Tensor, scratch: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+        self._work, self._out, self._scratch, self._inp, self._what = work, out, scratch, inp, what
+        with torch._C._DisableTorchDispatch():  # the stand-in's own bookkeeping: neither compute nor a host wait
+            self._sent = inp.detach().clone()
+
+    def wait(self) -> bool:
+        self._work.wait()
+        with torch._C._DisableTorchDispatch():
+            changed = not torch.equal(self._inp, self._sent)
+        if changed:
+            raise StandinError(
+                f"{self._what}: its input changed while the gather was in flight; a device would have sent some of "
+                "the new values"
+            )
+        self._out.copy_(self._scratch)
         return True
