@@ -135,6 +135,10 @@ class Config:
     check_collectives: bool = True
     """Before each collective of the chunk protocol the ranks compare what they are about to run (a few bytes on a
     host-side group), so a rank that took another path fails at once with an error naming the module."""
+    gather_ahead: bool = True
+    """Stage 3: as a unit (a block) starts, issue the gathers of the next one (forward: the next in module order;
+    backward: the one before), so they overlap this unit's compute; where every rank's device budget holds one more
+    unit gathered ([Note: gathering ahead] in hetero/zero/gathers.py)."""
     delayed_param_update: bool = False
     """ZeRO-Offload's delayed parameter update: the host/NVMe optimizer step of update t runs while the forward and
     backward of the next micro-batch run, which therefore use the parameters of update t-1 (one step stale; see
@@ -180,6 +184,8 @@ class Config:
             raise ConfigError(f"tiling: expected true or false, got {self.tiling!r}")
         if not isinstance(self.check_collectives, bool):
             raise ConfigError(f"check_collectives: expected true or false, got {self.check_collectives!r}")
+        if not isinstance(self.gather_ahead, bool):
+            raise ConfigError(f"gather_ahead: expected true or false, got {self.gather_ahead!r}")
         if not isinstance(self.delayed_param_update, bool):
             raise ConfigError(f"delayed_param_update: expected true or false, got {self.delayed_param_update!r}")
         if self.delayed_param_update and self.offload.optimizer not in ("host", "nvme"):

@@ -33,6 +33,7 @@ import torch
 
 from hetero import standin
 from hetero.io import hugepages
+from hetero.io.hugepages import fresh
 
 _HUGE_PAGE = 2 << 20  # buffers at least this large ask for transparent huge pages (see `Device.empty_host`)
 
@@ -49,14 +50,6 @@ def _storages_exchange() -> bool:
         return swapped and a.nbytes() == 0 and b.nbytes() == 16
     except (AttributeError, RuntimeError, TypeError):
         return False
-
-
-def fresh(t: torch.Tensor) -> torch.Tensor:
-    """A just-allocated buffer on a CPU compute device asks for huge pages before its first touch
-    ([Note: huge pages for fresh CPU buffers]); device memory is the caching allocator's."""
-    if t.is_cpu and t.numel() * t.element_size() >= 2 * _HUGE_PAGE:
-        hugepages.advise_huge(t)
-    return t
 
 
 class Device:
@@ -259,16 +252,14 @@ class Device:
             if after is not None:
                 stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
-            # The caching allocator must not hand either buffer to the compute stream before this copy is done.
-            for t in (dst, src):
-                if t.device.type == "cuda":
-                    t.record_stream(stream)
+            for t in (t for t in (dst, src) if t.is_cuda):  # the caching allocator keeps them until the copy is done
+                t.record_stream(stream)
         stream.synchronize()
 
     def copy_later(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any) -> Any:
-        """Start copying device memory `src` into host memory `dst` after `after` (a `compute_marker`) and return at
-        once with a handle for `landed`; until it has landed the host must neither read nor reuse `dst`. See [Note:
-        copies the host does not wait for] in hetero/memory/moves.py. None: already done (no CUDA)."""
+        """Start copying `src` into `dst` (either way between host and device) after `after` (a `compute_marker`);
+        return a handle for `landed` (or `compute_waits`) at once: until it has landed nothing may read or reuse `dst`.
+        See [Note: copies the host does not wait for] in hetero/memory/moves.py. None: already done (no CUDA)."""
         if not self.is_cuda:
             dst.copy_(src)
             return None
@@ -276,7 +267,8 @@ class Device:
         with torch.cuda.stream(stream):
             stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
-            src.record_stream(stream)  # the caching allocator keeps `src` until the copy is done
+            for t in (t for t in (dst, src) if t.is_cuda):  # the caching allocator keeps them until the copy is done
+                t.record_stream(stream)
             done = torch.cuda.Event()
             done.record(stream)
         return done
@@ -289,6 +281,11 @@ class Device:
             handle.synchronize()
             return True
         return bool(handle.query())
+
+    def compute_waits(self, handle: Any) -> None:
+        """Compute queued from now on runs after a `copy_later` (its handle) has landed; the host does not wait."""
+        if handle is not None:
+            torch.cuda.current_stream(self.torch_device).wait_event(handle)
 
     def compute_reached(self) -> Any:
         """A handle for `landed` that lands once the compute queued so far has run: what keeps host memory that a copy
@@ -404,6 +401,9 @@ class StandinDevice(Device):
 
     def compute_reached(self) -> Any:
         return self.standin.reached()
+
+    def compute_waits(self, handle: Any) -> None:
+        handle.result()  # the compute runs at once here: it can only start after the copy has landed
 
     def landed(self, handle: Any, *, wait: bool = True) -> bool:
         if handle is None:

@@ -197,8 +197,11 @@ class Engine:
         self.check = Checker(self.comm, enabled=config.check_collectives, units=self.units, chunks=self.chunks)
         self.gathers = None
         if self.stage == 3:
-            keep, whole = unit_rules(self.units, self.comm, self.manager.ledgers[Tier.DEVICE].budget)
-            self.gathers = Gathers(self.units, self.chunks, self.check, keep=keep, may_pin_whole=whole)
+            budget, host = self.manager.ledgers[Tier.DEVICE].budget, self.manager.ledgers[Tier.HOST].budget
+            rules = unit_rules(self.units, self.comm, budget, ahead=config.gather_ahead, host_budget=host)
+            self.gathers = Gathers(
+                self.units, self.chunks, self.check, keep=rules.keep, may_pin_whole=rules.whole, ahead=rules.ahead
+            )
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
         deliver = weakref.WeakMethod(self._on_tile_grad)
         target = weakref.WeakMethod(self._tile_grad_target)

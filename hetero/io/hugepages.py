@@ -75,6 +75,14 @@ def advise_huge(t: Any) -> bool:
     return _advise(lo, hi - lo, _MADV_HUGEPAGE)
 
 
+def fresh(t: Any) -> Any:
+    """A just-allocated buffer on a CPU compute device asks for huge pages before its first touch
+    ([Note: huge pages for fresh CPU buffers]); device memory is the caching allocator's."""
+    if t.is_cpu and t.numel() * t.element_size() >= 2 * _HUGE:
+        advise_huge(t)
+    return t
+
+
 def drop_pages(t: Any, keep: int) -> bool:
     """Give the pages of a CPU tensor's memory past its first `keep` bytes back to the system (MADV_DONTNEED: they
     read as zeros again, faulted in afresh on the next touch); the mapping stays. Returns whether it was done."""

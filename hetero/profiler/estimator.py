@@ -287,8 +287,10 @@ def estimate(
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.
     budget = cfg.memory.device_budget
-    per_rank = [(sp, part.activations, gathered_bytes(part.model, sp, dtype, budget)) for part, sp in ranks]
-    per_rank = per_rank or [(specs, act.bytes, gathered_bytes(model, specs, dtype, budget))]
+    rules = dict(ahead=cfg.gather_ahead, host_budget=cfg.memory.host_budget, world=zero_world)
+    rules["shards_via_host"] = cfg.offload.params != "device"
+    per_rank = [(sp, p.activations, gathered_bytes(p.model, sp, dtype, budget, **rules)) for p, sp in ranks]
+    per_rank = per_rank or [(specs, act.bytes, gathered_bytes(model, specs, dtype, budget, **rules))]
 
     def placed_rank(stage: int, params: str, optim: str, rank_specs: list, acts: int, gathered: int) -> tuple:
         resident, transient = place(

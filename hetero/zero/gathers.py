@@ -6,19 +6,42 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from hetero.comm import Comm
-from hetero.memory import TensorState
-from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, Checker, in_backward
+from hetero.memory import TensorState, Tier
+from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, GATHER_AHEAD, Checker, in_backward
 from hetero.zero.units import Entry, Unit
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
+
+# [Note: gathering ahead]
+# A gather issued as its unit starts stands between two units' compute: on a GPU, NCCL's stream starts it only after
+# the kernels queued before it, and the unit's first kernel waits for its end. Where every rank's device budget holds
+# one more unit gathered (`unit_rules`: the units kept after forward, the one running and the next, with half as much
+# again to spare), a unit's start issues the gathers of the next unit without waiting (forward: the next in module
+# order; backward: the one before), and the first use of each chunk (`ZeroChunk.unshard`) completes it, so the
+# transfer runs beside this unit's compute, as FSDP2's prefetch does. Which gathers go out depends only on the unit
+# that started and on `gathered`, both shared state: every rank issues the same ones in the same order, each checked
+# like any other ([Note: every rank in step]). Module order is a guess at what runs next; a model that runs its
+# blocks in another order only gathers early (more memory held for a while, never a mismatch). A chunk in flight
+# keeps its shard and its full buffer pinned where they are (`hetero/zero/param_gather.py`), and a release
+# completes it first (so does anything else that reads, moves or writes that shard: the delayed update filling its
+# master during forward, `write_shard`), which also bounds the host memory it holds: where gathers read their shards
+# through host memory, gathering ahead needs every rank's host budget to hold three of the largest unit's shards
+# (`ahead_fits`). One rank gathers nothing: the "gather" of a shard in host memory is a copy to the device, which,
+# issued ahead, runs on the copy stream, and the compute stream waits for it at the chunk's first use
+# (`Device.compute_waits`; before, the copy ran on the compute stream between two units' kernels: 32 ms a step on
+# one H200 with the parameters in host memory, benchmarks/README.md, 2026-11-26). Tiles are never gathered ahead:
+# each is gathered alone while it is computed on. The estimator counts the extra unit (`gathered_peak(ahead=True)`).
+# `gather_ahead: false` turns it off. On the 2-core VM it did not change the step (three alternating pairs of the
+# step_time race, 2026-11-27): both ranks compute on both cores, and gloo's transfers cost their CPU time wherever
+# they fall; not yet measured on a GPU.
 
 KEEP_UNITS = 2  # units left gathered at the end of forward (the first ones backward needs), where memory allows
 
@@ -36,11 +59,19 @@ class Gathers:
     """
 
     def __init__(
-        self, units: list[Unit], chunks: list[ZeroChunk], check: Checker, *, keep: int, may_pin_whole: bool = False
+        self,
+        units: list[Unit],
+        chunks: list[ZeroChunk],
+        check: Checker,
+        *,
+        keep: int,
+        may_pin_whole: bool = False,
+        ahead: bool = False,
     ) -> None:
         self.units = units
         self.check = check
         self.keep = keep  # units kept gathered after their forward: the same on every rank (see unit_rules)
+        self.ahead = ahead  # [Note: gathering ahead]: the same on every rank (see unit_rules)
         # A unit's backward pins all of its parameters ([Note: one backward hook per unit]): from the second backward
         # on, where the budgets allow it (`unit_rules`) and the first backward showed it safe (`learn`).
         self.whole = False
@@ -57,9 +88,20 @@ class Gathers:
 
     # ---- unit events --------------------------------------------------------------------------------------
     def enter_unit(self, unit: Unit) -> None:
-        """A unit starts (forward, or backward): every chunk it uses will be gathered, in layout order."""
+        """A unit starts (forward, or backward): every chunk it uses will be gathered, in layout order; and the next
+        unit's gathers are issued ([Note: gathering ahead])."""
         self._pending[unit.index] = [zc for zc in unit.chunks if not zc.gathered]
         self._active[unit.index] = self._active.get(unit.index, 0) + 1
+        backward = in_backward()
+        self.check.started.append((unit.index, BACKWARD if backward else FORWARD))
+        if self.ahead:
+            after = unit.index + (-1 if backward else 1)
+            if 0 <= after < len(self.units):
+                phase = BACKWARD if backward else FORWARD
+                for zc in self.units[after].chunks:
+                    if not zc.gathered and not zc.spec.tile:
+                        self.check(GATHER_AHEAD, chunk=zc.spec.index, unit=unit.index, phase=phase)
+                        zc.start_gather()
 
     def exit_unit_forward(self, unit: Unit, *, training: bool) -> None:
         self._flush(unit, BACKWARD if in_backward() else FORWARD)
@@ -196,9 +238,10 @@ class Gathers:
             done.clear()
 
 
-def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> int:
+def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int, *, ahead: bool = False) -> int:
     """The most bytes gathered at once when `units` (each a list of chunk indices) run forward in order and backward
-    in reverse, under the rules of `Gathers`: what the estimator counts for a stage-3 step."""
+    in reverse, under the rules of `Gathers` (ahead: each unit's start gathers the next one's chunks): what the
+    estimator counts for a stage-3 step."""
     users: dict[int, set[int]] = {}
     for u, chunks in enumerate(units):
         for c in chunks:
@@ -210,6 +253,9 @@ def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> 
         window: deque[int] = deque()
         for u in order:
             gathered.update(units[u])
+            after = u + (1 if windowed else -1)
+            if ahead and 0 <= after < len(units):
+                gathered.update(units[after])
             peak = max(peak, sum(nbytes[c] for c in gathered))
             done.add(u)
             if windowed:
@@ -224,19 +270,54 @@ def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int) -> 
     return peak
 
 
-def unit_rules(units: list[Unit], comm: Comm, device_budget: int) -> tuple[int, bool]:
-    """(keep, whole): how many units stay gathered after forward, and whether a unit's backward pins all of its
-    parameters at once ([Note: one backward hook per unit]), both from the smallest device budget of the group,
-    agreed by a collective, so the same on every rank (each changes when gathers are issued).
+class UnitRules(NamedTuple):
+    """What the budgets allow the gathers, the same on every rank (`unit_rules`)."""
+
+    keep: int  # units left gathered after forward
+    whole: bool  # a unit's backward pins all of its parameters at once
+    ahead: bool  # the next unit's gathers are issued as a unit starts ([Note: gathering ahead])
+
+
+def unit_rules(
+    units: list[Unit], comm: Comm, device_budget: int, *, ahead: bool = True, host_budget: int | None = None
+) -> UnitRules:
+    """How many units stay gathered after forward (keep), whether a unit's backward pins all of its parameters at
+    once (whole, [Note: one backward hook per unit]) and whether the next unit is gathered ahead (ahead, [Note:
+    gathering ahead]), all from the smallest budgets of the group (and `ahead` from every rank's wish), agreed by a
+    collective, so the same on every rank (each changes when gathers are issued).
 
     keep: KEEP_UNITS where that budget holds them and the largest unit besides, with half as much again to spare,
     else none (gathered chunks that do not fit would only be moved to the host and back). whole: where it holds the
     largest unit pinned and two chunks' gradient buffers, with half as much again to spare; else each module pins
-    its own parameters in its backward, and a unit's other chunks may be moved away meanwhile."""
-    smallest = torch.tensor([device_budget], dtype=torch.int64)
-    comm.control.all_reduce(smallest, op="min")
+    its own parameters in its backward, and a unit's other chunks may be moved away meanwhile. ahead: see
+    `ahead_fits`."""
+    big = 1 << 62
+    agreed = torch.tensor([device_budget, big if host_budget is None else host_budget, int(ahead)], dtype=torch.int64)
+    comm.control.all_reduce(agreed, op="min")
+    smallest, host, wished = (int(v) for v in agreed.tolist())
     sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
     grads = max((4 * zc.spec.capacity for u in units for zc in u.chunks), default=0)  # fp32 per micro-batch
-    keep = KEEP_UNITS if int(smallest) >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
-    whole = bool(sizes) and int(smallest) >= 1.5 * (sizes[0] + 2 * grads)
-    return keep, whole
+    keep = KEEP_UNITS if smallest >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
+    whole = bool(sizes) and smallest >= 1.5 * (sizes[0] + 2 * grads)
+    shards = max((sum(_shard_via_host(zc) for zc in u.chunks) for u in units), default=0)
+    fits = ahead_fits(sizes, keep, smallest, host_shards=shards, host_budget=None if host == big else host)
+    return UnitRules(keep, whole, bool(wished) and fits)
+
+
+def _shard_via_host(zc: ZeroChunk) -> int:
+    """The bytes of `zc`'s shard a gather reads through host memory (`param_gather.readable`)."""
+    if zc.shard is None:
+        return 0
+    gloo_reads_host = zc.device.separate_memory and not zc.comm.needs_device_tensors
+    return zc.shard.nbytes if zc.placement.params is not Tier.DEVICE or gloo_reads_host else 0
+
+
+def ahead_fits(
+    sizes: list[int], keep: int, budget: int | None, *, host_shards: int = 0, host_budget: int | None = None
+) -> bool:
+    """Whether the budgets hold what gathering ahead keeps at once: on the device, the units kept after forward, the
+    one running and the one after it (`sizes`: every unit's gathered bytes, largest first), with half as much again
+    to spare; and where gathers read their shards through host memory, the host holds three of the largest unit's
+    shards (`host_shards`: the one being read, the one in flight, and room for everything else to move)."""
+    device_ok = budget is None or budget >= 1.5 * sum(sizes[: keep + 2])
+    return device_ok and (host_budget is None or host_budget >= 3 * host_shards)

@@ -37,6 +37,7 @@ def fill(zc: ZeroChunk) -> None:
     if not zc.master_follows or master.state is not TensorState.FREE:
         return
     m = zc.manager
+    zc.complete_gather()  # a gather issued ahead holds the shard where it is until then
     with m.pinned(zc.optim):  # reading the shard in must not evict the chunk it fills
         tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
         shard = m.access(zc.shard, tier, write=False)
@@ -61,6 +62,7 @@ def in_place_views(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor]] | N
         return None
     states = zc.state_views()
     m = zc.manager
+    zc.complete_gather()  # a gather issued ahead still reads the shard about to be stepped
     with m.pinned(zc.optim):  # reading the shard in must not evict the states about to step
         m.access(zc.shard, Tier.HOST)
         zc.shard.set_state(zc.shard.slots[0], TensorState.COMPUTE)

@@ -5,10 +5,11 @@ A collective completes only when every rank of the group issues it, with the sam
 So every decision that issues one is taken from state every rank shares, never from a rank's own budget,
 eviction, timing or data:
   - Gathers (stage 3) follow units (see [Note: units]): a unit's chunks are gathered when the unit starts, in
-    layout order, unless they are gathered already. "Gathered" is a logical state, changed only at unit events
-    (which every rank sees in the same order) and at step ends. Where a gathered chunk's bytes sit is the rank's
-    own business: under memory pressure the manager moves it to the host like any chunk (see [Note: transient
-    chunks]) and brings it back at its next use without a collective.
+    layout order, unless they are gathered already; where the budgets allow, the start of a unit also issues the
+    next unit's gathers ([Note: gathering ahead] in `hetero/zero/gathers.py`). "Gathered" is a logical state,
+    changed only at unit events (which every rank sees in the same order) and at step ends. Where a gathered
+    chunk's bytes sit is the rank's own business: under memory pressure the manager moves it to the host like any
+    chunk (see [Note: transient chunks]) and brings it back at its next use without a collective.
   - Release after forward keeps the last `KEEP_UNITS` units gathered (backward starts with them) when every rank's
     device budget has room for them (`unit_rules` in `hetero/zero/gathers.py`: the smallest budget, agreed by a
     collective at initialisation); a chunk is released once every unit using it has finished the phase (or, for
@@ -46,8 +47,17 @@ if TYPE_CHECKING:
 
 
 _FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase
-OPS = ("?", "gather", "reduce-scatter", "update", "read (gathered_parameters)", "batch reduce-scatter", "all-reduce")
-GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE = 1, 2, 3, 4, 5, 6
+OPS = (
+    "?",
+    "gather",
+    "reduce-scatter",
+    "update",
+    "read (gathered_parameters)",
+    "batch reduce-scatter",
+    "all-reduce",
+    "gather ahead",
+)
+GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD = 1, 2, 3, 4, 5, 6, 7
 PHASES = ("?", "forward", "backward", "outside a step")
 FORWARD, BACKWARD, OUTSIDE = 1, 2, 3
 
@@ -67,6 +77,9 @@ class Checker:
         self.seq = 0  # checks made: the same on every rank while they agree
         self._units = units
         self._chunks = chunks
+        # The units this rank started last (index, phase), for the error: with gathers issued ahead, a unit some
+        # ranks skip may issue nothing itself, and the first collective that differs is another unit's.
+        self.started: deque[tuple[int, int]] = deque(maxlen=6)
 
     def __call__(self, op: int, *, chunk: int = -1, unit: int = -1, phase: int = OUTSIDE) -> None:
         self.seq += 1
@@ -79,9 +92,10 @@ class Checker:
         rows = rows.view(self.comm.size, _FIELDS)
         if bool((rows == mine).all()):
             return
-        raise CollectiveMismatchError(self._explain(rows))
+        started = self.comm.control.all_gather_object(list(self.started))  # every rank is here: all saw the rows
+        raise CollectiveMismatchError(self._explain(rows, started))
 
-    def _explain(self, rows: torch.Tensor) -> str:
+    def _explain(self, rows: torch.Tensor, started: list) -> str:
         lines = [
             "the ranks of the data-parallel group are about to run different collectives (global ranks "
             f"{self.comm.global_ranks}):"
@@ -89,6 +103,9 @@ class Checker:
         for r, (seq, op, chunk, unit, phase) in enumerate(rows.tolist()):
             doing = self._describe(op, chunk, unit, phase)
             lines.append(f"  rank {self.comm.global_rank(r)}: collective #{seq}, {doing}")
+        for r, units in enumerate(started):
+            names = ", ".join(f"{self._units[u].name or '(root)'!r} ({PHASES[p]})" for u, p in units)
+            lines.append(f"  rank {self.comm.global_rank(r)} started, last: {names or 'no unit'}")
         lines.append(
             "At zero_stage 3 every rank must run the same units (blocks, and modules outside blocks) in the same "
             "order in every step, because each gathers its parameters collectively. Data-dependent code belongs "
@@ -104,7 +121,8 @@ class Checker:
             names = [p.name for p in self._chunks[chunk].spec.params]
             what += f" of chunk {chunk} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
         if 0 <= unit < len(self._units):
-            what += f" for module {self._units[unit].name or '(root)'!r}"
+            name = self._units[unit].name or "(root)"
+            what += f" as module {name!r} starts" if op == GATHER_AHEAD else f" for module {name!r}"
         if 0 <= phase < len(PHASES):
             what += f", in {PHASES[phase]}"
         return what

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.device import fresh
+from hetero.io.hugepages import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward

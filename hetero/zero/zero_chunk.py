@@ -14,7 +14,7 @@ from torch import nn
 from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
 from hetero.zero import master as master_weights
-from hetero.zero import released
+from hetero.zero import param_gather, released
 from hetero.zero.host_grads import HostSum, grad_to_host
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.segments import update_segments
@@ -54,6 +54,7 @@ class ZeroChunk:
         )
         self.slots: list[TensorSlot] = [self.full.add_tensor(p.name, p.shape) for p in spec.params]
         self.gathered = not layout.params_sharded  # the full parameters are here (a state every rank shares)
+        self._gathering: param_gather.InFlight | None = None  # a gather issued, not completed yet
         self.shard: Chunk | None = None
         self.master_is_shard = master_is_shard(layout, spec.trainable, dtype, placement)  # see the note there
         if layout.params_sharded and not self.master_is_shard:
@@ -138,34 +139,39 @@ class ZeroChunk:
 
     # ---- parameters ---------------------------------------------------------------------------------------
     def unshard(self) -> None:
-        """Stage 3: the full parameters resident on the device, gathered from every rank's shard if they are not
-        gathered yet. Gathering is a collective: see [Note: every rank in step] for who decides when."""
-        m, full = self.manager, self.full
+        """Stage 3: the full parameters resident on the device, gathered (or the gather `start_gather` began,
+        completed). A collective: see [Note: every rank in step] for who decides when."""
+        self.complete_gather()
         if self.gathered:
-            m.access(full, Tier.DEVICE)  # back from wherever this rank's memory pressure moved it
+            self.manager.access(self.full, Tier.DEVICE)  # back from wherever this rank's memory pressure moved it
             return
-        if self.shard is None:  # [Note: the master is the shard]
-            held = self.optim
-            m.access(held, Tier.DEVICE, write=False)
-            shard = held.view(held.slots[0])
-        else:
-            held = self.shard
-            shard = m.access(held, self._readable(held), write=False)
-        with m.pinned(held):  # making room for `full` must not evict the shard being read
-            m.access(full, Tier.DEVICE)
-            with m.pinned(full):  # nor may anything drop `full` while its tensors are FREE
-                src = shard if held.tier is Tier.DEVICE else self.device.to_device(shard)
-                self.comm.all_gather(full.payload, src, what=f"the parameters of {self.label}")
-        if src is not shard:  # the device reads the host shard late ([Note: the compute stream reads host memory late])
-            m.land_later(held, self.device.compute_reached(), reads=True)
+        self.start_gather(wait=True)
+
+    def start_gather(self, *, wait: bool = False) -> None:
+        """Stage 3: issue the gather and return, the chunk gathered from now on (shared state); the next `unshard`
+        or `reshard` completes it ([Note: gathering ahead] in hetero/zero/gathers.py)."""
+        if not self.gathered:
+            self._gathering = param_gather.issue(self, wait=wait)
+            self.gathered = True
+            if self._gathering.handle is None:  # waited for, or done as issued: nothing stays pinned
+                self._finish_gather()
+
+    def complete_gather(self) -> None:
+        """A gather issued ahead completes now: before anything else reads, moves or writes its shard or full."""
+        if self._gathering is not None:
+            self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        pending, self._gathering = self._gathering, None
+        param_gather.complete(self, pending)
         for slot in self.slots:
-            full.set_state(slot, _T.HOLD)
-        self.gathered = True
+            self.full.set_state(slot, _T.HOLD)
 
     def reshard(self) -> None:
         """Stage 3: drop the gathered parameters (no use may be in progress); only this rank's shard stays."""
         if not self.layout.params_sharded or not self.gathered:
             return
+        self.complete_gather()  # issued on every rank: it completes, then goes
         busy = [s.name for s in self.slots if s.state is _T.COMPUTE]
         if busy:
             raise RuntimeError(f"{self.label} cannot be released while {busy[:3]} are being computed on")
@@ -210,19 +216,6 @@ class ZeroChunk:
                 empty = torch.empty(0, dtype=self.dtype, device=self.device.torch_device)
                 torch.utils.swap_tensors(info.param, nn.Parameter(empty, requires_grad=info.param.requires_grad))
             info.param.data = self.full.view(slot)
-
-    def _readable(self, chunk: Chunk) -> Tier:
-        """The nearest tier a collective can read the chunk on: NCCL (and the stand-in) reads device memory; gloo
-        reads host memory, where a chunk already on the device or the host stays."""
-        if self.comm.size == 1:
-            # Nothing is exchanged: the "gather" is a local copy from wherever the shard is. (Sending a device shard
-            # to the host for gloo's sake and back cost a GPU step 1.1 GB each way on one H200.)
-            return chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) else Tier.HOST
-        if self.comm.needs_device_tensors:
-            return Tier.DEVICE
-        if self.device.separate_memory:
-            return Tier.HOST  # gloo with CUDA tensors would copy them to the host itself
-        return chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) else Tier.HOST
 
     # ---- gradients ----------------------------------------------------------------------------------------
     def add_grad(self, e: Entry, grad: torch.Tensor) -> bool:
@@ -394,6 +387,7 @@ class ZeroChunk:
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk)."""
+        self.complete_gather()  # a gather still reading the shard
         m = self.manager
         if values.numel() == self.spec.capacity:
             values = self.kept(values)
@@ -443,6 +437,7 @@ class ZeroChunk:
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (CPU copies; a tile's rows); at stage 3 the chunk must be gathered first."""
+        self.complete_gather()
         full = self.manager.access(self.full, Tier.DEVICE, write=False)
         return {
             info.name: self.device.to_host(full.narrow(0, info.offset, info.numel).view(info.shape), copy=True)
