@@ -159,6 +159,7 @@ def test_one_rank_copies_the_next_units_host_shards_on_the_copy_stream(monkeypat
     waits for at the first use (`Device.compute_waits`). Under the stand-in the copy lands after a random delay, so
     with that wait taken out (the bug put back) the compute reads the buffer before the copy has filled it (NaN, or
     a crash where the copy lands in memory handed back meanwhile); on a GPU it would train on wrong values."""
+    monkeypatch.delenv("HETERO_STANDIN", raising=False)  # the whole suite may run under it
     plain = run_distributed(_one_rank_host_params, 1, False, timeout=200)[0]
     assert plain["copies"] == 0  # no stand-in: the CPU device copies nothing ahead
     monkeypatch.setenv("HETERO_STANDIN", "1")
