@@ -92,12 +92,11 @@ class Gathers:
         unit's gathers are issued ([Note: gathering ahead])."""
         self._pending[unit.index] = [zc for zc in unit.chunks if not zc.gathered]
         self._active[unit.index] = self._active.get(unit.index, 0) + 1
-        backward = in_backward()
-        self.check.started.append((unit.index, BACKWARD if backward else FORWARD))
+        phase = BACKWARD if in_backward() else FORWARD
+        self.check.started.append((unit.index, phase))
         if self.ahead:
-            after = unit.index + (-1 if backward else 1)
+            after = unit.index + (-1 if phase == BACKWARD else 1)
             if 0 <= after < len(self.units):
-                phase = BACKWARD if backward else FORWARD
                 for zc in self.units[after].chunks:
                     if not zc.gathered and not zc.spec.tile:
                         self.check(GATHER_AHEAD, chunk=zc.spec.index, unit=unit.index, phase=phase)
@@ -305,7 +304,8 @@ def unit_rules(
 
 
 def _shard_via_host(zc: ZeroChunk) -> int:
-    """The bytes of `zc`'s shard a gather reads through host memory (`param_gather.readable`)."""
+    """The bytes of `zc`'s shard a gather reads through host memory, from the placement every rank shares (where
+    the shard sits now is the rank's own: `param_gather.readable` decides from that as it gathers)."""
     if zc.shard is None:
         return 0
     gloo_reads_host = zc.device.separate_memory and not zc.comm.needs_device_tensors

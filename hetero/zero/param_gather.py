@@ -51,7 +51,6 @@ def issue(zc: ZeroChunk, *, wait: bool) -> InFlight:
         m.access(full, Tier.DEVICE)
         full.pins += 1  # nor may anything drop `full` while its tensors are FREE, or move it while it is written
         try:
-            what = f"the parameters of {zc.label}"
             if not wait and zc.comm.size == 1 and held.tier is not Tier.DEVICE and zc.device.separate_memory:
                 # One rank: the "gather" is a host-to-device copy, put on the copy stream ahead of the compute that
                 # needs it (on the compute stream it would stand between two units' kernels).
@@ -59,7 +58,7 @@ def issue(zc: ZeroChunk, *, wait: bool) -> InFlight:
                 handle = zc.device.copy_later(full.payload.view(-1), shard.reshape(-1), after=marker)
                 return InFlight(handle, held, copied=True, copy_stream=True)
             src = shard if held.tier is Tier.DEVICE else zc.device.to_device(shard)
-            handle = None
+            what, handle = f"the parameters of {zc.label}", None
             if wait:
                 zc.comm.all_gather(full.payload, src, what=what)
             else:
