@@ -56,6 +56,7 @@ def test_unknown_key_names_the_closest():
         ({"chunk_size": "big"}, "chunk_size: expected an integer >= 1"),
         ({"offload": {"optimizer": "nvme"}}, "memory.nvme_dir: offload to 'nvme' needs a directory"),
         ({"memory": {"host_budget": "lots"}}, "memory.host_budget: cannot read 'lots' as a size"),
+        ({"gather_ahead": "yes"}, "gather_ahead: expected true or false, got 'yes'"),
     ],
 )
 def test_bad_values_say_what_is_valid(cfg, match):
