@@ -173,6 +173,52 @@ def test_trace_mismatch_falls_back_to_lru_and_rerecords(make_manager):
     m.step_end()
 
 
+def test_an_access_repeated_is_not_recorded_and_replays_the_same(make_manager):
+    """[Note: an access repeated]: an access of the chunk the last one was of, still where it was, records nothing;
+    steps that repeat accesses the same way replay without a mismatch; the first access of a step is recorded even if
+    the last step ended on the same chunk; and a chunk moved away since the last access is brought back (and
+    recorded) as any other access would."""
+    nbytes = NUMEL * 4
+    m = make_manager(device_budget=2 * nbytes, prefetch_depth=1)
+    a, b, c = (_filled_chunk(m)[0] for _ in range(3))
+    pattern = [a, a, a, b, b, a, c, c]
+    for _ in range(3):
+        m.step_begin()
+        for ch in pattern:
+            assert m.access(ch) is ch.payload and ch.tier is Tier.DEVICE
+        m.step_end()
+    assert [cid for cid, _ in m.trace.trace] == [a.id, b.id, a.id, c.id]
+    assert m.trace.mismatches == 0
+    m.step_begin()
+    m.access(c)  # the last step ended on c: recorded all the same, and not the expected access (a)
+    assert not m.trace.matching
+    m.step_end()
+    m.step_begin()
+    m.access(a)
+    m.move(a, Tier.HOST)  # moved away between two accesses of it
+    m.access(a)
+    assert a.tier is Tier.DEVICE and a.payload is not None
+    m.access(a, Tier.HOST)  # another tier: a full access, which moves it
+    assert a.tier is Tier.HOST
+    m.step_end()
+    assert [(cid, t) for cid, t in m.trace.trace] == [(a.id, Tier.DEVICE), (a.id, Tier.DEVICE), (a.id, Tier.HOST)]
+
+
+def test_a_repeated_access_marks_the_chunk_written(make_manager):
+    """A repeated access that may write makes the swap copy stale, as a full one does: moved back to NVMe, the chunk
+    is written again."""
+    m = make_manager(nvme=True)
+    c, s, bits = _filled_chunk(m, tier=Tier.NVME)
+    m.access(c, Tier.HOST, write=False)
+    writes = m.storage.store.stats.writes
+    payload = m.access(c, Tier.HOST)  # the same chunk and tier: the repeated path
+    payload.view(torch.uint8)[0] ^= 0xFF
+    m.move(c, Tier.NVME)
+    assert m.storage.store.stats.writes == writes + 1
+    m.access(c, Tier.HOST)
+    assert _bits(c, s)[0] == bits[0] ^ 0xFF
+
+
 def test_prefetch_follows_the_trace(make_manager):
     nbytes = NUMEL * 4
     m = make_manager(device_budget=3 * nbytes, prefetch_depth=2)

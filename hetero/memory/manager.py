@@ -118,6 +118,8 @@ class ChunkManager:
         self._next_id = 0
         self._clock = 0  # access counter, for LRU
         self._trim_host_later = False  # trim_idle ran while write-backs were in flight: trim once they land
+        self._last: Chunk | None = None  # the last access recorded: its chunk and tier
+        self._last_tier: Tier | None = None
         self._forward_need: dict[int, int] | None = None  # see [Note: what the forward takes again]
         self._forward_seen = False  # this step's first forward has ended (`forward_end`)
         self._closed = False
@@ -186,6 +188,10 @@ class ChunkManager:
         reads the payload, so a clean swap copy stays valid and a later eviction costs no write.
         """
         self._check_open()
+        if chunk is self._last and tier is self._last_tier and self._settled(chunk, tier) and not self._owed():
+            if write:  # the access before this one was of this chunk: [Note: an access repeated] in policy.py
+                chunk.dirty = True
+            return chunk.payload
         mover = self._mover
         mover.poll()
         if self._trim_host_later and not self._writing():
@@ -213,7 +219,19 @@ class ChunkManager:
         chunk.last_access = self._clock
         self._prefetcher.ahead(protect={chunk.id})
         self.events.emit("done")
+        self._last, self._last_tier = chunk, tier
         return chunk.payload
+
+    def _owed(self) -> bool:  # an access owes more than its chunk: a trim put off, or a subscriber measuring it
+        return self._trim_host_later or self.events.has("access")
+
+    def _settled(self, chunk: Chunk, tier: Tier) -> bool:  # resident on `tier` with nothing in flight to wait for
+        return (
+            chunk.state is ChunkState.RESIDENT
+            and chunk.tier == tier
+            and chunk.move is None
+            and chunk.id not in self._mover.landing
+        )
 
     def move(self, chunk: Chunk, tier: Tier, *, wait: bool = True) -> None:
         """Move a chunk to a tier explicitly (e.g. offload it now), without recording an access."""
@@ -300,6 +318,7 @@ class ChunkManager:
         self.events.emit("step_begin")
         self.pools[Tier.DEVICE].mark()  # what is in use now is not the forward's take
         self._forward_seen = False
+        self._last = None  # a step's first access is always recorded
         self.trace.step_begin()
         self._prefetcher.ahead(protect=set())
         self.events.emit("done")

@@ -23,6 +23,10 @@ class TensorState(enum.Enum):
     HOLD_AFTER_FWD = "hold_after_fwd"  # valid data, used in forward, needed again in backward
     HOLD_AFTER_BWD = "hold_after_bwd"  # valid data, used in backward, next needed by the optimizer
 
+    # Enum hashes a member by its name in Python; every state change looks its state up in the table below, a
+    # thousand times a step. Members are singletons compared by identity, so identity's C hash is the same contract.
+    __hash__ = object.__hash__
+
 
 _T = TensorState
 TENSOR_TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
@@ -46,6 +50,8 @@ class ChunkState(enum.Enum):
     EMPTY = "empty"  # no payload anywhere: every tensor is FREE and the memory was released
     RESIDENT = "resident"  # the payload is valid on `chunk.tier`
     MOVING = "moving"  # a move to `chunk.move.dst` is in flight; the source copy stays valid until it ends
+
+    __hash__ = object.__hash__  # as TensorState's
 
 
 _C = ChunkState
