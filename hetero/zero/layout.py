@@ -29,6 +29,7 @@ budget limits it; below that it gets a chunk of its own, which the budgets hold 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ class ParamInfo:
     start: int = 0  # first element of the parameter held here (a tile's; 0 for a whole parameter)
     count: int | None = None  # elements held: a tile's; None for the whole parameter
 
-    @property
+    @functools.cached_property  # read per parameter per use; a released parameter answers through Python
     def numel(self) -> int:
         """Elements held in the chunk: the whole parameter's, or a tile's."""
         return self.param.numel() if self.count is None else self.count
