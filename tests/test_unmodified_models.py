@@ -243,16 +243,33 @@ def _count_unit_hooks(monkeypatch):
     return calls
 
 
+def _count_forward_pins(monkeypatch):
+    """Count the pins in forward (`Gathers.use` outside backward: a unit's or a module's parameters pinned)."""
+    from hetero.zero.gathers import Gathers
+    from hetero.zero.protocol import in_backward
+
+    calls = [0]
+    use = Gathers.use
+
+    def counted(self, entries, unit):
+        calls[0] += not in_backward()
+        return use(self, entries, unit)
+
+    monkeypatch.setattr(Gathers, "use", counted)
+    return calls
+
+
 @pytest.mark.parametrize("whole", [True, False], ids=["unit-pins-all", "module-pins-own"])
 def test_modules_run_outside_their_block(monkeypatch, whole):
-    """A unit's backward pins all of its parameters where the budget holds it ([Note: one backward hook per unit]),
-    so its modules install no backward hook of their own; a module run outside its block keeps one, or its
-    parameters would be released when its backward reads them (an error)."""
+    """A unit's backward (and forward) pins all of its parameters where the budget holds it ([Note: one backward hook
+    per unit], [Note: one forward hook per unit]), so its modules install no backward hook of their own; a module
+    run outside its block keeps one, or its parameters would be released when its backward reads them (an error)."""
     from hetero import engine as engine_module
 
     rules = engine_module.unit_rules
     monkeypatch.setattr(engine_module, "unit_rules", lambda *a, **k: rules(*a, **k)._replace(whole=whole))
     calls = _count_unit_hooks(monkeypatch)
+    pins = _count_forward_pins(monkeypatch)
     torch.manual_seed(0)
     batches = _class_batches(7, 6)
     model = CrossBlock()
@@ -260,7 +277,9 @@ def test_modules_run_outside_their_block(monkeypatch, whole):
 
     def counting(runner, batch, i):
         if i == 1:
-            calls[0] = 0  # the first step runs with every module's hook (see Gathers.learn): count from the second
+            calls[0] = pins[0] = (
+                0  # the first step runs with every module's hook (see Gathers.learn): count from the second
+            )
         return _ce(runner, batch, i)
 
     # Chunks of 300 elements: each block's two layers in chunks of their own, released between the blocks.
@@ -270,6 +289,10 @@ def test_modules_run_outside_their_block(monkeypatch, whole):
     # gradient) one on its inputs: 9. The six modules inside the blocks, each once more where it also ran outside its
     # block: with the unit pinning all, only those two calls; else all eight.
     assert per_step == (11 if whole else 17), per_step
+    # [Note: one forward hook per unit]: where units pin whole, each unit's forward pins its parameters at once (5
+    # units: inp, out, the blocks) and only the two modules run outside their block pin their own; else each of the
+    # eight modules with parameters pins its own, and the two run outside their block again.
+    assert pins[0] / (len(batches) - 1) == (7 if whole else 10), pins[0]
 
 
 class _SideBlock(nn.Module):

@@ -83,6 +83,7 @@ class Gathers:
         self._active: dict[int, int] = {}  # unit index -> calls in progress (a unit may be running twice)
         self._held: dict[int, list[Entry]] = {}  # unit index -> parameters in use in its backward, until it ends
         self._pending: dict[int, list[ZeroChunk]] = {}  # unit index -> its chunks still to gather, in layout order
+        self._pinned: dict[int, int] = {}  # unit index -> its forwards in progress that pinned the whole unit
         self._chunks = chunks
         self._groups: dict[int, tuple[list[Entry], list[tuple[ZeroChunk, list[Entry]]]]] = {}  # see _by_chunk
 
@@ -161,6 +162,28 @@ class Gathers:
             self._groups[id(entries)] = got
         return got[1]
 
+    def pin_unit(self, unit: Unit) -> None:
+        """A unit's forward starts: where units pin whole, gather its chunks and pin all of its parameters now, so
+        that its modules need do nothing ([Note: one forward hook per unit] in hooks.py)."""
+        if self.whole and not in_backward():
+            self.use(unit.entries, unit)
+            self._pinned[unit.index] = self._pinned.get(unit.index, 0) + 1
+
+    def unpin_unit(self, unit: Unit) -> None:
+        """A unit's forward ends: what `pin_unit` pinned is released (before the unit's end may release chunks)."""
+        n = self._pinned.get(unit.index, 0)
+        if n == 0:
+            return
+        self.done_using(unit.entries)
+        if n > 1:
+            self._pinned[unit.index] = n - 1
+        else:
+            del self._pinned[unit.index]
+
+    def pinned(self, unit: Unit) -> bool:
+        """Whether a forward of `unit` in progress pinned all of its parameters."""
+        return unit.index in self._pinned
+
     def done_using(self, entries: list[Entry]) -> None:
         """A module's forward ended."""
         for e in entries:
@@ -229,6 +252,7 @@ class Gathers:
                 e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
         self._held.clear()
         self._pending.clear()
+        self._pinned.clear()
         self._active.clear()
         self._window.clear()
         for zc in self._chunks:

@@ -24,6 +24,15 @@ and step, the larger part of the hooks' cost on small layers (`benchmarks/host_o
 plain PyTorch on a 16-layer Llama). Under a tighter budget every module keeps its backward hook and pins only its own
 parameters while its backward runs, so the unit's other chunks may move to the host meanwhile. Which of the two is a
 shared decision: it changes where backward's gathers fall between the reduce-scatters.
+
+[Note: one forward hook per unit]
+Where units pin whole (`gathers.whole`, from the second step on), a unit's forward does the same: its pre-forward
+gathers its chunks in layout order and pins all of its parameters, its post-forward unpins them, and a module that
+runs inside its unit's forward with parameters all of that unit skips its own pin and unpin (its hooks still run,
+and return at once). Nothing about collectives changes: the unit's start gathers what its modules would have
+gathered one by one, in the same layout order, and gathering ahead has usually done it already. What it saves is a
+dictionary walk, a state change and a class swap per module and parameter per forward (`benchmarks/host_overhead.py`).
+A module called outside its unit's forward, or whose parameters belong to another unit, pins its own as before.
 """
 
 from __future__ import annotations
@@ -132,8 +141,11 @@ class Hooks:
             if unit is None and not own:
                 continue
             owner = unit if unit is not None else unit_of[id(own[0].info.param)]
-            self.handles.append(m.register_forward_pre_hook(_pre_forward(unit, owner, own, gathers), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(_post_forward(unit, owner, own, gathers)))
+            # Its parameters are pinned with its unit's ([Note: one forward hook per unit]) if they are all the unit's.
+            covered = {id(e) for e in own} <= {id(e) for e in owner.entries}
+            pre = _pre_forward(unit, owner, own, gathers, covered)
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(_post_forward(unit, owner, own, gathers, covered)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -141,8 +153,9 @@ class Hooks:
         self.handles.clear()
 
 
-def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers) -> Callable:
-    """unit: the unit this module is the root of, if any; owner: the unit its parameters are gathered with."""
+def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers, covered: bool) -> Callable:
+    """unit: the unit this module is the root of, if any; owner: the unit its parameters are gathered with;
+    covered: its parameters are all its owner's (pinned with the whole unit where `gathers.pinned(owner)`)."""
 
     def post_backward() -> None:
         gathers.exit_unit_backward(unit)
@@ -150,7 +163,8 @@ def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gath
     def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
         if unit is not None:
             gathers.enter_unit(unit)
-        if own:
+            gathers.pin_unit(unit)
+        if own and not (covered and gathers.pinned(owner)):
             gathers.use(own, owner)
         if unit is not None and torch.is_grad_enabled() and not in_backward():
             args, kwargs = wrap_outputs((args, kwargs), post_backward)
@@ -159,7 +173,7 @@ def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gath
     return hook
 
 
-def _post_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers) -> Callable:
+def _post_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers, covered: bool) -> Callable:
     # A unit's backward pins all of its parameters (where `gathers.whole`); a module's own, only where it ran outside
     # its unit's forward. See [Note: one backward hook per unit].
     def pre_backward() -> None:
@@ -175,10 +189,11 @@ def _post_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gat
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         training = torch.is_grad_enabled()
-        if own:
+        if own and not (covered and gathers.pinned(owner)):
             gathers.done_using(own)
         inside = False
         if unit is not None:
+            gathers.unpin_unit(unit)
             gathers.exit_unit_forward(unit, training=training)
         elif gathers.running(owner):
             if gathers.whole:
