@@ -9,9 +9,12 @@ follows NCCL's rules. It behaves like a separate accelerator:
 
   - Device memory comes from its own allocator and is told apart from host memory: every buffer hetero allocates
     through the device is registered as device memory, every host-tier buffer as host memory (`kind_of`).
-  - Inside the engine's compute (`compute_context`: forward, backward, the update) every tensor an operation makes
-    is device memory, as on a GPU, and an operation that mixes a host-tier tensor with device memory fails, as CUDA
-    refuses to compute across devices (0-dim tensors excepted, as CUDA accepts CPU scalars).
+  - Inside the engine's compute (`compute_context`: forward and backward, with the updates that run there) every
+    tensor an operation makes is device memory, as on a GPU, and an operation that mixes a host-tier tensor with
+    device memory fails, as CUDA refuses to compute across devices (0-dim tensors excepted, as CUDA accepts CPU
+    scalars). There, and in each chunk's step of the update (`watch`), every operation that makes the host wait
+    for the device is recorded ([Note: host waits]), a tensor made from Python data with a
+    `device=` among them.
   - A collective on anything but device memory fails (NCCL's rule, `collective_rule`); small host-side messages go
     through the control group, as they must with NCCL.
   - A copy that touches device memory runs on a copy engine thread after a random delay and must carry a compute
@@ -40,7 +43,6 @@ import random
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -48,11 +50,23 @@ from queue import SimpleQueue
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
+from hetero.standin_memory import (  # noqa: F401 (the registry's names are the stand-in's: `standin.kind_of`, ...)
+    DEVICE,
+    HOST,
+    address,
+    collective_rule,
+    kind_of,
+    poison,
+    register,
+    registry,
+    unregister,
+)
+
 ENV = "HETERO_STANDIN"
-DEVICE, HOST = "device", "host"
 _MAX_DELAY_S = 0.002  # a copy waits up to this long on the copy engine before it runs
 
 
@@ -61,123 +75,18 @@ def active() -> bool:
     return os.environ.get(ENV, "") not in ("", "0")
 
 
+def watching(device: Any) -> contextlib.AbstractContextManager:
+    """`Standin.watch` where `device` is the stand-in's; nothing elsewhere."""
+    s = getattr(device, "standin", None)
+    return s.watch() if s is not None else contextlib.nullcontext()
+
+
 class StandinError(RuntimeError):
     """A rule of the stand-in was broken: code that would fail, or compute wrong values, on a GPU."""
 
 
 class StandinOrderingError(StandinError):
     """A copy touching device memory was not ordered after the compute that last used its buffers."""
-
-
-# ---- the memory registry -------------------------------------------------------------------------------------------
-class _Registry:
-    """Storage address -> (kind, the storage's identity, the tensor that owns it).
-
-    hetero's own buffers (pools, transient storage, host tier) are held strongly until the device frees them;
-    anything else (compute outputs, copies to and from the device) weakly, its entry dropped the moment its tensor
-    dies, so that a freed address taken by a new allocation is never mistaken for the old one. The storage's
-    identity (its C++ object) guards the one case left: a storage that grew elsewhere (transient chunks)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # copy workers register and look up too
-        self._entries: dict[int, tuple[str, int, Any]] = {}
-        self._released: dict[int, int] = {}  # storage address -> compute clock when last handed back to a pool
-        self._written: dict[int, int] = {}  # storage address -> compute clock when compute last wrote device memory
-
-    def add(self, t: torch.Tensor, kind: str, *, strong: bool) -> None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        # A weak entry lives as long as the storage, not the tensor registered: a view or a detached alias (a
-        # gradient autograd reshaped, a stage output sent on) outlives the operation's own output. torch keeps one
-        # Python object per live storage, so a weak reference to it dies with the storage's last tensor.
-        owner: Any = t if strong else weakref.ref(storage, lambda _, k=key: self._forget(k))
-        with self._lock:
-            self._entries[key] = (kind, storage._cdata, owner)
-            self._released.pop(key, None)
-            self._written.pop(key, None)
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and isinstance(entry[2], weakref.ref) and entry[2]() is None:
-                del self._entries[key]
-                self._released.pop(key, None)
-                self._written.pop(key, None)
-
-    def remove(self, t: torch.Tensor) -> None:
-        key = _address(t)
-        with self._lock:
-            self._entries.pop(key, None)
-            self._released.pop(key, None)
-            self._written.pop(key, None)
-
-    def kind(self, t: torch.Tensor) -> str | None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            if entry[1] != storage._cdata:  # another storage at this address: the registered one moved on
-                del self._entries[key]
-                self._released.pop(key, None)
-                return None
-            return entry[0]
-
-    def mark_released(self, t: torch.Tensor, clock: int) -> None:
-        with self._lock:
-            self._released[_address(t)] = clock
-
-    def released_at(self, t: torch.Tensor) -> int:
-        with self._lock:
-            return self._released.get(_address(t), -1)
-
-    def mark_written(self, t: torch.Tensor, clock: int) -> None:
-        with self._lock:
-            self._written[_address(t)] = clock
-
-    def written_at(self, t: torch.Tensor) -> int:
-        with self._lock:
-            return self._written.get(_address(t), -1)
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-_registry = _Registry()
-
-
-def kind_of(t: torch.Tensor) -> str | None:
-    """DEVICE, HOST, or None for memory the stand-in never saw (made outside the engine's compute)."""
-    if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
-        return None
-    return _registry.kind(t)
-
-
-def register(t: torch.Tensor, kind: str, *, strong: bool = False) -> torch.Tensor:
-    """Record `t`'s memory as DEVICE or HOST. strong: hetero's own buffer, held until `unregister`."""
-    _registry.add(t, kind, strong=strong)
-    return t
-
-
-def unregister(t: torch.Tensor) -> None:
-    _registry.remove(t)
-
-
-def collective_rule(t: torch.Tensor) -> str | None:
-    """Why NCCL would refuse `t` in a collective, or None: only device memory is accepted."""
-    kind = kind_of(t)
-    if kind == DEVICE:
-        return None
-    if kind == HOST:
-        return "a host-tier tensor (host memory): NCCL takes device tensors only"
-    return "a tensor not on the device (made outside the device's compute): NCCL takes device tensors only"
-
-
-def poison(buf: torch.Tensor) -> None:
-    """Fill with 0xFF bytes: NaN in every floating dtype, -1 in integers."""
-    buf.reshape(-1).view(torch.uint8).fill_(0xFF)  # flat first: torch < 2.5 cannot view a 0-dim tensor as bytes
 
 
 # ---- events and the copy engine ------------------------------------------------------------------------------------
@@ -232,13 +141,36 @@ _WAITS = {
 }
 
 
-class _Compute(TorchDispatchMode):
-    """See the note: outputs of operations are device memory; host-tier operands next to device memory fail; what
-    an operation writes in device memory is stamped with the compute clock."""
+class _Made(TorchFunctionMode):
+    """[Note: host waits]: `torch.tensor(data, device=d)` (or `as_tensor`) copies Python data from pageable memory,
+    and on a GPU that copy waits for the device's queue to run dry; `torch.full((), v, device=d)` does not (the
+    value goes with the kernel). Each is recorded as a wait, whatever the device (here the CPU stands for it)."""
 
     def __init__(self, standin: Standin) -> None:
         super().__init__()
         self.standin = standin
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _FROM_DATA and kwargs.get("device") is not None:
+            data = args[0] if args else kwargs.get("data")
+            if not (isinstance(data, torch.Tensor) and kind_of(data) == DEVICE):
+                self.standin.waited(f"torch.{func.__name__}(..., device=...)")
+        return func(*args, **kwargs)
+
+
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+class _Compute(TorchDispatchMode):
+    """See the note: outputs of operations are device memory; host-tier operands next to device memory fail; what
+    an operation writes in device memory is stamped with the compute clock. rules=False: only the waits are
+    recorded (the update, which computes on the host tier as well)."""
+
+    def __init__(self, standin: Standin, *, rules: bool = True) -> None:
+        super().__init__()
+        self.standin = standin
+        self.rules = rules
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -248,6 +180,8 @@ class _Compute(TorchDispatchMode):
         kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
         if func in _WAITS and DEVICE in every:
             self.standin.waited(str(func))
+        if not self.rules:
+            return func(*args, **kwargs)
         if DEVICE in kinds and HOST in kinds:
             host = next(t for t, k in zip(tensors, kinds) if k == HOST)
             raise StandinError(
@@ -264,7 +198,7 @@ class _Compute(TorchDispatchMode):
         for t in tree_flatten(out)[0] if made else ():
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
                 register(t, DEVICE)
-                _registry.mark_written(t, clock)
+                registry.mark_written(t, clock)
         # What the operation wrote in place (its schema says which arguments): device memory written at this point of
         # the compute stream, which a copy may read only after a marker recorded since.
         for i, arg in enumerate(func._schema.arguments):
@@ -273,7 +207,7 @@ class _Compute(TorchDispatchMode):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor) and kind_of(t) == DEVICE:
-                    _registry.mark_written(t, clock)
+                    registry.mark_written(t, clock)
         return out
 
 
@@ -311,7 +245,7 @@ class Standin:
         with torch._C._DisableTorchDispatch():
             seen = t.detach().clone()
         with self._lock:
-            self._reads.setdefault(_address(t), []).append((self._clock, t.detach(), seen))
+            self._reads.setdefault(address(t), []).append((self._clock, t.detach(), seen))
 
     def settle(self, before: int | None = None, *, address: int | None = None) -> None:
         """The host has seen the compute pass marker `before` (None: all of it): the reads queued before it are done
@@ -337,7 +271,7 @@ class Standin:
     def check_unread(self, buf: torch.Tensor, what: str) -> None:
         """`buf` is handed back or freed: fail if a read queued on the compute stream may still read it."""
         with self._lock:
-            pending = self._reads.get(_address(buf))
+            pending = self._reads.get(address(buf))
         if pending:
             raise StandinOrderingError(
                 f"a host buffer of {buf.numel()} bytes was {what} while a copy queued on the compute stream "
@@ -371,7 +305,7 @@ class Standin:
         if kind_of(buf) != HOST:
             with self._lock:
                 clock = self._clock
-            _registry.mark_released(buf, clock)
+            registry.mark_released(buf, clock)
         poison(buf)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any, *, wait: bool = True) -> Future | None:
@@ -384,14 +318,14 @@ class Standin:
                     "a GPU it would race the kernels still queued on that memory. Pass "
                     "after=device.compute_marker(), recorded when the copy is submitted"
                 )
-            stale, which = max((_registry.released_at(t), w) for t, w in ((dst, "destination"), (src, "source")))
+            stale, which = max((registry.released_at(t), w) for t, w in ((dst, "destination"), (src, "source")))
             if after.clock <= stale:
                 raise StandinOrderingError(
                     f"a copy of {src.numel()} elements was ordered after compute marker {after.clock}, but its {which} "
                     f"({kind_of(dst if which == 'destination' else src)} memory) was handed back to a pool at {stale}, "
                     "after that marker: record the marker when the copy is submitted, after the buffer was acquired"
                 )
-            written = max(_registry.written_at(t) for t in touches)
+            written = max(registry.written_at(t) for t in touches)
             if written >= after.clock:
                 raise StandinOrderingError(
                     f"a copy of {src.numel()} elements was ordered after compute marker {after.clock}, but compute "
@@ -399,8 +333,8 @@ class Standin:
                     "marker after the compute that produces what the copy moves"
                 )
         if isinstance(after, Marker):  # the copy stream waits for the marker: reads queued before it are done
-            self.settle(after.clock, address=_address(dst))
-        if self._reads.get(_address(dst)):
+            self.settle(after.clock, address=address(dst))
+        if self._reads.get(address(dst)):
             raise StandinOrderingError(
                 f"a copy of {src.numel()} elements writes host memory that a copy queued on the compute stream after "
                 "its marker may still read: record the marker after that read "
@@ -415,7 +349,13 @@ class Standin:
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        with _Compute(self):
+        with _Compute(self), _Made(self):
+            yield
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Record the host's waits for the device ([Note: host waits]) without `compute`'s other rules."""
+        with _Compute(self, rules=False), _Made(self):
             yield
 
     @contextlib.contextmanager

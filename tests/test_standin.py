@@ -369,7 +369,9 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
     """[Note: host waits]: no operation of a step makes the host wait for the device (a value read back, a
     data-dependent size, a copy to pageable memory), in any placement. Found by this check: stage 0-1 gradients
     bound for the host went down parameter by parameter through pageable memory (19 waits a step here), the delayed
-    update's flags of used parameters looked device-resident, and the tiled embedding counted its hits."""
+    update's flags of used parameters looked device-resident, the tiled embedding counted its hits, and each chunk's
+    step made its step count from Python data on the device (`torch.tensor(n, device=...)`: a wait per run of used
+    parameters of every chunk, every update; the chunks' steps are watched since)."""
     monkeypatch.setenv("HETERO_STANDIN", "1")
     more = {k: CONFIGS[k] for k in ("z3-device", "z3-host-delayed", "z3-host-in-backward")}
     for name, config in {**WAIT_FREE, **more}.items():

@@ -84,7 +84,9 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return per_token.sum()
     count = (tgt != ignore_index).sum() if num_items is None else num_items
-    return per_token.sum() / torch.as_tensor(count, device=per_token.device)
+    if isinstance(count, torch.Tensor):
+        return per_token.sum() / count.to(per_token.device)
+    return per_token.sum() / count  # a number goes with the kernel: made a tensor on a GPU, it would wait for it
 
 
 def embed_vocab_parallel(module: nn.Embedding, ids: torch.Tensor, comm: Comm) -> torch.Tensor:

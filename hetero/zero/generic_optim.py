@@ -178,7 +178,10 @@ class GenericUpdate:
                 step = float(steps_before[i])
                 # capturable=True (a GPU's graph-safe step) wants the count beside the parameter; else on the host.
                 where = p.device if hyper.get("capturable") else None
-                st["step"] = torch.tensor(step, device=where) if self.tensor_step else steps_before[i]
+                # torch.full: made from Python data on a GPU (torch.tensor) it would wait for the device.
+                st["step"] = (
+                    torch.full((), step, dtype=torch.float32, device=where) if self.tensor_step else steps_before[i]
+                )
                 shadow.state[p] = st
             pieces.append((i, p, views))
         if not pieces:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero import standin
 from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
@@ -118,8 +119,11 @@ class Updater:
         # The buffers backward cached (gradients reduced and freed) sit idle through the update, while the update
         # reads states in: give them back first (on a CPU device, with states on NVMe, another 60 MB a rank there).
         self.manager.trim_idle()
-        for i in range(len(self.chunks)):
-            self.step_one(self.chunks, i, plan, plan.used_of[i])
+        # No chunk's step waits for the device ([Note: host waits]): the host queues them all and runs on. (The
+        # norm's sum, read once at the end, does.)
+        with standin.watching(self.manager.device):
+            for i in range(len(self.chunks)):
+                self.step_one(self.chunks, i, plan, plan.used_of[i])
         self.finish(plan)
 
     def step_one(self, order: list[ZeroChunk], i: int, plan: Plan, used: torch.Tensor, *, gather: bool = True) -> None:
@@ -355,7 +359,8 @@ def step_chunk(
         return
     for a, b, steps in runs if runs is not None else zc.update_segments(used):
         seg_states = {n: st[a:b] for n, st in zip(names, states)}
-        step = torch.tensor(float(steps), device=master.device)
+        # torch.full, not torch.tensor: on a GPU a tensor made from Python data is a copy that waits for the device.
+        step = torch.full((), float(steps), dtype=torch.float32, device=master.device)
         update(algorithm, group, master[a:b], grad[a:b], seg_states, step)
 
 

@@ -34,6 +34,8 @@ def grid_cross_entropy(
         count = (mine != ignore_index).sum().to(torch.float32)
         grid.main.batch.all_reduce(count)
         grid.outer.all_reduce(count)
+    elif isinstance(num_items, torch.Tensor):
+        count = num_items.to(total.device, torch.float32)
     else:
-        count = torch.as_tensor(num_items, dtype=torch.float32, device=total.device)
+        return total / float(num_items)  # a number goes with the kernel: made a tensor on a GPU, it would wait for it
     return total / count
