@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero import standin
 from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, init_from_env
 from hetero.config import Config
@@ -373,11 +374,14 @@ class Engine:
         self.monitor.micro_batch(tokens)
         if boundary:
             self.events.emit("update_begin")
-            self.optimizer.step()
-            self.accumulated = 0
-            if self.lr_scheduler is not None and not self.updater.last_update_skipped:
-                step_scheduler(self.lr_scheduler)
-            self.monitor.update()
+            with standin.watching(
+                self.device
+            ):  # the update queues its work and never waits for it ([Note: host waits])
+                self.optimizer.step()
+                self.accumulated = 0
+                if self.lr_scheduler is not None and not self.updater.last_update_skipped:
+                    step_scheduler(self.lr_scheduler)
+                self.monitor.update()
             self.events.emit("update_end")
         self.events.emit("micro_step")
 

@@ -31,7 +31,9 @@ class Monitor:
         self._tokens = 0  # tokens of the micro-batches since the last update
         self._given_tokens = False  # step() has been given token counts
         self._since: float | None = None  # when the current update's accumulation began (or the last update ended)
-        self.last_loss: float | None = None  # mean loss over the last update's micro-batches, this rank
+        # Mean loss over the last update's micro-batches, this rank: kept where the losses are until read. Read at every
+        # update, a loss on a GPU made the host wait for the whole step's work there before the next forward.
+        self._last_loss: torch.Tensor | float | None = None
         self.tokens_per_s: float | None = None  # over the last update, this rank
         self.update_seconds: float | None = None  # wall time of the last update's accumulation and step
         self._sinks = _open_sinks(engine)
@@ -57,7 +59,7 @@ class Monitor:
             if self._given_tokens and self.update_seconds > 0:
                 self.tokens_per_s = self._tokens / self.update_seconds
         if self._losses:
-            self.last_loss = float(torch.stack([x.float().cpu() for x in self._losses]).mean())
+            self._last_loss = torch.stack([x.float() for x in self._losses]).mean()
         self._losses.clear()
         self._tokens = 0
         self._since = now
@@ -66,6 +68,12 @@ class Monitor:
             values = _scalars(self.metrics())
             for sink in self._sinks:
                 sink.write(values, e.global_steps)
+
+    @property
+    def last_loss(self) -> float | None:
+        if isinstance(self._last_loss, torch.Tensor):
+            self._last_loss = float(self._last_loss)  # the host waits for the device here, when someone asks
+        return self._last_loss
 
     def metrics(self) -> dict[str, Any]:
         e = self._engine_ref()

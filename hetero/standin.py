@@ -12,7 +12,7 @@ follows NCCL's rules. It behaves like a separate accelerator:
   - Inside the engine's compute (`compute_context`: forward and backward, with the updates that run there) every
     tensor an operation makes is device memory, as on a GPU, and an operation that mixes a host-tier tensor with
     device memory fails, as CUDA refuses to compute across devices (0-dim tensors excepted, as CUDA accepts CPU
-    scalars). There, and in each chunk's step of the update (`watch`), every operation that makes the host wait
+    scalars). There, and in the update (`watch`: `Engine.step` at an update), every operation that makes the host wait
     for the device is recorded ([Note: host waits]), a tensor made from Python data with a
     `device=` among them.
   - A collective on anything but device memory fails (NCCL's rule, `collective_rule`); small host-side messages go
@@ -180,8 +180,12 @@ class _Compute(TorchDispatchMode):
         kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
         if func in _WAITS and DEVICE in every:
             self.standin.waited(str(func))
-        if not self.rules:
-            return func(*args, **kwargs)
+        if not self.rules:  # what is computed from device memory is device memory; a factory here makes host memory
+            out = func(*args, **kwargs)
+            for t in tree_flatten(out)[0] if DEVICE in every else ():
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
+                    register(t, DEVICE)
+            return out
         if DEVICE in kinds and HOST in kinds:
             host = next(t for t, k in zip(tensors, kinds) if k == HOST)
             raise StandinError(

@@ -371,7 +371,9 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
     bound for the host went down parameter by parameter through pageable memory (19 waits a step here), the delayed
     update's flags of used parameters looked device-resident, the tiled embedding counted its hits, and each chunk's
     step made its step count from Python data on the device (`torch.tensor(n, device=...)`: a wait per run of used
-    parameters of every chunk, every update; the chunks' steps are watched since)."""
+    parameters of every chunk, every update), and the update's end read the loss and the gradient's norm back (two
+    waits a step; the whole update is watched since, and the norm is read when asked: [Note: the norm read when
+    asked], checked here against the same run without the stand-in)."""
     monkeypatch.setenv("HETERO_STANDIN", "1")
     more = {k: CONFIGS[k] for k in ("z3-device", "z3-host-delayed", "z3-host-in-backward")}
     for name, config in {**WAIT_FREE, **more}.items():
@@ -383,9 +385,21 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
         for x, y in parity.batches(4, 4):
             engine.backward(engine(x, labels=y).loss)
             engine.step()
-        waits = engine.device.standin.waits
+        waits = list(engine.device.standin.waits)
+        unread = isinstance(engine.updater._norm, torch.Tensor)
+        norm, loss = engine.last_grad_norm, engine.metrics()["loss"]
         engine.close()
         assert waits == [], (name, waits[:5])
+        assert unread, name
+        monkeypatch.delenv("HETERO_STANDIN")
+        model = parity.build()
+        engine = hetero.initialize(model, parity.make_optimizer(model), config)
+        for x, y in parity.batches(4, 4):
+            engine.backward(engine(x, labels=y).loss)
+            engine.step()
+        assert (engine.last_grad_norm, engine.metrics()["loss"]) == (norm, loss), name
+        engine.close()
+        monkeypatch.setenv("HETERO_STANDIN", "1")
 
 
 def test_collectives_take_device_memory_only(monkeypatch):

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero import standin
 from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
@@ -85,7 +84,9 @@ class Updater:
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
         self.global_steps = 0  # updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
-        self.last_grad_norm: float | None = None  # before clipping, like clip_grad_norm_'s return; None before any
+        # The gradient's norm before clipping, like clip_grad_norm_'s return (None before any update): a float, or a
+        # sum of squares left where it was summed until read ([Note: the norm read when asked]).
+        self._norm: float | torch.Tensor | None = None
         self.last_update_skipped = False  # the last update was skipped for fp16 overflow (schedulers do not step)
         # Stages 0-1: whether backward already reduced a chunk's gradient (hetero/zero/buckets.py); set by the engine.
         self.reduced_early: Callable[[ZeroChunk], bool] = lambda zc: False
@@ -119,11 +120,8 @@ class Updater:
         # The buffers backward cached (gradients reduced and freed) sit idle through the update, while the update
         # reads states in: give them back first (on a CPU device, with states on NVMe, another 60 MB a rank there).
         self.manager.trim_idle()
-        # No chunk's step waits for the device ([Note: host waits]): the host queues them all and runs on. (The
-        # norm's sum, read once at the end, does.)
-        with standin.watching(self.manager.device):
-            for i in range(len(self.chunks)):
-                self.step_one(self.chunks, i, plan, plan.used_of[i])
+        for i in range(len(self.chunks)):
+            self.step_one(self.chunks, i, plan, plan.used_of[i])
         self.finish(plan)
 
     def step_one(self, order: list[ZeroChunk], i: int, plan: Plan, used: torch.Tensor, *, gather: bool = True) -> None:
@@ -191,10 +189,17 @@ class Updater:
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
         if plan.fused_norm:
-            sq = plan.sq.total(self.manager.device)
-            if zc_sharded(self.chunks):
-                self.comm.control.all_reduce(sq, op="sum")
-            self.last_grad_norm = math.sqrt(float(sq))
+            device = self.manager.device
+            if device.separate_memory:  # [Note: the norm read when asked]
+                sq = plan.sq.on_device(device)
+                if zc_sharded(self.chunks):
+                    self.comm.all_reduce(sq, op="sum")
+                self._norm = sq
+            else:
+                sq = plan.sq.total(device)
+                if zc_sharded(self.chunks):
+                    self.comm.control.all_reduce(sq, op="sum")
+                self.last_grad_norm = math.sqrt(float(sq))
         self.global_steps += 1
         # Buffers cached for reuse would sit through the next forward, where the step's memory peaks (activations):
         # give them back, but those the forward takes again ([Note: what the forward takes again]). Backward takes
@@ -287,6 +292,22 @@ class Updater:
         for zc in self.chunks:
             zc.zero_grad()
 
+    # [Note: the norm read when asked]
+    # Every update reports the gradient's norm. Where it is the only use of the norm (nothing clips, no fp16 scale,
+    # `fused_norm`) it is summed chunk by chunk as they step, and on a GPU the sum is a device tensor: reading it at the
+    # update's end made the host wait there, every step, for all the update's kernels before it could queue the next
+    # forward. So on a device with memory of its own the sum stays there, the group's all-reduce included (on the data
+    # group, on the device's stream), and `last_grad_norm` reads it when someone asks (metrics, a sink, a checkpoint).
+    @property
+    def last_grad_norm(self) -> float | None:
+        if isinstance(self._norm, torch.Tensor):
+            self._norm = math.sqrt(float(self._norm))
+        return self._norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: float | None) -> None:
+        self._norm = value
+
     # ---- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -336,6 +357,15 @@ class SquareSum:
         if self.device is None:
             return self.host
         return self.host + device.to_host(self.device, torch.float64)
+
+    def on_device(self, device: Device) -> torch.Tensor:
+        """The sum as a float64 scalar in device memory, without waiting for the device (the host part is a value
+        the fill takes with it)."""
+        out = device.empty((), torch.float64)
+        out.fill_(self.host)
+        if self.device is not None:
+            out += self.device
+        return out
 
 
 def step_chunk(
