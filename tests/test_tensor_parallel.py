@@ -161,6 +161,11 @@ def _cross_entropy(rank: int, world: int) -> None:
     per = vocab_parallel_cross_entropy(local.detach(), target, comm, reduction="none")
     ref_per = F.cross_entropy(full.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="none")
     torch.testing.assert_close(per.flatten(), ref_per, **TOL)
+    # the mean over a given count (Hugging Face's num_items_in_batch), as a number or as a tensor
+    total = F.cross_entropy(full.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    for count in (40, torch.tensor(40)):
+        given = vocab_parallel_cross_entropy(local.detach(), target, comm, num_items=count)
+        torch.testing.assert_close(given, total / 40, **TOL)
     # the along-a-dimension collectives under it all
     mine = torch.arange(24.0).view(2, 3, 4) + 100 * rank
     parts = [torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(world)]
