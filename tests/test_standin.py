@@ -373,9 +373,10 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
     step made its step count from Python data on the device (`torch.tensor(n, device=...)`: a wait per run of used
     parameters of every chunk, every update), and the update's end read the loss and the gradient's norm back (two
     waits a step; the whole update is watched since, and the norm is read when asked: [Note: the norm read when
-    asked], checked here against the same run without the stand-in)."""
+    asked], checked here against the same run without the stand-in), and clipping read the norm back before the
+    first chunk could step (with every chunk on the device the coefficient is a device scalar since)."""
     monkeypatch.setenv("HETERO_STANDIN", "1")
-    more = {k: CONFIGS[k] for k in ("z3-device", "z3-host-delayed", "z3-host-in-backward")}
+    more = {k: CONFIGS[k] for k in ("z3-device", "z3-host-delayed", "z3-host-in-backward", "z2-bf16-clip")}
     for name, config in {**WAIT_FREE, **more}.items():
         config = {"chunk_size": parity.CHUNK, **config}
         if "nvme" in name:

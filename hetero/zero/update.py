@@ -161,6 +161,10 @@ class Updater:
             and self.mesh.tp_size == 1
             and self.mesh.pp_size == 1
         )
+        clip = self._clip_on_device(fused_norm)
+        if clip is not None:
+            plan = Plan(coef=clip, used_of=self._used_of(), fused_norm=False, sq=SquareSum(), groups=self._groups())
+            return plan
         sq, finite = (0.0, True) if fused_norm else self.grad_stats()
         self.last_update_skipped = False
         if self.scaler is not None:
@@ -179,12 +183,46 @@ class Updater:
             coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
         if not fused_norm:
             self.last_grad_norm = math.sqrt(sq) * inv_scale
+        return Plan(coef=coef, used_of=self._used_of(), fused_norm=fused_norm, sq=SquareSum(), groups=self._groups())
+
+    def _used_of(self) -> list[torch.Tensor]:
+        """Per chunk, which parameters any rank used this update (they have a mean gradient)."""
         used = torch.cat([zc.used for zc in self.chunks])
-        self.comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
-        used_of = used.split([len(zc.spec.params) for zc in self.chunks])
+        self.comm.control.all_reduce(used, op="max")
+        return list(used.split([len(zc.spec.params) for zc in self.chunks]))
+
+    def _groups(self) -> list[dict[str, Any]]:
         # The hyperparameters as they are now: a scheduler may change them before a delayed update runs.
-        groups = [dict(g) for g in self.param_groups]
-        return Plan(coef=coef, used_of=list(used_of), fused_norm=fused_norm, sq=SquareSum(), groups=groups)
+        return [dict(g) for g in self.param_groups]
+
+    def _clip_on_device(self, fused_norm: bool) -> torch.Tensor | None:
+        """Where clipping is all the norm is for and every chunk steps on a device with memory of its own: the
+        clipping coefficient as a device scalar, the norm summed and all-reduced there, nothing read back ([Note: the
+        norm read when asked]); else None. Decided from the config and the placement: the same on every rank."""
+        device = self.manager.device
+        if (
+            fused_norm
+            or self.config.grad_clip_norm is None
+            or self.scaler is not None
+            or self.mesh.tp_size > 1
+            or self.mesh.pp_size > 1
+            or self.comm.size > self.mesh.dp_size
+            or not device.separate_memory
+            or any(zc.placement.compute is not Tier.DEVICE for zc in self.chunks)
+        ):
+            return None
+        sums = SquareSum()
+        for zc in self.chunks:
+            sums.add(chunk_sum_of_squares(zc, zc.grad_view()))
+        sq = sums.on_device(device)
+        if zc_sharded(self.chunks):
+            self.comm.all_reduce(sq, op="sum")
+        self.last_update_skipped = False
+        self._norm = sq
+        # As the host computes it (`prepare`), in float64: min(1, clip / (norm + 1e-6)), one rounding per operation (a
+        # float divided by a tensor is a reciprocal and a product in torch: two).
+        denom = sq.sqrt() + 1e-6
+        return torch.clamp(denom.new_full((), self.config.grad_clip_norm) / denom, max=1.0)
 
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
@@ -222,7 +260,7 @@ class Updater:
             self.manager.release(zc.grad)
 
     def _step_chunk(
-        self, zc: ZeroChunk, grad: torch.Tensor, coef: float, used: torch.Tensor, *, gather: bool = True
+        self, zc: ZeroChunk, grad: torch.Tensor, coef: float | torch.Tensor, used: torch.Tensor, *, gather: bool = True
     ) -> None:
         """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
         with self.manager.pinned(zc.grad):
@@ -298,6 +336,11 @@ class Updater:
     # update's end made the host wait there, every step, for all the update's kernels before it could queue the next
     # forward. So on a device with memory of its own the sum stays there, the group's all-reduce included (on the data
     # group, on the device's stream), and `last_grad_norm` reads it when someone asks (metrics, a sink, a checkpoint).
+    # Clipping needs the norm before the first chunk steps; read back, the host waited there for the whole backward
+    # before it could queue the update. Where every chunk steps on such a device (and no fp16 scale or tensor or
+    # pipeline group joins the norm), the coefficient min(1, clip / (norm + 1e-6)) is computed there too, in float64
+    # as the host computes it, and multiplies the gradients as a device scalar (`_clip_on_device`); stepped on the
+    # host, the gradients need it on the host, as ZeRO-Offload's do.
     @property
     def last_grad_norm(self) -> float | None:
         if isinstance(self._norm, torch.Tensor):
@@ -330,7 +373,8 @@ class Updater:
 class Plan:
     """One update, decided before its chunks step (the same on every rank)."""
 
-    coef: float  # the gradient's multiplier: loss unscaling and clipping in one
+    coef: float | torch.Tensor  # the gradient's multiplier: loss unscaling and clipping in one (a device scalar:
+    # clipping on the device, `_clip_on_device`)
     used_of: list[torch.Tensor]  # per chunk: which parameters got a gradient on some rank
     fused_norm: bool  # the norm is only reported: summed while the chunks step, into `sq`
     sq: SquareSum  # the gradient's sum of squares (fused_norm)
@@ -376,12 +420,12 @@ def step_chunk(
     master: torch.Tensor,
     grad: torch.Tensor,
     states: list[torch.Tensor],
-    coef: float,
+    coef: float | torch.Tensor,
     runs: list[tuple[int, int, int]] | None = None,
 ) -> None:
     """The optimizer's step on one chunk's flat master weights, in place: on the runs (start, end, steps taken) of
     used parameters (`runs`, or counted now from `used`), or per parameter through the generic path."""
-    if coef != 1.0:
+    if isinstance(coef, torch.Tensor) or coef != 1.0:  # a device scalar is never compared: that would wait for it
         grad.mul_(coef)
     names = algorithm.state_names
     if algorithm.generic is not None:  # any other elementwise torch optimizer, per parameter (counts the step)
