@@ -7,6 +7,7 @@
 #   bash tools/gpu_check.sh race    benchmarks/gpu_race.py at its default size, nothing else running
 #   bash tools/gpu_check.sh nvme    benchmarks/nvme_bandwidth.py on the machine's disk, 1 GiB and 4 GiB (NVME_SIZES),
 #                                   against fio
+#   bash tools/gpu_check.sh waits   tools/gpu_waits.py: where hetero's step makes the host wait for the GPU
 #   bash tools/gpu_check.sh all     smoke, then race
 #
 # Measured on one H200 (2026-11-26): the suite takes longer than 230 s on its 16 cores with 12 workers; the race at
@@ -96,6 +97,10 @@ CPUAdamBuilder().load(); AsyncIOBuilder().load()" >"$OUT/ds_build.log" 2>&1
     tar czf "$OUT/profile.tgz" -C "$PROFILE_DIR" --exclude='*_trace.json.gz' .
     cp "$PROFILE_DIR/hetero_offload_trace.json.gz" "$OUT/" 2>/dev/null || true
   fi
+fi
+if [ "$PHASE" = waits ]; then
+  timeout "${WAITS_TIMEOUT:-200}" python3 tools/gpu_waits.py --nvme-dir "$NV" --json >"$OUT/waits.json" 2>"$OUT/waits.err"
+  echo "waits exit $?" >>"$OUT/waits.err"
 fi
 if [ "$PHASE" = nvme ]; then
   # The raw-disk reference is fio from huge-page buffers (benchmarks/README.md, "Disks get huge-page buffers").
