@@ -374,9 +374,8 @@ class Engine:
         self.monitor.micro_batch(tokens)
         if boundary:
             self.events.emit("update_begin")
-            with standin.watching(
-                self.device
-            ):  # the update queues its work and never waits for it ([Note: host waits])
+            # The update queues its work and never waits for it ([Note: host waits]): checked under the stand-in.
+            with standin.watching(self.device):
                 self.optimizer.step()
                 self.accumulated = 0
                 if self.lr_scheduler is not None and not self.updater.last_update_skipped:

@@ -177,6 +177,8 @@ class ChunkManager:
         self.storage.drop_payload(chunk)
         self.storage.drop_nvme_copy(chunk)
         del self._chunks[chunk.id]
+        if self._last is chunk:
+            self._last = None
         self.events.emit("done")
 
     # ---- access and movement ------------------------------------------------------------------------------

@@ -161,12 +161,11 @@ class Updater:
             and self.mesh.tp_size == 1
             and self.mesh.pp_size == 1
         )
+        self.last_update_skipped = False
         clip = self._clip_on_device(fused_norm)
         if clip is not None:
-            plan = Plan(coef=clip, used_of=self._used_of(), fused_norm=False, sq=SquareSum(), groups=self._groups())
-            return plan
+            return Plan(coef=clip, used_of=self._used_of(), fused_norm=False, sq=SquareSum(), groups=self._groups())
         sq, finite = (0.0, True) if fused_norm else self.grad_stats()
-        self.last_update_skipped = False
         if self.scaler is not None:
             overflow = not finite
             self.scaler.update(overflow)
@@ -217,7 +216,6 @@ class Updater:
         sq = sums.on_device(device)
         if zc_sharded(self.chunks):
             self.comm.all_reduce(sq, op="sum")
-        self.last_update_skipped = False
         self._norm = sq
         # As the host computes it (`prepare`), in float64: min(1, clip / (norm + 1e-6)), one rounding per operation (a
         # float divided by a tensor is a reciprocal and a product in torch: two).
