@@ -144,7 +144,9 @@ _WAITS = {
 class _Made(TorchFunctionMode):
     """[Note: host waits]: `torch.tensor(data, device=d)` (or `as_tensor`) copies Python data from pageable memory,
     and on a GPU that copy waits for the device's queue to run dry; `torch.full((), v, device=d)` does not (the
-    value goes with the kernel). Each is recorded as a wait, whatever the device (here the CPU stands for it)."""
+    value goes with the kernel). Each is recorded as a wait, whatever the device (here the CPU stands for it). And a
+    tensor made with a `device=` is device memory, as the caller asked (in the update, where other factories make
+    host memory): read back, it is a wait."""
 
     def __init__(self, standin: Standin) -> None:
         super().__init__()
@@ -156,7 +158,11 @@ class _Made(TorchFunctionMode):
             data = args[0] if args else kwargs.get("data")
             if not (isinstance(data, torch.Tensor) and kind_of(data) == DEVICE):
                 self.standin.waited(f"torch.{func.__name__}(..., device=...)")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        made = kwargs.get("device") is not None and isinstance(out, torch.Tensor) and kind_of(out) is None
+        if made and out.untyped_storage().nbytes():
+            register(out, DEVICE)
+        return out
 
 
 _FROM_DATA = (torch.tensor, torch.as_tensor)

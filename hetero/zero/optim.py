@@ -100,9 +100,11 @@ def update(
     grad: torch.Tensor,
     states: dict[str, torch.Tensor],
     step: torch.Tensor,
+    taken: int,
 ) -> None:
     """One optimizer step on a flat fp32 run of parameters, in place. `step` is a 0-d float tensor holding the steps
-    these parameters took before (torch's Adam kernels advance it themselves)."""
+    these parameters took before (torch's Adam kernels advance it themselves), `taken` the same count as a number
+    (read back from a device tensor it would make the host wait)."""
     if algo.name == "adam":
         beta1, beta2 = group["betas"]
         fn, extra = adam_fn, {}
@@ -131,7 +133,7 @@ def update(
     momentum = group["momentum"]
     # torch's SGD starts the momentum buffer as a copy of the first gradient (no dampening); `step` says whether
     # these parameters' buffer exists yet.
-    buf = states["momentum_buffer"] if momentum != 0 and step.item() > 0 else None
+    buf = states["momentum_buffer"] if momentum != 0 and taken > 0 else None
     bufs: list[torch.Tensor | None] = [buf]
     sgd_fn(
         [master],

@@ -433,7 +433,7 @@ def step_chunk(
         seg_states = {n: st[a:b] for n, st in zip(names, states)}
         # torch.full, not torch.tensor: on a GPU a tensor made from Python data is a copy that waits for the device.
         step = torch.full((), float(steps), dtype=torch.float32, device=master.device)
-        update(algorithm, group, master[a:b], grad[a:b], seg_states, step)
+        update(algorithm, group, master[a:b], grad[a:b], seg_states, step, steps)
 
 
 def zc_sharded(chunks: list[ZeroChunk]) -> bool:
