@@ -154,18 +154,26 @@ class _Made(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _FROM_DATA and kwargs.get("device") is not None:
+        placed = kwargs.get("device") is not None
+        if placed and func in _FROM_DATA:
             data = args[0] if args else kwargs.get("data")
             if not (isinstance(data, torch.Tensor) and kind_of(data) == DEVICE):
                 self.standin.waited(f"torch.{func.__name__}(..., device=...)")
         out = func(*args, **kwargs)
-        made = kwargs.get("device") is not None and isinstance(out, torch.Tensor) and kind_of(out) is None
-        if made and out.untyped_storage().nbytes():
-            register(out, DEVICE)
+        if placed:
+            _claim(out)
         return out
 
 
 _FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+def _claim(t: Any, clock: int | None = None) -> None:
+    """Memory the stand-in never saw becomes device memory (written at compute clock `clock`, where given)."""
+    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
+        register(t, DEVICE)
+        if clock is not None:
+            registry.mark_written(t, clock)
 
 
 class _Compute(TorchDispatchMode):
@@ -186,13 +194,7 @@ class _Compute(TorchDispatchMode):
         kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
         if func in _WAITS and DEVICE in every:
             self.standin.waited(str(func))
-        if not self.rules:  # what is computed from device memory is device memory; a factory here makes host memory
-            out = func(*args, **kwargs)
-            for t in tree_flatten(out)[0] if DEVICE in every else ():
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
-                    register(t, DEVICE)
-            return out
-        if DEVICE in kinds and HOST in kinds:
+        if self.rules and DEVICE in kinds and HOST in kinds:
             host = next(t for t, k in zip(tensors, kinds) if k == HOST)
             raise StandinError(
                 f"{func} computes on device memory and a host-tier tensor of shape {tuple(host.shape)} at once: on "
@@ -201,14 +203,15 @@ class _Compute(TorchDispatchMode):
             )
         out = func(*args, **kwargs)
         clock = self.standin.clock
-        # A tensor made from nothing (a factory) is device memory, as the model's `device=x.device` makes it; one
-        # computed only from memory the stand-in never saw (a CPU tensor of the engine's bookkeeping) stays where
-        # a GPU would leave it, on the host.
-        made = not tensors or DEVICE in every
+        # A tensor made from nothing (a factory) is device memory, as the model's `device=x.device` makes it (in the
+        # update, host memory: a factory there asks for the device by name, `_Made`); one computed only from memory
+        # the stand-in never saw (a CPU tensor of the engine's bookkeeping) stays where a GPU would leave it, on the
+        # host.
+        made = DEVICE in every or (self.rules and not tensors)
         for t in tree_flatten(out)[0] if made else ():
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
-                register(t, DEVICE)
-                registry.mark_written(t, clock)
+            _claim(t, clock if self.rules else None)
+        if not self.rules:
+            return out
         # What the operation wrote in place (its schema says which arguments): device memory written at this point of
         # the compute stream, which a copy may read only after a marker recorded since.
         for i, arg in enumerate(func._schema.arguments):
