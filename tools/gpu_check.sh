@@ -8,6 +8,7 @@
 #   bash tools/gpu_check.sh nvme    benchmarks/nvme_bandwidth.py on the machine's disk, 1 GiB and 4 GiB (NVME_SIZES),
 #                                   against fio
 #   bash tools/gpu_check.sh waits   tools/gpu_waits.py: where hetero's step makes the host wait for the GPU
+#   bash tools/gpu_check.sh build   DeepSpeed's CPU Adam and aio ops only (beside another phase: `build & waits`)
 #   bash tools/gpu_check.sh all     smoke, then race
 #
 # Measured on one H200 (2026-11-26): the suite takes longer than 230 s on its 16 cores with 12 workers; the race at
@@ -41,6 +42,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # DeepSpeed's op builder reads this as numbers and fails on an image's "9.0a": the GPU's plain capability instead.
 TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null) &&
   export TORCH_CUDA_ARCH_LIST
+# Phases may run side by side (DeepSpeed's build beside `waits`): one installs, the others wait for it.
+exec 9>/tmp/gpu_check.lock
+flock 9
 if compgen -G ".whl/*.whl" >/dev/null; then
   # Once a machine: a second call's reinstall would replace files under a DeepSpeed build still importing them.
   if [ -e /tmp/site/.installed ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -53,6 +57,7 @@ if compgen -G ".debs/*.deb" >/dev/null; then
   for f in .debs/*.deb; do dpkg -x "$f" /; done
   ldconfig
 fi
+flock -u 9
 
 {
   date -u
@@ -97,6 +102,12 @@ CPUAdamBuilder().load(); AsyncIOBuilder().load()" >"$OUT/ds_build.log" 2>&1
     tar czf "$OUT/profile.tgz" -C "$PROFILE_DIR" --exclude='*_trace.json.gz' .
     cp "$PROFILE_DIR/hetero_offload_trace.json.gz" "$OUT/" 2>/dev/null || true
   fi
+fi
+if [ "$PHASE" = build ]; then
+  timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
+CPUAdamBuilder().load(); print('cpu_adam built')
+AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
+  echo "build exit $?" >>"$OUT/ds_build.log"
 fi
 if [ "$PHASE" = waits ]; then
   timeout "${WAITS_TIMEOUT:-200}" python3 tools/gpu_waits.py --nvme-dir "$NV" --json >"$OUT/waits.json" 2>"$OUT/waits.err"

@@ -5,14 +5,17 @@
 A wait (a value read back, a data-dependent size, a copy to or from pageable memory) stops the host from queuing
 more work until the GPU has run everything before it; the GPU then idles while the host catches up. On a GPU this
 runs each configuration for two warm-up steps, then N steps under `torch.cuda.set_sync_debug_mode("warn")`, where
-every synchronizing CUDA operation warns: each is counted with the frames of hetero's code that made it. Without
+every synchronizing CUDA operation warns: each is counted with the frames of hetero's code that made it (outside
+hetero: the innermost frame; a worker thread's are listed but not counted, the training thread goes on), and so is
+each CUDA event the host blocks on before the device has reached it, which that mode does not report. Without
 CUDA the same steps run under the CPU stand-in (`HETERO_STANDIN=1`), which records the waits it can see, so the
 script and its configurations are checked on any machine. The training loop reads nothing back (no `loss.item()`):
 what is counted is hetero's own.
 
 Configurations (hetero's GPT, 4 layers of 256, stage 3, bf16 on a GPU, fp32 elsewhere): device (everything on the
 device), device_clip (the same with grad_clip_norm 1.0), host (parameters and optimizer states in host memory),
-host_delayed (the same with delayed_param_update), nvme (--nvme-dir: optimizer states on NVMe).
+host_delayed (the same with delayed_param_update), and with --nvme-dir: nvme (optimizer states on NVMe), nvme_host (and
+the parameters in host memory: gpu_race.py's layout), nvme_delayed (nvme with delayed_param_update).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import collections
 import json
 import os
 import sys
+import threading
 import traceback
 import warnings
 from typing import Any
@@ -40,13 +44,49 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "delayed_param_update_warmup": 1,
     },
     "nvme": {"offload": {"optimizer": "nvme"}},
+    "nvme_host": {"offload": {"params": "host", "optimizer": "nvme"}},  # benchmarks/gpu_race.py's NVMe layout
+    "nvme_delayed": {"offload": {"optimizer": "nvme"}, "delayed_param_update": True, "delayed_param_update_warmup": 1},
 }
+NVME = ("nvme", "nvme_host", "nvme_delayed")
 
 
 def _where() -> str:
-    """hetero's innermost frames of the current stack (the caller of the synchronizing operation)."""
-    frames = [f for f in traceback.extract_stack()[:-2] if "/hetero/" in f.filename and "standin" not in f.filename]
-    return " < ".join(f"{f.filename.rsplit('/hetero/', 1)[1]}:{f.lineno}" for f in reversed(frames[-3:])) or "outside"
+    """hetero's innermost frames of the current stack (the caller of the synchronizing operation); outside hetero,
+    the innermost frame there is, so that the next run can tell whose it is. A wait on one of Python's worker threads
+    (hetero's moves, the delayed update's math) is marked with the thread's name: it does not hold up the training
+    thread. Autograd's device threads, which run backward and its hooks on a GPU while the training thread waits for
+    them, count as the training thread (they are made in C++: `threading` knows them as dummies)."""
+    stack = [f for f in traceback.extract_stack()[:-2] if f.filename != __file__ and "/warnings" not in f.filename]
+    frames = [f for f in stack if "/hetero/" in f.filename and "standin" not in f.filename]
+    where = " < ".join(f"{f.filename.rsplit('/hetero/', 1)[1]}:{f.lineno}" for f in reversed(frames[-3:]))
+    if not where:
+        where = f"outside ({os.path.basename(stack[-1].filename)}:{stack[-1].lineno})" if stack else "outside"
+    thread = threading.current_thread()
+    if thread is threading.main_thread() or isinstance(thread, threading._DummyThread):
+        return where
+    return f"worker thread {thread.name}: {where}"
+
+
+class _EventWaits:
+    """Counts `torch.cuda.Event.synchronize` calls that block (the event not yet reached): a wait for the device
+    that torch's sync debug mode does not report (`Device.landed` waits on such events)."""
+
+    def __init__(self, seen: list[str]) -> None:
+        self.seen = seen
+        self.original = torch.cuda.Event.synchronize
+
+    def __enter__(self) -> None:
+        original, seen = self.original, self.seen
+
+        def synchronize(event: torch.cuda.Event) -> None:
+            if not event.query():
+                seen.append(f"event: {_where()}")
+            original(event)
+
+        torch.cuda.Event.synchronize = synchronize  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.Event.synchronize = self.original  # type: ignore[method-assign]
 
 
 def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -58,7 +98,7 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
     model = GPT(GPTConfig(vocab_size=512, n_layer=4, n_head=4, n_embd=256, block_size=64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     config: dict[str, Any] = {"zero_stage": 3, "precision": "bf16" if cuda else "fp32", **extra}
-    if "nvme" in name:
+    if name in NVME:
         config["memory"] = {"nvme_dir": args.nvme_dir}
     engine = hetero.initialize(model, opt, config)
     dev = engine.device.torch_device
@@ -81,8 +121,9 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
             warnings.showwarning = lambda *a, **k: seen.append(_where())  # called where the operation warns
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                for i in range(args.steps):
-                    step(i)
+                with _EventWaits(seen):
+                    for i in range(args.steps):
+                        step(i)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.update(seen)
@@ -93,8 +134,9 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
         counts.update(where for _, where in engine.device.standin.waits[before:])
     norm = engine.last_grad_norm
     engine.close()
+    mine = sum(n for where, n in counts.items() if "worker thread" not in where)
     return {
-        "waits_per_step": sum(counts.values()) / args.steps,
+        "waits_per_step": mine / args.steps,  # the training thread's; a worker's are listed under "where" only
         "where": dict(counts.most_common()),
         "grad_norm": norm,
         "gpu": cuda,
@@ -110,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         os.environ["HETERO_STANDIN"] = "1"  # before hetero makes its device
-    names = [n for n in CONFIGS if n != "nvme" or args.nvme_dir]
+    names = [n for n in CONFIGS if n not in NVME or args.nvme_dir]
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - set(CONFIGS)
