@@ -22,6 +22,8 @@
 # failed tests now go to the end of pytest.log instead of a file of their own.
 # On one H100 (2026-11-27, thirteenth session), one call of 457 s: three test files and a script beside DeepSpeed's
 # op build 147 s, the same five race configurations 248 s, fio 2 GiB three ways 5 s, update_stream.py (two runs) 57 s.
+# On one H100 (2026-11-28, eighteenth session), one call of 427 s: `build &` beside `waits` (the build about 150 s),
+# then seven race configurations 260 s; a second call: five test files 79 s, then the nvme phase at 4 GiB.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
