@@ -614,6 +614,8 @@ class Engine:
         self.hooks.remove()
         if self.updater.delayed is not None:
             self.updater.delayed.close()
+        if self.in_backward is not None:
+            self.in_backward.close()
         self.tiles.remove()
         if self.activations is not None:
             self.activations.remove()

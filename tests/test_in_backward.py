@@ -36,7 +36,10 @@ CONFIGS = {
         "memory": {"device_budget": 8 * parity.CHUNK * 4, "host_budget": 8 * parity.CHUNK * 4},
     },
 }
-STANDIN = ("z1-host-accum", "z3-nvme")  # the placements whose copies and collectives the stand-in checks
+CONFIGS["z3-host"] = {"zero_stage": 3, "offload": {"params": "host", "optimizer": "host"}}
+# The placements whose copies and collectives the stand-in checks; with the states in host memory the chunks' math
+# runs on the worker there ([Note: the update in backward off the autograd thread]).
+STANDIN = ("z1-host-accum", "z3-nvme", "z3-host")
 
 
 def _probe(rank: int, world: int, nvme: str) -> dict:
@@ -115,6 +118,38 @@ def test_the_update_in_backward_is_the_update_after_backward_bit_for_bit(tmp_pat
         assert probe["norm"] is not None and probe["norm"] > 0
         assert "call engine.step() after every backward" in probe["second_backward"]
         assert "call engine.step() first" in probe["checkpoint"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_rank_steps_host_states_on_the_worker_after_the_gradients_copy(monkeypatch, stage):
+    """[Note: the update in backward off the autograd thread]: under the stand-in (device memory of its own, each
+    gradient's copy down landing late on its copy engine), one rank with its states in host memory steps every
+    chunk's math on the worker, which waits for the gradient's copy: the same bits as the update after backward."""
+    import threading
+
+    from hetero.zero import in_backward
+
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    threads: list[str] = []
+    step_chunk = in_backward.step_chunk
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return step_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(in_backward, "step_chunk", spy)
+    cfg = {"zero_stage": stage, "offload": {"optimizer": "host"}, "grad_accumulation_steps": 2}
+    if stage == 3:
+        cfg["offload"]["params"] = "host"
+    after = parity.run_hetero(0, 1, steps=STEPS, rows=ROWS, config=cfg)
+    assert threads == []  # the update after backward steps on the training thread, through update.py
+    during = parity.run_hetero(0, 1, steps=STEPS, rows=ROWS, config={**cfg, "update_in_backward": True})
+    assert threads and all(t.startswith("hetero-update") for t in threads), threads
+    assert len(threads) % STEPS == 0  # every chunk of every update
+    assert during["losses"] == after["losses"]
+    for k, v in after["state"].items():
+        assert torch.equal(during["state"][k], v), k
 
 
 def test_update_in_backward_refuses_what_needs_the_whole_gradient_first():

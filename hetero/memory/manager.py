@@ -288,6 +288,12 @@ class ChunkManager:
         not wait for] in moves.py, [Note: the compute stream reads host memory late] in hetero/standin.py)."""
         self._mover.land_later(chunk, handle, reads=reads)
 
+    def in_flight(self, chunk: Chunk) -> Any:
+        """The handle of a copy still writing into the chunk (`land_later`), else None. It stays pinned where it is
+        until then: another thread may read its payload once `Device.landed` says the copy is done."""
+        entry = self._mover.landing.get(chunk.id)
+        return None if entry is None or entry[2] else entry[1]
+
     def release(self, chunk: Chunk) -> None:
         """Drop a chunk's payload (every tensor must be FREE); it becomes EMPTY and holds no memory."""
         if not chunk.all_free:

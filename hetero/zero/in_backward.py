@@ -26,17 +26,35 @@ Keeping every rank in step ([Note: every rank in step]):
   - the reported norm's sum of squares is all-reduced at `engine.step()`, as the update after backward does.
 The manager's access trace sees the update inside backward every step alike, so its replay (prefetch, eviction)
 reads the states ahead in the order they are used.
+
+[Note: the update in backward off the autograd thread]
+On a GPU, backward's hooks run on autograd's device thread, which also queues backward's kernels. A chunk stepped
+there with its states in host memory first waited for its gradient's copy down (`grad_to_host`: a copy the host
+does not wait for, until it reads it), which is a wait for the GPU to run everything queued before it, then ran the
+optimizer's math on the host while no kernel was queued: the GPU idled through every chunk's step (one H100,
+`benchmarks/gpu_race.py`: 0.418 s a step in backward against 0.422 s after it, eighth session). So where the
+optimizer steps in host memory and the device's memory is its own, the chunk's math goes to a worker thread, which
+waits for the gradient's copy itself (`ChunkManager.in_flight`, `Device.landed`); the autograd thread only takes the
+views and pins them, and goes on queuing kernels. One chunk's math runs at a time: the next chunk's reduction first
+takes the last one back (`_reap`: the parameters written from the stepped master, the gradient released), on the
+autograd thread, as the manager is used from one thread only; backward's end takes the last. The worker touches
+the chunk's pinned gradient, master and states only, so the arithmetic and its order are those of the update after
+backward. States on NVMe keep stepping on the autograd thread (their reads and writes are the manager's), and so
+does a CPU device, whose compute and update share the same cores.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
 from hetero.memory import Tier
+from hetero.zero.norms import sum_of_squares
 from hetero.zero.protocol import UPDATE, reduce_order
-from hetero.zero.update import Plan, SquareSum, Updater
+from hetero.zero.update import Plan, SquareSum, Updater, step_chunk
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
@@ -52,6 +70,9 @@ class InBackward:
         self.done = False  # a backward stepped every chunk; `take` (engine.step) counts the update
         self._used: dict[int, torch.Tensor] = {}  # chunk id -> which parameters some rank used (agreed at issue)
         self._next = 0  # position in `order` of the next chunk to step
+        # [Note: the update in backward off the autograd thread]: the chunk whose math runs, its master, the future
+        self._running: tuple[ZeroChunk, torch.Tensor, Future[tuple[torch.Tensor, float, float]]] | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def adopt(self, order: list[ZeroChunk]) -> None:
         """The reducer's order changed ([Note: the reduce order learnt from a backward]): step in it too."""
@@ -66,6 +87,7 @@ class InBackward:
                 "update_in_backward: a backward before an update already stepped the parameters, and another "
                 "backward ran before engine.step(); call engine.step() after every backward"
             )
+        self._reap()  # a backward that raised left its last chunk's math running
         if not boundary or not self.order:
             return
         u = self.updater
@@ -100,13 +122,88 @@ class InBackward:
         self._next += 1
         u = self.updater
         u.reduced_early(zc)  # stages 0-1: forget the early reduction, which the update after backward would skip
+        used = self._used.pop(id(zc))
         with zc.device.update_context():
-            u.step_one(self.order, i, plan, self._used.pop(id(zc)), gather=False)
+            if not self.off_thread(zc):
+                u.step_one(self.order, i, plan, used, gather=False)
+                return
+            self._reap()
+            self._submit(zc, plan, used)
+
+    @staticmethod
+    def off_thread(zc: ZeroChunk) -> bool:
+        """Whether `zc` steps on the worker ([Note: the update in backward off the autograd thread])."""
+        p = zc.placement
+        return zc.device.separate_memory and p.optim is Tier.HOST and p.compute is Tier.HOST
+
+    def _submit(self, zc: ZeroChunk, plan: Plan, used: torch.Tensor) -> None:
+        """Pin the chunk's gradient (still landing, maybe), master and states; its math goes to the worker."""
+        u = self.updater
+        m = u.manager
+        # The reduced gradient's copy down (stages 2-3: the chunk's own buffer): the worker waits for it, not us.
+        landing = m.in_flight(zc.grad) if zc.layout.grads_sharded else None
+        grad = zc.grad_view() if landing is None else _landing_view(zc)
+        m.pin(zc.grad)
+        master, states = zc.optimizer_views()
+        m.pin(zc.optim)
+        pre, zc.grad_sq = zc.grad_sq, None  # taken on the device on the gradient's way down: not again
+        algorithm, coef = u.algorithm, plan.coef
+        # The step is counted here, in order; the generic path counts it in its own update, on the worker.
+        runs = zc.update_segments(used) if algorithm.generic is None else None
+        group, device = plan.groups[zc.spec.group], zc.device
+
+        def math() -> tuple[torch.Tensor, float, float]:
+            t0 = time.perf_counter()
+            device.landed(landing)  # (None: nothing in flight)
+            with torch.no_grad():
+                sq = sum_of_squares(grad) if pre is None else pre
+                step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
+            return sq, t0, time.perf_counter()
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hetero-update")
+        self._running = (zc, master, self._worker.submit(math))
+
+    def _reap(self) -> None:
+        """Take back the chunk whose math runs: write its parameters back, release its gradient."""
+        if self._running is None:
+            return
+        zc, master, future = self._running
+        self._running = None
+        u, m = self.updater, self.updater.manager
+        waited = time.perf_counter()
+        try:
+            sq, t0, t1 = future.result()
+            if self.plan is not None:
+                self.plan.sq.add(sq)
+            if u.on_span is not None:
+                name = f"step chunk {zc.spec.index} (in backward)"
+                u.on_span("optimizer", name, t0, t1)
+                u.on_span("optimizer waited", name, waited, max(waited, t1))  # the autograd thread blocked
+            with zc.device.update_context():
+                zc.write_back(master, gather=False)  # pinned still: making room for the shard must not evict it
+        finally:
+            m.unpin(zc.grad)
+            m.unpin(zc.optim)
+        u.release_zeroed(zc)
+
+    def close(self) -> None:
+        """Wait for the math in flight (its result dropped) and stop the worker."""
+        if self._running is not None:
+            zc, _, future = self._running
+            self._running = None
+            future.exception()
+            self.updater.manager.unpin(zc.grad)
+            self.updater.manager.unpin(zc.optim)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def end(self) -> None:
         """Backward is over (every reduction completed): stages 1-2 gather the parameters, in layout order."""
         if self.plan is None:
             return
+        self._reap()
         if self._next != len(self.order):
             missing = [zc.label for zc in self.order[self._next :]]
             raise RuntimeError(f"update_in_backward: chunks {missing} did not step in backward (internal error)")
@@ -123,3 +220,11 @@ class InBackward:
         self.plan = None
         self.done = False
         return plan
+
+
+def _landing_view(zc: ZeroChunk) -> torch.Tensor:
+    """`zc.grad_view()` of a sharded gradient whose copy down is still landing, without waiting for it: the chunk is
+    pinned where it is (host memory) until the copy is done, so its payload is the buffer the copy writes."""
+    acc = zc.grad.payload
+    assert acc is not None and zc.grad.tier is zc.placement.compute and zc.layout.grads_sharded
+    return acc
