@@ -121,7 +121,7 @@ def test_the_update_in_backward_is_the_update_after_backward_bit_for_bit(tmp_pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_rank_steps_host_states_on_the_worker_after_the_gradients_copy(monkeypatch, stage):
     """[Note: the update in backward off the autograd thread]: under the stand-in (device memory of its own, each
     gradient's copy down landing late on its copy engine), one rank with its states in host memory steps every

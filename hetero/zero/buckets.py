@@ -15,8 +15,11 @@ from the micro-step count, which every rank shares. `train_batch`'s micro-batche
 
 Stage 0 all-reduces the gradient buffer in place (mean); stage 1 reduce-scatters it into a shard-size buffer and
 copies that into this rank's range (the rest of the buffer is never read before it is zeroed). A gradient on the
-host with a backend that reads device memory only (NCCL, the stand-in) goes through a device copy, as the update's
-reduction does. The gradient stays pinned while its collective runs.
+host with a backend that reads device memory only (NCCL, the stand-in) is reduced where it was summed, on the device
+(`HostSum.keep`), and goes down once reduced; one accumulated on the host before (the update's reduction, a gradient
+no hook summed) goes through a device copy. The gradient stays pinned while its collective runs. A group of one
+reduces nothing: its chunks only count as reduced, so the host never waits here for a gradient's copy down (on a
+GPU, a wait for every kernel queued before it, once a chunk).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class DenseReduce:
     def begin(self, *, last_micro_batch: bool) -> None:
         """A backward starts; it reduces when its micro-batch is the last before an update."""
         self.active = last_micro_batch
+        for zc in self.reducer.order:  # a gradient summed on the device stays there for a reduction there
+            zc.host_sum.keep = last_micro_batch and self.comm.size > 1 and self.comm.needs_device_tensors
 
     def ready(self, zc: ZeroChunk) -> None:
         """All of `zc`'s gradients of this micro-batch are in."""
@@ -69,6 +74,8 @@ class DenseReduce:
         if self.active:
             self.reducer.flush()
         self.active = False
+        for zc in self.reducer.order:  # a backward run without `begin` (train_batch's) sums on the host
+            zc.host_sum.keep = False
 
     def take(self, zc: ZeroChunk) -> bool:
         """Whether `zc`'s gradient was reduced during backward (the update then skips its reduction); forgets it."""
@@ -79,10 +86,13 @@ class DenseReduce:
 
     # ---- one chunk ----------------------------------------------------------------------------------------
     def _start(self, zc: ZeroChunk) -> None:
-        acc = zc.grad_buffer()
+        if self.comm.size == 1:  # a group of one: its mean is the gradient as it is, wherever it is still going
+            return
+        kept = zc.host_sum.take()  # the sum kept on the device for this reduction, if any: the gradient goes down after
+        acc = zc.grad_buffer(whole=kept is not None)  # (stage 1 reads only its range of it before zeroing it)
         self.manager.pin(zc.grad)  # the collective reads and writes it until _finish
         staged = self.comm.needs_device_tensors and zc.grad.tier is not Tier.DEVICE
-        buf = zc.device.to_device(acc) if staged else acc
+        buf = kept if kept is not None else zc.device.to_device(acc) if staged else acc
         what = f"the gradients of {zc.label}"
         target = None
         if not zc.layout.optim_sharded:  # stage 0: every rank updates the whole chunk
@@ -99,6 +109,9 @@ class DenseReduce:
         self._running[id(zc)] = (handle, acc, buf, target, staged)
 
     def _finish(self, zc: ZeroChunk) -> None:
+        if self.comm.size == 1:
+            self._reduced.add(id(zc))
+            return
         handle, acc, buf, target, staged = self._running.pop(id(zc))
         handle.wait()
         on_device = zc.grad.tier is Tier.DEVICE

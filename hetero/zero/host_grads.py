@@ -23,7 +23,11 @@ buffer on the host, `acc.add_(grad.to("cpu"))` per parameter is a copy into page
 for: on a GPU every parameter's gradient hook would wait for the whole queue of backward kernels before it (the
 stand-in counts 19 such waits a step for the tiny test GPT, [Note: host waits]). So a chunk's gradients of one
 micro-batch are summed into a device buffer (`HostSum`) and go down once, when the chunk has them all (or at the end
-of backward), through pinned memory as the reduced gradients of stages 2-3 do.
+of backward), through pinned memory as the reduced gradients of stages 2-3 do. In the backward that reduces
+([Note: reducing during backward at stages 0-1] in buckets.py) with a backend that reduces device memory only
+(NCCL), that sum, with the earlier micro-batches' brought up into it, stays on the device for the reduction and goes
+down once reduced: before, it went down, came up again for the collective and went down reduced, and the host waited
+for the first copy (for the GPU to run every kernel queued before it) once a chunk.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class HostSum:
     def __init__(self, zc: ZeroChunk) -> None:
         self.zc = zc
         self.buf: torch.Tensor | None = None  # device memory, the gradient buffer's size, while gradients arrive
+        # The backward reduces through device memory (`DenseReduce.begin`): the whole sum stays on the device for it.
+        self.keep = False
+        self.kept: torch.Tensor | None = None  # that sum, until the reduction takes it (`take`)
 
     def add(self, offset: int, flat: torch.Tensor) -> None:
         if self.buf is None:
@@ -80,9 +87,23 @@ class HostSum:
         self.buf.narrow(0, offset, flat.numel()).add_(flat)
 
     def flush(self) -> None:
-        """Add what arrived into the host buffer (replacing its zeros when nothing is accumulated there yet)."""
+        """Add what arrived into the host buffer (replacing its zeros when nothing is accumulated there yet), or,
+        where the backward reduces on the device, keep the whole sum there for that reduction: the reduced gradient
+        then goes down once, not down, up and down again ([Note: stage 0-1 gradients summed on the device])."""
         if self.buf is None:
             return
         buf, self.buf = self.buf, None
-        grad_to_host(self.zc, buf, first=self.zc.grad_is_zero, squares=False)  # before the reduction: no norm
-        self.zc.grad_is_zero = False
+        zc = self.zc
+        if self.keep:
+            if not zc.grad_is_zero:  # the earlier micro-batches' sum comes up first
+                buf.add_(zc.device.to_device(zc.grad_buffer()))
+                zc.manager.land_later(zc.grad, zc.device.compute_reached(), reads=True)
+            self.kept = buf
+        else:
+            grad_to_host(zc, buf, first=zc.grad_is_zero, squares=False)  # before the reduction: no norm
+        zc.grad_is_zero = False
+
+    def take(self) -> torch.Tensor | None:
+        """The sum kept on the device for the reduction, if any (once)."""
+        kept, self.kept = self.kept, None
+        return kept

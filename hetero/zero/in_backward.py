@@ -140,8 +140,7 @@ class InBackward:
         """Pin the chunk's gradient (still landing, maybe), master and states; its math goes to the worker."""
         u = self.updater
         m = u.manager
-        # The reduced gradient's copy down (stages 2-3: the chunk's own buffer): the worker waits for it, not us.
-        landing = m.in_flight(zc.grad) if zc.layout.grads_sharded else None
+        landing = m.in_flight(zc.grad)  # the reduced gradient's copy down: the worker waits for it, not this thread
         grad = zc.grad_view() if landing is None else _landing_view(zc)
         m.pin(zc.grad)
         master, states = zc.optimizer_views()
@@ -223,8 +222,10 @@ class InBackward:
 
 
 def _landing_view(zc: ZeroChunk) -> torch.Tensor:
-    """`zc.grad_view()` of a sharded gradient whose copy down is still landing, without waiting for it: the chunk is
-    pinned where it is (host memory) until the copy is done, so its payload is the buffer the copy writes."""
+    """`zc.grad_view()` of a gradient whose copy down is still landing, without waiting for it: the chunk is pinned
+    where it is (host memory) until the copy is done, so its payload is the buffer the copy writes."""
     acc = zc.grad.payload
-    assert acc is not None and zc.grad.tier is zc.placement.compute and zc.layout.grads_sharded
+    assert acc is not None and zc.grad.tier is zc.placement.compute
+    if zc.layout.optim_sharded and not zc.layout.grads_sharded:  # stage 1: the shard of a full buffer
+        return zc.kept(acc)
     return acc
