@@ -477,6 +477,34 @@ def _run_train_batch(rank: int, world: int, *, meta: bool) -> dict:
     return {"losses": losses, "state": state}
 
 
+def _run_backward_then_train_batch(rank: int, world: int) -> dict:
+    """Stage 1 with its gradient on the host: a step through `engine.backward`, whose backward reduces (on the
+    stand-in, as with NCCL, the device's sum kept for it), then `train_batch`'s micro-batches, reduced at the update:
+    those sum on the host again ([Note: stage 0-1 gradients summed on the device])."""
+    torch.manual_seed(0)
+    model = parity.build()
+    cfg = {
+        "zero_stage": 1,
+        "chunk_size": parity.CHUNK,
+        "offload": {"optimizer": "host"},
+        "parallel": {"microbatches": 2},
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    losses = []
+    for i, (x, y) in enumerate(parity.batches(3, 4)):
+        x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+        if i == 0:
+            loss = engine(x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        else:
+            losses.append(float(engine.train_batch(x, y)))
+    state = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "state": state}
+
+
 def _run_configs(rank: int, world: int, nvme_root: str) -> dict:
     torch.set_num_threads(1)
     out = {}
@@ -486,6 +514,7 @@ def _run_configs(rank: int, world: int, nvme_root: str) -> dict:
         out[name] = {"losses": r["losses"], "state": r["state"], "grad_norm": r["grad_norm"]}
     out["train-batch-meta"] = _run_train_batch(rank, world, meta=True)
     out["train-batch"] = _run_train_batch(rank, world, meta=False)
+    out["backward-then-train-batch"] = _run_backward_then_train_batch(rank, world)
     return out
 
 
