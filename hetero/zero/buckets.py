@@ -16,7 +16,7 @@ from the micro-step count, which every rank shares. `train_batch`'s micro-batche
 Stage 0 all-reduces the gradient buffer in place (mean); stage 1 reduce-scatters it into a shard-size buffer and
 copies that into this rank's range (the rest of the buffer is never read before it is zeroed). A gradient on the
 host with a backend that reads device memory only (NCCL, the stand-in) is reduced where it was summed, on the device
-(`HostSum.keep`), and goes down once reduced; one accumulated on the host before (the update's reduction, a gradient
+(`keeps_sum`), and goes down once reduced; one accumulated on the host before (the update's reduction, a gradient
 no hook summed) goes through a device copy. The gradient stays pinned while its collective runs. A group of one
 reduces nothing: its chunks only count as reduced, so the host never waits here for a gradient's copy down (on a
 GPU, a wait for every kernel queued before it, once a chunk).
@@ -57,12 +57,16 @@ class DenseReduce:
         self.active = False  # this backward reduces (the last micro-batch before an update): shared by every rank
         self._running: dict[int, tuple[Handle, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = {}
         self._reduced: set[int] = set()  # chunks reduced since the last update
+        for zc in chunks:  # a gradient summed on the device stays there for a reduction there
+            zc.host_sum.keep = self.keeps_sum
+
+    def keeps_sum(self) -> bool:
+        """Whether this backward reduces device memory (NCCL, the stand-in), where `HostSum` summed the gradient."""
+        return self.active and self.comm.size > 1 and self.comm.needs_device_tensors
 
     def begin(self, *, last_micro_batch: bool) -> None:
         """A backward starts; it reduces when its micro-batch is the last before an update."""
         self.active = last_micro_batch
-        for zc in self.reducer.order:  # a gradient summed on the device stays there for a reduction there
-            zc.host_sum.keep = last_micro_batch and self.comm.size > 1 and self.comm.needs_device_tensors
 
     def ready(self, zc: ZeroChunk) -> None:
         """All of `zc`'s gradients of this micro-batch are in."""
@@ -74,8 +78,6 @@ class DenseReduce:
         if self.active:
             self.reducer.flush()
         self.active = False
-        for zc in self.reducer.order:  # a backward run without `begin` (train_batch's) sums on the host
-            zc.host_sum.keep = False
 
     def take(self, zc: ZeroChunk) -> bool:
         """Whether `zc`'s gradient was reduced during backward (the update then skips its reduction); forgets it."""

@@ -32,6 +32,7 @@ for the first copy (for the GPU to run every kernel queued before it) once a chu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,8 +78,8 @@ class HostSum:
     def __init__(self, zc: ZeroChunk) -> None:
         self.zc = zc
         self.buf: torch.Tensor | None = None  # device memory, the gradient buffer's size, while gradients arrive
-        # The backward reduces through device memory (`DenseReduce.begin`): the whole sum stays on the device for it.
-        self.keep = False
+        # Whether this backward reduces through device memory (`DenseReduce.keeps_sum`): the whole sum stays there.
+        self.keep: Callable[[], bool] = lambda: False
         self.kept: torch.Tensor | None = None  # that sum, until the reduction takes it (`take`)
 
     def add(self, offset: int, flat: torch.Tensor) -> None:
@@ -94,7 +95,7 @@ class HostSum:
             return
         buf, self.buf = self.buf, None
         zc = self.zc
-        if self.keep:
+        if self.keep():
             if not zc.grad_is_zero:  # the earlier micro-batches' sum comes up first
                 buf.add_(zc.device.to_device(zc.grad_buffer()))
                 zc.manager.land_later(zc.grad, zc.device.compute_reached(), reads=True)

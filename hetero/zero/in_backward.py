@@ -141,7 +141,7 @@ class InBackward:
         u = self.updater
         m = u.manager
         landing = m.in_flight(zc.grad)  # the reduced gradient's copy down: the worker waits for it, not this thread
-        grad = zc.grad_view() if landing is None else _landing_view(zc)
+        grad = zc.grad_view() if landing is None else zc.grad_view(_landing_buffer(zc))
         m.pin(zc.grad)
         master, states = zc.optimizer_views()
         m.pin(zc.optim)
@@ -221,11 +221,9 @@ class InBackward:
         return plan
 
 
-def _landing_view(zc: ZeroChunk) -> torch.Tensor:
-    """`zc.grad_view()` of a gradient whose copy down is still landing, without waiting for it: the chunk is pinned
+def _landing_buffer(zc: ZeroChunk) -> torch.Tensor:
+    """The gradient buffer of a chunk whose copy down is still landing, without waiting for it: the chunk is pinned
     where it is (host memory) until the copy is done, so its payload is the buffer the copy writes."""
     acc = zc.grad.payload
     assert acc is not None and zc.grad.tier is zc.placement.compute
-    if zc.layout.optim_sharded and not zc.layout.grads_sharded:  # stage 1: the shard of a full buffer
-        return zc.kept(acc)
     return acc

@@ -316,9 +316,10 @@ class ZeroChunk:
         self.start_reduce()
         self.finish_reduce()
 
-    def grad_view(self) -> torch.Tensor:
-        """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier."""
-        acc = self.grad_buffer()
+    def grad_view(self, acc: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's reduced gradient (the whole chunk at stage 0), fp32, on the compute tier (of `acc`, the
+        gradient buffer, where the caller holds it without an access)."""
+        acc = self.grad_buffer() if acc is None else acc
         if self.layout.optim_sharded and not self.layout.grads_sharded:  # stage 1: the shard of a full buffer
             return self.kept(acc)
         return acc
