@@ -73,6 +73,14 @@ flock -u 9
   cat /sys/kernel/mm/transparent_hugepage/enabled
 } >"$OUT/env.txt" 2>&1
 
+# DeepSpeed's CPU Adam and aio ops, built outside any timing; its log in $OUT/ds_build.log.
+build_deepspeed() {
+  timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
+CPUAdamBuilder().load(); print('cpu_adam built')
+AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
+  echo "build exit $?" >>"$OUT/ds_build.log"
+}
+
 if [ "$PHASE" = tests ]; then
   # SIGINT at the limit: pytest stops and still prints its summary; each failure's traceback is written as it comes.
   HETERO_FAILURES="$OUT/failures.txt" timeout -s INT -k 20 "${TESTS_TIMEOUT:-500}" \
@@ -82,9 +90,7 @@ if [ "$PHASE" = tests ]; then
   { echo "---- failed"; grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | sort -u; } >>"$OUT/pytest.log"
 fi
 if [ "$PHASE" = smoke ] || [ "$PHASE" = all ]; then
-  timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
-CPUAdamBuilder().load(); print('cpu_adam built')
-AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
+  build_deepspeed
   timeout 230 python3 benchmarks/gpu_race.py --layers 2 --hidden 512 --heads 8 --intermediate 1376 --vocab 8000 \
     --seq 512 --batch 4 --steps 2 --warmup 1 --nvme-steps 1 --nvme-warmup 1 --nvme-dir "$NV" --timeout 120 \
     >"$OUT/smoke.txt" 2>&1
@@ -92,8 +98,7 @@ AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
 fi
 if [ "$PHASE" = race ] || [ "$PHASE" = all ]; then
   if [ -n "${DS_PREBUILD:-}" ]; then
-    timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
-CPUAdamBuilder().load(); AsyncIOBuilder().load()" >"$OUT/ds_build.log" 2>&1
+    build_deepspeed
   fi
   # PROFILE_DIR=/tmp/prof: every configuration profiled; the tables come back in one archive (the machine returns 8
   # files at most), with hetero_offload's trace beside it.
@@ -106,10 +111,7 @@ CPUAdamBuilder().load(); AsyncIOBuilder().load()" >"$OUT/ds_build.log" 2>&1
   fi
 fi
 if [ "$PHASE" = build ]; then
-  timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
-CPUAdamBuilder().load(); print('cpu_adam built')
-AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
-  echo "build exit $?" >>"$OUT/ds_build.log"
+  build_deepspeed
 fi
 if [ "$PHASE" = waits ]; then
   timeout "${WAITS_TIMEOUT:-200}" python3 tools/gpu_waits.py --nvme-dir "$NV" --json >"$OUT/waits.json" 2>"$OUT/waits.err"
