@@ -190,8 +190,10 @@ class ChunkManager:
         reads the payload, so a clean swap copy stays valid and a later eviction costs no write.
         """
         self._check_open()
-        if chunk is self._last and tier is self._last_tier and self._settled(chunk, tier) and not self._owed():
-            if write:  # the access before this one was of this chunk: [Note: an access repeated] in policy.py
+        # [Note: an access repeated] in policy.py: decided from the calls alone, never from what is in flight.
+        repeat = chunk is self._last and tier is self._last_tier and not self.events.has("access")
+        if repeat and not self._trim_host_later and self._settled(chunk, tier):
+            if write:
                 chunk.dirty = True
             return chunk.payload
         mover = self._mover
@@ -200,9 +202,10 @@ class ChunkManager:
             self._trim_host_later = False
             self.trim(Tier.HOST)
         self.events.emit("access")
-        self._clock += 1
-        self.counters["accesses"] += 1
-        self.trace.record(chunk.id, tier)
+        if not repeat:
+            self._clock += 1
+            self.counters["accesses"] += 1
+            self.trace.record(chunk.id, tier)
         if chunk.state is ChunkState.EMPTY:
             self._allocate(chunk, tier)
         else:
@@ -224,9 +227,6 @@ class ChunkManager:
         self._last, self._last_tier = chunk, tier
         return chunk.payload
 
-    def _owed(self) -> bool:  # an access owes more than its chunk: a trim put off, or a subscriber measuring it
-        return self._trim_host_later or self.events.has("access")
-
     def _settled(self, chunk: Chunk, tier: Tier) -> bool:  # resident on `tier` with nothing in flight to wait for
         return (
             chunk.state is ChunkState.RESIDENT
@@ -239,6 +239,7 @@ class ChunkManager:
         """Move a chunk to a tier explicitly (e.g. offload it now), without recording an access."""
         self._check_open()
         mover = self._mover
+        self._last = None  # a chunk moved by the caller: its next access is recorded ([Note: an access repeated])
         mover.poll()
         mover.wait(chunk)
         if chunk.state is ChunkState.EMPTY or chunk.tier == tier:

@@ -16,11 +16,14 @@ An access of the chunk the last recorded access was of, to the same tier, while 
 flight to or from it, is not recorded: it tells the future nothing the trace has not (no position moves, so prefetch
 would ask the same question again) and needs nothing done but marking the chunk written. A module's parameters, a
 unit's gradients one parameter at a time, each access their chunk in turn: two thirds of a stage-3 step's accesses
-repeat the one before on a 16-layer Llama (`benchmarks/host_overhead.py`). Whether an access repeats depends only on
-the sequence of accesses and on where the chunk is, which replay checks anyway, so a replayed step skips the same
-accesses its recording did; the first access of a step is always recorded. Automatic placement, which measures the
-device at every access, turns this off, and an access owed a host trim put off while write-backs were in flight
-(`trim_idle`) takes the full path.
+repeat the one before on a 16-layer Llama (`benchmarks/host_overhead.py`). Whether an access repeats depends on the
+sequence of accesses alone, so a replayed step skips the same accesses its recording did; the first access of a step
+is always recorded, and so is the first after the caller moved a chunk (`ChunkManager.move`). Where the chunk is
+decides only whether a repeat returns at once: one moved since by the manager itself (an eviction, a prefetch), or
+with a copy landing, or owed a host trim put off while write-backs were in flight (`trim_idle`), takes the full
+path, still unrecorded (deciding the record from what was in flight made a replay's accesses depend on the disk's
+timing, and `tests/test_delayed.py`'s replay broke off under load). Automatic placement, which measures the device
+at every access, turns this off.
 """
 
 from __future__ import annotations
