@@ -12,9 +12,9 @@ step: eviction falls back to least-recently-used and prefetch stops, and the ste
 the trace from the next step on. A mismatch never waits for an access that is not coming, so it cannot hang.
 
 [Note: an access repeated]
-An access of the chunk the last recorded access was of, to the same tier, while it is still there with nothing in
-flight to or from it, is not recorded: it tells the future nothing the trace has not (no position moves, so prefetch
-would ask the same question again) and needs nothing done but marking the chunk written. A module's parameters, a
+An access of the chunk the last recorded access was of, to the same tier, is not recorded: it tells the future
+nothing the trace has not (no position moves, so prefetch would ask the same question again); with the chunk still
+there and nothing in flight to or from it, it needs nothing done but marking the chunk written. A module's parameters, a
 unit's gradients one parameter at a time, each access their chunk in turn: two thirds of a stage-3 step's accesses
 repeat the one before on a 16-layer Llama (`benchmarks/host_overhead.py`). Whether an access repeats depends on the
 sequence of accesses alone, so a replayed step skips the same accesses its recording did; the first access of a step
