@@ -612,6 +612,7 @@ class Engine:
         self._closed = True
         self.monitor.close()
         self.hooks.remove()
+        self.check.close()
         if self.updater.delayed is not None:
             self.updater.delayed.close()
         if self.in_backward is not None:

@@ -105,7 +105,7 @@ class Collectives:
         native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
         with torch.no_grad():
             work = dist.all_reduce(t, op=_reduce_op(native_op), group=self.group, async_op=True)
-        return ThenDivide(Timed(work, self._wait, label), t, self.size if native_op != op else None)
+        return ThenDivide(Timed(work, self._wait, label, self.guarded()), t, self.size if native_op != op else None)
 
     def all_reduce_bucketed(
         self, tensors: Sequence[torch.Tensor], op: str = "sum", bucket_bytes: int = 25 << 20
@@ -221,7 +221,7 @@ class Collectives:
             self._native_rs = False
             self.reduce_scatter(out, inp, op, what=what)
             return Done()
-        return ThenDivide(Timed(work, self._wait, label), out, self.size if native_op != op else None)
+        return ThenDivide(Timed(work, self._wait, label, self.guarded()), out, self.size if native_op != op else None)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, what: str | None = None) -> None:
         """Gather every rank's ``inp`` into ``out``; rank r's lands at flat elements [r*n, (r+1)*n).
@@ -287,8 +287,8 @@ class Collectives:
             return Done()
         if strict:
             standin.poison(out)
-            return LateGather(Timed(work, self._wait, label), out, dst, inp, label)
-        return Timed(work, self._wait, label)
+            return LateGather(Timed(work, self._wait, label, self.guarded()), out, dst, inp, label)
+        return Timed(work, self._wait, label, self.guarded())
 
     def _check_pair(
         self, out: torch.Tensor, inp: torch.Tensor, *, big: torch.Tensor, small: torch.Tensor, what: str
@@ -321,6 +321,7 @@ class Collectives:
             return obj
         ctl = self.control
         box = [obj if self.rank == src else None]
+        self.verify_checks()
         try:
             dist.broadcast_object_list(box, src=self._global_ranks[src], group=ctl.group)
         except RuntimeError as err:
@@ -335,6 +336,7 @@ class Collectives:
             return [obj]
         ctl = self.control
         out: list[object] = [None] * self.size
+        self.verify_checks()
         try:
             dist.all_gather_object(out, obj, group=ctl.group)
         except RuntimeError as err:
@@ -403,6 +405,7 @@ class Collectives:
             self._run("barrier", dist.barrier)
             return
         td = datetime.timedelta(seconds=timeout)
+        self.verify_checks()
         try:
             if self._backend == "gloo" and hasattr(dist, "monitored_barrier"):
                 dist.monitored_barrier(group=self.group, timeout=td, wait_all_ranks=True)

@@ -63,12 +63,18 @@ class ThenDivide:
 
 class Timed:
     """A backend's work whose wait() is bounded: `waiter(work, what)` waits with the group's timeout and turns an
-    expiry into an error naming the operation and the ranks that did not arrive."""
+    expiry into an error naming the operation and the ranks that did not arrive. `before`, if given, runs first
+    (a collective's: the schedule's checks posted before it are verified, [Note: checks posted, verified at the
+    wait] in `hetero/zero/protocol.py`)."""
 
-    def __init__(self, work: Any, waiter: Callable[[Any, str], None], what: str) -> None:
-        self._work, self._waiter, self._what = work, waiter, what
+    def __init__(
+        self, work: Any, waiter: Callable[[Any, str], None], what: str, before: Callable[[], None] | None = None
+    ) -> None:
+        self._work, self._waiter, self._what, self._before = work, waiter, what, before
 
     def wait(self) -> bool:
+        if self._before is not None:
+            self._before()
         self._waiter(self._work, self._what)
         return True
 

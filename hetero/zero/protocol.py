@@ -26,7 +26,20 @@ eviction, timing or data:
   - Before each such collective, when `check_collectives` is on, the ranks compare what they are about to do (a
     tiny all-gather on the control group, [Note: data and control groups]): a rank that took another path (a
     block skipped by some ranks, a different number of forwards) stops with an error naming the units and chunks
-    of every rank, within one collective of the divergence, instead of hanging or mixing up data.
+    of every rank, before the collective's result is used, instead of hanging or mixing up data.
+
+[Note: checks posted, verified at the wait]
+A check that blocked where it was made held every rank at every collective until the slowest one came: a rendezvous
+of the ranks' host threads at each gather and reduce-scatter, which a GPU's host thread otherwise runs ahead of, and
+which on two CPU ranks of the race cost 4-5% of the step (1.43 s against 1.37 s with the checks off). So a check
+is posted (its all-gather started) and the collective issued at once; it is compared when something waits for a
+collective issued after it: the groups (data and control) hold the checker as a `Guard`, an asynchronous
+collective's handle verifies the checks posted up to its own issue before its wait returns, and a blocking one all
+of them. No rank uses a collective's result before the ranks were found to agree on it, which is what the check is
+for; the error is raised there instead of at the issue, still naming every rank's collective. Each check's row
+carries the units its rank started last, so the error needs no further exchange: after a divergence the ranks'
+later operations no longer pair up, and a second collective to report it could itself hang. A rank that does not
+come still times out on the check's all-gather, named as before.
 """
 
 from __future__ import annotations
@@ -34,11 +47,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from hetero.comm import Comm
+from hetero.comm.handles import Handle
 from hetero.errors import CollectiveMismatchError
 from hetero.zero.units import Unit
 
@@ -46,7 +60,18 @@ if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
 
-_FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase
+_FIELDS = 5  # a check's row: sequence number, operation, chunk, unit, phase; then the units started last
+_STARTED = 6  # (unit, phase) pairs of the units this rank started last, sent with each check for the error
+_ROW = _FIELDS + 2 * _STARTED
+
+
+class _Posted(NamedTuple):
+    seq: int
+    row: torch.Tensor  # this rank's
+    rows: torch.Tensor  # every rank's, once `work` is done
+    work: Handle
+
+
 OPS = (
     "?",
     "gather",
@@ -69,7 +94,7 @@ def in_backward() -> bool:
 
 class Checker:
     """Compares, across the ranks of a group, the next collective each is about to issue; see [Note: every rank in
-    step]."""
+    step] and [Note: checks posted, verified at the wait]."""
 
     def __init__(self, comm: Comm, *, enabled: bool, units: list[Unit], chunks: list[ZeroChunk]) -> None:
         self.comm = comm
@@ -79,31 +104,64 @@ class Checker:
         self._chunks = chunks
         # The units this rank started last (index, phase), for the error: with gathers issued ahead, a unit some
         # ranks skip may issue nothing itself, and the first collective that differs is another unit's.
-        self.started: deque[tuple[int, int]] = deque(maxlen=6)
+        self.started: deque[tuple[int, int]] = deque(maxlen=_STARTED)
+        self._posted: deque[_Posted] = deque()  # checks sent, not yet compared, in order
+        self._verifying = False
+        if self.enabled:
+            for c in {id(c): c for c in (comm, comm.control)}.values():
+                c.guards.append(self)
 
     def __call__(self, op: int, *, chunk: int = -1, unit: int = -1, phase: int = OUTSIDE) -> None:
         self.seq += 1
         if not self.enabled:
             return
-        mine = torch.tensor([self.seq, op, chunk, unit, phase], dtype=torch.int64)
-        rows = torch.empty(self.comm.size * _FIELDS, dtype=torch.int64)
+        started = [v for u, p in self.started for v in (u, p)]
+        mine = torch.tensor([self.seq, op, chunk, unit, phase, *started], dtype=torch.int64)
+        row = torch.full((_ROW,), -1, dtype=torch.int64)
+        row[: mine.numel()] = mine
+        rows = torch.empty(self.comm.size * _ROW, dtype=torch.int64)
         what = f"the collective schedule's check before {self._describe(op, chunk, unit, phase)}"
-        self.comm.control.all_gather(rows, mine, what=what)
-        rows = rows.view(self.comm.size, _FIELDS)
-        if bool((rows == mine).all()):
-            return
-        started = self.comm.control.all_gather_object(list(self.started))  # every rank is here: all saw the rows
-        raise CollectiveMismatchError(self._explain(rows, started))
+        work = self.comm.control.all_gather_async(rows, row, what=what)
+        self._posted.append(_Posted(self.seq, row, rows, work))
 
-    def _explain(self, rows: torch.Tensor, started: list) -> str:
+    def close(self) -> None:
+        """Stop guarding the groups (the engine's close). What is posted is dropped unverified: after an error a
+        rank may never come, and the engine's data is not used any more."""
+        self._posted.clear()
+        for c in (self.comm, self.comm.control):
+            if self in c.guards:
+                c.guards.remove(self)
+
+    # ---- the Guard of the groups' waits -------------------------------------------------------------------
+    def mark(self) -> int:
+        return self.seq
+
+    def verify(self, upto: int | None) -> None:
+        """Wait for the checks posted up to `upto` (all, for None) and raise if any found the ranks apart."""
+        if self._verifying:  # a check's own wait, or the error's report
+            return
+        self._verifying = True
+        try:
+            while self._posted and (upto is None or self._posted[0].seq <= upto):
+                p = self._posted.popleft()
+                p.work.wait()
+                rows = p.rows.view(self.comm.size, _ROW)
+                if not bool((rows[:, :_FIELDS] == p.row[:_FIELDS]).all()):
+                    self._posted.clear()
+                    raise CollectiveMismatchError(self._explain(rows))
+        finally:
+            self._verifying = False
+
+    def _explain(self, rows: torch.Tensor) -> str:
         lines = [
             "the ranks of the data-parallel group are about to run different collectives (global ranks "
             f"{self.comm.global_ranks}):"
         ]
-        for r, (seq, op, chunk, unit, phase) in enumerate(rows.tolist()):
+        for r, (seq, op, chunk, unit, phase) in enumerate(rows[:, :_FIELDS].tolist()):
             doing = self._describe(op, chunk, unit, phase)
             lines.append(f"  rank {self.comm.global_rank(r)}: collective #{seq}, {doing}")
-        for r, units in enumerate(started):
+        for r, flat in enumerate(rows[:, _FIELDS:].tolist()):
+            units = [(u, p) for u, p in zip(flat[::2], flat[1::2]) if u >= 0]
             names = ", ".join(f"{self._units[u].name or '(root)'!r} ({PHASES[p]})" for u, p in units)
             lines.append(f"  rank {self.comm.global_rank(r)} started, last: {names or 'no unit'}")
         lines.append(
