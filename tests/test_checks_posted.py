@@ -51,7 +51,8 @@ def _run_posted(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_a_check_is_not_a_rendezvous_and_the_wait_verifies_it():
+def test_a_check_is_not_a_rendezvous_and_the_wait_verifies_it(monkeypatch):
+    monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
     results = run_distributed(_run_posted, 2, timeout=100)
     early = results[0]
     # Rank 0 checked and issued its all-reduce without waiting for rank 1, then met it at the wait.
@@ -108,7 +109,8 @@ def _run_blocking(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_a_blocking_collective_after_a_check_verifies_it_first():
+def test_a_blocking_collective_after_a_check_verifies_it_first(monkeypatch):
+    monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
     for message in run_distributed(_run_blocking, 2, timeout=100):
         assert "different collectives" in message, message
 

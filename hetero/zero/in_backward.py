@@ -21,8 +21,9 @@ Keeping every rank in step ([Note: every rank in step]):
     collective. Stage 3 writes its own shard, stage 0 its whole chunk; stages 1-2 write their part of the parameters
     and gather the others' at the end of backward, every chunk in layout order;
   - which parameters any rank used (PyTorch's optimizers skip a parameter without a gradient) is agreed by a max
-    all-reduce on the control group when the chunk's reduction is issued, right after the collective check: a point
-    every rank reaches in the same sequence;
+    all-reduce on the control group posted when the chunk's reduction is issued, right after the collective check
+    (a point every rank reaches in the same sequence), and waited for when the chunk steps, not at the issue, where
+    it held every rank at every reduction until the slowest came ([Note: checks posted, verified at the wait]);
   - the reported norm's sum of squares is all-reduced at `engine.step()`, as the update after backward does.
 The manager's access trace sees the update inside backward every step alike, so its replay (prefetch, eviction)
 reads the states ahead in the order they are used.
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetero.comm.handles import Handle
 from hetero.memory import Tier
 from hetero.zero.norms import sum_of_squares
 from hetero.zero.protocol import UPDATE, reduce_order
@@ -68,7 +70,8 @@ class InBackward:
         self.order = reduce_order(updater.chunks)  # the order reductions complete in: the same on every rank
         self.plan: Plan | None = None  # the update running in this backward
         self.done = False  # a backward stepped every chunk; `take` (engine.step) counts the update
-        self._used: dict[int, torch.Tensor] = {}  # chunk id -> which parameters some rank used (agreed at issue)
+        # chunk id -> which parameters some rank used, and the agreement's handle (posted at issue, waited at use)
+        self._used: dict[int, tuple[torch.Tensor, Handle]] = {}
         self._next = 0  # position in `order` of the next chunk to step
         # [Note: the update in backward off the autograd thread]: the chunk whose math runs, its master, the future
         self._running: tuple[ZeroChunk, torch.Tensor, Future[tuple[torch.Tensor, float, float]]] | None = None
@@ -102,14 +105,13 @@ class InBackward:
 
     def issued(self, zc: ZeroChunk) -> None:
         """`zc`'s reduction is being issued (its gradients of this backward are all in): agree on its used
-        parameters, every rank at this point of the control group's sequence."""
+        parameters, every rank at this point of the control group's sequence. Posted, not waited for here (a
+        rendezvous at every reduction otherwise); the chunk's step waits for it."""
         if self.plan is None:
             return
         used = zc.used.clone()
-        comm = self.updater.comm
-        if comm.size > 1:
-            comm.control.all_reduce(used, op="max")  # a parameter any rank used has a (mean) gradient
-        self._used[id(zc)] = used
+        # A parameter any rank used has a (mean) gradient.
+        self._used[id(zc)] = (used, self.updater.comm.control.all_reduce_async(used, op="max"))
 
     def reduced(self, zc: ZeroChunk) -> None:
         """`zc`'s reduced gradient is complete: step it now."""
@@ -122,7 +124,8 @@ class InBackward:
         self._next += 1
         u = self.updater
         u.reduced_early(zc)  # stages 0-1: forget the early reduction, which the update after backward would skip
-        used = self._used.pop(id(zc))
+        used, agreed = self._used.pop(id(zc))
+        agreed.wait()
         with zc.device.update_context():
             if not self.off_thread(zc):
                 u.step_one(self.order, i, plan, used, gather=False)
