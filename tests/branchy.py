@@ -120,3 +120,22 @@ def run(rank: int, world: int, config: dict, steps: int) -> dict[str, Any]:
     state = {k: v.float() for k, v in engine.full_state_dict().items()}
     engine.close()
     return {"losses": losses, "state": state}
+
+
+def run_skipped_module(rank: int, world: int) -> str:
+    """Stage 3 where rank 1 skips a top-level module (`skip_head`): "seconds|message" of the CollectiveMismatchError
+    the step stops with, or "no error"."""
+    import time
+
+    import hetero
+
+    torch.set_num_threads(1)
+    model = build(skip_head=True)
+    engine = hetero.initialize(model, make_optimizer(model), {"zero_stage": 3, "chunk_size": 512})
+    x, y = batches(1, world)[0][rank]
+    started = time.monotonic()
+    try:
+        engine.backward(engine(x, y).loss)
+    except hetero.errors.CollectiveMismatchError as err:
+        return f"{time.monotonic() - started:.1f}|{err}"
+    return "no error"

@@ -62,7 +62,7 @@ def test_a_check_is_not_a_rendezvous_and_the_wait_verifies_it(monkeypatch):
         assert r["data"] == [3.0] * 4, r
 
 
-def _run_apart(rank: int, world: int) -> str:
+def _run_apart(rank: int, world: int, blocking: bool) -> str:
     import hetero
     from hetero.comm import Comm
     from hetero.zero.protocol import GATHER, REDUCE
@@ -74,9 +74,11 @@ def _run_apart(rank: int, world: int) -> str:
     # the same size, so without the check they would pair up and mix the data silently.
     check(GATHER, chunk=2) if rank == 0 else check(REDUCE, chunk=5)
     data = torch.full((4,), float(rank + 1))
-    handle = comm.all_reduce_async(data)
     try:
-        handle.wait()
+        if blocking:
+            comm.all_reduce(data)
+        else:
+            comm.all_reduce_async(data).wait()
     except hetero.errors.CollectiveMismatchError as err:
         return str(err)
     return "no error"
@@ -85,7 +87,7 @@ def _run_apart(rank: int, world: int) -> str:
 @pytest.mark.timeout(120)
 def test_ranks_apart_both_stop_at_the_wait_naming_every_rank(monkeypatch):
     monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
-    results = run_distributed(_run_apart, 2, timeout=100)
+    results = run_distributed(_run_apart, 2, False, timeout=100)
     for message in results:
         assert "different collectives" in message, message
         assert "rank 0: collective #1, gather" in message and "rank 1: collective #1, reduce-scatter" in message
@@ -93,41 +95,11 @@ def test_ranks_apart_both_stop_at_the_wait_naming_every_rank(monkeypatch):
         assert "started, last: 'blocks.0' (forward)" in message, message
 
 
-def _run_blocking(rank: int, world: int) -> str:
-    import hetero
-    from hetero.comm import Comm
-    from hetero.zero.protocol import GATHER
-
-    comm = Comm.world()
-    check = _checker(comm)
-    check(GATHER, chunk=rank)  # the ranks disagree; a blocking collective after it must not return
-    try:
-        comm.all_reduce(torch.ones(2))
-    except hetero.errors.CollectiveMismatchError as err:
-        return str(err)
-    return "no error"
-
-
 @pytest.mark.timeout(120)
 def test_a_blocking_collective_after_a_check_verifies_it_first(monkeypatch):
     monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
-    for message in run_distributed(_run_blocking, 2, timeout=100):
+    for message in run_distributed(_run_apart, 2, True, timeout=100):
         assert "different collectives" in message, message
-
-
-def _run_skipped(rank: int, world: int) -> str:
-    import hetero
-
-    torch.set_num_threads(1)
-    model = branchy.build(skip_head=True)  # rank 1 skips a top-level module: its gathers are rank 0's alone
-    engine = hetero.initialize(model, branchy.make_optimizer(model), {"zero_stage": 3, "chunk_size": 512})
-    x, y = branchy.batches(1, world)[0][rank]
-    started = time.monotonic()
-    try:
-        engine.backward(engine(x, y).loss)
-    except hetero.errors.CollectiveMismatchError as err:
-        return f"{time.monotonic() - started:.1f}|{err}"
-    return "no error"
 
 
 @pytest.mark.timeout(120)
@@ -135,7 +107,7 @@ def test_under_the_standin_a_skipped_module_stops_both_ranks(monkeypatch):
     """The stand-in's control group is a group of its own, as on a GPU node (gloo beside NCCL): the checks and the
     collectives no longer share one queue, and both ranks still stop with the error."""
     monkeypatch.setenv("HETERO_STANDIN", "1")
-    for r in run_distributed(_run_skipped, 2, timeout=100):
+    for r in run_distributed(branchy.run_skipped_module, 2, timeout=100):
         seconds, _, message = r.partition("|")
         assert message and float(seconds) < 10, r
         assert "'extra'" in message and "move it into a block" in message, message

@@ -129,24 +129,9 @@ def test_branches_and_experts_that_differ_by_rank_match_plain_pytorch(tmp_path):
         assert not torch.equal(r["state"]["blocks.0.b.weight"], init["blocks.0.b.weight"]), key
 
 
-def _run_skipped_module(rank: int, world: int) -> str:
-    import hetero
-
-    torch.set_num_threads(1)
-    model = branchy.build(skip_head=True)
-    engine = hetero.initialize(model, branchy.make_optimizer(model), {"zero_stage": 3, "chunk_size": 512})
-    x, y = branchy.batches(1, world)[0][rank]
-    started = time.monotonic()
-    try:
-        engine.backward(engine(x, y).loss)
-    except hetero.errors.CollectiveMismatchError as err:
-        return f"{time.monotonic() - started:.1f}|{err}"
-    return "no error"
-
-
 @pytest.mark.timeout(120)
 def test_a_top_level_module_only_some_ranks_run_is_a_clear_error_at_stage3():
-    results = run_distributed(_run_skipped_module, 2, timeout=100)
+    results = run_distributed(branchy.run_skipped_module, 2, timeout=100)
     for r in results:
         seconds, _, message = r.partition("|")
         assert message, r
