@@ -115,10 +115,8 @@ class Checker:
         self.seq += 1
         if not self.enabled:
             return
-        started = [v for u, p in self.started for v in (u, p)]
-        mine = torch.tensor([self.seq, op, chunk, unit, phase, *started], dtype=torch.int64)
-        row = torch.full((_ROW,), -1, dtype=torch.int64)
-        row[: mine.numel()] = mine
+        values = [self.seq, op, chunk, unit, phase, *(v for u, p in self.started for v in (u, p))]
+        row = torch.tensor(values + [-1] * (_ROW - len(values)), dtype=torch.int64)
         rows = torch.empty(self.comm.size * _ROW, dtype=torch.int64)
         what = f"the collective schedule's check before {self._describe(op, chunk, unit, phase)}"
         work = self.comm.control.all_gather_async(rows, row, what=what)
