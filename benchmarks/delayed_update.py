@@ -10,12 +10,14 @@ the same seed on the same batches, each in a fresh process:
   delayed_warmup   delayed_param_update after K exact updates (delayed_param_update_warmup, default 40 as in the
                    ZeRO-Offload paper)
   delayed          delayed_param_update from the first update (warm-up 0)
+  predicted        delayed_warmup with delayed_param_update_prediction: forward and backward on a prediction of the
+                   weights the pending update gives ([Note: predicting past the delay] in hetero/zero/predict.py)
 
 With --plain, plain PyTorch trains the same model on the same batches with the same optimizer, schedule and clipping
-through the same three algorithms (runs `plain_exact`, `plain_delayed_warmup`, `plain_delayed`: two copies of the
-weights, the gradient of update t taken at the weights of update t-2 once the delay runs), so a gap can be told
-apart from an engine bug: `engine_vs_plain` is the largest loss difference between hetero and plain PyTorch over the
-first `--warmup` + 10 steps, before rounding differences grow chaotically.
+through the same algorithms (runs `plain_exact`, `plain_delayed_warmup`, ...: two copies of the weights, the
+gradient of update t taken at the weights of update t-2 once the delay runs, or at their prediction), so a gap can
+be told apart from an engine bug: `engine_vs_plain` is the largest loss difference between hetero and plain
+PyTorch over the first `--warmup` + 10 steps, before rounding differences grow chaotically.
 
 Losses are deterministic (one process, one thread each), so other load on the machine changes the wall times but
 not the curves. Reported per run: the mean loss over the last W steps; per delayed run, its gap to the exact run
@@ -40,13 +42,14 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
-RUNS = ("exact", "delayed_warmup", "delayed")
+RUNS = ("exact", "delayed_warmup", "delayed", "predicted")
 
 
 def run_flags(name: str, warmup: int) -> list[str]:
     if name == "exact":
         return []
-    return ["--delayed-param-update", "--delayed-update-warmup", str(warmup if name == "delayed_warmup" else 0)]
+    flags = ["--delayed-param-update", "--delayed-update-warmup", str(0 if name == "delayed" else warmup)]
+    return flags + (["--delayed-update-prediction"] if name == "predicted" else [])
 
 
 def train(name: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
@@ -91,7 +94,8 @@ def train_plain(name: str, args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(param_groups(master, 0.1), lr=args.lr or 3e-3, betas=(0.9, 0.95))
     sched = warmup_cosine(opt, steps=args.steps)
     data = batches(load_corpus(), block_size=BLOCK_SIZE, batch_size=8, seed=args.seed)
-    exact_until = {"exact": args.steps, "delayed_warmup": args.warmup, "delayed": 0}[name]
+    exact_until = {"exact": args.steps, "delayed_warmup": args.warmup, "delayed": 0, "predicted": args.warmup}[name]
+    predictor = PlainPrediction(opt) if name == "predicted" else None
     losses = []
     t0 = time.perf_counter()
     for update in range(1, args.steps + 1):
@@ -100,17 +104,75 @@ def train_plain(name: str, args: argparse.Namespace) -> dict[str, Any]:
         losses.append(loss.item())
         with torch.no_grad():  # the boundary: the pending update's values reach the model, its gradient the master
             for p, pm in zip(model.parameters(), master.parameters()):
-                p.copy_(pm)
                 pm.grad, p.grad = p.grad, None
-        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+            if update > exact_until + 1 or (update > exact_until and predictor is None):
+                for p, pm in zip(model.parameters(), master.parameters()):
+                    p.copy_(pm if predictor is None else predictor.forward_weights(pm))
         opt.step()
         opt.zero_grad()
+        if predictor is not None and update > exact_until:
+            predictor.after_step()
         sched.step()
         if update <= exact_until:  # an exact update: the model takes its values at once
             with torch.no_grad():
                 for p, pm in zip(model.parameters(), master.parameters()):
                     p.copy_(pm)
     return {"losses": losses, "seconds": time.perf_counter() - t0, "command": f"plain PyTorch, {name}"}
+
+
+class PlainPrediction:
+    """[Note: predicting past the delay] (hetero/zero/predict.py) in plain PyTorch, for AdamW (and SGD): after each
+    delayed update the pending values are the new weights minus the next update's drift (for Adam scaled by the
+    per-tensor mean of sqrt(v-hat) of the update before); at the next boundary they lose the fresh part, the clipped
+    gradient scaled by the newest means, and become the weights the model runs on."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.sgd = type(opt).__name__ == "SGD"
+        self.values: dict[Any, Any] = {}  # per master parameter: the pending values
+        self.scale: dict[Any, float] = {}  # per master parameter: mean sqrt(v-hat) after its last update
+        self.sums: dict[Any, float] = {}  # the pending update's means, not yet the scales
+
+    def group_of(self, pm: Any) -> dict[str, Any]:
+        return next(g for g in self.opt.param_groups if any(q is pm for q in g["params"]))
+
+    def forward_weights(self, pm: Any) -> Any:
+        """At the boundary of the next update (its gradient in pm.grad, clipped, not stepped yet)."""
+        self.scale.update(self.sums)  # refresh, once per boundary (the first parameter's call)
+        self.sums = {}
+        out = self.values.get(pm, pm).clone()
+        g = self.group_of(pm)
+        if self.sgd:
+            mu, damp = g["momentum"], g["dampening"]
+            c = g["lr"] * ((1 + mu * (1 - damp)) if g["nesterov"] else (1 - damp if mu != 0 else 1.0))
+            out.add_(pm.grad, alpha=-c)
+        elif pm in self.scale:
+            b1, k = g["betas"][0], float(self.opt.state[pm]["step"])
+            out.add_(pm.grad, alpha=-g["lr"] * (1 - b1) / (1 - b1 ** (k + 1)) / (self.scale[pm] + g["eps"]))
+        return out
+
+    def after_step(self) -> None:
+        """Beside the update: its values minus the next drift, and its means."""
+        import torch
+
+        with torch.no_grad():
+            for g in self.opt.param_groups:
+                lr = g["lr"]
+                for pm in g["params"]:
+                    st = self.opt.state[pm]
+                    self.values[pm] = pm.clone()
+                    if self.sgd:
+                        mu = g["momentum"]
+                        if mu != 0:
+                            self.values[pm].add_(st["momentum_buffer"], alpha=-lr * (mu * mu if g["nesterov"] else mu))
+                        continue
+                    (b1, b2), k = g["betas"], float(st["step"])
+                    self.sums[pm] = float(st["exp_avg_sq"].sqrt().sum(dtype=torch.float64)) / math.sqrt(1 - b2**k)
+                    self.sums[pm] /= pm.numel()
+                    if pm in self.scale:
+                        coef = lr * b1 / (1 - b1 ** (k + 1)) / (self.scale[pm] + g["eps"])
+                        self.values[pm] = pm.mul(1 - lr * g["weight_decay"]).add_(st["exp_avg"], alpha=-coef)
 
 
 def run_one(name: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
@@ -155,8 +217,13 @@ def plot(results: dict[str, dict[str, Any]], window: int, warmup: int, path: str
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = {"exact": "exact", "delayed_warmup": f"delayed after {warmup} exact", "delayed": "delayed from step 1"}
-    colors = {"exact": "tab:blue", "delayed_warmup": "tab:orange", "delayed": "tab:green"}
+    labels = {
+        "exact": "exact",
+        "delayed_warmup": f"delayed after {warmup} exact",
+        "delayed": "delayed from step 1",
+        "predicted": f"delayed after {warmup} exact, predicted",
+    }
+    colors = {"exact": "tab:blue", "delayed_warmup": "tab:orange", "delayed": "tab:green", "predicted": "tab:red"}
     for name, r in results.items():
         base, plain = name.removeprefix("plain_"), name.startswith("plain_")
         label = f"{labels[base]}, plain PyTorch" if plain else labels[base]

@@ -27,6 +27,7 @@ fresh process:
                      (offload_optimizer.pipeline_read and pipeline_write, 16 swap buffers)
   hetero_nvme        (--nvme-dir) hetero with parameters and optimizer states on NVMe
   hetero_nvme_delayed      (--nvme-dir) the same with delayed_param_update
+  hetero_nvme_predicted    (--nvme-dir) the same with delayed_param_update_prediction too (the master kept apart)
   hetero_nvme_in_backward  (--nvme-dir) the same with update_in_backward
 
 With parameters on NVMe both engines keep the same number of parameter elements in host memory (--max-in-cpu N:
@@ -75,6 +76,7 @@ CONFIGS = (
     "deepspeed_nvme_pipelined",
     "hetero_nvme",
     "hetero_nvme_delayed",
+    "hetero_nvme_predicted",
     "hetero_nvme_in_backward",
 )
 DS_NVME = ("deepspeed_nvme", "deepspeed_nvme_pipelined")  # the peer's NVMe configurations: the best one counts
@@ -86,6 +88,7 @@ RACES = (  # (name, hetero's configuration, the peer's, or several: the best of 
     ("vs_deepspeed_offload_delayed", "hetero_offload_delayed", "deepspeed_offload"),
     ("vs_deepspeed_nvme", "hetero_nvme", DS_NVME),
     ("vs_deepspeed_nvme_delayed", "hetero_nvme_delayed", DS_NVME),
+    ("vs_deepspeed_nvme_predicted", "hetero_nvme_predicted", DS_NVME),
     ("vs_fsdp2_offload_in_backward", "hetero_offload_in_backward", "fsdp2_offload"),
     ("vs_deepspeed_nvme_in_backward", "hetero_nvme_in_backward", DS_NVME),
 )
@@ -189,8 +192,10 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
             config["precision"] = "fp32"  # the CPU's bf16 matmuls are emulated and slow; the code path is the same
         if where == "nvme":  # DeepSpeed's max_in_cpu, in bytes of the compute dtype
             config["offload"]["params_host_bytes"] = args.max_in_cpu * (4 if args.dry_run else 2)
-        if name.endswith("_delayed"):
+        if name.endswith(("_delayed", "_predicted")):
             config.update(delayed_param_update=True, delayed_param_update_warmup=0)
+        if name.endswith("_predicted"):
+            config["delayed_param_update_prediction"] = True
         if name.endswith("_in_backward"):
             config["update_in_backward"] = True  # each chunk steps as its gradient is final, during backward
         engine = hetero.initialize(model, opt, config, device=dev)

@@ -88,6 +88,12 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
         default=40,
         help="with --delayed-param-update: exact updates before the delay starts (0: delayed from the first)",
     )
+    ap.add_argument(
+        "--delayed-update-prediction",
+        action="store_true",
+        help="with --delayed-param-update: run forward and backward on a prediction of the weights the pending update "
+        "gives, not the stale ones (keeps Adam stable under the delay)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end instead of a report")
 
 
@@ -110,6 +116,7 @@ def build_config(args: argparse.Namespace, nvme_dir: str | None) -> dict[str, An
     }
     if config["delayed_param_update"]:
         config["delayed_param_update_warmup"] = getattr(args, "delayed_update_warmup", 40)
+        config["delayed_param_update_prediction"] = getattr(args, "delayed_update_prediction", False)
     return config
 
 

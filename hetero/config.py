@@ -148,6 +148,13 @@ class Config:
     """With delayed_param_update: how many updates are exact before the delay starts. Early training moves the
     weights fast, and a gradient taken one update stale hurts most there; the ZeRO-Offload paper delays only after
     the first 40 iterations, hence the default ([Note: warming up before delaying]). 0 delays from the first update."""
+    delayed_param_update_prediction: bool = False
+    """With delayed_param_update: run each forward and backward on a prediction of the weights the pending update
+    is about to give (its momentum and the fresh gradient, one step of Adam or SGD with a per-tensor scale) instead of
+    the weights one update old. The delay takes Adam out of its stability range at learning rates where the exact
+    update is stable; the prediction brings the loss back to the exact update's ([Note: predicting past the delay]
+    in hetero/zero/predict.py). Costs: the master weights kept apart from the parameters (with states on NVMe, 4
+    more bytes a parameter each way), an axpy over the shard at each update's boundary."""
     update_in_backward: bool = False
     """Step each chunk's optimizer during the backward before an update, as soon as its reduced gradient is final,
     instead of after backward (PyTorch's optimizer-in-backward). The same arithmetic as the update after backward;
@@ -204,6 +211,15 @@ class Config:
             raise ConfigError(
                 f"delayed_param_update_warmup: {self.delayed_param_update_warmup!r} has no effect unless "
                 "delayed_param_update is true; set delayed_param_update true, or remove delayed_param_update_warmup"
+            )
+        if not isinstance(self.delayed_param_update_prediction, bool):
+            raise ConfigError(
+                f"delayed_param_update_prediction: expected true or false, got {self.delayed_param_update_prediction!r}"
+            )
+        if self.delayed_param_update_prediction and not self.delayed_param_update:
+            raise ConfigError(
+                "delayed_param_update_prediction: has no effect unless delayed_param_update is true; set "
+                "delayed_param_update true, or remove delayed_param_update_prediction"
             )
         if not isinstance(self.update_in_backward, bool):
             raise ConfigError(f"update_in_backward: expected true or false, got {self.update_in_backward!r}")

@@ -42,6 +42,7 @@ from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
+from hetero.zero.predict import Prediction
 from hetero.zero.protocol import Checker, Reducer, adopt_observed_order
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
@@ -162,6 +163,7 @@ class Engine:
                 dtype=self.dtype,
                 placement=dataclasses.replace(placement, params=home),
                 state_names=self.algorithm.state_names,
+                keep_master=config.delayed_param_update_prediction,
             )
             self.chunks.append(zc)
             for info, slot in zip(spec.params, zc.slots):
@@ -249,7 +251,10 @@ class Engine:
             self._entries, model=model, units=self.units, gathers=self.gathers, on_grad=lambda p: on_grad()(p)
         )
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
-            self.updater.delayed = DelayedUpdate(self.updater, model)
+            predict = None
+            if config.delayed_param_update_prediction:  # [Note: predicting past the delay]
+                predict = Prediction(self.algorithm, self.chunks, self.updater.comm)  # ZeRO's group
+            self.updater.delayed = DelayedUpdate(self.updater, model, predict)
         # [Note: the reduce order learnt from a backward]: reductions interleave with backward's gathers at stage 3
         # over several ranks; there the static order stays.
         if self.stage == 3 and self.comm.size > 1:

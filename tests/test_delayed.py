@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +27,9 @@ except ImportError:  # tests/ itself on sys.path
     from dist import run_distributed  # type: ignore[no-redef]
     from test_checkpoint import resume_case  # type: ignore[no-redef]
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from delayed_update import PlainPrediction  # noqa: E402  (benchmarks/ is no package)
+
 STEPS, ROWS = 6, 4
 
 
@@ -35,14 +40,18 @@ def delayed_reference(
     warmup: int = 0,
     settled: tuple[int, ...] = (),
     steps: int = STEPS,
+    predict: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[list[float], dict]:
-    """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2.
-    The forward model holds what the last completed update gave; the master weights run one update ahead. Updates
-    1..warmup are exact (the model takes their values at once: [Note: warming up before delaying]), and so is
-    each update in `settled` (a checkpoint saved after it applies it before the next forward)."""
+    """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2 (with
+    `predict`, at their prediction: benchmarks/delayed_update.py's PlainPrediction). The forward model holds what the
+    last completed update gave; the master weights run one update ahead. Updates 1..warmup are exact (the model takes
+    their values at once: [Note: warming up before delaying]), and so is each update in `settled` (a checkpoint
+    saved after it applies it before the next forward, and the prediction starts afresh)."""
     model = parity.build().to(dtype)
     master = copy.deepcopy(model)
-    opt = parity.make_optimizer(master)
+    opt = parity.make_optimizer(master, optimizer)
+    predictor = PlainPrediction(opt) if predict else None
     losses = []
     for update, (x, y) in enumerate(parity.batches(steps, ROWS), start=1):
         loss = model(x, labels=y).loss
@@ -50,16 +59,21 @@ def delayed_reference(
         losses.append(loss.item())
         with torch.no_grad():  # the boundary: the pending update's values reach the model, then the next is taken
             for p, pm in zip(model.parameters(), master.parameters()):
-                p.copy_(pm)
                 pm.grad, p.grad = p.grad, None
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+            for p, pm in zip(model.parameters(), master.parameters()):
+                p.copy_(pm if predictor is None or update <= warmup + 1 else predictor.forward_weights(pm))
         opt.step()
         opt.zero_grad()
+        if predictor is not None and update > warmup:
+            predictor.after_step()
         if update <= warmup or update in settled:
             with torch.no_grad():
                 for p, pm in zip(model.parameters(), master.parameters()):
                     p.copy_(pm)
+            if predictor is not None:
+                predictor = PlainPrediction(opt)
     return losses, {k: v.detach().float().clone() for k, v in master.state_dict().items()}
 
 
@@ -81,6 +95,15 @@ DELAYED["z3-nvme-some-host"] = {
     **DELAYED["z3-nvme"],
     "offload": {"optimizer": "nvme", "params": "nvme", "params_host_bytes": 3 * parity.CHUNK * 4 // 2},
 }
+# [Note: predicting past the delay]: every stage, with clipping, states on the host and on NVMe, after the warm-up.
+for _name in ("z0-host", "z1-host-clip", "z2-nvme", "z3-nvme"):
+    DELAYED[f"{_name}-predicted"] = {
+        **DELAYED[_name],
+        "delayed_param_update_warmup": WARMUP,
+        "delayed_param_update_prediction": True,
+    }
+DELAYED["z3-nvme-predicted-sgd"] = DELAYED["z3-nvme-predicted"]  # with SGD (Nesterov momentum) instead of AdamW
+SGD_RUNS = ("z3-nvme-predicted-sgd",)
 # Budgets that make every access evict: the chunks a step's math reads and writes must stay put until it ends.
 DELAYED["z3-nvme-tight"] = {
     **DELAYED["z3-nvme"],
@@ -120,8 +143,9 @@ def _run(rank: int, world: int, names: list[str], nvme: str) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name in names:
+        optimizer = "sgd" if name in SGD_RUNS else "adamw"
         out[name] = parity.run_hetero(
-            rank, world, steps=STEPS, rows=ROWS, config=DELAYED[name], nvme_dir=f"{nvme}/{name}"
+            rank, world, steps=STEPS, rows=ROWS, config=DELAYED[name], nvme_dir=f"{nvme}/{name}", optimizer=optimizer
         )
     out["exact"] = parity.run_hetero(rank, world, steps=STEPS, rows=ROWS, config=CONFIGS["z0-host"])
     out["probe"] = _probe(rank, world)
@@ -133,25 +157,41 @@ def _run(rank: int, world: int, names: list[str], nvme: str) -> dict:
 def test_delayed_update_matches_the_delayed_algorithm_and_runs_during_the_next_step(tmp_path, monkeypatch, standin):
     if standin:
         monkeypatch.setenv("HETERO_STANDIN", "1")
-    names = ["z1-host-clip", "z3-nvme-warmup", "z3-nvme-tight"] if standin else list(DELAYED)
+    standins = ["z1-host-clip", "z3-nvme-warmup", "z3-nvme-tight", "z3-nvme-predicted"]
+    names = standins if standin else list(DELAYED)
     results = run_distributed(_run, 2, names, str(tmp_path), timeout=240)[0]
 
-    def refs(clip: float | None, warmup: int) -> tuple[tuple[list[float], dict], tuple[list[float], dict]]:
-        run = dict(clip=clip, warmup=warmup)
+    def refs(
+        clip: float | None, warmup: int, predict: bool = False, optimizer: str = "adamw"
+    ) -> tuple[tuple[list[float], dict], tuple[list[float], dict]]:
+        run = dict(clip=clip, warmup=warmup, predict=predict, optimizer=optimizer)
         return delayed_reference(torch.float64, **run), delayed_reference(torch.float32, **run)
 
     for name in names:
         cfg = DELAYED[name]
+        predict = cfg.get("delayed_param_update_prediction", False)
         (exact_losses, exact), (plain_losses, plain) = refs(
-            cfg.get("grad_clip_norm"), cfg["delayed_param_update_warmup"]
+            cfg.get("grad_clip_norm"),
+            cfg["delayed_param_update_warmup"],
+            predict,
+            "sgd" if name in SGD_RUNS else "adamw",
         )
         tolerance.assert_losses(results[name]["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_weights(results[name]["state"], exact, plain, dtype=torch.float32)
-    # The exact update, and the delay with another warm-up, are other trajectories: the check tells them apart.
-    for got, warmup in ((results["exact"]["losses"], 0), (results[names[-1]]["losses"], WARMUP + 1)):
-        (exact_losses, _), (plain_losses, _) = refs(None, warmup)
+    # The exact update, the delay with another warm-up, the delay without the prediction, and the prediction with
+    # the wrong scales (one for all tensors, a bug put back) are other trajectories: the check tells them apart.
+    predicted = results["z3-nvme-predicted"]["losses"]
+    for got, warmup, predict in (
+        (results["exact"]["losses"], 0, False),
+        (results["z3-nvme-tight"]["losses"], WARMUP + 1, False),
+        (predicted, WARMUP, False),
+    ):
+        (exact_losses, _), (plain_losses, _) = refs(None, warmup, predict)
         with pytest.raises(AssertionError):
             tolerance.assert_losses(got, exact_losses, plain_losses, dtype=torch.float32)
+    with pytest.raises(AssertionError), _one_scale_for_all():
+        (exact_losses, _), (plain_losses, _) = refs(None, WARMUP, True)
+        tolerance.assert_losses(predicted, exact_losses, plain_losses, dtype=torch.float32)
     probe = results["probe"]
     assert probe["pending_after_step"] and probe["applied_after_step"] == 0
     # Paced over the next step ([Note: pacing the delayed update]): some chunks in forward, the rest in backward.
@@ -160,11 +200,44 @@ def test_delayed_update_matches_the_delayed_algorithm_and_runs_during_the_next_s
     assert probe["applied_after_settle"] == 1
 
 
+@contextlib.contextmanager
+def _one_scale_for_all() -> Iterator[None]:
+    """PlainPrediction with one scale, the mean over all tensors, instead of one per tensor."""
+    original = PlainPrediction.after_step
+
+    def after_step(self: PlainPrediction) -> None:
+        original(self)
+        if self.sums:
+            total = sum(self.sums[pm] * pm.numel() for pm in self.sums) / sum(pm.numel() for pm in self.sums)
+            self.sums = dict.fromkeys(self.sums, total)
+
+    PlainPrediction.after_step = after_step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PlainPrediction.after_step = original  # type: ignore[method-assign]
+
+
 def test_delayed_update_needs_the_optimizer_off_the_device():
     with pytest.raises(ConfigError, match="delayed_param_update"):
         hetero.Config.from_dict({"delayed_param_update": True})
     with pytest.raises(ConfigError, match="delayed_param_update"):
         hetero.Config.from_dict({"delayed_param_update": "yes", "offload": {"optimizer": "host"}})
+
+
+def test_delayed_update_prediction_is_validated_at_the_edge():
+    host = {"delayed_param_update": True, "offload": {"optimizer": "host"}}
+    assert hetero.Config.from_dict(host).delayed_param_update_prediction is False  # the paper's algorithm
+    assert hetero.Config.from_dict({**host, "delayed_param_update_prediction": True}).delayed_param_update_prediction
+    with pytest.raises(ConfigError, match="delayed_param_update_prediction: expected true or false"):
+        hetero.Config.from_dict({**host, "delayed_param_update_prediction": "yes"})
+    with pytest.raises(ConfigError, match="delayed_param_update_prediction: has no effect unless"):
+        hetero.Config.from_dict({"delayed_param_update_prediction": True})
+    model = parity.build()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    cfg = {**host, "delayed_param_update_prediction": True, "chunk_size": parity.CHUNK}
+    with pytest.raises(ConfigError, match="predicts Adam, AdamW and SGD updates, not 'adagrad'"):
+        hetero.initialize(model, opt, cfg)
 
 
 def test_delayed_update_warmup_is_validated_at_the_edge():
@@ -220,17 +293,20 @@ def test_the_switch_after_the_warmup_rerecords_the_access_trace(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("save", [1, WARMUP + 2], ids=["in-warmup", "after-switch"])
-def test_a_resume_in_or_after_the_warmup_continues_the_same_algorithm(tmp_path, save):
+@pytest.mark.parametrize("save,predict", [(1, False), (WARMUP + 2, False), (WARMUP + 2, True), (WARMUP + 3, True)])
+def test_a_resume_in_or_after_the_warmup_continues_the_same_algorithm(tmp_path, save, predict):
     """Saved in the warm-up or after the switch, a resumed engine goes on bit-exactly as the one that saved; both
-    follow the warm-up-then-delayed algorithm (the save applies the pending update, as the reference does)."""
+    follow the warm-up-then-delayed algorithm (the save applies the pending update, as the reference does; with the
+    prediction, the update after the save is predicted from scratch: [Note: predicting past the delay])."""
     torch.set_num_threads(1)
     cfg = {**DELAYED["z2-nvme"], "delayed_param_update_warmup": WARMUP + 1}
-    r = resume_case(0, 1, cfg, str(tmp_path), save, STEPS)
+    if predict:
+        cfg["delayed_param_update_prediction"] = True
+    r = resume_case(0, 1, cfg, str(tmp_path), save, STEPS + 2)
     assert r["tail_b"] == r["tail"], "losses after the resume differ"
     assert r["same_weights"], "weights after the resume differ"
-    assert r["counters"] == (STEPS, STEPS)  # micro-batches, updates (full_state_dict applied the pending one)
-    run = dict(warmup=WARMUP + 1, settled=(save,))
+    assert r["counters"] == (STEPS + 2, STEPS + 2)  # micro-batches, updates (full_state_dict applied the pending one)
+    run = dict(warmup=WARMUP + 1, settled=(save,), steps=STEPS + 2, predict=predict)
     (exact_losses, _), (plain_losses, _) = (delayed_reference(d, **run) for d in (torch.float64, torch.float32))
     tolerance.assert_losses(r["head"] + r["tail"], exact_losses, plain_losses, dtype=torch.float32)
 

@@ -15,10 +15,11 @@ steps (their GPT-2 and BERT loss curves coincide with the exact update's), and s
 `delayed_param_update_warmup` updates (default 40) are exact; see [Note: warming up before delaying].
 
 How it runs, on the thread that drives the manager (whose bookkeeping has no locks):
-  - At the boundary of update t (`Updater.step`), update t-1 is completed: its remaining chunks step, then every
-    chunk's parameters take its new values, in layout order (stages 1-2 all-gather: every rank the same order).
-    Then update t is prepared as usual (its collectives: reduction, norm, overflow, used parameters) and left
-    pending.
+  - At the boundary of update t (`Updater.step`), update t-1 is finished (its remaining chunks step, it is
+    counted), update t is prepared as usual (its collectives: reduction, norm, overflow, used parameters), then
+    every chunk's parameters take update t-1's values, in layout order (stages 1-2 all-gather: every rank the same
+    order; with `delayed_param_update_prediction` moved towards update t's first: [Note: predicting past the
+    delay] in predict.py), and update t is left pending.
   - During the next forward and backward, at points paced over the step ([Note: pacing the delayed update]), it
     advances one chunk at a time: the previous chunk's step is waited for, its states are written back to NVMe (in
     the background) and its gradient zeroed; the next chunk's gradient and states are accessed, pinned, and its
@@ -92,6 +93,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hetero.memory import Chunk, TensorState, Tier
 from hetero.zero.norms import sum_of_squares
+from hetero.zero.predict import Prediction
 from hetero.zero.update import Plan, Updater, step_chunk
 
 if TYPE_CHECKING:
@@ -103,8 +105,10 @@ log = logging.getLogger("hetero.zero")
 class DelayedUpdate:
     """The pending update of one engine and the hooks that advance it; see [Note: the delayed parameter update]."""
 
-    def __init__(self, updater: Updater, model: nn.Module) -> None:
+    def __init__(self, updater: Updater, model: nn.Module, predict: Prediction | None = None) -> None:
         self.updater = updater
+        self.predict = predict  # [Note: predicting past the delay]; None: the parameters get the values as they are
+        self._ready = False  # the last update stepped every chunk; its values are not in the parameters yet
         self.manager = updater.manager
         self.chunks = updater.chunks  # layout order
         self._layout = {id(zc): i for i, zc in enumerate(self.chunks)}
@@ -185,22 +189,47 @@ class DelayedUpdate:
             self.advance()
 
     def complete(self) -> None:
-        """Step what is left, then give every chunk its new parameters (layout order) and count the update."""
+        """From outside a step (a checkpoint, a view, `settle_update`): step what is left and give every chunk the
+        pending update's exact values."""
+        self.finish()
+        self.apply(None)
+
+    def finish(self) -> None:
+        """Step what is left of the pending update and count it; its values wait for `apply`."""
         plan = self.plan
         if plan is None:
             return
         while self._next < len(self.order):
             self.advance()
         self._reap()
+        self.plan = None
+        self._ready = True
+        self.updater.finish(plan)
+
+    def apply(self, plan: Plan | None) -> None:
+        """Give every chunk the finished update's values, in layout order (stages 1-2 all-gather). `plan`: the next
+        update's, prepared (its gradient reduced, its multiplier known), which the values are moved towards when
+        predicting ([Note: predicting past the delay]); None: the exact values."""
+        if not self._ready:
+            return
+        self._ready = False
+        predict = self.predict
+        if predict is not None and plan is not None:
+            predict.refresh()  # the scales of the update just finished, for the next one's fresh part and drift
+        elif predict is not None:
+            predict.reset()
         for zc in self.chunks:
             nxt = self._values[id(zc)]
-            values = self.manager.access(nxt, Tier.HOST, write=False)
+            values = self.manager.access(nxt, Tier.HOST, write=predict is not None)
             with self.manager.pinned(nxt):  # writing the parameters back makes room: it must not evict `values`
+                if predict is not None and plan is None:
+                    values.copy_(zc.optimizer_views()[0])  # the values hold a prediction: the master is exact
+                elif predict is not None:
+                    assert plan is not None
+                    predict.fresh(zc, plan.groups[zc.spec.group], values, zc.grad_view(), plan.coef)
                 zc.write_back(values, clear_grad=False)
             nxt.set_state(nxt.slots[0], TensorState.FREE)
             self.manager.release(nxt)
-        self.plan = None
-        self.updater.finish(plan)
 
     def close(self) -> None:
         """Wait for the math in flight and drop the pending update; remove the hooks."""
@@ -245,6 +274,9 @@ class DelayedUpdate:
         # The step is counted here, in order; the generic path counts it in its own update, on the worker.
         runs = zc.update_segments(used) if algorithm.generic is None else None
         group = plan.groups[zc.spec.group]
+        predict = self.predict
+        # Read here, on the driving thread, which owns the counts: the tensors' steps after this one, which stepped.
+        steps, flags = (list(zc.param_steps), used.tolist()) if predict is not None else ([], [])
 
         def math() -> tuple[torch.Tensor, float, float]:
             t0 = time.perf_counter()
@@ -252,6 +284,8 @@ class DelayedUpdate:
                 sq = (sum_of_squares(grad) if pre is None else pre) if fused else torch.zeros((), dtype=torch.float64)
                 step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
                 values.copy_(master)
+                if predict is not None:
+                    predict.drift(zc, group, master, states, values, steps, flags)
             return sq, t0, time.perf_counter()
 
         self._running = (zc, self._worker.submit(math))

@@ -103,9 +103,12 @@ class Updater:
         delayed = self.delayed
         was_pending = delayed is not None and delayed.pending
         if delayed is not None:
-            delayed.complete()  # the update before: its last chunks, its parameters written back
+            delayed.finish()  # the update before: its last chunks stepped, the update counted
             delayed.boundary()  # the step since the last boundary paces the next delayed update
         plan = self.prepare()
+        if delayed is not None:  # its parameters written back: towards this update's, when predicting
+            delaying = plan is not None and self.global_steps >= self.config.delayed_param_update_warmup
+            delayed.apply(plan if delaying else None)
         if plan is None:
             return
         # Exact for the first updates, then delayed: decided from global_steps, which every rank shares (and a

@@ -35,6 +35,7 @@ class ZeroChunk:
         dtype: torch.dtype,
         placement: Placement,
         state_names: tuple[str, ...],
+        keep_master: bool = False,
     ) -> None:
         self.spec = spec
         self.manager = manager
@@ -60,7 +61,9 @@ class ZeroChunk:
         if layout.params_sharded and not self.master_is_shard:
             self.shard = manager.new_chunk(dtype=dtype, capacity=self.shard_numel, kind="param_shard")
             self.shard.add_tensor(f"{spec.params[0].name}..shard", (self.shard_numel,))
-        self.master_follows = master_weights.follows(self)  # [Note: the master follows the shard] (master.py)
+        # [Note: the master follows the shard] (master.py); keep_master: the shard holds a prediction instead
+        # ([Note: predicting past the delay]), so the master keeps its own copy.
+        self.master_follows = not keep_master and master_weights.follows(self)
         self.grad: Chunk | None = None
         self.grad_full: Chunk | None = None
         self.optim: Chunk | None = None

@@ -1,0 +1,172 @@
+"""The delayed update's forward on a prediction of the weights (`"delayed_param_update_prediction": true`).
+
+[Note: predicting past the delay]
+The delayed update ([Note: the delayed parameter update]) takes update t's gradient at θ_{t-2} and applies it to
+θ_{t-1}. Adam is far less stable so: along a direction of curvature λ, with η the step an element takes (lr/√v̂),
+the exact update with β1 = 0.9 stays stable up to ηλ = 2(1+β1)/(1-β1) = 38, the one-step-delayed one only up to
+ηλ ≈ 1 (iterating the linear recurrences of both). Adaptive optimizers drive the preconditioned sharpness up to their
+stability limit (Cohen et al., 2022, "Adaptive gradient methods at the edge of stability"), so the switch to the
+delay throws every direction near that limit out of it. On examples/train_gpt.py (lr 3e-3) the loss rose from 2.67
+to 3.0 within 20 updates of the switch and stalled near 2.1 over 1000 updates, where the exact update reaches 0.34;
+plain PyTorch through the same algorithm does the same (benchmarks/delayed_update.py).
+
+With this option the forward and backward of step t+1 run on a prediction of θ_t instead of θ_{t-1}. Adam's update t
+is θ_t = θ_{t-1}(1 - lr·wd) - lr (β1 m_{t-1} + (1-β1) g_t) / (1-β1^k) / (√v̂_t + ε), and both of its parts are at
+hand before update t steps:
+  - the drift, β1 m_{t-1}: known while update t-1 steps, when m_{t-1} is in memory (states on NVMe are not, later):
+    the pending values of update t-1 are θ_{t-1}(1 - lr·wd) minus the drift (`drift`, on the update's worker);
+  - the fresh part, (1-β1) g_t: known at the boundary that prepares update t, where g_t is reduced and clipped: one
+    axpy over this rank's shard before the values are written into the parameters (`fresh`).
+√v̂ per element is not at hand at the boundary (it is on NVMe) and both parts divide by one scale per tensor, the
+mean of √v̂ over the whole tensor: every rank sums its pieces while they step, the sums are added up on the control
+group at the next boundary (`refresh`), and the drift uses the scale of the update before. Plain PyTorch on the
+example (300 updates, mean loss of the last 20; exact 1.890, delayed 2.315): per-element √v̂ in both parts 1.863, one
+scale per tensor 1.844, per-element drift with a per-tensor fresh part 1.943, one scale for all parameters 2.083;
+over 1000 updates, one scale per tensor 0.338 against the exact 0.339. SGD needs no scale: its drift is lr·μ·buf
+(lr·μ²·buf with Nesterov) and its fresh part lr(1-dampening)g (lr(1+μ(1-dampening))g), so without momentum the
+prediction is the update itself (weight decay aside, which the prediction leaves out for SGD and coupled Adam).
+
+The master weights and states go through the delayed sequence exactly; only where each gradient is taken moves, to
+θ̂_{t-1}, the prediction of θ_{t-1}:  θ_t = θ_{t-1} - U(g(θ̂_{t-1})). What it costs:
+  - the parameters hold predictions, so they cannot stand in for the master: it is kept in the optimizer chunk
+    ([Note: the master follows the shard] does not apply; with states on NVMe 4 more bytes a parameter each way);
+  - an axpy over the shard at the boundary, a multiply-add over it beside each chunk's step, and an all-reduce of
+    one float per tensor per update.
+Whatever applies the pending update outside a step (a checkpoint, a view, an fp16 step skipped) writes the exact
+values from the master and forgets the scales (`reset`), so the update after it is predicted from scratch: a run
+resumed from a checkpoint goes on as the one that saved it did.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.errors import ConfigError
+from hetero.zero.optim import Algorithm
+
+if TYPE_CHECKING:
+    from hetero.comm import Comm
+    from hetero.zero.zero_chunk import ZeroChunk
+
+
+class Prediction:
+    """The per-tensor scales and the two parts of the prediction; see [Note: predicting past the delay]."""
+
+    def __init__(self, algorithm: Algorithm, chunks: list[ZeroChunk], comm: Comm) -> None:
+        if algorithm.name not in ("adam", "sgd"):
+            raise ConfigError(
+                f"delayed_param_update_prediction: predicts Adam, AdamW and SGD updates, not {algorithm.name!r}; use "
+                "one of those, or set delayed_param_update_prediction false"
+            )
+        self.algorithm = algorithm
+        self.comm = comm
+        self.sharded = bool(chunks) and chunks[0].stage >= 1  # ranks hold disjoint pieces: their sums add up
+        # Per chunk (id): (its entry, the entry's tensor in the per-tensor vectors, start, end in this rank's shard).
+        # A weight tiled over several chunks ([Note: tiles] in hetero/memory/chunk_size.py) is one tensor: its tiles
+        # share the index.
+        self._pieces: dict[int, list[tuple[int, int, int, int]]] = {}
+        index: dict[int, int] = {}
+        numel: list[int] = []
+        for zc in chunks:
+            lo, hi = zc.kept_range()
+            pieces = []
+            for j, info in enumerate(zc.spec.params):
+                t = index.setdefault(id(info.param), len(index))
+                if t == len(numel):
+                    numel.append(0)
+                numel[t] += info.numel
+                a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+                if a < b:
+                    pieces.append((j, t, a - lo, b - lo))
+            self._pieces[id(zc)] = pieces
+        self._numel = torch.tensor(numel, dtype=torch.float64)
+        self._scale: torch.Tensor | None = None  # per tensor: the mean of √v̂ after its last update (NaN: none yet)
+        # The pending update's sums of √v̂ over this rank's pieces, and which tensors it stepped (1.0), in one
+        # vector so that one collective adds both up.
+        self._sums = torch.zeros(2, len(numel), dtype=torch.float64)
+
+    # ---- on the update's worker, beside a chunk's step ------------------------------------------------------
+    def drift(
+        self,
+        zc: ZeroChunk,
+        group: dict[str, Any],
+        master: torch.Tensor,
+        states: list[torch.Tensor],
+        values: torch.Tensor,
+        steps: list[int],
+        used: list[int],
+    ) -> None:
+        """`values` (the chunk's new parameters, a copy of `master` after its step) become the new weights minus the
+        next update's drift; `steps` are the tensors' step counts after this update, `used` which ones stepped."""
+        lr, wd = group["lr"], group["weight_decay"]
+        for j, t, a, b in self._pieces[id(zc)]:
+            if not used[j]:
+                continue
+            if self.algorithm.name == "sgd":
+                mu = group["momentum"]
+                if mu == 0:
+                    continue
+                coef, decay = lr * (mu * mu if group["nesterov"] else mu), 1.0
+            else:
+                beta1, beta2 = group["betas"]
+                k = steps[j]
+                root = states[1][a:b].sqrt()
+                self._sums[0, t] += root.sum(dtype=torch.float64) / math.sqrt(1.0 - beta2**k)
+                self._sums[1, t] = 1.0
+                scale = self._scale[t].item() if self._scale is not None else math.nan
+                if math.isnan(scale):
+                    continue  # no scale yet (the first delayed update, or after a reset): no drift this time
+                coef = lr * beta1 / (1.0 - beta1 ** (k + 1)) / (scale + group["eps"])
+                decay = 1.0 - lr * wd if self.algorithm.decoupled else 1.0
+            out = master[a:b].mul(decay) if decay != 1.0 else master[a:b].clone()
+            out.add_(states[0][a:b], alpha=-coef)
+            values[a:b].copy_(out)
+
+    # ---- at the boundary, on the driving thread --------------------------------------------------------------
+    def refresh(self) -> None:
+        """The pending update has stepped every chunk on every rank: its sums become the per-tensor scales (the
+        same on every rank). Collective on the control group (stages 1-3), at a boundary every rank reaches."""
+        if self.algorithm.name != "adam":
+            return
+        sums = self._sums
+        if self.sharded:
+            self.comm.control.all_reduce(sums, op="sum")
+        stepped = sums[1] > 0
+        mean = sums[0] / self._numel
+        old = self._scale if self._scale is not None else torch.full_like(mean, math.nan)
+        self._scale = torch.where(stepped, mean, old)
+        sums.zero_()
+
+    def reset(self) -> None:
+        """The pending update was applied exactly (from outside a step): predict the next one from scratch."""
+        self._scale = None
+        self._sums.zero_()
+
+    def fresh(
+        self,
+        zc: ZeroChunk,
+        group: dict[str, Any],
+        values: torch.Tensor,
+        grad: torch.Tensor,
+        coef: float | torch.Tensor,
+    ) -> None:
+        """Subtract the next update's fresh part from `values`: `grad` is its reduced gradient (this rank's part),
+        `coef` its unscale-and-clip multiplier; the tensors' step counts are the ones before that update."""
+        lr, sign = group["lr"], -1.0 if group.get("maximize", False) else 1.0
+        for j, t, a, b in self._pieces[id(zc)]:
+            if self.algorithm.name == "sgd":
+                mu, damp = group["momentum"], group["dampening"]
+                c = lr * ((1.0 + mu * (1.0 - damp)) if group["nesterov"] else (1.0 - damp if mu != 0 else 1.0))
+            else:
+                scale = self._scale[t].item() if self._scale is not None else math.nan
+                if math.isnan(scale):
+                    continue
+                beta1 = group["betas"][0]
+                c = lr * (1.0 - beta1) / (1.0 - beta1 ** (zc.param_steps[j] + 1)) / (scale + group["eps"])
+            if isinstance(coef, torch.Tensor):
+                values[a:b].sub_(grad[a:b] * (coef * (sign * c)))
+            else:
+                values[a:b].add_(grad[a:b], alpha=-sign * c * coef)
