@@ -195,6 +195,8 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
         seconds = time.perf_counter() - t0
 
+        # With delayed_param_update the last update is still pending: apply it before the model is used.
+        engine.settle_update()
         # Every rank generates: with ZeRO-3 each forward gathers parameter shards from all ranks.
         engine.module.eval()
         prompt = encode(PROMPT).long()[None]
