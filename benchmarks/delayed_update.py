@@ -123,9 +123,10 @@ def train_plain(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 class PlainPrediction:
     """[Note: predicting past the delay] (hetero/zero/predict.py) in plain PyTorch, for AdamW (and SGD): after each
-    delayed update the pending values are the new weights minus the next update's drift (for Adam scaled by the
-    per-tensor mean of sqrt(v-hat) of the update before); at the next boundary they lose the fresh part, the clipped
-    gradient scaled by the newest means, and become the weights the model runs on."""
+    delayed update the pending values are the new weights minus the next update's drift (for Adam divided by the
+    per-tensor mean of sqrt(v-hat) of the update before, or by the least sqrt(v-hat) the next update can have where
+    that is larger); at the next boundary they lose the fresh part, the clipped gradient divided likewise by the
+    newest means, and become the weights the model runs on."""
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
@@ -148,8 +149,9 @@ class PlainPrediction:
             c = g["lr"] * ((1 + mu * (1 - damp)) if g["nesterov"] else (1 - damp if mu != 0 else 1.0))
             out.add_(pm.grad, alpha=-c)
         elif pm in self.scale:
-            b1, k = g["betas"][0], float(self.opt.state[pm]["step"])
-            out.add_(pm.grad, alpha=-g["lr"] * (1 - b1) / (1 - b1 ** (k + 1)) / (self.scale[pm] + g["eps"]))
+            (b1, b2), k = g["betas"], float(self.opt.state[pm]["step"]) + 1
+            bound = pm.grad.abs().mul_(math.sqrt((1 - b2) / (1 - b2**k)))  # the least sqrt(v-hat) of update k
+            out.add_(pm.grad / bound.clamp_(min=self.scale[pm]).add_(g["eps"]), alpha=-g["lr"] * (1 - b1) / (1 - b1**k))
         return out
 
     def after_step(self) -> None:
@@ -170,9 +172,11 @@ class PlainPrediction:
                     (b1, b2), k = g["betas"], float(st["step"])
                     self.sums[pm] = float(st["exp_avg_sq"].sqrt().sum(dtype=torch.float64)) / math.sqrt(1 - b2**k)
                     self.sums[pm] /= pm.numel()
-                    if pm in self.scale:
-                        coef = lr * b1 / (1 - b1 ** (k + 1)) / (self.scale[pm] + g["eps"])
-                        self.values[pm] = pm.mul(1 - lr * g["weight_decay"]).add_(st["exp_avg"], alpha=-coef)
+                    if pm in self.scale:  # the least sqrt(v-hat) of update k + 1, where above the scale
+                        bound = st["exp_avg_sq"].mul(b2 / (1 - b2 ** (k + 1))).sqrt_()
+                        denom = bound.clamp_(min=self.scale[pm]).add_(g["eps"])
+                        self.values[pm] = pm.mul(1 - lr * g["weight_decay"])
+                        self.values[pm].sub_(st["exp_avg"].div(denom), alpha=lr * b1 / (1 - b1 ** (k + 1)))
 
 
 def run_one(name: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:

@@ -17,21 +17,27 @@ hand before update t steps:
     the pending values of update t-1 are θ_{t-1}(1 - lr·wd) minus the drift (`drift`, on the update's worker);
   - the fresh part, (1-β1) g_t: known at the boundary that prepares update t, where g_t is reduced and clipped: one
     axpy over this rank's shard before the values are written into the parameters (`fresh`).
-√v̂ per element is not at hand at the boundary (it is on NVMe) and both parts divide by one scale per tensor, the
-mean of √v̂ over the whole tensor: every rank sums its pieces while they step, the sums are added up on the control
-group at the next boundary (`refresh`), and the drift uses the scale of the update before. Plain PyTorch on the
-example (300 updates, mean loss of the last 20; exact 1.890, delayed 2.315): per-element √v̂ in both parts 1.863, one
-scale per tensor 1.844, per-element drift with a per-tensor fresh part 1.943, one scale for all parameters 2.083;
-over 1000 updates, one scale per tensor 0.338 against the exact 0.339. SGD needs no scale: its drift is lr·μ·buf
-(lr·μ²·buf with Nesterov) and its fresh part lr(1-dampening)g (lr(1+μ(1-dampening))g), so without momentum the
-prediction is the update itself (weight decay aside, which the prediction leaves out for SGD and coupled Adam).
+√v̂ per element is not at hand at the boundary (it is on NVMe). Both parts divide by one scale per tensor, the mean
+of √v̂ over the whole tensor (every rank sums its pieces while they step, the sums are added up on the control group
+at the next boundary, `refresh`; the drift uses the scale of the update before), or by the least √v̂_t that Adam's
+own update can have where that is larger: √(β2 v_{t-1}) for the drift (v_{t-1} is in memory beside it) and
+√(1-β2)|g_t| for the fresh part (v_t = β2 v_{t-1} + (1-β2) g_t², bias corrections aside). The bound keeps an element
+with a large v from moving further than Adam could move it: with the scale alone such elements overshoot, which
+the example's long runs absorbed but an early switch did not (60 updates, delayed after 10: the 10 updates after the
+switch averaged 3.767 against the exact 3.262, with the bound 3.185). Plain PyTorch on the example (300 updates,
+mean loss of the last 20; exact 1.890, delayed 2.315): per-element √v̂ in both parts 1.863 (an ideal: at the
+boundary v is on NVMe), the scale alone 1.851, per-element drift with a scaled fresh part 1.943, one scale for all
+parameters 2.083, the bound on the drift alone 1.984, the scale with both bounds 1.837; over 1000 updates, both
+bounds 0.326 against the exact 0.339. SGD needs no scale: its drift is lr·μ·buf (lr·μ²·buf with Nesterov) and its
+fresh part lr(1-dampening)g (lr(1+μ(1-dampening))g), so without momentum the prediction is the update itself
+(weight decay aside, which the prediction leaves out for SGD and coupled Adam).
 
 The master weights and states go through the delayed sequence exactly; only where each gradient is taken moves, to
 θ̂_{t-1}, the prediction of θ_{t-1}:  θ_t = θ_{t-1} - U(g(θ̂_{t-1})). What it costs:
   - the parameters hold predictions, so they cannot stand in for the master: it is kept in the optimizer chunk
     ([Note: the master follows the shard] does not apply; with states on NVMe 4 more bytes a parameter each way);
-  - an axpy over the shard at the boundary, a multiply-add over it beside each chunk's step, and an all-reduce of
-    one float per tensor per update.
+  - a few elementwise passes over the shard at the boundary (the fresh part and its bound) and beside each chunk's
+    step (the drift and its bound), and an all-reduce of one float per tensor per update.
 Whatever applies the pending update outside a step (a checkpoint, a view, an fp16 step skipped) writes the exact
 values from the master and forgets the scales (`reset`), so the update after it is predicted from scratch: a run
 resumed from a checkpoint goes on as the one that saved it did.
@@ -107,22 +113,24 @@ class Prediction:
                 continue
             if self.algorithm.name == "sgd":
                 mu = group["momentum"]
-                if mu == 0:
-                    continue
-                coef, decay = lr * (mu * mu if group["nesterov"] else mu), 1.0
-            else:
-                beta1, beta2 = group["betas"]
-                k = steps[j]
-                root = states[1][a:b].sqrt()
-                self._sums[0, t] += root.sum(dtype=torch.float64) / math.sqrt(1.0 - beta2**k)
-                self._sums[1, t] = 1.0
-                scale = self._scale[t].item() if self._scale is not None else math.nan
-                if math.isnan(scale):
-                    continue  # no scale yet (the first delayed update, or after a reset): no drift this time
-                coef = lr * beta1 / (1.0 - beta1 ** (k + 1)) / (scale + group["eps"])
-                decay = 1.0 - lr * wd if self.algorithm.decoupled else 1.0
-            out = master[a:b].mul(decay) if decay != 1.0 else master[a:b].clone()
-            out.add_(states[0][a:b], alpha=-coef)
+                if mu != 0:
+                    out = master[a:b].clone()
+                    out.add_(states[0][a:b], alpha=-lr * (mu * mu if group["nesterov"] else mu))
+                    values[a:b].copy_(out)
+                continue
+            beta1, beta2 = group["betas"]
+            k = steps[j]
+            v = states[1][a:b]
+            self._sums[0, t] += v.sqrt().sum(dtype=torch.float64) / math.sqrt(1.0 - beta2**k)
+            self._sums[1, t] = 1.0
+            scale = self._scale[t].item() if self._scale is not None else math.nan
+            if math.isnan(scale):
+                continue  # no scale yet (the first delayed update, or after a reset): no drift this time
+            # The next update's √v̂ is at least √(β2 v / (1-β2^(k+1))), whatever its gradient: the bound, where it
+            # exceeds the scale, keeps an element with a large v from moving further than Adam could move it.
+            denom = v.mul(beta2 / (1.0 - beta2 ** (k + 1))).sqrt_().clamp_(min=scale).add_(group["eps"])
+            out = master[a:b].mul(1.0 - lr * wd if self.algorithm.decoupled else 1.0)
+            out.sub_(states[0][a:b].div(denom), alpha=lr * beta1 / (1.0 - beta1 ** (k + 1)))
             values[a:b].copy_(out)
 
     # ---- at the boundary, on the driving thread --------------------------------------------------------------
@@ -157,6 +165,7 @@ class Prediction:
         `coef` its unscale-and-clip multiplier; the tensors' step counts are the ones before that update."""
         lr, sign = group["lr"], -1.0 if group.get("maximize", False) else 1.0
         for j, t, a, b in self._pieces[id(zc)]:
+            step = grad[a:b] * coef  # the clipped (unscaled) gradient
             if self.algorithm.name == "sgd":
                 mu, damp = group["momentum"], group["dampening"]
                 c = lr * ((1.0 + mu * (1.0 - damp)) if group["nesterov"] else (1.0 - damp if mu != 0 else 1.0))
@@ -164,9 +173,9 @@ class Prediction:
                 scale = self._scale[t].item() if self._scale is not None else math.nan
                 if math.isnan(scale):
                     continue
-                beta1 = group["betas"][0]
-                c = lr * (1.0 - beta1) / (1.0 - beta1 ** (zc.param_steps[j] + 1)) / (scale + group["eps"])
-            if isinstance(coef, torch.Tensor):
-                values[a:b].sub_(grad[a:b] * (coef * (sign * c)))
-            else:
-                values[a:b].add_(grad[a:b], alpha=-sign * c * coef)
+                (beta1, beta2), k = group["betas"], zc.param_steps[j] + 1  # the step this gradient's update is
+                # Its √v̂ is at least √((1-β2) / (1-β2^k)) |g|: the bound, where it exceeds the scale, as in `drift`.
+                denom = step.abs().mul_(math.sqrt((1.0 - beta2) / (1.0 - beta2**k))).clamp_(min=scale)
+                step.div_(denom.add_(group["eps"]))
+                c = lr * (1.0 - beta1) / (1.0 - beta1**k)
+            values[a:b].add_(step, alpha=-sign * c)
