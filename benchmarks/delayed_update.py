@@ -150,8 +150,9 @@ class PlainPrediction:
             out.add_(pm.grad, alpha=-c)
         elif pm in self.scale:
             (b1, b2), k = g["betas"], float(self.opt.state[pm]["step"]) + 1
-            bound = pm.grad.abs().mul_(math.sqrt((1 - b2) / (1 - b2**k)))  # the least sqrt(v-hat) of update k
-            out.add_(pm.grad / bound.clamp_(min=self.scale[pm]).add_(g["eps"]), alpha=-g["lr"] * (1 - b1) / (1 - b1**k))
+            bound = math.sqrt((1 - b2**k) / (1 - b2))  # |g| / sqrt(v-hat) of update k is at most this
+            fresh = pm.grad.mul(1 / (self.scale[pm] + g["eps"])).clamp_(min=-bound, max=bound)
+            out.add_(fresh, alpha=-g["lr"] * (1 - b1) / (1 - b1**k))
         return out
 
     def after_step(self) -> None:

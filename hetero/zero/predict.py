@@ -174,8 +174,9 @@ class Prediction:
                 if math.isnan(scale):
                     continue
                 (beta1, beta2), k = group["betas"], zc.param_steps[j] + 1  # the step this gradient's update is
-                # Its √v̂ is at least √((1-β2) / (1-β2^k)) |g|: the bound, where it exceeds the scale, as in `drift`.
-                denom = step.abs().mul_(math.sqrt((1.0 - beta2) / (1.0 - beta2**k))).clamp_(min=scale)
-                step.div_(denom.add_(group["eps"]))
+                # Its √v̂ is at least √((1-β2) / (1-β2^k)) |g|, so |g| / √v̂ is at most √((1-β2^k) / (1-β2)): the
+                # bound, where it is below g / scale, as in `drift` (dividing by the larger of the two is this clamp).
+                bound = math.sqrt((1.0 - beta2**k) / (1.0 - beta2))
+                step.mul_(1.0 / (scale + group["eps"])).clamp_(min=-bound, max=bound)
                 c = lr * (1.0 - beta1) / (1.0 - beta1**k)
             values[a:b].add_(step, alpha=-sign * c)
