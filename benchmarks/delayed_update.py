@@ -150,9 +150,9 @@ class PlainPrediction:
             out.add_(pm.grad, alpha=-c)
         elif pm in self.scale:
             (b1, b2), k = g["betas"], float(self.opt.state[pm]["step"]) + 1
-            bound = math.sqrt((1 - b2**k) / (1 - b2))  # |g| / sqrt(v-hat) of update k is at most this
-            fresh = pm.grad.mul(1 / (self.scale[pm] + g["eps"])).clamp_(min=-bound, max=bound)
-            out.add_(fresh, alpha=-g["lr"] * (1 - b1) / (1 - b1**k))
+            s = self.scale[pm] + g["eps"]
+            bound = math.sqrt((1 - b2**k) / (1 - b2)) * s  # |g| / sqrt(v-hat) of update k is at most bound / s
+            out.add_(pm.grad.clamp(min=-bound, max=bound), alpha=-g["lr"] * (1 - b1) / (1 - b1**k) / s)
         return out
 
     def after_step(self) -> None:
@@ -173,11 +173,12 @@ class PlainPrediction:
                     (b1, b2), k = g["betas"], float(st["step"])
                     self.sums[pm] = float(st["exp_avg_sq"].sqrt().sum(dtype=torch.float64)) / math.sqrt(1 - b2**k)
                     self.sums[pm] /= pm.numel()
-                    if pm in self.scale:  # the least sqrt(v-hat) of update k + 1, where above the scale
-                        bound = st["exp_avg_sq"].mul(b2 / (1 - b2 ** (k + 1))).sqrt_()
-                        denom = bound.clamp_(min=self.scale[pm]).add_(g["eps"])
-                        self.values[pm] = pm.mul(1 - lr * g["weight_decay"])
-                        self.values[pm].sub_(st["exp_avg"].div(denom), alpha=lr * b1 / (1 - b1 ** (k + 1)))
+                    if pm in self.scale:  # the least sqrt(v-hat) of update k + 1 is q sqrt(v), where above the scale
+                        q = math.sqrt(b2 / (1 - b2 ** (k + 1)))
+                        root = st["exp_avg_sq"].sqrt().clamp_(min=(self.scale[pm] + g["eps"]) / q)
+                        if lr * g["weight_decay"] != 0:
+                            self.values[pm].mul_(1 - lr * g["weight_decay"])
+                        self.values[pm].addcdiv_(st["exp_avg"], root, value=-lr * b1 / (1 - b1 ** (k + 1)) / q)
 
 
 def run_one(name: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:

@@ -285,7 +285,7 @@ class DelayedUpdate:
                 step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
                 values.copy_(master)
                 if predict is not None:
-                    predict.drift(zc, group, master, states, values, steps, flags)
+                    predict.drift(zc, group, states, values, steps, flags)
             return sq, t0, time.perf_counter()
 
         self._running = (zc, self._worker.submit(math))

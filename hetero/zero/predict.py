@@ -99,39 +99,40 @@ class Prediction:
         self,
         zc: ZeroChunk,
         group: dict[str, Any],
-        master: torch.Tensor,
         states: list[torch.Tensor],
         values: torch.Tensor,
         steps: list[int],
         used: list[int],
     ) -> None:
-        """`values` (the chunk's new parameters, a copy of `master` after its step) become the new weights minus the
-        next update's drift; `steps` are the tensors' step counts after this update, `used` which ones stepped."""
+        """`values` (the chunk's new parameters, a copy of the master weights after its step) become the new weights
+        minus the next update's drift; `steps` are the tensors' step counts after this update, `used` which ones
+        stepped."""
         lr, wd = group["lr"], group["weight_decay"]
         for j, t, a, b in self._pieces[id(zc)]:
             if not used[j]:
                 continue
             if self.algorithm.name == "sgd":
                 mu = group["momentum"]
-                if mu != 0:
-                    out = master[a:b].clone()
-                    out.add_(states[0][a:b], alpha=-lr * (mu * mu if group["nesterov"] else mu))
-                    values[a:b].copy_(out)
+                if mu != 0:  # `values` holds the master's new values
+                    values[a:b].add_(states[0][a:b], alpha=-lr * (mu * mu if group["nesterov"] else mu))
                 continue
             beta1, beta2 = group["betas"]
             k = steps[j]
-            v = states[1][a:b]
-            self._sums[0, t] += v.sqrt().sum(dtype=torch.float64) / math.sqrt(1.0 - beta2**k)
+            root = states[1][a:b].sqrt()
+            self._sums[0, t] += root.sum(dtype=torch.float64) / math.sqrt(1.0 - beta2**k)
             self._sums[1, t] = 1.0
             scale = self._scale[t].item() if self._scale is not None else math.nan
             if math.isnan(scale):
                 continue  # no scale yet (the first delayed update, or after a reset): no drift this time
-            # The next update's √v̂ is at least √(β2 v / (1-β2^(k+1))), whatever its gradient: the bound, where it
-            # exceeds the scale, keeps an element with a large v from moving further than Adam could move it.
-            denom = v.mul(beta2 / (1.0 - beta2 ** (k + 1))).sqrt_().clamp_(min=scale).add_(group["eps"])
-            out = master[a:b].mul(1.0 - lr * wd if self.algorithm.decoupled else 1.0)
-            out.sub_(states[0][a:b].div(denom), alpha=lr * beta1 / (1.0 - beta1 ** (k + 1)))
-            values[a:b].copy_(out)
+            # The next update's √v̂ is at least q√v, q = √(β2 / (1-β2^(k+1))), whatever its gradient: dividing by
+            # the larger of that bound and the scale keeps an element with a large v from moving further than Adam
+            # could move it. max(q√v, scale) = q max(√v, scale / q): one clamp, with 1/q folded into the multiplier.
+            q = math.sqrt(beta2 / (1.0 - beta2 ** (k + 1)))
+            root.clamp_(min=(scale + group["eps"]) / q)
+            out = values[a:b]  # holds the master's new values
+            if self.algorithm.decoupled and lr * wd != 0.0:
+                out.mul_(1.0 - lr * wd)
+            out.addcdiv_(states[0][a:b], root, value=-lr * beta1 / (1.0 - beta1 ** (k + 1)) / q)
 
     # ---- at the boundary, on the driving thread --------------------------------------------------------------
     def refresh(self) -> None:
@@ -165,18 +166,19 @@ class Prediction:
         `coef` its unscale-and-clip multiplier; the tensors' step counts are the ones before that update."""
         lr, sign = group["lr"], -1.0 if group.get("maximize", False) else 1.0
         for j, t, a, b in self._pieces[id(zc)]:
-            step = grad[a:b] * coef  # the clipped (unscaled) gradient
+            g = grad[a:b] if not isinstance(coef, torch.Tensor) else grad[a:b] * coef
+            mult = coef if not isinstance(coef, torch.Tensor) else 1.0  # what g still needs multiplying by
             if self.algorithm.name == "sgd":
                 mu, damp = group["momentum"], group["dampening"]
                 c = lr * ((1.0 + mu * (1.0 - damp)) if group["nesterov"] else (1.0 - damp if mu != 0 else 1.0))
-            else:
-                scale = self._scale[t].item() if self._scale is not None else math.nan
-                if math.isnan(scale):
-                    continue
-                (beta1, beta2), k = group["betas"], zc.param_steps[j] + 1  # the step this gradient's update is
-                # Its √v̂ is at least √((1-β2) / (1-β2^k)) |g|, so |g| / √v̂ is at most √((1-β2^k) / (1-β2)): the
-                # bound, where it is below g / scale, as in `drift` (dividing by the larger of the two is this clamp).
-                bound = math.sqrt((1.0 - beta2**k) / (1.0 - beta2))
-                step.mul_(1.0 / (scale + group["eps"])).clamp_(min=-bound, max=bound)
-                c = lr * (1.0 - beta1) / (1.0 - beta1**k)
-            values[a:b].add_(step, alpha=-sign * c)
+                values[a:b].add_(g, alpha=-sign * c * mult)
+                continue
+            scale = self._scale[t].item() if self._scale is not None else math.nan
+            if math.isnan(scale):
+                continue
+            (beta1, beta2), k = group["betas"], zc.param_steps[j] + 1  # the step this gradient's update is
+            # Its √v̂ is at least √((1-β2) / (1-β2^k)) |g|, so |g| / √v̂ is at most r = √((1-β2^k) / (1-β2)): dividing
+            # by the larger of that bound and the scale, as in `drift`, is clamping g to ±r·scale, then dividing.
+            bound = math.sqrt((1.0 - beta2**k) / (1.0 - beta2)) * (scale + group["eps"]) / mult
+            c = lr * (1.0 - beta1) / (1.0 - beta1**k) / (scale + group["eps"])
+            values[a:b].add_(g.clamp(min=-bound, max=bound), alpha=-sign * c * mult)
