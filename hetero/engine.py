@@ -253,7 +253,7 @@ class Engine:
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             predict = None
             if config.delayed_param_update_prediction:  # [Note: predicting past the delay]
-                predict = Prediction(self.algorithm, self.chunks, self.updater.comm)  # ZeRO's group
+                predict = Prediction(self.algorithm, self.updater.chunks, self.updater.comm)  # trainable, ZeRO's group
             self.updater.delayed = DelayedUpdate(self.updater, model, predict)
         # [Note: the reduce order learnt from a backward]: reductions interleave with backward's gathers at stage 3
         # over several ranks; there the static order stays.
