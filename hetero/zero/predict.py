@@ -52,6 +52,7 @@ import torch
 
 from hetero.errors import ConfigError
 from hetero.zero.optim import Algorithm
+from hetero.zero.update import zc_sharded
 
 if TYPE_CHECKING:
     from hetero.comm import Comm
@@ -69,7 +70,7 @@ class Prediction:
             )
         self.algorithm = algorithm
         self.comm = comm
-        self.sharded = bool(chunks) and chunks[0].stage >= 1  # ranks hold disjoint pieces: their sums add up
+        self.sharded = zc_sharded(chunks)  # ranks hold disjoint pieces: their sums add up
         # Per chunk (id): (its entry, the entry's tensor in the per-tensor vectors, start, end in this rank's shard).
         # A weight tiled over several chunks ([Note: tiles] in hetero/memory/chunk_size.py) is one tensor: its tiles
         # share the index.
@@ -89,7 +90,7 @@ class Prediction:
                     pieces.append((j, t, a - lo, b - lo))
             self._pieces[id(zc)] = pieces
         self._numel = torch.tensor(numel, dtype=torch.float64)
-        self._scale: torch.Tensor | None = None  # per tensor: the mean of √v̂ after its last update (NaN: none yet)
+        self._scale: list[float] | None = None  # per tensor: the mean of √v̂ after its last update (NaN: none yet)
         # The pending update's sums of √v̂ over this rank's pieces, and which tensors it stepped (1.0), in one
         # vector so that one collective adds both up.
         self._sums = torch.zeros(2, len(numel), dtype=torch.float64)
@@ -121,7 +122,7 @@ class Prediction:
             root = states[1][a:b].sqrt()
             self._sums[0, t] += root.sum(dtype=torch.float64) / math.sqrt(1.0 - beta2**k)
             self._sums[1, t] = 1.0
-            scale = self._scale[t].item() if self._scale is not None else math.nan
+            scale = self._scale[t] if self._scale is not None else math.nan
             if math.isnan(scale):
                 continue  # no scale yet (the first delayed update, or after a reset): no drift this time
             # The next update's √v̂ is at least q√v, q = √(β2 / (1-β2^(k+1))), whatever its gradient: dividing by
@@ -145,8 +146,8 @@ class Prediction:
             self.comm.control.all_reduce(sums, op="sum")
         stepped = sums[1] > 0
         mean = sums[0] / self._numel
-        old = self._scale if self._scale is not None else torch.full_like(mean, math.nan)
-        self._scale = torch.where(stepped, mean, old)
+        old = torch.full_like(mean, math.nan) if self._scale is None else torch.tensor(self._scale, dtype=mean.dtype)
+        self._scale = torch.where(stepped, mean, old).tolist()  # read per piece: floats, not tensor items
         sums.zero_()
 
     def reset(self) -> None:
@@ -173,7 +174,7 @@ class Prediction:
                 c = lr * ((1.0 + mu * (1.0 - damp)) if group["nesterov"] else (1.0 - damp if mu != 0 else 1.0))
                 values[a:b].add_(g, alpha=-sign * c * mult)
                 continue
-            scale = self._scale[t].item() if self._scale is not None else math.nan
+            scale = self._scale[t] if self._scale is not None else math.nan
             if math.isnan(scale):
                 continue
             (beta1, beta2), k = group["betas"], zc.param_steps[j] + 1  # the step this gradient's update is
