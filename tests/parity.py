@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,9 +153,11 @@ def run_hetero(
     model_overrides: dict | None = None,
     nvme_dir: str | None = None,
     device: str | None = None,
+    on_step: Callable[[Any, int], None] | None = None,
 ) -> dict[str, Any]:
     """hetero on this rank's rows; losses are means over the whole global batch (all ranks). device: the engine's
-    (default: the GPU where there is one, or the stand-in under HETERO_STANDIN=1)."""
+    (default: the GPU where there is one, or the stand-in under HETERO_STANDIN=1). on_step(engine, step): called
+    before each step's first micro-batch (step from 0)."""
     model = build(**(model_overrides or {}))
     for n, p in model.named_parameters():
         if any(n.startswith(f) for f in freeze):
@@ -171,6 +174,8 @@ def run_hetero(
     data = batches(steps * accum, rows)
     losses: list[float] = []
     for step in range(steps):
+        if on_step is not None:
+            on_step(engine, step)
         total = torch.zeros(())
         for micro in range(accum):
             x, y = data[step * accum + micro]

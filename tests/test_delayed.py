@@ -42,24 +42,39 @@ def delayed_reference(
     steps: int = STEPS,
     predict: bool = False,
     optimizer: str = "adamw",
+    master_dtype: torch.dtype | None = None,
+    skip: tuple[int, ...] = (),
 ) -> tuple[list[float], dict]:
     """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2 (with
     `predict`, at their prediction: benchmarks/delayed_update.py's PlainPrediction). The forward model holds what the
     last completed update gave; the master weights run one update ahead. Updates 1..warmup are exact (the model takes
     their values at once: [Note: warming up before delaying]), and so is each update in `settled` (a checkpoint
-    saved after it applies it before the next forward, and the prediction starts afresh)."""
+    saved after it applies it before the next forward, and the prediction starts afresh).
+
+    `master_dtype`: mixed precision, the model in `dtype` and the master weights and optimizer in this one. `skip`:
+    the steps (1-based) whose update is skipped, as for fp16 overflow: no update is taken, the pending one's exact
+    values reach the model, and the prediction starts afresh. Updates are numbered among those taken."""
     model = parity.build().to(dtype)
-    master = copy.deepcopy(model)
+    master = copy.deepcopy(model) if master_dtype is None else parity.build().to(master_dtype)
     opt = parity.make_optimizer(master, optimizer)
     predictor = PlainPrediction(opt) if predict else None
     losses = []
-    for update, (x, y) in enumerate(parity.batches(steps, ROWS), start=1):
+    update = 0
+    for step, (x, y) in enumerate(parity.batches(steps, ROWS), start=1):
         loss = model(x, labels=y).loss
         loss.backward()
         losses.append(loss.item())
+        if step in skip:
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, pm in zip(model.parameters(), master.parameters()):
+                    p.copy_(pm)
+            predictor = PlainPrediction(opt) if predict else None
+            continue
+        update += 1
         with torch.no_grad():  # the boundary: the pending update's values reach the model, then the next is taken
             for p, pm in zip(model.parameters(), master.parameters()):
-                pm.grad, p.grad = p.grad, None
+                pm.grad, p.grad = p.grad if p.grad is None else p.grad.to(pm.dtype), None
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
             for p, pm in zip(model.parameters(), master.parameters()):
@@ -74,7 +89,8 @@ def delayed_reference(
                     p.copy_(pm)
             if predictor is not None:
                 predictor = PlainPrediction(opt)
-    return losses, {k: v.detach().float().clone() for k, v in master.state_dict().items()}
+    # The weights in the model's dtype, as full_state_dict gives them.
+    return losses, {k: v.detach().to(dtype).float().clone() for k, v in master.state_dict().items()}
 
 
 CONFIGS = {
@@ -216,6 +232,68 @@ def _one_scale_for_all() -> Iterator[None]:
         yield
     finally:
         PlainPrediction.after_step = original  # type: ignore[method-assign]
+
+
+# Mixed precision: the delay and its prediction in bf16 and fp16 (compute-dtype parameters, fp32 master weights and
+# states), the fp16 runs with the update of step SKIP skipped for overflow in the delayed phase: the pending update's
+# exact values reach the parameters and the prediction starts afresh ([Note: warming up before delaying]).
+SKIP = WARMUP + 3
+MIXED = {
+    "z3-nvme-bf16": {**DELAYED["z3-nvme-warmup"], "precision": "bf16"},
+    "z3-nvme-predicted-bf16": {**DELAYED["z3-nvme-predicted"], "precision": "bf16"},
+    "z1-host-fp16-skip": {**DELAYED["z1-host-clip"], "delayed_param_update_warmup": WARMUP, "precision": "fp16"},
+    "z2-nvme-predicted-fp16-skip": {**DELAYED["z2-nvme-predicted"], "precision": "fp16"},
+}
+
+
+def _overflow_at_skip(engine: hetero.Engine, step: int) -> None:
+    """fp16: a loss scale that keeps these gradients finite, and one no gradient survives at step SKIP."""
+    if engine.scaler is not None:
+        engine.scaler.scale = 2.0**120 if step + 1 == SKIP else 2.0**10
+
+
+def _run_mixed(rank: int, world: int, names: list[str], nvme: str) -> dict:
+    torch.set_num_threads(1)
+    return {
+        name: parity.run_hetero(
+            rank,
+            world,
+            steps=STEPS + 1,
+            rows=ROWS,
+            config=MIXED[name],
+            nvme_dir=f"{nvme}/{name}",
+            on_step=_overflow_at_skip,
+        )
+        for name in names
+    }
+
+
+@pytest.mark.timeout(300)
+def test_delayed_update_and_its_prediction_in_mixed_precision(tmp_path):
+    results = run_distributed(_run_mixed, 2, list(MIXED), str(tmp_path), timeout=240)[0]
+    initial = parity.initial_state()
+    for name, cfg in MIXED.items():
+        dtype = parity.DTYPES[cfg["precision"]]
+        skip = (SKIP,) if dtype == torch.float16 else ()
+        assert results[name]["skipped"] == len(skip), name
+        run = dict(
+            clip=cfg.get("grad_clip_norm"),
+            warmup=cfg["delayed_param_update_warmup"],
+            predict=cfg.get("delayed_param_update_prediction", False),
+            steps=STEPS + 1,
+            skip=skip,
+        )
+        exact_losses, exact = delayed_reference(torch.float64, **run)
+        plain_losses, plain = delayed_reference(dtype, master_dtype=torch.float32, **run)
+        tolerance.assert_losses(results[name]["losses"], exact_losses, plain_losses, dtype=dtype)
+        tolerance.assert_learns(exact, plain, initial)
+        tolerance.assert_weights(results[name]["state"], exact, plain, dtype=dtype, initial=initial)
+        if skip:  # an update taken where it was skipped ends elsewhere
+            taken = {**run, "skip": ()}
+            exact = delayed_reference(torch.float64, **taken)[1]
+            plain = delayed_reference(dtype, master_dtype=torch.float32, **taken)[1]
+            with pytest.raises(AssertionError):
+                tolerance.assert_weights(results[name]["state"], exact, plain, dtype=dtype, initial=initial)
 
 
 def test_delayed_update_needs_the_optimizer_off_the_device():

@@ -408,9 +408,8 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
 @pytest.mark.timeout(300)
 def test_gpu_waits_tool_counts_no_wait_in_the_default_placements():
     """tools/gpu_waits.py (on a GPU: torch's sync debug mode) runs here under the stand-in: hetero's step with
-    everything on the device, with clipping, with host offload, with the delayed update and with the update in
-    backward makes no wait it can see,
-    and the norm each configuration reports is a number."""
+    everything on the device, with clipping, with host offload, with the delayed update (and its prediction) and with
+    the update in backward makes no wait it can see, and the norm each configuration reports is a number."""
     import json
     import subprocess
     import sys
@@ -420,7 +419,7 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(rows) == {"device", "device_clip", "host", "host_delayed", "host_in_backward"}
+    assert set(rows) == {"device", "device_clip", "host", "host_delayed", "host_predicted", "host_in_backward"}
     for name, row in rows.items():
         assert row["waits_per_step"] == 0 and row["where"] == {}, (name, row)
         assert row["grad_norm"] > 0 and row["gpu"] is False, (name, row)

@@ -14,9 +14,10 @@ what is counted is hetero's own.
 
 Configurations (hetero's GPT, 4 layers of 256, stage 3, bf16 on a GPU, fp32 elsewhere): device (everything on the
 device), device_clip (the same with grad_clip_norm 1.0), host (parameters and optimizer states in host memory),
-host_delayed (the same with delayed_param_update), host_in_backward (with update_in_backward), and with --nvme-dir:
+host_delayed (the same with delayed_param_update), host_predicted (and delayed_param_update_prediction),
+host_in_backward (with update_in_backward), and with --nvme-dir:
 nvme (optimizer states on NVMe), nvme_host (and the parameters in host memory: gpu_race.py's layout), nvme_delayed
-(nvme with delayed_param_update).
+(nvme with delayed_param_update), nvme_predicted (and delayed_param_update_prediction).
 """
 
 from __future__ import annotations
@@ -44,12 +45,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "delayed_param_update": True,
         "delayed_param_update_warmup": 1,
     },
+    "host_predicted": {
+        "offload": {"params": "host", "optimizer": "host"},
+        "delayed_param_update": True,
+        "delayed_param_update_warmup": 1,
+        "delayed_param_update_prediction": True,
+    },
     "host_in_backward": {"offload": {"params": "host", "optimizer": "host"}, "update_in_backward": True},
     "nvme": {"offload": {"optimizer": "nvme"}},
     "nvme_host": {"offload": {"params": "host", "optimizer": "nvme"}},  # benchmarks/gpu_race.py's NVMe layout
     "nvme_delayed": {"offload": {"optimizer": "nvme"}, "delayed_param_update": True, "delayed_param_update_warmup": 1},
+    "nvme_predicted": {
+        "offload": {"optimizer": "nvme"},
+        "delayed_param_update": True,
+        "delayed_param_update_warmup": 1,
+        "delayed_param_update_prediction": True,
+    },
 }
-NVME = ("nvme", "nvme_host", "nvme_delayed")
+NVME = ("nvme", "nvme_host", "nvme_delayed", "nvme_predicted")
 
 
 def _where() -> str:
