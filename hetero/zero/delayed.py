@@ -92,6 +92,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hetero.memory import Chunk, TensorState, Tier
+from hetero.zero import master as master_weights
 from hetero.zero.norms import sum_of_squares
 from hetero.zero.predict import Prediction
 from hetero.zero.update import Plan, Updater, step_chunk
@@ -263,7 +264,7 @@ class DelayedUpdate:
         # chunk (under tight budgets that corrupted other chunks' swap data, caught as checksum mismatches).
         grad = zc.grad_view()
         m.pin(zc.grad)
-        master, states = zc.optimizer_views()
+        master, states, landing = master_weights.views_filling(zc)  # [Note: the master copied up late]
         m.pin(zc.optim)
         values = m.access(nxt, Tier.HOST)
         m.pin(nxt)
@@ -278,8 +279,11 @@ class DelayedUpdate:
         # Read here, on the driving thread, which owns the counts: the tensors' steps after this one, which stepped.
         steps, flags = (list(zc.param_steps), used.tolist()) if predict is not None else ([], [])
 
+        device = zc.device
+
         def math() -> tuple[torch.Tensor, float, float]:
             t0 = time.perf_counter()
+            device.landed(landing)  # (None: nothing in flight)
             with torch.no_grad():
                 sq = (sum_of_squares(grad) if pre is None else pre) if fused else torch.zeros((), dtype=torch.float64)
                 step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)

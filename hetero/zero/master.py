@@ -16,7 +16,7 @@ from 8.0 to 6.3 GB.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,34 @@ def fill(zc: ZeroChunk) -> None:
         # The master lives on the host: the optimizer steps there whenever its states are on NVMe.
         zc.optim.view(master).copy_(zc.device.to_host(shard))
     zc.optim.set_state(master, TensorState.HOLD)
+
+
+def views_filling(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+    """`ZeroChunk.optimizer_views` for a step on another thread: where a FREE master fills from a shard on the device,
+    the copy up runs on a copy stream and the host does not wait for it; the third item is its handle, which the
+    thread reading the master must give `Device.landed` first (None: nothing in flight).
+
+    [Note: the master copied up late]
+    The delayed update ([Note: the delayed parameter update] in delayed.py) starts a chunk's step from the model's
+    hooks in the middle of forward and backward. Filling its master with a copy the host waits for made the host wait
+    for every kernel queued before it, once a chunk: tools/gpu_waits.py counted 5 waits a step (one a chunk) in
+    `nvme_delayed` under the stand-in. The copy is now handed to the manager (`land_later`): the optimizer chunk stays
+    pinned where it is and the shard unchanged until the copy has landed, and the worker waits for it before the math.
+    """
+    master = zc.optim.slots[0]
+    if not zc.master_follows or zc.placement.params is not Tier.DEVICE or master.state is not TensorState.FREE:
+        return (*zc.optimizer_views(), None)
+    m = zc.manager
+    m.access(zc.optim, zc.placement.compute)
+    zc.complete_gather()  # a gather issued ahead holds the shard where it is until then
+    with m.pinned(zc.optim):  # reading the shard in must not evict the chunk it fills
+        shard = m.access(zc.shard, Tier.DEVICE, write=False)
+        views = [zc.optim.view(s) for s in zc.optim.slots]
+        handle = zc.device.copy_later(views[0], shard, after=zc.device.compute_marker())
+    zc.optim.set_state(master, TensorState.HOLD)
+    m.land_later(zc.optim, handle)  # nothing moves or reuses the master until the copy is done
+    m.land_later(zc.shard, handle, reads=True)  # nor overwrites the shard it reads
+    return views[0], views[1:], handle
 
 
 def in_place_views(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
