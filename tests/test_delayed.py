@@ -44,6 +44,7 @@ def delayed_reference(
     optimizer: str = "adamw",
     master_dtype: torch.dtype | None = None,
     skip: tuple[int, ...] = (),
+    accum: int = 1,
 ) -> tuple[list[float], dict]:
     """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2 (with
     `predict`, at their prediction: benchmarks/delayed_update.py's PlainPrediction). The forward model holds what the
@@ -53,17 +54,22 @@ def delayed_reference(
 
     `master_dtype`: mixed precision, the model in `dtype` and the master weights and optimizer in this one. `skip`:
     the steps (1-based) whose update is skipped, as for fp16 overflow: no update is taken, the pending one's exact
-    values reach the model, and the prediction starts afresh. Updates are numbered among those taken."""
+    values reach the model, and the prediction starts afresh. Updates are numbered among those taken. `accum`:
+    micro-batches a step (its loss their mean)."""
     model = parity.build().to(dtype)
     master = copy.deepcopy(model) if master_dtype is None else parity.build().to(master_dtype)
     opt = parity.make_optimizer(master, optimizer)
     predictor = PlainPrediction(opt) if predict else None
     losses = []
     update = 0
-    for step, (x, y) in enumerate(parity.batches(steps, ROWS), start=1):
-        loss = model(x, labels=y).loss
-        loss.backward()
-        losses.append(loss.item())
+    data = parity.batches(steps * accum, ROWS)
+    for step in range(1, steps + 1):
+        total = 0.0
+        for x, y in data[(step - 1) * accum : step * accum]:
+            loss = model(x, labels=y).loss
+            (loss / accum).backward()
+            total += loss.item() / accum
+        losses.append(total)
         if step in skip:
             model.zero_grad(set_to_none=True)
             with torch.no_grad():
@@ -123,6 +129,10 @@ SGD_RUNS = ("z3-nvme-predicted-sgd",)
 # The parameters on the device, the states on NVMe: each chunk's master fills from the device's shard by a copy the
 # training thread does not wait for ([Note: the master copied up late]; the stand-in runs it late).
 DELAYED["z3-nvme-states"] = {**DELAYED["z3-nvme-warmup"], "offload": {"optimizer": "nvme"}}
+# Gradient accumulation: the pending update steps during the next step's micro-batches, and each chunk's before
+# the first of them adds into its gradient (`settle`).
+DELAYED["z2-nvme-accum"] = {**DELAYED["z2-nvme"], "delayed_param_update_warmup": WARMUP, "grad_accumulation_steps": 2}
+DELAYED["z3-nvme-predicted-accum"] = {**DELAYED["z3-nvme-predicted"], "grad_accumulation_steps": 2}
 # Budgets that make every access evict: the chunks a step's math reads and writes must stay put until it ends.
 DELAYED["z3-nvme-tight"] = {
     **DELAYED["z3-nvme"],
@@ -181,9 +191,9 @@ def test_delayed_update_matches_the_delayed_algorithm_and_runs_during_the_next_s
     results = run_distributed(_run, 2, names, str(tmp_path), timeout=240)[0]
 
     def refs(
-        clip: float | None, warmup: int, predict: bool = False, optimizer: str = "adamw"
+        clip: float | None, warmup: int, predict: bool = False, optimizer: str = "adamw", accum: int = 1
     ) -> tuple[tuple[list[float], dict], tuple[list[float], dict]]:
-        run = dict(clip=clip, warmup=warmup, predict=predict, optimizer=optimizer)
+        run = dict(clip=clip, warmup=warmup, predict=predict, optimizer=optimizer, accum=accum)
         return delayed_reference(torch.float64, **run), delayed_reference(torch.float32, **run)
 
     for name in names:
@@ -194,6 +204,7 @@ def test_delayed_update_matches_the_delayed_algorithm_and_runs_during_the_next_s
             cfg["delayed_param_update_warmup"],
             predict,
             "sgd" if name in SGD_RUNS else "adamw",
+            cfg.get("grad_accumulation_steps", 1),
         )
         tolerance.assert_losses(results[name]["losses"], exact_losses, plain_losses, dtype=torch.float32)
         tolerance.assert_weights(results[name]["state"], exact, plain, dtype=torch.float32)
