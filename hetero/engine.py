@@ -253,7 +253,8 @@ class Engine:
         if config.delayed_param_update:  # the update runs during the next step ([Note: the delayed parameter update])
             predict = None
             if config.delayed_param_update_prediction:  # [Note: predicting past the delay]
-                predict = Prediction(self.algorithm, self.updater.chunks, self.updater.comm)  # trainable, ZeRO's group
+                tp = self.mesh.tp if self.mesh.tp_size > 1 else None  # a tensor's slices make one scale
+                predict = Prediction(self.algorithm, self.updater.chunks, self.updater.comm, tp)  # trainable
             self.updater.delayed = DelayedUpdate(self.updater, model, predict)
         # [Note: the reduce order learnt from a backward]: reductions interleave with backward's gathers at stage 3
         # over several ranks; there the static order stays.

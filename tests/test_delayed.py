@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -45,6 +45,8 @@ def delayed_reference(
     master_dtype: torch.dtype | None = None,
     skip: tuple[int, ...] = (),
     accum: int = 1,
+    build: Callable[[], torch.nn.Module] = parity.build,
+    rows: int = ROWS,
 ) -> tuple[list[float], dict]:
     """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2 (with
     `predict`, at their prediction: benchmarks/delayed_update.py's PlainPrediction). The forward model holds what the
@@ -55,14 +57,14 @@ def delayed_reference(
     `master_dtype`: mixed precision, the model in `dtype` and the master weights and optimizer in this one. `skip`:
     the steps (1-based) whose update is skipped, as for fp16 overflow: no update is taken, the pending one's exact
     values reach the model, and the prediction starts afresh. Updates are numbered among those taken. `accum`:
-    micro-batches a step (its loss their mean)."""
-    model = parity.build().to(dtype)
-    master = copy.deepcopy(model) if master_dtype is None else parity.build().to(master_dtype)
+    micro-batches a step (its loss their mean). `build`: the model, `rows` a batch's."""
+    model = build().to(dtype)
+    master = copy.deepcopy(model) if master_dtype is None else build().to(master_dtype)
     opt = parity.make_optimizer(master, optimizer)
     predictor = PlainPrediction(opt) if predict else None
     losses = []
     update = 0
-    data = parity.batches(steps * accum, ROWS)
+    data = parity.batches(steps * accum, rows)
     for step in range(1, steps + 1):
         total = 0.0
         for x, y in data[(step - 1) * accum : step * accum]:

@@ -37,7 +37,8 @@ The master weights and states go through the delayed sequence exactly; only wher
   - the parameters hold predictions, so they cannot stand in for the master: it is kept in the optimizer chunk
     ([Note: the master follows the shard] does not apply; with states on NVMe 4 more bytes a parameter each way);
   - a few elementwise passes over the shard at the boundary (the fresh part and its bound) and beside each chunk's
-    step (the drift and its bound), and an all-reduce of one float per tensor per update.
+    step (the drift and its bound), and an all-reduce of one float per tensor per update (over the ranks holding
+    its shards, and over the tensor group, whose ranks hold slices of it: the scale is the whole tensor's).
 Whatever applies the pending update outside a step (a checkpoint, a view, an fp16 step skipped) writes the exact
 values from the master and forgets the scales (`reset`), so the update after it is predicted from scratch: a run
 resumed from a checkpoint goes on as the one that saved it did.
@@ -62,7 +63,9 @@ if TYPE_CHECKING:
 class Prediction:
     """The per-tensor scales and the two parts of the prediction; see [Note: predicting past the delay]."""
 
-    def __init__(self, algorithm: Algorithm, chunks: list[ZeroChunk], comm: Comm) -> None:
+    def __init__(self, algorithm: Algorithm, chunks: list[ZeroChunk], comm: Comm, tp: Comm | None = None) -> None:
+        """`comm`: the group whose ranks hold the chunks' shards (ZeRO's); `tp`: the tensor-parallel group where there
+        is one, whose ranks hold slices of a tensor: a tensor's scale is the mean over all of them."""
         if algorithm.name not in ("adam", "sgd"):
             raise ConfigError(
                 f"delayed_param_update_prediction: predicts Adam, AdamW and SGD updates, not {algorithm.name!r}; use "
@@ -70,6 +73,7 @@ class Prediction:
             )
         self.algorithm = algorithm
         self.comm = comm
+        self.tp = tp
         self.sharded = zc_sharded(chunks)  # ranks hold disjoint pieces: their sums add up
         # Per chunk (id): (its entry, the entry's tensor in the per-tensor vectors, start, end in this rank's shard).
         # A weight tiled over several chunks ([Note: tiles] in hetero/memory/chunk_size.py) is one tensor: its tiles
@@ -89,7 +93,10 @@ class Prediction:
                 if a < b:
                     pieces.append((j, t, a - lo, b - lo))
             self._pieces[id(zc)] = pieces
+        # Over the tensor group, each tensor's sums and sizes add up alike: a slice, a block some ranks hold alike or
+        # a tensor every rank holds whole counts as often in both, so the mean is the whole tensor's.
         self._numel = torch.tensor(numel, dtype=torch.float64)
+        self._numel_summed = tp is None
         self._scale: list[float] | None = None  # per tensor: the mean of √v̂ after its last update (NaN: none yet)
         # The pending update's sums of √v̂ over this rank's pieces, and which tensors it stepped (1.0), in one
         # vector so that one collective adds both up.
@@ -144,6 +151,11 @@ class Prediction:
         sums = self._sums
         if self.sharded:
             self.comm.control.all_reduce(sums, op="sum")
+        if self.tp is not None:
+            self.tp.control.all_reduce(sums, op="sum")
+            if not self._numel_summed:  # once, at the first boundary every rank reaches
+                self.tp.control.all_reduce(self._numel, op="sum")
+                self._numel_summed = True
         stepped = sums[1] > 0
         mean = sums[0] / self._numel
         old = torch.full_like(mean, math.nan) if self._scale is None else torch.tensor(self._scale, dtype=mean.dtype)
