@@ -208,7 +208,37 @@ def test_slow_preallocation_stays_on(tmp_path, fallocates):
     with NvmeStore(tmp_path) as s:
         _round_trips(s, 3)
         assert s._file.prealloc
-        assert [n for _, n in fallocates["calls"]] == [MiB, MiB + 4096, MiB + 4096]
+        # Each growth reserves as much again as the file holds: the third reserves a slot more than it needs
+        assert [n for _, n in fallocates["calls"]] == [MiB, MiB + 4096, 2 * MiB + 4096]
+
+
+def test_growth_reserves_ahead_and_falls_back_to_what_it_needs(tmp_path, fallocates, monkeypatch):
+    """ext4's fallocate waits for the file's direct writes in flight: a growth reserves ahead so that the next ones
+    need no call; with no room for the reservation, the growth alone is preallocated."""
+    if direct.memory_file_system(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is in RAM")
+    slow = direct._FALLOCATE
+
+    def no_room_ahead(fd, mode, offset, length):
+        if length > 2 * MiB:  # the reservation; the growth alone fits
+            fallocates["calls"].append((offset, length, "refused"))
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return slow(fd, mode, offset, length)
+
+    monkeypatch.setattr(direct, "_FALLOCATE", no_room_ahead)
+    with NvmeStore(tmp_path) as s:
+        _round_trips(s, 3)
+        assert fallocates["calls"][-2:] == [(2 * MiB + 4096, 2 * MiB + 4096, "refused"), (2 * MiB + 4096, MiB + 4096)]
+        assert s._file.prealloc and s.file_bytes == 3 * MiB + 2 * 4096
+    fallocates["calls"].clear()
+    monkeypatch.setattr(direct, "_FALLOCATE", slow)
+    (tmp_path / "ahead").mkdir()
+    with NvmeStore(tmp_path / "ahead") as s:
+        _round_trips(s, 3)
+        size = s.file_bytes
+        s.write(3, torch.ones(MiB, dtype=torch.uint8)).result()  # inside the third growth's reservation
+        assert len(fallocates["calls"]) == 3 and s.file_bytes == size
 
 
 def test_no_preallocation_in_ram(fallocates):
