@@ -31,19 +31,29 @@ def follows(zc: ZeroChunk) -> bool:
     return zc.shard is not None and zc.spec.trainable and zc.dtype == torch.float32 and zc.placement.optim is Tier.NVME
 
 
-def fill(zc: ZeroChunk) -> None:
-    """The optim chunk is resident on the compute tier: give a FREE master the shard's values."""
+def fill(zc: ZeroChunk, *, later: bool = False) -> Any:
+    """The optim chunk is resident on the compute tier: give a FREE master the shard's values. `later`: a shard on the
+    device is copied up on a copy stream the host does not wait for ([Note: the master copied up late]); the copy's
+    handle is returned, for `Device.landed` before anything reads the master (None: the master is filled)."""
     master = zc.optim.slots[0]
     if not zc.master_follows or master.state is not TensorState.FREE:
-        return
+        return None
     m = zc.manager
     zc.complete_gather()  # a gather issued ahead holds the shard where it is until then
+    handle = None
     with m.pinned(zc.optim):  # reading the shard in must not evict the chunk it fills
         tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
         shard = m.access(zc.shard, tier, write=False)
         # The master lives on the host: the optimizer steps there whenever its states are on NVMe.
-        zc.optim.view(master).copy_(zc.device.to_host(shard))
+        if later and tier is Tier.DEVICE:
+            handle = zc.device.copy_later(zc.optim.view(master), shard, after=zc.device.compute_marker())
+        else:
+            zc.optim.view(master).copy_(zc.device.to_host(shard))
     zc.optim.set_state(master, TensorState.HOLD)
+    if handle is not None:
+        m.land_later(zc.optim, handle)  # nothing moves or reuses the master until the copy is done
+        m.land_later(zc.shard, handle, reads=True)  # nor overwrites the shard it reads
+    return handle
 
 
 def views_filling(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
@@ -58,19 +68,9 @@ def views_filling(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor], Any]
     `nvme_delayed` under the stand-in. The copy is now handed to the manager (`land_later`): the optimizer chunk stays
     pinned where it is and the shard unchanged until the copy has landed, and the worker waits for it before the math.
     """
-    master = zc.optim.slots[0]
-    if not zc.master_follows or zc.placement.params is not Tier.DEVICE or master.state is not TensorState.FREE:
-        return (*zc.optimizer_views(), None)
-    m = zc.manager
-    m.access(zc.optim, zc.placement.compute)
-    zc.complete_gather()  # a gather issued ahead holds the shard where it is until then
-    with m.pinned(zc.optim):  # reading the shard in must not evict the chunk it fills
-        shard = m.access(zc.shard, Tier.DEVICE, write=False)
-        views = [zc.optim.view(s) for s in zc.optim.slots]
-        handle = zc.device.copy_later(views[0], shard, after=zc.device.compute_marker())
-    zc.optim.set_state(master, TensorState.HOLD)
-    m.land_later(zc.optim, handle)  # nothing moves or reuses the master until the copy is done
-    m.land_later(zc.shard, handle, reads=True)  # nor overwrites the shard it reads
+    zc.manager.access(zc.optim, zc.placement.compute)
+    handle = fill(zc, later=True)
+    views = [zc.optim.view(s) for s in zc.optim.slots]  # not through the manager: that would wait for the copy
     return views[0], views[1:], handle
 
 
