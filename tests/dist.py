@@ -29,7 +29,10 @@ from typing import Any
 # own, from its start), so each rank is handed the environment and applies it before anything reads it.
 # HETERO_TEST_START=spawn restores spawn.
 _START_METHOD = os.environ.get("HETERO_TEST_START", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "hetero", "transformers", "tests.dist"]
+# transformers 5 imports its models lazily: the first model class a rank touched cost it 3-4 CPU-seconds of imports
+# (modeling_utils and what it pulls in) after the fork, so the models the tests build are preloaded too.
+_HF_MODELS = [f"transformers.models.{m}.modeling_{m}" for m in ("llama", "gpt2", "mistral", "qwen2", "bert")]
+_PRELOAD = ["torch", "torch.distributed", "hetero", "transformers", *_HF_MODELS, "tests.dist"]
 _REPORT_GRACE_S = 1.0  # after one rank fails, how long to wait for others' errors (they often explain it)
 _EXIT_GRACE_S = 5.0  # after all ranks reported, how long they get to leave before they are killed
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 import hetero
 from hetero.errors import ConfigError, ReleasedParameterError, TierOutOfMemoryError
 from hetero.memory import ChunkManager, TensorState, Tier
-from hetero.memory.chunk_size import budget_cap, pack_tiled
+from hetero.memory.chunk_size import budget_cap, pack_tiled, packed_capacity
 from hetero.zero.layout import build_layout
 from tests import parity, tolerance
 from tests.dist import cpu_ranks_env, run_distributed
@@ -207,6 +208,23 @@ def test_pack_tiled_splits_whole_rows_and_wastes_nothing_on_tiles():
     # Closed before tiles: trimmed; closed before an untileable oversize tensor (or the run's end): full; oversize:
     # exact.
     assert [p.capacity for p in packed if not p.tile] == [40, 128, 500]
+
+
+def test_packed_capacity_counts_what_pack_tiled_allocates():
+    """The chunk-size search counts capacities without packing (`packed_capacity`): the same sum as `pack_tiled`'s
+    chunks, over random mixes of small, empty, tileable and untileable tensors, capacities and alignments."""
+    rng = np.random.default_rng(3)
+    for _ in range(400):
+        k = int(rng.integers(1, 12))
+        numels, rows = [], []
+        for _ in range(k):
+            row = int(rng.integers(1, 40))
+            n = row * int(rng.integers(0, 30))
+            numels.append(n)
+            rows.append(row if rng.random() < 0.6 else None)
+        chunk, align = int(rng.integers(1, 200)), int(rng.choice([1, 4, 16]))
+        want = sum(p.capacity for p in pack_tiled(numels, rows, chunk, align=align))
+        assert packed_capacity(numels, rows, chunk, align=align) == want, (numels, rows, chunk, align)
 
 
 def test_only_tileable_layers_are_split():
