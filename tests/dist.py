@@ -15,6 +15,7 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -67,6 +68,41 @@ def cpu_ranks_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for ranks launched as processes (torchrun, srun-style) that this suite runs on gloo and the CPU: with the
     GPUs hidden, also on a GPU machine, where the launcher's ranks would otherwise pick NCCL and share one GPU."""
     return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_torchrun(
+    script: list[str], *, nproc: int, timeout: float, env: dict[str, str] | None = None, cwd: Any = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc script...` on gloo and the CPU (`cpu_ranks_env`), its output
+    captured.
+
+    [Note: torchrun in tests]
+    `--standalone`: the launcher's store binds a port the OS picks as it binds, where `--master_port` with a port
+    `free_port` found free a moment before could be taken by then (two tests at a time, `pytest -n 2`, open many).
+    On a timeout the launcher and its ranks are all killed: the ranks run in sessions of their own, and killing the
+    launcher alone left them waiting for its store for the rest of the run (the stand-in suite under `-n 2` found
+    four of them still there a quarter of an hour later). Raises `subprocess.TimeoutExpired` as `subprocess.run`."""
+    import sys
+
+    import psutil
+
+    launched = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # the launcher sets them for its ranks
+    base = {k: v for k, v in (env or os.environ).items() if k not in launched}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=cpu_ranks_env(base), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            for p in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def torchrun_failure(proc: Any, keep: int = 6000) -> str:

@@ -46,15 +46,12 @@ def test_train_hf(tmp_path, model):
 def test_train_parallel_under_torchrun():
     """TP 2 x PP 2 under torchrun (4 processes), a few batches of a tiny GPT: it trains and reports the mesh, then
     evaluates through the layout and generates a few tokens greedily (eval_batch)."""
-    from tests.dist import cpu_ranks_env, free_port, torchrun_failure
+    from tests.dist import run_torchrun, torchrun_failure
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}"]
-    cmd += [str(ROOT / "examples" / "train_parallel.py"), "--tensor", "2", "--pipeline", "2", "--steps", "4"]
+    cmd = [str(ROOT / "examples" / "train_parallel.py"), "--tensor", "2", "--pipeline", "2", "--steps", "4"]
     cmd += ["--layers", "2", "--embd", "32", "--heads", "2", "--block-size", "16", "--batch-size", "4", "--json"]
     cmd += ["--microbatches", "2", "--zero-stage", "3", "--sequence", "--generate", "4"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=cpu_ranks_env(env))
+    proc = run_torchrun(cmd, nproc=4, timeout=280, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, torchrun_failure(proc)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mesh"] == {"tensor": 2, "data": 1, "pipeline": 2} and result["world_size"] == 4

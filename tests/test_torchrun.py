@@ -1,18 +1,16 @@
 """A real torchrun launch: hetero.initialize joins the process group from the launcher's environment."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 try:
     from tests import parity
-    from tests.dist import cpu_ranks_env, free_port, torchrun_failure
+    from tests.dist import run_torchrun, torchrun_failure
 except ImportError:
     import parity  # type: ignore[no-redef]
-    from dist import cpu_ranks_env, free_port, torchrun_failure  # type: ignore[no-redef]
+    from dist import run_torchrun, torchrun_failure  # type: ignore[no-redef]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -20,19 +18,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.mark.timeout(240)
 def test_torchrun_two_ranks_stage3_matches_plain_pytorch(tmp_path):
     out = tmp_path / "result.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "torchrun_train.py"),
-        str(out),
-        "3",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=cpu_ranks_env(env))
+    proc = run_torchrun([os.path.join(HERE, "torchrun_train.py"), str(out), "3"], nproc=2, timeout=200)
     assert proc.returncode == 0, torchrun_failure(proc)
     result = torch.load(out, weights_only=True)
     result["state"] = {k: v.float() for k, v in result["state"].items()}
     parity.check(result, steps=4, rows=4)
+
+
+@pytest.mark.timeout(120)
+def test_a_torchrun_that_times_out_leaves_no_rank_behind(tmp_path):
+    """[Note: torchrun in tests]: the ranks run in sessions of their own; a timeout kills them with the launcher."""
+    import subprocess
+
+    import psutil
+
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_torchrun([str(script)], nproc=2, timeout=20)
+    ranks = [int(line) for line in (info.value.stdout or "").split() if line.isdigit()]
+    assert len(ranks) == 2, info.value.stdout  # both ranks had started
+    psutil.wait_procs([p for p in map(_process, ranks) if p is not None], timeout=10)
+    assert [pid for pid in ranks if _process(pid) is not None] == []
+
+
+def _process(pid: int):
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p
+    except psutil.NoSuchProcess:
+        return None

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -157,14 +155,11 @@ def test_config_conflicts_and_non_elementwise_optimizer(tmp_path):
 def test_example_under_torchrun_zero3_nvme(tmp_path):
     """The runnable example, 2 processes, ZeRO-3, optimizer states on NVMe: its losses match the plain Trainer's
     (DDP on gloo) under the example's own tolerance, and the optimizer states really went through the swap files."""
-    from tests.dist import cpu_ranks_env, free_port, torchrun_failure
+    from tests.dist import run_torchrun, torchrun_failure
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    cmd += [str(ROOT / "examples" / "train_trainer.py"), "--compare", "--json", "--steps", "6", "--eval-steps", "3"]
+    cmd = [str(ROOT / "examples" / "train_trainer.py"), "--compare", "--json", "--steps", "6", "--eval-steps", "3"]
     cmd += ["--nvme-dir", str(tmp_path), "--embd", "32", "--block-size", "32"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=380, env=cpu_ranks_env(env))
+    proc = run_torchrun(cmd, nproc=2, timeout=380, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, torchrun_failure(proc)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["match"] and len(result["losses"]) == 6 and len(result["eval_losses"]) == 2
