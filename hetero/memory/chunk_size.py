@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -245,41 +246,52 @@ class Packed:
     tile: bool  # holds one tile of a tensor split over several chunks
 
 
-def pack_tiled(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: int, *, align: int = 1) -> list[Packed]:
-    """Pack tensors in order into chunks of `chunk_numel`, splitting those larger than a chunk into tiles where
-    `rows[i]` (elements per row) allows; see [Note: tiles]. Trimmed capacities are rounded up to `align`."""
+def _walk(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: int) -> Iterator[tuple[Any, ...]]:
+    """The packing of [Note: tiles], step by step, shared by `pack_tiled` (which builds the chunks) and
+    `packed_capacity` (which only counts them): ("chunk", members, used, trim) for a chunk closed (trim: before
+    tiles, to what it holds; else at full capacity), ("tiles", i, row, parts, base, more) for a tensor split into
+    `parts` tiles of `base` rows (the first `more` one row more), ("whole", i, n) for an oversize tensor that may
+    not be."""
     chunk_numel = _check_positive("chunk_numel", chunk_numel)
-    out: list[Packed] = []
     members: list[tuple[int, int, int]] = []
     used = 0
-
-    def close(trim: bool) -> None:
-        nonlocal members, used
-        if members:
-            out.append(Packed(tuple(members), _round_up(used, align) if trim else chunk_numel, False))
-        members, used = [], 0
-
     for i, n in enumerate(numels):
         row = rows[i] if rows else None
         if n > chunk_numel:
             tiles = _tiles(n, row, chunk_numel)
-            close(trim=tiles is not None)
-            if tiles is not None:
-                parts, base, more = tiles
-                first = 0
-                for k in range(parts):
-                    take = base + (1 if k < more else 0)
-                    out.append(Packed(((i, first * row, take * row),), _round_up(take * row, align), True))
-                    first += take
-            else:
-                out.append(Packed(((i, 0, n),), n, False))
+            if members:
+                yield "chunk", tuple(members), used, tiles is not None
+            members, used = [], 0
+            yield ("tiles", i, row, *tiles) if tiles is not None else ("whole", i, n)
         elif n > chunk_numel - used:
-            close(trim=False)
+            if members:
+                yield "chunk", tuple(members), used, False
             members, used = [(i, 0, n)], n
         else:
             members.append((i, 0, n))
             used += n
-    close(trim=False)
+    if members:
+        yield "chunk", tuple(members), used, False
+
+
+def pack_tiled(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: int, *, align: int = 1) -> list[Packed]:
+    """Pack tensors in order into chunks of `chunk_numel`, splitting those larger than a chunk into tiles where
+    `rows[i]` (elements per row) allows; see [Note: tiles]. Trimmed capacities are rounded up to `align`."""
+    out: list[Packed] = []
+    for step in _walk(numels, rows, chunk_numel):
+        if step[0] == "chunk":
+            _, members, used, trim = step
+            out.append(Packed(members, _round_up(used, align) if trim else chunk_numel, False))
+        elif step[0] == "whole":
+            _, i, n = step
+            out.append(Packed(((i, 0, n),), n, False))
+        else:
+            _, i, row, parts, base, more = step
+            first = 0
+            for k in range(parts):
+                take = base + (1 if k < more else 0)
+                out.append(Packed(((i, first * row, take * row),), _round_up(take * row, align), True))
+                first += take
     return out
 
 
@@ -299,30 +311,18 @@ def _round_up(n: int, k: int) -> int:
 
 def packed_capacity(numels: Sequence[int], rows: Sequence[int | None], chunk_numel: int, *, align: int = 1) -> int:
     """The elements `pack_tiled` allocates, sum(p.capacity), counted without building the chunks: a tensor tiled
-    into a million tiles (a 13B model under a small budget's chunk size) costs one line here, not a million objects
+    into a million tiles (a 13B model under a small budget's chunk size) costs one step here, not a million objects
     (the estimator's chunk-size search on such a model took 14 s in `pack_tiled`)."""
-    chunk_numel = _check_positive("chunk_numel", chunk_numel)
-    allocated = used = 0
-    open_chunk = False  # it may hold empty tensors only (used 0), as in pack_tiled
-    for i, n in enumerate(numels):
-        row = rows[i] if rows else None
-        if n > chunk_numel:
-            tiles = _tiles(n, row, chunk_numel)
-            if open_chunk:  # the open chunk closes, trimmed before tiles
-                allocated += _round_up(used, align) if tiles is not None else chunk_numel
-            used, open_chunk = 0, False
-            if tiles is not None:
-                parts, base, more = tiles
-                allocated += more * _round_up((base + 1) * row, align) + (parts - more) * _round_up(base * row, align)
-            else:
-                allocated += n
-        elif n > chunk_numel - used:
-            allocated += chunk_numel if open_chunk else 0
-            used, open_chunk = n, True
+    allocated = 0
+    for step in _walk(numels, rows, chunk_numel):
+        if step[0] == "chunk":
+            allocated += _round_up(step[2], align) if step[3] else chunk_numel
+        elif step[0] == "whole":
+            allocated += step[2]
         else:
-            used += n
-            open_chunk = True
-    return allocated + (chunk_numel if open_chunk else 0)
+            _, i, row, parts, base, more = step
+            allocated += more * _round_up((base + 1) * row, align) + (parts - more) * _round_up(base * row, align)
+    return allocated
 
 
 def tiled_waste(runs: Sequence[tuple[Sequence[int], Sequence[int | None]]], chunk_numel: int, *, align: int) -> int:
