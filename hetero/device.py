@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import torch
 
 from hetero import standin
@@ -103,6 +104,14 @@ class Device:
     def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`t` on the compute device (the same tensor where it already is), optionally cast."""
         return t.to(self.torch_device, dtype=dtype, non_blocking=True)
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """`dst` (device memory) takes `src` on the compute stream, the host going on at once; returns a handle for
+        `ChunkManager.land_later(reads=True)` where that reads host memory late, else None ([Note: writing
+        parameters up without a wait] in hetero/zero/copy_up.py)."""
+        moved = self.to_device(src)  # converted to dst's dtype on the device, in dst.copy_
+        dst.copy_(moved)
+        return None if moved is src else self.compute_reached()
 
     def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
         """`t` in host memory (the same tensor where it already is, unless `copy`), optionally cast."""
@@ -203,30 +212,19 @@ class Device:
         """Bytes of memory the compute device has (physical RAM for the CPU)."""
         if self.is_cuda:
             return torch.cuda.get_device_properties(self.torch_device).total_memory
-        import psutil
-
         return psutil.virtual_memory().total
 
     def available_memory(self) -> int:
         """Bytes free on the compute device now."""
-        if self.is_cuda:
-            free, _ = torch.cuda.mem_get_info(self.torch_device)
-            return free
-        import psutil
-
-        return psutil.virtual_memory().available
+        return torch.cuda.mem_get_info(self.torch_device)[0] if self.is_cuda else psutil.virtual_memory().available
 
     def allocated_bytes(self) -> int:
         """Bytes the CUDA caching allocator has handed out on the device now (0 without CUDA: not measurable)."""
-        if self.is_cuda:
-            return torch.cuda.memory_allocated(self.torch_device)
-        return 0
+        return torch.cuda.memory_allocated(self.torch_device) if self.is_cuda else 0
 
     def reserved_bytes(self) -> int:
         """Bytes the CUDA caching allocator holds from the driver (allocated + cached free blocks); 0 without CUDA."""
-        if self.is_cuda:
-            return torch.cuda.memory_reserved(self.torch_device)
-        return 0
+        return torch.cuda.memory_reserved(self.torch_device) if self.is_cuda else 0
 
     # ---- ordering -----------------------------------------------------------------------------------------
     def compute_marker(self) -> Any:

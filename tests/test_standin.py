@@ -111,6 +111,56 @@ def test_a_group_of_one_keeps_a_host_shard_until_the_device_has_read_it(tmp_path
         assert strict["losses"] == plain["losses"], config
 
 
+def test_a_blocking_copy_between_host_and_device_memory_is_a_wait():
+    """[Note: host waits]: a plain `copy_` between host and device memory returns once the bytes have landed, behind
+    everything queued on the device before it. One H200 found such a wait a chunk in every update that wrote master
+    weights from the host into device parameters, which the stand-in did not count then. Queued with non_blocking, or
+    between device buffers, a copy is no wait; `Device.copy_in` queues it and hands back what keeps the host memory."""
+    dev = StandinDevice()
+    host = dev.empty_host(64).view(torch.float32)
+    host.fill_(1.0)
+    d = dev.empty((16,), torch.float32)
+    with dev.standin.watch():
+        d.copy_(host)
+        host.copy_(d)
+        assert [w for w, _ in dev.standin.waits] == ["aten.copy_.default between host and device memory, blocking"] * 2
+        d.copy_(host, non_blocking=True)
+        dev.empty((16,), torch.bfloat16).copy_(d)
+        late = dev.empty((16,), torch.bfloat16)
+        handle = dev.copy_in(late, host)
+        assert len(dev.standin.waits) == 2
+    assert torch.equal(late, torch.ones(16, dtype=torch.bfloat16))
+    with pytest.raises(standin.StandinOrderingError, match="may still read it"):
+        dev.released(host)  # the device reads it late: kept until the handle lands
+    assert dev.landed(handle)
+    dev.released(host)
+    assert dev.copy_in(dev.empty((16,), torch.float32), d) is None  # device to device: nothing to keep
+
+
+def test_parameters_written_up_from_the_host_keep_their_source_until_the_device_has_read_it(tmp_path, monkeypatch):
+    """[Note: writing parameters up without a wait] (hetero/zero/copy_up.py): an update on the host writes each chunk's
+    new master into parameters on the device with a copy queued on the compute stream, which reads the host memory
+    when the GPU gets there. Its chunk (the optimizer's, or the delayed update's values) is neither changed nor handed
+    back until then: under a tight host budget the states went to NVMe, and their buffer to the next read, while the
+    copy could still read it. The same bits as without the stand-in, in every layout that writes up from the host."""
+    tight = {"host_budget": 6 * parity.CHUNK * 4}
+    configs = [
+        {"zero_stage": 1, "offload": {"optimizer": "host"}},
+        {"zero_stage": 0, "offload": {"optimizer": "nvme"}, "memory": tight},
+        {"zero_stage": 3, "precision": "bf16", "offload": {"optimizer": "nvme"}, "memory": tight},
+        {"zero_stage": 3, "offload": {"optimizer": "nvme"}, "memory": tight},
+        {
+            "zero_stage": 3,
+            "offload": {"optimizer": "nvme"},
+            "delayed_param_update": True,
+            "delayed_param_update_warmup": 0,
+        },
+    ]
+    for i, config in enumerate(configs):
+        plain, strict = _one_rank_plain_and_strict(config, str(tmp_path / str(i)), monkeypatch)
+        assert strict["losses"] == plain["losses"], config
+
+
 def test_device_and_host_memory_are_told_apart_and_not_mixed():
     dev = StandinDevice()
     d = dev.to_device(torch.ones(4))
@@ -361,6 +411,8 @@ WAIT_FREE = {
     "z3-tiles": {"zero_stage": 3, "chunk_size": 1024, "tiling": True},
     "z1-host": {"zero_stage": 1, "offload": {"optimizer": "host"}},
     "z0-nvme-accum": {"zero_stage": 0, "offload": {"optimizer": "nvme"}, "grad_accumulation_steps": 2},
+    # The master written up into device parameters from NVMe-streamed states: a wait a chunk on one H200
+    "z3-nvme-bf16": {"zero_stage": 3, "precision": "bf16", "offload": {"optimizer": "nvme"}},
 }  # and three of CONFIGS (below)
 
 
@@ -416,7 +468,8 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "tools", "gpu_waits.py"), "--steps", "2", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": root})
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(rows) == {"device", "device_clip", "host", "host_delayed", "host_predicted", "host_in_backward"}
@@ -424,12 +477,18 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
         assert row["waits_per_step"] == 0 and row["where"] == {}, (name, row)
         assert row["grad_norm"] > 0 and row["gpu"] is False, (name, row)
     # The delayed update with the states on NVMe, the parameters on the device: each chunk's master is copied up from
-    # the device's shard without a wait ([Note: the master copied up late] in hetero/zero/master.py).
+    # the device's shard without a wait ([Note: the master copied up late] in hetero/zero/master.py), and its values
+    # written back up without one ([Note: writing parameters up without a wait] in hetero/zero/copy_up.py), as the
+    # exact update's are in bf16 (in fp32 it fills the master from the shard first: a wait a chunk).
     cmd += ["--nvme-dir", str(tmp_path), "--only", "nvme_delayed,nvme_predicted"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-3000:]
     for name, row in json.loads(out.stdout.strip().splitlines()[-1]).items():
         assert row["waits_per_step"] == 0 and row["where"] == {}, (name, row)
+    cmd[-1] = "nvme"
+    out = subprocess.run([*cmd, "--precision", "bf16"], capture_output=True, text=True, timeout=280, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["nvme"]["where"] == {}
 
 
 def test_collectives_take_device_memory_only(monkeypatch):

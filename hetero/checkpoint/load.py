@@ -261,7 +261,7 @@ def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
     try:
         mf.wait_all(futures)
         # Parameters from the master, as after an update; the gradient is cleared only if it is not zero already.
-        zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False)
+        zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False, source=zc.optim)
         if not zc.grad_is_zero or bool(zc.used.any()) or zc.grads_seen:
             zc.zero_grad()
     finally:

@@ -4,8 +4,7 @@ The manager is driven from one thread (the training loop's). Copies and swap I/O
 back through futures; all bookkeeping (ledgers, chunk states, the trace) changes on the driving thread only, when a
 move is started or seen finished, so no lock guards it. It is a small front over four rooms, each one concept:
 `storage.py` (budgets, ledgers, buffer pools, the swap store), `moves.py` (starting, copying and finishing moves),
-`room.py` (making room: eviction) and `prefetch.py` (moving ahead of use); the notes below say how they play
-together.
+`room.py` (making room: eviction) and `prefetch.py` (moving ahead of use); the notes below say how they meet.
 
 [Note: making room]
 A move reserves its bytes on the destination tier when it starts and gives back the source's bytes when it
@@ -289,11 +288,12 @@ class ChunkManager:
         not wait for] in moves.py, [Note: the compute stream reads host memory late] in hetero/standin.py)."""
         self._mover.land_later(chunk, handle, reads=reads)
 
-    def in_flight(self, chunk: Chunk) -> Any:
-        """The handle of a copy still writing into the chunk (`land_later`), else None. It stays pinned where it is
-        until then: another thread may read its payload once `Device.landed` says the copy is done."""
-        entry = self._mover.landing.get(chunk.id)
-        return None if entry is None or entry[2] else entry[1]
+    def in_flight(self, chunk: Chunk, *, reads: bool = False) -> Any:
+        """The handle of a copy still writing into the chunk (`land_later`), else None; reads: of one still reading it,
+        asked without waiting. It stays pinned where it is until then: another thread may read its payload once
+        `Device.landed` says the copy is done."""
+        entry = None if reads and self._mover.land(chunk, block=False) else self._mover.landing.get(chunk.id)
+        return None if entry is None or entry[2] != reads else entry[1]
 
     def release(self, chunk: Chunk) -> None:
         """Drop a chunk's payload (every tensor must be FREE); it becomes EMPTY and holds no memory."""

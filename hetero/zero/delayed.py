@@ -228,9 +228,12 @@ class DelayedUpdate:
                 elif predict is not None:
                     assert plan is not None
                     predict.fresh(zc, plan.groups[zc.spec.group], values, zc.grad_view(), plan.coef)
-                zc.write_back(values, clear_grad=False)
+                zc.write_back(values, clear_grad=False, source=nxt)
             nxt.set_state(nxt.slots[0], TensorState.FREE)
-            self.manager.release(nxt)
+            if self.manager.in_flight(nxt, reads=True) is None:
+                self.manager.release(nxt)
+            # else the device reads it late ([Note: writing parameters up without a wait]): released here it would
+            # wait for that; it stays, FREE, until its chunk steps again (`_submit` takes it back, landed by then).
 
     def close(self) -> None:
         """Wait for the math in flight and drop the pending update; remove the hooks."""

@@ -54,9 +54,9 @@ import torch
 
 from hetero.comm.handles import Handle
 from hetero.memory import Tier
-from hetero.zero.norms import sum_of_squares
+from hetero.zero.norms import SquareSum, sum_of_squares
 from hetero.zero.protocol import UPDATE, reduce_order
-from hetero.zero.update import Plan, SquareSum, Updater, step_chunk
+from hetero.zero.update import Plan, Updater, step_chunk
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
@@ -183,7 +183,8 @@ class InBackward:
                 u.on_span("optimizer", name, t0, t1)
                 u.on_span("optimizer waited", name, waited, max(waited, t1))  # the autograd thread blocked
             with zc.device.update_context():
-                zc.write_back(master, gather=False)  # pinned still: making room for the shard must not evict it
+                # pinned still: making room for the shard must not evict it
+                zc.write_back(master, gather=False, source=zc.optim)
         finally:
             m.unpin(zc.grad)
             m.unpin(zc.optim)

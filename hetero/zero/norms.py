@@ -14,7 +14,12 @@ and one kernel, cheaper than many small launches: it stays.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from hetero.device import Device
 
 BLOCK = 1 << 16  # elements converted at a time: 512 KiB of float64, served by the C heap without page faults
 
@@ -32,3 +37,34 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
         part.copy_(flat[start : start + part.numel()])
         total += torch.dot(part, part)
     return total
+
+
+class SquareSum:
+    """A float64 sum of squares added up chunk by chunk. A part on a GPU stays there until the total is read: reading
+    each (a wait for the GPU) would stall the host between chunks, and in the delayed update in the middle of forward.
+    """
+
+    def __init__(self) -> None:
+        self.host = torch.zeros((), dtype=torch.float64)
+        self.device: torch.Tensor | None = None
+
+    def add(self, part: torch.Tensor) -> None:
+        if part.device.type == "cpu":
+            self.host += part.to(torch.float64)
+        else:
+            self.device = part if self.device is None else self.device + part
+
+    def total(self, device: Device) -> torch.Tensor:
+        """The sum as a host float64 scalar (one wait for the GPU if a part is there)."""
+        if self.device is None:
+            return self.host
+        return self.host + device.to_host(self.device, torch.float64)
+
+    def on_device(self, device: Device) -> torch.Tensor:
+        """The sum as a float64 scalar in device memory, without waiting for the device (the host part is a value
+        the fill takes with it)."""
+        out = device.empty((), torch.float64)
+        out.fill_(self.host)
+        if self.device is not None:
+            out += self.device
+        return out

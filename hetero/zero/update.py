@@ -25,20 +25,19 @@ import torch
 
 from hetero.comm import Comm
 from hetero.config import Config
-from hetero.memory import ChunkManager, ChunkState, TensorState, Tier
+from hetero.memory import Chunk, ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.tied import counts_in_norm
 from hetero.zero import master as master_weights
 from hetero.zero.buckets import reduce_at_update
 from hetero.zero.host_grads import chunk_sum_of_squares
-from hetero.zero.norms import sum_of_squares
+from hetero.zero.norms import SquareSum, sum_of_squares
 from hetero.zero.optim import Algorithm, update
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
 from hetero.zero.zero_chunk import ZeroChunk
 
 if TYPE_CHECKING:
-    from hetero.device import Device
     from hetero.zero.delayed import DelayedUpdate
     from hetero.zero.in_backward import InBackward
 
@@ -75,6 +74,7 @@ class Updater:
     ) -> None:
         self.chunks = [zc for zc in chunks if zc.spec.trainable]  # in layout order: the same on every rank
         self.manager = manager
+        self._write_out: list[Chunk] = []  # stepped states owed to NVMe, in order (`release_stepped`)
         self.mesh = mesh
         self.comm = comm if comm is not None else mesh.dp  # ZeRO's group (Chimera: both replicas of the stages)
         self.config = config
@@ -227,6 +227,7 @@ class Updater:
 
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
+        self.write_out(block=True)
         if plan.fused_norm:
             device = self.manager.device
             if device.separate_memory:  # [Note: the norm read when asked]
@@ -251,8 +252,15 @@ class Updater:
     def release_stepped(self, zc: ZeroChunk) -> None:
         """A streamed chunk has stepped: its states written back while the next chunk steps, its zeroed gradient
         released."""
-        self.manager.move(zc.optim, Tier.NVME, wait=False)
+        self._write_out.append(zc.optim)
+        self.write_out(block=False)
         self.release_zeroed(zc)
+
+    def write_out(self, *, block: bool) -> None:
+        """Start the NVMe writes of stepped states, in order, once no copy up to the device reads their master
+        (block: all, waiting for that): [Note: writing parameters up without a wait] in copy_up.py."""
+        while self._write_out and (block or self.manager.in_flight(self._write_out[0], reads=True) is None):
+            self.manager.move(self._write_out.pop(0), Tier.NVME, wait=False)
 
     def release_zeroed(self, zc: ZeroChunk) -> None:
         """Stages 2-3: a stepped chunk's gradient holds no data until the next reduce-scatter writes it whole, so it
@@ -272,7 +280,7 @@ class Updater:
                 step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)
                 if self.on_span is not None:
                     self.on_span("optimizer", f"step chunk {zc.spec.index}", t0, time.perf_counter())
-                zc.write_back(master, gather=gather)
+                zc.write_back(master, gather=gather, source=zc.optim if views is None else None)
 
     def prefetch(self, i: int, tier: Tier, order: list[ZeroChunk] | None = None) -> None:
         """Bring chunk order[i]'s gradient and states (and the next ones') to `tier` (order: the chunks in the order
@@ -380,37 +388,6 @@ class Plan:
     fused_norm: bool  # the norm is only reported: summed while the chunks step, into `sq`
     sq: SquareSum  # the gradient's sum of squares (fused_norm)
     groups: list[dict[str, Any]]  # the param groups' hyperparameters at the update
-
-
-class SquareSum:
-    """A float64 sum of squares added up chunk by chunk. A part on a GPU stays there until the total is read: reading
-    each (a wait for the GPU) would stall the host between chunks, and in the delayed update in the middle of forward.
-    """
-
-    def __init__(self) -> None:
-        self.host = torch.zeros((), dtype=torch.float64)
-        self.device: torch.Tensor | None = None
-
-    def add(self, part: torch.Tensor) -> None:
-        if part.device.type == "cpu":
-            self.host += part.to(torch.float64)
-        else:
-            self.device = part if self.device is None else self.device + part
-
-    def total(self, device: Device) -> torch.Tensor:
-        """The sum as a host float64 scalar (one wait for the GPU if a part is there)."""
-        if self.device is None:
-            return self.host
-        return self.host + device.to_host(self.device, torch.float64)
-
-    def on_device(self, device: Device) -> torch.Tensor:
-        """The sum as a float64 scalar in device memory, without waiting for the device (the host part is a value
-        the fill takes with it)."""
-        out = device.empty((), torch.float64)
-        out.fill_(self.host)
-        if self.device is not None:
-            out += self.device
-        return out
 
 
 def step_chunk(

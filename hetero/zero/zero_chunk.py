@@ -13,8 +13,8 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
+from hetero.zero import copy_up, param_gather, released
 from hetero.zero import master as master_weights
-from hetero.zero import param_gather, released
 from hetero.zero.host_grads import HostSum, grad_to_host
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.segments import update_segments
@@ -369,15 +369,18 @@ class ZeroChunk:
         self.manager.access(self.optim, self.placement.compute)
         return [self.optim.view(s) for s in self.optim.slots[1:]]
 
-    def write_back(self, master: torch.Tensor, *, clear_grad: bool = True, gather: bool = True) -> None:
+    def write_back(
+        self, master: torch.Tensor, *, clear_grad: bool = True, gather: bool = True, source: Chunk | None = None
+    ) -> None:
         """Copy the updated master weights into the parameters, then clear the accumulated gradient (unless
         clear_grad is False: a checkpoint load clears it only where it is not already zero). gather False: stages
-        1-2 leave the other ranks' parts to a later `gather_params`."""
+        1-2 leave the other ranks' parts to a later `gather_params`. source: the chunk holding `master`
+        ([Note: writing parameters up without a wait])."""
         if self.layout.params_sharded:
-            self.write_shard(master)
+            self.write_shard(master, source=source)
             master_weights.in_shard(self)
         else:
-            self.kept(self.manager.access(self.full, Tier.DEVICE)).copy_(master)
+            copy_up.copy_up(self, self.kept(self.manager.access(self.full, Tier.DEVICE)), master, source)
             if gather:
                 self.gather_params()
         if clear_grad:
@@ -389,29 +392,10 @@ class ZeroChunk:
             full = self.manager.access(self.full, Tier.DEVICE)
             self.comm.all_gather(full, self.kept(full), what=f"the parameters of {self.label}")
 
-    def write_shard(self, values: torch.Tensor) -> None:
-        """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk)."""
-        self.complete_gather()  # a gather still reading the shard
-        m = self.manager
-        if values.numel() == self.spec.capacity:
-            values = self.kept(values)
-        if self.shard is None:  # the master is the shard ([Note: the master is the shard])
-            if (master := self.optimizer_views()[0]).data_ptr() != values.data_ptr():
-                master.copy_(values)
-            return
-        tier = Tier.DEVICE if self.placement.params is Tier.DEVICE else Tier.HOST
-        slot = self.shard.slots[0]
-        if slot.state is _T.COMPUTE:  # stepped in place: `values` is the shard ([Note: stepping the shard in place])
-            assert values.data_ptr() == self.shard.view(slot).data_ptr()
-        else:
-            if slot.state is _T.HOLD:
-                self.shard.set_state(slot, _T.FREE)  # overwritten whole: one on NVMe gets fresh memory, no read
-            shard = m.access(self.shard, tier)
-            self.shard.set_state(slot, _T.COMPUTE)  # written: any swap copy is stale from here
-            shard.copy_(values)
-        self.shard.set_state(slot, _T.HOLD)
-        if self.placement.params is Tier.NVME:
-            m.move(self.shard, Tier.NVME, wait=False)
+    def write_shard(self, values: torch.Tensor, *, source: Chunk | None = None) -> None:
+        """Stage 3: this rank's shard of the parameters becomes `values` (the shard's numel, or the full chunk);
+        source: the chunk holding `values` ([Note: writing parameters up without a wait])."""
+        copy_up.write_shard(self, values, source)
 
     def kept_range(self) -> tuple[int, int]:
         """The chunk elements [lo, hi) this rank keeps master weights and optimizer states for (all at stage 0)."""
