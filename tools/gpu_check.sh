@@ -24,6 +24,10 @@
 # op build 147 s, the same five race configurations 248 s, fio 2 GiB three ways 5 s, update_stream.py (two runs) 57 s.
 # On one H100 (2026-11-28, eighteenth session), one call of 427 s: `build &` beside `waits` (the build about 150 s),
 # then seven race configurations 260 s; a second call: five test files 79 s, then the nvme phase at 4 GiB.
+# On one H200 (2026-11-28, twenty-third session), one call of 424 s: `build &` and `waits &` (done in under a minute)
+# beside eight test files (TESTS_TIMEOUT=200 cut off one stand-in test), then four NVMe race configurations 204 s;
+# the same machine again at once (warm): five device and offload configurations 154 s. A third call on a fresh
+# machine, 193 s: `waits`, then hetero_nvme_delayed and hetero_nvme_predicted; a third configuration did not fit.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
