@@ -166,11 +166,11 @@ class _Made(TorchFunctionMode):
 
 
 _FROM_DATA = (torch.tensor, torch.as_tensor)
-_COPIES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+_COPY = torch.ops.aten.copy_.default
 
 
 def _non_blocking(args: tuple, kwargs: dict) -> bool:
-    """A copy's `non_blocking` (copy_'s third argument, _to_copy's keyword)."""
+    """`copy_`'s `non_blocking` (its third argument)."""
     return bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
 
 
@@ -200,7 +200,7 @@ class _Compute(TorchDispatchMode):
         kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
         if func in _WAITS and DEVICE in every:
             self.standin.waited(str(func))
-        elif func in _COPIES and DEVICE in kinds and HOST in kinds and not _non_blocking(args, kwargs):
+        elif func is _COPY and DEVICE in kinds and HOST in kinds and not _non_blocking(args, kwargs):
             # A blocking copy between host and device memory returns once the bytes have landed, behind everything
             # queued on the stream before it (one H200 found a wait a chunk where an update wrote a master from the
             # host into a device shard with a plain `copy_`).
