@@ -183,3 +183,91 @@ def test_pending_gradients_do_not_reshard(tmp_path):
             e.load_checkpoint(path)
     finally:
         e.close()
+
+
+def _one_rank_fails(rank: int, world: int, root: str, stage: int) -> dict:
+    """World 2: train and save twice, then load three times with rank 1 alone in trouble: a file its node lacks
+    (the checks), a checksum failing in its range (the reads, between stage 1-2's gathers), an older tag (what
+    `latest` names). Each load must end on both ranks with an error naming rank 1, well before the group's timeout;
+    the last, good load must still work on both."""
+    import time
+
+    from hetero.checkpoint import load as load_mod
+
+    torch.set_num_threads(1)
+    config = {**_cfg(stage), "comm_timeout": 60}
+    e = make_engine(rank, config, root)
+    train(e, rank, world, 0, 1)
+    e.save_checkpoint(os.path.join(root, "ckpt"))  # step 1
+    train(e, rank, world, 1, 2)
+    e.save_checkpoint(os.path.join(root, "ckpt"))  # step 2, `latest`
+    out: dict = {}
+
+    def attempt(name: str, path: str) -> None:
+        t0 = time.monotonic()
+        try:
+            e.load_checkpoint(path)
+            out[name] = ("loaded", "", time.monotonic() - t0)
+        except Exception as err:  # noqa: BLE001 (the type is part of what is checked)
+            out[name] = (type(err).__name__, str(err), time.monotonic() - t0)
+
+    latest = os.path.join(root, "ckpt")
+    check_files = mf.check_files
+    if rank == 1:
+        mf.check_files = lambda d, m: (_ for _ in ()).throw(CheckpointError(f"{d}: rank-00001.bin missing"))
+    attempt("checks", latest)
+    mf.check_files = check_files
+    finish = load_mod._finish_trainable
+    calls = []
+
+    def failing_finish(engine, zc, futures):
+        calls.append(zc)
+        if rank == 1 and len(calls) == 2:  # after one chunk loaded (and, before the fix, gathered) on both ranks
+            for f in futures:
+                f.exception()
+            engine.manager.unpin(zc.optim)
+            raise CheckpointError("checksum mismatch in rank-00000.bin: key 7 (a range only rank 1 reads)")
+        finish(engine, zc, futures)
+
+    load_mod._finish_trainable = failing_finish
+    attempt("reads", latest)
+    load_mod._finish_trainable = finish
+    tags = sorted(t for t in os.listdir(latest) if t.startswith("step-"))
+    attempt("tags", os.path.join(latest, tags[0]) if rank == 1 else latest)
+    attempt("good", latest)
+    try:  # a tag each rank makes for itself (a clock, a host name): no rank commits under its own
+        e.save_checkpoint(os.path.join(root, "ckpt"), tag=f"mine-{rank}")
+        out["save"] = ("saved", "")
+    except Exception as err:  # noqa: BLE001
+        out["save"] = (type(err).__name__, str(err))
+    out["dirs"] = sorted(os.listdir(latest))
+    e.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_load_that_fails_on_one_rank_stops_every_rank(tmp_path, stage):
+    """[Note: a load every rank agrees on]: a load that one rank cannot do ends with an error on every rank, naming
+    that rank and what it saw, instead of leaving the others in a gather until the group's timeout (stages 1-2
+    gather parameters as they load) or training on alone; ranks that would load different checkpoints all stop, and
+    so do ranks that would save one under different tags."""
+    try:
+        from tests.dist import run_distributed
+    except ImportError:
+        from dist import run_distributed  # type: ignore[no-redef]
+
+    results = run_distributed(_one_rank_fails, 2, str(tmp_path), stage, timeout=200)
+    for rank, out in enumerate(results):
+        for name in ("checks", "reads", "tags"):
+            kind, message, seconds = out[name]
+            assert kind == "CheckpointError", (rank, name, kind, message)
+            assert seconds < 30, (rank, name, seconds)  # not the group's 60 s timeout
+            if name == "tags":
+                assert "different checkpoints" in message and "step-00000001" in message, (rank, message)
+            elif rank == 0:
+                assert "rank(s) 1" in message, (name, message)
+                assert ("missing" if name == "checks" else "checksum mismatch") in message, (name, message)
+        assert out["good"][0] == "loaded", (rank, out["good"])
+        assert out["save"][0] == "CheckpointError" and "name this checkpoint differently" in out["save"][1], out["save"]
+        assert not any(d.startswith(("mine-", ".tmp")) for d in out["dirs"]), out["dirs"]

@@ -21,6 +21,7 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
+from hetero.checkpoint.agree import agree, same_checkpoint
 from hetero.checkpoint.plan import model_buffers
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
@@ -44,35 +45,20 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     own_scheduler = lr_scheduler is None
     if own_scheduler:
         lr_scheduler = getattr(engine, "lr_scheduler", None)
-    directory = mf.resolve(path)
-    manifest = mf.read_manifest(directory)
+    comm = par.world(engine)  # every rank of the job: [Note: a load every rank agrees on] (agree.py)
     try:
-        mf.check_files(directory, manifest)
-    except CheckpointError as e:
-        if par.world(engine).size > 1 and "missing" in str(e):
-            raise CheckpointError(
-                f"{e}. Every rank reads every rank's file: a job on several nodes needs the checkpoint on a file "
-                "system all of them mount at the same path"
-            ) from None
-        raise
-    extra = _read_state(directory)
-    _check_compatible(engine, manifest, directory)
+        directory, manifest, extra = _open(engine, path, scheduler=None if own_scheduler else lr_scheduler)
+        error = None
+    except Exception as e:  # every rank learns of it below, so none waits in a gather for this one
+        error = e
+    agree(comm, error, f"checking checkpoint {os.fspath(path)!r}")
+    same_checkpoint(comm, directory, manifest)
     pending = manifest["engine"]["pending_grads"]
-    layout = manifest["layout"]
-    chunks = [zc.spec.capacity for zc in engine.chunks]
-    same = layout["world_size"] == engine.comm.size and layout["zero_stage"] == engine.stage
-    if pending and not (same and layout["chunks"] == chunks):
-        raise CheckpointError(
-            f"{directory} was saved in the middle of gradient accumulation (micro-step "
-            f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
-            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size, "
-            f"stage and chunk layout (this engine: {engine.comm.size}, stage {engine.stage}"
-            f"{', other chunk sizes' if same else ''}). Load a checkpoint saved at an "
-            "accumulation boundary to change the layout"
-        )
     mine = par.find_mine(engine, manifest)
-    index = mf.Index(directory, manifest)
+    index: mf.Index | None = None
+    error = None
     try:
+        index = mf.Index(directory, manifest)
         steps = manifest["engine"]["param_steps"]
         used = set(mine["used"]) if (pending and mine) else set()
         reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
@@ -133,23 +119,67 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             _restore_rng(engine, index, mine, mine["file"])
         else:
             log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
+    except Exception as e:  # agreed below: no rank gathers parameters beside one that stopped
+        error = e
     finally:
-        index.close()
+        if index is not None:
+            index.close()
+    agree(comm, error, f"loading checkpoint {directory!r}")
+    for zc in engine.chunks:  # stages 1-2: the other ranks' parts of the parameters, in layout order on every rank
+        if zc.optim is not None:
+            zc.gather_params()
     engine.load_state_dict(manifest["engine"])
     if engine.algorithm.generic is not None:
         st = manifest["engine"]
         engine.algorithm.generic.load_scalars(engine.chunks, par.stored_name, st.get("optim_scalars", {}))
-    _restore_groups(engine, extra["param_groups"], directory)
+    engine.optimizer.load_hyperparameters(extra["param_groups"])
     if lr_scheduler is not None:
-        if extra["lr_scheduler"] is None:
-            if own_scheduler:  # the engine's own: a checkpoint saved before it had one leaves it as it is
-                log.warning("%s holds no LR scheduler state: the engine's scheduler starts where it is", directory)
-            else:
-                raise CheckpointError(f"{directory} holds no LR scheduler state: it was saved without lr_scheduler=")
+        if extra["lr_scheduler"] is None:  # the engine's own (checked in `_open`): it starts where it is
+            log.warning("%s holds no LR scheduler state: the engine's scheduler starts where it is", directory)
         else:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
     engine.manager.synchronize()
     return extra["client_state"]
+
+
+def _open(engine: Engine, path: str | os.PathLike, *, scheduler: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """This rank's checks of the checkpoint `path` names: its directory, manifest and small state (the files all
+    there, the model, optimizer and layout fitting this engine), or a CheckpointError. scheduler: an LR scheduler
+    the caller passed, which the checkpoint must hold the state of."""
+    directory = mf.resolve(path)
+    manifest = mf.read_manifest(directory)
+    try:
+        mf.check_files(directory, manifest)
+    except CheckpointError as e:
+        if par.world(engine).size > 1 and "missing" in str(e):
+            raise CheckpointError(
+                f"{e}. Every rank reads every rank's file: a job on several nodes needs the checkpoint on a file "
+                "system all of them mount at the same path"
+            ) from None
+        raise
+    extra = _read_state(directory)
+    _check_compatible(engine, manifest, directory)
+    groups = len(engine.optimizer.param_groups)
+    if len(extra["param_groups"]) != groups:
+        raise CheckpointError(
+            f"{directory}: the optimizer had {len(extra['param_groups'])} param groups, this one has {groups}: build "
+            "the optimizer with the same groups"
+        )
+    if scheduler is not None and extra["lr_scheduler"] is None:
+        raise CheckpointError(f"{directory} holds no LR scheduler state: it was saved without lr_scheduler=")
+    layout = manifest["layout"]
+    chunks = [zc.spec.capacity for zc in engine.chunks]
+    same = layout["world_size"] == engine.comm.size and layout["zero_stage"] == engine.stage
+    if manifest["engine"]["pending_grads"] and not (same and layout["chunks"] == chunks):
+        raise CheckpointError(
+            f"{directory} was saved in the middle of gradient accumulation (micro-step "
+            f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
+            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size, "
+            f"stage and chunk layout (this engine: {engine.comm.size}, stage {engine.stage}"
+            f"{', other chunk sizes' if same else ''}). Load a checkpoint saved at an "
+            "accumulation boundary to change the layout"
+        )
+    return directory, manifest, extra
 
 
 def _read_state(directory: str) -> dict[str, Any]:
@@ -261,7 +291,8 @@ def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:
     try:
         mf.wait_all(futures)
         # Parameters from the master, as after an update; the gradient is cleared only if it is not zero already.
-        zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False, source=zc.optim)
+        # Gathered once every rank has read its part ([Note: a load every rank agrees on] in agree.py).
+        zc.write_back(zc.optim.view(zc.optim.slots[0]), clear_grad=False, gather=False, source=zc.optim)
         if not zc.grad_is_zero or bool(zc.used.any()) or zc.grads_seen:
             zc.zero_grad()
     finally:
@@ -335,13 +366,3 @@ def _restore_rng(engine: Engine, index: mf.Index, mine: dict[str, Any], own_file
     cuda = [s for s in index.segments.get(("rng", "cuda"), ()) if s.file == own_file]
     if cuda and engine.device.is_cuda:
         engine.device.set_rng_state(reader.read(mf.key("rng", "cuda"), crc=cuda[0].crc))
-
-
-def _restore_groups(engine: Engine, groups: list[dict[str, Any]], directory: str) -> None:
-    current = engine.optimizer.param_groups
-    if len(groups) != len(current):
-        raise CheckpointError(
-            f"{directory}: the optimizer had {len(groups)} param groups, this one has {len(current)}: build the "
-            "optimizer with the same groups"
-        )
-    engine.optimizer.load_hyperparameters(groups)

@@ -28,6 +28,7 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
+from hetero.checkpoint.agree import SAVE, agree
 from hetero.checkpoint.describe import NOT_PER_RANK, engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, file_size, plan_items, residue
@@ -58,10 +59,21 @@ def save_checkpoint(
     comm = par.world(engine)  # every rank of the job; engine.comm is the data-parallel group
     root = os.path.abspath(os.fspath(path))
     tag = tag if tag is not None else default_tag(engine)
-    _check_tag(tag)
-    plan = plan_items(engine)
-    writer_size = file_size(plan)
-    sizes = comm.all_gather_object(writer_size)
+    # Every rank's plan, or what stopped it, and its tag: no rank may wait for one that failed here, nor commit
+    # under a tag the others do not share (a tag from a clock or a host name differs between ranks).
+    error: Exception | None = None
+    try:
+        _check_tag(tag)
+        plan = plan_items(engine)
+        writer_size = file_size(plan)
+    except Exception as e:
+        error, writer_size = e, -1
+    planned = agree(comm, error, f"planning checkpoint {tag!r} under {root}", value=(writer_size, tag), advice=SAVE)
+    tags = [t for _, t in planned]
+    if any(t != tag for t in tags):
+        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        raise CheckpointError(f"the ranks name this checkpoint differently ({named}): pass the same tag on every rank")
+    sizes = [size for size, _ in planned]
     # 1. checks, then the temporary directory, decided on rank 0 for everyone
     outcome: tuple[str, str] = ("", "")
     if comm.rank == 0:
