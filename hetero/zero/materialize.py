@@ -83,9 +83,10 @@ def load_values(
     def bar(total: float, desc: str, unit: str = "it") -> Any:
         return make_bar(total, desc, unit=unit, rank=comm.rank, config=progress)
 
-    if weights is not None:
+    mode = _agreed_mode(0 if weights is not None else 1 if any(p.is_meta for p in model.parameters()) else 2, comm)
+    if mode == 0:
         _stream_weights(model, chunks, manager, Path(weights), strict=strict, bar=bar)
-    elif any(p.is_meta for p in model.parameters()):
+    elif mode == 1:
         _initialise(model, chunks, manager, comm, bar)
     else:
         shown = bar(len(chunks), "hetero: placing weights", unit="chunk")
@@ -310,6 +311,22 @@ def _reset_walk(model: nn.Module, written: set[int]) -> None:
             visit(child)
 
     visit(model)
+
+
+_MODES = ("loaded its weights from files (weights=)", "built it on the meta device", "built it with real values")
+
+
+def _agreed_mode(mine: int, comm: Comm) -> int:
+    """How every rank fills the chunks (an index of `_MODES`): each way has its own collectives, so ranks that built
+    the model differently (rank 0 alone with real values, as FSDP's sync_module_states allows) would hang."""
+    seen = comm.all_gather_object(mine) if comm.size > 1 else [mine]  # on the control group
+    if any(m != mine for m in seen):
+        ways = "; ".join(f"rank {r} {_MODES[m]}" for r, m in enumerate(seen))
+        raise WeightsError(
+            f"the ranks prepared the model differently: {ways}. Build it the same way on every rank: with real values "
+            "(rank 0's are broadcast), on the meta device (seeded alike), or with the same weights="
+        )
+    return mine
 
 
 def _check_same_everywhere(sums: torch.Tensor, comm: Comm) -> None:
