@@ -19,11 +19,12 @@ from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import boundaries, keep_stages, units_of
 
 try:
-    from tests import parity, pipe_parity
+    from tests import parity, pipe_parity, tolerance
     from tests.dist import run_distributed
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
     import pipe_parity  # type: ignore[no-redef]
+    import tolerance  # type: ignore[no-redef]
     from dist import run_distributed  # type: ignore[no-redef]
 
 LAYOUTS = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)]
@@ -511,3 +512,46 @@ def _ckpt_matrix(rank: int, world: int, configs: list[dict]) -> list[tuple[dict,
     finally:
         activation.ActivationMemory.__init__ = original
     return out
+
+
+FROZEN = ("embed.", "layers.0.")  # every parameter of the first of two stages
+
+
+def _frozen_first_stage(dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    model = pipe_parity.build().to(dtype)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(FROZEN))
+    return model, parity.make_optimizer(model)
+
+
+def _frozen_reference(dtype: torch.dtype) -> list[float]:
+    model, opt = _frozen_first_stage(dtype)
+    losses = []
+    for x, y in parity.batches(3, 4):
+        loss = model(x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _frozen_run(rank: int, world: int, stage: int) -> list[float]:
+    torch.set_num_threads(1)
+    model, opt = _frozen_first_stage(torch.float32)
+    config = {"zero_stage": stage, "chunk_size": parity.CHUNK, "comm_timeout": 60}
+    engine = hetero.initialize(model, opt, {**config, "parallel": {"pipeline": 2, "microbatches": 2}})
+    losses = [float(engine.train_batch(x, y)) for x, y in parity.batches(3, 4)]
+    engine.close()
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_first_stage_trains_like_plain_pytorch():
+    """A fine-tuned model whose first pipeline stage is all frozen: that stage has no gradient to run backward with
+    and no trainable chunk (it raised alone while the next stage waited for it), and the rest trains as plain
+    PyTorch does, at ZeRO stages 0 and 3."""
+    exact, plain = _frozen_reference(torch.float64), _frozen_reference(torch.float32)
+    for stage in (0, 3):
+        for losses in run_distributed(_frozen_run, 2, stage, timeout=240):
+            tolerance.assert_losses(losses, exact, plain, dtype=torch.float32)

@@ -189,7 +189,8 @@ class Updater:
 
     def _used_of(self) -> list[torch.Tensor]:
         """Per chunk, which parameters any rank used this update (they have a mean gradient)."""
-        used = torch.cat([zc.used for zc in self.chunks])
+        # A pipeline stage may hold no trainable chunk (a frozen first stage): nothing to tell, on every rank of it.
+        used = torch.cat([zc.used for zc in self.chunks]) if self.chunks else torch.zeros(0, dtype=torch.uint8)
         self.comm.control.all_reduce(used, op="max")
         return list(used.split([len(zc.spec.params) for zc in self.chunks]))
 

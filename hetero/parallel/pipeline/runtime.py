@@ -132,7 +132,12 @@ class PipelineRuntime:
                 if s == self.last_stage:
                     torch.autograd.backward(y * loss_scale)
                 else:
-                    torch.autograd.backward(y, inbox.pop((1, a.microbatch, s)))
+                    grad = inbox.pop((1, a.microbatch, s))
+                    # A stage whose parameters are all frozen (a fine-tuned model's first stage) and that takes
+                    # no gradient in has nothing to run backward through: the gradient it was sent ends here, on
+                    # this rank alone and without a collective, where backward would raise.
+                    if y.requires_grad:
+                        torch.autograd.backward(y, grad)
                 alive.pop(key, None)
                 if s > 0:
                     outbox[(1, a.microbatch, s - 1)] = x.grad if x.grad is not None else torch.zeros_like(x)
