@@ -219,6 +219,15 @@ class Engine:
         )
         sharded_grads = [zc for zc in self.trainable if zc.grad_full is not None]
         self.reducer = Reducer(sharded_grads, self.check, in_flight=self._reduces_in_flight)
+        if self.gathers is not None and self.comm.size > 1:
+            # Backward also gathers: a chunk's reduction goes out when the units using it end their backward, the
+            # same point on every rank ([Note: reductions at shared points]).
+            self.reducer.at_unit_ends = True
+            done = weakref.WeakMethod(self._units_done)
+            self.gathers.on_done = lambda chunks: done()(chunks)
+            for t in self.tiles.tiled.values():
+                for e in t.tiles:
+                    self.gathers.watch_tile(e.chunk, t.modules)
         # Stages 0-1 reduce during the backward before an update ([Note: reducing during backward at stages 0-1]).
         dense = [zc for zc in self.trainable if zc.grad_full is None]
         self.dense = DenseReduce(dense, manager=self.manager, comm=self.comm, check=self.check)
@@ -256,10 +265,6 @@ class Engine:
                 tp = self.mesh.tp if self.mesh.tp_size > 1 else None  # a tensor's slices make one scale
                 predict = Prediction(self.algorithm, self.updater.chunks, self.updater.comm, tp)  # trainable
             self.updater.delayed = DelayedUpdate(self.updater, model, predict)
-        # [Note: the reduce order learnt from a backward]: reductions interleave with backward's gathers at stage 3
-        # over several ranks; there the static order stays.
-        if self.stage == 3 and self.comm.size > 1:
-            self.reducer.learning = self.dense.reducer.learning = False
         self.in_backward = None  # update_in_backward: chunks step as backward completes them
         if config.update_in_backward:
             if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
@@ -450,16 +455,32 @@ class Engine:
         return e.chunk.grad_target(e)
 
     def _add_grad(self, e: Entry, grad: torch.Tensor, *, last: bool) -> None:
-        """Add a gradient into its chunk; once the chunk's are all in, hand it to its reduction."""
+        """Add a gradient into its chunk; once the chunk's are all in, hand it to its reduction (at stage 3 over
+        several ranks the units' backward ends do that: [Note: reductions at shared points])."""
+        if self.reducer.at_unit_ends and self.reducer.sent(e.chunk):
+            raise RuntimeError(
+                f"the gradient of {e.info.name!r} arrived after every unit using it (at zero_stage 3, the blocks and "
+                "the top-level modules with parameters) had ended its backward, and its chunk's reduction had gone "
+                "out: in forward it was used before that unit ran, where no module hook saw it (read directly, or "
+                "a tiled layer called from elsewhere). Use it only inside or after its own block, or use "
+                "zero_stage <= 2."
+            )
         if self.updater.delayed is not None:
             self.updater.delayed.settle(e.chunk)  # the pending update reads the buffer this gradient goes into
         complete = e.chunk.add_grad(e, grad)
         if not (last and complete):
             return
         if self.stage >= 2 and not e.chunk.accumulate_full:  # accumulate_full: reduced once per batch
-            self.reducer.ready(e.chunk)
+            if not self.reducer.at_unit_ends:
+                self.reducer.ready(e.chunk)
         elif self.stage < 2:
             self.dense.ready(e.chunk)
+
+    def _units_done(self, chunks: list[ZeroChunk]) -> None:
+        """Every unit using these chunks has ended its backward, on every rank: their reductions may go out."""
+        for zc in chunks:
+            if zc.spec.trainable and zc.grad_full is not None and not zc.accumulate_full:
+                self.reducer.ready(zc)
 
     def _span(self, track: str, name: str, start: float, end: float) -> None:
         if self.events.has("span"):

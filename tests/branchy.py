@@ -69,15 +69,19 @@ def build(seed: int = 0, **kwargs: Any) -> Net:
     return Net(**kwargs)
 
 
-def batches(steps: int, world: int, rows: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per step, per rank: (ids, labels). Rank r's tokens are r or r + 1 mod 4 (see the module's docstring)."""
+def batches(
+    steps: int, world: int, rows: int = 2, *, every_expert: bool = False
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, per rank: (ids, labels). Rank r's tokens are r or r + 1 mod 4 (see the module's docstring);
+    every_expert: odd ranks' tokens are 1, 2 or 3 mod 4, so every expert is used by some rank, expert 0 by rank 0
+    alone and experts 2-3 by rank 1 alone."""
     g = torch.Generator().manual_seed(5)
     out = []
     for _ in range(steps):
         per_rank = []
         for r in range(world):
             base = torch.randint(0, VOCAB // 4, (rows, SEQ + 1), generator=g) * 4
-            pick = torch.randint(0, 2, (rows, SEQ + 1), generator=g)
+            pick = torch.randint(0, 3 if every_expert and r % 2 else 2, (rows, SEQ + 1), generator=g)
             x = (base + (r % 2) + pick) % VOCAB
             x[:, 0] = (x[:, 0] // 4) * 4 + (r % 2)  # the first token decides the branch: a on rank 0, b on rank 1
             per_rank.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
@@ -89,12 +93,14 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def reference(steps: int, world: int, dtype: torch.dtype = torch.float32) -> tuple[list[float], dict]:
+def reference(
+    steps: int, world: int, dtype: torch.dtype = torch.float32, *, every_expert: bool = False
+) -> tuple[list[float], dict]:
     """Plain PyTorch, one process: each step, the mean of the ranks' losses, each rank's rows run on their own."""
     model = build().to(dtype)
     opt = make_optimizer(model)
     losses = []
-    for per_rank in batches(steps, world):
+    for per_rank in batches(steps, world, every_expert=every_expert):
         total = sum(model(x, y).loss for x, y in per_rank) / world
         total.backward()
         opt.step()
@@ -103,13 +109,13 @@ def reference(steps: int, world: int, dtype: torch.dtype = torch.float32) -> tup
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(rank: int, world: int, config: dict, steps: int) -> dict[str, Any]:
+def run(rank: int, world: int, config: dict, steps: int, *, every_expert: bool = False) -> dict[str, Any]:
     import hetero
 
     model = build()
     engine = hetero.initialize(model, make_optimizer(model), copy.deepcopy(config))
     losses = []
-    for per_rank in batches(steps, world):
+    for per_rank in batches(steps, world, every_expert=every_expert):
         x, y = per_rank[rank]
         loss = engine(x, y).loss
         engine.backward(loss)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -86,6 +86,17 @@ class Gathers:
         self._pinned: dict[int, int] = {}  # unit index -> its forwards in progress that pinned the whole unit
         self._chunks = chunks
         self._groups: dict[int, tuple[list[Entry], list[tuple[ZeroChunk, list[Entry]]]]] = {}  # see _by_chunk
+        # When every user of a chunk is done with backward ([Note: reductions at shared points] in protocol.py).
+        self.on_done: Callable[[list[ZeroChunk]], None] | None = None  # told at a unit's backward end
+        self._watch = {u.index: list(u.chunks) for u in units}  # unit index -> chunks whose users include it
+        self._never: set[int] = set()  # chunk ids no unit's end covers (a tile of a module in no unit)
+        self._calls: dict[int, int] = {}  # unit index -> forwards this step whose backward will end it
+        self._ends: dict[int, int] = {}  # unit index -> its backwards ended this step
+        self._endless: set[int] = set()  # units run with autograd whose backward has no end (no input needs a grad)
+        self._fwd: list[Unit] = []  # units whose forward is running, innermost last
+        self._callers: dict[int, list[Unit]] = {}  # chunk id -> units that ran its module outside its own unit
+        self._late: dict[int, list[ZeroChunk]] = {}  # unit index -> chunks of such modules, seen at its end
+        self._loose: set[int] = set()  # chunk ids whose module ran outside every unit this step
 
     # ---- unit events --------------------------------------------------------------------------------------
     def enter_unit(self, unit: Unit) -> None:
@@ -95,6 +106,8 @@ class Gathers:
         self._active[unit.index] = self._active.get(unit.index, 0) + 1
         phase = BACKWARD if in_backward() else FORWARD
         self.check.started.append((unit.index, phase))
+        if phase == FORWARD:
+            self._fwd.append(unit)
         if self.ahead:
             after = unit.index + (-1 if phase == BACKWARD else 1)
             if 0 <= after < len(self.units):
@@ -108,6 +121,8 @@ class Gathers:
         self._leave(unit)
         if in_backward():
             return  # a checkpoint's recomputation: the unit's backward releases
+        if unit in self._fwd:
+            del self._fwd[len(self._fwd) - 1 - self._fwd[::-1].index(unit)]
         self._done[FORWARD].add(unit.index)
         if not training:
             self._release_idle(unit.chunks, FORWARD)
@@ -125,6 +140,57 @@ class Gathers:
         self._leave(unit)
         self._done[BACKWARD].add(unit.index)
         self._release_idle(unit.chunks, BACKWARD)
+        self._ends[unit.index] = self._ends.get(unit.index, 0) + 1
+        if self.on_done is not None:
+            seen = self._watch[unit.index] + self._late.get(unit.index, [])
+            done = [zc for zc in seen if self._finished(zc)]
+            if done:
+                self.on_done(done)
+
+    def will_end(self, unit: Unit, *, ends: bool) -> None:
+        """A forward of `unit` with autograd on: its backward will end with an event (ends), or never (no input of
+        it needs a gradient): a chunk it uses is then reduced at the end of backward."""
+        if ends:
+            self._calls[unit.index] = self._calls.get(unit.index, 0) + 1
+        else:
+            self._endless.add(unit.index)
+
+    def watch_tile(self, zc: ZeroChunk, modules: list[str]) -> None:
+        """A tile's chunk, computed on by `modules` (qualified names): its users are the units around them, whose
+        backward holds theirs; a module in no unit leaves it to the end of backward."""
+        around = [self._around(name) for name in modules]
+        if not around or any(u is None for u in around):
+            self._never.add(id(zc))
+            return
+        for u in around:
+            if u not in self._users[id(zc)]:
+                self._users[id(zc)].append(u)
+                self._watch[u.index].append(zc)
+
+    def _around(self, name: str) -> Unit | None:
+        inside = [u for u in self.units if u.name == "" or name == u.name or name.startswith(u.name + ".")]
+        return max(inside, key=lambda u: len(u.name), default=None)
+
+    def _finished(self, zc: ZeroChunk) -> bool:
+        """Whether every unit using `zc` this step has ended as many backwards as it ran forwards: shared state
+        only ([Note: reductions at shared points])."""
+        if id(zc) in self._never or id(zc) in self._loose:
+            return False
+        for u in self._users[id(zc)] + self._callers.get(id(zc), []):
+            if u.index in self._endless or self._ends.get(u.index, 0) < self._calls.get(u.index, 0):
+                return False
+        return True
+
+    def _called_outside(self, zc: ZeroChunk) -> None:
+        """A module of `zc` runs in forward outside its unit's: its backward falls in the caller's."""
+        if not self._fwd:
+            self._loose.add(id(zc))
+            return
+        caller = self._fwd[-1]
+        callers = self._callers.setdefault(id(zc), [])
+        if caller not in callers:
+            callers.append(caller)
+            self._late.setdefault(caller.index, []).append(zc)
 
     def _leave(self, unit: Unit) -> None:
         n = self._active.get(unit.index, 0) - 1
@@ -138,7 +204,10 @@ class Gathers:
         """A module of `unit` starts using its parameters: resident on the device and pinned there."""
         phase = BACKWARD if in_backward() else FORWARD
         pending = self._pending.get(unit.index)
+        outside = phase == FORWARD and unit.index not in self._active
         for zc, group in self._by_chunk(entries):
+            if outside:
+                self._called_outside(zc)
             if pending and zc in pending:  # the unit's gathers before this one come first, on every rank
                 upto = pending.index(zc)
                 for c in pending[: upto + 1]:
@@ -255,6 +324,8 @@ class Gathers:
         self._pinned.clear()
         self._active.clear()
         self._window.clear()
+        for per_step in (self._calls, self._ends, self._endless, self._fwd, self._callers, self._late, self._loose):
+            per_step.clear()
         for zc in self._chunks:
             zc.reshard()
         for done in self._done.values():

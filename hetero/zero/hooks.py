@@ -167,7 +167,10 @@ def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gath
         if own and not (covered and gathers.pinned(owner)):
             gathers.use(own, owner)
         if unit is not None and torch.is_grad_enabled() and not in_backward():
-            args, kwargs = wrap_outputs((args, kwargs), post_backward)
+            both = (args, kwargs)
+            wrapped = wrap_outputs(both, post_backward)
+            gathers.will_end(unit, ends=wrapped is not both)  # [Note: reductions at shared points]
+            args, kwargs = wrapped
         return args, kwargs
 
     return hook

@@ -17,12 +17,12 @@ eviction, timing or data:
     shards. In backward a unit gathers its chunks all at its start where that budget has room for it and the first
     backward showed it safe (`Gathers.learn`, [Note: one backward hook per unit]), else each module as its own
     backward starts.
-  - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`; where nothing else
-    runs in backward, the order the first backward completed them in on rank 0: [Note: the reduce order learnt
-    from a backward]); a chunk is issued once its gradients are all in and every chunk before it in the order has
-    been issued. Chunks with parameters this rank did not use in the step are completed with zeros at the end of
-    backward, in the same order, so a branch one rank took, or experts it routed no token to, cost a delay, never
-    a mismatch.
+  - Gradient reduce-scatters (stages 2-3) go out in one fixed order of chunks (`reduce_order`, then the order the
+    first backward made them ready in on rank 0: [Note: the reduce order learnt from a backward]); a chunk is
+    issued once it is ready and every chunk before it in the order has been issued. Ready means: its gradients are
+    all in where backward runs no other collective (stages 0-2, or one rank); at stage 3 over several ranks, every
+    unit using it has ended its backward ([Note: reductions at shared points]). Chunks not ready by the end of
+    backward (parameters this rank did not use) are completed with zeros then, in the same order.
   - Before each such collective, when `check_collectives` is on, the ranks compare what they are about to do (a
     tiny all-gather on the control group, [Note: data and control groups]): a rank that took another path (a
     block skipped by some ranks, a different number of forwards) stops with an error naming the units and chunks
@@ -214,6 +214,10 @@ class Reducer:
         self._next = 0  # position in `order` of the next chunk to issue
         self._ready: set[int] = set()  # chunks whose gradients of this micro-batch are all in
         self._running: deque[ZeroChunk] = deque()  # issued, not yet completed
+        # [Note: reductions at shared points]: at stage 3 over several ranks `ready` is told by the units' backward
+        # ends (the same on every rank), not by this rank's gradients, which only accumulate.
+        self.at_unit_ends = False
+        self._sent: set[int] = set()  # chunk ids issued in this micro-batch
         # [Note: the reduce order learnt from a backward]: while `learning`, a backward records the order its chunks'
         # gradients were all in (`_seen`), and its end leaves the whole order in `observed` (chunks never ready come
         # last, in the issue order) for `adopt_observed_order`, which ends the learning.
@@ -229,6 +233,10 @@ class Reducer:
         while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
             self._issue(self.order[self._next])
 
+    def sent(self, zc: ZeroChunk) -> bool:
+        """Whether `zc`'s reduction of this micro-batch has been issued: a gradient arriving now would be lost."""
+        return id(zc) in self._sent
+
     def flush(self) -> None:
         """End of backward: issue the rest in order (parameters without a gradient count as zero), complete all."""
         while self._next < len(self.order):
@@ -241,10 +249,12 @@ class Reducer:
             self._seen = []
         self._next = 0
         self._ready.clear()
+        self._sent.clear()
 
     def _issue(self, zc: ZeroChunk) -> None:
         # Every chunk, every micro-batch, also one no gradient of this rank reached: another rank's may have.
         self._next += 1
+        self._sent.add(id(zc))
         self.check(self._op, chunk=zc.spec.index, phase=BACKWARD)
         self._issued[id(zc)] = time.perf_counter()
         if self.on_issued is not None:
@@ -297,13 +307,30 @@ def adopt_observed_order(reducers: Iterable[Reducer], comm: Comm) -> list[ZeroCh
 # chunks completed (one broadcast of a permutation on the control group, at the same backward on every rank:
 # whether a backward reduced is shared state), so from then on a chunk is issued as soon as it is ready. A rank
 # whose chunks complete in another order only waits, as under any order; the order stays fixed afterwards.
-# Only where no other collective of the group runs in backward: one rank (no collectives at all), or stages 0-2
-# (backward runs only the reductions and their checks, in the order, whatever the timing). At stage 3 over several
-# ranks backward also gathers, unit by unit, and a reduction must fall between the same two gathers on every rank.
-# A chunk of parameters some rank did not use (a branch, an expert) is ready mid-unit on one rank and only at the
-# end of backward on another; behind a chunk every rank completes late (the static order puts a unit's
-# first-registered chunk first) it waits there on every rank, issued as soon as ready it would not: that layout
-# keeps the static order.
+# Where no other collective of the group runs in backward (one rank, or stages 0-2: only the reductions and their
+# checks, in the order, whatever the timing), ready is this rank's gradients being in. At stage 3 over several
+# ranks it is a unit event ([Note: reductions at shared points]), so the order learnt is the order every rank's
+# units ended in, the same on each.
+
+# [Note: reductions at shared points]
+# At stage 3 over several ranks backward gathers on the data group unit by unit (at a unit's start, ahead of the
+# next, at its end for what its modules did not need), and the checks and update_in_backward's used-flags go out on
+# the control group at the same points: a reduction must fall between the same two of them on every rank. Whether a
+# parameter gets a gradient is the rank's own data (a branch taken, the experts a router picked), so "all of the
+# chunk's gradients are in" is not shared: a chunk of rank 1's branch was in mid-way through a block's backward on
+# rank 1 and never on rank 0, and its reduce-scatter met rank 0's next gather. So there a chunk is ready when every
+# unit using it has ended as many backwards as it ran forwards with autograd in this step (`Gathers._finished`,
+# told by each unit's end): unit events, which every rank sees in the same order, as its gathers already assume.
+# Gradients arriving only accumulate; a parameter without one counts as zero. Which units use a chunk: the units
+# listing its parameters; for a tile's chunk, the units around the modules computing on it; and, per step, the unit
+# whose forward was running when a module ran outside its own unit's forward (its backward falls in that unit's).
+# A unit whose inputs need no gradient (the embedding) has no backward end: its chunks wait for the end of
+# backward, and so does a chunk whose module ran outside every unit. The end comes after the gradients: a unit's
+# end is the backward of its inputs' identity, created before anything in the unit in forward, so autograd runs it
+# after every node of the unit that can run (parameters' gradient accumulation first of all), and a checkpoint's
+# recomputation runs inside the unit's backward. A gradient that still comes after the reduction went out (a
+# parameter read directly, outside any module, before its unit in forward) is an error naming it, never lost.
+# Overlap stays: a block's chunks go out as its backward ends (on branchy's model, every chunk but the embedding's).
 
 
 def reduce_order(chunks: list[ZeroChunk]) -> list[ZeroChunk]:
