@@ -555,3 +555,40 @@ def test_a_frozen_first_stage_trains_like_plain_pytorch():
     for stage in (0, 3):
         for losses in run_distributed(_frozen_run, 2, stage, timeout=240):
             tolerance.assert_losses(losses, exact, plain, dtype=torch.float32)
+
+
+class _FailsOnRank(nn.Module):
+    """A unit whose forward fails on one rank alone, as a unit too large for one GPU's free memory would."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return self.lin(x)
+
+
+def _time_units(rank: int, world: int) -> tuple[str, str]:
+    import torch.distributed as dist
+
+    from hetero.comm import Comm
+    from hetero.device import Device
+
+    model = nn.Sequential(nn.Linear(4, 4), _FailsOnRank(rank))
+    try:
+        balance.unit_costs(model, units_of(model), given=None, world=Comm(dist.group.WORLD), device=Device("cpu"))
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+        return (type(e).__name__, str(e))
+
+
+@pytest.mark.timeout(120)
+def test_timing_the_units_fails_on_every_rank_when_it_fails_on_one():
+    """ "auto" balancing times the units on every rank, then averages over the world: a rank whose timing failed
+    raises its own error and the others a PipelineError saying so, instead of waiting in the average."""
+    ranks = run_distributed(_time_units, 2, timeout=90)
+    assert ranks[1] == ("RuntimeError", "CUDA out of memory (a stand-in)")
+    assert ranks[0][0] == "PipelineError" and "failed on another rank" in ranks[0][1], ranks[0]

@@ -31,6 +31,7 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.device import Device
+from hetero.parallel.pipeline.runtime import PipelineError
 
 log = logging.getLogger("hetero.parallel")
 
@@ -84,11 +85,22 @@ def unit_costs(
     if sample is None:
         return None, "no sample input to time the units with (give parallel.pipeline_costs)"
     meta = any(p.is_meta for p in model.parameters())
-    measured = flop_costs(units, sample) if meta else timed_costs(units, sample, device)
-    t = torch.tensor(measured, dtype=torch.float64)  # host numbers: the control group's
+    error: Exception | None = None
+    try:  # running the units can fail on one rank alone (out of memory): it says so in the all-reduce below
+        measured = flop_costs(units, sample) if meta else timed_costs(units, sample, device)
+    except Exception as e:
+        error, measured = e, [0.0] * len(units)
+    t = torch.tensor([*measured, float(error is not None)], dtype=torch.float64)  # host numbers: the control group's
     world.control.all_reduce(t, op="avg")
     world.control.broadcast(t, src=0)  # bit-identical on every rank, whatever the reduction's rounding
-    return [max(float(c), 1e-12) for c in t], "flops" if meta else "timed"
+    if error is not None:
+        raise error
+    if float(t[-1]) > 0:
+        raise PipelineError(
+            "timing the pipeline's units failed on another rank (its own error says why): no rank can balance the "
+            "stages without it; give parallel.pipeline_costs to skip the timing"
+        )
+    return [max(float(c), 1e-12) for c in t[:-1]], "flops" if meta else "timed"
 
 
 def timed_costs(units: Sequence[tuple[str, nn.Module]], sample: torch.Tensor, device: Device) -> list[float]:
