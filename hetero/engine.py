@@ -140,7 +140,12 @@ class Engine:
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
         # "auto": at most what the budgets hold with room to spare, the same on every rank (the smallest budgets').
-        cap = chunk_cap(config, self.manager, self.algorithm, self.comm) if chunk_numel is None else None
+        every = self.mesh.world if self.mesh.pp_size * self.mesh.tp_size > 1 else None  # tied copies tile alike
+        cap = (
+            None
+            if chunk_numel is not None
+            else chunk_cap(config, self.manager, self.algorithm, self.comm, agree_over=every)
+        )
         specs = build_layout(
             model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap, tiling=config.tiling
         )

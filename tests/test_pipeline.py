@@ -592,3 +592,30 @@ def test_timing_the_units_fails_on_every_rank_when_it_fails_on_one():
     ranks = run_distributed(_time_units, 2, timeout=90)
     assert ranks[1] == ("RuntimeError", "CUDA out of memory (a stand-in)")
     assert ranks[0][0] == "PipelineError" and "failed on another rank" in ranks[0][1], ranks[0]
+
+
+def _tied_under_one_small_budget(rank: int, world: int) -> tuple[str, str]:
+    from hetero.models.gpt import GPTConfig
+    from hetero.models.gpt_pipe import GPTPipe
+
+    torch.manual_seed(0)
+    model = GPTPipe(GPTConfig(**{**pipe_parity.CFG, "tie_weights": True}))  # the embedding tied to the head
+    memory = {"device_budget": 16 << 10, "host_budget": 4 << 20} if rank == 1 else {}
+    config = {"zero_stage": 3, "chunk_size": "auto", "memory": memory, "comm_timeout": 30}
+    try:
+        engine = hetero.initialize(
+            model, parity.make_optimizer(model), {**config, "parallel": {"pipeline": 2, "microbatches": 2}}
+        )
+        engine.close()
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+        return (type(e).__name__, str(e))
+
+
+@pytest.mark.timeout(120)
+def test_automatic_chunks_are_agreed_over_every_stage_holding_a_tied_weight():
+    """The automatic chunk size follows the smallest budget; agreed over the data-parallel group alone, the last
+    stage (a small budget) split the tied head into tiles and stopped while the first stage went on into its first
+    transfer. Agreed over every rank, both stages decide alike: here both say the tied weight cannot be tiled."""
+    ranks = run_distributed(_tied_under_one_small_budget, 2, timeout=90)
+    assert ranks[0] == ranks[1] and ranks[0][0] == "ConfigError" and "tied across pipeline stages" in ranks[0][1]

@@ -223,9 +223,13 @@ def config_cap(
     )
 
 
-def chunk_cap(config: Config, manager: ChunkManager, algorithm: Algorithm, comm: Comm) -> int | None:
-    """`config_cap` for the manager's budgets, agreed by the group: the smallest, so every rank builds the same
-    layout (budgets may differ between ranks)."""
+def chunk_cap(
+    config: Config, manager: ChunkManager, algorithm: Algorithm, comm: Comm, *, agree_over: Comm | None = None
+) -> int | None:
+    """`config_cap` for the manager's budgets (sharded over `comm`), agreed by `agree_over` (default: `comm`): the
+    smallest, so every rank builds the same layout (budgets may differ between ranks). Under pipeline parallelism
+    that is every rank of the job: whether a tied weight is split into tiles must be the same on the two stages that
+    hold its copies, whose sums meet in one all-reduce."""
     from hetero.memory import Tier
 
     cap = config_cap(
@@ -236,7 +240,7 @@ def chunk_cap(config: Config, manager: ChunkManager, algorithm: Algorithm, comm:
         world=comm.size,
     )
     agreed = torch.tensor([cap if cap is not None else _NO_CAP], dtype=torch.int64)
-    comm.control.all_reduce(agreed, op="min")
+    (agree_over or comm).control.all_reduce(agreed, op="min")
     value = int(agreed)
     return None if value == _NO_CAP else value
 
