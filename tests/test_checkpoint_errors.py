@@ -271,3 +271,27 @@ def test_a_load_that_fails_on_one_rank_stops_every_rank(tmp_path, stage):
         assert out["good"][0] == "loaded", (rank, out["good"])
         assert out["save"][0] == "CheckpointError" and "name this checkpoint differently" in out["save"][1], out["save"]
         assert not any(d.startswith(("mine-", ".tmp")) for d in out["dirs"]), out["dirs"]
+
+
+def test_a_failed_save_puts_back_the_checkpoint_of_the_same_tag(saved, tmp_path, monkeypatch):
+    """Saving under the tag of a checkpoint that is not the latest sets it aside until the new one is committed; a
+    save that fails then puts it back, whole, instead of leaving it hidden under a temporary name."""
+    from hetero.checkpoint import save as save_mod
+
+    root = _copy(saved, tmp_path)
+    old = os.path.join(root, "step-00000001")
+    before = {n: os.path.getsize(os.path.join(old, n)) for n in os.listdir(old)}
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(save_mod, "_write_rank", fail)
+    e = make_engine(0, _cfg(1))
+    try:
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            e.save_checkpoint(root, tag="step-00000001")
+    finally:
+        e.close()
+    assert sorted(os.listdir(root)) == ["latest", "step-00000001", "step-00000002"]
+    assert {n: os.path.getsize(os.path.join(old, n)) for n in os.listdir(old)} == before
+    _load(old)  # it still loads

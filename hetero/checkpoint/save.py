@@ -107,6 +107,7 @@ def save_checkpoint(
             _commit(engine, root, tag, tmp, infos, state_bytes)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            _restore_stale(root, tag)
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
@@ -236,14 +237,8 @@ def _prepare(root: str, tag: str, nbytes: int) -> str:
     if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"{root} is not a writable directory: choose another path or fix its permissions")
     final = os.path.join(root, tag)
-    if os.path.exists(final):
-        if _latest(root) == tag:
-            raise CheckpointError(f"{final} exists already and is the latest: pass another tag, or remove it first")
-        # A checkpoint `latest` never moved to (a save killed between its rename and the pointer's move, or a run
-        # that went back to an earlier checkpoint): set aside now, deleted once the new one is committed.
-        stale = os.path.join(root, f".stale-{tag}-{secrets.token_hex(4)}")
-        os.rename(final, stale)
-        log.warning("%s was not the latest checkpoint: replaced by this save", final)
+    if os.path.exists(final) and _latest(root) == tag:
+        raise CheckpointError(f"{final} exists already and is the latest: pass another tag, or remove it first")
     free = shutil.disk_usage(root).free
     need = int(nbytes * _SPACE_MARGIN)
     if free < need:
@@ -252,6 +247,13 @@ def _prepare(root: str, tag: str, nbytes: int) -> str:
             f"{free / 2**20:.1f} MiB are free. Free space, delete old checkpoints, or save elsewhere. Nothing was "
             "written"
         )
+    if os.path.exists(final):
+        # A checkpoint `latest` never moved to (a save killed between its rename and the pointer's move, or a run
+        # that went back to an earlier checkpoint): set aside now, deleted once the new one is committed, and put
+        # back if this save fails (`_restore_stale`).
+        stale = os.path.join(root, f".stale-{tag}-{secrets.token_hex(4)}")
+        os.rename(final, stale)
+        log.warning("%s was not the latest checkpoint: replaced by this save", final)
     tmp = os.path.join(root, f".tmp-{tag}-{secrets.token_hex(4)}")
     try:
         os.makedirs(tmp)
@@ -307,6 +309,17 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
     for name in os.listdir(root):
         if name.startswith(f".stale-{tag}-"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _restore_stale(root: str, tag: str) -> None:
+    """A save that failed puts back the checkpoint of the same tag it set aside (`_prepare`): nothing saved before
+    is hidden by a save that did not happen."""
+    if os.path.exists(os.path.join(root, tag)):
+        return
+    for name in sorted(os.listdir(root)):
+        if name.startswith(f".stale-{tag}-"):
+            os.rename(os.path.join(root, name), os.path.join(root, tag))
+            return
 
 
 def _latest(root: str) -> str | None:
