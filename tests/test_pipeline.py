@@ -619,3 +619,45 @@ def test_automatic_chunks_are_agreed_over_every_stage_holding_a_tied_weight():
     transfer. Agreed over every rank, both stages decide alike: here both say the tied weight cannot be tiled."""
     ranks = run_distributed(_tied_under_one_small_budget, 2, timeout=90)
     assert ranks[0] == ranks[1] and ranks[0][0] == "ConfigError" and "tied across pipeline stages" in ranks[0][1]
+
+
+class _ToBytes(nn.Module):
+    """A first stage that hands the next one a tensor of a dtype no stage can send (uint8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).to(torch.uint8)
+
+
+class _FromBytes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.float())
+
+
+def _send_bytes(rank: int, world: int) -> tuple[str, str]:
+    model = nn.Sequential(_ToBytes(), _FromBytes())
+    config = {"zero_stage": 0, "comm_timeout": 30, "parallel": {"pipeline": 2, "microbatches": 2}}
+    engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    try:
+        engine.train_batch(torch.randn(4, 4), torch.randn(4, 4), loss_fn=nn.functional.mse_loss)
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+        return (type(e).__name__, str(e))
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_no_stage_can_send_stops_both_ends():
+    """A stage whose output no header can describe (uint8 here) raises, and its header still goes, marked: the
+    receiving stage raises too instead of waiting for it until the group's timeout."""
+    sender, receiver = run_distributed(_send_bytes, 2, timeout=90)
+    assert sender[0] == "PipelineError" and "cannot pass a torch.uint8 tensor" in sender[1], sender
+    assert receiver[0] == "PipelineError" and "could not pass its tensor" in receiver[1], receiver

@@ -156,11 +156,13 @@ class PipelineRuntime:
         return (microbatch * (self.last_stage + 1) + stage) * 2 + kind
 
     def _header(self, t: torch.Tensor, msg: Message) -> torch.Tensor:
-        """The header (on the payload's device: NCCL reads GPU memory only)."""
-        if t.dtype not in DTYPES or t.dim() > MAX_DIMS:
-            raise PipelineError(f"cannot pass a {t.dtype} tensor of {t.dim()} dims between stages")
+        """The header (on the payload's device: NCCL reads GPU memory only). A tensor no header can describe gets
+        code -1: the header still goes, so the receiver fails with the sender instead of waiting for it."""
+        ok = t.dtype in DTYPES and t.dim() <= MAX_DIMS
         header = torch.zeros(HEADER, dtype=torch.int64)
-        header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype), t.dim()])
+        header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype) if ok else -1, t.dim() if ok else 0])
+        if not ok:
+            return header.to(t.device)
         header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return header.to(t.device)
 
@@ -177,10 +179,21 @@ class PipelineRuntime:
         for h in handles[len(out) :]:
             h.wait()
         pending = [(h, headers_out) for h in handles[: len(out)]]
+        bad = [t for _, _, t in out if t.dtype not in DTYPES or t.dim() > MAX_DIMS]
+        if bad:
+            raise PipelineError(
+                f"cannot pass a {bad[0].dtype} tensor of {bad[0].dim()} dims between stages (at most {MAX_DIMS} dims, "
+                f"of {', '.join(str(d).removeprefix('torch.') for d in DTYPES)}): return one from the stage"
+            )
         payloads = []
         for (peer, msg), header in zip(ex.recvs, headers_in):
             values = header.tolist()  # one copy to the host per header
             mb, st, code, ndim = values[:4]
+            if code < 0:
+                raise PipelineError(
+                    f"pipeline rank {peer} could not pass its tensor for virtual stage {msg[2]} (a dtype or a number "
+                    "of dims a stage cannot send): its own error says which"
+                )
             if (mb, st) != (msg[1], msg[2]):
                 what = ("activation", "gradient")[msg[0]]
                 raise PipelineError(
