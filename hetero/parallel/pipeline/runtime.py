@@ -181,6 +181,8 @@ class PipelineRuntime:
         pending = [(h, headers_out) for h in handles[: len(out)]]
         bad = [t for _, _, t in out if t.dtype not in DTYPES or t.dim() > MAX_DIMS]
         if bad:
+            for h in handles[: len(out)]:  # the marked headers delivered before this rank stops (and drops them)
+                h.wait()
             raise PipelineError(
                 f"cannot pass a {bad[0].dtype} tensor of {bad[0].dim()} dims between stages (at most {MAX_DIMS} dims, "
                 f"of {', '.join(str(d).removeprefix('torch.') for d in DTYPES)}): return one from the stage"
