@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from hetero.errors import CheckpointError
@@ -28,7 +29,7 @@ SAVE = "Nothing was written: fix what those ranks report, then save again on eve
 def identity(directory: str, manifest: dict[str, Any]) -> tuple[str, str]:
     """What tells one checkpoint from another: its directory's name (the tag) and the digest of its manifest."""
     text = json.dumps(manifest, sort_keys=True, default=str)
-    return directory.rstrip("/").rsplit("/", 1)[-1], hashlib.sha256(text.encode()).hexdigest()[:16]
+    return os.path.basename(os.path.normpath(directory)), hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def agree(comm: Any, error: BaseException | None, what: str, *, value: Any = None, advice: str = _LOAD) -> list[Any]:
@@ -51,10 +52,9 @@ def agree(comm: Any, error: BaseException | None, what: str, *, value: Any = Non
     return [v for _, v in seen]
 
 
-def same_checkpoint(comm: Any, directory: str, manifest: dict[str, Any]) -> None:
-    """Every rank resolved the same checkpoint (by tag and manifest), or every rank raises."""
-    mine = identity(directory, manifest)
-    seen = agree(comm, None, "checking which checkpoint each rank loads", value=mine)
+def same_checkpoint(seen: list[tuple[str, str]]) -> None:
+    """Every rank resolved the same checkpoint (`identity`, one a rank, as `agree` gathered them), or this rank
+    raises, as every other does from the same list."""
     if all(s == seen[0] for s in seen):
         return
     listed = "; ".join(f"rank {r}: {tag} (manifest {digest})" for r, (tag, digest) in enumerate(seen))

@@ -21,7 +21,7 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
-from hetero.checkpoint.agree import agree, same_checkpoint
+from hetero.checkpoint.agree import agree, identity, same_checkpoint
 from hetero.checkpoint.plan import model_buffers
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
@@ -48,11 +48,10 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     comm = par.world(engine)  # every rank of the job: [Note: a load every rank agrees on] (agree.py)
     try:
         directory, manifest, extra = _open(engine, path, scheduler=None if own_scheduler else lr_scheduler)
-        error = None
+        error, which = None, identity(directory, manifest)
     except Exception as e:  # every rank learns of it below, so none waits in a gather for this one
-        error = e
-    agree(comm, error, f"checking checkpoint {os.fspath(path)!r}")
-    same_checkpoint(comm, directory, manifest)
+        error, which = e, None
+    same_checkpoint(agree(comm, error, f"checking checkpoint {os.fspath(path)!r}", value=which))
     pending = manifest["engine"]["pending_grads"]
     mine = par.find_mine(engine, manifest)
     index: mf.Index | None = None

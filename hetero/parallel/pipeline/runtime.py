@@ -31,6 +31,11 @@ MAX_DIMS = 8
 HEADER = 4 + MAX_DIMS  # micro-batch, virtual stage, dtype code, ndim, shape
 
 
+def _sendable(t: torch.Tensor) -> bool:
+    """Whether a header can describe `t` (its dtype listed, at most MAX_DIMS dims)."""
+    return t.dtype in DTYPES and t.dim() <= MAX_DIMS
+
+
 class PipelineError(HeteroError, RuntimeError):
     """Stages disagree on what they exchange, or a stage produced something that cannot be passed on."""
 
@@ -158,12 +163,12 @@ class PipelineRuntime:
     def _header(self, t: torch.Tensor, msg: Message) -> torch.Tensor:
         """The header (on the payload's device: NCCL reads GPU memory only). A tensor no header can describe gets
         code -1: the header still goes, so the receiver fails with the sender instead of waiting for it."""
-        ok = t.dtype in DTYPES and t.dim() <= MAX_DIMS
         header = torch.zeros(HEADER, dtype=torch.int64)
-        header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype) if ok else -1, t.dim() if ok else 0])
-        if not ok:
-            return header.to(t.device)
-        header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        if _sendable(t):
+            header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype), t.dim()])
+            header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        else:
+            header[:4] = torch.tensor([msg[1], msg[2], -1, 0])
         return header.to(t.device)
 
     def exchange(
@@ -179,7 +184,7 @@ class PipelineRuntime:
         for h in handles[len(out) :]:
             h.wait()
         pending = [(h, headers_out) for h in handles[: len(out)]]
-        bad = [t for _, _, t in out if t.dtype not in DTYPES or t.dim() > MAX_DIMS]
+        bad = [t for _, _, t in out if not _sendable(t)]
         if bad:
             for h in handles[: len(out)]:  # the marked headers delivered before this rank stops (and drops them)
                 h.wait()
