@@ -441,6 +441,35 @@ def test_hung_rank_makes_timed_barrier_raise(tmp_path: Path) -> None:
     assert _children() == []
 
 
+def _object_collective_with_absent_rank(rank: int, world_size: int, flag_dir: str, op: str) -> dict[str, Any]:
+    if rank == 1:  # never arrives; leaves once rank 0 has its error
+        while not os.listdir(flag_dir):
+            time.sleep(0.05)
+        return {}
+    comm = Comm.world().with_timeout(2)  # the group itself waits as long as the harness: 100 s
+    t0 = time.monotonic()
+    try:
+        if op == "broadcast":
+            comm.broadcast_object({"x": 1}, src=0)
+        else:
+            comm.all_gather_object({"x": 1})
+        return {"missing": "no error"}
+    except RankTimeoutError as err:
+        return {"missing": err.missing_ranks, "message": str(err), "elapsed": time.monotonic() - t0}
+    finally:
+        open(os.path.join(flag_dir, "done"), "w").close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["broadcast", "all_gather"])
+def test_object_collectives_give_up_after_the_comms_own_timeout(tmp_path: Path, op: str) -> None:
+    # torch's object collectives wait as long as the process group was made to wait, not `with_timeout`'s.
+    got = run_distributed(_object_collective_with_absent_rank, 2, str(tmp_path), op, timeout=100)[0]
+    assert got["missing"] == [1], got
+    assert f"{op}_object" in got["message"] and "did not arrive" in got["message"], got
+    assert got["elapsed"] < 15, got
+
+
 @pytest.mark.timeout(120)
 def test_harness_timeout_kills_hung_rank() -> None:
     t0 = time.monotonic()
@@ -523,3 +552,39 @@ def test_ranks_leave_the_group_together(tmp_path: Path, ending: str) -> None:
     else:
         assert procs[1].returncode != 0 and "rank 1 fails" in errs[1]
         assert ends[1] < ends[0] - late / 2  # an exception leaves without waiting
+
+
+class _Store:
+    """The part of a torch.distributed store that `diagnose` uses, in a dict."""
+
+    def __init__(self, posts: dict[str, str]) -> None:
+        self.data = {k: v.encode() for k, v in posts.items()}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def test_a_timeout_diagnosis_ignores_what_a_rank_posted_after_an_earlier_timeout() -> None:
+    from hetero.comm.watch import diagnose
+
+    now = time.time()
+    store = _Store({"hetero/waiting/1": f"{now - 3600:.3f} barrier on group [0, 1]", "hetero/waiting/2": "junk"})
+    store.data["hetero/waiting/3"] = f"{now:.3f} all_gather of x on group [0, 1, 2, 3]".encode()
+    err = diagnose(
+        store,
+        me=0,
+        members=[0, 1, 2, 3],
+        what="all_gather of x on group [0, 1, 2, 3]",
+        timeout_s=0.3,
+        err=RuntimeError("timed out"),
+    )
+    assert isinstance(err, RankTimeoutError)
+    assert err.missing_ranks == [1, 2], str(err)  # rank 1's post is an hour old: it did not arrive in this one
+    assert "different operation" not in str(err)
+    assert store.data["hetero/waiting/0"].decode().endswith(" all_gather of x on group [0, 1, 2, 3]")

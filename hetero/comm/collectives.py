@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hetero import standin
+from hetero.comm import objects
 from hetero.comm.handles import Done, Handle, LateGather, ThenDivide, Timed
-from hetero.comm.rules import timed_out
 from hetero.errors import RankTimeoutError
 
 logger = logging.getLogger("hetero.comm")
@@ -302,7 +302,7 @@ class Collectives:
                 f"{what} has {big.numel()} elements; it must have group size ({self.size}) x {small.numel()}"
             )
 
-    def broadcast(self, t: torch.Tensor, src: int) -> None:
+    def broadcast(self, t: torch.Tensor, src: int, *, what: str | None = None) -> None:
         """Copy group rank ``src``'s ``t`` into every rank's ``t``, in place."""
         self._check_peer(src, "src", allow_self=True)
         if self._local:
@@ -310,40 +310,26 @@ class Collectives:
         self._check_data("broadcast", t)
         with torch.no_grad():
             buf = t if t.is_contiguous() else t.contiguous()
-            self._run(f"broadcast of {t.numel()} {t.dtype} elements", dist.broadcast, buf, src=self._global_ranks[src])
+            label = f"broadcast of {what or f'{t.numel()} {t.dtype} elements'}"
+            self._run(label, dist.broadcast, buf, src=self._global_ranks[src])
             if buf is not t:
                 t.copy_(buf)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
-        """Return group rank ``src``'s picklable ``obj`` on every rank (through the control group)."""
+        """Return group rank ``src``'s picklable ``obj`` on every rank (through the control group, bounded by its
+        timeout: `objects.py`)."""
         self._check_peer(src, "src", allow_self=True)
         if self._local:
             return obj
-        ctl = self.control
-        box = [obj if self.rank == src else None]
         self.verify_checks()
-        try:
-            dist.broadcast_object_list(box, src=self._global_ranks[src], group=ctl.group)
-        except RuntimeError as err:
-            if timed_out(err):
-                raise ctl.timeout_error("broadcast_object", err) from err
-            raise
-        return box[0]
+        return objects.broadcast(self.control, obj, src)
 
     def all_gather_object(self, obj: object) -> list[object]:
-        """Every rank's picklable ``obj``, in group rank order."""
+        """Every rank's picklable ``obj``, in group rank order (through the control group, bounded by its timeout)."""
         if self._local:
             return [obj]
-        ctl = self.control
-        out: list[object] = [None] * self.size
         self.verify_checks()
-        try:
-            dist.all_gather_object(out, obj, group=ctl.group)
-        except RuntimeError as err:
-            if timed_out(err):
-                raise ctl.timeout_error("all_gather_object", err) from err
-            raise
-        return out
+        return objects.all_gather(self.control, obj)
 
     # Along-a-dimension collectives for tensor and sequence parallelism: out of place, every rank passes the same
     # shape. They move `dim` to the front, where the flat rank order of all_gather / reduce_scatter is the order

@@ -6,7 +6,9 @@ bookkeeping is paid for while things go well: on expiry, this rank posts what it
 key-value store (the one torch.distributed rendezvoused through) and reads, for a few seconds, what the other members
 of the group post when their own waits expire. A member that posts a different operation is alive but ran a
 different sequence of collectives (the ranks diverged); a member that posts nothing is dead, hung, or busy outside
-any collective. Either way the error names it, in global ranks, with what this rank was doing.
+any collective. Either way the error names it, in global ranks, with what this rank was doing. A post carries the
+time it was made: one older than this wait is what a member posted after an earlier timeout (a caller that caught
+that error and went on), not where it is now, and is read as no post.
 """
 
 from __future__ import annotations
@@ -21,20 +23,31 @@ log = logging.getLogger("hetero.comm")
 
 _GRACE_S = 10.0  # at most this long to hear from the other ranks once our own wait expired
 _KEY = "hetero/waiting/{rank}"
+_SKEW_S = 5.0  # hosts' clocks may differ by this much; a post older than this wait by more is from an earlier one
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("-inf")  # not a post of this format: as old as can be
 
 
 def diagnose(store: Any, *, me: int, members: list[int], what: str, timeout_s: float, err: BaseException) -> Exception:
     """The error to raise after `what` timed out on global rank `me` in a group of global `members`."""
     posted: dict[int, str] = {}
+    since = time.time() - timeout_s - _SKEW_S  # when this wait began (the others' began near it)
     if store is not None:
         try:
-            store.set(_KEY.format(rank=me), what)
+            store.set(_KEY.format(rank=me), f"{time.time():.3f} {what}")
             deadline = time.monotonic() + min(_GRACE_S, timeout_s)
             others = [r for r in members if r != me]
             while True:
                 for r in others:
                     if r not in posted and store.check([_KEY.format(rank=r)]):
-                        posted[r] = store.get(_KEY.format(rank=r)).decode(errors="replace")
+                        at, _, doing = store.get(_KEY.format(rank=r)).decode(errors="replace").partition(" ")
+                        if _float(at) >= since:
+                            posted[r] = doing
                 if len(posted) == len(others) or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
