@@ -23,6 +23,7 @@ from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import agree, identity, same_checkpoint
 from hetero.checkpoint.plan import model_buffers
+from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
 from hetero.progress import bar
@@ -56,73 +57,77 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     mine = par.find_mine(engine, manifest)
     index: mf.Index | None = None
     error = None
-    try:
-        index = mf.Index(directory, manifest)
-        steps = manifest["engine"]["param_steps"]
-        used = set(mine["used"]) if (pending and mine) else set()
-        reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
-
-        def finish() -> None:
-            shown.update()
-            i, zc, futures = reading.pop(0)
-            _finish_trainable(engine, zc, futures)
-            state: dict[str, Any] = {"param_steps": [steps.get(par.stored_name(info), 0) for info in zc.spec.params]}
-            if pending and zc.grad is not None:
-                _fill_grad(engine, zc, index, mine["file"])
-                state["used"] = [1 if p.name in used else 0 for p in zc.spec.params]
-                state["grad_is_zero"] = bool(mine["grad_fresh"][i])
-            zc.load_state_dict(state)
-
-        shown = bar(
-            len(engine.chunks),
-            "hetero: loading checkpoint",
-            unit="chunk",
-            rank=par.world(engine).rank,
-            config=engine.config.progress,
-        )
-        threads = torch.get_num_threads()
-        if engine.device.torch_device.type == "cpu":
-            # The parameter copies below run while the I/O threads read and checksum: torch's own worker threads
-            # would oversubscribe the cores (a 4 MB copy was measured taking 10 ms instead of 0.4 ms on 2 cores).
-            torch.set_num_threads(1)
+    # Each rank reads its ranges, however long that takes it ([Note: patient meetings] in hetero/comm/patience.py)
+    with Meeting(comm, "checkpoint-read", f"reading its part of checkpoint {directory!r}"):
         try:
-            # [Note: chunks ahead]
-            # While chunk i is finished (checksums, parameters from its master), the reads of
-            # the next _AHEAD chunks are queued, as long as their optimizer buffers fit beside on the compute tier:
-            # the reading thread never waits for the main thread.
-            for i, zc in enumerate(engine.chunks):
-                if zc.optim is None:
-                    while reading:
+            index = mf.Index(directory, manifest)
+            steps = manifest["engine"]["param_steps"]
+            used = set(mine["used"]) if (pending and mine) else set()
+            reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
+
+            def finish() -> None:
+                shown.update()
+                i, zc, futures = reading.pop(0)
+                _finish_trainable(engine, zc, futures)
+                state: dict[str, Any] = {
+                    "param_steps": [steps.get(par.stored_name(info), 0) for info in zc.spec.params]
+                }
+                if pending and zc.grad is not None:
+                    _fill_grad(engine, zc, index, mine["file"])
+                    state["used"] = [1 if p.name in used else 0 for p in zc.spec.params]
+                    state["grad_is_zero"] = bool(mine["grad_fresh"][i])
+                zc.load_state_dict(state)
+
+            shown = bar(
+                len(engine.chunks),
+                "hetero: loading checkpoint",
+                unit="chunk",
+                rank=par.world(engine).rank,
+                config=engine.config.progress,
+            )
+            threads = torch.get_num_threads()
+            if engine.device.torch_device.type == "cpu":
+                # The parameter copies below run while the I/O threads read and checksum: torch's own worker threads
+                # would oversubscribe the cores (a 4 MB copy was measured taking 10 ms instead of 0.4 ms on 2 cores).
+                torch.set_num_threads(1)
+            try:
+                # [Note: chunks ahead]
+                # While chunk i is finished (checksums, parameters from its master), the reads of
+                # the next _AHEAD chunks are queued, as long as their optimizer buffers fit beside on the compute tier:
+                # the reading thread never waits for the main thread.
+                for i, zc in enumerate(engine.chunks):
+                    if zc.optim is None:
+                        while reading:
+                            finish()
+                        _fill_frozen(engine, zc, index)
+                        zc.load_state_dict({"param_steps": [steps.get(par.stored_name(i), 0) for i in zc.spec.params]})
+                        shown.update()
+                        continue
+                    ledger = engine.manager.ledgers[zc.placement.compute]
+                    while reading and zc.optim.tier is not zc.placement.compute and ledger.free < 2 * zc.optim.nbytes:
+                        finish()  # no room to bring this chunk in beside those being read: let them go first
+                    reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
+                    while len(reading) > _AHEAD:
                         finish()
-                    _fill_frozen(engine, zc, index)
-                    zc.load_state_dict({"param_steps": [steps.get(par.stored_name(i), 0) for i in zc.spec.params]})
-                    shown.update()
-                    continue
-                ledger = engine.manager.ledgers[zc.placement.compute]
-                while reading and zc.optim.tier is not zc.placement.compute and ledger.free < 2 * zc.optim.nbytes:
-                    finish()  # no room to bring this chunk in beside those being read: let them go first
-                reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
-                while len(reading) > _AHEAD:
+                while reading:
                     finish()
-            while reading:
-                finish()
+            finally:
+                shown.close()
+                torch.set_num_threads(threads)
+                for _, zc, futures in reading:  # after an error: no thread may go on writing into a buffer let go
+                    for f in futures:
+                        f.exception()
+                    engine.manager.unpin(zc.optim)
+            _fill_buffers(engine, index)
+            if mine is not None:
+                _restore_rng(engine, index, mine, mine["file"])
+            else:
+                log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
+        except Exception as e:  # agreed below: no rank gathers parameters beside one that stopped
+            error = e
         finally:
-            shown.close()
-            torch.set_num_threads(threads)
-            for _, zc, futures in reading:  # after an error: no thread may go on writing into a buffer let go
-                for f in futures:
-                    f.exception()
-                engine.manager.unpin(zc.optim)
-        _fill_buffers(engine, index)
-        if mine is not None:
-            _restore_rng(engine, index, mine, mine["file"])
-        else:
-            log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
-    except Exception as e:  # agreed below: no rank gathers parameters beside one that stopped
-        error = e
-    finally:
-        if index is not None:
-            index.close()
+            if index is not None:
+                index.close()
     agree(comm, error, f"loading checkpoint {directory!r}")
     for zc in engine.chunks:  # stages 1-2: the other ranks' parts of the parameters, in layout order on every rank
         if zc.optim is not None:

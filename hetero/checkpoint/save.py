@@ -32,7 +32,8 @@ from hetero.checkpoint.agree import SAVE, agree
 from hetero.checkpoint.describe import NOT_PER_RANK, engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, file_size, plan_items, residue
-from hetero.errors import CheckpointError
+from hetero.comm.patience import Meeting
+from hetero.errors import CheckpointError, RankTimeoutError
 from hetero.memory import Tier
 from hetero.progress import bar
 
@@ -88,15 +89,26 @@ def save_checkpoint(
         raise CheckpointError(value)
     tmp = os.path.join(root, os.path.basename(value))  # rank 0's directory, as this rank sees the root
     _check_shared(comm, root, tmp)
-    # 2. every rank writes its shard
+    # 2. every rank writes its shard, however long that takes it ([Note: patient meetings] in hetero/comm/patience.py)
     fname = mf.rank_file(comm.global_rank(comm.rank))
+    mine = os.path.join(tmp, fname)
     try:
-        info = _write_rank(engine, os.path.join(tmp, fname), plan)
-        info.update(rank_info(engine, fname))
-        _test_pause("shard-written")
-    except Exception as e:  # reported to every rank below, so none waits for a rank that failed
-        info = {"error": f"rank {comm.rank} could not write {os.path.join(tmp, fname)}: {type(e).__name__}: {e}"}
-    infos = comm.all_gather_object(info)
+        with Meeting(comm, "checkpoint-write", f"writing its part of checkpoint {tag!r} under {root}"):
+            try:
+                info = _write_rank(engine, mine, plan)
+                info.update(rank_info(engine, fname))
+                _test_pause("shard-written")
+            except Exception as e:  # reported to every rank below, so none waits for a rank that failed
+                info = {"error": f"rank {comm.rank} could not write {mine}: {type(e).__name__}: {e}"}
+        infos = comm.all_gather_object(info)
+    except BaseException as e:  # a rank dead or hung: nothing is committed
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _restore_stale(root, tag)
+        if isinstance(e, RankTimeoutError):
+            note = f" Checkpoint {tag!r} was not committed: the checkpoints under {root} are as they were."
+            raise RankTimeoutError(str(e) + note, missing_ranks=e.missing_ranks, timeout_s=e.timeout_s) from e
+        raise
     errors = [i["error"] for i in infos if "error" in i]
     # 3. rank 0 commits
     outcome = ("ok", "")

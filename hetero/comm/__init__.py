@@ -3,7 +3,8 @@
 `group.py` wraps one process group (`Comm`: its control group, waits with timeouts, subgroups), with its
 collectives in `collectives.py` and its point-to-point transfers in `p2p.py`; `rules.py` says how a group behaves
 (NCCL's rule on data tensors, timeouts), `launch.py` joins the job from the launcher's environment (`launchers.py`:
-SLURM's or MPI's tasks without torchrun), `watch.py` names the ranks behind a timeout, and `handles.py` holds what
+SLURM's or MPI's tasks without torchrun), `watch.py` names the ranks behind a timeout, `patience.py` waits for ranks
+still at long local work (a checkpoint's writes and reads) and names those that stopped, and `handles.py` holds what
 asynchronous operations return.
 """
 

@@ -1,0 +1,227 @@
+"""Meetings after long local work: a rank still working is waited for, however long; a rank that stopped is named.
+
+[Note: patient meetings]
+A checkpoint's ranks each write (or read) their own files, then meet in a gather to learn whether all of them
+succeeded. A collective waits at most comm_timeout, which suits ranks that should arrive together; but a rank with a
+slower disk, a bigger shard or an NFS hiccup can be minutes behind while nothing is wrong, and the others would fail
+the save. So before such a gather the ranks meet in the job's key-value store (the one torch.distributed
+rendezvoused through), where a rank's liveness can be seen apart from its arrival:
+ - while a rank works, a daemon thread adds 1 to its heartbeat key every beat (comm_timeout / 5, at most 5 s);
+ - when its work ends, failed or not (a failure travels in the gather after), the rank stops beating, adds a large
+   constant to its key (done) and counts itself in;
+ - it then waits for the meeting's outcome, and every beat reads the keys of the members not yet done: a key that
+   stood still for comm_timeout is a rank dead, stopped (SIGSTOP, a debugger) or frozen holding the GIL.
+The outcome is one value per meeting, set once by compare-and-set: "all in" (by the last rank to count itself in),
+"these ranks stood still" (by the first rank to see it) or "this rank left with an error". Every rank follows that
+value, not its own observations, so all raise or all go on to the gather together: a decision no rank's timing can
+split (a rank frozen, then continued, raises too instead of entering a gather the others left).
+Keys are named by the group's members, a per-process count of meetings on that group and the meeting's name: every
+member holds the same meetings in the same order, so the names agree without a message. The last rank to leave
+deletes them; a meeting a rank died in leaves its few keys behind.
+
+Why a thread, and not the writer's progress callbacks: those come once per chunk, and one chunk on a slow disk can
+take longer than any beat; a load's reads report nothing. A thread beats on its own clock and stops with its
+process. What it cannot see is a main thread blocked forever in a system call (a hard-mounted NFS server that never
+answers): that rank looks alive, so the others wait, logging every comm_timeout which ranks they still wait for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from hetero.errors import CommError, RankTimeoutError
+
+if TYPE_CHECKING:
+    from hetero.comm.group import Comm
+
+log = logging.getLogger("hetero.comm")
+
+_DONE = 1 << 40  # added to a rank's key when its work ends: a key at or past it is done (beats stay far below)
+_MAX_BEAT_S = 5.0  # a beat at most this long apart (comm_timeout / 5 when shorter)
+_MAX_POLL_S = 0.25  # how late, at most, a waiting rank sees the outcome once it is set
+# Meetings held so far by this process on each group (by its members' digest): the next one's number. Shared by every
+# Comm over the same members, as the store's keys are.
+_HELD: dict[str, int] = {}
+
+
+def default_store() -> Any:
+    """The job's key-value store (torch.distributed's rendezvous), or None outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a group made without one
+        return None
+
+
+class Meeting:
+    """`with Meeting(comm, name, what): long local work`, then a collective: leaving the block waits until every
+    member of `comm` has left its own, tolerating members still working, and raises RankTimeoutError naming those
+    whose heartbeat stood still for the group's timeout ([Note: patient meetings]). Every member enters the same
+    meetings in the same order; `name` is the same on every rank, `what` says what this rank does, for messages.
+    A no-op for a group of one, or without a store."""
+
+    def __init__(self, comm: Comm, name: str, what: str, *, store: Any = None) -> None:
+        self.what = what
+        self.members = comm.global_ranks
+        self.me = self.members[comm.rank]
+        self.timeout_s = comm.rules.timeout_s  # None: the group waits forever, and so does the meeting
+        self.beat_s = max(0.01, min(_MAX_BEAT_S, self.timeout_s / 5 if self.timeout_s else _MAX_BEAT_S))
+        self.store = None if comm.size == 1 else (store if store is not None else default_store())
+        self._stop = threading.Event()  # set when this rank's work ends: the heartbeat thread returns
+        self._beater: threading.Thread | None = None  # the heartbeat thread, while the work runs
+        self.prefix = ""  # the meeting's keys start with it
+        if self.store is not None:
+            group = hashlib.sha1(",".join(map(str, self.members)).encode()).hexdigest()[:12]
+            number = _HELD.get(group, 0)
+            _HELD[group] = number + 1
+            self.prefix = f"hetero/meeting/{group}/{number}/{name}/"
+
+    def _key(self, rank: int | str) -> str:
+        return f"{self.prefix}{rank}"
+
+    def __enter__(self) -> Meeting:
+        if self.store is None:
+            return self
+        try:
+            self.store.add(self._key(self.me), 1)  # the first beat: the key exists from here
+        except Exception as e:
+            raise self._unreachable(e) from e
+        self._beater = threading.Thread(target=self._beat, name="hetero-heartbeat", daemon=True)
+        self._beater.start()
+        return self
+
+    def _beat(self) -> None:
+        key = self._key(self.me)
+        while not self._stop.wait(self.beat_s):
+            try:
+                self.store.add(key, 1)
+            except Exception as e:  # the store is gone: the main thread learns it when it next asks
+                log.debug("heartbeat of global rank %d stopped: %s", self.me, e)
+                return
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.store is None:
+            return
+        self._stop.set()
+        if self._beater is not None:
+            self._beater.join()
+        if exc is not None:  # this rank will not come to the collective: the others stop now rather than wait
+            try:
+                self._settle({"left": self.me, "error": f"{type(exc).__name__}: {exc}"})
+                self._leave()
+            except Exception as e:
+                log.debug("could not tell the others that global rank %d left %s: %s", self.me, self.what, e)
+            return
+        try:
+            self.store.add(self._key(self.me), _DONE)
+            if self.store.add(self._key("in"), 1) >= len(self.members):
+                self._settle({"ok": True})
+            outcome = self._wait()
+            self._leave()
+        except Exception as e:
+            raise self._unreachable(e) from e
+        self._follow(outcome)
+
+    def _settle(self, outcome: dict[str, Any]) -> dict[str, Any]:
+        """The meeting's outcome: `outcome` if no rank set one before, else the one set first."""
+        return json.loads(self.store.compare_set(self._key("outcome"), "", json.dumps(outcome)))
+
+    def _wait(self) -> dict[str, Any]:
+        start = time.monotonic()
+        pending = {r: (0, start) for r in self.members if r != self.me}  # a member's value read last, and since when
+        next_scan, next_log = start, start + (self.timeout_s or 60.0)
+        pause = 0.01
+        while True:
+            if self.store.check([self._key("outcome")]):
+                return json.loads(self.store.get(self._key("outcome")))
+            now = time.monotonic()
+            if now >= next_scan:
+                stalled = self._scan(pending, now)
+                if not pending:  # every key done, though no outcome yet (the last one's process died in between)
+                    return self._settle({"ok": True})
+                if stalled:
+                    silent = [r for r in stalled if pending[r][0] == 0]
+                    return self._settle({"stalled": stalled, "silent": silent, "by": self.me})
+                next_scan = now + self.beat_s
+                if now >= next_log:
+                    log.warning(
+                        "global rank %d has waited %.0f s for global rank(s) %s to finish %s; their heartbeats "
+                        "advance, so they are alive (a rank blocked in a system call looks alive too)",
+                        self.me,
+                        now - start,
+                        ", ".join(map(str, sorted(pending))),
+                        self.what,
+                    )
+                    next_log = now + (self.timeout_s or 60.0)
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_POLL_S, self.beat_s / 2)
+
+    def _scan(self, pending: dict[int, tuple[int, float]], now: float) -> list[int]:
+        """Read the keys of the members not done: drop those done, and return those whose key stood still for the
+        group's timeout."""
+        stalled = []
+        for r in list(pending):
+            value = self.store.add(self._key(r), 0)
+            last, since = pending[r]
+            if value >= _DONE:
+                del pending[r]
+            elif value != last:
+                pending[r] = (value, now)
+            elif self.timeout_s is not None and now - since >= self.timeout_s:
+                stalled.append(r)
+        return stalled
+
+    def _leave(self) -> None:
+        """Count this rank out; the last one out deletes the meeting's keys."""
+        if self.store.add(self._key("out"), 1) < len(self.members):
+            return
+        if hasattr(self.store, "delete_key"):
+            for k in [*self.members, "in", "out", "outcome"]:
+                self.store.delete_key(self._key(k))
+
+    def _follow(self, outcome: dict[str, Any]) -> None:
+        if outcome.get("ok"):
+            return
+        group = f"group {self.members}"
+        if "left" in outcome:
+            raise CommError(
+                f"global rank {outcome['left']} left {group} with an error ({outcome['error']}) while global rank "
+                f"{self.me} was waiting for every rank to finish {self.what}; it does not come to the collective "
+                "that follows, so no rank goes on. Its log says more"
+            )
+        stalled, silent = outcome["stalled"], outcome["silent"]
+        stopped = [r for r in stalled if r not in silent]
+        lines = [f"Global rank {self.me} was waiting for every rank of {group} to finish {self.what}."]
+        if stopped:
+            lines.append(
+                f"The heartbeat of global rank(s) {', '.join(map(str, stopped))} stood still for {self.timeout_s:g} s "
+                "(comm_timeout) before they finished: dead, stopped (SIGSTOP, a debugger) or frozen in native code."
+            )
+        if silent:
+            lines.append(
+                f"Global rank(s) {', '.join(map(str, silent))} posted no heartbeat for this meeting in "
+                f"{self.timeout_s:g} s: dead before it, or running a different sequence of operations."
+            )
+        if self.me in stalled:
+            lines.append(f"This rank (global rank {self.me}) was among them: the others gave up on it meanwhile.")
+        lines.append(
+            f"(Decided by global rank {outcome['by']}; every rank raises this.) Check those ranks' logs and exit "
+            "codes: a crash or an out-of-memory kill shows there. Ranks that are only slow are waited for as long as "
+            "their heartbeat advances."
+        )
+        raise RankTimeoutError(" ".join(lines), missing_ranks=list(stalled), timeout_s=self.timeout_s or 0.0)
+
+    def _unreachable(self, err: BaseException) -> CommError:
+        return CommError(
+            f"global rank {self.me} lost the rendezvous store while finishing {self.what} ({type(err).__name__}: "
+            f"{err}): the store lives with the launcher's MASTER_ADDR, usually global rank 0's process. Is it alive?"
+        )
