@@ -28,6 +28,7 @@ from hetero.events import Events
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
+from hetero.parallel.agree import BatchAgreement
 from hetero.parallel.batches import train_batch
 from hetero.parallel.pipeline.runtime import PipelineRuntime
 from hetero.parallel.pipeline.tied import TiedGrads
@@ -132,6 +133,9 @@ class Engine:
         self.mesh, self.stages, self.comm, tied = setup_parallel(
             model, optimizer, config.parallel, world, self.device
         )  # comm: the group ZeRO shards and reduces over (data-parallel; with Chimera, both replicas' ranks)
+        # The tensor (or sequence) group's ranks agree on each batch before a layer runs ([Note: a batch agreed over
+        # the model-parallel group]); the values too while the collective schedule is checked.
+        self.agree = BatchAgreement.of(self.mesh, values=config.check_collectives)
         self.module = model  # the user's model, modified in place: parameter names unchanged
         self.algorithm = algorithm_of(optimizer)
         self.dtype = COMPUTE_DTYPES[config.precision]  # parameters' compute dtype
@@ -313,6 +317,7 @@ class Engine:
         training = torch.is_grad_enabled() and not self.inference
         if self.stages is not None:
             raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
+        self.agree.check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}, "engine(...)")
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -420,15 +425,16 @@ class Engine:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
         micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
         on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
-        if self.stages is not None or self.config.parallel.microbatches > 1:
-            return train_batch(self, inputs, labels, loss_fn)
-        if loss_fn is None:
-            out = self(inputs, labels=labels)
-            loss = out.loss if hasattr(out, "loss") else out["loss"]
-        else:
-            loss = loss_fn(self(inputs), labels.to(self.device.torch_device))
-        self.backward(loss)
-        self.step()
+        with self.agree.entry({"inputs": inputs, "labels": labels}, "train_batch"):
+            if self.stages is not None or self.config.parallel.microbatches > 1:
+                return train_batch(self, inputs, labels, loss_fn)
+            if loss_fn is None:
+                out = self(inputs, labels=labels)
+                loss = out.loss if hasattr(out, "loss") else out["loss"]
+            else:
+                loss = loss_fn(self(inputs), labels.to(self.device.torch_device))
+            self.backward(loss)
+            self.step()
         mean = self.device.to_host(loss.detach(), torch.float32, copy=True)
         self.comm.control.all_reduce(mean, op="avg")
         return mean
@@ -438,7 +444,8 @@ class Engine:
         rank's whole outputs, on every rank (`hetero/parallel/evaluation.py`)."""
         from hetero.parallel.evaluation import eval_batch
 
-        return eval_batch(self, inputs, labels, loss_fn)
+        with self.agree.entry({"inputs": inputs, "labels": labels}, "eval_batch"):
+            return eval_batch(self, inputs, labels, loss_fn)
 
     # ---- the update ---------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:

@@ -76,3 +76,14 @@ class ReleasedParameterError(HeteroError, RuntimeError):
 class CollectiveMismatchError(CommError):
     """The ranks of a group were about to run different collectives (different chunks, units or operations): the
     program took a different path on some rank, which would hang or corrupt the exchange."""
+
+
+class BatchMismatchError(HeteroError, ValueError):
+    """The ranks of a tensor- or sequence-parallel group were given batches that differ (in shapes, or in values
+    where they are compared), which would hang or corrupt their collectives; raised on every rank of the group."""
+
+    def __init__(self, message: str, *, shapes: list[list[str]] | None) -> None:
+        super().__init__(message)
+        # Each rank's batch, one line per leaf (a tensor's place, dtype and shape), in the rank order of the group
+        # that agrees on it (`Mesh.batch_group`); None when the shapes agreed and the values did not.
+        self.shapes = shapes

@@ -11,7 +11,8 @@ mesh is passed explicitly to whoever needs a group; nothing is global, so two me
 Two refinements: a grid tensor mode (2D, 2.5D, 3D) carves its row, column, depth or cube groups out of the tensor
 group (`grid`, hetero/parallel/grid/mesh.py); Ulysses or ring sequence parallelism splits the data-parallel group
 into consecutive sequence groups (`sp`), whose ranks read the same samples (`batch_rank`) while ZeRO shards over
-all of dp.
+all of dp. `batch_group` holds every rank given one batch where a split computes on it (tensor or sequence ranks,
+on every stage), which agree on each batch (`hetero/parallel/agree.py`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class Mesh:
     # Ulysses / ring: the ranks of dp that split one sample's sequence (consecutive in dp; ZeRO shards over all of dp).
     sp: Comm = field(default_factory=Comm)
     grid: Any = None  # the 2D / 2.5D / 3D grid carved out of tp (hetero/parallel/grid/mesh.py); None in 1D
+    # Every rank given this rank's batch where a tensor or sequence split computes on it: tp x sp x pp of one
+    # batch_rank, in stage order (tp or sp itself without a pipeline); Comm() where no split does. The group that
+    # agrees on each batch ([Note: a batch agreed over the model-parallel group] in hetero/parallel/agree.py).
+    batch_group: Comm = field(default_factory=Comm)
 
     @property
     def batch_size(self) -> int:
@@ -127,13 +132,29 @@ class Mesh:
                 if sequence == d
                 else dp.split([[g * sequence + s for s in range(sequence)] for g in range(d // sequence)])
             )
+        batch_group = tp if t > 1 else sp
+        if p > 1 and t * sequence > 1:  # ordered by global rank: stage-major, as `BatchAgreement` reads it
+            parts = [
+                [at(a, g * sequence + s, c) for c in range(p) for s in range(sequence) for a in range(t)]
+                for g in range(d // sequence)
+            ]
+            batch_group = group(t * sequence * p, parts)
         grid = None
         if tensor_mode != "1d":
             from hetero.parallel.grid.mesh import Grid
 
             grid = Grid.build(tp, tensor_mode, tensor_depth)
         return cls(
-            world=world, tp=tp, dp=dp, pp=pp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, sp=sp, grid=grid
+            world=world,
+            tp=tp,
+            dp=dp,
+            pp=pp,
+            tp_rank=tp_rank,
+            dp_rank=dp_rank,
+            pp_rank=pp_rank,
+            sp=sp,
+            grid=grid,
+            batch_group=batch_group,
         )
 
     def __repr__(self) -> str:
