@@ -7,6 +7,8 @@ place and its parameter names: only its `forward` is replaced, on the instance, 
 `torch.utils.checkpoint` (non-reentrant). Module hooks still fire on the module itself, and the recomputation in
 backward calls the children as modules, so stage 3's hooks gather their parameters again for it: a recomputed
 child enters and exits its chunk like a second use, whose count keeps the chunk gathered while backward uses it.
+Where stage 3's tiled layers take turns over several ranks, the recomputation runs inside `recomputing` and whole
+([Note: tile gathers in turns] in `hetero/zero/turns.py`).
 
 [Note: offloading block inputs]
 What a checkpointed block keeps from forward to backward is its input. With `"activation_offload": true` that input
@@ -19,9 +21,11 @@ only a zero-size tensor on the device, so that it still saves and restores the d
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -124,6 +128,9 @@ class ActivationMemory:
         self._stack: list[_Saved] = []  # offloaded inputs of this step, in forward order
         self._token = device.empty((0,), torch.float32)  # see the note: carries the device's RNG state
         self.offloaded_bytes = 0  # bytes copied to the host (cumulative)
+        # block -> a context around its recomputation in backward (stage 3's tile turns over several ranks: a tiled
+        # layer some ranks skip, [Note: tile gathers in turns]); None: nothing around it
+        self.recomputing: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None
         for _, module in self.blocks:
             module.forward = functools.partial(self._forward, module, module.forward)
         _no_kv_cache(model)
@@ -133,19 +140,40 @@ class ActivationMemory:
     def _forward(self, module: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        # A recomputation with a context around it runs whole: stopped early, it would end where this rank's data
+        # says (after the last tensor it saved), and the context's end is where every rank must meet.
+        stop_early = self.recomputing is None
         if not self.offload:
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            run_original = self._around_recompute(module, original)
+            return checkpoint(
+                run_original, *args, use_reentrant=False, preserve_rng_state=True, early_stop=stop_early, **kwargs
+            )
         saved = self._offload(args)
         given = [args]  # the inputs as given, for the forward itself; dropped then, so the device copy can go
+        recompute = self._around_recompute(module, original)
 
         def run(_token: torch.Tensor) -> Any:
             if given[0] is not None:
                 inputs, given[0] = given[0], None
                 return original(*inputs, **kwargs)
-            return original(*self._fetch_for_recompute(saved), **kwargs)
+            return recompute(*self._fetch_for_recompute(saved), **kwargs)
 
         del args
-        return checkpoint(run, self._token, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(run, self._token, use_reentrant=False, preserve_rng_state=True, early_stop=stop_early)
+
+    def _around_recompute(self, module: nn.Module, fn: Any) -> Any:
+        """`fn`, run inside `recomputing(module)` when it runs in backward (the recomputation)."""
+        around = self.recomputing
+        if around is None:
+            return fn
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if torch._C._current_graph_task_id() == -1:  # the forward itself
+                return fn(*args, **kwargs)
+            with around(module):
+                return fn(*args, **kwargs)
+
+        return run
 
     def _offload(self, args: tuple) -> _Saved:
         saved = _Saved()

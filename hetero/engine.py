@@ -237,6 +237,7 @@ class Engine:
             for t in self.tiles.tiled.values():
                 for e in t.tiles:
                     self.gathers.watch_tile(e.chunk, t.modules)
+            self.gathers.take_turns(self.tiles)  # a tiled layer some ranks skip ([Note: tile gathers in turns])
         # Stages 0-1 reduce during the backward before an update ([Note: reducing during backward at stages 0-1]).
         dense = [zc for zc in self.trainable if zc.grad_full is None]
         self.dense = DenseReduce(dense, manager=self.manager, comm=self.comm, check=self.check)
@@ -307,6 +308,8 @@ class Engine:
                 device=self.device,
                 strict=self.stages is None,
             )
+            if self.gathers is not None and self.gathers.turns is not None:  # [Note: tile gathers in turns]
+                self.activations.recomputing = self.gathers.turns.recomputing
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
 

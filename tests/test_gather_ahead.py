@@ -38,9 +38,9 @@ def _record(rank: int, world: int, ahead: bool) -> dict:
 
     enter, start, finish = Gathers.enter_unit, ZeroChunk.start_gather, ZeroChunk._finish_gather
 
-    def spy_enter(self, unit):
+    def spy_enter(self, unit, **kw):
         events.append(("enter", unit.index, torch._C._current_graph_task_id() != -1))
-        enter(self, unit)
+        enter(self, unit, **kw)
         peak[0] = max(peak[0], gathered_now())
 
     def spy_start(self, *, wait=False):

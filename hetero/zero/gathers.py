@@ -13,9 +13,11 @@ import torch
 from hetero.comm import Comm
 from hetero.memory import TensorState, Tier
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, GATHER_AHEAD, Checker, in_backward
+from hetero.zero.turns import TileTurns
 from hetero.zero.units import Entry, Unit
 
 if TYPE_CHECKING:
+    from hetero.zero.tiling import TileRunner
     from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.zero")
@@ -97,11 +99,14 @@ class Gathers:
         self._callers: dict[int, list[Unit]] = {}  # chunk id -> units that ran its module outside its own unit
         self._late: dict[int, list[ZeroChunk]] = {}  # unit index -> chunks of such modules, seen at its end
         self._loose: set[int] = set()  # chunk ids whose module ran outside every unit this step
+        self.turns: TileTurns | None = None  # over several ranks: [Note: tile gathers in turns] (`take_turns`)
 
     # ---- unit events --------------------------------------------------------------------------------------
-    def enter_unit(self, unit: Unit) -> None:
-        """A unit starts (forward, or backward): every chunk it uses will be gathered, in layout order; and the next
-        unit's gathers are issued ([Note: gathering ahead])."""
+    def enter_unit(self, unit: Unit, *, backward: bool = False) -> None:
+        """A unit starts (forward or a recomputation of it; backward: its backward): every chunk it uses will be
+        gathered, in layout order; and the next unit's gathers are issued ([Note: gathering ahead])."""
+        if self.turns is not None:
+            self.turns.begin(unit, backward=backward)
         self._pending[unit.index] = [zc for zc in unit.chunks if not zc.gathered]
         self._active[unit.index] = self._active.get(unit.index, 0) + 1
         phase = BACKWARD if in_backward() else FORWARD
@@ -118,6 +123,8 @@ class Gathers:
 
     def exit_unit_forward(self, unit: Unit, *, training: bool) -> None:
         self._flush(unit, BACKWARD if in_backward() else FORWARD)
+        if self.turns is not None:
+            self.turns.end(unit, backward=False)
         self._leave(unit)
         if in_backward():
             return  # a checkpoint's recomputation: the unit's backward releases
@@ -135,6 +142,8 @@ class Gathers:
 
     def exit_unit_backward(self, unit: Unit) -> None:
         self._flush(unit, BACKWARD)
+        if self.turns is not None:
+            self.turns.end(unit, backward=True)
         for e in self._held.pop(unit.index, []):
             e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
         self._leave(unit)
@@ -154,6 +163,12 @@ class Gathers:
             self._calls[unit.index] = self._calls.get(unit.index, 0) + 1
         else:
             self._endless.add(unit.index)
+
+    def take_turns(self, runner: TileRunner) -> None:
+        """Over several ranks: the tiled layers of each unit gather in turns ([Note: tile gathers in turns])."""
+        if runner.layers:
+            self.turns = TileTurns(runner.layers, self._around, check=self.check, flush=self._flush)
+            runner.turn = self.turns.turn
 
     def watch_tile(self, zc: ZeroChunk, modules: list[str]) -> None:
         """A tile's chunk, computed on by `modules` (qualified names): its users are the units around them, whose
@@ -277,7 +292,10 @@ class Gathers:
 
     def learn(self, comm: Comm) -> None:
         """After the first backward, on every rank: pin whole units from now on where the budgets allow it and no
-        rank saw a module's backward outside its unit's (one all-reduce, once)."""
+        rank saw a module's backward outside its unit's (one all-reduce, once); the tiled layers' turns take their
+        order from rank 0's first forward."""
+        if self.turns is not None:
+            self.turns.learn(comm)
         if not self._may_pin_whole:
             return
         self._may_pin_whole = False
@@ -322,6 +340,8 @@ class Gathers:
         self._held.clear()
         self._pending.clear()
         self._pinned.clear()
+        if self.turns is not None:
+            self.turns.clear()
         self._active.clear()
         self._window.clear()
         for per_step in (self._calls, self._ends, self._endless, self._fwd, self._callers, self._late, self._loose):

@@ -181,7 +181,7 @@ def _post_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gat
     # its unit's forward. See [Note: one backward hook per unit].
     def pre_backward() -> None:
         if unit is not None:
-            gathers.enter_unit(unit)
+            gathers.enter_unit(unit, backward=True)
         used = unit.entries if unit is not None and gathers.whole else own
         if used:
             gathers.use(used, owner)

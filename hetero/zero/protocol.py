@@ -169,6 +169,16 @@ class Checker:
             "are fine. A module that only some ranks run at the top level cannot be sharded at stage 3: move it "
             "into a block, make every rank call it, or use zero_stage <= 2."
         )
+        chunks = rows[:, 2].tolist()
+        if any(0 <= c < len(self._chunks) and self._chunks[c].spec.tile for c in chunks):
+            lines.append(
+                "Some of these chunks hold tiles of a weight larger than a chunk, gathered as its layer runs: inside "
+                "a block every rank takes part in each tiled layer's gathers once per forward and once per backward, "
+                "in turns ([Note: tile gathers in turns] in hetero/zero/turns.py). A tiled layer that some ranks run "
+                "twice in one pass of its block, out of the order of the first step, or outside its block, breaks "
+                "the turns: run it the same way on every rank, keep its weight whole (a larger chunk_size, or "
+                '"tiling": false), or use zero_stage <= 2.'
+            )
         return "\n".join(lines)
 
     def _describe(self, op: int, chunk: int, unit: int, phase: int) -> str:

@@ -23,9 +23,10 @@ module; Embedding options that change the weight or its gradient (`max_norm`, `s
 it out. The parameter object stays, with its name and shape, but its values are never whole: reading it raises
 `ReleasedParameterError` outside `engine.gathered_parameters()`, which assembles it.
 
-Collectives: at stage 3 a tile is gathered when its module's forward (or backward) reaches it, in tile order, which
-every rank does at the same point because a tiled module runs on every rank (its gathers go through the same
-`Checker` as a unit's, so a rank that skipped it stops with an error naming it instead of hanging).
+Collectives: at stage 3 a tile is gathered when its module's forward (or backward) reaches it, in tile order, through
+the same `Checker` as a unit's gathers. Over several ranks the tiled modules of a unit take turns, so that a rank
+that skips one (a branch, an expert its router passed over) takes part in its gathers at the point the others make
+them ([Note: tile gathers in turns] in `hetero/zero/turns.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from hetero.io.hugepages import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
+from hetero.zero.tile_rows import embedding_grad_rows, embedding_rows
 from hetero.zero.tileable import bases, layer_kind
 
 if TYPE_CHECKING:
@@ -92,6 +94,10 @@ class TileRunner:
         self._deliver = deliver  # (tile, gradient, last use of this micro-batch) -> into its chunk
         self._target = target  # tile -> where its gradient may be computed in place (its chunk's buffer), or None
         self._patched: list[nn.Module] = []
+        self.layers: dict[str, tuple[Tiled, str]] = {}  # tiled layer's name -> (its weight, its kind), module order
+        # (layer, in its backward) -> before the layer gathers its tiles ([Note: tile gathers in turns]); set by
+        # `Gathers.take_turns` at stage 3 over several ranks
+        self.turn: Callable[[str, bool], None] | None = None
         me = weakref.ref(self)  # the model may outlive the engine: its layers must not keep the engine alive
         for name, module in model.named_modules():
             weight = dict(module.named_parameters(recurse=False)).get("weight")
@@ -99,7 +105,8 @@ class TileRunner:
             if weight is None or id(weight) not in tiled or kind is None:
                 continue
             tiled[id(weight)].modules.append(name)
-            module.__dict__["_hetero_tiles"] = (me, tiled[id(weight)])
+            self.layers[name] = (tiled[id(weight)], kind)
+            module.__dict__["_hetero_tiles"] = (me, tiled[id(weight)], name)
             module.__class__ = _twin(type(module), kind)  # one pointer write; names and hooks unchanged
             self._patched.append(module)
 
@@ -109,6 +116,7 @@ class TileRunner:
             module.__class__ = _original(type(module))
             module.__dict__.pop("_hetero_tiles", None)
         self._patched.clear()
+        self.turn = None
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tiled parameter: the modules computing on it, its tiles, and the bytes of the largest."""
@@ -123,6 +131,11 @@ class TileRunner:
         }
 
     # ---- one tile at a time -------------------------------------------------------------------------------
+    def take_turn(self, layer: str, *, backward: bool) -> None:
+        """`layer`'s forward (or backward) is about to gather its tiles."""
+        if self.turn is not None:
+            self.turn(layer, backward)
+
     def open(self, e: Entry) -> torch.Tensor:
         """The tile's values on the device, pinned there until `close`."""
         zc = e.chunk
@@ -174,29 +187,30 @@ class TileRunner:
 # A tiled layer's class is swapped for a twin: a subclass of its class whose MRO puts the tiled forward of its base
 # layer right above that base, so the class's own forward (if it has one) runs and its `super().forward` computes on
 # the tiles.
-def _state(layer: nn.Module) -> tuple[TileRunner, Tiled]:
-    ref, tiled = layer.__dict__["_hetero_tiles"]
+def _state(layer: nn.Module) -> tuple[TileRunner, Tiled, str]:
+    ref, tiled, name = layer.__dict__["_hetero_tiles"]
     runner = ref()
     if runner is None:
         raise RuntimeError(f"the engine of the tiled layer computing on {tiled.name!r} was closed")
-    return runner, tiled
+    return runner, tiled, name
 
 
 def _linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    r, t = _state(self)
-    out = _TiledLinear.apply(x, _anchor(t.param, x), r, t, r.begin_use(t))
+    r, t, name = _state(self)
+    out = _TiledLinear.apply(x, _anchor(t.param, x), r, t, r.begin_use(t), name)
     return out if self.bias is None else out + self.bias
 
 
 def _embedding_forward(self: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    r, t = _state(self)
+    r, t, name = _state(self)
+    r.take_turn(name, backward=False)  # its backward gathers nothing
     return _TiledEmbedding.apply(ids, _anchor(t.param, ids), r, t, r.begin_use(t), self.padding_idx)
 
 
 def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    r, t = _state(self)
+    r, t, name = _state(self)
     shape = x.shape[:-1] + (self.nf,)
-    out = _TiledConv1D.apply(x.reshape(-1, x.shape[-1]), _anchor(t.param, x), r, t, r.begin_use(t))
+    out = _TiledConv1D.apply(x.reshape(-1, x.shape[-1]), _anchor(t.param, x), r, t, r.begin_use(t), name)
     return (out + self.bias).view(shape)
 
 
@@ -242,9 +256,12 @@ def _tile_grad(r: TileRunner, e: Entry, a: torch.Tensor, b: torch.Tensor) -> tor
 
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool) -> Any:
-        ctx.r, ctx.t, ctx.counted = r, t, counted
+    def forward(
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
+    ) -> Any:
+        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
         ctx.save_for_backward(x)
+        r.take_turn(layer, backward=False)
         parts = []
         for e in t.tiles:
             w = r.open(e)
@@ -258,6 +275,7 @@ class _TiledLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         (x,) = ctx.saved_tensors
         r, t = ctx.r, ctx.t
+        r.take_turn(ctx.layer, backward=True)
         dx = None
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -275,14 +293,17 @@ class _TiledLinear(torch.autograd.Function):
             finally:
                 r.close(e)
         r.end_backward(t, ctx.counted)
-        return (None if dx is None else dx.view(x.shape)), None, None, None, None
+        return (None if dx is None else dx.view(x.shape)), None, None, None, None, None
 
 
 class _TiledConv1D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool) -> Any:
-        ctx.r, ctx.t, ctx.counted = r, t, counted
+    def forward(
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
+    ) -> Any:
+        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
         ctx.save_for_backward(x)
+        r.take_turn(layer, backward=False)
         out = None
         lo = 0
         for e in t.tiles:
@@ -300,6 +321,7 @@ class _TiledConv1D(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         (x,) = ctx.saved_tensors
         r, t = ctx.r, ctx.t
+        r.take_turn(ctx.layer, backward=True)
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         lo = 0
         for e in t.tiles:
@@ -314,40 +336,7 @@ class _TiledConv1D(torch.autograd.Function):
             finally:
                 r.close(e)
         r.end_backward(t, ctx.counted)
-        return dx, None, None, None, None
-
-
-def embedding_rows(
-    out: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, lo: int, *, sync_free: bool | None = None
-) -> torch.Tensor:
-    """`out` (one row per id) with the rows of the tile `w` (the embedding's rows [lo, lo + len(w))) filled in where
-    the ids fall in it. On a GPU without `nonzero`, which waits for the GPU to tell the host how many ids hit: every id
-    looks a row up (clamped into the tile) and a select keeps the ones inside. The host a step ahead of the GPU is
-    what keeps it busy (the H200: 42 ms waited per step). sync_free: separate_memory (None: not a CPU)."""
-    local = ids - lo
-    inside = (local >= 0) & (local < w.shape[0])
-    if not (ids.device.type != "cpu" if sync_free is None else sync_free):
-        hit = inside.nonzero().squeeze(1)
-        if hit.numel():
-            out[hit] = w.index_select(0, local[hit])
-        return out
-    return torch.where(inside.unsqueeze(1), w.index_select(0, local.clamp(0, w.shape[0] - 1)), out)
-
-
-def embedding_grad_rows(
-    g: torch.Tensor, dy2: torch.Tensor, ids: torch.Tensor, lo: int, *, sync_free: bool | None = None
-) -> torch.Tensor:
-    """The tile's gradient `g` (zeroed; rows [lo, lo + len(g)) of the embedding) with each id's output gradient (a row
-    of `dy2`) added to its row, for the ids that fall in the tile; on a GPU without `nonzero`, as `embedding_rows`
-    (ids outside add a zero row to a clamped one: the same sums)."""
-    local = ids - lo
-    inside = (local >= 0) & (local < g.shape[0])
-    if not (ids.device.type != "cpu" if sync_free is None else sync_free):
-        hit = inside.nonzero().squeeze(1)
-        if hit.numel():
-            g.index_add_(0, local[hit], dy2[hit])
-        return g
-    return g.index_add_(0, local.clamp(0, g.shape[0] - 1), torch.where(inside.unsqueeze(1), dy2, 0))
+        return dx, None, None, None, None, None
 
 
 class _TiledEmbedding(torch.autograd.Function):

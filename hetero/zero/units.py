@@ -74,10 +74,14 @@ def unit_parameters(
 
 
 def find_units(model: nn.Module, entries: dict[int, Entry]) -> list[Unit]:
-    """The units of a model, in module order; every parameter of `entries` is used by at least one."""
+    """The units of a model, in module order; every parameter of `entries` is used by at least one. A weight split
+    into tiles (marked by `tiling.detach_tiled`) is no entry, its layer gathers its tiles, but it makes a unit as the
+    others do: a block whose weights are all tiled is a unit with no chunks, whose events its layers' turns need
+    ([Note: tile gathers in turns] in `hetero/zero/turns.py`)."""
+    tiled = {id(p) for p in model.parameters() if p.__dict__.get("_hetero_tiled")}
     out = []
-    for i, (name, module, params) in enumerate(unit_parameters(model, set(entries))):
-        unit = Unit(index=i, name=name, module=module, entries=[entries[id(p)] for p in params])
+    for i, (name, module, params) in enumerate(unit_parameters(model, set(entries) | tiled)):
+        unit = Unit(index=i, name=name, module=module, entries=[entries[id(p)] for p in params if id(p) in entries])
         by_chunk = {id(e.chunk): e.chunk for e in unit.entries}
         unit.chunks = sorted(by_chunk.values(), key=lambda zc: zc.spec.index)
         out.append(unit)
