@@ -501,6 +501,37 @@ def test_transient_storage_borrows_pooled_memory_on_a_cpu_device(make_manager, c
     _check_ledgers(m)
 
 
+def test_after_a_failed_collective_dropped_memory_stays_with_its_views(make_manager, cpu_device):
+    """[Note: memory a failed collective may still write]: once a wait failed, a collective still queued in the backend
+    may write into a chunk's memory after the chunk is dropped; the memory then stays with its views (the backend's
+    output among them): a transient storage neither shrinks nor gives its borrowed memory back, nor does a pooled
+    buffer go back to its pool for another chunk."""
+    m = make_manager(device_budget=4 * NUMEL * 4, prefetch_depth=0)
+    failed: list[str] = []
+    m.storage.backend_may_write = lambda: failed[0] if failed else None
+    t = m.new_chunk(dtype=torch.float32, capacity=NUMEL, kind="param", transient=True)
+    p = m.new_chunk(dtype=torch.float32, capacity=NUMEL, kind="param")
+    for c in (t, p):
+        c.add_tensor("w", (NUMEL,))
+        m.access(c, Tier.DEVICE)
+        c.set_state(c.slots[0], TensorState.HOLD)
+    out = t.payload.view(-1)  # what a queued all-gather writes into
+    pooled = p.payload.view(-1)
+    failed.append("all_gather of chunk 0")
+    for c in (t, p):
+        c.set_state(c.slots[0], TensorState.FREE)
+        m.release(c)
+        assert c.state is ChunkState.EMPTY and c.lent is None
+    assert out.untyped_storage().nbytes() == NUMEL * 4  # still the memory the backend writes into
+    out.fill_(3.0)  # the late write lands in live memory
+    assert bool((out == 3.0).all())
+    pooled_ptr = pooled.data_ptr()
+    q = m.new_chunk(dtype=torch.float32, capacity=NUMEL, kind="param")
+    q.add_tensor("w", (NUMEL,))
+    m.access(q, Tier.DEVICE)
+    assert q.payload.data_ptr() != pooled_ptr  # not handed to another chunk
+
+
 def test_elastic_pool_serves_other_sizes_from_one_buffer():
     """[Note: elastic buffers]: on a CPU device a buffer given back by one chunk serves a chunk of another size (tiles
     come in many sizes) without a new mapping; the ledger counts exactly what chunks hold, cached bytes are those

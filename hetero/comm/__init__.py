@@ -11,6 +11,6 @@ asynchronous operations return.
 from hetero.comm.group import Comm
 from hetero.comm.handles import Handle
 from hetero.comm.launch import DEFAULT_TIMEOUT_S, init_from_env, local_rank
-from hetero.comm.rules import Rules
+from hetero.comm.rules import Rules, collective_failed
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Comm", "Handle", "Rules", "init_from_env", "local_rank"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Comm", "Handle", "Rules", "collective_failed", "init_from_env", "local_rank"]

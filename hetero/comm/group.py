@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from hetero.comm.collectives import Collectives
 from hetero.comm.p2p import PointToPoint
-from hetero.comm.rules import CONTROL_OF, Rules, peer_gone, timed_out, world_rules
+from hetero.comm.rules import CONTROL_OF, Rules, mark_failed, peer_gone, timed_out, world_rules
 from hetero.comm.watch import diagnose
 from hetero.errors import CommError
 
@@ -167,10 +167,12 @@ class Comm(Collectives, PointToPoint):
         try:
             ok = work.wait(timeout=timeout)
         except RuntimeError as err:
+            mark_failed(what)
             if not (timed_out(err) or peer_gone(err)):
                 raise
             raise self.timeout_error(what, err) from err
         if ok is False:
+            mark_failed(what)
             raise self.timeout_error(what, RuntimeError("the wait gave up"))
 
     def timeout_error(self, what: str, err: BaseException) -> Exception:
@@ -188,8 +190,12 @@ class Comm(Collectives, PointToPoint):
         """A blocking operation: started asynchronously, then waited for with the group's timeout (after the checks
         posted before it)."""
         work = fn(*args, group=self.group, async_op=True, **kwargs)
-        self.verify_checks()
-        self._wait(work, what)
+        try:
+            self.verify_checks()
+            self._wait(work, what)
+        except BaseException:
+            mark_failed(what)  # [Note: memory a failed collective may still write] in rules.py
+            raise
 
     def guarded(self) -> Callable[[], None] | None:
         """For an asynchronous collective issued now: what its wait runs first, verifying the checks posted up to
@@ -206,8 +212,12 @@ class Comm(Collectives, PointToPoint):
 
     def verify_checks(self) -> None:
         """Verify every check posted so far (before a blocking operation)."""
-        for g in self.guards:
-            g.verify(None)
+        try:
+            for g in self.guards:
+                g.verify(None)
+        except BaseException:
+            mark_failed("the collective schedule's checks")  # collectives issued before may still be queued
+            raise
 
     def _check_peer(self, r: int, name: str, *, allow_self: bool) -> None:
         if not isinstance(r, int) or not 0 <= r < self.size:

@@ -54,6 +54,30 @@ def set_world_rules(rules: Rules) -> None:
     WORLD_RULES[0] = rules
 
 
+# [Note: memory a failed collective may still write]
+# A collective that failed at its wait (its checks disagreed, it timed out, a peer went) stays queued in the backend,
+# and so may collectives issued after it (gathers issued ahead). On gloo a later operation of the group can complete
+# one of them, long after the error, by writing into its output: a chunk's payload. The memory layer frees a dropped
+# chunk's memory in place (a transient storage shrunk, or its borrowed pooled memory swapped back, `device.py`),
+# which would leave that write landing in freed memory: a crash when the engine is closed after the error, or
+# silently wrong values in a chunk that reused the memory. So the first failed wait of the process is recorded here,
+# and from then on the memory layer leaves every dropped chunk's memory to its views (the backend's work holds
+# one), neither shrinking nor reusing it (`Storage.free_buffer`). The group is unusable after such an error anyway.
+FAILED: list[str] = []
+
+
+def mark_failed(what: str) -> None:
+    """A wait on `what` failed: collectives of this process may still write into their outputs."""
+    if not FAILED:
+        FAILED.append(what)
+
+
+def collective_failed() -> str | None:
+    """The first operation whose wait failed in this process, or None: see [Note: memory a failed collective may
+    still write]."""
+    return FAILED[0] if FAILED else None
+
+
 def timed_out(err: BaseException) -> bool:
     """Whether a backend error is a wait that ran out of time."""
     text = str(err).lower()

@@ -4,6 +4,7 @@ chunk's payload memory on a tier or taking it back. Nothing here decides what mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ class Storage:
         )
         bound_heap_retention()  # where HETERO_MALLOC_MMAP_THRESHOLD asks ([Note: the heap keeps what the budgets free])
         self.store = None  # the NVMe swap store, when nvme_dir is given
+        # Whether a backend may still write into chunk memory (the engine gives hetero.comm.collective_failed).
+        self.backend_may_write: Callable[[], object] = lambda: None
         if nvme_dir is not None:
             from hetero.memory.nvme import NvmeStore
 
@@ -98,6 +101,13 @@ class Storage:
 
     def free_buffer(self, tier: Tier, buf: torch.Tensor, chunk: Chunk) -> None:
         """Give a payload's buffer back (a transient chunk's storage shrinks to nothing; others go to the pool)."""
+        if self.backend_may_write():
+            # Neither shrunk, swapped back nor pooled again: the memory goes with its last view, a failed collective's
+            # queued work among them ([Note: memory a failed collective may still write] in hetero/comm/rules.py).
+            chunk.lent = None
+            if chunk.transient and tier is Tier.DEVICE:
+                self.ledgers[tier].give(chunk.nbytes)
+            return
         if chunk.lent is not None and tier is Tier.DEVICE:  # the memory goes back to the pool, the storage none
             lent, chunk.lent = chunk.lent, None
             self.device.exchange(chunk.kept, lent)
