@@ -109,11 +109,8 @@ def reference(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(rank: int, world: int, config: dict, steps: int, *, every_expert: bool = False) -> dict[str, Any]:
-    import hetero
-
-    model = build()
-    engine = hetero.initialize(model, make_optimizer(model), copy.deepcopy(config))
+def train(engine: Any, rank: int, world: int, steps: int, *, every_expert: bool = False) -> list[float]:
+    """`steps` steps of this rank's share of `batches`; the loss of each, averaged over the ranks."""
     losses = []
     for per_rank in batches(steps, world, every_expert=every_expert):
         x, y = per_rank[rank]
@@ -123,6 +120,15 @@ def run(rank: int, world: int, config: dict, steps: int, *, every_expert: bool =
         mean = loss.detach().float().reshape(1)
         engine.comm.control.all_reduce(mean, op="avg")
         losses.append(float(mean))
+    return losses
+
+
+def run(rank: int, world: int, config: dict, steps: int, *, every_expert: bool = False) -> dict[str, Any]:
+    import hetero
+
+    model = build()
+    engine = hetero.initialize(model, make_optimizer(model), copy.deepcopy(config))
+    losses = train(engine, rank, world, steps, every_expert=every_expert)
     state = {k: v.float() for k, v in engine.full_state_dict().items()}
     engine.close()
     return {"losses": losses, "state": state}

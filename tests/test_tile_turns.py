@@ -49,15 +49,7 @@ def _run(rank: int, world: int, names: tuple[str, ...]) -> dict:
     for name in names:
         model = branchy.build()
         engine = hetero.initialize(model, branchy.make_optimizer(model), dict(CONFIGS[name]))
-        losses = []
-        for per_rank in branchy.batches(STEPS, world, every_expert=True):
-            x, y = per_rank[rank]
-            loss = engine(x, y).loss
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().float().reshape(1)
-            engine.comm.control.all_reduce(mean, op="avg")
-            losses.append(float(mean))
+        losses = branchy.train(engine, rank, world, STEPS, every_expert=True)
         tiled = set(engine.tiles.stats())
         stood_in = engine.gathers.turns.stood_in
         state = {k: v.float() for k, v in engine.full_state_dict().items()}
