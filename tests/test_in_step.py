@@ -165,6 +165,9 @@ def _run_one_rank_stops(rank: int, world: int, mode: str, done: str = "") -> str
         report = f"{time.monotonic() - started:.1f}|{type(err).__name__}: {err}"
     else:
         report = "no error"
+    closing = time.monotonic()
+    engine.close()  # after the error: returns, and frees nothing a queued collective may still write into
+    report += f"|closed in {time.monotonic() - closing:.1f} s"
     if done:
         open(done, "w").close()
     return report
@@ -185,6 +188,8 @@ def test_a_hung_rank_is_named_after_comm_timeout(tmp_path):
     assert 3.5 < float(seconds) < 20, report
     assert "timed out after 4 s" in message and "Global rank(s) 1 did not arrive" in message, message
     assert "chunk 0" in message, message  # the operation and the data it was about
+    message, _, closed = message.rpartition("|closed in ")
+    assert float(closed.split()[0]) < 10, report  # the engine closes after the error, without waiting on rank 1
 
 
 @pytest.mark.timeout(120)
@@ -195,3 +200,4 @@ def test_a_dead_rank_is_an_error_not_a_hang():
     assert report is not None and report != "no error", info.value
     seconds, _, message = report.partition("|")
     assert float(seconds) < 20 and "1" in message, report
+    assert float(message.rpartition("|closed in ")[2].split()[0]) < 10, report
