@@ -12,6 +12,7 @@ gradient there, as with DDP's find_unused_parameters).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,10 +99,18 @@ def reference(
 ) -> tuple[list[float], dict]:
     """Plain PyTorch, one process: each step, the mean of the ranks' losses, each rank's rows run on their own."""
     model = build().to(dtype)
-    opt = make_optimizer(model)
+    data = batches(steps, world, every_expert=every_expert)
+    return plain(model, make_optimizer(model), data, lambda m, b: m(*b).loss)
+
+
+def plain(
+    model: nn.Module, opt: torch.optim.Optimizer, data: list[list[Any]], loss_of: Callable[[nn.Module, Any], Any]
+) -> tuple[list[float], dict]:
+    """The plain PyTorch loop the parity tests compare with: each step the mean over the ranks' batches of
+    `loss_of(model, batch)`, one backward, one step; the losses and the final state."""
     losses = []
-    for per_rank in batches(steps, world, every_expert=every_expert):
-        total = sum(model(x, y).loss for x, y in per_rank) / world
+    for per_rank in data:
+        total = sum(loss_of(model, b) for b in per_rank) / len(per_rank)
         total.backward()
         opt.step()
         opt.zero_grad()

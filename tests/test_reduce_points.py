@@ -115,14 +115,7 @@ def _borrowing_reference(dtype: torch.dtype) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = Borrowing().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for per_rank in _borrowing_data(2):
-        loss = sum(model(x.to(dtype)) for x in per_rank) / len(per_rank)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return branchy.plain(model, opt, _borrowing_data(2), lambda m, x: m(x.to(dtype)))
 
 
 def _run_borrowing(rank: int, world: int) -> dict:

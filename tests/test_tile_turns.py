@@ -114,14 +114,7 @@ def _gated_reference(world: int, dtype: torch.dtype) -> tuple[list[float], dict]
     torch.manual_seed(0)
     model = _Gated().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for per_rank in _gated_data(world):
-        loss = sum(model(x.to(dtype)) for x in per_rank) / world
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return branchy.plain(model, opt, _gated_data(world), lambda m, x: m(x.to(dtype)))
 
 
 def _run_normal(rank: int, world: int) -> dict:

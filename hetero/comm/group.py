@@ -190,12 +190,8 @@ class Comm(Collectives, PointToPoint):
         """A blocking operation: started asynchronously, then waited for with the group's timeout (after the checks
         posted before it)."""
         work = fn(*args, group=self.group, async_op=True, **kwargs)
-        try:
-            self.verify_checks()
-            self._wait(work, what)
-        except BaseException:
-            mark_failed(what)  # [Note: memory a failed collective may still write] in rules.py
-            raise
+        self.verify_checks()
+        self._wait(work, what)
 
     def guarded(self) -> Callable[[], None] | None:
         """For an asynchronous collective issued now: what its wait runs first, verifying the checks posted up to
@@ -205,8 +201,12 @@ class Comm(Collectives, PointToPoint):
         marks = [(g, g.mark()) for g in self.guards]
 
         def verify() -> None:
-            for g, upto in marks:
-                g.verify(upto)
+            try:
+                for g, upto in marks:
+                    g.verify(upto)
+            except BaseException:
+                mark_failed("the collective schedule's checks")  # [Note: memory a failed collective may still write]
+                raise
 
         return verify
 
@@ -216,7 +216,7 @@ class Comm(Collectives, PointToPoint):
             for g in self.guards:
                 g.verify(None)
         except BaseException:
-            mark_failed("the collective schedule's checks")  # collectives issued before may still be queued
+            mark_failed("the collective schedule's checks")  # collectives issued before it may still be queued
             raise
 
     def _check_peer(self, r: int, name: str, *, allow_self: bool) -> None:

@@ -7,7 +7,6 @@ from typing import Any, Protocol
 
 import torch
 
-from hetero.comm.rules import mark_failed
 from hetero.standin import StandinError
 
 
@@ -74,13 +73,9 @@ class Timed:
         self._work, self._waiter, self._what, self._before = work, waiter, what, before
 
     def wait(self) -> bool:
-        try:
-            if self._before is not None:
-                self._before()
-            self._waiter(self._work, self._what)
-        except BaseException:
-            mark_failed(self._what)  # the work is still queued: [Note: memory a failed collective may still write]
-            raise
+        if self._before is not None:
+            self._before()
+        self._waiter(self._work, self._what)
         return True
 
 

@@ -60,9 +60,10 @@ def set_world_rules(rules: Rules) -> None:
 # one of them, long after the error, by writing into its output: a chunk's payload. The memory layer frees a dropped
 # chunk's memory in place (a transient storage shrunk, or its borrowed pooled memory swapped back, `device.py`),
 # which would leave that write landing in freed memory: a crash when the engine is closed after the error, or
-# silently wrong values in a chunk that reused the memory. So the first failed wait of the process is recorded here,
-# and from then on the memory layer leaves every dropped chunk's memory to its views (the backend's work holds
-# one), neither shrinking nor reusing it (`Storage.free_buffer`). The group is unusable after such an error anyway.
+# silently wrong values in a chunk that reused the memory. So the first failed wait of the process is recorded here
+# (by `Comm._wait` and the checks' verification, where every wait fails), and from then on the memory layer leaves
+# every dropped chunk's memory to its views (the backend's work holds one), neither shrinking nor reusing it
+# (`Storage.free_buffer`). The group is unusable after such an error anyway.
 FAILED: list[str] = []
 
 
