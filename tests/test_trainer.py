@@ -111,6 +111,24 @@ def test_matches_plain_trainer(tmp_path, stage):
     het.engine.close()
 
 
+def test_gradient_checkpointing_argument(tmp_path):
+    """`TrainingArguments(gradient_checkpointing=True)`: the Trainer turns on the model's own checkpointing before
+    hetero wraps it; ZeRO-3 then logs what the plain Trainer logs with it."""
+    args = dict(num_train_epochs=1, max_steps=3, eval_strategy="no", gradient_checkpointing=True)
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "a", **args), train_dataset=Rows(36, 1))
+    plain.train()
+    het = HeteroTrainer(
+        model=_model(),
+        args=_args(tmp_path / "b", **args),
+        train_dataset=Rows(36, 1),
+        hetero_config={"zero_stage": 3, "chunk_size": 4096},
+    )
+    het.train()
+    assert het.engine.module.is_gradient_checkpointing  # the model hetero trains recomputes its layers
+    _close(_logs(plain), _logs(het))
+    het.engine.close()
+
+
 def test_save_steps_and_resume(tmp_path):
     """save_steps writes the Trainer's checkpoint with hetero's inside; resuming from it continues bit-exactly."""
     args = dict(num_train_epochs=1, max_steps=6, save_strategy="steps", save_steps=3, eval_strategy="no")
