@@ -27,17 +27,7 @@ def _enable(model: torch.nn.Module) -> None:
 
 
 def _llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return unmodified.tiny_hf()
 
 
 def _counting(model: torch.nn.Module) -> list[int]:
@@ -71,19 +61,7 @@ def test_hf_checkpointing_every_stage_and_placement(tmp_path):
 
 
 def _mixtral() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_local_experts=8,
-        num_experts_per_tok=1,
-    )
-    return transformers.MixtralForCausalLM(cfg)
+    return unmodified.tiny_hf("Mixtral", num_local_experts=8, num_experts_per_tok=1)
 
 
 def _train_rank(rank: int, world: int, checkpointing: bool) -> tuple[list[float], dict, bool]:

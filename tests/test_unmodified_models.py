@@ -86,20 +86,29 @@ def test_hf_gpt2():
     _check(transformers.GPT2LMHeadModel(cfg), _lm_batches(96), _lm_loss)
 
 
-@pytest.mark.timeout(300)
-def test_hf_llama():
+# A tiny decoder of the Llama family (vocabulary 96): Llama itself, or Mixtral with `num_local_experts` and so on.
+TINY_DECODER = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def tiny_hf(family: str = "Llama", **extra) -> nn.Module:
+    """`transformers.<family>ForCausalLM` of `TINY_DECODER` (and `extra`), built from seed 0."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    _check(transformers.LlamaForCausalLM(cfg), _lm_batches(96), _lm_loss, stages=(1, 3), offload="host")
+    cfg = getattr(transformers, f"{family}Config")(**TINY_DECODER, **extra)
+    return getattr(transformers, f"{family}ForCausalLM")(cfg)
+
+
+@pytest.mark.timeout(300)
+def test_hf_llama():
+    _check(tiny_hf(), _lm_batches(96), _lm_loss, stages=(1, 3), offload="host")
 
 
 @pytest.mark.timeout(300)
