@@ -46,15 +46,9 @@ def _hf_config(name: str):
         return transformers.GPT2Config(
             vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
         )
-    return transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    from tests.test_unmodified_models import TINY_DECODER
+
+    return transformers.LlamaConfig(**TINY_DECODER)
 
 
 def _hf(name: str, meta: bool) -> torch.nn.Module:
