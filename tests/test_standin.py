@@ -413,6 +413,8 @@ WAIT_FREE = {
     "z0-nvme-accum": {"zero_stage": 0, "offload": {"optimizer": "nvme"}, "grad_accumulation_steps": 2},
     # The master written up into device parameters from NVMe-streamed states: a wait a chunk on one H200
     "z3-nvme-bf16": {"zero_stage": 3, "precision": "bf16", "offload": {"optimizer": "nvme"}},
+    # In fp32 the master follows the shard, filled from the device's before each chunk steps: was a wait a chunk
+    "z3-nvme": {"zero_stage": 3, "offload": {"optimizer": "nvme"}},
 }  # and three of CONFIGS (below)
 
 
@@ -479,8 +481,8 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
     # The delayed update with the states on NVMe, the parameters on the device: each chunk's master is copied up from
     # the device's shard without a wait ([Note: the master copied up late] in hetero/zero/master.py), and its values
     # written back up without one ([Note: writing parameters up without a wait] in hetero/zero/copy_up.py), as the
-    # exact update's are in bf16 (in fp32 it fills the master from the shard first: a wait a chunk).
-    cmd += ["--nvme-dir", str(tmp_path), "--only", "nvme_delayed,nvme_predicted"]
+    # exact update's are, in fp32 (its master filled the same way, the host waiting for that copy alone) and bf16.
+    cmd += ["--nvme-dir", str(tmp_path), "--only", "nvme,nvme_delayed,nvme_predicted"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-3000:]
     for name, row in json.loads(out.stdout.strip().splitlines()[-1]).items():

@@ -67,6 +67,9 @@ def views_filling(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor], Any]
     for every kernel queued before it, once a chunk: tools/gpu_waits.py counted 5 waits a step (one a chunk) in
     `nvme_delayed` under the stand-in. The copy is now handed to the manager (`land_later`): the optimizer chunk stays
     pinned where it is and the shard unchanged until the copy has landed, and the worker waits for it before the math.
+    The exact update (`ZeroChunk.optimizer_views`) fills its master the same way and the training thread waits for
+    that copy alone: its blocking copy down, into pageable memory first, was the one wait a chunk tools/gpu_waits.py
+    still counted in `nvme` (fp32) under the stand-in.
     """
     zc.manager.access(zc.optim, zc.placement.compute)
     handle = fill(zc, later=True)
