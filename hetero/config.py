@@ -132,6 +132,11 @@ class Config:
     comm_timeout: float = 600.0
     """Seconds a collective or transfer may wait for the other ranks; then the step fails with an error naming the
     operation and the ranks that did not arrive (dead, hung, or on another path) instead of hanging."""
+    checkpoint_patience: float | None = None
+    """Seconds a rank that finished writing (or reading) its part of a checkpoint waits, at most, for ranks still at
+    theirs; None: as long as their heartbeats advance, however long ([Note: patient meetings]). A rank blocked for
+    good in a system call (an NFS server that never answers) looks alive: this bounds the wait for it, and then every
+    rank raises RankTimeoutError naming it, nothing committed."""
     check_collectives: bool = True
     """Before each collective of the chunk protocol the ranks compare what they are about to run (a few bytes on a
     host-side group), so a rank that took another path fails at once with an error naming the module."""
@@ -187,6 +192,15 @@ class Config:
             raise ConfigError(f"comm_timeout: expected a number of seconds, got {self.comm_timeout!r}")
         if not self.comm_timeout > 0:
             raise ConfigError(f"comm_timeout: must be > 0 seconds, got {self.comm_timeout!r}")
+        if self.checkpoint_patience is not None and (
+            isinstance(self.checkpoint_patience, bool)
+            or not isinstance(self.checkpoint_patience, (int, float))
+            or not self.checkpoint_patience > 0
+        ):
+            raise ConfigError(
+                f"checkpoint_patience: expected None (wait while the ranks are alive) or a positive number of seconds, "
+                f"got {self.checkpoint_patience!r}"
+            )
         if not isinstance(self.tiling, bool):
             raise ConfigError(f"tiling: expected true or false, got {self.tiling!r}")
         if not isinstance(self.check_collectives, bool):

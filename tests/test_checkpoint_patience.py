@@ -1,6 +1,7 @@
 """[Note: patient meetings]: a rank still writing (or reading) its part of a checkpoint long after the others, and past
 comm_timeout, is waited for, and the save (load) succeeds bit-exactly; a rank that stops while writing is named
-within about comm_timeout by every other rank, and the previous checkpoint stands."""
+within about comm_timeout by every other rank, and the previous checkpoint stands; with checkpoint_patience, a rank
+alive but late past it is named by every rank, itself included, and the previous checkpoint stands."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _job(rank: int, world: int, root: str, mode: str) -> dict:
 
     torch.set_num_threads(1)
     ckpt = os.path.join(root, "ckpt")
-    e = make_engine(rank, CONFIG, root)
+    e = make_engine(rank, {**CONFIG, "checkpoint_patience": T} if mode == "late-save" else CONFIG, root)
     pids = e.comm.all_gather_object(os.getpid())
     train(e, rank, world, 0, 1)
     e.save_checkpoint(ckpt)  # step 1: the checkpoint before
@@ -74,6 +75,18 @@ def _job(rank: int, world: int, root: str, mode: str) -> dict:
         e.load_checkpoint(ckpt)
         out["seconds"] = time.monotonic() - t0
         out["loaded"] = e.full_state_dict()
+    elif mode == "late-save":  # alive all along, but later than checkpoint_patience allows
+        if rank == 1:
+            save_mod._write_rank = _slowed(save_mod._write_rank, SLOW)
+        try:
+            e.save_checkpoint(ckpt)
+            out["error"] = None
+        except Exception as err:  # noqa: BLE001 (the type is part of what is checked)
+            out["error"] = (type(err).__name__, str(err), getattr(err, "missing_ranks", None))
+        out["seconds"] = time.monotonic() - t0
+        out["dirs"] = sorted(os.listdir(ckpt))
+        with open(os.path.join(ckpt, "latest")) as f:
+            out["latest"] = f.read().strip()
     elif mode == "frozen-save":
         if rank == 1:
             save_mod._write_rank = _frozen_after(save_mod._write_rank, 2 * T)
@@ -137,4 +150,22 @@ def test_a_rank_that_stops_while_writing_is_named_and_the_previous_checkpoint_st
     assert 2 * T < r0["seconds"] < 2 * T + 3 * T, r0["seconds"]
     assert r0["latest"] == "step-00000001" and r0["dirs"] == ["latest", "step-00000001"], r0
     ckpt = os.path.join(tmp_path, "ckpt")
+    assert _same(_world1_state(ckpt, str(tmp_path / "w1")), r0["before"])
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_late_past_checkpoint_patience_is_named_and_the_previous_checkpoint_stands(tmp_path):
+    """Without the limit this rank would be waited for (test above): with it, rank 0 gives up T after finishing its
+    own part, and rank 1, whose write returns later, raises the same error instead of going on to the gather."""
+    r0, r1 = run_distributed(_job, 2, str(tmp_path), "late-save", timeout=150)
+    for r in (r0, r1):
+        kind, message, missing = r["error"]
+        assert kind == RankTimeoutError.__name__, message
+        assert missing == [1] and "Global rank(s) 1 were still at it 3 s (checkpoint_patience)" in message, message
+        assert "was not committed" in message, message
+    assert T <= r0["seconds"] < SLOW, r0["seconds"]  # rank 0 did not wait for rank 1's write to end
+    assert r1["seconds"] >= SLOW, r1["seconds"]
+    assert r0["latest"] == "step-00000001" and r0["dirs"] == ["latest", "step-00000001"], r0
+    ckpt = os.path.join(tmp_path, "ckpt")
+    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000001"]  # once rank 1's late write has returned too
     assert _same(_world1_state(ckpt, str(tmp_path / "w1")), r0["before"])

@@ -57,6 +57,8 @@ def test_unknown_key_names_the_closest():
         ({"offload": {"optimizer": "nvme"}}, "memory.nvme_dir: offload to 'nvme' needs a directory"),
         ({"memory": {"host_budget": "lots"}}, "memory.host_budget: cannot read 'lots' as a size"),
         ({"gather_ahead": "yes"}, "gather_ahead: expected true or false, got 'yes'"),
+        ({"checkpoint_patience": 0}, "checkpoint_patience: expected None .* positive number of seconds, got 0"),
+        ({"checkpoint_patience": "1h"}, "checkpoint_patience: expected None .* got '1h'"),
     ],
 )
 def test_bad_values_say_what_is_valid(cfg, match):

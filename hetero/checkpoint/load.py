@@ -58,7 +58,8 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     index: mf.Index | None = None
     error = None
     # Each rank reads its ranges, however long that takes it ([Note: patient meetings] in hetero/comm/patience.py)
-    with Meeting(comm, "checkpoint-read", f"reading its part of checkpoint {directory!r}"):
+    what = f"reading its part of checkpoint {directory!r}"
+    with Meeting(comm, "checkpoint-read", what, limit_s=engine.config.checkpoint_patience):
         try:
             index = mf.Index(directory, manifest)
             steps = manifest["engine"]["param_steps"]

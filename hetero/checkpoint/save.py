@@ -93,7 +93,8 @@ def save_checkpoint(
     fname = mf.rank_file(comm.global_rank(comm.rank))
     mine = os.path.join(tmp, fname)
     try:
-        with Meeting(comm, "checkpoint-write", f"writing its part of checkpoint {tag!r} under {root}"):
+        what = f"writing its part of checkpoint {tag!r} under {root}"
+        with Meeting(comm, "checkpoint-write", what, limit_s=engine.config.checkpoint_patience):
             try:
                 info = _write_rank(engine, mine, plan)
                 info.update(rank_info(engine, fname))

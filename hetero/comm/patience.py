@@ -22,7 +22,9 @@ deletes them; a meeting a rank died in leaves its few keys behind.
 Why a thread, and not the writer's progress callbacks: those come once per chunk, and one chunk on a slow disk can
 take longer than any beat; a load's reads report nothing. A thread beats on its own clock and stops with its
 process. What it cannot see is a main thread blocked forever in a system call (a hard-mounted NFS server that never
-answers): that rank looks alive, so the others wait, logging every comm_timeout which ranks they still wait for.
+answers): that rank looks alive, so the others wait, logging every comm_timeout which ranks they still wait for, unless
+the meeting has a limit (`checkpoint_patience`): a rank that has waited that long for its own part's end settles the
+outcome "these ranks were still at work", and every rank raises, the late ones as soon as their work returns.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ class Meeting:
     meetings in the same order; `name` is the same on every rank, `what` says what this rank does, for messages.
     A no-op for a group of one, or without a store."""
 
-    def __init__(self, comm: Comm, name: str, what: str, *, store: Any = None) -> None:
+    def __init__(self, comm: Comm, name: str, what: str, *, limit_s: float | None = None, store: Any = None) -> None:
         self.what = what
+        self.limit_s = limit_s  # a rank done waits this long at most for those still at work (None: while alive)
         self.members = comm.global_ranks
         self.me = self.members[comm.rank]
         self.timeout_s = comm.rules.timeout_s  # None: the group waits forever, and so does the meeting
@@ -151,6 +154,8 @@ class Meeting:
                 if stalled:
                     silent = [r for r in stalled if pending[r][0] == 0]
                     return self._settle({"stalled": stalled, "silent": silent, "by": self.me})
+                if self.limit_s is not None and now - start >= self.limit_s:
+                    return self._settle({"late": sorted(pending), "by": self.me})
                 next_scan = now + self.beat_s
                 if now >= next_log:
                     log.warning(
@@ -197,6 +202,18 @@ class Meeting:
                 f"global rank {outcome['left']} left {group} with an error ({outcome['error']}) while global rank "
                 f"{self.me} was waiting for every rank to finish {self.what}; it does not come to the collective "
                 "that follows, so no rank goes on. Its log says more"
+            )
+        if "late" in outcome:
+            late = ", ".join(map(str, outcome["late"]))
+            raise RankTimeoutError(
+                f"Global rank {self.me} was waiting for every rank of {group} to finish {self.what}. Global rank(s) "
+                f"{late} were still at it {self.limit_s:g} s (checkpoint_patience) after global rank {outcome['by']} "
+                "had finished its own, their heartbeats advancing: alive, but slow or blocked in a system call (a "
+                "stalled disk, an NFS server that does not answer). (Every rank raises this, the late ones when their "
+                "work returns.) Check those ranks' storage; if it is only slow, raise checkpoint_patience or set it to "
+                "None to wait as long as the ranks are alive.",
+                missing_ranks=list(outcome["late"]),
+                timeout_s=self.limit_s or 0.0,
             )
         stalled, silent = outcome["stalled"], outcome["silent"]
         stopped = [r for r in stalled if r not in silent]
