@@ -68,8 +68,11 @@ def views_filling(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor], Any]
     `nvme_delayed` under the stand-in. The copy is now handed to the manager (`land_later`): the optimizer chunk stays
     pinned where it is and the shard unchanged until the copy has landed, and the worker waits for it before the math.
     The exact update (`ZeroChunk.optimizer_views`) fills its master the same way and the training thread waits for
-    that copy alone: its blocking copy down, into pageable memory first, was the one wait a chunk tools/gpu_waits.py
-    still counted in `nvme` (fp32) under the stand-in.
+    the copy: it is ordered after the kernels queued before it, as a blocking copy is, but it lands in the chunk's
+    pinned memory at the bus's speed, where the blocking copy went through fresh pageable memory first (staged by the
+    driver page by page, then copied again on the host: [Note: gradients to the host through pinned memory]). That
+    blocking copy was the one wait a chunk tools/gpu_waits.py still counted in `nvme` (fp32) under the stand-in. (At
+    the update the kernels before it are backward's, which the chunk's gradient had to wait for anyway.)
     """
     zc.manager.access(zc.optim, zc.placement.compute)
     handle = fill(zc, later=True)
