@@ -36,6 +36,7 @@ from hetero.parallel.setup import setup_parallel
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers, unit_rules
+from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.hooks import Hooks
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -216,6 +217,10 @@ class Engine:
                 self.units, self.chunks, self.check, keep=rules.keep, may_pin_whole=rules.whole, ahead=rules.ahead
             )
         self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
+        # Forwards gather across ranks: Hugging Face's generate runs until every rank has ended ([Note: generating in
+        # step] in hetero/zero/generate.py).
+        in_step = self.stage == 3 and self.comm.size > 1 and self.mesh.pp_size == 1 and world.is_job
+        self._generating = keep_ranks_generating(model) if in_step else None
         deliver = weakref.WeakMethod(self._on_tile_grad)
         target = weakref.WeakMethod(self._tile_grad_target)
         # Layers whose weight is split over chunks compute on one tile at a time ([Note: computing on tiles]).
@@ -661,6 +666,8 @@ class Engine:
         if self.in_backward is not None:
             self.in_backward.close()
         self.tiles.remove()
+        if self._generating is not None:
+            self._generating()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()

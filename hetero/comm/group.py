@@ -124,6 +124,11 @@ class Comm(Collectives, PointToPoint):
         """Global rank of each group rank, in group rank order."""
         return list(self._global_ranks)
 
+    @property
+    def is_job(self) -> bool:
+        """Whether this group holds every process of the job (torch.distributed's default group's size)."""
+        return self.group is not None and self.size == dist.get_world_size()
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of a rank of this group."""
         self._check_peer(group_rank, "group_rank", allow_self=True)

@@ -1,0 +1,57 @@
+"""Hugging Face `generate` on a model whose every forward gathers its parameters from the other ranks.
+
+[Note: generating in step]
+At stage 3 each forward gathers the parameters of each block from the data-parallel ranks, so every rank must run as
+many forwards as the others. `generate` runs one forward per new token until every sequence of this rank's own batch
+has ended (its EOS token, a stop string): ranks given other prompts end at other lengths, and the first to end leaves
+the others waiting in a gather, which fails after comm_timeout (ten minutes by default) naming a rank that is alive
+and well. transformers' remedy is `synced_gpus=True`: a rank whose sequences ended runs forwards on, their outputs
+dropped, until an all-reduce over the default group says every rank has ended. `generate` turns it on by itself under
+DeepSpeed ZeRO-3 and FSDP, recognised by flags of theirs that hetero does not set (a global DeepSpeed config; an FSDP
+marker that torch.compile and torch's FSDP read too). So where the model's forward gathers across ranks, hetero
+gives each generating module of the model (a class whose `generate` takes `synced_gpus`: the model itself, or the
+model inside a PEFT wrapper, whose `generate` calls it) an instance `generate` whose `synced_gpus` defaults to True;
+passing `synced_gpus` still decides. Only where hetero's ranks are the whole job: that all-reduce runs over the
+default group, and a process outside hetero's group would not join it. Removed when the engine closes. Stages 0-2
+gather nothing in forward, and a tensor-parallel group's ranks agree on each batch and end together.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+
+def keep_ranks_generating(model: nn.Module) -> Callable[[], None]:
+    """Give each generating module of `model` a `generate` with `synced_gpus` True by default ([Note: generating in
+    step]); returns what undoes it."""
+    changed = [m for m in model.modules() if _takes_synced_gpus(type(m))]
+    for m in changed:
+        m.generate = types.MethodType(_generate_in_step, m)
+
+    def undo() -> None:
+        for m in changed:
+            m.__dict__.pop("generate", None)
+
+    return undo
+
+
+def _takes_synced_gpus(cls: type) -> bool:
+    generate = getattr(cls, "generate", None)
+    if not callable(generate):
+        return False
+    try:
+        return "synced_gpus" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):  # a builtin or an extension's method: no signature to read
+        return False
+
+
+def _generate_in_step(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The class's `generate`, every rank running forwards until all have ended, unless `synced_gpus` is given."""
+    if kwargs.get("synced_gpus") is None:
+        kwargs["synced_gpus"] = True
+    return type(self).generate(self, *args, **kwargs)

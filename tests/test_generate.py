@@ -1,0 +1,65 @@
+"""[Note: generating in step]: Hugging Face's `generate` on a model at stage 3 over two ranks, each rank given other
+prompts that end at other lengths, runs without `synced_gpus` being passed, and each rank's tokens are those the plain
+model generates from its prompts; `synced_gpus=False` is still obeyed; closing the engine takes the default away.
+
+Greedy decoding picks the largest logit: the same fp32 forward on the same weights (stage 3 gathers them whole, bit
+for bit) gives the same tokens as the plain model, so the outputs are compared exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hetero
+from tests import test_unmodified_models as unmodified
+from tests.dist import run_distributed
+
+pytest.importorskip("transformers")
+
+
+def _greedy(model: torch.nn.Module, prompts: torch.Tensor, new: int, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        mask = torch.ones_like(prompts)
+        return model.generate(prompts, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)
+
+
+def _job(rank: int, world: int, peft: bool) -> dict:
+    model = unmodified.tiny_hf()
+    model.generation_config.pad_token_id = 0
+    prompts = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(10 + rank))
+    new = 3 + 5 * rank  # rank 0 ends after 3 tokens, rank 1 after 8: rank 0 runs forwards on for rank 1
+    if peft:
+        import peft as peft_lib
+
+        model = peft_lib.get_peft_model(
+            model, peft_lib.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+    plain = _greedy(copy.deepcopy(model).eval(), prompts, new)
+    engine = hetero.initialize(model, None, {"zero_stage": 3, "chunk_size": 1024, "comm_timeout": 60})
+    model.eval()
+    out = {"same": torch.equal(_greedy(model, prompts, new), plain), "tokens": plain.shape[1] - prompts.shape[1]}
+    out["given"] = sorted(m.__class__.__name__ for m in model.modules() if "generate" in m.__dict__)
+    # Given explicitly, synced_gpus decides: both ranks generate equally long here, so no rank waits for another.
+    out["unsynced_same"] = torch.equal(_greedy(model, prompts, 4, synced_gpus=False), _greedy(model, prompts, 4))
+    engine.close()
+    out["left"] = [m.__class__.__name__ for m in model.modules() if "generate" in m.__dict__]
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_generate_at_stage_3_over_two_ranks_ending_at_other_lengths():
+    for rank, r in enumerate(run_distributed(_job, 2, False, timeout=170)):
+        assert r["same"] and r["unsynced_same"], (rank, r)
+        assert r["tokens"] == 3 + 5 * rank, r  # no EOS in the way: the ranks did end at other lengths
+        assert r["given"] == ["LlamaForCausalLM"] and r["left"] == [], r
+
+
+@pytest.mark.timeout(200)
+def test_generate_of_a_peft_model_reaches_the_model_inside():
+    """A PEFT wrapper's `generate` takes no `synced_gpus` of its own: it calls the wrapped model's, which has it."""
+    pytest.importorskip("peft")
+    for r in run_distributed(_job, 2, True, timeout=170):
+        assert r["same"] and r["unsynced_same"], r
+        assert r["given"] == ["LlamaForCausalLM"] and r["left"] == [], r

@@ -1,0 +1,47 @@
+"""LoRA fine-tuning through PEFT (`peft.get_peft_model`): the base weights frozen, the adapters trained, at every
+stage and with offload to the host and NVMe, against plain PyTorch's float64 and fp32 runs (tests/tolerance.py); the
+frozen weights come out bit for bit as they went in, and the state dict keeps PEFT's names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import test_unmodified_models as unmodified
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+# PEFT asks transformers for the attribute by its name before 5.x (peft's own, not ours)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+def _lora() -> torch.nn.Module:
+    model = unmodified.tiny_hf()
+    torch.manual_seed(1)
+    # init_lora_weights=False: B random too, so the adapters change the loss from the first step
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.timeout(300)
+def test_lora_every_stage_and_placement(tmp_path):
+    model = _lora()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and any(p.requires_grad for p in model.parameters())
+    batches = unmodified._lm_batches(96)
+    refs = unmodified._references(model, batches, unmodified._lm_loss)
+    both = {"optimizer": "nvme", "params": "nvme"}
+    configs = {
+        **{f"z{k}": {"zero_stage": k} for k in range(4)},
+        "z2-host": {"zero_stage": 2, "offload": {"optimizer": "host"}},
+        "z3-host": {"zero_stage": 3, "offload": {"optimizer": "host", "params": "host"}},
+        "z3-nvme": {"zero_stage": 3, "offload": both, "memory": {"nvme_dir": str(tmp_path)}},
+    }
+    for name, cfg in configs.items():
+        losses, state = unmodified._train(model, batches, engine_cfg=cfg, loss_of=unmodified._lm_loss)
+        unmodified._compare((losses, state), refs)
+        assert state.keys() == refs[1][1].keys(), name
+        changed = [n for n, p in frozen.items() if not torch.equal(state[n], p)]
+        assert not changed, (name, changed[:3])
