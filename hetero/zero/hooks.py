@@ -33,6 +33,17 @@ and return at once). Nothing about collectives changes: the unit's start gathers
 gathered one by one, in the same layout order, and gathering ahead has usually done it already. What it saves is a
 dictionary walk, a state change and a class swap per module and parameter per forward (`benchmarks/host_overhead.py`).
 A module called outside its unit's forward, or whose parameters belong to another unit, pins its own as before.
+
+[Note: hetero's hooks under torch.compile]
+`model.compile()` (or `torch.compile(model)`) traces a forward through the modules' hooks. At stage 3 those gather,
+pin and release chunks, swap the class of released parameters and wrap outputs in `_OnBackward`: none of it a tensor
+program, and tracing it read a released parameter (an InternalTorchDynamoError naming `released.py`). So the forward
+hooks, and a tiled layer's forward, which gathers tile by tile (`tiling.py`), are kept out of the trace
+(`outside_compile`): the compiler breaks its graph around each and compiles what lies between them, the modules' own
+arithmetic, and the hooks run as they do without it, collectives in the same order on every rank. The first step
+compiles (and recompiles a few frames that the breaks split); the later ones reuse it (tests/test_compile.py).
+Gradient hooks run in autograd's engine, outside the trace, at any stage. Tensor parallelism needs nothing of the
+kind: its collectives go through torch.distributed, where the compiler breaks its graph by itself.
 """
 
 from __future__ import annotations
@@ -144,13 +155,29 @@ class Hooks:
             # Its parameters are pinned with its unit's ([Note: one forward hook per unit]) if they are all the unit's.
             covered = {id(e) for e in own} <= {id(e) for e in owner.entries}
             pre = _pre_forward(unit, owner, own, gathers, covered)
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(_post_forward(unit, owner, own, gathers, covered)))
+            # Outside torch.compile's trace: [Note: hetero's hooks under torch.compile]
+            post = _post_forward(unit, owner, own, gathers, covered)
+            self.handles.append(m.register_forward_pre_hook(outside_compile(pre), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(outside_compile(post)))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def outside_compile(fn: Callable) -> Callable:
+    """`fn`, run as it is where torch.compile traces a call of it ([Note: hetero's hooks under torch.compile]).
+    `torch.compiler.disable` alone costs ~2.5 us a call without a compiler too (it switches the frame evaluator);
+    `is_compiling()` is a flag read, and a constant True to the tracer, which then breaks its graph at the call."""
+    skipped = torch.compiler.disable(fn)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return skipped(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _pre_forward(unit: Unit | None, owner: Unit, own: list[Entry], gathers: Gathers, covered: bool) -> Callable:

@@ -46,6 +46,7 @@ from torch import nn
 from hetero.io.hugepages import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
+from hetero.zero.hooks import outside_compile
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
 from hetero.zero.tile_rows import embedding_grad_rows, embedding_rows
 from hetero.zero.tileable import bases, layer_kind
@@ -214,7 +215,12 @@ def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (out + self.bias).view(shape)
 
 
-_FORWARDS = {"linear": _linear_forward, "embedding": _embedding_forward, "conv1d": _conv1d_forward}
+# Run as they are under torch.compile: they gather and release tiles ([Note: hetero's hooks under torch.compile]).
+_FORWARDS = {
+    "linear": outside_compile(_linear_forward),
+    "embedding": outside_compile(_embedding_forward),
+    "conv1d": outside_compile(_conv1d_forward),
+}
 _TWINS: dict[tuple[type, str], type] = {}  # (a layer class, its kind) -> its tiled twin
 _ORIGINALS: dict[type, type] = {}  # twin -> the class it stands for
 
