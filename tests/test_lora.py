@@ -1,12 +1,15 @@
 """LoRA fine-tuning through PEFT (`peft.get_peft_model`): the base weights frozen, the adapters trained, at every
 stage and with offload to the host and NVMe, against plain PyTorch's float64 and fp32 runs (tests/tolerance.py); the
-frozen weights come out bit for bit as they went in, and the state dict keeps PEFT's names."""
+frozen weights come out bit for bit as they went in, and the state dict keeps PEFT's names; the adapters saved by
+PEFT's `save_pretrained` from a stage-3 engine load back with `PeftModel.from_pretrained`, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import hetero
+from hetero.errors import ReleasedParameterError
 from tests import test_unmodified_models as unmodified
 
 peft = pytest.importorskip("peft")
@@ -45,3 +48,23 @@ def test_lora_every_stage_and_placement(tmp_path):
         assert state.keys() == refs[1][1].keys(), name
         changed = [n for n, p in frozen.items() if not torch.equal(state[n], p)]
         assert not changed, (name, changed[:3])
+
+
+@pytest.mark.timeout(300)
+def test_lora_adapters_saved_from_stage_3_load_into_peft(tmp_path):
+    model = _lora()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = hetero.initialize(model, torch.optim.AdamW(trainable, lr=1e-2), {"zero_stage": 3, "chunk_size": 8192})
+    for ids in unmodified._lm_batches(96, n=2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    with pytest.raises(ReleasedParameterError, match=r"save_pretrained\(out, state_dict=engine.full_state_dict\(\)\)"):
+        model.save_pretrained(tmp_path / "direct")  # it reads every weight, sharded between uses
+    state = engine.full_state_dict()
+    model.save_pretrained(tmp_path / "adapter", state_dict=state)
+    engine.close()
+    loaded = peft.PeftModel.from_pretrained(unmodified.tiny_hf(), tmp_path / "adapter").state_dict()
+    adapters = [k for k in state if "lora_" in k]
+    assert len(adapters) == 2 * 3 * 2  # A and B of three projections in each of two layers
+    assert all(torch.equal(loaded[k], state[k]) for k in adapters)
+    assert not torch.equal(state[adapters[0]], _lora().state_dict()[adapters[0]])  # trained: not the initial values

@@ -83,14 +83,18 @@ class _Released:
                 f"{what} read parameter {names[0]!r}, which is split into tiles (a weight larger than a chunk: its "
                 "layer computes on one tile at a time, [Note: computing on tiles]), so its values are never whole. "
                 "Read it inside `with engine.gathered_parameters([...]):` (every rank enters it), use "
-                "engine.full_state_dict(), or set the config's tiling to false (or a larger chunk_size)"
+                "engine.full_state_dict(), or set the config's tiling to false (or a larger chunk_size)" + _SAVING
             )
         raise ReleasedParameterError(
             f"{what} read parameter {names[0] if names else '?'!r}, whose full values are not on this rank: at "
             "zero_stage 3 each rank holds a shard of it between uses. Read it inside `with "
             "engine.gathered_parameters([...]):` (every rank enters it), or use engine.full_state_dict() for a "
-            "copy of every weight"
+            "copy of every weight" + _SAVING
         )
+
+
+# Hugging Face's and PEFT's save_pretrained read every weight; both take the values instead (every rank calls it).
+_SAVING = ". Saving a Hugging Face or PEFT model: model.save_pretrained(out, state_dict=engine.full_state_dict())"
 
 
 def _flat(args: tuple, kwargs: dict | None) -> list[Any]:
