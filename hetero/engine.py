@@ -37,6 +37,7 @@ from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers, unit_rules
 from hetero.zero.generate import keep_ranks_generating
+from hetero.zero.grad_views import full_grads
 from hetero.zero.hooks import Hooks
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -205,6 +206,7 @@ class Engine:
         self.accumulated = 0  # micro-batches since the last update (0: at an accumulation boundary)
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override of the count
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
+        self._grads_final = False  # the backward that ends an accumulation ran, its step() has not: full_grads
         # The collective protocol ([Note: every rank in step]): units and gathers at stage 3, the reduce order at
         # stages 2-3, and the check that every rank is about to run the same collective.
         self.units = find_units(model, self._entries) if self.stage == 3 else []
@@ -389,6 +391,7 @@ class Engine:
         # (backward then keeps the gradients the update reads first); the update (`Updater.step`), or the next
         # forward, ends it.
         self._in_step = False
+        self._grads_final = boundary  # full_grads may read them until step()
         self.events.emit("backward_end")
 
     def step(self, *, tokens: int | None = None) -> None:
@@ -399,6 +402,7 @@ class Engine:
         if self.inference:
             raise RuntimeError("this engine was made with optimizer=None (inference): there is no update to step")
         boundary = self.is_gradient_accumulation_boundary()
+        self._grads_final = False
         self.micro_steps += 1
         self.accumulated += 1
         self.monitor.micro_batch(tokens)
@@ -519,6 +523,30 @@ class Engine:
         are the model's own, tied parameters under each of their names. Every rank calls it (it gathers)."""
         self.settle_update()
         return self.views.full_state_dict()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The gradients the next update steps on, by parameter name (trainable ones): of the accumulated loss,
+        averaged over data-parallel ranks, unscaled, before clipping; fp32 CPU copies. Call it after the backward
+        that ends an accumulation, before `step()`; every rank calls it (it gathers). See [Note: reading the
+        gradients] in hetero/zero/grad_views.py."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients")
+        if self.in_backward is not None:
+            raise RuntimeError(
+                "full_grads: with update_in_backward each chunk steps as soon as its gradient is final, during "
+                "backward, and the gradient is gone by the time backward returns; turn it off to read gradients"
+            )
+        if not self._grads_final:
+            raise RuntimeError(
+                "full_grads reads the gradients between the backward that ends an accumulation (the next step() "
+                "updates: engine.is_gradient_accumulation_boundary() was true for it) and that step(); before, a "
+                "sharded gradient may not be reduced yet, and after it the update has consumed it"
+            )
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        values = full_grads(self.trainable, check=self.check, reduced=self.dense.reduced, scale=scale)
+        # A tied parameter under each of its names, as in full_state_dict
+        named = self.module.named_parameters(remove_duplicate=False)
+        return {n: values[id(p)] for n, p in named if id(p) in values}
 
     def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Any:
         """A context manager that makes the full values of `params` (default: every parameter) readable through the

@@ -81,8 +81,9 @@ OPS = (
     "batch reduce-scatter",
     "all-reduce",
     "gather ahead",
+    "read gradients (full_grads)",
 )
-GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD = 1, 2, 3, 4, 5, 6, 7
+GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD, READ_GRADS = 1, 2, 3, 4, 5, 6, 7, 8
 PHASES = ("?", "forward", "backward", "outside a step")
 FORWARD, BACKWARD, OUTSIDE = 1, 2, 3
 
