@@ -12,10 +12,14 @@ import torch
 import torch._dynamo
 
 import hetero
+from hetero import standin
 from tests import parity, tolerance
 from tests.dist import run_distributed
 
 STEPS, ROWS = 3, 4
+# The CPU stand-in of a GPU watches the compute through a dispatch mode, under which torch.compile runs the model
+# eagerly (no graph to count): nothing of the compiler to check there.
+pytestmark = pytest.mark.skipif(standin.active(), reason="torch.compile falls back to eager under the stand-in's mode")
 
 
 def _compile(engine, step: int) -> None:
