@@ -26,6 +26,8 @@ takes the model's state, as DeepSpeed does under the Trainer:
 - The LR scheduler is the Trainer's own (`lr_scheduler_type`, warmup), stepped by the Trainer after each update,
   except after an update skipped for fp16 overflow (accelerate's convention, and hetero's).
 - The gradient norm the Trainer logs is the engine's (computed in the update, before clipping).
+- `torch_compile=True`: accelerate compiles the models it prepares, and the Trainer never prepares hetero's; the
+  model is compiled in place once the engine holds it (`model.compile`, with the arguments' backend and mode).
 - A checkpoint (`save_steps`) is the Trainer's directory (weights gathered for `from_pretrained`, trainer state,
   RNG) with the engine's own checkpoint in `hetero/` under it: master weights, optimizer states wherever they
   live, scheduler. `resume_from_checkpoint` restores from there.
@@ -195,6 +197,9 @@ class HeteroTrainer(transformers.Trainer):
             return self.optimizer
         user = super().create_optimizer(model)
         self.engine = hetero.initialize(self.model, user, self.engine_config(), weights=self.hetero_weights)
+        if self.args.torch_compile:  # accelerate compiles what it prepares, which is never hetero's model
+            kwargs = {"backend": self.args.torch_compile_backend or "inductor", "mode": self.args.torch_compile_mode}
+            self.model.compile(**kwargs)  # in place, names unchanged: [Note: hetero's hooks under torch.compile]
         self._engine_module = EngineModule(self.engine)
         self.optimizer = _TrainerOptimizer(self.engine)
         return self.optimizer
