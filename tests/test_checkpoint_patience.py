@@ -43,6 +43,19 @@ def _frozen_after(fn, seconds: float):
     return freeze
 
 
+def _failing_save(e, ckpt: str, t0: float, out: dict) -> None:
+    """Save, expecting an error: its type, message and missing ranks, the time taken and what the root holds."""
+    try:
+        e.save_checkpoint(ckpt)
+        out["error"] = None
+    except Exception as err:  # noqa: BLE001 (the type is part of what is checked)
+        out["error"] = (type(err).__name__, str(err), getattr(err, "missing_ranks", None))
+    out["seconds"] = time.monotonic() - t0
+    out["dirs"] = sorted(os.listdir(ckpt))
+    with open(os.path.join(ckpt, "latest")) as f:
+        out["latest"] = f.read().strip()
+
+
 def _job(rank: int, world: int, root: str, mode: str) -> dict:
     from hetero.checkpoint import load as load_mod
     from hetero.checkpoint import save as save_mod
@@ -78,27 +91,11 @@ def _job(rank: int, world: int, root: str, mode: str) -> dict:
     elif mode == "late-save":  # alive all along, but later than checkpoint_patience allows
         if rank == 1:
             save_mod._write_rank = _slowed(save_mod._write_rank, SLOW)
-        try:
-            e.save_checkpoint(ckpt)
-            out["error"] = None
-        except Exception as err:  # noqa: BLE001 (the type is part of what is checked)
-            out["error"] = (type(err).__name__, str(err), getattr(err, "missing_ranks", None))
-        out["seconds"] = time.monotonic() - t0
-        out["dirs"] = sorted(os.listdir(ckpt))
-        with open(os.path.join(ckpt, "latest")) as f:
-            out["latest"] = f.read().strip()
+        _failing_save(e, ckpt, t0, out)
     elif mode == "frozen-save":
         if rank == 1:
             save_mod._write_rank = _frozen_after(save_mod._write_rank, 2 * T)
-        try:
-            e.save_checkpoint(ckpt)
-            out["error"] = None
-        except Exception as err:  # noqa: BLE001 (the type is part of what is checked)
-            out["error"] = (type(err).__name__, str(err), getattr(err, "missing_ranks", None))
-        out["seconds"] = time.monotonic() - t0
-        out["dirs"] = sorted(os.listdir(ckpt))
-        with open(os.path.join(ckpt, "latest")) as f:
-            out["latest"] = f.read().strip()
+        _failing_save(e, ckpt, t0, out)
         os.kill(pids[1], signal.SIGKILL)  # rank 0: the stopped rank would never leave
         return out
     e.close()

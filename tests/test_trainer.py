@@ -86,6 +86,23 @@ def _close(a: list[tuple], b: list[tuple]) -> None:
                 assert abs(u - v) <= RTOL * abs(u) + 1e-12, (x, y)
 
 
+def _both(tmp_path, args: dict, rows: int, *, model=_model, before_hetero=None) -> tuple:
+    """The plain Trainer, then HeteroTrainer at ZeRO-3, each on a fresh `model()` with the same arguments, trained;
+    before_hetero() runs between the two."""
+    plain = transformers.Trainer(model=model(), args=_args(tmp_path / "a", **args), train_dataset=Rows(rows, 1))
+    plain.train()
+    if before_hetero is not None:
+        before_hetero()
+    het = HeteroTrainer(
+        model=model(),
+        args=_args(tmp_path / "b", **args),
+        train_dataset=Rows(rows, 1),
+        hetero_config={"zero_stage": 3, "chunk_size": 4096},
+    )
+    het.train()
+    return plain, het
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_matches_plain_trainer(tmp_path, stage):
     """26 rows, 4 per micro-batch, 3 per accumulation: each epoch ends with a 1-batch accumulation; evaluation,
@@ -119,15 +136,7 @@ def test_activation_checkpointing_argument(tmp_path):
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     args = {"num_train_epochs": 1, "max_steps": 3, "eval_strategy": "no", name: True}
-    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "a", **args), train_dataset=Rows(36, 1))
-    plain.train()
-    het = HeteroTrainer(
-        model=_model(),
-        args=_args(tmp_path / "b", **args),
-        train_dataset=Rows(36, 1),
-        hetero_config={"zero_stage": 3, "chunk_size": 4096},
-    )
-    het.train()
+    plain, het = _both(tmp_path, args, 36)
     model = het.engine.module  # the model hetero trains recomputes its layers
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     _close(_logs(plain), _logs(het))
@@ -202,16 +211,7 @@ def test_lora_adapters(tmp_path):
         config = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
         return peft.get_peft_model(model, config)
 
-    args = {"num_train_epochs": 1, "max_steps": 4, "eval_strategy": "no"}
-    plain = transformers.Trainer(model=lora(), args=_args(tmp_path / "a", **args), train_dataset=Rows(48, 1))
-    plain.train()
-    het = HeteroTrainer(
-        model=lora(),
-        args=_args(tmp_path / "b", **args),
-        train_dataset=Rows(48, 1),
-        hetero_config={"zero_stage": 3, "chunk_size": 4096},
-    )
-    het.train()
+    plain, het = _both(tmp_path, {"num_train_epochs": 1, "max_steps": 4, "eval_strategy": "no"}, 48, model=lora)
     _close(_logs(plain), _logs(het))
     het.save_model(str(tmp_path / "export"))
     het.engine.close()
@@ -234,17 +234,12 @@ def test_torch_compile_argument(tmp_path):
         pytest.skip("torch.compile falls back to eager under the stand-in's dispatch mode")
     args = {"num_train_epochs": 1, "max_steps": 3, "eval_strategy": "no", "torch_compile": True}
     args["torch_compile_backend"] = "aot_eager"  # traced as inductor would, run on torch's kernels: no C++ compiler
-    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "a", **args), train_dataset=Rows(36, 1))
-    plain.train()
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    het = HeteroTrainer(
-        model=_model(),
-        args=_args(tmp_path / "b", **args),
-        train_dataset=Rows(36, 1),
-        hetero_config={"zero_stage": 3, "chunk_size": 4096},
-    )
-    het.train()
+
+    def fresh_counts() -> None:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+
+    plain, het = _both(tmp_path, args, 36, before_hetero=fresh_counts)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # hetero's model was compiled
     _close(_logs(plain), _logs(het))
     het.engine.close()
