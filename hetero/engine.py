@@ -543,7 +543,7 @@ class Engine:
                 "sharded gradient may not be reduced yet, and after it the update has consumed it"
             )
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        values = full_grads(self.trainable, check=self.check, reduced=self.dense.reduced, scale=scale)
+        values = full_grads(self.trainable, check=self.check, scale=scale)
         # A tied parameter under each of its names, as in full_state_dict
         named = self.module.named_parameters(remove_duplicate=False)
         return {n: values[id(p)] for n, p in named if id(p) in values}

@@ -79,10 +79,6 @@ class DenseReduce:
             self.reducer.flush()
         self.active = False
 
-    def reduced(self, zc: ZeroChunk) -> bool:
-        """Whether `zc`'s gradient was reduced during backward (`take` without forgetting it)."""
-        return id(zc) in self._reduced
-
     def take(self, zc: ZeroChunk) -> bool:
         """Whether `zc`'s gradient was reduced during backward (the update then skips its reduction); forgets it."""
         if id(zc) in self._reduced:

@@ -21,7 +21,6 @@ slice, as `full_state_dict` gives its values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,14 +32,13 @@ if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
 
 
-def full_grads(
-    chunks: list[ZeroChunk], *, check: Checker, reduced: Callable[[ZeroChunk], bool], scale: float
-) -> dict[int, torch.Tensor]:
+def full_grads(chunks: list[ZeroChunk], *, check: Checker, scale: float) -> dict[int, torch.Tensor]:
     """Each trainable parameter's full mean gradient (by `id` of the parameter; a tiled weight assembled from its
-    tiles' rows), divided by `scale` (the fp16 loss scale). reduced(zc): whether backward reduced zc's gradient."""
+    tiles' rows), divided by `scale` (the fp16 loss scale). Only after a backward that ends an accumulation, which
+    reduced every chunk's gradient (the engine checks)."""
     out: dict[int, torch.Tensor] = {}
     for zc in chunks:
-        full = _chunk_grad(zc, check, reduced(zc))
+        full = _chunk_grad(zc, check)
         if scale != 1.0:
             full.div_(scale)
         for info in zc.spec.params:
@@ -54,11 +52,9 @@ def full_grads(
     return out
 
 
-def _chunk_grad(zc: ZeroChunk, check: Checker, reduced: bool) -> torch.Tensor:
+def _chunk_grad(zc: ZeroChunk, check: Checker) -> torch.Tensor:
     """The chunk's whole mean gradient, fp32, on the CPU."""
     device, comm, m = zc.device, zc.comm, zc.manager
-    if not zc.layout.grads_sharded and not reduced:  # the engine's backward at a boundary always reduces
-        raise RuntimeError(f"full_grads: the gradients of {zc.label} were not reduced by the backward before")
     with m.pinned(zc.grad):
         acc = zc.grad_buffer()
         if comm.size == 1 or not zc.layout.optim_sharded:  # stage 0: backward's all-reduce left the whole mean here
@@ -68,7 +64,7 @@ def _chunk_grad(zc: ZeroChunk, check: Checker, reduced: bool) -> torch.Tensor:
         shard = zc.kept(acc) if not zc.layout.grads_sharded else acc
         staged = comm.needs_device_tensors and zc.grad.tier is not Tier.DEVICE
         n = shard.numel() * comm.size
-        on_device = staged or zc.grad.tier is Tier.DEVICE
+        on_device = comm.needs_device_tensors or zc.grad.tier is Tier.DEVICE
         whole = device.empty((n,), torch.float32) if on_device else torch.empty(n, dtype=torch.float32)
         check(READ_GRADS, chunk=zc.spec.index)
         what = f"the gradients of {zc.label} (full_grads)"
