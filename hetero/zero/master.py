@@ -31,10 +31,10 @@ def follows(zc: ZeroChunk) -> bool:
     return zc.shard is not None and zc.spec.trainable and zc.dtype == torch.float32 and zc.placement.optim is Tier.NVME
 
 
-def fill(zc: ZeroChunk, *, later: bool = False) -> Any:
-    """The optim chunk is resident on the compute tier: give a FREE master the shard's values. `later`: a shard on the
-    device is copied up on a copy stream the host does not wait for ([Note: the master copied up late]); the copy's
-    handle is returned, for `Device.landed` before anything reads the master (None: the master is filled)."""
+def fill(zc: ZeroChunk) -> Any:
+    """The optim chunk is resident on the compute tier: give a FREE master the shard's values. A shard on the device
+    is copied up on a copy stream the host does not wait for ([Note: the master copied up late]); the copy's handle
+    is returned, for `Device.landed` before anything reads the master (None: the master is filled)."""
     master = zc.optim.slots[0]
     if not zc.master_follows or master.state is not TensorState.FREE:
         return None
@@ -45,7 +45,7 @@ def fill(zc: ZeroChunk, *, later: bool = False) -> Any:
         tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
         shard = m.access(zc.shard, tier, write=False)
         # The master lives on the host: the optimizer steps there whenever its states are on NVMe.
-        if later and tier is Tier.DEVICE:
+        if tier is Tier.DEVICE:
             handle = zc.device.copy_later(zc.optim.view(master), shard, after=zc.device.compute_marker())
         else:
             zc.optim.view(master).copy_(zc.device.to_host(shard))
@@ -75,7 +75,7 @@ def views_filling(zc: ZeroChunk) -> tuple[torch.Tensor, list[torch.Tensor], Any]
     the update the kernels before it are backward's, which the chunk's gradient had to wait for anyway.)
     """
     zc.manager.access(zc.optim, zc.placement.compute)
-    handle = fill(zc, later=True)
+    handle = fill(zc)
     views = [zc.optim.view(s) for s in zc.optim.slots]  # not through the manager: that would wait for the copy
     return views[0], views[1:], handle
 

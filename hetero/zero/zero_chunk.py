@@ -362,7 +362,7 @@ class ZeroChunk:
         self.manager.access(self.optim, self.placement.compute)
         # A master filled from a shard on the device comes down on a copy stream, into the optimizer chunk's pinned
         # memory at the bus's speed; the host waits for that copy ([Note: the master copied up late] in master.py).
-        self.device.landed(master_weights.fill(self, later=True))
+        self.device.landed(master_weights.fill(self))
         views = [self.optim.view(s) for s in self.optim.slots]
         return views[0], views[1:]
 
