@@ -23,7 +23,7 @@ from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, collective_failed, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
-from hetero.errors import ConfigError
+from hetero.errors import ConfigError, HeteroError
 from hetero.events import Events
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
@@ -38,6 +38,7 @@ from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers, unit_rules
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
+from hetero.zero.handed_over import take_over
 from hetero.zero.hooks import Hooks
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -207,6 +208,13 @@ class Engine:
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override of the count
         self._in_step = False  # between the first forward of a micro-batch and its backward's end
         self._grads_final = False  # the backward that ends an accumulation ran, its step() has not: full_grads
+        self._backward_open = False  # inside engine.backward or train_batch: gradients may arrive ([Note: the
+        # optimizer handed over] in hetero/zero/handed_over.py says why a loop's own loss.backward() is refused)
+        in_groups = {id(p) for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]}
+        # Parameters the optimizer holds that were frozen at initialize: no chunk keeps a gradient or state for them.
+        self._frozen_in_groups = [
+            e.info for e in self._entries.values() if not e.info.trainable and id(e.info.param) in in_groups
+        ]
         # The collective protocol ([Note: every rank in step]): units and gathers at stage 3, the reduce order at
         # stages 2-3, and the check that every rank is about to run the same collective.
         self.units = find_units(model, self._entries) if self.stage == 3 else []
@@ -269,6 +277,7 @@ class Engine:
         for part in (self.reducer, self.dense.reducer, self.updater):
             part.on_span = on_span
         self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
+        self._handed_back = take_over(optimizer) if optimizer is not None else None  # [Note: the optimizer handed over]
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
         self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
@@ -329,6 +338,9 @@ class Engine:
         if self.stages is not None:
             raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
         self.agree.check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}, "engine(...)")
+        # A forward without autograd between a training forward and its backward (a target computed by the same
+        # model) belongs to that step: ending the step there would drop what its backward needs.
+        within = self._in_step
         if not self._in_step:
             self.manager.step_begin()
             self._in_step = True
@@ -339,8 +351,8 @@ class Engine:
         with self.device.compute_context(), saving, no_grad:
             out = self.module(*args, **kwargs)
         if self.gathers is not None:
-            self.gathers.end_forward(training=training)
-        if training:
+            self.gathers.end_forward(training=training or within)
+        if training or within:
             self.manager.forward_end()  # [Note: what the forward takes again]
         else:
             self.manager.step_end()
@@ -361,10 +373,12 @@ class Engine:
         if scale_wrt_gas:
             scale /= self.config.grad_accumulation_steps
         boundary = self.is_gradient_accumulation_boundary()  # the next step() updates: every rank counts alike
+        if self._grads_final:  # a second backward into the same update: its gradients add to the reduced ones
+            self.dense.reopen()
         self.dense.begin(last_micro_batch=boundary)
         if self.in_backward is not None:
             self.in_backward.begin(boundary=boundary)
-        with self.device.compute_context():
+        with self.device.compute_context(), self.backward_open():
             (loss * scale if scale != 1.0 else loss).backward()
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
@@ -461,8 +475,36 @@ class Engine:
             return eval_batch(self, inputs, labels, loss_fn)
 
     # ---- the update ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def backward_open(self) -> Iterator[None]:
+        """Where gradients may reach the chunks: engine.backward's and train_batch's backwards. Checks first that
+        no parameter frozen at initialize was unfrozen since."""
+        for info in self._frozen_in_groups:
+            if info.param.requires_grad:
+                raise HeteroError(
+                    f"parameter {info.name!r} had requires_grad False when hetero.initialize laid out its chunks, so "
+                    "hetero keeps no gradient or optimizer state for it and cannot train it now that it is unfrozen. "
+                    "Leave it requires_grad True at initialize and freeze it with requires_grad_(False) for the steps "
+                    "it should not train (its update is then skipped, as torch's optimizers skip a parameter "
+                    "without a gradient)"
+                )
+        self._backward_open = True
+        try:
+            yield
+        finally:
+            self._backward_open = False
+
+    def _outside_backward(self, name: str) -> HeteroError:
+        return HeteroError(
+            f"the gradient of {name!r} reached hetero outside engine.backward(loss): a loop's own loss.backward() "
+            "skips what the engine does around backward (loss scaling, accumulation, the reduction across ranks), "
+            "and nothing would train. Call engine.backward(loss) then engine.step(), or engine.train_batch"
+        )
+
     def _on_grad(self, param: torch.Tensor) -> None:
         e = self._entries[id(param)]
+        if not self._backward_open:
+            raise self._outside_backward(e.info.name)
         grad = param.grad
         param.grad = None
         self._add_grad(e, grad, last=True)
@@ -471,6 +513,8 @@ class Engine:
 
     def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
         """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
+        if not self._backward_open:
+            raise self._outside_backward(e.info.name)
         self._add_grad(e, grad, last=last)
 
     def _tile_grad_target(self, e: Entry) -> torch.Tensor | None:
@@ -696,6 +740,8 @@ class Engine:
         self.tiles.remove()
         if self._generating is not None:
             self._generating()
+        if self._handed_back is not None:
+            self._handed_back()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()

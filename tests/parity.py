@@ -77,13 +77,13 @@ def reference(
     clip: float | None = None,
     optimizer: str = "adamw",
     freeze: tuple[str, ...] = (),
+    frozen_steps: tuple[int, int] | None = None,
     model_overrides: dict | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch: losses per update (mean over the micro-batches of the step) and final weights."""
+    """Plain PyTorch: losses per update (mean over the micro-batches of the step) and final weights. freeze: the
+    parameters (by name prefix) frozen from the start, or with frozen_steps (first, end) in those steps only."""
     model = build(**(model_overrides or {}))
-    for n, p in model.named_parameters():
-        if any(n.startswith(f) for f in freeze):
-            p.requires_grad_(False)
+    _freeze(model, freeze, frozen_steps is None)
     dtype = DTYPES[precision]
     full = dtype in (torch.float32, torch.float64)  # no separate master weights
     master = copy.deepcopy(model) if not full else model
@@ -92,6 +92,8 @@ def reference(
     losses: list[float] = []
     data = batches(steps * accum, rows)
     for step in range(steps):
+        if frozen_steps is not None:
+            _freeze(model, freeze, frozen_steps[0] <= step < frozen_steps[1])
         total = 0.0
         for micro in range(accum):
             x, y = data[step * accum + micro]
@@ -113,6 +115,12 @@ def reference(
         losses.append(total)
     state = {k: v.detach().clone() if full else v.detach().float().clone() for k, v in model.state_dict().items()}
     return losses, state
+
+
+def _freeze(model: torch.nn.Module, prefixes: tuple[str, ...], frozen: bool) -> None:
+    for n, p in model.named_parameters():
+        if any(n.startswith(f) for f in prefixes):
+            p.requires_grad_(not frozen)
 
 
 _REFERENCES: dict[str, tuple] = {}
@@ -150,6 +158,7 @@ def run_hetero(
     config: dict,
     optimizer: str = "adamw",
     freeze: tuple[str, ...] = (),
+    frozen_steps: tuple[int, int] | None = None,
     model_overrides: dict | None = None,
     nvme_dir: str | None = None,
     device: str | None = None,
@@ -159,9 +168,7 @@ def run_hetero(
     (default: the GPU where there is one, or the stand-in under HETERO_STANDIN=1). on_step(engine, step): called
     before each step's first micro-batch (step from 0)."""
     model = build(**(model_overrides or {}))
-    for n, p in model.named_parameters():
-        if any(n.startswith(f) for f in freeze):
-            p.requires_grad_(False)
+    _freeze(model, freeze, frozen_steps is None)
     opt = make_optimizer(model, optimizer)
     config = copy.deepcopy(config)
     config.setdefault("chunk_size", CHUNK)
@@ -174,6 +181,8 @@ def run_hetero(
     data = batches(steps * accum, rows)
     losses: list[float] = []
     for step in range(steps):
+        if frozen_steps is not None:
+            _freeze(model, freeze, frozen_steps[0] <= step < frozen_steps[1])
         if on_step is not None:
             on_step(engine, step)
         total = torch.zeros(())

@@ -77,7 +77,7 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
             zc.accumulate_full = True
         engine.events.emit("forward_begin")
         try:
-            with engine.device.compute_context():
+            with engine.device.compute_context(), engine.backward_open():
                 total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
             if engine.tied is not None:  # before any data-parallel reduction ([Note: parameters tied across stages])
                 engine.tied.sum_grads(update_follows=engine.is_gradient_accumulation_boundary())

@@ -57,6 +57,7 @@ class DenseReduce:
         self.active = False  # this backward reduces (the last micro-batch before an update): shared by every rank
         self._running: dict[int, tuple[Handle, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = {}
         self._reduced: set[int] = set()  # chunks reduced since the last update
+        self._chunks = {id(zc): zc for zc in chunks}
         for zc in chunks:  # a gradient summed on the device stays there for a reduction there
             zc.host_sum.keep = self.keeps_sum
 
@@ -78,6 +79,25 @@ class DenseReduce:
         if self.active:
             self.reducer.flush()
         self.active = False
+
+    def reopen(self) -> None:
+        """A backward follows the one that reduced, before the update (a loop summing several backwards into one
+        step, as plain PyTorch allows): at stage 1 each reduced chunk's buffer holds the mean over ranks in this
+        rank's range only, and this rank's own sum elsewhere, which the next reduce-scatter would count again. So
+        its range becomes the sum over ranks (the mean times the group's size) and the rest zeros: the next
+        reduce-scatter's mean is then the earlier backwards' mean plus the new one's. Stage 0's buffer holds the
+        mean everywhere, which the next all-reduce averages as it should."""
+        if self.comm.size == 1:
+            return
+        for key in self._reduced:
+            zc = self._chunks[key]
+            if not zc.layout.optim_sharded:
+                continue
+            acc = zc.grad_buffer()  # its reduced range has landed ([Note: copies the host does not wait for])
+            lo, hi = zc.kept_range()
+            acc[:lo].zero_()
+            acc[hi:].zero_()
+            acc[lo:hi].mul_(self.comm.size)
 
     def take(self, zc: ZeroChunk) -> bool:
         """Whether `zc`'s gradient was reduced during backward (the update then skips its reduction); forgets it."""
