@@ -507,6 +507,8 @@ class Engine:
             raise self._outside_backward(e.info.name)
         grad = param.grad
         param.grad = None
+        if grad.layout is not torch.strided:  # nn.Embedding(sparse=True): its chunk sums dense rows (zeros elsewhere)
+            grad = grad.to_dense()
         self._add_grad(e, grad, last=True)
         if self.gathers is not None:
             self.gathers.grad_arrived(e, self._unit_of[id(param)])

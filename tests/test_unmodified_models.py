@@ -24,10 +24,10 @@ def _double(batch):
     return batch
 
 
-def _references(model, batches, loss_of):
+def _references(model, batches, loss_of, make_opt=None):
     """Plain PyTorch in float64 (the exact run) and in fp32 (the scale of rounding error): see tests/tolerance.py."""
-    exact = _train(copy.deepcopy(model).double(), [_double(b) for b in batches], loss_of=loss_of)
-    return exact, _train(model, batches, loss_of=loss_of)
+    exact = _train(copy.deepcopy(model).double(), [_double(b) for b in batches], loss_of=loss_of, make_opt=make_opt)
+    return exact, _train(model, batches, loss_of=loss_of, make_opt=make_opt)
 
 
 def _compare(got, refs):
@@ -36,10 +36,14 @@ def _compare(got, refs):
     tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
 
 
-def _train(model, batches, *, engine_cfg=None, loss_of, steps_cfg=None):
-    """Losses and final state of plain PyTorch (engine_cfg None) or of hetero."""
+def _train(model, batches, *, engine_cfg=None, loss_of, steps_cfg=None, make_opt=None):
+    """Losses and final state of plain PyTorch (engine_cfg None) or of hetero. make_opt(params): the optimizer
+    (AdamW by default)."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if make_opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    else:
+        opt = make_opt(model.parameters())
     runner = model
     if engine_cfg is not None:
         runner = hetero.initialize(model, opt, {"chunk_size": 8192, **engine_cfg})
@@ -60,11 +64,11 @@ def _train(model, batches, *, engine_cfg=None, loss_of, steps_cfg=None):
     return losses, {k: (v if v.dtype == torch.float64 else v.float()).cpu() for k, v in state.items()}
 
 
-def _check(model, batches, loss_of, stages=(0, 3), offload="host"):
-    refs = _references(model, batches, loss_of)
+def _check(model, batches, loss_of, stages=(0, 3), offload="host", make_opt=None):
+    refs = _references(model, batches, loss_of, make_opt)
     for stage in stages:
         cfg = {"zero_stage": stage, "offload": {"optimizer": offload, "params": offload if stage == 3 else "device"}}
-        _compare(_train(model, batches, engine_cfg=cfg, loss_of=loss_of), refs)
+        _compare(_train(model, batches, engine_cfg=cfg, loss_of=loss_of, make_opt=make_opt), refs)
 
 
 def _lm_batches(vocab, n=4, rows=2, seq=10):
@@ -393,3 +397,38 @@ def test_train_batch_learns_whole_units_too():
         engine.train_batch(x, y, loss_fn=nn.functional.cross_entropy)
     engine.close()
     assert whole == [False, True]
+
+
+class _BagOfWords(nn.Module):
+    """A sparse embedding (its gradient a sparse tensor: the rows a batch looked up) under a dense classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, sparse=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(1))
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+        lambda params: torch.optim.Adagrad(params, lr=0.1),
+    ],
+    ids=["sgd-momentum", "adagrad"],
+)
+def test_sparse_embedding_gradients(make_opt):
+    # Chunks sum dense gradients: a sparse one is made dense (zeros in the rows not looked up), which is the update
+    # torch's SGD (momentum included) and Adagrad make from it. Before, "reshape is not implemented for sparse
+    # tensors" came from inside hetero.
+    torch.manual_seed(0)
+    model = _BagOfWords()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 50, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
+
+    def loss_of(m, batch, i):
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    _check(model, batches, loss_of, offload="device", make_opt=make_opt)

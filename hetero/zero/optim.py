@@ -82,9 +82,12 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer | None) -> 
 def step_scheduler(scheduler: Any) -> None:
     """Step an LR scheduler after a real update. The update is an optimizer step that torch's scheduler did not see
     (it watches the user's `optimizer.step()`, which the engine never calls), so torch's warning that the schedule
-    was stepped before the optimizer would be wrong here: it is silenced for this call only."""
+    was stepped before the optimizer would be wrong here: it is silenced for this call only, as is its warning that
+    `optimizer.step` was replaced after the scheduler was built (the engine replaced it with a refusal: [Note: the
+    optimizer handed over])."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)` has been overridden")
         scheduler.step()
 
 
