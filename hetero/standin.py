@@ -60,6 +60,7 @@ from hetero.standin_memory import (  # noqa: F401 (the registry's names are the 
     address,
     collective_rule,
     kind_of,
+    parts,
     poison,
     register,
     registry,
@@ -176,10 +177,13 @@ def _non_blocking(args: tuple, kwargs: dict) -> bool:
 
 def _claim(t: Any, clock: int | None = None) -> None:
     """Memory the stand-in never saw becomes device memory (written at compute clock `clock`, where given)."""
-    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and kind_of(t) is None:
-        register(t, DEVICE)
-        if clock is not None:
-            registry.mark_written(t, clock)
+    if not isinstance(t, torch.Tensor):
+        return
+    for part in parts(t):
+        if part.untyped_storage().nbytes() and kind_of(part) is None:
+            register(part, DEVICE)
+            if clock is not None:
+                registry.mark_written(part, clock)
 
 
 class _Compute(TorchDispatchMode):

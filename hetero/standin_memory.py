@@ -91,8 +91,18 @@ def address(t: torch.Tensor) -> int:
 registry = _Registry()
 
 
+def parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors holding `t`'s memory: itself, or a sparse COO tensor's values and indices (an
+    `nn.Embedding(sparse=True)` gradient)."""
+    if t.layout is torch.sparse_coo:
+        return [t._values(), t._indices()]
+    return [t]
+
+
 def kind_of(t: torch.Tensor) -> str | None:
     """DEVICE, HOST, or None for memory the stand-in never saw (made outside the engine's compute)."""
+    if t.layout is torch.sparse_coo:
+        t = t._values()
     if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
         return None
     return registry.kind(t)
