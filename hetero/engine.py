@@ -56,6 +56,8 @@ from hetero.zero.views import ParameterViews
 from hetero.zero.zero_chunk import ZeroChunk
 
 log = logging.getLogger("hetero.engine")
+# nn.Module methods that move or cast parameters: the engine does not pass them on to its model.
+_MOVERS = frozenset({"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "to_empty", "xpu", "ipu"})
 
 # Gradient reduce-scatters left running while backward goes on; each holds its full-size gradient buffer.
 _REDUCES_IN_FLIGHT = 2
@@ -361,6 +363,35 @@ class Engine:
         return out
 
     forward = __call__
+
+    def train(self, mode: bool = True) -> Engine:
+        """The model's `train(mode)`; returns the engine, as `nn.Module.train` returns the module."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def __getattr__(self, name: str) -> Any:
+        # What the engine lacks, the model answers (`engine.parameters()`, `engine.generate(...)`,
+        # `engine.compile()`), as DeepSpeed's engine does: a loop written for either runs on both. Reached only when
+        # normal lookup fails; private names, and names looked up before the model is set, stay errors (the engine's
+        # own attributes are never the model's by accident).
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in _MOVERS:  # an AttributeError: hasattr(engine, "to") is False, as the engine has none
+            raise AttributeError(
+                f"engine.{name}(): hetero places the parameters (in its chunks, on its tiers) and moving them would "
+                "take them out; choose the device with hetero.initialize(..., device=...) and the compute dtype "
+                "with the config's precision"
+            )
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"neither the engine nor its model ({type(module).__name__}) has an attribute {name!r}"
+            ) from None
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean.

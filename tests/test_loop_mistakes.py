@@ -222,3 +222,22 @@ def test_a_forward_without_autograd_inside_a_training_step_world2():
             tolerance.assert_weights(state, runs[torch.float64], runs[torch.float32], dtype=torch.float32)
         except AssertionError as e:
             raise AssertionError(f"stage {stage}: {e}") from e
+
+
+def test_the_engine_answers_for_its_model_as_deepspeeds_does():
+    # A loop written for DeepSpeed's engine calls engine.train(), engine.eval(), engine.parameters(): the engine
+    # passes what it lacks to its model, but not what would move the parameters out of its chunks.
+    model, opt, engine = _engine(3)
+    assert engine.eval() is engine and not model.training
+    assert engine.train() is engine and model.training
+    assert [n for n, _ in engine.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert engine.lm_head is model.lm_head
+    for mover in ("to", "cuda", "half", "float"):
+        assert not hasattr(engine, mover)
+        with pytest.raises(AttributeError, match=rf"engine\.{mover}\(\): hetero places the parameters"):
+            getattr(engine, mover)
+    with pytest.raises(AttributeError, match="neither the engine nor its model"):
+        engine.no_such_thing  # noqa: B018
+    with pytest.raises(AttributeError):
+        engine._parameters  # noqa: B018 (private names are never the model's)
+    engine.close()
