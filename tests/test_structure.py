@@ -22,8 +22,17 @@ EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "thre
 # implementation a transformers config selects, the mark transformers 4 leaves on modules post_init initialised, and
 # the storage method that lends a pooled buffer's memory to a gathered chunk ([Note: transient storage on pooled
 # memory] in hetero/device.py), and an operator's schema, which says what arguments it writes (the CPU stand-in's
-# write stamps, [Note: the CPU stand-in]).
-EXTERNAL_ATTRS = {"_cdata", "_attn_implementation", "_is_hf_initialized", "_swap_data_ptr_", "_schema"}
+# write stamps, [Note: the CPU stand-in]), and an uncoalesced sparse tensor's values and indices, whose memory the
+# stand-in tracks (an `nn.Embedding(sparse=True)` gradient; the public accessors want a coalesced copy).
+EXTERNAL_ATTRS = {
+    "_cdata",
+    "_attn_implementation",
+    "_is_hf_initialized",
+    "_swap_data_ptr_",
+    "_schema",
+    "_values",
+    "_indices",
+}
 
 
 def _modules() -> dict[str, ast.Module]:
