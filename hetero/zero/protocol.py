@@ -168,7 +168,9 @@ class Checker:
             "order in every step, because each gathers its parameters collectively. Data-dependent code belongs "
             "inside a block (a child of a ModuleList, e.g. a transformer layer): branches and expert routing there "
             "are fine. A module that only some ranks run at the top level cannot be sharded at stage 3: move it "
-            "into a block, make every rank call it, or use zero_stage <= 2."
+            "into a block, make every rank call it, or use zero_stage <= 2. So must every rank run each forward: "
+            "evaluation or generation under `if rank == 0` leaves the other ranks out of its gathers (let every rank "
+            "evaluate its own part of the data, or evaluate the consolidated weights in a process of its own)."
         )
         chunks = rows[:, 2].tolist()
         if any(0 <= c < len(self._chunks) and self._chunks[c].spec.tile for c in chunks):
