@@ -47,7 +47,7 @@ from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.predict import Prediction
-from hetero.zero.protocol import Checker, Reducer, adopt_observed_order
+from hetero.zero.protocol import CHECKPOINT, Checker, Reducer, adopt_observed_order
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.units import Entry, find_units
@@ -643,6 +643,8 @@ class Engine:
         Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
+        # Every rank saves: one alone would meet the others' next collective ([Note: every rank in step]).
+        self.check(CHECKPOINT)
         self._no_update_in_flight("save_checkpoint")
         self.settle_update()
         return save_checkpoint(self, path, client_state, **kwargs)
@@ -652,6 +654,7 @@ class Engine:
         saved client_state. Keyword-only extra: lr_scheduler=. See `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
+        self.check(CHECKPOINT)
         self._no_update_in_flight("load_checkpoint")
         self.settle_update()
         return load_checkpoint(self, path, **kwargs)

@@ -269,3 +269,34 @@ def test_evaluating_on_one_rank_at_stage_3_stops_every_rank_saying_why_world2():
     # after comm_timeout), and says what to do.
     for message in run_distributed(_evaluate_on_rank0_only, 2, timeout=240):
         assert "about to run different collectives" in message and "`if rank == 0`" in message, message
+
+
+def _one_rank_calls(rank: int, world: int, stage: int, call: str, root: str) -> str:
+    torch.set_num_threads(1)
+    model, opt, engine = _engine(stage, comm_timeout=120)
+    x, y = parity.batches(1, 4)[0]
+    try:
+        for step in range(3):
+            engine.backward(engine(x[2 * rank : 2 * rank + 2], labels=y[2 * rank : 2 * rank + 2]).loss)
+            engine.step()
+            if step == 1 and rank == 0:
+                if call == "save_checkpoint":
+                    engine.save_checkpoint(root)
+                else:
+                    torch.save(engine.full_state_dict(), f"{root}/model.pt")
+    except hetero.errors.CollectiveMismatchError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return "trained on"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,call", [(0, "save_checkpoint"), (3, "save_checkpoint"), (3, "full_state_dict")])
+def test_saving_on_rank_0_alone_stops_every_rank_saying_why_world2(tmp_path, stage, call):
+    # Before, rank 0's checkpoint met rank 1's next collective: gloo aborted rank 0 in native code ("Received data
+    # size doesn't match expected size") and rank 1 trained on.
+    for message in run_distributed(_one_rank_calls, 2, stage, call, str(tmp_path), timeout=240):
+        assert "are collective: every rank calls them" in message, message
+        assert ("checkpoint (save_checkpoint" if call == "save_checkpoint" else "gathered_parameters") in message
+    assert not list(tmp_path.iterdir()), "nothing is written when the ranks disagree"

@@ -82,8 +82,10 @@ OPS = (
     "all-reduce",
     "gather ahead",
     "read gradients (full_grads)",
+    "checkpoint (save_checkpoint or load_checkpoint)",
 )
-GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD, READ_GRADS = 1, 2, 3, 4, 5, 6, 7, 8
+GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD, READ_GRADS, CHECKPOINT = range(1, 10)
+CALLS = (SUMMON, READ_GRADS, CHECKPOINT)  # the engine's collective methods a loop calls itself
 PHASES = ("?", "forward", "backward", "outside a step")
 FORWARD, BACKWARD, OUTSIDE = 1, 2, 3
 
@@ -163,15 +165,23 @@ class Checker:
             units = [(u, p) for u, p in zip(flat[::2], flat[1::2]) if u >= 0]
             names = ", ".join(f"{self._units[u].name or '(root)'!r} ({PHASES[p]})" for u, p in units)
             lines.append(f"  rank {self.comm.global_rank(r)} started, last: {names or 'no unit'}")
-        lines.append(
-            "At zero_stage 3 every rank must run the same units (blocks, and modules outside blocks) in the same "
-            "order in every step, because each gathers its parameters collectively. Data-dependent code belongs "
-            "inside a block (a child of a ModuleList, e.g. a transformer layer): branches and expert routing there "
-            "are fine. A module that only some ranks run at the top level cannot be sharded at stage 3: move it "
-            "into a block, make every rank call it, or use zero_stage <= 2. So must every rank run each forward: "
-            "evaluation or generation under `if rank == 0` leaves the other ranks out of its gathers (let every rank "
-            "evaluate its own part of the data, or evaluate the consolidated weights in a process of its own)."
-        )
+        if any(op in CALLS for op in rows[:, 1].tolist()):
+            lines.append(
+                "save_checkpoint, load_checkpoint, full_state_dict, gathered_parameters and full_grads are "
+                "collective: every rank calls them at the same point of its loop, not only rank 0 (each writes its "
+                "own part of a checkpoint; with full_state_dict, let rank 0 alone write the file it returns)."
+            )
+        else:
+            lines.append(
+                "At zero_stage 3 every rank must run the same units (blocks, and modules outside blocks) in the same "
+                "order in every step, because each gathers its parameters collectively. Data-dependent code belongs "
+                "inside a block (a child of a ModuleList, e.g. a transformer layer): branches and expert routing "
+                "there are fine. A module that only some ranks run at the top level cannot be sharded at stage 3: "
+                "move it into a block, make every rank call it, or use zero_stage <= 2. So must every rank run each "
+                "forward: evaluation or generation under `if rank == 0` leaves the other ranks out of its gathers "
+                "(let every rank evaluate its own part of the data, or evaluate the consolidated weights in a "
+                "process of its own)."
+            )
         chunks = rows[:, 2].tolist()
         if any(0 <= c < len(self._chunks) and self._chunks[c].spec.tile for c in chunks):
             lines.append(
