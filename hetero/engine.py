@@ -38,7 +38,7 @@ from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers, unit_rules
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
-from hetero.zero.handed_over import take_over
+from hetero.zero.handed_over import check_model, take_over
 from hetero.zero.hooks import Hooks
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -86,6 +86,7 @@ def initialize(
     optimizer None: an inference engine (forward only, no gradients). lr_scheduler: a scheduler built on `optimizer`;
     the engine steps it once per real update (see `Engine.step`) and saves it in checkpoints.
     """
+    check_model(model)  # [Note: a model already wrapped for data parallelism]
     return Engine(
         model,
         optimizer,

@@ -300,3 +300,37 @@ def test_saving_on_rank_0_alone_stops_every_rank_saying_why_world2(tmp_path, sta
         assert "are collective: every rank calls them" in message, message
         assert ("checkpoint (save_checkpoint" if call == "save_checkpoint" else "gathered_parameters") in message
     assert not list(tmp_path.iterdir()), "nothing is written when the ranks disagree"
+
+
+def _wrapped_models(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():  # a group of one needs none for hetero; DDP and fully_shard do
+        dist.init_process_group("gloo")
+    messages = []
+    for wrap in ("ddp", "fully_shard"):
+        model = parity.build()
+        if wrap == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            fully_shard(model.layers[1])
+        try:
+            hetero.initialize(model, parity.make_optimizer(model), {"zero_stage": 3})
+        except hetero.errors.ConfigError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_a_model_wrapped_for_data_parallelism_is_refused_naming_what_to_pass():
+    # [Note: a model already wrapped for data parallelism]: two data parallelisms would reduce every gradient twice.
+    ddp, sharded = run_distributed(_wrapped_models, 1, timeout=100)[0]
+    assert "the model is a DistributedDataParallel" in ddp and "(model.module, the one it wraps)" in ddp, ddp
+    assert "module 'layers.1' is a FSDPModule" in sharded and "without fully_shard" in sharded, sharded
+    with pytest.raises(hetero.errors.ConfigError, match=r"the model is a DataParallel.*model\.module"):
+        hetero.initialize(nn.DataParallel(parity.build()), None, {})
+    model, opt, engine = _engine(0)
+    with pytest.raises(hetero.errors.ConfigError, match=r"got Engine \(an engine: pass its model, engine\.module\)"):
+        hetero.initialize(engine, None, {})
+    engine.close()

@@ -1,4 +1,11 @@
-"""The optimizer a user hands to `hetero.initialize`, kept from doing silently nothing afterwards.
+"""What a user hands to `hetero.initialize`: the model, checked to be one hetero can place, and the optimizer, kept
+from doing silently nothing afterwards.
+
+[Note: a model already wrapped for data parallelism]
+hetero does data parallelism itself (its chunks are reduced, sharded and gathered across the ranks). A model wrapped
+in DistributedDataParallel or DataParallel, or sharded by FSDP (its wrapper, or FSDP2's `fully_shard` on any of its
+modules), would reduce or shard each gradient a second time on hooks of its own, which fire where hetero's do and
+expect gradients hetero has moved into chunks; so it is refused, naming the module to pass instead.
 
 [Note: the optimizer handed over]
 Once the engine holds a model, the optimizer object the user built still has its param groups (shared with
@@ -21,7 +28,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from hetero.errors import HeteroError
+from hetero.errors import ConfigError, HeteroError
+
+# Class names (anywhere in a module's class hierarchy) of torch's data-parallel wrappers and sharded modules; by name,
+# so that checking needs no import of torch.distributed (hetero/comm is its one place).
+_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule"}
 
 _INSTEAD = {
     "step": (
@@ -44,6 +55,24 @@ _INSTEAD = {
         "or its parameters may start with requires_grad False)"
     ),
 }
+
+
+def check_model(model: object) -> None:
+    """Refuse what hetero cannot place: not an nn.Module (an engine, say), or a model already wrapped or sharded for
+    data parallelism ([Note: a model already wrapped for data parallelism])."""
+    if not isinstance(model, torch.nn.Module):
+        hint = " (an engine: pass its model, engine.module)" if hasattr(model, "module") else ""
+        raise ConfigError(f"hetero.initialize takes the model as an nn.Module; got {type(model).__name__}{hint}")
+    for name, m in model.named_modules():
+        wrapper = next((c.__name__ for c in type(m).__mro__ if c.__name__ in _WRAPPERS), None)
+        if wrapper is not None:
+            where = f"module {name!r}" if name else "the model"
+            inner = f" (model.{name + '.' if name else ''}module, the one it wraps)" if hasattr(m, "module") else ""
+            raise ConfigError(
+                f"{where} is a {wrapper}: hetero does data parallelism itself, and a second one would reduce or "
+                f"shard every gradient again. Pass the model unwrapped{inner}, built without fully_shard / "
+                "DistributedDataParallel; hetero's zero_stage chooses what is sharded"
+            )
 
 
 def take_over(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
