@@ -38,7 +38,7 @@ from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers, unit_rules
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
-from hetero.zero.handed_over import check_model, take_over
+from hetero.zero.handed_over import check_model, hold, take_over
 from hetero.zero.hooks import Hooks
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -332,6 +332,7 @@ class Engine:
                 self.activations.recomputing = self.gathers.turns.recomputing
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
+        self._unhold = hold(model)  # another initialize of this model is refused until close
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -779,6 +780,7 @@ class Engine:
             self._generating()
         if self._handed_back is not None:
             self._handed_back()
+        self._unhold()
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()

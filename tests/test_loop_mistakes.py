@@ -334,3 +334,22 @@ def test_a_model_wrapped_for_data_parallelism_is_refused_naming_what_to_pass():
     with pytest.raises(hetero.errors.ConfigError, match=r"got Engine \(an engine: pass its model, engine\.module\)"):
         hetero.initialize(engine, None, {})
     engine.close()
+
+
+def test_a_model_another_engine_holds_is_refused_until_it_closes():
+    model, opt, engine = _engine(3)
+    x, y = _batch()
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()
+    # Before: the second engine's backward met the first one's hooks, or (stage 3) read released parameters.
+    with pytest.raises(hetero.errors.ConfigError, match=r"'embed\.weight' belongs to an open hetero engine"):
+        hetero.initialize(model, parity.make_optimizer(model), {"zero_stage": 0})
+    weights = engine.full_state_dict()
+    engine.close()
+    with pytest.raises(hetero.errors.ConfigError, match=r"has no values: .* closing \(engine\.full_state_dict\(\)"):
+        hetero.initialize(model, parity.make_optimizer(model), {"zero_stage": 0})
+    fresh = parity.build()
+    fresh.load_state_dict(weights)
+    again = hetero.initialize(fresh, parity.make_optimizer(fresh), {"zero_stage": 3, "chunk_size": parity.CHUNK})
+    assert all(torch.equal(v, weights[k]) for k, v in again.full_state_dict().items())
+    again.close()

@@ -5,7 +5,9 @@ from doing silently nothing afterwards.
 hetero does data parallelism itself (its chunks are reduced, sharded and gathered across the ranks). A model wrapped
 in DistributedDataParallel or DataParallel, or sharded by FSDP (its wrapper, or FSDP2's `fully_shard` on any of its
 modules), would reduce or shard each gradient a second time on hooks of its own, which fire where hetero's do and
-expect gradients hetero has moved into chunks; so it is refused, naming the module to pass instead.
+expect gradients hetero has moved into chunks; so it is refused, naming the module to pass instead. So is a model
+another engine holds: its parameters view that engine's chunks and carry its hooks (a second engine's backward met
+the first one's hooks), until that engine closes; and at stage 3 a closed engine leaves them without values.
 
 [Note: the optimizer handed over]
 Once the engine holds a model, the optimizer object the user built still has its param groups (shared with
@@ -23,12 +25,14 @@ schedulers wrap `optimizer.step` to count calls), and the engine steps scheduler
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 
 from hetero.errors import ConfigError, HeteroError
+from hetero.zero.released import is_released
 
 # Class names (anywhere in a module's class hierarchy) of torch's data-parallel wrappers and sharded modules; by name,
 # so that checking needs no import of torch.distributed (hetero/comm is its one place).
@@ -57,6 +61,24 @@ _INSTEAD = {
 }
 
 
+_HELD: dict[int, weakref.ref] = {}  # id of a parameter an open engine holds -> the parameter (weakly)
+
+
+def hold(model: torch.nn.Module) -> Callable[[], None]:
+    """Mark `model`'s parameters as an open engine's; returns what unmarks them (the engine's close)."""
+    params = list(model.parameters())
+    for p in params:
+        _HELD[id(p)] = weakref.ref(p)
+
+    def undo() -> None:
+        for p in params:
+            ref = _HELD.get(id(p))
+            if ref is not None and ref() is p:
+                del _HELD[id(p)]
+
+    return undo
+
+
 def check_model(model: object) -> None:
     """Refuse what hetero cannot place: not an nn.Module (an engine, say), or a model already wrapped or sharded for
     data parallelism ([Note: a model already wrapped for data parallelism])."""
@@ -72,6 +94,20 @@ def check_model(model: object) -> None:
                 f"{where} is a {wrapper}: hetero does data parallelism itself, and a second one would reduce or "
                 f"shard every gradient again. Pass the model unwrapped{inner}, built without fully_shard / "
                 "DistributedDataParallel; hetero's zero_stage chooses what is sharded"
+            )
+    for name, p in model.named_parameters():
+        ref = _HELD.get(id(p))
+        if ref is not None and ref() is p:
+            raise ConfigError(
+                f"parameter {name!r} belongs to an open hetero engine (this model was given to hetero.initialize "
+                "before): train through that engine, or close it first (engine.close()) and pass a model with "
+                "values (a closed stage-3 engine leaves none: take engine.full_state_dict() before closing)"
+            )
+        if is_released(p):
+            raise ConfigError(
+                f"parameter {name!r} has no values: a hetero engine at zero_stage 3 held this model and closed. "
+                "Take its weights before closing (engine.full_state_dict(), or a checkpoint) and load them into a "
+                "new model, or pass weights= to hetero.initialize"
             )
 
 
