@@ -521,11 +521,19 @@ class Engine:
                     "it should not train (its update is then skipped, as torch's optimizers skip a parameter "
                     "without a gradient)"
                 )
-        self._backward_open = True
+        self._set_backward_open(True)
         try:
             yield
         finally:
-            self._backward_open = False
+            self._set_backward_open(False)
+
+    def _set_backward_open(self, is_open: bool) -> None:
+        # The parts that run in any backward tell the training one from torch.autograd.grad's: [Note: backwards
+        # that are not the training one] in hetero/zero/tiling.py.
+        self._backward_open = is_open
+        self.tiles.accumulating = is_open
+        if self.gathers is not None:
+            self.gathers.accumulating = is_open
 
     def _outside_backward(self, name: str) -> HeteroError:
         return HeteroError(

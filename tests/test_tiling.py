@@ -552,7 +552,7 @@ def test_freed_buffers_leave_the_process(cpu_device):
 def test_embedding_tiles_without_nonzero_give_the_same_rows_and_gradients(dtype):
     """On a GPU the tiled embedding finds its rows with no `nonzero` (a wait for the GPU): lookups clamped into the
     tile and a select, gradients with zero rows added. Both ways give the same bits, tile by tile."""
-    from hetero.zero.tiling import embedding_grad_rows, embedding_rows
+    from hetero.zero.tile_rows import embedding_grad_rows, embedding_rows
 
     torch.manual_seed(0)
     vocab, dim, n = 50, 8, 200

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from hetero.comm import Comm
+from hetero.errors import HeteroError
 from hetero.memory import TensorState, Tier
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, GATHER_AHEAD, Checker, in_backward
 from hetero.zero.turns import TileTurns
@@ -100,11 +101,20 @@ class Gathers:
         self._late: dict[int, list[ZeroChunk]] = {}  # unit index -> chunks of such modules, seen at its end
         self._loose: set[int] = set()  # chunk ids whose module ran outside every unit this step
         self.turns: TileTurns | None = None  # over several ranks: [Note: tile gathers in turns] (`take_turns`)
+        self.accumulating = False  # inside engine.backward (or train_batch's): set by `Engine.backward_open`
 
     # ---- unit events --------------------------------------------------------------------------------------
     def enter_unit(self, unit: Unit, *, backward: bool = False) -> None:
         """A unit starts (forward or a recomputation of it; backward: its backward): every chunk it uses will be
         gathered, in layout order; and the next unit's gathers are issued ([Note: gathering ahead])."""
+        if backward and not self.accumulating:
+            raise HeteroError(
+                f"a backward reached module {unit.name or '(root)'!r} of a zero_stage 3 model outside "
+                "engine.backward. Call engine.backward(loss) then engine.step() where a loop calls loss.backward(). "
+                "torch.autograd.grad(...) (input gradients, a gradient penalty) cannot run through a stage-3 model: "
+                "its gathers and its gradients' reductions follow the units of the training backward, on every "
+                "rank. Take such gradients at zero_stage <= 2, where hetero computes them as PyTorch does"
+            )
         if self.turns is not None:
             self.turns.begin(unit, backward=backward)
         self._pending[unit.index] = [zc for zc in unit.chunks if not zc.gathered]

@@ -27,6 +27,17 @@ Collectives: at stage 3 a tile is gathered when its module's forward (or backwar
 the same `Checker` as a unit's gathers. Over several ranks the tiled modules of a unit take turns, so that a rank
 that skips one (a branch, an expert its router passed over) takes part in its gathers at the point the others make
 them ([Note: tile gathers in turns] in `hetero/zero/turns.py`).
+
+[Note: backwards that are not the training one]
+A loop may run backwards of its own beside `engine.backward`: `torch.autograd.grad(loss, inputs)` for an input's
+gradient (an adversarial example), with `create_graph=True` for a gradient penalty that is differentiated again. A
+plain parameter's gradient then never reaches hetero (autograd.grad accumulates no `.grad`), but a tiled layer's
+backward computes its tiles' gradients itself, and delivered them into the chunks, adding the first loss's weight
+gradient to the update. So a tile's gradient is computed and delivered only inside `engine.backward` (or
+`train_batch`'s), which the engine marks (`accumulating`); any other backward computes the input's gradient only.
+A second derivative through a trainable tiled layer is refused: its backward reads tiles that require no gradient,
+so the penalty's gradient with respect to the weight would be silently lost. At stage 3 every backward gathers along
+the training backward's units, and one outside `engine.backward` is refused (`Gathers.enter_unit`).
 """
 
 from __future__ import annotations
@@ -40,15 +51,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hetero.errors import HeteroError
 from hetero.io.hugepages import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.hooks import outside_compile
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
-from hetero.zero.tile_rows import embedding_grad_rows, embedding_rows
+from hetero.zero.tile_autograd import TiledConv1D, TiledEmbedding, TiledLinear
 from hetero.zero.tileable import bases, layer_kind
 
 if TYPE_CHECKING:
@@ -99,6 +110,9 @@ class TileRunner:
         # (layer, in its backward) -> before the layer gathers its tiles ([Note: tile gathers in turns]); set by
         # `Gathers.take_turns` at stage 3 over several ranks
         self.turn: Callable[[str, bool], None] | None = None
+        # Inside engine.backward: a tile's gradient goes into its chunk only then ([Note: backwards that are not the
+        # training one]); set by `Engine.backward_open`.
+        self.accumulating = False
         me = weakref.ref(self)  # the model may outlive the engine: its layers must not keep the engine alive
         for name, module in model.named_modules():
             weight = dict(module.named_parameters(recurse=False)).get("weight")
@@ -169,6 +183,19 @@ class TileRunner:
             return out
         return fresh(torch.empty(e.info.shape, dtype=like.dtype, device=like.device))
 
+    def wants_grads(self, t: Tiled) -> bool:
+        """Whether this backward computes `t`'s tiles' gradients ([Note: backwards that are not the training one])."""
+        if not t.trainable:
+            return False
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
+            raise HeteroError(
+                "a backward with create_graph=True (a second derivative, as a gradient penalty takes) reached the "
+                f"tiled weight {t.name!r}: tiled layers compute first-order gradients only, and the weight's part "
+                "of the second derivative would be lost. Keep its weight whole: a chunk_size of at least "
+                f'{t.param.numel()} elements (its size), or "tiling": false'
+            )
+        return self.accumulating
+
     def deliver(self, t: Tiled, e: Entry, grad: torch.Tensor, counted: bool) -> None:
         """One tile's gradient of one use; the last tile of the last use completes the parameter."""
         last = not counted or t.uses <= 1
@@ -198,20 +225,20 @@ def _state(layer: nn.Module) -> tuple[TileRunner, Tiled, str]:
 
 def _linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     r, t, name = _state(self)
-    out = _TiledLinear.apply(x, _anchor(t.param, x), r, t, r.begin_use(t), name)
+    out = TiledLinear.apply(x, _anchor(t.param, x), r, t, r.begin_use(t), name)
     return out if self.bias is None else out + self.bias
 
 
 def _embedding_forward(self: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     r, t, name = _state(self)
     r.take_turn(name, backward=False)  # its backward gathers nothing
-    return _TiledEmbedding.apply(ids, _anchor(t.param, ids), r, t, r.begin_use(t), self.padding_idx)
+    return TiledEmbedding.apply(ids, _anchor(t.param, ids), r, t, r.begin_use(t), self.padding_idx)
 
 
 def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     r, t, name = _state(self)
     shape = x.shape[:-1] + (self.nf,)
-    out = _TiledConv1D.apply(x.reshape(-1, x.shape[-1]), _anchor(t.param, x), r, t, r.begin_use(t), name)
+    out = TiledConv1D.apply(x.reshape(-1, x.shape[-1]), _anchor(t.param, x), r, t, r.begin_use(t), name)
     return (out + self.bias).view(shape)
 
 
@@ -253,145 +280,6 @@ def _anchor(param: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
     the output does too (its own gradient is never computed; the tiles' go to their chunks)."""
     device = like.device
     return torch.empty(0, device=device).requires_grad_(param.requires_grad)
-
-
-def _tile_grad(r: TileRunner, e: Entry, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b, a tile's weight gradient, computed where `TileRunner.grad_out` says."""
-    return torch.mm(a, b, out=r.grad_out(e, b))
-
-
-class _TiledLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
-    ) -> Any:
-        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
-        ctx.save_for_backward(x)
-        r.take_turn(layer, backward=False)
-        parts = []
-        for e in t.tiles:
-            w = r.open(e)
-            try:
-                parts.append(F.linear(x, w))
-            finally:
-                r.close(e)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        (x,) = ctx.saved_tensors
-        r, t = ctx.r, ctx.t
-        r.take_turn(ctx.layer, backward=True)
-        dx = None
-        x2 = x.reshape(-1, x.shape[-1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        lo = 0
-        for e in t.tiles:
-            w = r.open(e)
-            try:
-                rows = w.shape[0]
-                g = dy2[:, lo : lo + rows]
-                if ctx.needs_input_grad[0]:
-                    dx = g @ w if dx is None else dx.addmm_(g, w)
-                if t.trainable:
-                    r.deliver(t, e, _tile_grad(r, e, g.t(), x2), ctx.counted)
-                lo += rows
-            finally:
-                r.close(e)
-        r.end_backward(t, ctx.counted)
-        return (None if dx is None else dx.view(x.shape)), None, None, None, None, None
-
-
-class _TiledConv1D(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
-    ) -> Any:
-        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
-        ctx.save_for_backward(x)
-        r.take_turn(layer, backward=False)
-        out = None
-        lo = 0
-        for e in t.tiles:
-            w = r.open(e)
-            try:
-                rows = w.shape[0]
-                part = x[:, lo : lo + rows]
-                out = part @ w if out is None else out.addmm_(part, w)
-                lo += rows
-            finally:
-                r.close(e)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        (x,) = ctx.saved_tensors
-        r, t = ctx.r, ctx.t
-        r.take_turn(ctx.layer, backward=True)
-        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        lo = 0
-        for e in t.tiles:
-            w = r.open(e)
-            try:
-                rows = w.shape[0]
-                if dx is not None:
-                    dx[:, lo : lo + rows] = dy @ w.t()
-                if t.trainable:
-                    r.deliver(t, e, _tile_grad(r, e, x[:, lo : lo + rows].t(), dy), ctx.counted)
-                lo += rows
-            finally:
-                r.close(e)
-        r.end_backward(t, ctx.counted)
-        return dx, None, None, None, None, None
-
-
-class _TiledEmbedding(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        ids: torch.Tensor,
-        anchor: torch.Tensor,
-        r: TileRunner,
-        t: Tiled,
-        counted: bool,
-        padding_idx: int | None,
-    ) -> Any:
-        ctx.r, ctx.t, ctx.counted, ctx.padding_idx = r, t, counted, padding_idx
-        ctx.save_for_backward(ids)
-        flat = ids.reshape(-1)
-        out = None
-        lo = 0
-        for e in t.tiles:
-            w = r.open(e)
-            try:
-                if out is None:
-                    out = torch.zeros(flat.numel(), w.shape[1], dtype=w.dtype, device=w.device)
-                out = embedding_rows(out, w, flat, lo, sync_free=e.chunk.device.separate_memory)
-                lo += w.shape[0]
-            finally:
-                r.close(e)
-        return out.view(*ids.shape, -1)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        (ids,) = ctx.saved_tensors
-        r, t = ctx.r, ctx.t
-        flat = ids.reshape(-1)
-        dy2 = dy.reshape(flat.numel(), -1)
-        lo = 0
-        for e in t.tiles:
-            rows, dim = e.info.shape
-            if t.trainable:
-                # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
-                g = r.grad_out(e, dy).zero_()
-                g = embedding_grad_rows(g, dy2, flat, lo, sync_free=e.chunk.device.separate_memory)
-                pad = ctx.padding_idx
-                if pad is not None and lo <= pad < lo + rows:
-                    g[pad - lo].zero_()
-                r.deliver(t, e, g, ctx.counted)
-            lo += rows
-        r.end_backward(t, ctx.counted)
-        return None, None, None, None, None, None
 
 
 # ---- the parameter object of a tiled weight ---------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""The autograd functions of tiled layers: forward and backward over a weight's tiles, one resident at a time
+([Note: computing on tiles] in `hetero/zero/tiling.py`, which swaps them into the layers' forwards). A tile's gradient
+is computed only where the backward is the training one ([Note: backwards that are not the training one], ibid.).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from hetero.zero.tile_rows import embedding_grad_rows, embedding_rows
+
+if TYPE_CHECKING:
+    from hetero.zero.tiling import Tiled, TileRunner
+    from hetero.zero.units import Entry
+
+
+def tile_grad(r: TileRunner, e: Entry, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, a tile's weight gradient, computed where `TileRunner.grad_out` says."""
+    return torch.mm(a, b, out=r.grad_out(e, b))
+
+
+class TiledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
+    ) -> Any:
+        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
+        ctx.save_for_backward(x)
+        r.take_turn(layer, backward=False)
+        parts = []
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                parts.append(F.linear(x, w))
+            finally:
+                r.close(e)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        r, t = ctx.r, ctx.t
+        grads = r.wants_grads(t)
+        r.take_turn(ctx.layer, backward=True)
+        dx = None
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                rows = w.shape[0]
+                g = dy2[:, lo : lo + rows]
+                if ctx.needs_input_grad[0]:
+                    dx = g @ w if dx is None else dx.addmm_(g, w)
+                if grads:
+                    r.deliver(t, e, tile_grad(r, e, g.t(), x2), ctx.counted)
+                lo += rows
+            finally:
+                r.close(e)
+        r.end_backward(t, ctx.counted)
+        return (None if dx is None else dx.view(x.shape)), None, None, None, None, None
+
+
+class TiledConv1D(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
+    ) -> Any:
+        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
+        ctx.save_for_backward(x)
+        r.take_turn(layer, backward=False)
+        out = None
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                rows = w.shape[0]
+                part = x[:, lo : lo + rows]
+                out = part @ w if out is None else out.addmm_(part, w)
+                lo += rows
+            finally:
+                r.close(e)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        r, t = ctx.r, ctx.t
+        grads = r.wants_grads(t)
+        r.take_turn(ctx.layer, backward=True)
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                rows = w.shape[0]
+                if dx is not None:
+                    dx[:, lo : lo + rows] = dy @ w.t()
+                if grads:
+                    r.deliver(t, e, tile_grad(r, e, x[:, lo : lo + rows].t(), dy), ctx.counted)
+                lo += rows
+            finally:
+                r.close(e)
+        r.end_backward(t, ctx.counted)
+        return dx, None, None, None, None, None
+
+
+class TiledEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ids: torch.Tensor,
+        anchor: torch.Tensor,
+        r: TileRunner,
+        t: Tiled,
+        counted: bool,
+        padding_idx: int | None,
+    ) -> Any:
+        ctx.r, ctx.t, ctx.counted, ctx.padding_idx = r, t, counted, padding_idx
+        ctx.save_for_backward(ids)
+        flat = ids.reshape(-1)
+        out = None
+        lo = 0
+        for e in t.tiles:
+            w = r.open(e)
+            try:
+                if out is None:
+                    out = torch.zeros(flat.numel(), w.shape[1], dtype=w.dtype, device=w.device)
+                out = embedding_rows(out, w, flat, lo, sync_free=e.chunk.device.separate_memory)
+                lo += w.shape[0]
+            finally:
+                r.close(e)
+        return out.view(*ids.shape, -1)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        (ids,) = ctx.saved_tensors
+        r, t = ctx.r, ctx.t
+        grads = r.wants_grads(t)
+        flat = ids.reshape(-1)
+        dy2 = dy.reshape(flat.numel(), -1)
+        lo = 0
+        for e in t.tiles:
+            rows, dim = e.info.shape
+            if grads:
+                # The gradient needs no values of the tile: it is not gathered (nothing to read, no collective).
+                g = r.grad_out(e, dy).zero_()
+                g = embedding_grad_rows(g, dy2, flat, lo, sync_free=e.chunk.device.separate_memory)
+                pad = ctx.padding_idx
+                if pad is not None and lo <= pad < lo + rows:
+                    g[pad - lo].zero_()
+                r.deliver(t, e, g, ctx.counted)
+            lo += rows
+        r.end_backward(t, ctx.counted)
+        return None, None, None, None, None, None
