@@ -243,35 +243,16 @@ def test_the_engine_answers_for_its_model_as_deepspeeds_does():
     engine.close()
 
 
-def _evaluate_on_rank0_only(rank: int, world: int) -> str:
-    torch.set_num_threads(1)
-    model, opt, engine = _engine(3, comm_timeout=120)
-    x, y = parity.batches(1, 4)[0]
-    try:
-        for step in range(3):
-            engine.backward(engine(x[2 * rank : 2 * rank + 2], labels=y[2 * rank : 2 * rank + 2]).loss)
-            engine.step()
-            if step == 1 and rank == 0:
-                with torch.no_grad():
-                    engine.eval()
-                    engine(x, labels=y)
-                    engine.train()
-    except hetero.errors.CollectiveMismatchError as e:
-        return str(e)
-    finally:
-        engine.close()
-    return "trained on"
-
-
 @pytest.mark.timeout(300)
 def test_evaluating_on_one_rank_at_stage_3_stops_every_rank_saying_why_world2():
     # A forward only rank 0 runs meets the other rank's next gathers: the collective check stops both at once (not
     # after comm_timeout), and says what to do.
-    for message in run_distributed(_evaluate_on_rank0_only, 2, timeout=240):
+    for message in run_distributed(_one_rank_calls, 2, 3, "evaluate", "", timeout=240):
         assert "about to run different collectives" in message and "`if rank == 0`" in message, message
 
 
 def _one_rank_calls(rank: int, world: int, stage: int, call: str, root: str) -> str:
+    """Train three steps; after the second, rank 0 alone makes `call`. Returns the mismatch error's message."""
     torch.set_num_threads(1)
     model, opt, engine = _engine(stage, comm_timeout=120)
     x, y = parity.batches(1, 4)[0]
@@ -282,8 +263,13 @@ def _one_rank_calls(rank: int, world: int, stage: int, call: str, root: str) -> 
             if step == 1 and rank == 0:
                 if call == "save_checkpoint":
                     engine.save_checkpoint(root)
-                else:
+                elif call == "full_state_dict":
                     torch.save(engine.full_state_dict(), f"{root}/model.pt")
+                else:  # an evaluation
+                    with torch.no_grad():
+                        engine.eval()
+                        engine(x, labels=y)
+                        engine.train()
     except hetero.errors.CollectiveMismatchError as e:
         return str(e)
     finally:
