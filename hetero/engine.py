@@ -476,6 +476,18 @@ class Engine:
         A loop whose last accumulation is shorter (the end of an epoch) ends it with True."""
         self._boundary = is_boundary
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's `no_sync`, for loops written for it: the backwards inside only accumulate (no reduction across
+        ranks, no update at a `step()` inside); the first backward after it ends the accumulation, and its
+        `step()` updates (as the count would have it: with `grad_accumulation_steps` 1, at once)."""
+        before = self._boundary
+        self._boundary = False
+        try:
+            yield
+        finally:
+            self._boundary = before
+
     def metrics(self) -> dict[str, Any]:
         """Step, loss scale, last gradient norm, skipped steps, learning rate, tokens/s (when `step` is given tokens),
         per-tier memory and bytes moved between tiers (hetero/metrics.py)."""

@@ -10,6 +10,8 @@ against the float64 run as every parity test is ([Note: tolerances from the arit
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -339,3 +341,40 @@ def test_a_model_another_engine_holds_is_refused_until_it_closes():
     again = hetero.initialize(fresh, parity.make_optimizer(fresh), {"zero_stage": 3, "chunk_size": parity.CHUNK})
     assert all(torch.equal(v, weights[k]) for k, v in again.full_state_dict().items())
     again.close()
+
+
+def _ddp_style_accumulation(rank: int, world: int) -> dict:
+    """DDP's accumulation loop: every micro-batch but the last inside `no_sync()`, one `step()` after the last."""
+    torch.set_num_threads(1)
+    out = {}
+    data = parity.batches(8, 4)
+    for stage in (0, 1, 2, 3):
+        model, opt, engine = _engine(stage)
+        losses = []
+        for step in range(4):
+            total = torch.zeros(())
+            for micro, (x, y) in enumerate(data[2 * step : 2 * step + 2]):
+                checks = engine.check.seq  # one a collective
+                with engine.no_sync() if micro == 0 else contextlib.nullcontext():
+                    loss = engine(x[2 * rank : 2 * rank + 2], labels=y[2 * rank : 2 * rank + 2]).loss
+                    engine.backward(loss / 2)
+                if stage <= 1:  # stages 0-1 reduce only at the end of an accumulation; 2-3 at every backward
+                    assert (engine.check.seq > checks) == (micro == 1), (stage, micro)
+                total += loss.detach() / 2
+            engine.step()
+            engine.comm.control.all_reduce(total, op="avg")
+            losses.append(total.item())
+        out[stage] = {"losses": losses, "state": {k: v.float() for k, v in engine.full_state_dict().items()}}
+        assert engine.global_steps == 4
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_no_sync_accumulates_as_ddp_does_world2():
+    results = run_distributed(_ddp_style_accumulation, 2, timeout=240)[0]
+    for stage, result in results.items():
+        try:
+            parity.check(result, "fp32", steps=4, rows=4, accum=2)
+        except AssertionError as e:
+            raise AssertionError(f"stage {stage}: {e}") from e
