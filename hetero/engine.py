@@ -665,6 +665,12 @@ class Engine:
         Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
+        if isinstance(client_state, (str, int)) and "tag" not in kwargs:
+            # DeepSpeed's save_checkpoint(save_dir, tag, client_state): its second argument is the tag
+            raise TypeError(
+                f"save_checkpoint's second argument is client_state (your own state, saved with the checkpoint and "
+                f"returned by load_checkpoint); got {client_state!r}, a tag? Pass tag={client_state!r}"
+            )
         # Every rank saves: one alone would meet the others' next collective ([Note: every rank in step]).
         self.check(CHECKPOINT)
         self._no_update_in_flight("save_checkpoint")

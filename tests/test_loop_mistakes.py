@@ -378,3 +378,13 @@ def test_no_sync_accumulates_as_ddp_does_world2():
             parity.check(result, "fp32", steps=4, rows=4, accum=2)
         except AssertionError as e:
             raise AssertionError(f"stage {stage}: {e}") from e
+
+
+def test_a_deepspeed_style_tag_given_as_client_state_is_refused(tmp_path):
+    model, opt, engine = _engine(0)
+    with pytest.raises(TypeError, match=r"second argument is client_state.*Pass tag='global_step10'"):
+        engine.save_checkpoint(tmp_path, "global_step10")  # DeepSpeed's save_checkpoint(save_dir, tag)
+    assert not list(tmp_path.iterdir())
+    saved = engine.save_checkpoint(tmp_path, {"epoch": 3}, tag="global_step10")
+    assert saved.endswith("global_step10") and engine.load_checkpoint(saved) == {"epoch": 3}
+    engine.close()
