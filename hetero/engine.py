@@ -25,6 +25,7 @@ from hetero.config import Config
 from hetero.device import make_device
 from hetero.errors import ConfigError, HeteroError
 from hetero.events import Events
+from hetero.integrations.deepspeed_names import DeepSpeedNames
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
@@ -99,7 +100,7 @@ def initialize(
     )
 
 
-class Engine:
+class Engine(DeepSpeedNames):
     def __init__(
         self,
         model: nn.Module,

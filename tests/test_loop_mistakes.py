@@ -388,3 +388,16 @@ def test_a_deepspeed_style_tag_given_as_client_state_is_refused(tmp_path):
     saved = engine.save_checkpoint(tmp_path, {"epoch": 3}, tag="global_step10")
     assert saved.endswith("global_step10") and engine.load_checkpoint(saved) == {"epoch": 3}
     engine.close()
+
+
+def test_deepspeeds_engine_names_answer_with_hetero_figures():
+    model, opt, engine = _engine(2, grad_accumulation_steps=2, precision="fp16")
+    x, y = _batch()
+    for _ in range(4):
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+    assert engine.get_lr() == [g["lr"] for g in opt.param_groups] == [3e-3, 3e-3]
+    assert engine.get_global_grad_norm() == engine.last_grad_norm is not None
+    assert engine.was_step_applied() is not engine.last_update_skipped
+    assert engine.gradient_accumulation_steps() == 2 and engine.zero_optimization_stage() == 2
+    engine.close()
