@@ -396,9 +396,11 @@ class Engine(DeepSpeedNames):
                 f"neither the engine nor its model ({type(module).__name__}) has an attribute {name!r}"
             ) from None
 
-    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True, retain_graph: bool | None = None) -> None:
         """Backward of loss / grad_accumulation_steps (scaled for fp16): the accumulated gradient is the mean.
-        scale_wrt_gas False: backward of the loss as given (a caller that already divided it, like HF's Trainer)."""
+        scale_wrt_gas False: backward of the loss as given (a caller that already divided it, like HF's Trainer).
+        retain_graph: torch's, for a second backward through the same graph (its gradients add up before `step()`,
+        as in plain PyTorch)."""
         if self.inference:
             raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to compute")
         self.events.emit("backward_begin")
@@ -413,7 +415,7 @@ class Engine(DeepSpeedNames):
         if self.in_backward is not None:
             self.in_backward.begin(boundary=boundary)
         with self.device.compute_context(), self.backward_open():
-            (loss * scale if scale != 1.0 else loss).backward()
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
@@ -429,7 +431,7 @@ class Engine(DeepSpeedNames):
         for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
-            self.gathers.release_all()
+            self.gathers.release_all(keep_forwards=bool(retain_graph))
             self.gathers.learn(self.comm)  # once, after the first backward ([Note: one backward hook per unit])
         if self.activations is not None:
             self.activations.step_end()

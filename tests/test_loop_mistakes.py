@@ -401,3 +401,46 @@ def test_deepspeeds_engine_names_answer_with_hetero_figures():
     assert engine.was_step_applied() is not engine.last_update_skipped
     assert engine.gradient_accumulation_steps() == 2 and engine.zero_optimization_stage() == 2
     engine.close()
+
+
+def _two_losses(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(x, labels=y)
+    return out.loss, 0.01 * out.logits.pow(2).mean()
+
+
+def _backward_twice_through_one_graph(rank: int, world: int) -> dict:
+    """Two backwards through one forward's graph (`retain_graph=True`), then one step: the gradients add up."""
+    torch.set_num_threads(1)
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model, opt, engine = _engine(stage)
+        for x, y in parity.batches(4, 4):
+            first, second = _two_losses(engine, x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+            engine.backward(first, retain_graph=True)
+            engine.backward(second)
+            engine.step()
+        out[stage] = {k: v.float() for k, v in engine.full_state_dict().items()}
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_retain_graph_for_a_second_backward_world2():
+    # Before, engine.backward took no retain_graph (DeepSpeed's takes it), and at stage 3 the second backward's
+    # gradients came after the first one's reductions ("arrived after every unit using it had ended its backward").
+    results = run_distributed(_backward_twice_through_one_graph, 2, timeout=240)[0]
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        model = parity.build().to(dtype)
+        opt = parity.make_optimizer(model)
+        for x, y in parity.batches(4, 4):
+            halves = [_two_losses(model, x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2]) for r in range(2)]
+            (sum(a + b for a, b in halves) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[dtype] = model.state_dict()
+    for stage, state in results.items():
+        try:
+            tolerance.assert_weights(state, runs[torch.float64], runs[torch.float32], dtype=torch.float32)
+        except AssertionError as e:
+            raise AssertionError(f"stage {stage}: {e}") from e

@@ -341,9 +341,10 @@ class Gathers:
         if not training:
             self.release_all()
 
-    def release_all(self) -> None:
+    def release_all(self, *, keep_forwards: bool = False) -> None:
         """End of backward (or of a forward without one): everything still gathered is released, in layout order;
-        units whose backward never ended (no input needed a gradient) are left first."""
+        units whose backward never ended (no input needed a gradient) are left first. keep_forwards: the graph
+        was retained for another backward (`retain_graph=True`), whose unit ends count against the same forwards."""
         for entries in self._held.values():
             for e in entries:
                 e.chunk.exit(e, TensorState.HOLD_AFTER_BWD)
@@ -354,7 +355,8 @@ class Gathers:
             self.turns.clear()
         self._active.clear()
         self._window.clear()
-        for per_step in (self._calls, self._ends, self._endless, self._fwd, self._callers, self._late, self._loose):
+        forwards = (self._calls, self._endless, self._callers, self._loose)
+        for per_step in (self._ends, self._fwd, self._late, *(() if keep_forwards else forwards)):
             per_step.clear()
         for zc in self._chunks:
             zc.reshard()
