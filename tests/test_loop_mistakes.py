@@ -138,9 +138,10 @@ def test_freezing_a_parameter_for_some_steps_trains_like_pytorch_world2():
     assert not torch.allclose(results[3]["state"]["layers.0.attn.q_proj.weight"], plain["layers.0.attn.q_proj.weight"])
 
 
-def _backwards_into_one_step(rank: int, world: int) -> dict:
-    """A loop summing two backwards into each update itself (grad_accumulation_steps 1, `engine.step()` after the
-    second), as a plain PyTorch loop does with two `backward()` calls before `optimizer.step()`."""
+def _two_micro_batches_a_step(rank: int, world: int, no_sync: bool) -> dict:
+    """A loop summing two backwards into each update itself (`grad_accumulation_steps` 1, one `engine.step()` after
+    the second), as plain PyTorch does with two `backward()` calls before `optimizer.step()`; no_sync: the first
+    inside `engine.no_sync()`, as DDP's accumulation loop has it."""
     torch.set_num_threads(1)
     out = {}
     data = parity.batches(8, 4)
@@ -156,23 +157,29 @@ def _backwards_into_one_step(rank: int, world: int) -> dict:
         losses = []
         for step in range(4):
             total = torch.zeros(())
-            for x, y in data[2 * step : 2 * step + 2]:
-                loss = engine(x[2 * rank : 2 * rank + 2], labels=y[2 * rank : 2 * rank + 2]).loss
-                engine.backward(loss / 2)
+            for micro, (x, y) in enumerate(data[2 * step : 2 * step + 2]):
+                checks = engine.check.seq  # one a collective
+                with engine.no_sync() if no_sync and micro == 0 else contextlib.nullcontext():
+                    loss = engine(x[2 * rank : 2 * rank + 2], labels=y[2 * rank : 2 * rank + 2]).loss
+                    engine.backward(loss / 2)
+                if no_sync and engine.stage <= 1:  # stages 0-1 reduce at an accumulation's end; 2-3 every backward
+                    assert (engine.check.seq > checks) == (micro == 1), (name, micro)
                 total += loss.detach() / 2
             engine.step()
             engine.comm.control.all_reduce(total, op="avg")
             losses.append(total.item())
+        assert engine.global_steps == 4
         out[name] = {"losses": losses, "state": {k: v.float() for k, v in engine.full_state_dict().items()}}
         engine.close()
     return out
 
 
 @pytest.mark.timeout(300)
-def test_several_backwards_before_one_step_sum_as_in_pytorch_world2():
+@pytest.mark.parametrize("no_sync", [False, True], ids=["backwards", "no_sync"])
+def test_two_backwards_before_one_step_sum_as_in_pytorch_world2(no_sync):
     # Before the fix, stage 1 counted the first backward's gradient again in the second's reduce-scatter: its
-    # weights 0.02 away from plain PyTorch's after four steps.
-    results = run_distributed(_backwards_into_one_step, 2, timeout=240)[0]
+    # weights 0.02 away from plain PyTorch's after four steps. engine.no_sync() is DDP's.
+    results = run_distributed(_two_micro_batches_a_step, 2, no_sync, timeout=240)[0]
     for name, result in results.items():
         try:
             parity.check(result, "fp32", steps=4, rows=4, accum=2)
@@ -210,20 +217,7 @@ def test_a_forward_without_autograd_inside_a_training_step_world2():
     # Before the fix, at stage 3 the forward without autograd ended the step and released what its backward needed:
     # "the gradient of 'pos_embed.weight' arrived after every unit using it had ended its backward".
     results = run_distributed(_target_mid_step, 2, timeout=240)[0]
-    runs = {}
-    for dtype in (torch.float64, torch.float32):
-        model = parity.build().to(dtype)
-        opt = parity.make_optimizer(model)
-        for x, y in parity.batches(4, 4):
-            _loss_with_a_target_from_the_same_model(model, x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        runs[dtype] = model.state_dict()
-    for stage, state in results.items():
-        try:
-            tolerance.assert_weights(state, runs[torch.float64], runs[torch.float32], dtype=torch.float32)
-        except AssertionError as e:
-            raise AssertionError(f"stage {stage}: {e}") from e
+    _assert_like_plain(results, _loss_with_a_target_from_the_same_model)
 
 
 def test_the_engine_answers_for_its_model_as_deepspeeds_does():
@@ -343,43 +337,6 @@ def test_a_model_another_engine_holds_is_refused_until_it_closes():
     again.close()
 
 
-def _ddp_style_accumulation(rank: int, world: int) -> dict:
-    """DDP's accumulation loop: every micro-batch but the last inside `no_sync()`, one `step()` after the last."""
-    torch.set_num_threads(1)
-    out = {}
-    data = parity.batches(8, 4)
-    for stage in (0, 1, 2, 3):
-        model, opt, engine = _engine(stage)
-        losses = []
-        for step in range(4):
-            total = torch.zeros(())
-            for micro, (x, y) in enumerate(data[2 * step : 2 * step + 2]):
-                checks = engine.check.seq  # one a collective
-                with engine.no_sync() if micro == 0 else contextlib.nullcontext():
-                    loss = engine(x[2 * rank : 2 * rank + 2], labels=y[2 * rank : 2 * rank + 2]).loss
-                    engine.backward(loss / 2)
-                if stage <= 1:  # stages 0-1 reduce only at the end of an accumulation; 2-3 at every backward
-                    assert (engine.check.seq > checks) == (micro == 1), (stage, micro)
-                total += loss.detach() / 2
-            engine.step()
-            engine.comm.control.all_reduce(total, op="avg")
-            losses.append(total.item())
-        out[stage] = {"losses": losses, "state": {k: v.float() for k, v in engine.full_state_dict().items()}}
-        assert engine.global_steps == 4
-        engine.close()
-    return out
-
-
-@pytest.mark.timeout(300)
-def test_no_sync_accumulates_as_ddp_does_world2():
-    results = run_distributed(_ddp_style_accumulation, 2, timeout=240)[0]
-    for stage, result in results.items():
-        try:
-            parity.check(result, "fp32", steps=4, rows=4, accum=2)
-        except AssertionError as e:
-            raise AssertionError(f"stage {stage}: {e}") from e
-
-
 def test_a_deepspeed_style_tag_given_as_client_state_is_refused(tmp_path):
     model, opt, engine = _engine(0)
     with pytest.raises(TypeError, match=r"second argument is client_state.*Pass tag='global_step10'"):
@@ -429,18 +386,27 @@ def test_retain_graph_for_a_second_backward_world2():
     # Before, engine.backward took no retain_graph (DeepSpeed's takes it), and at stage 3 the second backward's
     # gradients came after the first one's reductions ("arrived after every unit using it had ended its backward").
     results = run_distributed(_backward_twice_through_one_graph, 2, timeout=240)[0]
+
+    def both_halves(model, x, y):  # each rank's half, its two losses, averaged over the ranks
+        return sum(sum(_two_losses(model, x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2])) for r in range(2)) / 2
+
+    _assert_like_plain(results, both_halves)
+
+
+def _assert_like_plain(results: dict, loss_of) -> None:
+    """Each run's weights (by key) against plain PyTorch's on the whole batch of `parity.batches(4, 4)`, in float64
+    (exact) and fp32 (the scale of rounding: tests/tolerance.py); loss_of(model, x, y): the whole batch's loss."""
     runs = {}
     for dtype in (torch.float64, torch.float32):
         model = parity.build().to(dtype)
         opt = parity.make_optimizer(model)
         for x, y in parity.batches(4, 4):
-            halves = [_two_losses(model, x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2]) for r in range(2)]
-            (sum(a + b for a, b in halves) / 2).backward()
+            loss_of(model, x, y).backward()
             opt.step()
             opt.zero_grad()
         runs[dtype] = model.state_dict()
-    for stage, state in results.items():
+    for key, state in results.items():
         try:
             tolerance.assert_weights(state, runs[torch.float64], runs[torch.float32], dtype=torch.float32)
         except AssertionError as e:
-            raise AssertionError(f"stage {stage}: {e}") from e
+            raise AssertionError(f"{key}: {e}") from e

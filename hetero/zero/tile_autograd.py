@@ -22,14 +22,27 @@ def tile_grad(r: TileRunner, e: Entry, a: torch.Tensor, b: torch.Tensor) -> torc
     return torch.mm(a, b, out=r.grad_out(e, b))
 
 
+def _begin_forward(ctx: Any, x: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str) -> None:
+    """A tiled linear or Conv1D layer's forward starts: what its backward needs, and its turn to gather."""
+    ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
+    ctx.save_for_backward(x)
+    r.take_turn(layer, backward=False)
+
+
+def _begin_backward(ctx: Any) -> tuple[torch.Tensor, TileRunner, Tiled, bool]:
+    """Its backward starts: the input, the runner, the weight, whether the tiles' gradients are wanted; its turn."""
+    (x,) = ctx.saved_tensors
+    grads = ctx.r.wants_grads(ctx.t)
+    ctx.r.take_turn(ctx.layer, backward=True)
+    return x, ctx.r, ctx.t, grads
+
+
 class TiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
     ) -> Any:
-        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
-        ctx.save_for_backward(x)
-        r.take_turn(layer, backward=False)
+        _begin_forward(ctx, x, r, t, counted, layer)
         parts = []
         for e in t.tiles:
             w = r.open(e)
@@ -41,10 +54,7 @@ class TiledLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        (x,) = ctx.saved_tensors
-        r, t = ctx.r, ctx.t
-        grads = r.wants_grads(t)
-        r.take_turn(ctx.layer, backward=True)
+        x, r, t, grads = _begin_backward(ctx)
         dx = None
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -70,9 +80,7 @@ class TiledConv1D(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, anchor: torch.Tensor, r: TileRunner, t: Tiled, counted: bool, layer: str
     ) -> Any:
-        ctx.r, ctx.t, ctx.counted, ctx.layer = r, t, counted, layer
-        ctx.save_for_backward(x)
-        r.take_turn(layer, backward=False)
+        _begin_forward(ctx, x, r, t, counted, layer)
         out = None
         lo = 0
         for e in t.tiles:
@@ -88,10 +96,7 @@ class TiledConv1D(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        (x,) = ctx.saved_tensors
-        r, t = ctx.r, ctx.t
-        grads = r.wants_grads(t)
-        r.take_turn(ctx.layer, backward=True)
+        x, r, t, grads = _begin_backward(ctx)
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         lo = 0
         for e in t.tiles:
