@@ -550,17 +550,15 @@ class Engine(DeepSpeedNames):
         if self.gathers is not None:
             self.gathers.accumulating = is_open
 
-    def _outside_backward(self, name: str) -> HeteroError:
-        return HeteroError(
-            f"the gradient of {name!r} reached hetero outside engine.backward(loss): a loop's own loss.backward() "
-            "skips what the engine does around backward (loss scaling, accumulation, the reduction across ranks), "
-            "and nothing would train. Call engine.backward(loss) then engine.step(), or engine.train_batch"
-        )
-
     def _on_grad(self, param: torch.Tensor) -> None:
         e = self._entries[id(param)]
-        if not self._backward_open:
-            raise self._outside_backward(e.info.name)
+        if not self._backward_open:  # a tile's gradient is never computed there ([Note: backwards that are not ...])
+            raise HeteroError(
+                f"the gradient of {e.info.name!r} reached hetero outside engine.backward(loss): a loop's own "
+                "loss.backward() skips what the engine does around backward (loss scaling, accumulation, the "
+                "reduction across ranks), and nothing would train. Call engine.backward(loss) then engine.step(), "
+                "or engine.train_batch"
+            )
         grad = param.grad
         param.grad = None
         if grad.layout is not torch.strided:  # nn.Embedding(sparse=True): its chunk sums dense rows (zeros elsewhere)
@@ -571,8 +569,6 @@ class Engine(DeepSpeedNames):
 
     def _on_tile_grad(self, e: Entry, grad: torch.Tensor, last: bool) -> None:
         """A tile's gradient of one use of its weight; `last`: no other use of it in this micro-batch is pending."""
-        if not self._backward_open:
-            raise self._outside_backward(e.info.name)
         self._add_grad(e, grad, last=last)
 
     def _tile_grad_target(self, e: Entry) -> torch.Tensor | None:

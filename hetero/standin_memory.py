@@ -101,8 +101,7 @@ def parts(t: torch.Tensor) -> list[torch.Tensor]:
 
 def kind_of(t: torch.Tensor) -> str | None:
     """DEVICE, HOST, or None for memory the stand-in never saw (made outside the engine's compute)."""
-    if t.layout is torch.sparse_coo:
-        t = t._values()
+    t = parts(t)[0]
     if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
         return None
     return registry.kind(t)
