@@ -552,7 +552,8 @@ class Engine(DeepSpeedNames):
 
     def _on_grad(self, param: torch.Tensor) -> None:
         e = self._entries[id(param)]
-        if not self._backward_open:  # a tile's gradient is never computed there ([Note: backwards that are not ...])
+        # Tiles' gradients never come outside it: [Note: backwards that are not the training one] in tiling.py.
+        if not self._backward_open:
             raise HeteroError(
                 f"the gradient of {e.info.name!r} reached hetero outside engine.backward(loss): a loop's own "
                 "loss.backward() skips what the engine does around backward (loss scaling, accumulation, the "
