@@ -34,13 +34,14 @@ from hetero.parallel.batches import train_batch
 from hetero.parallel.pipeline.runtime import PipelineRuntime
 from hetero.parallel.pipeline.tied import TiedGrads
 from hetero.parallel.setup import setup_parallel
+from hetero.zero import backwards
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
-from hetero.zero.gathers import Gathers, unit_rules
+from hetero.zero.gathers import Gathers
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
 from hetero.zero.handed_over import check_model, hold, take_over
-from hetero.zero.hooks import Hooks
+from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
 from hetero.zero.materialize import load_values
@@ -51,6 +52,7 @@ from hetero.zero.predict import Prediction
 from hetero.zero.protocol import CHECKPOINT, Checker, Reducer, adopt_observed_order
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
+from hetero.zero.unit_rules import unit_rules
 from hetero.zero.units import Entry, find_units
 from hetero.zero.update import Updater
 from hetero.zero.views import ParameterViews
@@ -334,6 +336,12 @@ class Engine(DeepSpeedNames):
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
         self._unhold = hold(model)  # another initialize of this model is refused until close
+        # An inference engine's parameters take no gradient: frozen while it holds them, so that a loss of another
+        # model backpropagated through this one (a reward or perceptual model judging it) computes its inputs'
+        # gradients only ([Note: a backward through another engine's model] in hetero/zero/backwards.py).
+        self._unfreeze = [p for p in model.parameters() if p.requires_grad] if self.inference else []
+        for p in self._unfreeze:
+            p.requires_grad_(False)
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -352,7 +360,9 @@ class Engine(DeepSpeedNames):
         self.events.emit("forward_begin")
         args, kwargs = self.to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
-        no_grad = torch.no_grad() if self.inference else contextlib.nullcontext()
+        # An inference engine records autograd only for inputs that require a gradient (its output then carries
+        # one back to them: a loss judged by this model), as a frozen model does in plain PyTorch.
+        no_grad = torch.no_grad() if self.inference and not needs_grad((args, kwargs)) else contextlib.nullcontext()
         with self.device.compute_context(), saving, no_grad:
             out = self.module(*args, **kwargs)
         if self.gathers is not None:
@@ -414,7 +424,7 @@ class Engine(DeepSpeedNames):
         self.dense.begin(last_micro_batch=boundary)
         if self.in_backward is not None:
             self.in_backward.begin(boundary=boundary)
-        with self.device.compute_context(), self.backward_open():
+        with self.device.compute_context(), self.backward_open(retain_graph=bool(retain_graph)):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
@@ -524,9 +534,10 @@ class Engine(DeepSpeedNames):
 
     # ---- the update ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def backward_open(self) -> Iterator[None]:
-        """Where gradients may reach the chunks: engine.backward's and train_batch's backwards. Checks first that
-        no parameter frozen at initialize was unfrozen since."""
+    def backward_open(self, *, retain_graph: bool = False) -> Iterator[None]:
+        """Where gradients may reach the chunks: engine.backward's and train_batch's backwards (another engine's
+        model it runs through drops its own: [Note: a backward through another engine's model] in
+        hetero/zero/backwards.py). Checks first that no parameter frozen at initialize was unfrozen since."""
         for info in self._frozen_in_groups:
             if info.param.requires_grad:
                 raise HeteroError(
@@ -538,7 +549,8 @@ class Engine(DeepSpeedNames):
                 )
         self._set_backward_open(True)
         try:
-            yield
+            with backwards.training_backward(self, retain_graph=retain_graph):
+                yield
         finally:
             self._set_backward_open(False)
 
@@ -554,6 +566,11 @@ class Engine(DeepSpeedNames):
         e = self._entries[id(param)]
         # Tiles' gradients never come outside it: [Note: backwards that are not the training one] in tiling.py.
         if not self._backward_open:
+            if backwards.foreign():  # another engine's loss backpropagated through this model: dropped (its Note)
+                param.grad = None
+                if self.gathers is not None:
+                    self.gathers.grad_arrived(e, self._unit_of[id(param)])
+                return
             raise HeteroError(
                 f"the gradient of {e.info.name!r} reached hetero outside engine.backward(loss): a loop's own "
                 "loss.backward() skips what the engine does around backward (loss scaling, accumulation, the "
@@ -602,6 +619,8 @@ class Engine(DeepSpeedNames):
 
     def _units_done(self, chunks: list[ZeroChunk]) -> None:
         """Every unit using these chunks has ended its backward, on every rank: their reductions may go out."""
+        if not self._backward_open:  # [Note: a backward through another engine's model]: nothing of ours reduces
+            return
         for zc in chunks:
             if zc.spec.trainable and zc.grad_full is not None and not zc.accumulate_full:
                 self.reducer.ready(zc)
@@ -807,6 +826,8 @@ class Engine(DeepSpeedNames):
         if self._handed_back is not None:
             self._handed_back()
         self._unhold()
+        for p in self._unfreeze:
+            p.requires_grad_(True)
         if self.activations is not None:
             self.activations.remove()
         self.manager.close()

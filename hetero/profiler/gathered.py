@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetero.zero.gathers import KEEP_UNITS, ahead_fits, gathered_peak
 from hetero.zero.layout import ChunkSpec
+from hetero.zero.unit_rules import KEEP_UNITS, ahead_fits, gathered_peak
 from hetero.zero.units import unit_parameters
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from hetero.comm import Comm
 from hetero.errors import HeteroError
-from hetero.memory import TensorState, Tier
+from hetero.memory import TensorState
+from hetero.zero import backwards
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, GATHER_AHEAD, Checker, in_backward
 from hetero.zero.turns import TileTurns
 from hetero.zero.units import Entry, Unit
@@ -45,8 +46,6 @@ log = logging.getLogger("hetero.zero")
 # `gather_ahead: false` turns it off. On the 2-core VM it did not change the step (three alternating pairs of the
 # step_time race, 2026-11-27): both ranks compute on both cores, and gloo's transfers cost their CPU time wherever
 # they fall; not yet measured on a GPU.
-
-KEEP_UNITS = 2  # units left gathered at the end of forward (the first ones backward needs), where memory allows
 
 
 class Gathers:
@@ -107,7 +106,10 @@ class Gathers:
     def enter_unit(self, unit: Unit, *, backward: bool = False) -> None:
         """A unit starts (forward or a recomputation of it; backward: its backward): every chunk it uses will be
         gathered, in layout order; and the next unit's gathers are issued ([Note: gathering ahead])."""
-        if backward and not self.accumulating:
+        if backward and not self.accumulating and backwards.foreign():
+            # [Note: a backward through another engine's model]: gathered as for our own, nothing reduced.
+            backwards.touched(self, lambda retain_graph: self.release_foreign(retain_graph=retain_graph))
+        elif backward and not self.accumulating:
             raise HeteroError(
                 f"a backward reached module {unit.name or '(root)'!r} of a zero_stage 3 model outside "
                 "engine.backward. Call engine.backward(loss) then engine.step() where a loop calls loss.backward(). "
@@ -363,88 +365,16 @@ class Gathers:
         for done in self._done.values():
             done.clear()
 
-
-def gathered_peak(units: list[list[int]], nbytes: dict[int, int], keep: int, *, ahead: bool = False) -> int:
-    """The most bytes gathered at once when `units` (each a list of chunk indices) run forward in order and backward
-    in reverse, under the rules of `Gathers` (ahead: each unit's start gathers the next one's chunks): what the
-    estimator counts for a stage-3 step."""
-    users: dict[int, set[int]] = {}
-    for u, chunks in enumerate(units):
-        for c in chunks:
-            users.setdefault(c, set()).add(u)
-    gathered: set[int] = set()
-    peak = 0
-    for order, windowed in ((range(len(units)), True), (range(len(units) - 1, -1, -1), False)):
-        done: set[int] = set()
-        window: deque[int] = deque()
-        for u in order:
-            gathered.update(units[u])
-            after = u + (1 if windowed else -1)
-            if ahead and 0 <= after < len(units):
-                gathered.update(units[after])
-            peak = max(peak, sum(nbytes[c] for c in gathered))
-            done.add(u)
-            if windowed:
-                window.append(u)
-                ending = [window.popleft()] if len(window) > keep else []
-            else:
-                ending = [u]
-            kept = {c for w in window for c in units[w]} if windowed else set()
-            for e in ending:
-                gathered -= {c for c in units[e] if c not in kept and users[c] <= done}
-        gathered.clear()  # the end of backward releases everything
-    return peak
-
-
-class UnitRules(NamedTuple):
-    """What the budgets allow the gathers, the same on every rank (`unit_rules`)."""
-
-    keep: int  # units left gathered after forward
-    whole: bool  # a unit's backward pins all of its parameters at once
-    ahead: bool  # the next unit's gathers are issued as a unit starts ([Note: gathering ahead])
-
-
-def unit_rules(
-    units: list[Unit], comm: Comm, device_budget: int, *, ahead: bool = True, host_budget: int | None = None
-) -> UnitRules:
-    """How many units stay gathered after forward (keep), whether a unit's backward pins all of its parameters at
-    once (whole, [Note: one backward hook per unit]) and whether the next unit is gathered ahead (ahead, [Note:
-    gathering ahead]), all from the smallest budgets of the group (and `ahead` from every rank's wish), agreed by a
-    collective, so the same on every rank (each changes when gathers are issued).
-
-    keep: KEEP_UNITS where that budget holds them and the largest unit besides, with half as much again to spare,
-    else none (gathered chunks that do not fit would only be moved to the host and back). whole: where it holds the
-    largest unit pinned and two chunks' gradient buffers, with half as much again to spare; else each module pins
-    its own parameters in its backward, and a unit's other chunks may be moved away meanwhile. ahead: see
-    `ahead_fits`."""
-    big = 1 << 62
-    agreed = torch.tensor([device_budget, big if host_budget is None else host_budget, int(ahead)], dtype=torch.int64)
-    comm.control.all_reduce(agreed, op="min")
-    smallest, host, wished = (int(v) for v in agreed.tolist())
-    sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
-    grads = max((4 * zc.spec.capacity for u in units for zc in u.chunks), default=0)  # fp32 per micro-batch
-    keep = KEEP_UNITS if smallest >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
-    whole = bool(sizes) and smallest >= 1.5 * (sizes[0] + 2 * grads)
-    shards = max((sum(_shard_via_host(zc) for zc in u.chunks) for u in units), default=0)
-    fits = ahead_fits(sizes, keep, smallest, host_shards=shards, host_budget=None if host == big else host)
-    return UnitRules(keep, whole, bool(wished) and fits)
-
-
-def _shard_via_host(zc: ZeroChunk) -> int:
-    """The bytes of `zc`'s shard a gather reads through host memory, from the placement every rank shares (where
-    the shard sits now is the rank's own: `param_gather.readable` decides from that as it gathers)."""
-    if zc.shard is None:
-        return 0
-    gloo_reads_host = zc.device.separate_memory and not zc.comm.needs_device_tensors
-    return zc.shard.nbytes if zc.placement.params is not Tier.DEVICE or gloo_reads_host else 0
-
-
-def ahead_fits(
-    sizes: list[int], keep: int, budget: int | None, *, host_shards: int = 0, host_budget: int | None = None
-) -> bool:
-    """Whether the budgets hold what gathering ahead keeps at once: on the device, the units kept after forward, the
-    one running and the one after it (`sizes`: every unit's gathered bytes, largest first), with half as much again
-    to spare; and where gathers read their shards through host memory, the host holds three of the largest unit's
-    shards (`host_shards`: the one being read, the one in flight, and room for everything else to move)."""
-    device_ok = budget is None or budget >= 1.5 * sum(sizes[: keep + 2])
-    return device_ok and (host_budget is None or host_budget >= 3 * host_shards)
+    def release_foreign(self, *, retain_graph: bool) -> None:
+        """End of another engine's backward that ran through this model ([Note: a backward through another engine's
+        model] in backwards.py): what it gathered is released, and each unit's backward ends it saw answer as many of
+        the unit's forwards (unless the graph is kept for another backward), so that our own backward still ends
+        with every forward answered."""
+        if not retain_graph:
+            for index, ended in self._ends.items():
+                left = self._calls.get(index, 0) - ended
+                if left > 0:
+                    self._calls[index] = left
+                else:
+                    self._calls.pop(index, None)
+        self.release_all(keep_forwards=True)

@@ -87,6 +87,13 @@ def wrap_outputs(output: Any, hook: Callable[[], None]) -> Any:
     return _replace(output, lambda t: next(wrapped))
 
 
+def needs_grad(x: Any) -> bool:
+    """Whether any floating tensor in `x` (containers walked as `wrap_outputs` walks them) requires a gradient."""
+    found: list[torch.Tensor] = []
+    _collect(x, found)
+    return bool(found)
+
+
 def _wants(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
 
