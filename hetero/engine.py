@@ -40,7 +40,7 @@ from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
-from hetero.zero.handed_over import check_model, hold, take_over
+from hetero.zero.handed_over import check_model, hold, route_loads, take_over
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -284,6 +284,7 @@ class Engine(DeepSpeedNames):
             part.on_span = on_span
         self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
         self._handed_back = take_over(optimizer) if optimizer is not None else None  # [Note: the optimizer handed over]
+        self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
         self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
@@ -825,6 +826,7 @@ class Engine(DeepSpeedNames):
             self._generating()
         if self._handed_back is not None:
             self._handed_back()
+        self._loads_back()
         self._unhold()
         for p in self._unfreeze:
             p.requires_grad_(True)
@@ -858,3 +860,17 @@ class Engine(DeepSpeedNames):
             for name, buf in list(module.named_buffers(recurse=False)):
                 cast = buf.is_floating_point() and self.dtype != torch.float32
                 setattr(module, name, self.device.to_device(buf, self.dtype if cast else None))  # keeps persistence
+
+
+def _loading(me: weakref.ref) -> Any:
+    """What a module's `load_state_dict` loads under ([Note: loading weights into a held model] in handed_over.py);
+    the engine by a weak reference, as the model may outlive it."""
+
+    def loading(params: list[torch.Tensor], exact: dict[int, torch.Tensor]) -> Any:
+        engine = me()
+        if engine is None or engine.views.open:  # closed, or inside the user's own gathered_parameters block
+            return contextlib.nullcontext()
+        engine.settle_update()
+        return engine.views.gathered(params, modify=True, exact=exact)
+
+    return loading

@@ -39,6 +39,7 @@ class ParameterViews:
         self.module, self.chunks, self.entries = module, chunks, entries
         self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
         self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
+        self.open = 0  # `gathered` blocks open now
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`."""
@@ -58,8 +59,16 @@ class ParameterViews:
         }
 
     @contextlib.contextmanager
-    def gathered(self, params: Iterable[torch.Tensor] | None = None, *, modify: bool = False) -> Iterator[None]:
-        """See `Engine.gathered_parameters`."""
+    def gathered(
+        self,
+        params: Iterable[torch.Tensor] | None = None,
+        *,
+        modify: bool = False,
+        exact: dict[int, torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """See `Engine.gathered_parameters`. exact: by parameter id, the values written in a precision finer than
+        the compute dtype (a state dict loaded in fp32): the master weights take them where they round to what rank
+        0 wrote ([Note: loading weights into a held model] in handed_over.py)."""
         wanted = None
         if params is None:
             chunks = list(self.chunks)
@@ -72,11 +81,15 @@ class ParameterViews:
                 )
             chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
         tiled = [t for k, t in self.tiled.items() if wanted is None or k in wanted]
-        with self.summoned(chunks):
-            with assembled(tiled, self.manager, modify=modify):
-                yield
-            if modify:
-                self._adopt_rank0(chunks)
+        self.open += 1
+        try:
+            with self.summoned(chunks):
+                with assembled(tiled, self.manager, modify=modify):
+                    yield
+                if modify:
+                    self._adopt_rank0(chunks, exact or {})
+        finally:
+            self.open -= 1
 
     @contextlib.contextmanager
     def summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
@@ -99,9 +112,9 @@ class ParameterViews:
             for zc in fresh:
                 zc.reshard()
 
-    def _adopt_rank0(self, chunks: list[ZeroChunk]) -> None:
+    def _adopt_rank0(self, chunks: list[ZeroChunk], exact: dict[int, torch.Tensor]) -> None:
         """After `gathered(modify=True)`: every rank takes rank 0's values, shards and master weights included (an
-        element whose compute-dtype value did not change keeps its fp32 master)."""
+        element whose compute-dtype value did not change keeps its fp32 master; one given in `exact` takes that)."""
         for zc in chunks:
             full = zc.full.payload
             self.comm.broadcast(full, src=0)
@@ -114,5 +127,22 @@ class ParameterViews:
             new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
             changed = new != master.to(self.dtype).to(torch.float32)
             master[changed] = new[changed]
+            if exact and self.dtype != torch.float32:
+                self._exact_masters(zc, master, new, exact)
             if zc.stage == 3:
                 zc.write_shard(full)
+
+    def _exact_masters(
+        self, zc: ZeroChunk, master: torch.Tensor, new: torch.Tensor, exact: dict[int, torch.Tensor]
+    ) -> None:
+        """The master weights of this rank's range take the finer values given, where those round to the adopted
+        compute-dtype value (rank 0's: a rank given other values keeps rank 0's)."""
+        lo, hi = zc.kept_range()
+        for info, a, b in zc.spec.overlaps(lo, hi):
+            given = exact.get(id(info.param))
+            if given is None:
+                continue
+            src = given.detach().reshape(-1)[info.element(a) : info.element(b)].to(master.device, torch.float32)
+            here = slice(a - lo, b - lo)
+            agree = src.to(self.dtype).to(torch.float32) == new[here]
+            master[here] = torch.where(agree, src, master[here])
