@@ -261,6 +261,8 @@ def _one_rank_calls(rank: int, world: int, stage: int, call: str, root: str) -> 
                     engine.save_checkpoint(root)
                 elif call == "full_state_dict":
                     torch.save(engine.full_state_dict(), f"{root}/model.pt")
+                elif call == "load_state_dict":  # [Note: loading weights into a held model]: every rank loads
+                    model.load_state_dict(parity.initial_state())
                 else:  # an evaluation
                     with torch.no_grad():
                         engine.eval()
@@ -274,10 +276,14 @@ def _one_rank_calls(rank: int, world: int, stage: int, call: str, root: str) -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage,call", [(0, "save_checkpoint"), (3, "save_checkpoint"), (3, "full_state_dict")])
+@pytest.mark.parametrize(
+    "stage,call",
+    [(0, "save_checkpoint"), (3, "save_checkpoint"), (3, "full_state_dict"), (0, "load_state_dict")],
+)
 def test_saving_on_rank_0_alone_stops_every_rank_saying_why_world2(tmp_path, stage, call):
     # Before, rank 0's checkpoint met rank 1's next collective: gloo aborted rank 0 in native code ("Received data
-    # size doesn't match expected size") and rank 1 trained on.
+    # size doesn't match expected size") and rank 1 trained on. A load_state_dict on rank 0 alone at stages 0-2 (and
+    # gathered_parameters(modify=True)) hung both ranks at rank 0's broadcast of the values.
     for message in run_distributed(_one_rank_calls, 2, stage, call, str(tmp_path), timeout=240):
         assert "are collective: every rank calls them" in message, message
         assert ("checkpoint (save_checkpoint" if call == "save_checkpoint" else "gathered_parameters") in message

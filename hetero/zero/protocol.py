@@ -77,7 +77,7 @@ OPS = (
     "gather",
     "reduce-scatter",
     "update",
-    "read (gathered_parameters)",
+    "read (gathered_parameters, or a module's load_state_dict)",
     "batch reduce-scatter",
     "all-reduce",
     "gather ahead",
@@ -167,9 +167,10 @@ class Checker:
             lines.append(f"  rank {self.comm.global_rank(r)} started, last: {names or 'no unit'}")
         if any(op in CALLS for op in rows[:, 1].tolist()):
             lines.append(
-                "save_checkpoint, load_checkpoint, full_state_dict, gathered_parameters and full_grads are "
-                "collective: every rank calls them at the same point of its loop, not only rank 0 (each writes its "
-                "own part of a checkpoint; with full_state_dict, let rank 0 alone write the file it returns)."
+                "save_checkpoint, load_checkpoint, full_state_dict, gathered_parameters, full_grads and the model's "
+                "load_state_dict are collective: every rank calls them at the same point of its loop, not only rank "
+                "0 (each writes its own part of a checkpoint; with full_state_dict, let rank 0 alone write the file "
+                "it returns; every rank loads a state dict)."
             )
         else:
             lines.append(

@@ -81,6 +81,9 @@ class ParameterViews:
                 )
             chunks = [zc for zc in self.chunks if any(id(i.param) in wanted for i in zc.spec.params)]
         tiled = [t for k, t in self.tiled.items() if wanted is None or k in wanted]
+        # Every rank enters, at every stage: where nothing needs gathering (stages 0-2), rank 0's broadcast of what was
+        # modified is still a collective, and one rank alone in the block hung the others at it.
+        self.check(SUMMON)
         self.open += 1
         try:
             with self.summoned(chunks):
