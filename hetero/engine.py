@@ -40,7 +40,7 @@ from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
-from hetero.zero.handed_over import check_model, hold, route_loads, take_over
+from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads, take_over
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -285,6 +285,7 @@ class Engine(DeepSpeedNames):
         self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
         self._handed_back = take_over(optimizer) if optimizer is not None else None  # [Note: the optimizer handed over]
         self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
+        self._casts_back = guard_casts(model)  # [Note: casting or moving a held model]
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
         self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
@@ -827,6 +828,7 @@ class Engine(DeepSpeedNames):
         if self._handed_back is not None:
             self._handed_back()
         self._loads_back()
+        self._casts_back()
         self._unhold()
         for p in self._unfreeze:
             p.requires_grad_(True)

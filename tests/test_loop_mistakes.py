@@ -416,3 +416,37 @@ def _assert_like_plain(results: dict, loss_of) -> None:
             tolerance.assert_weights(state, runs[torch.float64], runs[torch.float32], dtype=torch.float32)
         except AssertionError as e:
             raise AssertionError(f"{key}: {e}") from e
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_casting_or_moving_the_model_after_initialize_is_refused_and_a_no_op_goes_through(stage):
+    # [Note: casting or moving a held model]: model.double() after initialize swapped in detached copies, and every
+    # step's loss was the first one's (stage 0); at stage 3 it failed reading a released parameter.
+    model, opt, engine = _engine(stage)
+    model.register_buffer("scale", torch.ones(2, dtype=torch.float64))  # a buffer converts as before
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    for cast in (
+        lambda m: m.double(),
+        lambda m: m.half(),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.to_empty(device="meta"),
+    ):
+        with pytest.raises(HeteroError, match=r"would detach them from hetero's chunks.*\"precision\""):
+            cast(model)
+    with pytest.raises(HeteroError, match=r"would detach"):
+        model.layers[0].half()  # a submodule too
+    # Changing nothing goes through, at stage 3 without reading a released parameter.
+    assert model.to("cpu") is model and model.float() is model and model.cpu() is model
+    assert model.scale.dtype == torch.float32
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    x, y = _batch()
+    losses = []
+    for _ in range(3):
+        loss = engine(x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    assert losses[2] < losses[1] < losses[0], losses  # still training the chunks
+    engine.close()
+    assert "_apply" not in model.__dict__, "close gives the modules their class's _apply back"

@@ -35,6 +35,18 @@ gathers what it loads at once (a model whose weights do not fit the device at on
 strict key check and returned missing and unexpected keys unchanged; its error comes after what matched is loaded,
 master weights included, as torch loads it before raising), and calls straight through inside a block the
 user opened. `assign=True` would put new tensors in place of the chunks' views: refused.
+
+[Note: casting or moving a held model]
+`model.half()`, `model.to(torch.bfloat16)`, `model.double()`, `model.cuda()` to another device, `model.to_empty()`:
+torch converts each parameter and swaps the result in as its `.data`. A parameter of a model hetero holds is a view
+of a chunk (or, at stage 3, released between uses): after the swap the model computed with a detached copy, and
+the updates went into the chunks it no longer read (measured: `model.double()` after initialize at stage 0, every
+step's loss the first one's), and at stage 3 the conversion failed reading a released parameter. Each module gets
+an instance `_apply` (the one method all of them go through) that first asks the conversion what it would make of a
+parameter-like empty tensor (same dtype and device): where that is the tensor itself the call changes nothing and
+goes through (`model.to(device)` where the parameters already are, `model.float()` of an fp32 model; the parameters
+are left untouched, which a released one needs), else it is refused with the config keys that choose dtype and
+device. Buffers convert as before.
 """
 
 from __future__ import annotations
@@ -187,6 +199,47 @@ def _loader(module: torch.nn.Module, loading: Callable[[list[torch.Tensor], dict
         return result
 
     return load_state_dict
+
+
+def guard_casts(model: torch.nn.Module) -> Callable[[], None]:
+    """Give every module of `model` an `_apply` that refuses a conversion of its parameters ([Note: casting or
+    moving a held model]); returns what takes them away."""
+    patched = []
+    for module in model.modules():
+        if "_apply" in module.__dict__:
+            continue
+        module.__dict__["_apply"] = _guarded_apply(module)
+        patched.append(module)
+
+    def undo() -> None:
+        for module in patched:
+            module.__dict__.pop("_apply", None)
+
+    return undo
+
+
+def _guarded_apply(module: torch.nn.Module) -> Callable[..., Any]:
+    def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        for name, p in module.named_parameters(recurse=recurse):
+            like = torch.empty(0, dtype=p.dtype, device=p.device)
+            if fn(like) is not like:
+                raise HeteroError(
+                    f"converting or moving the parameters of a model hetero holds (parameter {name!r}, "
+                    f"{p.dtype} on {p.device}) would detach them from hetero's chunks: the model would compute on "
+                    "a copy the updates never reach. hetero places them: the compute dtype comes from the config's "
+                    '"precision" ("fp32", "bf16", "fp16"), the device from hetero.initialize(..., device=...), and '
+                    'the tier from "offload". Convert the model before hetero.initialize, or not at all'
+                )
+        # A no-op for every parameter: torch's own walk would still call fn on each and read it (a released one
+        # raises), so the walk is done here, over the buffers and the children, as torch does it.
+        if recurse:
+            for child in module.children():
+                child._apply(fn)
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, fn(buf))
+        return module
+
+    return _apply
 
 
 def _refusal(name: str) -> Callable[..., NoReturn]:
