@@ -44,6 +44,7 @@ from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads,
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
+from hetero.zero.loop_watch import LoopWatch
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
@@ -287,6 +288,8 @@ class Engine(DeepSpeedNames):
         self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
         self._casts_back = guard_casts(model)  # [Note: casting or moving a held model]
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
+        # [Note: a loop stepping what the engine steps]
+        self.watch = LoopWatch(grad_accumulation_steps=config.grad_accumulation_steps, scheduler=self.lr_scheduler)
         self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its
         # memory and swap files.
@@ -360,6 +363,7 @@ class Engine(DeepSpeedNames):
             self.manager.step_begin()
             self._in_step = True
         self.events.emit("forward_begin")
+        self.watch.forward(training=training)
         args, kwargs = self.to_device((args, kwargs))
         saving = self.auto.saved_tensors() if self.auto is not None else contextlib.nullcontext()
         # An inference engine records autograd only for inputs that require a gradient (its output then carries
@@ -421,6 +425,7 @@ class Engine(DeepSpeedNames):
         if scale_wrt_gas:
             scale /= self.config.grad_accumulation_steps
         boundary = self.is_gradient_accumulation_boundary()  # the next step() updates: every rank counts alike
+        self.watch.backward(counted=self._boundary is None)
         if self._grads_final:  # a second backward into the same update: its gradients add to the reduced ones
             self.dense.reopen()
         self.dense.begin(last_micro_batch=boundary)
@@ -465,6 +470,7 @@ class Engine(DeepSpeedNames):
             raise RuntimeError("this engine was made with optimizer=None (inference): there is no update to step")
         boundary = self.is_gradient_accumulation_boundary()
         self._grads_final = False
+        self.watch.step()
         self.micro_steps += 1
         self.accumulated += 1
         self.monitor.micro_batch(tokens)
@@ -472,10 +478,12 @@ class Engine(DeepSpeedNames):
             self.events.emit("update_begin")
             # The update queues its work and never waits for it ([Note: host waits]): checked under the stand-in.
             with standin.watching(self.device):
+                self.watch.before_update()
                 self.optimizer.step()
                 self.accumulated = 0
                 if self.lr_scheduler is not None and not self.updater.last_update_skipped:
                     step_scheduler(self.lr_scheduler)
+                    self.watch.stepped_scheduler()
                 self.monitor.update()
             self.events.emit("update_end")
         self.events.emit("micro_step")
@@ -706,7 +714,9 @@ class Engine(DeepSpeedNames):
         self.check(CHECKPOINT)
         self._no_update_in_flight("load_checkpoint")
         self.settle_update()
-        return load_checkpoint(self, path, **kwargs)
+        loaded = load_checkpoint(self, path, **kwargs)
+        self.watch.stepped_scheduler()  # restored with the checkpoint, where it was given
+        return loaded
 
     def _no_update_in_flight(self, what: str) -> None:
         # update_in_backward: between that backward and step() the parameters are new but the update is not yet

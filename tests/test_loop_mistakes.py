@@ -11,6 +11,7 @@ against the float64 run as every parity test is ([Note: tolerances from the arit
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -450,3 +451,51 @@ def test_casting_or_moving_the_model_after_initialize_is_refused_and_a_no_op_goe
     assert losses[2] < losses[1] < losses[0], losses  # still training the chunks
     engine.close()
     assert "_apply" not in model.__dict__, "close gives the modules their class's _apply back"
+
+
+def test_a_scheduler_the_engine_steps_and_the_loop_steps_too_is_refused_before_the_wrong_rate_is_used():
+    # [Note: a loop stepping what the engine steps]: StepLR(gamma=0.5) stepped by both gave 0.25x the rate per update.
+    model = parity.build()
+    opt = parity.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine = hetero.initialize(model, opt, {"zero_stage": 0, "chunk_size": parity.CHUNK}, lr_scheduler=sched)
+    x, y = _batch()
+    rates = []
+    for _ in range(2):  # the engine alone: halved once per update
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+        rates.append(engine.get_lr()[0])
+    assert rates[1] == rates[0] / 2
+    sched.step()  # the loop's own, as it had it before hetero
+    engine.backward(engine(x, labels=y).loss)
+    before = engine.full_state_dict()
+    with pytest.raises(HeteroError, match=r"moved from step 2 to 3.*remove the loop's scheduler\.step\(\)"):
+        engine.step()
+    assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items()), "no update at the wrong rate"
+    engine.close()
+
+
+def test_a_ddp_style_accumulation_loop_with_grad_accumulation_steps_warns_once():
+    # engine.step() every 4 micro-batches with grad_accumulation_steps 4 updated every 16: a warning says so.
+    model, opt, engine = _engine(0, grad_accumulation_steps=4)
+    x, y = _batch()
+    with pytest.warns(UserWarning, match=r"4 forward/backward pairs ran without engine\.step\(\).*updates every 16"):
+        for i in range(8):
+            engine.backward(engine(x, labels=y).loss)
+            if (i + 1) % 4 == 0:
+                engine.step()
+    assert engine.global_steps == 0
+    engine.close()
+    # The loop as hetero has it, and DDP's with no_sync at grad_accumulation_steps 1, are quiet.
+    for gas, ddp in ((4, False), (1, True)):
+        model, opt, engine = _engine(0, grad_accumulation_steps=gas)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(8):
+                last = (i + 1) % 4 == 0
+                with engine.no_sync() if ddp and not last else contextlib.nullcontext():
+                    engine.backward(engine(x, labels=y).loss)
+                if last or not ddp:
+                    engine.step()
+        assert engine.global_steps == 2, (gas, ddp)
+        engine.close()
