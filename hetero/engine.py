@@ -45,6 +45,7 @@ from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
 from hetero.zero.loop_watch import LoopWatch
+from hetero.zero.loop_writes import LoopWrites
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
@@ -326,6 +327,10 @@ class Engine(DeepSpeedNames):
             tiled=self.tiles.tiled,
             manager=self.manager,
         )
+        # Stages 0-2: the loop's in-place writes into parameters reach the masters ([Note: the loop's writes into
+        # parameters] in hetero/zero/loop_writes.py); noted again after every block that may write them.
+        self.loop_writes = LoopWrites(self.trainable, self.device, self.dtype, delayed=config.delayed_param_update)
+        self.views.after = self.loop_writes.note
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
@@ -426,6 +431,7 @@ class Engine(DeepSpeedNames):
             scale /= self.config.grad_accumulation_steps
         boundary = self.is_gradient_accumulation_boundary()  # the next step() updates: every rank counts alike
         self.watch.backward(counted=self._boundary is None)
+        self.loop_writes.adopt()  # before anything of this backward reads the masters (update_in_backward)
         if self._grads_final:  # a second backward into the same update: its gradients add to the reduced ones
             self.dense.reopen()
         self.dense.begin(last_micro_batch=boundary)
@@ -479,7 +485,9 @@ class Engine(DeepSpeedNames):
             # The update queues its work and never waits for it ([Note: host waits]): checked under the stand-in.
             with standin.watching(self.device):
                 self.watch.before_update()
+                self.loop_writes.adopt()
                 self.optimizer.step()
+                self.loop_writes.note()
                 self.accumulated = 0
                 if self.lr_scheduler is not None and not self.updater.last_update_skipped:
                     step_scheduler(self.lr_scheduler)
@@ -704,6 +712,7 @@ class Engine(DeepSpeedNames):
         self.check(CHECKPOINT)
         self._no_update_in_flight("save_checkpoint")
         self.settle_update()
+        self.loop_writes.adopt()  # the masters saved are the values the loop sees
         return save_checkpoint(self, path, client_state, **kwargs)
 
     def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> Any:
@@ -716,6 +725,7 @@ class Engine(DeepSpeedNames):
         self.settle_update()
         loaded = load_checkpoint(self, path, **kwargs)
         self.watch.stepped_scheduler()  # restored with the checkpoint, where it was given
+        self.loop_writes.note()
         return loaded
 
     def _no_update_in_flight(self, what: str) -> None:

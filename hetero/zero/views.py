@@ -8,7 +8,7 @@ enters with the same chunks, in layout order, each announced to the checker ([No
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ class ParameterViews:
         self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
         self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
         self.open = 0  # `gathered` blocks open now
+        self.after: Callable[[], None] | None = None  # told when a `gathered` block ends (it may have written)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`."""
@@ -93,6 +94,8 @@ class ParameterViews:
                     self._adopt_rank0(chunks, exact or {})
         finally:
             self.open -= 1
+            if self.after is not None:
+                self.after()
 
     @contextlib.contextmanager
     def summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
@@ -125,11 +128,7 @@ class ParameterViews:
                 if zc.stage == 3:
                     zc.write_shard(full)
                 continue
-            master, _ = zc.optimizer_views()
-            mine = zc.kept(full)
-            new = self.device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
-            changed = new != master.to(self.dtype).to(torch.float32)
-            master[changed] = new[changed]
+            master, new = adopt_full(zc, self.device, self.dtype)
             if exact and self.dtype != torch.float32:
                 self._exact_masters(zc, master, new, exact)
             if zc.stage == 3:
@@ -149,3 +148,15 @@ class ParameterViews:
             here = slice(a - lo, b - lo)
             agree = src.to(self.dtype).to(torch.float32) == new[here]
             master[here] = torch.where(agree, src, master[here])
+
+
+def adopt_full(zc: ZeroChunk, device: Device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's master weights take the elements of its range of the full values (in the compute dtype, `dtype`)
+    that differ from the master rounded to that dtype; an element that did not change keeps its finer master.
+    Returns the master and those values in fp32."""
+    master, _ = zc.optimizer_views()
+    mine = zc.kept(zc.full.payload)
+    new = device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
+    changed = new != master.to(dtype).to(torch.float32)
+    master[changed] = new[changed]
+    return master, new
