@@ -289,7 +289,7 @@ class Engine(DeepSpeedNames):
         self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
         self._casts_back = guard_casts(model)  # [Note: casting or moving a held model]
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
-        # [Note: a loop stepping what the engine steps]
+        # What the loop steps besides the engine: [Note: a loop stepping what the engine steps]
         self.watch = LoopWatch(grad_accumulation_steps=config.grad_accumulation_steps, scheduler=self.lr_scheduler)
         self.monitor = Monitor(self)  # metrics(): throughput, losses, and the optional tensorboard / wandb sink
         # The model's hooks reach the engine weakly: the model may outlive it, and a dropped engine must free its

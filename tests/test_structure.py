@@ -23,7 +23,10 @@ EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "thre
 # the storage method that lends a pooled buffer's memory to a gathered chunk ([Note: transient storage on pooled
 # memory] in hetero/device.py), and an operator's schema, which says what arguments it writes (the CPU stand-in's
 # write stamps, [Note: the CPU stand-in]), and an uncoalesced sparse tensor's values and indices, whose memory the
-# stand-in tracks (an `nn.Embedding(sparse=True)` gradient; the public accessors want a coalesced copy).
+# stand-in tracks (an `nn.Embedding(sparse=True)` gradient; the public accessors want a coalesced copy), a tensor's
+# version counter, which tells a loop's in-place write into a parameter ([Note: the loop's writes into parameters]),
+# and a module's `_apply`, through which torch converts its children (a held model's guard walks them the same way:
+# [Note: casting or moving a held model]).
 EXTERNAL_ATTRS = {
     "_cdata",
     "_attn_implementation",
@@ -32,6 +35,8 @@ EXTERNAL_ATTRS = {
     "_schema",
     "_values",
     "_indices",
+    "_version",
+    "_apply",
 }
 
 
