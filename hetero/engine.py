@@ -555,7 +555,10 @@ class Engine(DeepSpeedNames):
     def backward_open(self, *, retain_graph: bool = False) -> Iterator[None]:
         """Where gradients may reach the chunks: engine.backward's and train_batch's backwards (another engine's
         model it runs through drops its own: [Note: a backward through another engine's model] in
-        hetero/zero/backwards.py). Checks first that no parameter frozen at initialize was unfrozen since."""
+        hetero/zero/backwards.py). Checks first that no parameter frozen at initialize was unfrozen since, and that
+        the model has no trainable parameter hetero does not hold."""
+        if self.stages is None:  # a pipeline rank's model holds other stages' modules too
+            self._check_no_new_parameters()
         for info in self._frozen_in_groups:
             if info.param.requires_grad:
                 raise HeteroError(
@@ -571,6 +574,19 @@ class Engine(DeepSpeedNames):
                 yield
         finally:
             self._set_backward_open(False)
+
+    def _check_no_new_parameters(self) -> None:
+        # A module added or replaced after initialize (a new head, resize_token_embeddings, peft's get_peft_model on
+        # the held model) had parameters no chunk holds: they took gradients in .grad and were never updated.
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in self._entries and id(p) not in self.tiles.tiled:
+                name = next(n for n, q in self.module.named_parameters() if q is p)
+                raise HeteroError(
+                    f"parameter {name!r} (shape {list(p.shape)}) is not one hetero.initialize laid out: a module added or "
+                    "replaced after initialize (a new head, resize_token_embeddings, peft's get_peft_model on the "
+                    "held model) would get gradients and never an update. Build the model completely (new layers "
+                    "and adapters included) before hetero.initialize, or freeze that parameter"
+                )
 
     def _set_backward_open(self, is_open: bool) -> None:
         # The parts that run in any backward tell the training one from torch.autograd.grad's: [Note: backwards

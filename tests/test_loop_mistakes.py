@@ -499,3 +499,14 @@ def test_a_ddp_style_accumulation_loop_with_grad_accumulation_steps_warns_once()
                     engine.step()
         assert engine.global_steps == 2, (gas, ddp)
         engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_module_added_after_initialize_is_refused_at_its_first_backward(stage):
+    # A head swapped in after initialize took gradients in .grad and was never updated (stages 0 and 3).
+    model, opt, engine = _engine(stage)
+    model.lm_head = nn.Linear(32, 64, bias=False)
+    x, y = _batch()
+    with pytest.raises(HeteroError, match=r"'lm_head\.weight' \(shape \[64, 32\]\) is not one hetero\.initialize"):
+        engine.backward(engine(x, labels=y).loss)
+    engine.close()
