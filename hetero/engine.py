@@ -582,10 +582,10 @@ class Engine(DeepSpeedNames):
             if p.requires_grad and id(p) not in self._entries and id(p) not in self.tiles.tiled:
                 name = next(n for n, q in self.module.named_parameters() if q is p)
                 raise HeteroError(
-                    f"parameter {name!r} (shape {list(p.shape)}) is not one hetero.initialize laid out: a module added or "
-                    "replaced after initialize (a new head, resize_token_embeddings, peft's get_peft_model on the "
-                    "held model) would get gradients and never an update. Build the model completely (new layers "
-                    "and adapters included) before hetero.initialize, or freeze that parameter"
+                    f"parameter {name!r} (shape {list(p.shape)}) is not one hetero.initialize laid out: a module "
+                    "added or replaced after initialize (a new head, resize_token_embeddings, peft's get_peft_model "
+                    "on the held model) would get gradients and never an update. Build the model completely (new "
+                    "layers and adapters included) before hetero.initialize, or freeze that parameter"
                 )
 
     def _set_backward_open(self, is_open: bool) -> None:
