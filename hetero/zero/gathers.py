@@ -109,13 +109,14 @@ class Gathers:
         if backward and not self.accumulating and backwards.foreign():
             # [Note: a backward through another engine's model]: gathered as for our own, nothing reduced.
             backwards.touched(self, lambda retain_graph: self.release_foreign(retain_graph=retain_graph))
-        elif backward and not self.accumulating:
+        elif backward and not self.accumulating and torch.is_grad_enabled():
+            # [Note: backwards that are not the training one] in tiling.py: a first-order one gathers as the
+            # training backward does and reduces nothing; a second derivative would keep released parameters.
             raise HeteroError(
-                f"a backward reached module {unit.name or '(root)'!r} of a zero_stage 3 model outside "
-                "engine.backward. Call engine.backward(loss) then engine.step() where a loop calls loss.backward(). "
-                "torch.autograd.grad(...) (input gradients, a gradient penalty) cannot run through a stage-3 model: "
-                "its gathers and its gradients' reductions follow the units of the training backward, on every "
-                "rank. Take such gradients at zero_stage <= 2, where hetero computes them as PyTorch does"
+                f"a backward with create_graph=True (a second derivative, as a gradient penalty takes) reached module "
+                f"{unit.name or '(root)'!r} of a zero_stage 3 model: the graph it builds keeps the gathered "
+                "parameters, which stage 3 releases as each unit's backward ends, so the second derivative would "
+                "read released memory. Take it at zero_stage <= 2, where hetero computes it as PyTorch does"
             )
         if self.turns is not None:
             self.turns.begin(unit, backward=backward)

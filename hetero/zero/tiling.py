@@ -36,8 +36,13 @@ backward computes its tiles' gradients itself, and delivered them into the chunk
 gradient to the update. So a tile's gradient is computed and delivered only inside `engine.backward` (or
 `train_batch`'s), which the engine marks (`accumulating`); any other backward computes the input's gradient only.
 A second derivative through a trainable tiled layer is refused: its backward reads tiles that require no gradient,
-so the penalty's gradient with respect to the weight would be silently lost. At stage 3 every backward gathers along
-the training backward's units, and one outside `engine.backward` is refused (`Gathers.enter_unit`).
+so the penalty's gradient with respect to the weight would be silently lost. At stage 3 such a backward gathers
+along the units as the training one does and reduces nothing (a unit's end reduces only inside `engine.backward`);
+its unit ends count against the forwards it answers, so the training backward that follows in the same step still
+reduces each chunk once every forward of it is answered. Before, those ends reduced chunks with no gradient yet, and
+the training backward's gradients arrived after their reduction ("arrived after every unit using it had ended its
+backward"): such backwards were refused, now they work. A second derivative through a stage-3 model stays refused
+(`Gathers.enter_unit`): the graph it builds keeps gathered parameters that stage 3 releases as each unit ends.
 """
 
 from __future__ import annotations
