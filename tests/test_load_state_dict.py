@@ -102,3 +102,22 @@ def test_fp32_values_loaded_into_a_bf16_model_keep_their_precision_in_the_master
             want = loaded[info.name].reshape(-1)[info.start : info.start + info.numel]
             assert torch.equal(master[info.offset : info.offset + info.numel], want), info.name
     engine.close()
+
+
+def test_a_pickled_or_copied_held_model_has_its_class_methods_back():
+    # The stand-in methods closed over the engine: torch.save(model) failed ("Can't pickle local object"), and a
+    # deepcopy's load_state_dict loaded into the original. A copy is held by no engine.
+    import copy
+    import io
+
+    model, engine = _engine(0)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    loaded.double()  # a plain module again: converting it is its own business
+    twin = copy.deepcopy(model)
+    twin.load_state_dict({k: v + 1.0 for k, v in parity.initial_state().items()})
+    initial = parity.initial_state()
+    assert all(torch.equal(v, initial[k]) for k, v in engine.full_state_dict().items()), "the original is untouched"
+    engine.close()

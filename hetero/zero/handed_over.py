@@ -51,6 +51,7 @@ device. Buffers convert as before.
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Callable
@@ -155,6 +156,21 @@ def take_over(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return undo
 
 
+class _InPlaceOf:
+    """A module's instance method standing in for its class's while an engine holds the module. Pickled or copied
+    (`torch.save(model)`, `copy.deepcopy(model)`), it becomes the class's own method of that module: the copy is
+    held by no engine, and the stand-in's closure over the engine would neither pickle nor belong to the copy."""
+
+    def __init__(self, module: torch.nn.Module, name: str, fn: Callable[..., Any]) -> None:
+        self.module, self.name, self.fn = module, name, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return functools.partial, (getattr(type(self.module), self.name), self.module)
+
+
 def route_loads(model: torch.nn.Module, loading: Callable[[list[torch.Tensor], dict], Any]) -> Callable[[], None]:
     """Give every module of `model` a `load_state_dict` that loads under `loading(its parameters)` ([Note: loading
     weights into a held model]); returns what takes them away."""
@@ -162,7 +178,7 @@ def route_loads(model: torch.nn.Module, loading: Callable[[list[torch.Tensor], d
     for module in model.modules():
         if "load_state_dict" in module.__dict__:
             continue  # the user's own instance override: theirs to keep
-        module.__dict__["load_state_dict"] = _loader(module, loading)
+        module.__dict__["load_state_dict"] = _InPlaceOf(module, "load_state_dict", _loader(module, loading))
         patched.append(module)
 
     def undo() -> None:
@@ -208,7 +224,7 @@ def guard_casts(model: torch.nn.Module) -> Callable[[], None]:
     for module in model.modules():
         if "_apply" in module.__dict__:
             continue
-        module.__dict__["_apply"] = _guarded_apply(module)
+        module.__dict__["_apply"] = _InPlaceOf(module, "_apply", _guarded_apply(module))
         patched.append(module)
 
     def undo() -> None:
