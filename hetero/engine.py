@@ -437,8 +437,14 @@ class Engine(DeepSpeedNames):
         self.dense.begin(last_micro_batch=boundary)
         if self.in_backward is not None:
             self.in_backward.begin(boundary=boundary)
+        failed = None
         with self.device.compute_context(), self.backward_open(retain_graph=bool(retain_graph)):
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            try:
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            except Exception as e:  # [Note: a backward that fails]: ended as any backward, then its gradients dropped
+                if self.in_backward is not None:
+                    raise  # chunks may have stepped already: nothing to drop them back to
+                failed = e
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
@@ -447,15 +453,17 @@ class Engine(DeepSpeedNames):
         self.dense.end()
         if self.in_backward is not None:
             self.in_backward.end()
-        order = adopt_observed_order((self.reducer, self.dense.reducer), self.comm)  # once, after the first backward
-        if order is not None and self.in_backward is not None:
-            self.in_backward.adopt(order)
+        if failed is None:  # a partial backward teaches no order
+            order = adopt_observed_order((self.reducer, self.dense.reducer), self.comm)  # once, after the first one
+            if order is not None and self.in_backward is not None:
+                self.in_backward.adopt(order)
         self.tiles.step_end()
         for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
-            self.gathers.release_all(keep_forwards=bool(retain_graph))
-            self.gathers.learn(self.comm)  # once, after the first backward ([Note: one backward hook per unit])
+            self.gathers.release_all(keep_forwards=bool(retain_graph) and failed is None)
+            if failed is None:
+                self.gathers.learn(self.comm)  # once, after the first backward ([Note: one backward hook per unit])
         if self.activations is not None:
             self.activations.step_end()
         if self.config.grad_accumulation_steps != 1:
@@ -466,6 +474,32 @@ class Engine(DeepSpeedNames):
         self._in_step = False
         self._grads_final = boundary  # full_grads may read them until step()
         self.events.emit("backward_end")
+        if failed is not None:
+            self._drop_accumulation(failed)
+            raise failed
+
+    def _drop_accumulation(self, failed: Exception) -> None:
+        # [Note: a backward that fails]
+        # A backward that raises (out of memory, a check in the model's own backward hook) had added part of its
+        # gradients into the chunks: the next update stepped on them (measured: a loop skipping such a batch, as
+        # plain PyTorch loops skip an out-of-memory batch after optimizer.zero_grad(), ended 0.0085 off plain
+        # PyTorch's weights three steps later). The backward is ended as any other (its reductions completed, in the
+        # same order on every rank, gathers and activations released), then the accumulation's gradients are
+        # dropped, the earlier micro-batches' with it, and the accumulation starts again: what the plain loop's
+        # zero_grad() does. A rank failing alone meets the others' next collective, which the collective schedule's
+        # check reports. With update_in_backward, chunks may have stepped before the failure: not undone, the error
+        # passes as it is.
+        dropped = self.accumulated
+        self.settle_update()  # a pending delayed update still reads the gradient buffers
+        self.updater.zero_grads()
+        self.accumulated = 0
+        self._grads_final = False
+        self.manager.step_end()
+        log.warning(
+            "engine.backward raised %s: its gradients are dropped%s, and the accumulation starts again",
+            type(failed).__name__,
+            f" with those of the {dropped} micro-batch(es) before it" if dropped else "",
+        )
 
     def step(self, *, tokens: int | None = None) -> None:
         """Call after every micro-batch: updates (and zeroes gradients) at the accumulation boundary, then steps the
