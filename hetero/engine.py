@@ -23,7 +23,7 @@ from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, collective_failed, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
-from hetero.errors import ConfigError, HeteroError
+from hetero.errors import CommError, ConfigError, HeteroError
 from hetero.events import Events
 from hetero.integrations.deepspeed_names import DeepSpeedNames
 from hetero.memory import ChunkManager, Tier
@@ -441,19 +441,35 @@ class Engine(DeepSpeedNames):
         with self.device.compute_context(), self.backward_open(retain_graph=bool(retain_graph)):
             try:
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            except CommError:
+                raise  # ranks out of step (a mismatch, a rank gone): nothing more may be sent
             except Exception as e:  # [Note: a backward that fails]: ended as any backward, then its gradients dropped
                 if self.in_backward is not None:
                     raise  # chunks may have stepped already: nothing to drop them back to
                 failed = e
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
+        try:
+            self._end_backward(boundary, retain_graph=bool(retain_graph), failed=failed is not None)
+        except Exception as ending:
+            if failed is None:
+                raise
+            failed.add_note(f"hetero: ending that backward failed too: {ending!r}")
+            raise failed from None  # the backward's own error first
+        self.events.emit("backward_end")
+        if failed is not None:
+            self._drop_accumulation(failed)
+            raise failed
+
+    def _end_backward(self, boundary: bool, *, retain_graph: bool, failed: bool) -> None:
+        """After the autograd pass: the reductions completed, the parts that follow units and steps reset."""
         # Chunks whose gradients did not all arrive (parameters this rank did not use) are reduced now, in the
         # reduce order, which is the same on every rank.
         self.reducer.flush()
         self.dense.end()
         if self.in_backward is not None:
             self.in_backward.end()
-        if failed is None:  # a partial backward teaches no order
+        if not failed:  # a partial backward teaches no order
             order = adopt_observed_order((self.reducer, self.dense.reducer), self.comm)  # once, after the first one
             if order is not None and self.in_backward is not None:
                 self.in_backward.adopt(order)
@@ -461,8 +477,8 @@ class Engine(DeepSpeedNames):
         for zc in self.trainable:
             zc.grads_seen.clear()
         if self.gathers is not None:
-            self.gathers.release_all(keep_forwards=bool(retain_graph) and failed is None)
-            if failed is None:
+            self.gathers.release_all(keep_forwards=retain_graph and not failed)
+            if not failed:
                 self.gathers.learn(self.comm)  # once, after the first backward ([Note: one backward hook per unit])
         if self.activations is not None:
             self.activations.step_end()
@@ -473,10 +489,6 @@ class Engine(DeepSpeedNames):
         # forward, ends it.
         self._in_step = False
         self._grads_final = boundary  # full_grads may read them until step()
-        self.events.emit("backward_end")
-        if failed is not None:
-            self._drop_accumulation(failed)
-            raise failed
 
     def _drop_accumulation(self, failed: Exception) -> None:
         # [Note: a backward that fails]
