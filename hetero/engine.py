@@ -499,8 +499,10 @@ class Engine(DeepSpeedNames):
         # same order on every rank, gathers and activations released), then the accumulation's gradients are
         # dropped, the earlier micro-batches' with it, and the accumulation starts again: what the plain loop's
         # zero_grad() does. A rank failing alone meets the others' next collective, which the collective schedule's
-        # check reports. With update_in_backward, chunks may have stepped before the failure: not undone, the error
-        # passes as it is.
+        # check reports. hetero's own collective errors (a mismatch, a rank gone: CommError) pass at once, as
+        # before: ending the backward would send more collectives to ranks that are not coming (in the first try,
+        # every test of a rank diverging hung there). With update_in_backward, chunks may have stepped before the
+        # failure: not undone, the error passes as it is.
         dropped = self.accumulated
         self.settle_update()  # a pending delayed update still reads the gradient buffers
         self.updater.zero_grads()
