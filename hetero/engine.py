@@ -779,11 +779,15 @@ class Engine(DeepSpeedNames):
         self.loop_writes.adopt()  # the masters saved are the values the loop sees
         return save_checkpoint(self, path, client_state, **kwargs)
 
-    def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> Any:
+    def load_checkpoint(self, path: str | os.PathLike, tag: str | int | None = None, **kwargs: Any) -> Any:
         """Restore a checkpoint (a root: its latest; or a checkpoint directory), resharding as needed; returns the
-        saved client_state. Keyword-only extra: lr_scheduler=. See `hetero.checkpoint.load`."""
+        saved client_state. tag: the checkpoint under the root `path` that `save_checkpoint(path, tag=...)` wrote
+        (DeepSpeed's `load_checkpoint(load_dir, tag)`). Keyword-only extra: lr_scheduler=. See
+        `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
+        if tag is not None:
+            path = os.path.join(os.fspath(path), str(tag))
         self.check(CHECKPOINT)
         self._no_update_in_flight("load_checkpoint")
         self.settle_update()

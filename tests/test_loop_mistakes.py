@@ -351,6 +351,10 @@ def test_a_deepspeed_style_tag_given_as_client_state_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())
     saved = engine.save_checkpoint(tmp_path, {"epoch": 3}, tag="global_step10")
     assert saved.endswith("global_step10") and engine.load_checkpoint(saved) == {"epoch": 3}
+    engine.save_checkpoint(tmp_path, {"epoch": 4}, tag="global_step20")
+    # DeepSpeed's load_checkpoint(load_dir, tag): the tag under the root, not its latest
+    assert engine.load_checkpoint(tmp_path, "global_step10") == {"epoch": 3}
+    assert engine.load_checkpoint(tmp_path) == {"epoch": 4}
     engine.close()
 
 
