@@ -40,7 +40,7 @@ from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers
 from hetero.zero.generate import keep_ranks_generating
 from hetero.zero.grad_views import full_grads
-from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads, take_over
+from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads, take_over, watch_structure
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
@@ -288,6 +288,9 @@ class Engine(DeepSpeedNames):
         self._handed_back = take_over(optimizer) if optimizer is not None else None  # [Note: the optimizer handed over]
         self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
         self._casts_back = guard_casts(model)  # [Note: casting or moving a held model]
+        self._structure_changed = False  # a module of the model registered a parameter or submodule since
+        me = weakref.ref(self)
+        self._unwatch = watch_structure(model, lambda: setattr(me(), "_structure_changed", True) if me() else None)
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)  # stepped once per real update
         # What the loop steps besides the engine: [Note: a loop stepping what the engine steps]
         self.watch = LoopWatch(grad_accumulation_steps=config.grad_accumulation_steps, scheduler=self.lr_scheduler)
@@ -605,8 +608,9 @@ class Engine(DeepSpeedNames):
         model it runs through drops its own: [Note: a backward through another engine's model] in
         hetero/zero/backwards.py). Checks first that no parameter frozen at initialize was unfrozen since, and that
         the model has no trainable parameter hetero does not hold."""
-        if self.stages is None:  # a pipeline rank's model holds other stages' modules too
+        if self._structure_changed and self.stages is None:  # a pipeline rank's model holds other stages' too
             self._check_no_new_parameters()
+            self._structure_changed = False
         for info in self._frozen_in_groups:
             if info.param.requires_grad:
                 raise HeteroError(
@@ -917,6 +921,7 @@ class Engine(DeepSpeedNames):
             self._handed_back()
         self._loads_back()
         self._casts_back()
+        self._unwatch()
         self._unhold()
         for p in self._unfreeze:
             p.requires_grad_(True)
