@@ -121,3 +121,22 @@ def test_a_pickled_or_copied_held_model_has_its_class_methods_back():
     initial = parity.initial_state()
     assert all(torch.equal(v, initial[k]) for k, v in engine.full_state_dict().items()), "the original is untouched"
     engine.close()
+
+
+def test_a_partial_state_dict_gathers_only_what_it_names():
+    # An adapter's or a head's weights loaded into a stage-3 model: the rest stays sharded (it was all gathered).
+    model, engine = _engine(3)
+    gathered = []
+    views_gathered = engine.views.gathered
+
+    def spy(params=None, **kwargs):
+        gathered.append(None if params is None else sorted(id(p) for p in params))
+        return views_gathered(params, **kwargs)
+
+    engine.views.gathered = spy
+    initial = parity.initial_state()
+    result = model.load_state_dict({"ln_f.weight": initial["ln_f.weight"] + 1.0}, strict=False)
+    assert gathered == [[id(model.ln_f.weight)]]
+    assert "ln_f.weight" not in result.missing_keys and len(result.missing_keys) == len(initial) - 1
+    assert torch.equal(engine.full_state_dict()["ln_f.weight"], initial["ln_f.weight"] + 1.0)
+    engine.close()

@@ -27,14 +27,15 @@ rank). Into a model hetero holds, that copied into the parameters' views of the 
 from the fp32 master weights, which still held the old values: the loaded weights were gone after one step (measured
 at stage 0 in fp32, 1.0 off plain PyTorch's), and at stage 3 the copy failed on the released parameters. The engine
 gives each module an instance `load_state_dict` that loads inside `engine.gathered_parameters(params, modify=True)`:
-the module's parameters gathered, the copy, then rank 0's values taken by every rank, the master weights included,
-and those at the values loaded where these are finer than the compute dtype (an fp32 checkpoint into a bf16 model:
-its masters are not rounded to bf16). It is collective as that block is (every rank loads, as DDP's loop has it),
-gathers what it loads at once (a model whose weights do not fit the device at once loads through
-`hetero.initialize(..., weights=path)` or `engine.load_checkpoint`), runs the class's own `load_state_dict` (its
-strict key check and returned missing and unexpected keys unchanged; its error comes after what matched is loaded,
-master weights included, as torch loads it before raising), and calls straight through inside a block the
-user opened. `assign=True` would put new tensors in place of the chunks' views: refused.
+the parameters the state dict names gathered, the copy, then rank 0's values taken by every rank, the master weights
+included, and those at the values loaded where these are finer than the compute dtype (an fp32 checkpoint into a
+bf16 model: its masters are not rounded to bf16). It is collective as that block is (every rank loads, as DDP's loop
+has it), gathers them at once (an adapter's weights loaded into a stage-3 model leave its base weights sharded; a
+model whose weights do not fit the device at once loads through `hetero.initialize(..., weights=path)` or
+`engine.load_checkpoint`), runs the class's own `load_state_dict` (its strict key check and returned missing and
+unexpected keys unchanged; its error comes after what matched is loaded, master weights included, as torch loads it
+before raising), and calls straight through inside a block the user opened. `assign=True` would put new tensors in
+place of the chunks' views: refused.
 
 [Note: casting or moving a held model]
 `model.half()`, `model.to(torch.bfloat16)`, `model.double()`, `model.cuda()` to another device, `model.to_empty()`:
@@ -204,8 +205,11 @@ def _loader(module: torch.nn.Module, loading: Callable[[list[torch.Tensor], dict
             for name, p in module.named_parameters()
             if isinstance(state_dict.get(name), torch.Tensor) and state_dict[name].shape == p.shape
         }
+        # Only the parameters the state dict names are copied: only they are gathered (an adapter's weights loaded
+        # into a stage-3 model leave its base weights where they are).
+        named = [p for name, p in module.named_parameters(remove_duplicate=False) if name in state_dict]
         error = None
-        with loading(list(module.parameters()), exact):
+        with loading(list({id(p): p for p in named}.values()), exact):
             try:
                 result = own(module, state_dict, strict=strict)
             except RuntimeError as e:  # torch raises after loading what matched: the block still ends as after a load
