@@ -331,9 +331,9 @@ class Engine(DeepSpeedNames):
             manager=self.manager,
         )
         # Stages 0-2: the loop's in-place writes into parameters reach the masters ([Note: the loop's writes into
-        # parameters] in hetero/zero/loop_writes.py); noted again after every block that may write them.
+        # parameters] in hetero/zero/loop_writes.py); taken in as a gathered block opens, noted after one that wrote.
         self.loop_writes = LoopWrites(self.trainable, self.device, self.dtype, delayed=config.delayed_param_update)
-        self.views.after = self.loop_writes.note
+        self.views.on_enter, self.views.on_modified = self.loop_writes.adopt, self.loop_writes.note
         self.activations = None  # checkpointing / input offload on the chosen blocks (hetero/activation.py)
         if config.activation_checkpointing:
             self.activations = ActivationMemory(
@@ -511,7 +511,7 @@ class Engine(DeepSpeedNames):
         self.updater.zero_grads()
         self.accumulated = 0
         self._grads_final = False
-        self.manager.step_end()
+        self.manager.step_end(keep=False)  # a partial step is no trace to replay: the next one is recorded afresh
         log.warning(
             "engine.backward raised %s: its gradients are dropped%s, and the accumulation starts again",
             type(failed).__name__,

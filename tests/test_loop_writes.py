@@ -74,6 +74,23 @@ def test_pruning_and_clipping_in_place_train_as_plain_pytorch_world2(stage):
     tolerance.assert_weights(dict(model.state_dict()), exact, plain, dtype=torch.float32)
 
 
+def test_a_write_then_a_read_only_gathered_block_keeps_the_write():
+    # An EMA read through gathered_parameters() after the loop's pruning: the block must not pass the write over.
+    model = parity.build()
+    engine = hetero.initialize(model, parity.make_optimizer(model), {"zero_stage": 0, "chunk_size": parity.CHUNK})
+    x, y = parity.batches(1, ROWS)[0]
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()
+    _edit(model)
+    with engine.gathered_parameters():
+        pass
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()
+    # Every clipped weight stayed within a step's reach of the clip (Adam moves each by about lr, 3e-3).
+    assert all(v.abs().max() <= 0.05 + 0.01 for k, v in engine.full_state_dict().items() if v.dim() == 2)
+    engine.close()
+
+
 def test_a_write_with_the_delayed_update_is_refused_naming_the_block():
     model = parity.build()
     engine = hetero.initialize(

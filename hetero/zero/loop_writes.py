@@ -8,13 +8,14 @@ clipping `p.clamp_(-c, c)`, a max-norm constraint, under `torch.no_grad()`) last
 brought the old values back from the masters (measured: pruning after every step, 0.026 off plain PyTorch's weights
 after three steps, the pruned weights grown back). Such a write goes through the parameter and bumps its version
 counter, as autograd sees it; the engine notes every parameter's version after it wrote them, and before the next
-backward and update (which read the masters) the chunks holding a parameter written since have their masters take
-every element whose value changed (`adopt_full`, as `gathered_parameters(modify=True)` does, without its broadcast:
-each rank from its own values, as DDP leaves each rank's edit to the rank; every rank making the same write, as
-such loops do, keeps them equal). A write through `.data` bumps no version (autograd does not see it either):
-do it inside `with engine.gathered_parameters(modify=True):`. With `delayed_param_update` the parameters may hold a
-prediction of the pending update, not the masters' values, so a write is refused there, naming that block. At
-stage 3 the parameters are released outside forward, and writing one raises: the same block is the way.
+backward, update or `gathered_parameters` block (a read-only one would otherwise pass the writes over) the chunks
+holding a parameter written since have their masters take every element whose value changed (`adopt_full`, as
+`gathered_parameters(modify=True)` does, without its broadcast: each rank from its own values, as DDP leaves each
+rank's edit to the rank; every rank making the same write, as such loops do, keeps them equal). A write through
+`.data` bumps no version (autograd does not see it either): do it inside `with
+engine.gathered_parameters(modify=True):`. With `delayed_param_update` the parameters may hold a prediction of the
+pending update, not the masters' values, so a write is refused there, naming that block. At stage 3 the parameters
+are released outside forward, and writing one raises: the same block is the way.
 """
 
 from __future__ import annotations

@@ -40,7 +40,11 @@ class ParameterViews:
         self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
         self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
         self.open = 0  # `gathered` blocks open now
-        self.after: Callable[[], None] | None = None  # told when a `gathered` block ends (it may have written)
+        # The loop's own writes into parameters at stages 0-2 ([Note: the loop's writes into parameters]): taken into
+        # the masters as a block opens (a read-only block must not pass them over), noted as seen after a block
+        # whose writes `_adopt_rank0` took.
+        self.on_enter: Callable[[], None] | None = None
+        self.on_modified: Callable[[], None] | None = None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """See `Engine.full_state_dict`."""
@@ -85,6 +89,8 @@ class ParameterViews:
         # Every rank enters, at every stage: where nothing needs gathering (stages 0-2), rank 0's broadcast of what was
         # modified is still a collective, and one rank alone in the block hung the others at it.
         self.check(SUMMON)
+        if self.on_enter is not None:
+            self.on_enter()
         self.open += 1
         try:
             with self.summoned(chunks):
@@ -92,10 +98,10 @@ class ParameterViews:
                     yield
                 if modify:
                     self._adopt_rank0(chunks, exact or {})
+                    if self.on_modified is not None:
+                        self.on_modified()
         finally:
             self.open -= 1
-            if self.after is not None:
-                self.after()
 
     @contextlib.contextmanager
     def summoned(self, chunks: list[ZeroChunk]) -> Iterator[None]:
