@@ -189,10 +189,22 @@ def run_distributed(
         pickle.dumps((fn, args, kwargs))
     except Exception as err:
         raise TypeError(f"fn and its arguments must be picklable (fn module-level): {err}") from err
+    one_rank = os.environ.get("HETERO_TESTS_ONE_RANK")
+    if one_rank:
+        # [Note: a multi-rank test as one rank]
+        # On a machine with one GPU no test can put two NCCL ranks on it, and gloo ranks hide the GPU: the
+        # multi-rank tests would never touch CUDA there. HETERO_TESTS_ONE_RANK=nccl runs each as a single rank on
+        # that backend (cuda:0), `fn(0, 1, ...)`, whose result stands for every rank's. A worker slices its data by
+        # rank and world size, so one rank trains on the whole batch, which is what the plain reference does; the
+        # tests that compare ranks with each other, or kill one, fail by construction there. `gloo` gives the same
+        # layout on the CPU: the list of those failures to set a GPU run's beside (tools/gpu_check.sh, `onegpu`).
+        backend, copies, world_size = one_rank, world_size, 1
+    else:
+        copies = 1
     deadline = time.monotonic() + timeout
     for attempt in range(2):
         try:
-            return _run_once(fn, world_size, args, kwargs, deadline, timeout, backend, report_grace)
+            return _run_once(fn, world_size, args, kwargs, deadline, timeout, backend, report_grace) * copies
         except DistributedTestError as err:
             # The port was free when picked but another process may have taken it since: try once more.
             busy = any("address already in use" in tb.lower() for tb in err.errors.values())

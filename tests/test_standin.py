@@ -463,7 +463,8 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
 def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
     """tools/gpu_waits.py (on a GPU: torch's sync debug mode) runs here under the stand-in: hetero's step with
     everything on the device, with clipping, with host offload, with the delayed update (and its prediction) and with
-    the update in backward makes no wait it can see, and the norm each configuration reports is a number."""
+    the update in backward, and at stages 0-2 (stage 1 with the optimizer on the host), makes no wait it can see,
+    and the norm each configuration reports is a number."""
     import json
     import subprocess
     import sys
@@ -474,7 +475,14 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(rows) == {"device", "device_clip", "host", "host_delayed", "host_predicted", "host_in_backward"}
+    assert set(rows) == {
+        *("device", "device_clip", "host", "host_delayed", "host_predicted", "host_in_backward"),
+        *("stage0", "stage1_host", "stage2", "stage1_host_writes"),
+    }
+    # The loop's own in-place writes are read back from the device into the host's masters: waits of the loop's
+    # making, one a written chunk, and no other
+    writes = rows.pop("stage1_host_writes")
+    assert writes["waits_per_step"] > 0 and all("loop_writes.py" in where for where in writes["where"]), writes
     for name, row in rows.items():
         assert row["waits_per_step"] == 0 and row["where"] == {}, (name, row)
         assert row["grad_norm"] > 0 and row["gpu"] is False, (name, row)

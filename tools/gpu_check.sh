@@ -2,6 +2,8 @@
 # The GPU checks in one go, for a lent GPU machine that has no network (see README, "GPU runs"):
 #
 #   bash tools/gpu_check.sh tests   the test suite (or TESTS="files") with CUDA visible (gloo ranks stay on the CPU)
+#   bash tools/gpu_check.sh onegpu  the same, each multi-rank test run as one NCCL rank on the GPU
+#                                   (HETERO_TESTS_ONE_RANK=nccl, [Note: a multi-rank test as one rank] in tests/dist.py)
 #   bash tools/gpu_check.sh smoke   a small run of every configuration of benchmarks/gpu_race.py; DeepSpeed's ops
 #                                   are built first
 #   bash tools/gpu_check.sh race    benchmarks/gpu_race.py at its default size, nothing else running
@@ -85,6 +87,12 @@ AsyncIOBuilder().load(); print('async_io built')" >"$OUT/ds_build.log" 2>&1
   echo "build exit $?" >>"$OUT/ds_build.log"
 }
 
+if [ "$PHASE" = onegpu ]; then
+  # Ranks spawned, not forked from a server: a server that asked CUDA anything before forking would leave its
+  # children a CUDA they cannot use.
+  export HETERO_TESTS_ONE_RANK=nccl HETERO_TEST_START=spawn
+  PHASE=tests
+fi
 if [ "$PHASE" = tests ]; then
   # SIGINT at the limit: pytest stops and still prints its summary; each failure's traceback is written as it comes.
   HETERO_FAILURES="$OUT/failures.txt" timeout -s INT -k 20 "${TESTS_TIMEOUT:-500}" \

@@ -13,7 +13,9 @@ script and its configurations are checked on any machine. The training loop read
 what is counted is hetero's own.
 
 Configurations (hetero's GPT, 4 layers of 256, stage 3, bf16 on a GPU, fp32 elsewhere): device (everything on the
-device), device_clip (the same with grad_clip_norm 1.0), host (parameters and optimizer states in host memory),
+device), device_clip (the same with grad_clip_norm 1.0), stage0 and stage2 (those stages on the device),
+stage1_host (stage 1, the optimizer states in host memory: ZeRO-Offload's layout), stage1_host_writes (the same, the
+loop clamping every parameter in place after each update), host (parameters and optimizer states in host memory),
 host_delayed (the same with delayed_param_update), host_predicted (and delayed_param_update_prediction),
 host_in_backward (with update_in_backward), and with --nvme-dir:
 nvme (optimizer states on NVMe), nvme_host (and the parameters in host memory: gpu_race.py's layout), nvme_delayed
@@ -52,6 +54,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "delayed_param_update_prediction": True,
     },
     "host_in_backward": {"offload": {"params": "host", "optimizer": "host"}, "update_in_backward": True},
+    "stage0": {"zero_stage": 0},
+    "stage1_host": {"zero_stage": 1, "offload": {"optimizer": "host"}},  # ZeRO-Offload's layout
+    "stage2": {"zero_stage": 2},
+    # The loop clamps every parameter in place after each update (WGAN's clip): the writes go into the host
+    # masters before the next backward ([Note: the loop's writes into parameters])
+    "stage1_host_writes": {"zero_stage": 1, "offload": {"optimizer": "host"}},
     "nvme": {"offload": {"optimizer": "nvme"}},
     "nvme_host": {"offload": {"params": "host", "optimizer": "nvme"}},  # benchmarks/gpu_race.py's NVMe layout
     "nvme_delayed": {"offload": {"optimizer": "nvme"}, "delayed_param_update": True, "delayed_param_update_warmup": 1},
@@ -63,6 +71,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 NVME = ("nvme", "nvme_host", "nvme_delayed", "nvme_predicted")
+WRITES = ("stage1_host_writes",)
 
 
 def _where() -> str:
@@ -128,6 +137,10 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
         ids = batches[i % 2]
         engine.backward(engine(ids[:, :-1], labels=ids[:, 1:]).loss)
         engine.step()
+        if name in WRITES:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.05, 0.05)
 
     for i in range(2):
         step(i)
