@@ -10,6 +10,7 @@ distance from them (tests/tolerance.py). The fp16 run computes in fp16, which no
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -122,6 +123,8 @@ def test_reading_changes_nothing_and_works_under_the_standin(monkeypatch):
     plain = run_distributed(_unread, 2, False, timeout=250)[0]
     for name, (read, unread) in plain.items():
         assert all(torch.equal(read["state"][k], unread["state"][k]) for k in read["state"]), name
+    if os.environ.get("HETERO_TESTS_ONE_RANK") == "nccl":
+        return  # the plain run above was on the GPU, the stand-in's is on the CPU: not the same bits by construction
     monkeypatch.setenv("HETERO_STANDIN", "1")
     strict = run_distributed(_unread, 2, True, timeout=250)[0]
     for name, (read, _) in strict.items():

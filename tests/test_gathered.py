@@ -44,7 +44,7 @@ def _run_gathered(rank: int, world: int, stage: int) -> dict:
     out: dict = {}
     with engine.gathered_parameters():
         seen = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out["equal_to_full_state_dict"] = all(torch.equal(seen[n], full[n]) for n in seen)
+        out["equal_to_full_state_dict"] = all(torch.equal(seen[n].cpu(), full[n].cpu()) for n in seen)
         out["state_dict_inside"] = sorted(model.state_dict()) == sorted(full)
     weight = dict(model.named_parameters())[WEIGHT]
     try:

@@ -100,7 +100,7 @@ def test_fp32_values_loaded_into_a_bf16_model_keep_their_precision_in_the_master
         master, _ = zc.optimizer_views()
         for info in zc.spec.params:
             want = loaded[info.name].reshape(-1)[info.start : info.start + info.numel]
-            assert torch.equal(master[info.offset : info.offset + info.numel], want), info.name
+            assert torch.equal(master[info.offset : info.offset + info.numel].cpu(), want), info.name
     engine.close()
 
 

@@ -165,7 +165,7 @@ def _two_micro_batches_a_step(rank: int, world: int, no_sync: bool) -> dict:
                     engine.backward(loss / 2)
                 if no_sync and engine.stage <= 1:  # stages 0-1 reduce at an accumulation's end; 2-3 every backward
                     assert (engine.check.seq > checks) == (micro == 1), (name, micro)
-                total += loss.detach() / 2
+                total += loss.detach().cpu() / 2
             engine.step()
             engine.comm.control.all_reduce(total, op="avg")
             losses.append(total.item())
@@ -441,7 +441,13 @@ def test_casting_or_moving_the_model_after_initialize_is_refused_and_a_no_op_goe
     with pytest.raises(HeteroError, match=r"would detach"):
         model.layers[0].half()  # a submodule too
     # Changing nothing goes through, at stage 3 without reading a released parameter.
-    assert model.to("cpu") is model and model.float() is model and model.cpu() is model
+    here = engine.device.torch_device
+    assert model.to(here) is model and model.float() is model
+    if here.type == "cpu":
+        assert model.cpu() is model
+    else:  # on a GPU, to the host is a move
+        with pytest.raises(HeteroError, match=r"would detach"):
+            model.cpu()
     assert model.scale.dtype == torch.float32
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -509,7 +515,7 @@ def test_a_ddp_style_accumulation_loop_with_grad_accumulation_steps_warns_once()
 def test_a_module_added_after_initialize_is_refused_at_its_first_backward(stage):
     # A head swapped in after initialize took gradients in .grad and was never updated (stages 0 and 3).
     model, opt, engine = _engine(stage)
-    model.lm_head = nn.Linear(32, 64, bias=False)
+    model.lm_head = nn.Linear(32, 64, bias=False, device=engine.device.torch_device)
     x, y = _batch()
     with pytest.raises(HeteroError, match=r"'lm_head\.weight' \(shape \[64, 32\]\) is not one hetero\.initialize"):
         engine.backward(engine(x, labels=y).loss)

@@ -33,7 +33,7 @@ def _edit(model: torch.nn.Module) -> None:
             if p.dim() == 2:
                 p.clamp_(-0.05, 0.05)
             if name == "layers.0.mlp.fc.weight":
-                p.mul_(MASK.to(p.dtype))
+                p.mul_(MASK.to(p.device, p.dtype))
 
 
 def _reference(dtype: torch.dtype) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -57,10 +57,10 @@ def assert_weights(
     `initial`, the deltas (final minus initial) are compared instead, and they must be learnable (see the note)."""
     eps = EPS[dtype]
     for name, e in exact.items():
-        e = e.double()
-        g, p = got[name].double(), plain[name].double()
+        e = e.double().cpu()
+        g, p = got[name].double().cpu(), plain[name].double().cpu()
         if initial is not None:
-            start = initial[name].double()
+            start = initial[name].double().cpu()
             e, g, p = e - start, g - start, p - start
         ours, theirs = float((g - e).norm()), float((p - e).norm())
         bound = _bound(theirs, float(e.norm()), eps)
@@ -73,8 +73,8 @@ def assert_learns(
     """The run changed the weights far more than low precision's own error: a check on the deltas means something.
     Over the whole model, the exact delta must be at least twice the bound a check allows, so a run that never
     updated (its error: the whole delta) fails it."""
-    delta = math.sqrt(sum(float((exact[k].double() - initial[k].double()).norm()) ** 2 for k in exact))
-    noise = math.sqrt(sum(float((plain[k].double() - exact[k].double()).norm()) ** 2 for k in exact))
+    delta = math.sqrt(sum(float((exact[k].double().cpu() - initial[k].double().cpu()).norm()) ** 2 for k in exact))
+    noise = math.sqrt(sum(float((plain[k].double().cpu() - exact[k].double().cpu()).norm()) ** 2 for k in exact))
     assert delta >= 2 * FACTOR * noise, f"the data is not learnable enough: delta {delta:.3g}, noise {noise:.3g}"
 
 
@@ -84,6 +84,6 @@ def assert_near_plain(
     """Each tensor within `rel` of its norm from plain fp32's, on top of fp32's own noise on it: a parameter whose
     exact gradient is zero (a key bias) gets Adam's lr-sized step from rounding, and plain fp32 is as far off."""
     for name, value in plain.items():
-        noise = FACTOR * float((value.double() - exact[name].double()).norm())
-        err, size = float((got[name].double() - value.double()).norm()), float(value.double().norm())
+        noise = FACTOR * float((value.double().cpu() - exact[name].double().cpu()).norm())
+        err, size = float((got[name].double().cpu() - value.double().cpu()).norm()), float(value.double().cpu().norm())
         assert err <= rel * size + noise, f"{name}: {err:.3g} from plain fp32 (norm {size:.3g}, noise {noise:.3g})"

@@ -36,6 +36,9 @@ class RoomMaker:
         self.chunks = chunks  # the manager's live chunks, by id
         self.trace = trace
         self.counters = counters
+        # A tier whose budget is a target set moment by moment (automatic placement): the budget it may rise to
+        # when what cannot move needs more room than the target leaves ([Note: automatic placement])
+        self.ceilings: dict[Tier, int] = {}
 
     def make(
         self,
@@ -55,7 +58,7 @@ class RoomMaker:
         """
         ledger = self.storage.ledgers[tier]
         mover = self.mover
-        if nbytes > ledger.budget:
+        if nbytes > ledger.budget and not self._rise(tier, nbytes):
             raise self.oom(tier, nbytes, extra="the request alone exceeds the budget", protect=protect)
         while self.available(tier, nbytes) < nbytes:
             if mover.poll():
@@ -78,12 +81,25 @@ class RoomMaker:
                         mover.land(landing[0])  # a copy writing into it pins it; once it lands it can go
                         continue
                     if not arriving:
+                        if self._rise(tier, nbytes):
+                            continue
                         raise self.oom(tier, nbytes, protect=protect)
                     mover.wait(arriving[0])
                     continue
             if not blocking:
                 return False  # room is on its way; a later call tries again
             mover.wait(leaving[0])
+        return True
+
+    def _rise(self, tier: Tier, nbytes: int) -> bool:
+        """A target budget below what the chunks being computed on need, with the request: raise it towards its
+        ceiling (the whole budget). False where the tier has no ceiling or is already at it."""
+        ceiling = self.ceilings.get(tier)
+        ledger = self.storage.ledgers[tier]
+        if ceiling is None or ledger.budget >= ceiling:
+            return False
+        ledger.budget = min(ceiling, max(ledger.budget, ledger.used + nbytes))
+        self.counters["budget_raised"] += 1
         return True
 
     def _evict_one(self, tier: Tier, protect: set[int] | frozenset[int], horizon: float | None, blocking: bool) -> bool:
