@@ -189,7 +189,7 @@ def _judged(g: nn.Module, judge: nn.Module, data: list, backward, step) -> list[
     losses = []
     for z, real in data:
         out = g(z)
-        loss = -judge(out).mean() + (out - real).pow(2).mean()
+        loss = -judge(out).mean() + (out - real.to(out.device)).pow(2).mean()  # out: on the engine's device
         backward(loss)
         step()
         losses.append(float(loss.detach()))

@@ -429,6 +429,7 @@ def test_sparse_embedding_gradients(make_opt):
     batches = [(torch.randint(0, 50, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(5)]
 
     def loss_of(m, batch, i):
-        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+        out = m(batch[0])  # on the engine's device (cuda:0 on a GPU machine): the labels follow it
+        return nn.functional.cross_entropy(out, batch[1].to(out.device))
 
     _check(model, batches, loss_of, offload="device", make_opt=make_opt)

@@ -30,6 +30,9 @@
 # beside eight test files (TESTS_TIMEOUT=200 cut off one stand-in test), then four NVMe race configurations 204 s;
 # the same machine again at once (warm): five device and offload configurations 154 s. A third call on a fresh
 # machine, 193 s: `waits`, then hetero_nvme_delayed and hetero_nvme_predicted; a third configuration did not fit.
+# On one H200 (2026-11-29, thirtieth session), three calls: `waits &` beside `onegpu` (TESTS_TIMEOUT=320: 663 of the
+# 934 tests ran, 12 workers, ranks spawned), 337 s; then, warm, `race` with six device and host configurations
+# (155 s) and the nvme phase at 4 GiB, 246 s; a fresh machine for 88 chosen tests (TESTS from a file), 188 s.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.

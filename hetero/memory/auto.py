@@ -28,7 +28,7 @@ in; a user budget smaller than that plus the activations cannot be honoured, and
 
 The budget so set is a target, not a limit: where the chunks a unit computes on at once (its weights, their gradient
 buffers, a shared norm's chunk) need more than the target leaves, the request raises it, as far as the whole budget
-(`ChunkManager.let_budget_rise`), and the next moment sets it again. A hard limit failed the step: on one H200 a
+(the device ledger's `ceiling`), and the next moment sets it again. A hard limit failed the step: on one H200 a
 tiny model under a budget of 16 of its chunks had 6 left after CUDA's allocator overhead (2 MiB a pool) and its
 first backward needed 7 at once; the same on the CPU with activations in the CPU's place.
 """
@@ -86,7 +86,7 @@ class AutoPlacement:
         self._chunk_ptrs: dict[int, weakref.ref] = {}  # storage pointer -> chunk memory, refreshed at each access
         chunk_bytes = [c.nbytes for c in manager.chunks]
         self.floor = 2 * max(chunk_bytes, default=0)  # the least device budget a step can run with
-        manager.let_budget_rise(Tier.DEVICE, self.budget)  # a unit needing more than the target: see the Note
+        self.ledger.ceiling = self.budget  # a unit needing more than the target raises it: see the Note
         manager.events.subscribe("access", self._before_access)
         manager.events.subscribe("step_begin", self._step_begin)
 

@@ -317,11 +317,6 @@ class ChunkManager:
                 ledger.budget = ledger.used
         return ledger.budget
 
-    def let_budget_rise(self, tier: Tier, ceiling: int) -> None:
-        """The tier's budget is a target (automatic placement): where the chunks that cannot move need more room
-        than it leaves, it rises as far as `ceiling` rather than failing the request."""
-        self._room.ceilings[tier] = ceiling
-
     def synchronize(self) -> None:
         """Wait for every move in flight."""
         self._mover.synchronize()

@@ -36,9 +36,6 @@ class RoomMaker:
         self.chunks = chunks  # the manager's live chunks, by id
         self.trace = trace
         self.counters = counters
-        # A tier whose budget is a target set moment by moment (automatic placement): the budget it may rise to
-        # when what cannot move needs more room than the target leaves ([Note: automatic placement])
-        self.ceilings: dict[Tier, int] = {}
 
     def make(
         self,
@@ -92,10 +89,10 @@ class RoomMaker:
         return True
 
     def _rise(self, tier: Tier, nbytes: int) -> bool:
-        """A target budget below what the chunks being computed on need, with the request: raise it towards its
-        ceiling (the whole budget). False where the tier has no ceiling or is already at it."""
-        ceiling = self.ceilings.get(tier)
+        """A target budget below what the chunks being computed on need, with the request: raise it towards the
+        ledger's ceiling (the whole budget). False where the budget is a limit or already at its ceiling."""
         ledger = self.storage.ledgers[tier]
+        ceiling = ledger.ceiling
         if ceiling is None or ledger.budget >= ceiling:
             return False
         ledger.budget = min(ceiling, max(ledger.budget, ledger.used + nbytes))

@@ -39,6 +39,9 @@ class TierLedger:
 
     tier: Tier
     budget: int  # bytes hetero may hold on this tier
+    # A budget that is a target (automatic placement): how far a request the chunks in use leave no room for may raise
+    # it ([Note: automatic placement]); None: the budget is a limit
+    ceiling: int | None = None
     current: int = 0  # bytes held now by chunk payloads and buffers in use
     cached: int = 0  # bytes held by free buffers kept for reuse (host pool); counted against the budget too
     peak: int = 0  # highest current + cached ever reached
