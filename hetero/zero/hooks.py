@@ -176,12 +176,18 @@ class Hooks:
 def outside_compile(fn: Callable) -> Callable:
     """`fn`, run as it is where torch.compile traces a call of it ([Note: hetero's hooks under torch.compile]).
     `torch.compiler.disable` alone costs ~2.5 us a call without a compiler too (it switches the frame evaluator);
-    `is_compiling()` is a flag read, and a constant True to the tracer, which then breaks its graph at the call."""
-    skipped = torch.compiler.disable(fn)
+    `is_compiling()` is a flag read, and a constant True to the tracer, which then breaks its graph at the call.
+    The skipping wrapper is made at the first call under a compiler: making it imports torch._dynamo (1.8 s on the
+    2-core VM), which `import hetero` paid before (the tiled layers' forwards are wrapped at import): 2.2 s against
+    0.5 s now, for the estimator's and profiler's command lines too. A training run imports it anyway when it makes a
+    torch optimizer."""
+    skipped: list[Callable] = []
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return skipped(*args, **kwargs)
+            if not skipped:
+                skipped.append(torch.compiler.disable(fn))
+            return skipped[0](*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call
