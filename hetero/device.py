@@ -117,6 +117,15 @@ class Device:
         """`t` in host memory (the same tensor where it already is, unless `copy`), optionally cast."""
         return t.to("cpu", dtype=dtype, copy=copy)
 
+    def to_host_all(self, ts: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Each of `ts` in host memory (cast), the host waiting for the device once for them all rather than once a
+        tensor: the copies are queued (into pinned memory torch allocates) and the compute stream waited for after."""
+        if not self.is_cuda or not any(t.is_cuda for t in ts):
+            return [self.to_host(t, dtype) for t in ts]
+        out = [t.to("cpu", dtype=dtype, non_blocking=True) for t in ts]
+        torch.cuda.current_stream(self.torch_device).synchronize()
+        return out
+
     def empty_host(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 host buffer, page-aligned: anonymous mmap memory, registered with CUDA (pinned) when CUDA is
         present; see [Note: pinned host memory counted as it is]. Give it back with `free_host`.
@@ -361,6 +370,17 @@ class StandinDevice(Device):
             out = torch.empty(t.shape, dtype=dtype or t.dtype)
             out.copy_(t)
         return standin.register(out, standin.HOST)
+
+    def to_host_all(self, ts: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        if any(standin.kind_of(t) == standin.DEVICE for t in ts):
+            self.standin.waited("to_host_all")  # one wait for every copy queued before it
+        out = []
+        for t in ts:
+            with torch._C._DisableTorchDispatch():
+                o = torch.empty(t.shape, dtype=dtype or t.dtype)
+                o.copy_(t)
+            out.append(standin.register(o, standin.HOST))
+        return out
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
         t = super().empty_host(nbytes)

@@ -479,10 +479,10 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
         *("device", "device_clip", "host", "host_delayed", "host_predicted", "host_in_backward"),
         *("stage0", "stage1_host", "stage2", "stage1_host_writes"),
     }
-    # The loop's own in-place writes are read back from the device into the host's masters: waits of the loop's
-    # making, one a written chunk, and no other
+    # The loop's own in-place writes are read back from the device into the host's masters: a wait of the loop's
+    # making, one a step for every written chunk together (`adopt_all`; one a chunk before), and no other
     writes = rows.pop("stage1_host_writes")
-    assert writes["waits_per_step"] > 0 and all("loop_writes.py" in where for where in writes["where"]), writes
+    assert writes["waits_per_step"] == 1 and all("loop_writes.py" in where for where in writes["where"]), writes
     for name, row in rows.items():
         assert row["waits_per_step"] == 0 and row["where"] == {}, (name, row)
         assert row["grad_norm"] > 0 and row["gpu"] is False, (name, row)

@@ -156,13 +156,26 @@ class ParameterViews:
             master[here] = torch.where(agree, src, master[here])
 
 
-def adopt_full(zc: ZeroChunk, device: Device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def adopt_full(
+    zc: ZeroChunk, device: Device, dtype: torch.dtype, new: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's master weights take the elements of its range of the full values (in the compute dtype, `dtype`)
     that differ from the master rounded to that dtype; an element that did not change keeps its finer master.
-    Returns the master and those values in fp32."""
+    Returns the master and those values in fp32. new: those values, already where the master is (`adopt_all`)."""
     master, _ = zc.optimizer_views()
-    mine = zc.kept(zc.full.payload)
-    new = device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
+    if new is None:
+        mine = zc.kept(zc.full.payload)
+        new = device.to_host(mine, torch.float32) if master.device.type == "cpu" else mine.float()
     changed = new != master.to(dtype).to(torch.float32)
     master[changed] = new[changed]
     return master, new
+
+
+def adopt_all(chunks: list[ZeroChunk], device: Device, dtype: torch.dtype) -> None:
+    """`adopt_full` for each chunk, the host waiting for the device once for every master on the host, not once a
+    chunk (a loop clamping every parameter after each update waited once a chunk a step: `tools/gpu_waits.py`)."""
+    down = [zc for zc in chunks if zc.optimizer_views()[0].device.type == "cpu"]
+    values = device.to_host_all([zc.kept(zc.full.payload) for zc in down], torch.float32)
+    fetched = {id(zc): v for zc, v in zip(down, values)}
+    for zc in chunks:
+        adopt_full(zc, device, dtype, fetched.get(id(zc)))
