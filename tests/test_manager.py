@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hetero.device
+import hetero.io.swap
 from hetero.errors import TierOutOfMemoryError
 from hetero.memory import ChunkState, TensorState, Tier
 
@@ -475,7 +476,7 @@ def test_transient_storage_borrows_pooled_memory_on_a_cpu_device(make_manager, c
     # A torch whose storages cannot exchange memory (no `UntypedStorage._swap_data_ptr_`, which torch gained in March
     # 2026, pytorch#177449: the H100's torch 2.11 failed here) keeps the storage growing back instead, as
     # `Device.lends_buffers` says: the same storage object and views throughout, and no pooled buffer.
-    lends = hetero.device._storages_exchange()
+    lends = hetero.io.swap.storages_exchange()
     assert m.device.lends_buffers == lends
     c = m.new_chunk(dtype=torch.float32, capacity=NUMEL, kind="param", transient=True)
     s = c.add_tensor("w", (NUMEL // 2, 2))

@@ -62,7 +62,7 @@ def advise_huge(t: Any) -> bool:
     to fill 16 MiB on the 2-core VM, against 0.6 ms into a buffer already touched and 1.3 ms into a fresh one on huge
     pages. This asks for those. A heap-served (small) buffer's range is skipped; a kernel without THP, or a libc without
     madvise, leaves small pages. Better still is no fresh buffer: the largest per-step ones (gathered chunks, tiles'
-    gradients) now reuse pooled memory ([Note: transient storage on pooled memory] in hetero/device.py). Returns
+    gradients) now reuse pooled memory ([Note: transient storage on pooled memory] in hetero/io/swap.py). Returns
     whether the advice was taken."""
     if t.device.type != "cpu":
         return False

@@ -11,7 +11,7 @@ hetero used to fix it at 1 MiB. When the buffers it frees and allocates per chun
 gradients, host staging) came from malloc, their holes, spread over one arena per thread, were never returned: the
 416M Llama of benchmarks/bigger_than_ram.py (512 MiB host and device budgets) measured 2.0 GiB of peak RSS dynamic
 against 1.2 GiB fixed. Those buffers now come from hetero's pools instead ([Note: transient storage on pooled memory]
-in hetero/device.py, [Note: elastic buffers] in hetero/memory/pool.py, `ZeroChunk.grad_target`), and the fixed
+in hetero/io/swap.py, [Note: elastic buffers] in hetero/memory/pool.py, `ZeroChunk.grad_target`), and the fixed
 threshold's cost is what is left: on a CPU compute device, every activation of a MiB or more faulted in anew each
 step. Measured again on the 2-core VM (2026-11-26): the 416M Llama 1.32 GiB dynamic against 1.27 GiB fixed, the same
 step time; ZeRO-3 of a 23M GPT over two ranks (benchmarks/step_time.py) 2.10 s and 1.05 GB a rank dynamic against

@@ -39,7 +39,7 @@ home is each rank's shard). Tensors outside hetero view its payload: module para
 forward for backward. So its device payload is always the same storage object (`chunk.kept`): dropping the chunk
 resizes that storage to zero bytes, and giving it memory again grows the same storage back, so every view of it is
 valid again once the bytes are back, without anyone re-pointing it (on a CPU device the bytes are a pooled
-buffer's, lent to the storage: [Note: transient storage on pooled memory] in device.py). A transient chunk whose
+buffer's, lent to the storage: [Note: transient storage on pooled memory] in io/swap.py). A transient chunk whose
 tensors are all FREE is released, never copied, when room is needed; one whose tensors hold data (gathered, but not
 being computed on) is moved down like any chunk, and coming back to the device its bytes are copied into the regrown
 storage. Whether the data is gathered is the owner's decision, taken from state every rank shares; where its bytes

@@ -80,7 +80,7 @@ class Storage:
     def new_buffer(self, tier: Tier, chunk: Chunk) -> torch.Tensor:
         """A buffer for the chunk's payload on the device or host tier (the caller made room for it)."""
         if chunk.transient and tier is Tier.DEVICE and self.device.lends_buffers:
-            # [Note: transient storage on pooled memory] (device.py): the same storage object, a pooled buffer's memory.
+            # [Note: transient storage on pooled memory] (io/swap.py): the same storage, a pooled buffer's memory.
             chunk.lent = self.pools[tier].acquire(chunk.nbytes)
             kept = self.device.exchange(chunk.kept, chunk.lent)
             chunk.kept = kept if kept.dtype == chunk.dtype else kept.view(chunk.dtype)
