@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import sys
 import weakref
@@ -44,6 +45,7 @@ from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads,
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
 from hetero.zero.layout import build_layout, chunk_cap
+from hetero.zero.loop_clip import route as route_clips
 from hetero.zero.loop_watch import LoopWatch
 from hetero.zero.loop_writes import LoopWrites
 from hetero.zero.materialize import load_values
@@ -51,7 +53,7 @@ from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.predict import Prediction
-from hetero.zero.protocol import CHECKPOINT, Checker, Reducer, adopt_observed_order
+from hetero.zero.protocol import CHECKPOINT, READ_GRADS, Checker, Reducer, adopt_observed_order
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.unit_rules import unit_rules
@@ -288,6 +290,7 @@ class Engine(DeepSpeedNames):
         self._handed_back = take_over(optimizer) if optimizer is not None else None  # [Note: the optimizer handed over]
         self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
         self._casts_back = guard_casts(model)  # [Note: casting or moving a held model]
+        self._clips_back = route_clips(model.parameters(), self)  # [Note: the loop's clip_grad_norm_]
         self._structure_changed = False  # a module of the model registered a parameter or submodule since
         me = weakref.ref(self)
         self._unwatch = watch_structure(model, lambda: setattr(me(), "_structure_changed", True) if me() else None)
@@ -752,6 +755,52 @@ class Engine(DeepSpeedNames):
         named = self.module.named_parameters(remove_duplicate=False)
         return {n: values[id(p)] for n, p in named if id(p) in values}
 
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        parameters: list[torch.Tensor] | None = None,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """The loop's gradient clipping, as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` (which
+        calls this while the engine holds the model): returns the norm of the whole gradient (the data-parallel mean,
+        unscaled) and the next update clips by it, as `grad_clip_norm` does. Call it after the backward that ends an
+        accumulation, before `step()`; every rank calls it ([Note: the loop's clip_grad_norm_] in
+        hetero/zero/loop_clip.py)."""
+        if self.inference:
+            raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to clip")
+        if self.in_backward is not None:
+            raise RuntimeError(
+                "clip_grad_norm_: with update_in_backward each chunk steps during backward, before a loop could clip; "
+                "set grad_clip_norm in the config instead (refused with update_in_backward too: turn it off to clip)"
+            )
+        if not self._grads_final:
+            raise RuntimeError(
+                "clip_grad_norm_ clips the gradient the next update steps on: call it after the backward that ends an "
+                "accumulation (engine.is_gradient_accumulation_boundary() was true for it) and before that step(), "
+                "as a plain loop clips before optimizer.step()"
+            )
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_: hetero clips by the whole gradient's 2-norm; got norm_type={norm_type}")
+        if parameters is not None:
+            mine = {id(info.param) for zc in self.trainable for info in zc.spec.params}
+            given = {id(p) for p in parameters if id(p) in mine or p.requires_grad}
+            if given != mine:
+                raise RuntimeError(
+                    "clip_grad_norm_ was given part of the parameters this engine updates: hetero clips the whole "
+                    "gradient at its update. Pass model.parameters() (or engine.parameters()), or set grad_clip_norm"
+                )
+        self.check(READ_GRADS)
+        sq, finite = self.updater.grad_stats()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        norm = math.sqrt(sq) / scale if finite else float("inf")
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"the total norm of order 2.0 for gradients from `parameters` is non-finite ({norm})")
+        given_max = float(max_norm)
+        self.updater.loop_clip = given_max if self.updater.loop_clip is None else min(given_max, self.updater.loop_clip)
+        return torch.full((), norm, device=self.device.torch_device)
+
     def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Any:
         """A context manager that makes the full values of `params` (default: every parameter) readable through the
         model's own parameters, on every rank, for the duration of the block. Every rank must enter it with the same
@@ -921,6 +970,7 @@ class Engine(DeepSpeedNames):
             self._handed_back()
         self._loads_back()
         self._casts_back()
+        self._clips_back()
         self._unwatch()
         self._unhold()
         for p in self._unfreeze:

@@ -81,7 +81,7 @@ OPS = (
     "batch reduce-scatter",
     "all-reduce",
     "gather ahead",
-    "read gradients (full_grads)",
+    "read gradients (full_grads or clip_grad_norm_)",
     "checkpoint (save_checkpoint or load_checkpoint)",
 )
 GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD, READ_GRADS, CHECKPOINT = range(1, 10)

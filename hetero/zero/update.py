@@ -82,6 +82,7 @@ class Updater:
         self.check = check
         self.param_groups: list[dict[str, Any]] = []  # the user's hyperparameters (the optimizer's param groups)
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
+        self.loop_clip: float | None = None  # the loop's clip_grad_norm_ for the next update
         self.global_steps = 0  # updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         # The gradient's norm before clipping, like clip_grad_norm_'s return (None before any update): a float, or a
@@ -157,15 +158,12 @@ class Updater:
             if not self.reduced_early(zc):
                 reduce_at_update(zc)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        clip_max = self.clip_max()
+        self.loop_clip = None  # this update's: [Note: the loop's clip_grad_norm_]
         # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
-        fused_norm = (
-            self.scaler is None
-            and self.config.grad_clip_norm is None
-            and self.mesh.tp_size == 1
-            and self.mesh.pp_size == 1
-        )
+        fused_norm = self.scaler is None and clip_max is None and self.mesh.tp_size == 1 and self.mesh.pp_size == 1
         self.last_update_skipped = False
-        clip = self._clip_on_device(fused_norm)
+        clip = self._clip_on_device(fused_norm, clip_max)
         if clip is not None:
             return Plan(coef=clip, used_of=self._used_of(), fused_norm=False, sq=SquareSum(), groups=self._groups())
         sq, finite = (0.0, True) if fused_norm else self.grad_stats()
@@ -180,9 +178,9 @@ class Updater:
                 self.manager.step_end()
                 return None
         coef = inv_scale
-        if self.config.grad_clip_norm is not None:
+        if clip_max is not None:
             norm = math.sqrt(sq) * inv_scale
-            coef *= min(1.0, self.config.grad_clip_norm / (norm + 1e-6))
+            coef *= min(1.0, clip_max / (norm + 1e-6))
         if not fused_norm:
             self.last_grad_norm = math.sqrt(sq) * inv_scale
         return Plan(coef=coef, used_of=self._used_of(), fused_norm=fused_norm, sq=SquareSum(), groups=self._groups())
@@ -198,14 +196,20 @@ class Updater:
         # The hyperparameters as they are now: a scheduler may change them before a delayed update runs.
         return [dict(g) for g in self.param_groups]
 
-    def _clip_on_device(self, fused_norm: bool) -> torch.Tensor | None:
+    def clip_max(self) -> float | None:
+        """The norm the next update clips to: the config's `grad_clip_norm`, or the loop's `clip_grad_norm_` for
+        this update ([Note: the loop's clip_grad_norm_]), the smaller where both are set."""
+        given = [c for c in (self.config.grad_clip_norm, self.loop_clip) if c is not None]
+        return min(given) if given else None
+
+    def _clip_on_device(self, fused_norm: bool, clip_max: float | None) -> torch.Tensor | None:
         """Where clipping is all the norm is for and every chunk steps on a device with memory of its own: the
         clipping coefficient as a device scalar, the norm summed and all-reduced there, nothing read back ([Note: the
         norm read when asked]); else None. Decided from the config and the placement: the same on every rank."""
         device = self.manager.device
         if (
             fused_norm
-            or self.config.grad_clip_norm is None
+            or clip_max is None
             or self.scaler is not None
             or self.mesh.tp_size > 1
             or self.mesh.pp_size > 1
@@ -224,7 +228,7 @@ class Updater:
         # As the host computes it (`prepare`), in float64: min(1, clip / (norm + 1e-6)), one rounding per operation (a
         # float divided by a tensor is a reciprocal and a product in torch: two).
         denom = sq.sqrt() + 1e-6
-        return torch.clamp(denom.new_full((), self.config.grad_clip_norm) / denom, max=1.0)
+        return torch.clamp(denom.new_full((), clip_max) / denom, max=1.0)
 
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
