@@ -772,8 +772,8 @@ class Engine(DeepSpeedNames):
             raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to clip")
         if self.in_backward is not None:
             raise RuntimeError(
-                "clip_grad_norm_: with update_in_backward each chunk steps during backward, before a loop could clip; "
-                "set grad_clip_norm in the config instead (refused with update_in_backward too: turn it off to clip)"
+                "clip_grad_norm_: with update_in_backward each chunk steps during backward, before the whole "
+                "gradient's norm is known and before a loop could clip; turn update_in_backward off to clip"
             )
         if not self._grads_final:
             raise RuntimeError(
