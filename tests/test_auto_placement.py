@@ -91,9 +91,10 @@ def test_budgets_default_from_the_machine(tmp_path):
 def test_a_unit_needing_more_chunks_than_the_target_leaves_raises_it():
     """[Note: automatic placement]: the device budget the activations leave is a target. A layer computing on 7 chunks
     at once (its weights, their gradients, the norms' shared chunk) under a target of 6 failed its backward with
-    TierOutOfMemoryError ("96.00 KiB held of a 96.00 KiB budget"), first seen on an H200, where CUDA's allocator
-    overhead took the room the CPU's activations take here. The request now raises the target, as far as the whole
-    budget, and the run trains as one that never squeezes (the same bits: placement never changes a value)."""
+    TierOutOfMemoryError ("96.00 KiB held of a 96.00 KiB budget"), first seen on an H200, where what CUDA counts
+    as not model data took the room the CPU's activations take here. The request now raises the target, as far as
+    the whole budget, and the run trains as one that never squeezes (the same bits: placement never changes a
+    value)."""
     from tests.parity import run_hetero
 
     squeezed = {"zero_stage": 3, "offload": {"params": "auto", "optimizer": "auto"}}

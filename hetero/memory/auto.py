@@ -29,8 +29,9 @@ in; a user budget smaller than that plus the activations cannot be honoured, and
 The budget so set is a target, not a limit: where the chunks a unit computes on at once (its weights, their gradient
 buffers, a shared norm's chunk) need more than the target leaves, the request raises it, as far as the whole budget
 (the device ledger's `ceiling`), and the next moment sets it again. A hard limit failed the step: on one H200 a
-tiny model under a budget of 16 of its chunks had 6 left after CUDA's allocator overhead (2 MiB a pool) and its
-first backward needed 7 at once; the same on the CPU with activations in the CPU's place.
+tiny model under a budget of 400 of its 16 KiB chunks had a target of 6 beside what CUDA counted as not model data
+(the allocated bytes the chunks do not hold, and the margin), and a layer's backward needed 7 at once; on the CPU a
+budget of 16 chunks beside 4 rows' activations did the same.
 """
 
 from __future__ import annotations
