@@ -334,21 +334,12 @@ class StandinDevice(Device):
             self.standin.waited("to_host")  # a copy into pageable memory: the host waits for it
         if standin.kind_of(t) == standin.HOST and not copy:
             return t if dtype is None or t.dtype == dtype else standin.register(t.to(dtype), standin.HOST)
-        with torch._C._DisableTorchDispatch():  # a host copy is not device memory, whatever the compute context
-            out = torch.empty(t.shape, dtype=dtype or t.dtype)
-            out.copy_(t)
-        return standin.register(out, standin.HOST)
+        return _host_copy(t, dtype)
 
     def to_host_all(self, ts: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         if any(standin.kind_of(t) == standin.DEVICE for t in ts):
             self.standin.waited("to_host_all")  # one wait for every copy queued before it
-        out = []
-        for t in ts:
-            with torch._C._DisableTorchDispatch():
-                o = torch.empty(t.shape, dtype=dtype or t.dtype)
-                o.copy_(t)
-            out.append(standin.register(o, standin.HOST))
-        return out
+        return [_host_copy(t, dtype) for t in ts]
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
         t = super().empty_host(nbytes)
@@ -404,6 +395,14 @@ class StandinDevice(Device):
 
     def synchronize(self) -> None:
         self.standin.settle()
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The stand-in's copy of `t` in host memory."""
+    with torch._C._DisableTorchDispatch():  # a host copy is not device memory, whatever the compute context
+        out = torch.empty(t.shape, dtype=dtype or t.dtype)
+        out.copy_(t)
+    return standin.register(out, standin.HOST)
 
 
 def make_device(device: torch.device | str | int | None = None) -> Device:

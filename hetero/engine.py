@@ -623,6 +623,7 @@ class Engine(DeepSpeedNames):
                     "it should not train (its update is then skipped, as torch's optimizers skip a parameter "
                     "without a gradient)"
                 )
+        self.updater.clip_stats = None  # the gradient changes: a clip before this backward measured another
         self._set_backward_open(True)
         try:
             with backwards.training_backward(self, retain_graph=retain_graph):
@@ -792,13 +793,12 @@ class Engine(DeepSpeedNames):
                     "gradient at its update. Pass model.parameters() (or engine.parameters()), or set grad_clip_norm"
                 )
         self.check(READ_GRADS)
-        sq, finite = self.updater.grad_stats()
+        sq, finite = self.updater.stats_to_clip()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         norm = math.sqrt(sq) / scale if finite else float("inf")
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"the total norm of order 2.0 for gradients from `parameters` is non-finite ({norm})")
-        given_max = float(max_norm)
-        self.updater.loop_clip = given_max if self.updater.loop_clip is None else min(given_max, self.updater.loop_clip)
+        self.updater.clip_to(float(max_norm))
         return torch.full((), norm, device=self.device.torch_device)
 
     def gathered_parameters(self, params: Iterable[torch.Tensor] | None = None, modify: bool = False) -> Any:

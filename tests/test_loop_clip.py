@@ -89,3 +89,25 @@ def test_a_clip_the_engine_cannot_honour_is_refused_and_other_models_clip_as_bef
     engine.close()
     # A closed engine's model is torch's again: no gradient in .grad, so nothing to clip
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+
+
+def test_a_backward_after_the_clip_is_clipped_by_the_norm_it_makes():
+    """The norm the loop's clip computed is kept for the update (not summed twice), and forgotten when a backward
+    adds to the gradient after the clip: the update clips by the whole gradient's norm, as grad_clip_norm does."""
+
+    def run(loop: bool) -> dict[str, torch.Tensor]:
+        model = parity.build()
+        config = {"chunk_size": parity.CHUNK, **({} if loop else {"grad_clip_norm": MAX_NORM})}
+        engine = hetero.initialize(model, parity.make_optimizer(model), config)
+        for x, y in parity.batches(2, 4):
+            engine.backward(engine(x, labels=y).loss)
+            if loop:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            engine.backward(engine(x, labels=y).loss)  # summed into the same update, as plain PyTorch allows
+            engine.step()
+        state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+        engine.close()
+        return state
+
+    clipped, config = run(True), run(False)
+    assert all(torch.equal(clipped[k], config[k]) for k in config)

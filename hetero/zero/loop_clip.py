@@ -44,10 +44,11 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_, routed to the engine that holds the parameters given (see the Note)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engines = {id(e): e for e in (_holder(p) for p in params) if e is not None}
+    holders = [_holder(p) for p in params]
+    engines = {id(e): e for e in holders if e is not None}
     if not engines:
         return _TORCH["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
-    if len(engines) > 1 or any(_holder(p) is None for p in params):
+    if len(engines) > 1 or None in holders:
         raise RuntimeError(
             "torch.nn.utils.clip_grad_norm_ was given parameters of a model hetero holds together with others "
             "(another engine's, or a model of the loop's own): hetero clips the gradient of its whole model at its "

@@ -83,6 +83,9 @@ class Updater:
         self.param_groups: list[dict[str, Any]] = []  # the user's hyperparameters (the optimizer's param groups)
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
         self.loop_clip: float | None = None  # the loop's clip_grad_norm_ for the next update
+        # The gradient's (sum of squares, finite) that clip_grad_norm_ computed, kept for the update it clips: the
+        # same gradient, so not summed and all-reduced twice. Forgotten when gradients change (a backward, a zeroing).
+        self.clip_stats: tuple[float, bool] | None = None
         self.global_steps = 0  # updates applied
         self.skipped_steps = 0  # updates skipped for fp16 overflow
         # The gradient's norm before clipping, like clip_grad_norm_'s return (None before any update): a float, or a
@@ -158,15 +161,15 @@ class Updater:
             if not self.reduced_early(zc):
                 reduce_at_update(zc)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        clip_max = self.clip_max()
-        self.loop_clip = None  # this update's: [Note: the loop's clip_grad_norm_]
+        clip_max, stats = self.clip_max(), self.clip_stats
+        self.loop_clip = self.clip_stats = None  # this update's: [Note: the loop's clip_grad_norm_]
         # Under tensor or pipeline parallelism the norm needs more than the data-parallel sum: computed up front.
         fused_norm = self.scaler is None and clip_max is None and self.mesh.tp_size == 1 and self.mesh.pp_size == 1
         self.last_update_skipped = False
-        clip = self._clip_on_device(fused_norm, clip_max)
+        clip = self._clip_on_device(fused_norm, clip_max) if stats is None else None
         if clip is not None:
             return Plan(coef=clip, used_of=self._used_of(), fused_norm=False, sq=SquareSum(), groups=self._groups())
-        sq, finite = (0.0, True) if fused_norm else self.grad_stats()
+        sq, finite = (0.0, True) if fused_norm else stats or self.grad_stats()
         if self.scaler is not None:
             overflow = not finite
             self.scaler.update(overflow)
@@ -340,7 +343,19 @@ class Updater:
         value = float(sq)
         return value, math.isfinite(value)
 
+    def stats_to_clip(self) -> tuple[float, bool]:
+        """The loop's clip_grad_norm_: the gradient's `grad_stats`, computed once and kept for the update it clips
+        ([Note: the loop's clip_grad_norm_])."""
+        if self.clip_stats is None:
+            self.clip_stats = self.grad_stats()
+        return self.clip_stats
+
+    def clip_to(self, max_norm: float) -> None:
+        """The next update clips to `max_norm` (the smaller, where the loop clipped twice)."""
+        self.loop_clip = max_norm if self.loop_clip is None else min(max_norm, self.loop_clip)
+
     def zero_grads(self) -> None:
+        self.clip_stats = None
         for zc in self.chunks:
             zc.zero_grad()
 
