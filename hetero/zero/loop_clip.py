@@ -13,7 +13,8 @@ a collective: every rank calls it, as every DDP rank clips. Any other call (no h
 own. A list mixing held and other parameters, a part of a model, a norm other than 2, or a call outside the span between
 the backward that ends an accumulation and its `step()` is refused with the reason. A loop that imported the function by
 name before the first `hetero.initialize` (`from torch.nn.utils import clip_grad_norm_`) holds torch's own, which still
-finds no gradient: call it through `torch.nn.utils`, or set `grad_clip_norm`.
+finds no gradient: call it through `torch.nn.utils`, or set `grad_clip_norm`. The update clips by the norm the call
+computed (`Updater.clip_stats`), not summing the gradient again; a backward after the call makes it sum afresh.
 """
 
 from __future__ import annotations
