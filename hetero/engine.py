@@ -961,6 +961,8 @@ class Engine(DeepSpeedNames):
         self.check.close()
         if self.updater.delayed is not None:
             self.updater.delayed.close()
+        if self.updater.overflow is not None:
+            self.updater.overflow.close()
         if self.in_backward is not None:
             self.in_backward.close()
         self.tiles.remove()

@@ -201,9 +201,9 @@ def test_update_streams_states_near_the_minimum_nvme_traffic(tmp_path):
 def test_the_update_reads_a_second_chunk_ahead_only_while_little_is_ahead(tmp_path, monkeypatch, ahead_bytes, most):
     """[Note: how far the update reads ahead]: with states on NVMe each of the update's reads asks for the chunk
     stepping and at most two ahead, and no second one once AHEAD_BYTES are ahead (the chunk after it is read later)."""
-    import hetero.zero.update as update
+    import hetero.zero.read_ahead as read_ahead
 
-    monkeypatch.setattr(update, "AHEAD_BYTES", ahead_bytes)
+    monkeypatch.setattr(read_ahead, "AHEAD_BYTES", ahead_bytes)
     model = parity.build()
     cfg = {
         "zero_stage": 3,

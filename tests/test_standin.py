@@ -432,6 +432,10 @@ def test_forward_backward_and_update_never_wait_for_the_device(tmp_path, monkeyp
     monkeypatch.setenv("HETERO_STANDIN", "1")
     more = {k: CONFIGS[k] for k in ("z3-device", "z3-host-delayed", "z3-host-in-backward", "z2-bf16-clip")}
     more["z3-device-sgd"] = {"zero_stage": 3}  # SGD with momentum: whether its buffer exists was read back
+    # fp16's overflow check was read back before the update: the kernels skip an overflowed update since ([Note: the
+    # overflow check on the device]); with clipping the coefficient is a device scalar there too
+    more["z3-device-fp16"] = {"zero_stage": 3, "precision": "fp16"}
+    more["z2-fp16-clip"] = {"zero_stage": 2, "precision": "fp16", "grad_clip_norm": 0.05}
     for name, config in {**WAIT_FREE, **more}.items():
         config = {"chunk_size": parity.CHUNK, **config}
         if "nvme" in name:

@@ -104,13 +104,18 @@ def update(
     states: dict[str, torch.Tensor],
     step: torch.Tensor,
     taken: int,
+    *,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One optimizer step on a flat fp32 run of parameters, in place. `step` is a 0-d float tensor holding the steps
     these parameters took before (torch's Adam kernels advance it themselves), `taken` the same count as a number
-    (read back from a device tensor it would make the host wait)."""
+    (read back from a device tensor it would make the host wait). found_inf: a device scalar, 1.0 where the fused
+    Adam kernel is to leave everything as it was (fp16 overflow, [Note: the overflow check on the device])."""
     if algo.name == "adam":
         beta1, beta2 = group["betas"]
         fn, extra = adam_fn, {}
+        if found_inf is not None:
+            extra["found_inf"] = found_inf
         if _ADAM_DECOUPLES:
             extra["decoupled_weight_decay"] = algo.decoupled
         elif algo.decoupled:
@@ -133,6 +138,7 @@ def update(
             maximize=group.get("maximize", False),
         )
         return
+    assert found_inf is None, "only the fused Adam kernels skip a step themselves"
     momentum = group["momentum"]
     # torch's SGD starts the momentum buffer as a copy of the first gradient (no dampening); `step` says whether
     # these parameters' buffer exists yet.

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.errors import ConfigError
+from hetero.zero.grad_norm import zc_sharded
 from hetero.zero.optim import Algorithm
-from hetero.zero.update import zc_sharded
 
 if TYPE_CHECKING:
     from hetero.comm import Comm

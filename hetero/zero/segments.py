@@ -35,3 +35,11 @@ def update_segments(zc: ZeroChunk, used: torch.Tensor) -> list[tuple[int, int, i
                 runs.append((a - lo, b - lo, zc.param_steps[i]))
         zc.param_steps[i] += 1
     return runs
+
+
+def uncount_step(zc: ZeroChunk, used: torch.Tensor) -> None:
+    """Take back the step `update_segments` counted for each used parameter: an fp16 update the kernels skipped
+    ([Note: the overflow check on the device] in overflow.py)."""
+    for i, flag in enumerate(used.tolist()):
+        if flag:
+            zc.param_steps[i] -= 1

@@ -27,14 +27,17 @@ from hetero.comm import Comm
 from hetero.config import Config
 from hetero.memory import Chunk, ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
-from hetero.parallel.pipeline.tied import counts_in_norm
 from hetero.zero import master as master_weights
 from hetero.zero.buckets import reduce_at_update
+from hetero.zero.grad_norm import grad_stats, sq_on_device, zc_sharded
 from hetero.zero.host_grads import chunk_sum_of_squares
-from hetero.zero.norms import SquareSum, sum_of_squares
+from hetero.zero.norms import SquareSum
 from hetero.zero.optim import Algorithm, update
+from hetero.zero.overflow import DeviceCheck, skips_itself
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
+from hetero.zero.read_ahead import read_ahead
+from hetero.zero.segments import uncount_step
 from hetero.zero.zero_chunk import ZeroChunk
 
 if TYPE_CHECKING:
@@ -42,20 +45,6 @@ if TYPE_CHECKING:
     from hetero.zero.in_backward import InBackward
 
 log = logging.getLogger("hetero.zero")
-
-LOOKAHEAD = 2  # chunks whose optimizer states are read ahead of the one stepping (NVMe offload), at most
-AHEAD_BYTES = 256 << 20  # and no further chunk once this much is read ahead ([Note: how far the update reads ahead])
-ROOM = 0.85  # of the compute tier's budget, at most, for the chunks stepping and read ahead
-
-
-# [Note: how far the update reads ahead]
-# Reading ahead hides a chunk's read behind the step of the one before; it needs one chunk's worth of disk time, not
-# more. Two chunks ahead at any size held the host memory of both and gained nothing once chunks are large: with
-# 426 MB of states a chunk (218M parameters in 6 chunks, bf16, `benchmarks/update_stream.py`), one chunk ahead took
-# the update from 3.70 to 3.02 s and the host tier's peak from 3.27 to 2.83 GB on the development VM (one run each,
-# the math on its 2 cores). A quarter GiB is a tenth of a second of a 2-3 GB/s disk: small chunks still read two ahead.
-# Writes first (the NVMe store's default since) did not change that: two chunks ahead again, three alternating runs
-# each, drained the update in 2.97-3.99 s against 2.54-2.80 s with a host tier peak of 2.98 against 2.53 GB.
 
 
 class Updater:
@@ -82,6 +71,8 @@ class Updater:
         self.check = check
         self.param_groups: list[dict[str, Any]] = []  # the user's hyperparameters (the optimizer's param groups)
         self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
+        # fp16's check where the kernels skip an overflowed update themselves ([Note: the overflow check on the device])
+        self.overflow = DeviceCheck(manager.device) if self.scaler is not None else None
         self.loop_clip: float | None = None  # the loop's clip_grad_norm_ for the next update
         # The gradient's (sum of squares, finite) that clip_grad_norm_ computed, kept for the update it clips: the
         # same gradient, so not summed and all-reduced twice. Forgotten when gradients change (a backward, a zeroing).
@@ -145,7 +136,7 @@ class Updater:
         grad = zc.grad_view()
         if plan.fused_norm:
             plan.sq.add(chunk_sum_of_squares(zc, grad))
-        self._step_chunk(zc, grad, plan.coef, used, gather=gather)
+        self._step_chunk(zc, grad, plan.coef, used, gather=gather, found_inf=plan.found_inf)
         if streamed:
             self.release_stepped(zc)
             self.prefetch(i + 1, zc.placement.compute, order)
@@ -169,6 +160,8 @@ class Updater:
         clip = self._clip_on_device(fused_norm, clip_max) if stats is None else None
         if clip is not None:
             return Plan(coef=clip, used_of=self._used_of(), fused_norm=False, sq=SquareSum(), groups=self._groups())
+        if stats is None and self._checks_on_device():
+            return self._prepare_on_device(clip_max, inv_scale)
         sq, finite = (0.0, True) if fused_norm else stats or self.grad_stats()
         if self.scaler is not None:
             overflow = not finite
@@ -209,29 +202,59 @@ class Updater:
         """Where clipping is all the norm is for and every chunk steps on a device with memory of its own: the
         clipping coefficient as a device scalar, the norm summed and all-reduced there, nothing read back ([Note: the
         norm read when asked]); else None. Decided from the config and the placement: the same on every rank."""
-        device = self.manager.device
-        if (
-            fused_norm
-            or clip_max is None
-            or self.scaler is not None
-            or self.mesh.tp_size > 1
-            or self.mesh.pp_size > 1
-            or self.comm.size > self.mesh.dp_size
-            or not device.separate_memory
-            or any(zc.placement.compute is not Tier.DEVICE for zc in self.chunks)
-        ):
+        if fused_norm or clip_max is None or self.scaler is not None or not self._on_device_alone():
             return None
-        sums = SquareSum()
-        for zc in self.chunks:
-            sums.add(chunk_sum_of_squares(zc, zc.grad_view()))
-        sq = sums.on_device(device)
-        if zc_sharded(self.chunks):
-            self.comm.all_reduce(sq, op="sum")
+        sq = sq_on_device(self.chunks, comm=self.comm, device=self.manager.device)
         self._norm = sq
         # As the host computes it (`prepare`), in float64: min(1, clip / (norm + 1e-6)), one rounding per operation (a
         # float divided by a tensor is a reciprocal and a product in torch: two).
         denom = sq.sqrt() + 1e-6
         return torch.clamp(denom.new_full((), clip_max) / denom, max=1.0)
+
+    def _on_device_alone(self) -> bool:
+        """Every chunk steps on a device with memory of its own, and the norm needs no group but the data-parallel
+        one. Decided from the config and the placement: the same on every rank."""
+        return (
+            self.mesh.tp_size == 1
+            and self.mesh.pp_size == 1
+            and self.comm.size == self.mesh.dp_size
+            and self.manager.device.separate_memory
+            and all(zc.placement.compute is Tier.DEVICE for zc in self.chunks)
+        )
+
+    def _checks_on_device(self) -> bool:
+        """fp16's overflow check is left to the kernels ([Note: the overflow check on the device])."""
+        return self.overflow is not None and skips_itself(self.algorithm) and self._on_device_alone()
+
+    def _prepare_on_device(self, clip_max: float | None, inv_scale: float) -> Plan:
+        assert self.overflow is not None
+        sq = sq_on_device(self.chunks, comm=self.comm, device=self.manager.device)
+        coef, found_inf, norm_sq = self.overflow.check(sq, inv_scale=inv_scale, clip_max=clip_max)
+        used_of = self._used_of()
+        pending = self.overflow.pending
+        assert pending is not None
+        pending.used_of, pending.norm_before = used_of, self._norm
+        self._norm = norm_sq
+        return Plan(
+            coef=coef, used_of=used_of, fused_norm=False, sq=SquareSum(), groups=self._groups(), found_inf=found_inf
+        )
+
+    def _settle_overflow(self) -> None:
+        """The host's books after an update checked on the device, as `prepare`'s host-side check keeps them."""
+        pending = self.overflow.take() if self.overflow is not None else None
+        if pending is None:
+            return
+        overflow = pending.overflowed
+        assert self.scaler is not None
+        self.scaler.update(overflow)
+        self.last_update_skipped = overflow
+        if overflow:  # the kernels left every master and state as it was: undo what the update counted
+            self.skipped_steps += 1
+            self.global_steps -= 1
+            self._norm = pending.norm_before
+            for zc, used in zip(self.chunks, pending.used_of):
+                uncount_step(zc, used)
+            log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
 
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
@@ -256,6 +279,7 @@ class Updater:
         # (the 22.6M Llama race: 50 MB a rank of peak RSS).
         self.manager.trim_idle()
         self.manager.step_end()  # a no-op unless backward left the step open for the update
+        self._settle_overflow()  # last: the host waits for the device to pass the check, the update queued behind it
 
     def release_stepped(self, zc: ZeroChunk) -> None:
         """A streamed chunk has stepped: its states written back while the next chunk steps, its zeroed gradient
@@ -277,7 +301,14 @@ class Updater:
             self.manager.release(zc.grad)
 
     def _step_chunk(
-        self, zc: ZeroChunk, grad: torch.Tensor, coef: float | torch.Tensor, used: torch.Tensor, *, gather: bool = True
+        self,
+        zc: ZeroChunk,
+        grad: torch.Tensor,
+        coef: float | torch.Tensor,
+        used: torch.Tensor,
+        *,
+        gather: bool = True,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         """The user's algorithm on the chunk's runs of used parameters, then the write-back."""
         with self.manager.pinned(zc.grad):
@@ -285,7 +316,8 @@ class Updater:
             master, states = views if views is not None else zc.optimizer_views()
             with self.manager.pinned(zc.optim):
                 t0 = time.perf_counter()
-                step_chunk(self.algorithm, self.param_groups[zc.spec.group], zc, used, master, grad, states, coef)
+                group = self.param_groups[zc.spec.group]
+                step_chunk(self.algorithm, group, zc, used, master, grad, states, coef, found_inf=found_inf)
                 if self.on_span is not None:
                     self.on_span("optimizer", f"step chunk {zc.spec.index}", t0, time.perf_counter())
                 zc.write_back(master, gather=gather, source=zc.optim if views is None else None)
@@ -293,55 +325,12 @@ class Updater:
     def prefetch(self, i: int, tier: Tier, order: list[ZeroChunk] | None = None) -> None:
         """Bring chunk order[i]'s gradient and states (and the next ones') to `tier` (order: the chunks in the order
         they step, layout order by default); see [Note: the update pipeline]."""
-        order = self.chunks if order is None else order
-        # Chunk i first, then as many of the next LOOKAHEAD as leave the tier room to spare (a read ahead that crowds
-        # out the chunk stepping now is evicted again before its use).
-        room = int(self.manager.ledgers[tier].budget * ROOM)
-        ahead: list[ZeroChunk] = []
-        further = 0  # bytes read ahead beyond chunk i
-        for zc in order[i : i + 1 + LOOKAHEAD]:
-            size = zc.grad.nbytes + zc.optim.nbytes + (zc.shard.nbytes if zc.shard is not None else 0)
-            room -= size
-            if ahead and (room < 0 or further >= AHEAD_BYTES):
-                break
-            further += size if ahead else 0
-            ahead.append(zc)
-        # The update reads the shard of a master that follows it ([Note: the master follows the shard]): read it too.
-        wanted = [c for zc in ahead for c in (zc.grad, zc.optim, zc.shard if zc.master_follows else None) if c]
-        # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
-        later = [zc.grad for zc in order[i + len(ahead) :]]
-        self.manager.prefetch(wanted, tier, keep=wanted + later)
+        read_ahead(self.manager, self.chunks if order is None else order, i, tier)
 
     # ---- the gradient's norm --------------------------------------------------------------------------------
     def grad_stats(self) -> tuple[float, bool]:
-        """Sum of squares of the global (scaled) gradient, and whether it is finite: over data-parallel shards,
-        pipeline stages and tensor ranks. A tensor-sharded parameter's pieces add up (a block that `replicas` tensor
-        ranks hold alike counts 1 / replicas on each); a replicated one (no `_hetero_tp`) has the same gradient on
-        every tensor rank, so each rank counts 1 / degree of it."""
-        mesh = self.mesh
-        tp = mesh.tp_size
-        sums = SquareSum()
-        for zc in self.chunks:
-            g = zc.grad_view()
-            if tp == 1 and all(counts_in_norm(info.param) for info in zc.spec.params):
-                sums.add(chunk_sum_of_squares(zc, g))
-                continue
-            lo, _ = zc.kept_range()
-            for info, a, b in zc.spec.overlaps(lo, lo + g.numel()):
-                if not counts_in_norm(info.param):  # a tied copy another pipeline rank counts (pipeline/tied.py)
-                    continue
-                cut = getattr(info.param, "_hetero_tp", None)  # a 2.5D block is held by `replicas` tensor ranks
-                weight = 1.0 / (cut.replicas if cut is not None else tp)
-                sums.add(weight * zc.device.to_host(sum_of_squares(g[a - lo : b - lo])))
-        sq = sums.total(self.manager.device)
-        if zc_sharded(self.chunks):  # disjoint shards; at stage 0 every data-parallel rank holds the whole gradient
-            self.comm.control.all_reduce(sq, op="sum")
-        mesh.tp.control.all_reduce(sq, op="sum")
-        mesh.pp.control.all_reduce(sq, op="sum")
-        if self.comm.size > mesh.dp_size:
-            sq /= 2  # Chimera: pipeline ranks r and p - 1 - r hold the same stages, each counted twice over pp
-        value = float(sq)
-        return value, math.isfinite(value)
+        """The global (scaled) gradient's sum of squares and whether it is finite, read on the host."""
+        return grad_stats(self.chunks, mesh=self.mesh, comm=self.comm, device=self.manager.device)
 
     def stats_to_clip(self) -> tuple[float, bool]:
         """The loop's clip_grad_norm_: the gradient's `grad_stats`, computed once and kept for the update it clips
@@ -408,6 +397,7 @@ class Plan:
     fused_norm: bool  # the norm is only reported: summed while the chunks step, into `sq`
     sq: SquareSum  # the gradient's sum of squares (fused_norm)
     groups: list[dict[str, Any]]  # the param groups' hyperparameters at the update
+    found_inf: torch.Tensor | None = None  # fp16 checked on the device: 1.0 where the kernels skip the update
 
 
 def step_chunk(
@@ -420,6 +410,8 @@ def step_chunk(
     states: list[torch.Tensor],
     coef: float | torch.Tensor,
     runs: list[tuple[int, int, int]] | None = None,
+    *,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """The optimizer's step on one chunk's flat master weights, in place: on the runs (start, end, steps taken) of
     used parameters (`runs`, or counted now from `used`), or per parameter through the generic path."""
@@ -433,9 +425,4 @@ def step_chunk(
         seg_states = {n: st[a:b] for n, st in zip(names, states)}
         # torch.full, not torch.tensor: on a GPU a tensor made from Python data is a copy that waits for the device.
         step = torch.full((), float(steps), dtype=torch.float32, device=master.device)
-        update(algorithm, group, master[a:b], grad[a:b], seg_states, step, steps)
-
-
-def zc_sharded(chunks: list[ZeroChunk]) -> bool:
-    """Whether ranks hold disjoint shards of the reduced gradient (stages 1-3): their squares add up."""
-    return bool(chunks) and chunks[0].stage >= 1
+        update(algorithm, group, master[a:b], grad[a:b], seg_states, step, steps, found_inf=found_inf)
