@@ -223,8 +223,15 @@ class Updater:
         )
 
     def _checks_on_device(self) -> bool:
-        """fp16's overflow check is left to the kernels ([Note: the overflow check on the device])."""
-        return self.overflow is not None and skips_itself(self.algorithm) and self._on_device_alone()
+        """fp16's overflow check is left to the kernels ([Note: the overflow check on the device]); not where the
+        chunks step later than `prepare` (the delayed update, which the config keeps to host-stepped states anyway)."""
+        return (
+            self.overflow is not None
+            and skips_itself(self.algorithm)
+            and self.delayed is None
+            and self.in_backward is None
+            and self._on_device_alone()
+        )
 
     def _prepare_on_device(self, clip_max: float | None, inv_scale: float) -> Plan:
         assert self.overflow is not None
