@@ -33,6 +33,9 @@
 # On one H200 (2026-11-29, thirtieth session), three calls: `waits &` beside `onegpu` (TESTS_TIMEOUT=320: 663 of the
 # 934 tests ran, 12 workers, ranks spawned), 337 s; then, warm, `race` with six device and host configurations
 # (155 s) and the nvme phase at 4 GiB, 246 s; a fresh machine for 88 chosen tests (TESTS from a file), 188 s.
+# Not yet run on a GPU (thirty-first session, no machine lent): `onegpu` with TESTS="tests/test_zero.py
+# tests/test_tiling.py tests/test_tile_turns.py tests/test_reduce_points.py tests/test_overflow_on_device.py", and the
+# fp16 half of `waits`.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
@@ -131,6 +134,11 @@ fi
 if [ "$PHASE" = waits ]; then
   timeout "${WAITS_TIMEOUT:-200}" python3 tools/gpu_waits.py --nvme-dir "$NV" --json >"$OUT/waits.json" 2>"$OUT/waits.err"
   echo "waits exit $?" >>"$OUT/waits.err"
+  # fp16 where every chunk steps on the device: the overflow flag read once the update is queued ([Note: the
+  # overflow check on the device]); its event may be counted, the read back before the update must not be.
+  timeout "${WAITS_TIMEOUT:-200}" python3 tools/gpu_waits.py --precision fp16 --only device,device_clip,stage0,stage2 \
+    --json >>"$OUT/waits.json" 2>>"$OUT/waits.err"
+  echo "waits fp16 exit $?" >>"$OUT/waits.err"
 fi
 if [ "$PHASE" = nvme ]; then
   # The raw-disk reference is fio from huge-page buffers (benchmarks/README.md, "Disks get huge-page buffers").
