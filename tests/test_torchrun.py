@@ -1,6 +1,7 @@
 """A real torchrun launch: hetero.initialize joins the process group from the launcher's environment."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -33,10 +34,13 @@ def test_a_torchrun_that_times_out_leaves_no_rank_behind(tmp_path):
     import psutil
 
     script = tmp_path / "sleep.py"
-    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    # One write each, marked: the ranks share the pipe, and print's two writes (the number, then the newline) of two
+    # ranks once came out as one line ("2184021841")
+    script.write_text("import os, time\nos.write(1, f'<{os.getpid()}>\\n'.encode())\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired) as info:
         run_torchrun([str(script)], nproc=2, timeout=20)
-    ranks = [int(line) for line in (info.value.stdout or "").split() if line.isdigit()]
+    out = info.value.stdout or ""
+    ranks = [int(pid) for pid in re.findall(r"<(\d+)>", out if isinstance(out, str) else out.decode())]
     assert len(ranks) == 2, info.value.stdout  # both ranks had started
     psutil.wait_procs([p for p in map(_process, ranks) if p is not None], timeout=10)
     assert [pid for pid in ranks if _process(pid) is not None] == []
