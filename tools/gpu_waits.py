@@ -7,9 +7,10 @@ more work until the GPU has run everything before it; the GPU then idles while t
 runs each configuration for two warm-up steps, then N steps under `torch.cuda.set_sync_debug_mode("warn")`, where
 every synchronizing CUDA operation warns: each is counted with the frames of hetero's code that made it (outside
 hetero: the innermost frame; a worker thread's are listed but not counted, the training thread goes on), and so is
-each CUDA event the host blocks on before the device has reached it, which that mode does not report. Without
-CUDA the same steps run under the CPU stand-in (`HETERO_STANDIN=1`), which records the waits it can see, so the
-script and its configurations are checked on any machine. The training loop reads nothing back (no `loss.item()`):
+each CUDA event the host blocks on before the device has reached it, which that mode does not report, where the
+compute stream has run dry when the host goes on (one with work still queued behind it is listed under "blocked").
+Without CUDA the same steps run under the CPU stand-in (`HETERO_STANDIN=1`), which records the waits it can see, so
+the script and its configurations are checked on any machine. The training loop reads nothing back (no `loss.item()`):
 what is counted is hetero's own.
 
 Configurations (hetero's GPT, 4 layers of 256, stage 3, bf16 on a GPU, fp32 elsewhere): device (everything on the
@@ -93,19 +94,25 @@ def _where() -> str:
 
 class _EventWaits:
     """Counts `torch.cuda.Event.synchronize` calls that block (the event not yet reached): a wait for the device
-    that torch's sync debug mode does not report (`Device.landed` waits on such events)."""
+    that torch's sync debug mode does not report (`Device.landed` waits on such events). A block after which the
+    compute stream still has work queued left the device busy while the host waited (fp16's overflow flag, read once
+    the update is queued: [Note: the overflow check on the device]): listed apart (`blocked`), not counted as a wait;
+    one after which the compute stream has run dry is a wait."""
 
-    def __init__(self, seen: list[str]) -> None:
-        self.seen = seen
+    def __init__(self, seen: list[str], blocked: list[str]) -> None:
+        self.seen, self.blocked = seen, blocked
         self.original = torch.cuda.Event.synchronize
 
     def __enter__(self) -> None:
-        original, seen = self.original, self.seen
+        original, seen, blocked = self.original, self.seen, self.blocked
 
         def synchronize(event: torch.cuda.Event) -> None:
-            if not event.query():
-                seen.append(f"event: {_where()}")
+            if event.query():
+                original(event)
+                return
             original(event)
+            busy = not torch.cuda.current_stream().query()  # the compute stream still has work queued
+            (blocked if busy else seen).append(f"event: {_where()}")
 
         torch.cuda.Event.synchronize = synchronize  # type: ignore[method-assign]
 
@@ -145,6 +152,7 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
     for i in range(2):
         step(i)
     counts: collections.Counter[str] = collections.Counter()
+    blocked: list[str] = []
     if cuda:
         torch.cuda.synchronize()
         seen: list[str] = []
@@ -153,7 +161,7 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
             warnings.showwarning = lambda *a, **k: seen.append(_where())  # called where the operation warns
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                with _EventWaits(seen):
+                with _EventWaits(seen, blocked):
                     for i in range(args.steps):
                         step(i)
             finally:
@@ -170,6 +178,7 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
     return {
         "waits_per_step": mine / args.steps,  # the training thread's; a worker's are listed under "where" only
         "where": dict(counts.most_common()),
+        "blocked": dict(collections.Counter(blocked).most_common()),  # the device busy meanwhile: no wait (GPU only)
         "grad_norm": norm,
         "gpu": cuda,
     }

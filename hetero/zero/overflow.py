@@ -16,8 +16,8 @@ Where every chunk steps on the device with torch's fused Adam kernels, the answe
   kernels are queued, and read when the update has queued them all (`Updater.finish`). The host may still block
   there, until the device has passed the check, but the device has the whole update queued behind it to run while
   the host goes on to the next forward: it does not run dry, as it did while the host queued the update after the
-  read. (`tools/gpu_waits.py` on a GPU counts every CUDA event the host blocks on, so it may count this one; the
-  stand-in counts waits for the queue to run dry, and finds none.) Reading the flag any later would leave the LR
+  read. (`tools/gpu_waits.py` on a GPU lists such a block apart from the waits, which leave the compute stream
+  dry; the stand-in counts only those, and finds none.) Reading the flag any later would leave the LR
   scheduler's step, which the engine takes at `step()`, undecided there;
 - the host's books are then settled as the host-side check keeps them, before `step()` returns: the scale backs off
   or grows, and an overflowed update is undone where it counted itself: `global_steps`, each used parameter's step
