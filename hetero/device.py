@@ -389,12 +389,14 @@ class StandinDevice(Device):
             handle.result()
         if not handle.done():
             return False
+        self.standin.landed_seen(handle)
         if getattr(handle, "clock", None) is not None:  # the copy ran after its marker: the compute had passed it
             self.standin.settle(handle.clock)
         return True
 
     def synchronize(self) -> None:
         self.standin.settle()
+        self.standin.landed_seen(None)
 
 
 def _host_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -202,6 +202,10 @@ class _Compute(TorchDispatchMode):
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         every = [kind_of(t) for t in tensors]
         kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
+        if not func.is_view:  # a view reads nothing yet
+            for t, k in zip(tensors, every):
+                if k == HOST:
+                    self.standin.check_landed(t)
         if func in _WAITS and DEVICE in every:
             self.standin.waited(str(func))
         elif func is _COPY and DEVICE in kinds and HOST in kinds and not _non_blocking(args, kwargs):
@@ -251,6 +255,10 @@ class Standin:
         # Host memory the compute stream reads late: storage address -> [(clock when queued, the memory, its bytes
         # then)] ([Note: the compute stream reads host memory late]).
         self._reads: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        # Host memory a copy writes that the host has not seen land: storage address -> the copy's Future
+        # ([Note: host memory a copy has not landed in]).
+        self._landing: dict[int, Future] = {}
+        self._submitted = 0  # such copies submitted so far: the copy engine runs them in this order
 
     def waited(self, what: str) -> None:
         """The host waits here for the device's queue to run dry: record what and where (hetero's frames)."""
@@ -371,9 +379,40 @@ class Standin:
         done = self._engine.submit(dst, src)
         done.clock = after.clock if isinstance(after, Marker) else None  # type: ignore[attr-defined]
         if not wait:
+            if kind_of(dst) == HOST:
+                with self._lock:
+                    self._submitted += 1
+                    done.seq = self._submitted  # type: ignore[attr-defined]
+                    self._landing[address(dst)] = done
             return done
         done.result()
         return None
+
+    # [Note: host memory a copy has not landed in]
+    # A copy from the device into host memory (`Device.copy_later`) returns at once; on a GPU the bytes arrive when
+    # the copy stream gets there, and until the host has seen it land (`Device.landed`, or a synchronize) the memory
+    # may hold the old bytes, and a host write to it may be overwritten. The stand-in's copies land after a short
+    # delay, usually before the host looks, so such a read would pass: each such destination is marked until the
+    # host has seen its copy land, and an operation of the compute or the update on it fails.
+    def landed_seen(self, handle: Future | None) -> None:
+        """The host has seen `handle` land (or, for None, every copy): its destination, and those of copies
+        submitted before it (one copy engine, in order), may be read."""
+        with self._lock:
+            if handle is None:
+                self._landing.clear()
+                return
+            seq = getattr(handle, "seq", None)
+            if seq is not None:
+                self._landing = {a: f for a, f in self._landing.items() if f.seq > seq}  # type: ignore[attr-defined]
+
+    def check_landed(self, t: torch.Tensor) -> None:
+        """Fail where `t` is host memory a copy writes that the host has not seen land (see the note)."""
+        if self._landing and address(t) in self._landing:
+            raise StandinOrderingError(
+                f"host memory of {t.numel()} elements that a copy from the device writes was used before the host "
+                "saw that copy land: on a GPU it may still hold the old bytes (or lose what the host writes). Wait "
+                "for the copy first (Device.landed)"
+            )
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:

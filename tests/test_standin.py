@@ -48,6 +48,31 @@ def test_a_copy_touching_device_memory_needs_a_fresh_compute_marker():
     assert torch.equal(reused, h)
 
 
+def test_host_memory_a_copy_has_not_landed_in_is_not_touched():
+    """[Note: host memory a copy has not landed in]: a copy from the device into host memory (`copy_later`) returns
+    at once; until the host has seen it land, an operation of the compute or the update on its destination fails,
+    though the stand-in's copy has usually landed by then (a GPU's may not have). Found missing when fp16's overflow
+    flag was read without its wait and every test still passed."""
+    dev = StandinDevice()
+    flag = dev.empty_host(4).view(torch.float32)
+    with dev.compute_context():
+        found = torch.ones(1)  # device memory, as the compute makes it
+    first = dev.copy_later(flag, found, after=dev.compute_marker())
+    first.result()  # the copy has run; the host has not looked
+    with dev.compute_context(), pytest.raises(standin.StandinOrderingError, match="before the host saw that copy"):
+        bool(flag[0] != 0)
+    with standin.watching(dev), pytest.raises(standin.StandinOrderingError, match="Device.landed"):
+        flag.add_(1.0)
+    second = dev.copy_later(dev.empty_host(4).view(torch.float32), found, after=dev.compute_marker())
+    assert dev.landed(second)  # a later copy landing: the copy engine ran the first before it
+    with standin.watching(dev):
+        assert bool(flag[0] != 0)
+    dev.copy_later(flag, found, after=dev.compute_marker())
+    dev.synchronize()  # every copy seen
+    with standin.watching(dev):
+        assert bool(flag[0] != 0)
+
+
 def test_the_compute_stream_reads_host_memory_late():
     """A copy from host memory queued on the compute stream (`to_device`) reads it when the device gets there: until a
     wait covers that copy the host may neither hand the buffer back nor change it ([Note: the compute stream reads
