@@ -78,7 +78,8 @@ class DeviceCheck:
         Queues the flag's copy to the host; `take` hands it over once the update is queued."""
         found = (~torch.isfinite(sq)).to(torch.float32).reshape(1)
         if self._flag is None:
-            self._flag = self.device.empty_host(4).view(torch.float32)
+            # A whole page: pinned memory is registered page by page anyway
+            self._flag = self.device.empty_host(4096)[:4].view(torch.float32)
         handle = self.device.copy_later(self._flag, found, after=self.device.compute_marker())
         self.pending = Pending(handle=handle, flag=self._flag, used_of=[], norm_before=None)
         coef: float | torch.Tensor = inv_scale
