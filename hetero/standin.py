@@ -202,7 +202,7 @@ class _Compute(TorchDispatchMode):
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         every = [kind_of(t) for t in tensors]
         kinds = [k if t.dim() > 0 else None for t, k in zip(tensors, every)]
-        if not func.is_view:  # a view reads nothing yet
+        if HOST in every and not func.is_view:  # a view reads nothing yet
             for t, k in zip(tensors, every):
                 if k == HOST:
                     self.standin.check_landed(t)

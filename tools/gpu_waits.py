@@ -107,12 +107,11 @@ class _EventWaits:
         original, seen, blocked = self.original, self.seen, self.blocked
 
         def synchronize(event: torch.cuda.Event) -> None:
-            if event.query():
-                original(event)
-                return
+            reached = event.query()
             original(event)
-            busy = not torch.cuda.current_stream().query()  # the compute stream still has work queued
-            (blocked if busy else seen).append(f"event: {_where()}")
+            if not reached:
+                busy = not torch.cuda.current_stream().query()  # the compute stream still has work queued
+                (blocked if busy else seen).append(f"event: {_where()}")
 
         torch.cuda.Event.synchronize = synchronize  # type: ignore[method-assign]
 

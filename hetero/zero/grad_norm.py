@@ -64,3 +64,13 @@ def sq_on_device(chunks: list[ZeroChunk], *, comm: Comm, device: Device) -> torc
     if zc_sharded(chunks):
         comm.all_reduce(sq, op="sum")
     return sq
+
+
+def clip_coef_on_device(sq: torch.Tensor, clip_max: float, inv_scale: float = 1.0) -> torch.Tensor:
+    """min(1, clip / (norm + 1e-6)) * inv_scale from the (scaled) sum of squares on the device, norm = sqrt(sq) *
+    inv_scale: in float64, one rounding per operation in the host's order (`Updater.prepare`), so the same bits (a
+    float divided by a tensor is a reciprocal and a product in torch: two roundings, hence `new_full`)."""
+    norm = sq.sqrt() if inv_scale == 1.0 else sq.sqrt() * inv_scale
+    denom = norm + 1e-6
+    coef = torch.clamp(denom.new_full((), clip_max) / denom, max=1.0)
+    return coef if inv_scale == 1.0 else coef * inv_scale

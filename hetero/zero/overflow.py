@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.device import Device
+from hetero.zero.grad_norm import clip_coef_on_device
 
 if TYPE_CHECKING:
     from hetero.zero.optim import Algorithm
@@ -52,14 +53,10 @@ def skips_itself(algorithm: Algorithm) -> bool:
 class Pending:
     """An update whose overflow flag the host has not read yet."""
 
-    handle: Any  # `Device.copy_later`'s: the flag is in `flag` once it has landed
-    flag: torch.Tensor  # host float32 [1]: 1.0 where the gradient overflowed
+    handle: Any  # `Device.copy_later`'s: the flag is in the check's host buffer once it has landed
     used_of: list[torch.Tensor]  # per chunk, the parameters whose step count the update advanced
     norm_before: float | torch.Tensor | None  # the last norm before this update's
-
-    @property
-    def overflowed(self) -> bool:
-        return bool(self.flag[0] != 0)
+    overflowed: bool | None = None  # read by `DeviceCheck.take`
 
 
 class DeviceCheck:
@@ -71,22 +68,25 @@ class DeviceCheck:
         self.pending: Pending | None = None
 
     def check(
-        self, sq: torch.Tensor, *, inv_scale: float, clip_max: float | None
+        self,
+        sq: torch.Tensor,
+        *,
+        inv_scale: float,
+        clip_max: float | None,
+        used_of: list[torch.Tensor],
+        norm_before: float | torch.Tensor | None,
     ) -> tuple[float | torch.Tensor, torch.Tensor, torch.Tensor]:
         """From the (scaled) gradient's sum of squares on the device, all-reduced: the gradient's multiplier, the
         kernels' `found_inf`, and the unscaled sum of squares (the norm's square, exact: the scale is a power of 2).
-        Queues the flag's copy to the host; `take` hands it over once the update is queued."""
+        Queues the flag's copy to the host; `take` hands it over once the update is queued, with what an overflow
+        takes back (`used_of`, `norm_before`)."""
         found = (~torch.isfinite(sq)).to(torch.float32).reshape(1)
         if self._flag is None:
             # A whole page: pinned memory is registered page by page anyway
             self._flag = self.device.empty_host(4096)[:4].view(torch.float32)
         handle = self.device.copy_later(self._flag, found, after=self.device.compute_marker())
-        self.pending = Pending(handle=handle, flag=self._flag, used_of=[], norm_before=None)
-        coef: float | torch.Tensor = inv_scale
-        if clip_max is not None:
-            # As `Updater.prepare` on the host: norm = sqrt(sq) * inv; coef = inv * min(1, clip / (norm + 1e-6)).
-            denom = sq.sqrt() * inv_scale + 1e-6
-            coef = torch.clamp(denom.new_full((), clip_max) / denom, max=1.0) * inv_scale
+        self.pending = Pending(handle=handle, used_of=used_of, norm_before=norm_before)
+        coef = inv_scale if clip_max is None else clip_coef_on_device(sq, clip_max, inv_scale)
         return coef, found.reshape(()), sq * (inv_scale * inv_scale)
 
     def take(self) -> Pending | None:
@@ -97,6 +97,8 @@ class DeviceCheck:
             return None
         self.pending = None
         self.device.landed(pending.handle)
+        assert self._flag is not None
+        pending.overflowed = bool(self._flag[0] != 0)
         return pending
 
     def close(self) -> None:

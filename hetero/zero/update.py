@@ -29,7 +29,7 @@ from hetero.memory import Chunk, ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.zero import master as master_weights
 from hetero.zero.buckets import reduce_at_update
-from hetero.zero.grad_norm import grad_stats, sq_on_device, zc_sharded
+from hetero.zero.grad_norm import clip_coef_on_device, grad_stats, sq_on_device, zc_sharded
 from hetero.zero.host_grads import chunk_sum_of_squares
 from hetero.zero.norms import SquareSum
 from hetero.zero.optim import Algorithm, update
@@ -206,10 +206,7 @@ class Updater:
             return None
         sq = sq_on_device(self.chunks, comm=self.comm, device=self.manager.device)
         self._norm = sq
-        # As the host computes it (`prepare`), in float64: min(1, clip / (norm + 1e-6)), one rounding per operation (a
-        # float divided by a tensor is a reciprocal and a product in torch: two).
-        denom = sq.sqrt() + 1e-6
-        return torch.clamp(denom.new_full((), clip_max) / denom, max=1.0)
+        return clip_coef_on_device(sq, clip_max)
 
     def _on_device_alone(self) -> bool:
         """Every chunk steps on a device with memory of its own, and the norm needs no group but the data-parallel
@@ -236,11 +233,10 @@ class Updater:
     def _prepare_on_device(self, clip_max: float | None, inv_scale: float) -> Plan:
         assert self.overflow is not None
         sq = sq_on_device(self.chunks, comm=self.comm, device=self.manager.device)
-        coef, found_inf, norm_sq = self.overflow.check(sq, inv_scale=inv_scale, clip_max=clip_max)
         used_of = self._used_of()
-        pending = self.overflow.pending
-        assert pending is not None
-        pending.used_of, pending.norm_before = used_of, self._norm
+        coef, found_inf, norm_sq = self.overflow.check(
+            sq, inv_scale=inv_scale, clip_max=clip_max, used_of=used_of, norm_before=self._norm
+        )
         self._norm = norm_sq
         return Plan(
             coef=coef, used_of=used_of, fused_norm=False, sq=SquareSum(), groups=self._groups(), found_inf=found_inf
@@ -252,7 +248,7 @@ class Updater:
         if pending is None:
             return
         overflow = pending.overflowed
-        assert self.scaler is not None
+        assert self.scaler is not None and overflow is not None
         self.scaler.update(overflow)
         self.last_update_skipped = overflow
         if overflow:  # the kernels left every master and state as it was: undo what the update counted
