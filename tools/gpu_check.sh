@@ -33,9 +33,12 @@
 # On one H200 (2026-11-29, thirtieth session), three calls: `waits &` beside `onegpu` (TESTS_TIMEOUT=320: 663 of the
 # 934 tests ran, 12 workers, ranks spawned), 337 s; then, warm, `race` with six device and host configurations
 # (155 s) and the nvme phase at 4 GiB, 246 s; a fresh machine for 88 chosen tests (TESTS from a file), 188 s.
-# Not yet run on a GPU (thirty-first session, no machine lent): `onegpu` with TESTS="tests/test_zero.py
-# tests/test_tiling.py tests/test_tile_turns.py tests/test_reduce_points.py tests/test_overflow_on_device.py", and the
-# fp16 half of `waits`.
+# On one H200 (2026-11-30, thirty-second session), three calls, 763 s of 900: `build &` and `waits &` (fp16 half
+# included) beside `onegpu` with TESTS="tests/test_zero.py tests/test_tiling.py tests/test_tile_turns.py
+# tests/test_reduce_points.py tests/test_overflow_on_device.py" (104 tests, 133 s), then four race configurations
+# (DeepSpeed's NVMe and offload and hetero's), 433 s; warm, four more (fsdp2, hetero, their offloads) 133 s; a fresh
+# machine for hetero_nvme alone and the nvme phase at 1 GiB, 107 s. A configuration run after DeepSpeed's NVMe one on
+# the same disk ran slower (7.3 s against 5.4 s first on a fresh machine): alternate the order of the NVMe pair.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
