@@ -41,7 +41,8 @@ with the GPU synchronised after each. MFU is the model's FLOPs per step (6 x par
 hidden x seq x tokens for attention, without recomputation) per second over the GPU's peak dense bf16 rate (the
 vendor's figure; measured_bf16_tflops is an 8192^3 matrix product timed here, for comparison). Races are reported as
 hetero's step time and memory over the peer's with the same placement; where the peer ran in more than one
-configuration (DeepSpeed's NVMe offload, pipelined or not), over the best of them on each measure.
+configuration (DeepSpeed's NVMe offload, pipelined or not), over the best of them on each measure. Before each NVMe
+configuration the driver waits for the disk to write back what the last one left (disk_settle_s).
 """
 
 from __future__ import annotations
@@ -384,11 +385,13 @@ def _child(
     name: str, args: argparse.Namespace, passthrough: list[str], log_dir: str, nvme: bool = True
 ) -> dict[str, Any]:
     if nvme and "nvme" in name:  # each configuration its own directory, removed after it: the disk holds one at a time
+        settle_s = _settle_disk()
         sub = tempfile.mkdtemp(prefix=f"{name}_", dir=args.nvme_dir)
         try:
-            return _child(name, args, [*passthrough, "--nvme-dir", sub], log_dir, nvme=False)
+            out = _child(name, args, [*passthrough, "--nvme-dir", sub], log_dir, nvme=False)
         finally:
             shutil.rmtree(sub, ignore_errors=True)
+        return {**out, "disk_settle_s": round(settle_s, 2)}
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
     log = os.path.join(log_dir, f"{name}.log")
@@ -405,6 +408,29 @@ def _child(
     out = json.loads(lines[-1])
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def _settle_disk(limit_s: float = 120.0, quiet_bytes: int = 64 << 20) -> float:
+    """Wait until the kernel has written back what earlier configurations left dirty; the seconds it took.
+
+    On one H200's virtio disk a configuration run right after DeepSpeed's NVMe one stepped 1.35x slower than the same
+    configuration first on a fresh machine (benchmarks/README.md, thirty-second session): what one configuration
+    left for the disk to finish must not be charged to the next. Swap files are O_DIRECT on both sides, but their
+    removal, checkpoints and logs go through the page cache.
+    """
+    t0 = time.perf_counter()
+    os.sync()
+    while time.perf_counter() - t0 < limit_s:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        except OSError:  # not Linux: sync() is all there is
+            break
+        if info.get("Dirty", 0) + info.get("Writeback", 0) < quiet_bytes:
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)  # the device's own queue (a virtio disk's host side) past what the kernel can see
+    return time.perf_counter() - t0
 
 
 def _tail(path: str, chars: int = 3000) -> str:
