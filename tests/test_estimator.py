@@ -265,6 +265,10 @@ def test_bad_inputs_are_refused():
         estimate(1e6, {}, optimizer="lamb", machine=False)
     with pytest.raises(hetero.ConfigError, match="does not exist"):
         estimate("/nonexistent/config.json", {}, machine=False)
+    # Degrees that do not divide the world were a ZeroDivisionError deep in the layout (the data-parallel degree 0).
+    for layout, world in (({"tensor": 2}, 1), ({"pipeline": 2}, 3), ({"tensor": 2, "pipeline": 2}, 2)):
+        with pytest.raises(hetero.ConfigError, match="must divide the world size"):
+            estimate(1e6, {"zero_stage": 3, "parallel": layout}, world_size=world, machine=False)
 
 
 def _layouts(rank: int, world: int, configs: list[dict]) -> list[dict]:

@@ -25,6 +25,7 @@ from torch import nn
 
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
+from hetero.parallel.mesh import check_degrees
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
 from hetero.profiler.auto_chunks import cap_for, tiled_counts
 from hetero.profiler.gathered import gathered_bytes
@@ -250,6 +251,7 @@ def estimate(
                       sequence=sequence)  # fmt: skip
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    check_degrees(world_size, tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline)  # the engine's own check
     for key, value in (("offload.params", cfg.offload.params), ("offload.optimizer", cfg.offload.optimizer)):
         if value == "auto":
             raise ConfigError(f'{key}: "auto" has no fixed placement to estimate; the candidates list shows each one')
