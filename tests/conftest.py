@@ -65,6 +65,24 @@ def cpu_device(monkeypatch):
     return "cpu"
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "ranks_apart(why): a multi-rank test one rank cannot stand for, skipped under HETERO_TESTS_ONE_RANK"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """[Note: tests no one rank can stand for] in tests/dist.py."""
+    if not os.environ.get("HETERO_TESTS_ONE_RANK"):
+        return
+    for item in items:
+        mark = item.get_closest_marker("ranks_apart")
+        if mark is not None:
+            if not mark.args or not isinstance(mark.args[0], str):
+                raise pytest.UsageError(f"{item.nodeid}: ranks_apart needs its reason")
+            item.add_marker(pytest.mark.skip(reason=f"one rank cannot stand for several: {mark.args[0]}"))
+
+
 def pytest_runtest_logreport(report):
     """`HETERO_FAILURES=FILE`: each failure's traceback is appended to FILE as it happens (in the controlling process
     under xdist), so a run cut short by a timeout (tools/gpu_check.sh on a lent GPU) still says why tests failed."""

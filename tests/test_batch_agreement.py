@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hetero.models.gpt_pipe import TP_PLAN
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests import parity, pipe_parity
@@ -83,6 +84,7 @@ def _cases(rank: int, world: int, cases: dict) -> dict:
     return out
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(240)
 def test_a_rank_given_another_batch_stops_every_rank_of_its_group():
     results = run_distributed(_cases, 2, CASES, timeout=200)
@@ -118,6 +120,7 @@ def _values_unchecked(rank: int, world: int) -> float:
     return loss
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
 def test_values_are_compared_only_with_check_collectives():
     results = run_distributed(_values_unchecked, 2, timeout=90)
@@ -146,6 +149,7 @@ def _pipeline(rank: int, world: int) -> dict:
     return {"error": error, "loss": loss, "stage": stage}
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
 def test_a_mismatch_on_one_stage_stops_every_stage():
     results = run_distributed(_pipeline, 4, timeout=100)
@@ -178,6 +182,7 @@ def _meshes(rank: int, world: int) -> list[list[int]]:
     return out
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
 def test_the_batch_group_is_every_rank_reading_one_batch_in_stage_order():
     results = run_distributed(_meshes, 8, timeout=100)

@@ -14,6 +14,7 @@ import torch
 
 from hetero.checkpoint import manifest as mf
 from hetero.errors import CheckpointError
+from tests.dist import ONE_RANK_FAULTS, ranks_apart
 
 try:
     from tests.test_checkpoint import _cfg, make_engine, train
@@ -245,6 +246,7 @@ def _one_rank_fails(rank: int, world: int, root: str, stage: int) -> dict:
     return out
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_load_that_fails_on_one_rank_stops_every_rank(tmp_path, stage):

@@ -14,6 +14,7 @@ import hetero
 from hetero.checkpoint import consolidate
 from hetero.checkpoint import manifest as mf
 from hetero.models.gpt_pipe import TP_PLAN
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests import parity, pipe_parity, tolerance
@@ -111,6 +112,7 @@ TP2 = {"zero_stage": 1, "parallel": {"tensor": 2, "tensor_plan": TP_PLAN, "micro
 PP2 = {"zero_stage": 3, "parallel": {"pipeline": 2, "microbatches": 2, "schedule": "1f1b"}}
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config, other", [(TP2, PP2), (PP2, None)], ids=["tp2-zero1", "pp2-zero3"])
 def test_resume_is_bit_exact_under_tensor_or_pipeline_parallelism(tmp_path, config, other):
@@ -137,6 +139,7 @@ def _load_only(rank: int, world: int, config: dict, root: str) -> dict:
     return out
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(400)
 def test_tp_pp_2x2x2_resumes_and_reshards_to_data_parallel_1(tmp_path):
     """Saved by tensor x pipeline x data = 2 x 2 x 2 at ZeRO-1: it resumes bit-exactly in that layout, and loads into

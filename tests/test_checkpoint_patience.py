@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hetero.errors import RankTimeoutError
+from tests.dist import ONE_RANK_FAULTS, ranks_apart
 
 try:
     from tests.dist import DistributedTestError, run_distributed
@@ -115,6 +116,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(180)
 def test_a_rank_writing_long_after_the_others_is_waited_for(tmp_path):
     r0, r1 = run_distributed(_job, 2, str(tmp_path), "slow-save", timeout=150)
@@ -126,6 +128,7 @@ def test_a_rank_writing_long_after_the_others_is_waited_for(tmp_path):
     assert _same(_world1_state(ckpt, str(tmp_path / "w1")), r0["after"])
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(180)
 def test_a_rank_reading_long_after_the_others_is_waited_for(tmp_path):
     for r in run_distributed(_job, 2, str(tmp_path), "slow-load", timeout=150):
@@ -133,6 +136,7 @@ def test_a_rank_reading_long_after_the_others_is_waited_for(tmp_path):
         assert _same(r["loaded"], r["after"])
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(180)
 def test_a_rank_that_stops_while_writing_is_named_and_the_previous_checkpoint_stands(tmp_path):
     with pytest.raises(DistributedTestError) as caught:  # rank 1, stopped, is killed by rank 0 in the end
@@ -150,6 +154,7 @@ def test_a_rank_that_stops_while_writing_is_named_and_the_previous_checkpoint_st
     assert _same(_world1_state(ckpt, str(tmp_path / "w1")), r0["before"])
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(180)
 def test_a_rank_late_past_checkpoint_patience_is_named_and_the_previous_checkpoint_stands(tmp_path):
     """Without the limit this rank would be waited for (test above): with it, rank 0 gives up T after finishing its

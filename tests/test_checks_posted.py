@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from tests.dist import ONE_RANK_FAULTS, RANKS_DIFFER, ranks_apart
+
 try:
     from tests import branchy
     from tests.dist import run_distributed
@@ -50,6 +52,7 @@ def _run_posted(rank: int, world: int) -> dict:
     return {"issued": issued, "waited": waited, "data": data.tolist(), "posted_left": check.mark()}
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(120)
 def test_a_check_is_not_a_rendezvous_and_the_wait_verifies_it(monkeypatch):
     monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
@@ -84,6 +87,7 @@ def _run_apart(rank: int, world: int, blocking: bool) -> str:
     return "no error"
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(120)
 def test_ranks_apart_both_stop_at_the_wait_naming_every_rank(monkeypatch):
     monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
@@ -95,6 +99,7 @@ def test_ranks_apart_both_stop_at_the_wait_naming_every_rank(monkeypatch):
         assert "started, last: 'blocks.0' (forward)" in message, message
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(120)
 def test_a_blocking_collective_after_a_check_verifies_it_first(monkeypatch):
     monkeypatch.delenv("HETERO_STANDIN", raising=False)  # host tensors on the data group
@@ -102,6 +107,7 @@ def test_a_blocking_collective_after_a_check_verifies_it_first(monkeypatch):
         assert "different collectives" in message, message
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(120)
 def test_under_the_standin_a_skipped_module_stops_both_ranks(monkeypatch):
     """The stand-in's control group is a group of its own, as on a GPU node (gloo beside NCCL): the checks and the

@@ -20,9 +20,23 @@ from hetero.comm import Comm, init_from_env, local_rank
 from hetero.errors import CommError, RankTimeoutError
 
 try:
-    from tests.dist import DistributedTestError, DistributedTimeoutError, run_distributed
+    from tests.dist import (
+        ONE_RANK_FAULTS,
+        ONLY_SEVERAL,
+        DistributedTestError,
+        DistributedTimeoutError,
+        ranks_apart,
+        run_distributed,
+    )
 except ImportError:  # tests/ itself on sys.path (pytest's rootdir-less import mode)
-    from dist import DistributedTestError, DistributedTimeoutError, run_distributed  # type: ignore[no-redef]
+    from dist import (  # type: ignore[no-redef]
+        ONE_RANK_FAULTS,
+        ONLY_SEVERAL,
+        DistributedTestError,
+        DistributedTimeoutError,
+        ranks_apart,
+        run_distributed,
+    )
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
 
@@ -218,6 +232,7 @@ def _world_checks(rank: int, world_size: int) -> dict[str, Any]:
     return report
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_match_local_math(world_size: int, cpu_device) -> None:
@@ -417,6 +432,7 @@ def _children() -> list[psutil.Process]:
     return kids
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(120)
 def test_rank_error_reraised_with_traceback() -> None:
     with pytest.raises(DistributedTestError, match="rank 1 raised") as info:
@@ -428,6 +444,7 @@ def test_rank_error_reraised_with_traceback() -> None:
         run_distributed(lambda r, w: r, 1)
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(120)
 def test_hung_rank_makes_timed_barrier_raise(tmp_path: Path) -> None:
     results = run_distributed(_barrier_with_hung_rank, 3, str(tmp_path), timeout=100)
@@ -460,6 +477,7 @@ def _object_collective_with_absent_rank(rank: int, world_size: int, flag_dir: st
         open(os.path.join(flag_dir, "done"), "w").close()
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("op", ["broadcast", "all_gather"])
 def test_object_collectives_give_up_after_the_comms_own_timeout(tmp_path: Path, op: str) -> None:
@@ -470,6 +488,7 @@ def test_object_collectives_give_up_after_the_comms_own_timeout(tmp_path: Path, 
     assert got["elapsed"] < 15, got
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(120)
 def test_harness_timeout_kills_hung_rank() -> None:
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ import torch._dynamo
 import hetero
 from hetero import standin
 from tests import parity, tolerance
-from tests.dist import run_distributed
+from tests.dist import OWN_BATCHES, ranks_apart, run_distributed
 
 STEPS, ROWS = 3, 4
 # The CPU stand-in of a GPU watches the compute through a dispatch mode, under which torch.compile runs the model
@@ -75,6 +75,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     return out
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(600)
 def test_compiled_model_over_two_ranks():
     r0, r1 = run_distributed(_two_ranks, 2, timeout=500)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hetero.models.gpt_pipe import TP_PLAN
+from tests.dist import NEEDS_DEGREES, OWN_BATCHES, ranks_apart
 
 try:
     from tests import pipe_parity, tolerance
@@ -63,11 +64,13 @@ def _check(configs: dict[str, dict], results: list[list[dict]]) -> None:
             raise AssertionError(f"{name}: {err}") from err
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_delayed_update_with_tensor_and_pipeline_parallelism():
     _check(WORLD2, run_distributed(_matrix, 2, list(WORLD2.values()), timeout=240))
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(300)
 def test_delayed_update_with_parallelism_and_data_parallel_ranks():
     _check(WORLD4, run_distributed(_matrix, 4, list(WORLD4.values()), timeout=240))

@@ -25,7 +25,7 @@ from hetero.device import allocated_bytes, gpu_count
 from hetero.models.gpt import GPT, GPTConfig
 from hetero.profiler import Machine, estimate
 from hetero.profiler.activations import SavedBytes, storage_key
-from tests.dist import run_distributed
+from tests.dist import NEEDS_DEGREES, ranks_apart, run_distributed
 from tests.parity import GPT_CFG, batches, make_optimizer
 
 TIERS = ("device", "host", "nvme")
@@ -315,6 +315,7 @@ LAYOUTS = [
 ]
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(400)
 def test_layouts_match_the_engine_ledgers():
     """Per-rank model-state bytes of pipeline (1F1B, Chimera, GPipe), tensor (1D, ZeRO-3 with host offload) layouts

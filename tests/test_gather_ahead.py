@@ -12,6 +12,7 @@ from hetero.profiler.gathered import gathered_bytes
 from hetero.zero import param_gather
 from hetero.zero.gathers import Gathers
 from hetero.zero.zero_chunk import ZeroChunk
+from tests.dist import ONLY_SEVERAL, ranks_apart
 
 try:
     from tests import parity
@@ -76,6 +77,7 @@ def _record(rank: int, world: int, ahead: bool) -> dict:
     return {"events": events, "units": units, "losses": losses, "state": state, "peak": peak[0], "estimate": estimate}
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(300)
 def test_each_unit_start_issues_the_next_units_gathers_and_training_is_unchanged():
     on = run_distributed(_record, 2, True, timeout=200)
@@ -123,6 +125,7 @@ def _forgot_to_wait(rank: int, world: int) -> list[float]:
     return parity.run_hetero(rank, world, steps=2, rows=4, config=CFG)["losses"]
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(300)
 def test_the_standin_fails_a_gather_ahead_used_before_it_completes(monkeypatch):
     """On a GPU the compute stream would read the buffer before (or while) NCCL fills it, and train on wrong values

@@ -14,7 +14,7 @@ import torch
 
 import hetero
 from tests import test_unmodified_models as unmodified
-from tests.dist import run_distributed
+from tests.dist import ONLY_SEVERAL, RANKS_DIFFER, ranks_apart, run_distributed
 
 pytest.importorskip("transformers")
 
@@ -48,6 +48,7 @@ def _job(rank: int, world: int, peft: bool) -> dict:
     return out
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(200)
 def test_generate_at_stage_3_over_two_ranks_ending_at_other_lengths():
     for rank, r in enumerate(run_distributed(_job, 2, False, timeout=170)):
@@ -56,6 +57,7 @@ def test_generate_at_stage_3_over_two_ranks_ending_at_other_lengths():
         assert r["given"] == ["LlamaForCausalLM"] and r["left"] == [], r
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(200)
 def test_generate_of_a_peft_model_reaches_the_model_inside():
     """A PEFT wrapper's `generate` takes no `synced_gpus` of its own: it calls the wrapped model's, which has it."""

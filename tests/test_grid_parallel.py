@@ -22,6 +22,7 @@ from hetero.models.gpt import GPT, GPTConfig
 from hetero.models.gpt_pipe import TP_PLAN
 from hetero.parallel.grid import Grid, apply_grid_parallel
 from hetero.parallel.ring import _pairs
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests import grid_parity, pipe_parity, test_checkpoint_parallel, tolerance
@@ -165,6 +166,7 @@ WORLD4 = {
 }
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(400)
 def test_2d_and_ring_on_4_ranks(tmp_path, monkeypatch):
     """Under the CPU stand-in (NCCL's rules: collectives on device memory only; [Note: the CPU stand-in])."""
@@ -185,6 +187,7 @@ def test_2d_and_ring_on_4_ranks(tmp_path, monkeypatch):
     assert "sp=1/2" in results[1][4]["mesh"] and "sp=0/2" in results[2][4]["mesh"]  # two sequence groups of two
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_ulysses_and_ring_on_2_ranks_zero0_to_2():
     cases = {
@@ -196,6 +199,7 @@ def test_ulysses_and_ring_on_2_ranks_zero0_to_2():
     grid_parity.check_all(cases, results)
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(900)
 def test_grid_modes_and_compositions_on_8_ranks(tmp_path):
     """2.5D (q=2, d=2) and 3D (q=2) on both families, with host and NVMe offload; 2D x data 2 at ZeRO-3; 2D x
@@ -240,6 +244,7 @@ def test_grid_modes_and_compositions_on_8_ranks(tmp_path):
 SEQ_PIPE = {"tensor": 2, "tensor_plan": TP_PLAN, "pipeline": 2, "microbatches": 2}
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(400)
 def test_sequence_split_with_a_pipeline_on_4_ranks(tmp_path):
     """Ring and Ulysses (degree 2) inside each of 2 pipeline stages, under 1F1B, the interleaved schedule and
@@ -279,6 +284,7 @@ def test_sequence_split_with_a_pipeline_on_4_ranks(tmp_path):
     _check_consolidated(root, "gpt_pipe", [r[1] for r in results], clip=0.5)
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.skipif(bool(os.environ.get("HETERO_SKIP_16")), reason="16 processes: HETERO_SKIP_16 is set")
 @pytest.mark.timeout(1200)
 def test_grid_modes_with_a_pipeline_on_16_ranks(tmp_path):
@@ -335,6 +341,7 @@ def _check_consolidated(
         assert len(stored) == blocks
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_2d_checkpoint_resumes_bit_exactly_and_consolidates(tmp_path):
     """Saved by a 2D grid (q = 2) at ZeRO-1: a fresh engine loads it and continues with bit-identical losses and

@@ -8,6 +8,7 @@ import torch
 
 import hetero
 from hetero.errors import ConfigError
+from tests.dist import OWN_BATCHES, ranks_apart
 
 try:
     from tests import branchy, parity, tolerance
@@ -90,6 +91,7 @@ def _run(rank: int, world: int, names: list[str], nvme: str, probe: bool) -> dic
     return out
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("standin", [False, True], ids=["cpu", "standin"])
 def test_the_update_in_backward_is_the_update_after_backward_bit_for_bit(tmp_path, monkeypatch, standin):

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from tests.dist import ONE_RANK_FAULTS, RANKS_DIFFER, ranks_apart
+
 try:
     from tests import branchy, parity, tolerance
     from tests.dist import DistributedTestError, run_distributed
@@ -60,6 +62,7 @@ def _run_budgets(rank: int, world: int, nvme_root: str, ratio: int) -> dict:
     return out
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(900)
 def test_budgets_100x_apart_train_to_the_same_bits(tmp_path):
     """Rank 0 gets 100x rank 1's device and host budgets: rank 1 evicts, moves and re-reads what rank 0 keeps, and
@@ -109,6 +112,7 @@ def _run_branchy(rank: int, world: int, nvme_root: str) -> dict:
     return out
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(600)
 def test_branches_and_experts_that_differ_by_rank_match_plain_pytorch(tmp_path):
     """Rank 0 takes branch a and experts 0-1, rank 1 branch b and experts 1-2, nobody expert 3: at every stage
@@ -129,6 +133,7 @@ def test_branches_and_experts_that_differ_by_rank_match_plain_pytorch(tmp_path):
         assert not torch.equal(r["state"]["blocks.0.b.weight"], init["blocks.0.b.weight"]), key
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(120)
 def test_a_top_level_module_only_some_ranks_run_is_a_clear_error_at_stage3():
     results = run_distributed(branchy.run_skipped_module, 2, timeout=100)
@@ -173,6 +178,7 @@ def _run_one_rank_stops(rank: int, world: int, mode: str, done: str = "") -> str
     return report
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(180)
 def test_a_hung_rank_is_named_after_comm_timeout(tmp_path):
     # The time limit leaves room for a loaded machine's start-up (spawn, import torch, initialize): what is measured
@@ -192,6 +198,7 @@ def test_a_hung_rank_is_named_after_comm_timeout(tmp_path):
     assert float(closed.split()[0]) < 10, report  # the engine closes after the error, without waiting on rank 1
 
 
+@ranks_apart(ONE_RANK_FAULTS)
 @pytest.mark.timeout(120)
 def test_a_dead_rank_is_an_error_not_a_hang():
     with pytest.raises(DistributedTestError) as info:

@@ -17,6 +17,7 @@ from torch import nn
 
 import hetero
 from hetero.errors import HeteroError
+from tests.dist import OWN_BATCHES, ranks_apart
 
 try:
     from tests import tolerance
@@ -85,6 +86,7 @@ def _hetero(rank: int, world: int, loss_name: str, runs: list[dict]) -> dict[str
     return out
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("loss_name", ["adversarial", "penalty"])
 def test_autograd_grad_beside_training_world2(loss_name):

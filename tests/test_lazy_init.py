@@ -17,7 +17,7 @@ from torch import nn
 import hetero
 from hetero.models.gpt import GPT, GPTConfig
 from tests import tolerance
-from tests.dist import run_distributed
+from tests.dist import ONLY_SEVERAL, ranks_apart, run_distributed
 from tests.parity import GPT_CFG, batches, cached_reference, make_optimizer
 
 transformers = pytest.importorskip("transformers")
@@ -181,6 +181,7 @@ def _rank_meta(rank: int, world: int) -> dict:
     return {"losses": losses, "host": host, "share": share, "error": error, "mixed": mixed}
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(240)
 def test_meta_world_two_keeps_shards_and_matches_reference():
     exact, _ = cached_reference("fp64", steps=3, rows=4)

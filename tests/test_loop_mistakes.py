@@ -19,6 +19,7 @@ from torch import nn
 
 import hetero
 from hetero.errors import HeteroError
+from tests.dist import OWN_BATCHES, RANKS_DIFFER, ranks_apart
 
 try:
     from tests import parity, tolerance
@@ -175,6 +176,7 @@ def _two_micro_batches_a_step(rank: int, world: int, no_sync: bool) -> dict:
     return out
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("no_sync", [False, True], ids=["backwards", "no_sync"])
 def test_two_backwards_before_one_step_sum_as_in_pytorch_world2(no_sync):
@@ -213,6 +215,7 @@ def _target_mid_step(rank: int, world: int) -> dict:
     return out
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(300)
 def test_a_forward_without_autograd_inside_a_training_step_world2():
     # Before the fix, at stage 3 the forward without autograd ended the step and released what its backward needed:
@@ -240,6 +243,7 @@ def test_the_engine_answers_for_its_model_as_deepspeeds_does():
     engine.close()
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(300)
 def test_evaluating_on_one_rank_at_stage_3_stops_every_rank_saying_why_world2():
     # A forward only rank 0 runs meets the other rank's next gathers: the collective check stops both at once (not
@@ -276,6 +280,7 @@ def _one_rank_calls(rank: int, world: int, stage: int, call: str, root: str) -> 
     return "trained on"
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "stage,call",
@@ -392,6 +397,7 @@ def _backward_twice_through_one_graph(rank: int, world: int) -> dict:
     return out
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(300)
 def test_retain_graph_for_a_second_backward_world2():
     # Before, engine.backward took no retain_graph (DeepSpeed's takes it), and at stage 3 the second backward's

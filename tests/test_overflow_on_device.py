@@ -15,7 +15,7 @@ import hetero
 import hetero.zero.overflow as overflow
 import hetero.zero.update as update
 from tests import parity
-from tests.dist import run_distributed
+from tests.dist import RANKS_DIFFER, ranks_apart, run_distributed
 
 STEPS = 6
 BOOSTED = (1, 4)  # micro-batches whose loss is multiplied by 2**40: their fp16 gradients overflow
@@ -120,6 +120,7 @@ def _ranks(rank: int, world: int, host_check: bool) -> dict:
     return _run(rank, world, 3, 0.05, (1,), host_check=host_check)
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(300)
 def test_an_overflow_on_one_rank_skips_the_update_on_every_rank(monkeypatch):
     """Stage 3 over two ranks, the gradient overflowing on rank 1 alone: the flag comes from the all-reduced sum, so

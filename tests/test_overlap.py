@@ -10,6 +10,7 @@ import torch
 
 import hetero
 from hetero.profiler.overlap import intersection, overlap, union
+from tests.dist import ONLY_SEVERAL, ranks_apart
 
 try:
     from tests import parity
@@ -61,6 +62,7 @@ def _run(rank: int, world: int, names: list[str]) -> dict:
     return out
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("standin", [False, True], ids=["cpu", "standin"])
 def test_stage01_gradients_are_reduced_during_backward_and_match_plain_pytorch(monkeypatch, standin):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hetero.models.gpt_pipe import TP_PLAN
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests import pipe_parity
@@ -35,6 +36,7 @@ WORLD2 = {
 }
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_tensor_and_sequence_parallel_through_train_batch():
     results = run_distributed(_matrix, 2, list(WORLD2.values()), timeout=240)
@@ -54,6 +56,7 @@ WORLD8 = {
 }
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(600)
 def test_tp_pp_dp_2x2x2_with_zero1_and_zero3():
     results = run_distributed(_matrix, 8, list(WORLD8.values()), timeout=540)

@@ -17,6 +17,7 @@ from hetero.parallel.pipeline import balance
 from hetero.parallel.pipeline import chimera as C
 from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import boundaries, keep_stages, units_of
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests import parity, pipe_parity, tolerance
@@ -377,6 +378,7 @@ WORLD2 = {
 }
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(600)
 def test_pipeline_and_data_parallel_parity():
     names = list(WORLD2)
@@ -409,6 +411,7 @@ WORLD4_CHIMERA = {
 }
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(600)
 def test_chimera_parity_4_stages_and_2_stages_x_data_2():
     """Chimera at 4 stages on 4 processes and at 2 stages x data 2, ZeRO-1 and ZeRO-3 (and 2 stages x tensor 2 with
@@ -463,6 +466,7 @@ CKPT = {
 }
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(600)
 def test_checkpointed_stages_match_for_every_schedule():
     """Activation checkpointing, without and with offload of the checkpointed blocks' inputs, inside pipeline stages,
@@ -546,6 +550,7 @@ def _frozen_run(rank: int, world: int, stage: int) -> list[float]:
     return losses
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_a_frozen_first_stage_trains_like_plain_pytorch():
     """A fine-tuned model whose first pipeline stage is all frozen: that stage has no gradient to run backward with
@@ -585,6 +590,7 @@ def _time_units(rank: int, world: int) -> tuple[str, str]:
         return (type(e).__name__, str(e))
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
 def test_timing_the_units_fails_on_every_rank_when_it_fails_on_one():
     """ "auto" balancing times the units on every rank, then averages over the world: a rank whose timing failed
@@ -612,6 +618,7 @@ def _tied_under_one_small_budget(rank: int, world: int) -> tuple[str, str]:
         return (type(e).__name__, str(e))
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
 def test_automatic_chunks_are_agreed_over_every_stage_holding_a_tied_weight():
     """The automatic chunk size follows the smallest budget; agreed over the data-parallel group alone, the last
@@ -654,6 +661,7 @@ def _send_bytes(rank: int, world: int) -> tuple[str, str]:
         engine.close()
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
 def test_a_tensor_no_stage_can_send_stops_both_ends():
     """A stage whose output no header can describe (uint8 here) raises, and its header still goes, marked: the

@@ -14,6 +14,7 @@ import torch
 
 from hetero.errors import ConfigError
 from hetero.parallel.pipeline.split import cut_stages, units_of
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests import grid_parity
@@ -116,6 +117,7 @@ def _tied_copies_equal(results: list[dict]) -> None:
     assert torch.equal(first["transformer.wte.weight"], last["lm_head.weight"])
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(400)
 def test_hf_pipelines_on_2_ranks(tmp_path):
     """Pipeline only: 1F1B, GPipe, interleaved (each unit a stage) and Chimera, ZeRO 0-3, clipping; GPT-2's tied
@@ -144,6 +146,7 @@ def test_hf_pipelines_on_2_ranks(tmp_path):
     _check_consolidated(root, "gpt2", [r[0] for r in results], clip=0.5)
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(400)
 def test_2d_x_hf_pipeline_on_8_ranks():
     """The issue's row "2D x pipeline 2, 1F1B, 8 processes" for Hugging Face Llama and GPT-2."""

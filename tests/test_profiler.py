@@ -12,7 +12,7 @@ import pytest
 
 import hetero
 from hetero.profiler.activations import SavedBytes, storage_key
-from tests.dist import run_distributed
+from tests.dist import ONLY_SEVERAL, ranks_apart, run_distributed
 from tests.parity import batches, build, make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,6 +197,7 @@ def _profile_rank(rank: int, world: int, root: str) -> dict:
     }
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(300)
 def test_profile_on_two_ranks(tmp_path):
     for r in range(2):

@@ -18,7 +18,7 @@ from hetero.checkpoint import consolidate, verify
 from hetero.comm.launchers import adopt_launcher_env
 from hetero.errors import CheckpointError, CommError
 from tests import parity
-from tests.dist import cpu_ranks_env, free_port, run_distributed
+from tests.dist import OWN_BATCHES, cpu_ranks_env, free_port, ranks_apart, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 DESCS = ("hetero: placing weights", "hetero: saving checkpoint", "hetero: loading checkpoint")
@@ -129,6 +129,7 @@ def _save_unshared(rank: int, world: int, roots: list[str]) -> str:
     return "saved"
 
 
+@ranks_apart(OWN_BATCHES)
 @pytest.mark.timeout(120)
 def test_checkpoint_root_must_be_shared(tmp_path):
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]

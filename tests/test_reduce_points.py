@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.dist import RANKS_DIFFER, ranks_apart
+
 try:
     from tests import branchy, tolerance
     from tests.dist import run_distributed
@@ -60,6 +62,7 @@ def _run(rank: int, world: int) -> dict:
     return out
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(300)
 def test_experts_every_rank_uses_some_of_reduce_at_shared_points_and_match_plain_pytorch():
     results = run_distributed(_run, 2, timeout=240)
@@ -139,6 +142,7 @@ def _run_borrowing(rank: int, world: int) -> dict:
     return {"losses": losses, "state": state}
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(120)
 def test_a_layer_run_from_an_earlier_block_is_reduced_after_that_block():
     got = run_distributed(_run_borrowing, 2, timeout=100)[0]

@@ -17,6 +17,7 @@ from hetero.errors import CommError
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.pool import BufferPool
 from hetero.memory.tier import TierLedger
+from tests.dist import NEEDS_DEGREES, ONLY_SEVERAL, ranks_apart
 
 try:
     from tests import parity, pipe_parity
@@ -417,6 +418,7 @@ def _pipeline(rank: int, world: int) -> dict:
     return {k: out[k] for k in ("losses", "eval_loss", "eval_fn_loss", "eval_logits")}
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_a_pipeline_trains_and_evaluates_under_the_standin_as_without_it(monkeypatch):
     """Two pipeline stages: what they send each other (activations, gradients, their headers) and what eval_batch
@@ -530,6 +532,7 @@ def test_gpu_waits_tool_counts_no_wait_in_the_default_placements(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1])["nvme"]["where"] == {}
 
 
+@ranks_apart(ONLY_SEVERAL)
 def test_collectives_take_device_memory_only(monkeypatch):
     monkeypatch.setenv("HETERO_STANDIN", "1")
     for seen in run_distributed(_run_comm_rule, 2, timeout=100):

@@ -22,6 +22,7 @@ from hetero.parallel import (
     unshard,
     vocab_parallel_cross_entropy,
 )
+from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
     from tests.dist import run_distributed
@@ -134,6 +135,7 @@ def _tp_parity(rank: int, world: int, family: str) -> list[str]:
     return checked
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["gpt", "gpt2", "llama"])
 def test_tp2_matches_single_process(family, cpu_device):
@@ -256,6 +258,7 @@ def _engine(rank: int, world: int) -> None:
         engine.close()
 
 
+@ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
 def test_engine_zero3_on_tensor_parallel_model():
     run_distributed(_engine, 2, timeout=240)

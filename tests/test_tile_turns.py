@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist import ONLY_SEVERAL, RANKS_DIFFER, ranks_apart
+
 try:
     from tests import branchy, tolerance
     from tests.dist import run_distributed
@@ -58,6 +60,7 @@ def _run(rank: int, world: int, names: tuple[str, ...]) -> dict:
     return out
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [2, 4])
 def test_tiled_experts_some_ranks_skip_train_like_plain_pytorch(world):
@@ -154,6 +157,7 @@ def _run_normal(rank: int, world: int) -> dict:
     return {"losses": losses, "state": state, "tiled": tiled, "gated": gated, "every": every}
 
 
+@ranks_apart(ONLY_SEVERAL)
 @pytest.mark.timeout(300)
 def test_nothing_is_stood_in_where_every_rank_runs_every_tiled_layer():
     """The normal path costs no collective: the first step stands in once per pass for a layer called out of
@@ -215,6 +219,7 @@ def _run_twice(rank: int, world: int) -> str:
     return "no error"
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(120)
 def test_a_tiled_layer_run_twice_on_one_rank_only_stops_every_rank_naming_the_turns():
     for message in run_distributed(_run_twice, 2, timeout=100):

@@ -20,7 +20,7 @@ from hetero.memory import ChunkManager, TensorState, Tier
 from hetero.memory.chunk_size import budget_cap, pack_tiled, packed_capacity
 from hetero.zero.layout import build_layout
 from tests import parity, tolerance
-from tests.dist import cpu_ranks_env, run_distributed
+from tests.dist import RANKS_DIFFER, cpu_ranks_env, ranks_apart, run_distributed
 
 V, D, H = 96, 16, 48  # vocabulary, width, hidden width of the tiled test model
 
@@ -186,6 +186,7 @@ def _uneven_budgets(rank: int, world: int) -> dict:
     )
 
 
+@ranks_apart(RANKS_DIFFER)
 @pytest.mark.timeout(200)
 def test_auto_chunk_size_is_agreed_by_ranks_with_different_budgets():
     """The automatic chunk size is the smallest rank's (an all-reduce every rank makes, since chunk_size is "auto"

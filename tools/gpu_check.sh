@@ -3,7 +3,8 @@
 #
 #   bash tools/gpu_check.sh tests   the test suite (or TESTS="files") with CUDA visible (gloo ranks stay on the CPU)
 #   bash tools/gpu_check.sh onegpu  the same, each multi-rank test run as one NCCL rank on the GPU
-#                                   (HETERO_TESTS_ONE_RANK=nccl, [Note: a multi-rank test as one rank] in tests/dist.py)
+#                                   (HETERO_TESTS_ONE_RANK=nccl, [Note: a multi-rank test as one rank] in tests/dist.py);
+#                                   tests one rank cannot stand for are skipped: every failure is the GPU's
 #   bash tools/gpu_check.sh smoke   a small run of every configuration of benchmarks/gpu_race.py; DeepSpeed's ops
 #                                   are built first
 #   bash tools/gpu_check.sh race    benchmarks/gpu_race.py at its default size, nothing else running
