@@ -20,23 +20,13 @@ from hetero.comm import Comm, init_from_env, local_rank
 from hetero.errors import CommError, RankTimeoutError
 
 try:
-    from tests.dist import (
-        ONE_RANK_FAULTS,
-        ONLY_SEVERAL,
-        DistributedTestError,
-        DistributedTimeoutError,
-        ranks_apart,
-        run_distributed,
-    )
+    from tests import dist as _dist
 except ImportError:  # tests/ itself on sys.path (pytest's rootdir-less import mode)
-    from dist import (  # type: ignore[no-redef]
-        ONE_RANK_FAULTS,
-        ONLY_SEVERAL,
-        DistributedTestError,
-        DistributedTimeoutError,
-        ranks_apart,
-        run_distributed,
-    )
+    import dist as _dist  # type: ignore[no-redef]
+
+ONE_RANK_FAULTS, ONLY_SEVERAL, ranks_apart = _dist.ONE_RANK_FAULTS, _dist.ONLY_SEVERAL, _dist.ranks_apart
+DistributedTestError, DistributedTimeoutError = _dist.DistributedTestError, _dist.DistributedTimeoutError
+run_distributed = _dist.run_distributed
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
 
