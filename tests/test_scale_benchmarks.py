@@ -124,3 +124,29 @@ def test_update_stream_whole_step_tiny(tmp_path):
     assert set(r["best"]) == {"cpu:auto", "cpu:8"} and r["whole_step"] and r["delayed"]
     for b in r["best"].values():
         assert b["step_s"] >= b["fwd_bwd_s"] > 0 and b["update_s"] > 0 and b["host_peak_gb"] > 0
+
+
+def test_gpu_race_rounds_alternate_the_order_and_keep_the_fastest_step(monkeypatch, capsys):
+    """--rounds R runs every configuration R times, every other round in reverse (one H200 stepped a configuration
+    1.35x slower right after DeepSpeed's NVMe run on the same disk); each keeps its fastest round's step and the
+    highest peak RSS of its rounds, peers and hetero alike."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import gpu_race
+
+    calls, steps = [], {"plain": [2.0, 1.0], "hetero": [1.5, 1.8]}
+    rss = {"plain": [100.0, 90.0], "hetero": [80.0, 85.0]}
+
+    def child(name, args, passthrough, log_dir, nvme=True):
+        i = sum(c == name for c in calls)
+        calls.append(name)
+        return {"name": name, "params": 10, "step_s": steps[name][i], "step_median_s": steps[name][i],
+                "peak_rss_mb": rss[name][i], "losses": [1.0]}  # fmt: skip
+
+    monkeypatch.setattr(gpu_race, "_child", child)
+    assert gpu_race.main(["--dry-run", "--json", "--rounds", "2", "--only", "plain,hetero"]) == 0
+    assert calls == ["plain", "hetero", "hetero", "plain"]
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plain, hetero = out["configs"]["plain"], out["configs"]["hetero"]
+    assert (plain["step_s"], plain["peak_rss_mb"], plain["round_steps_s"]) == (1.0, 100.0, [2.0, 1.0])
+    assert (hetero["step_s"], hetero["peak_rss_mb"], hetero["round"]) == (1.5, 85.0, 1)
+    assert out["races"]["vs_plain"]["step_ratio"] == 1.5

@@ -39,7 +39,8 @@
 # tests/test_reduce_points.py tests/test_overflow_on_device.py" (104 tests, 133 s), then four race configurations
 # (DeepSpeed's NVMe and offload and hetero's), 433 s; warm, four more (fsdp2, hetero, their offloads) 133 s; a fresh
 # machine for hetero_nvme alone and the nvme phase at 1 GiB, 107 s. A configuration run after DeepSpeed's NVMe one on
-# the same disk ran slower (7.3 s against 5.4 s first on a fresh machine): alternate the order of the NVMe pair.
+# the same disk ran slower (7.3 s against 5.4 s first on a fresh machine): RACE_ARGS="--rounds 2 ..." alternates the
+# order (gpu_race.py keeps each configuration's fastest round), at twice the time.
 #
 # Results go to $OUT (default /tmp/gpu_out). Packages the machine lacks travel as wheels in .whl/, libaio for
 # DeepSpeed's aio op as .deb files in .debs/, and a static fio in .tools/; all are optional, about 9 MiB together.
