@@ -157,7 +157,15 @@ def _setup(name: str, model: Any, args: argparse.Namespace, dev: Any) -> tuple[A
 
         return plain_step, lambda: None
     if name.startswith("fsdp2"):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        except ImportError:  # torch 2.4-2.5: FSDP2 under its first name
+            from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+                CPUOffloadPolicy,
+                MixedPrecisionPolicy,
+                OffloadPolicy,
+                fully_shard,
+            )
 
         offload = CPUOffloadPolicy(pin_memory=dev.type == "cuda") if name == "fsdp2_offload" else OffloadPolicy()
         if name == "fsdp2":

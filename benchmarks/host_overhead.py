@@ -64,7 +64,11 @@ def _plain(model: nn.Module, args: argparse.Namespace) -> Callable[[torch.Tensor
 
 def _fsdp2(model: nn.Module, args: argparse.Namespace) -> Callable[[torch.Tensor], float]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4-2.5: FSDP2 under its first name
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     mesh = init_device_mesh("cpu", (1,))
     for layer in model.model.layers:

@@ -321,7 +321,11 @@ def _setup_plain(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dic
 
 def _setup_fsdp2(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dict[str, Any]]]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4-2.5: FSDP2 under its first name
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     mesh = init_device_mesh("cpu", (spec.world,))
     for block in _blocks(model, spec.shape.layers):

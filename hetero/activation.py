@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hetero.device import Device
 from hetero.errors import ConfigError
@@ -107,6 +108,19 @@ class _Saved:
         self.coming: Future | None = None  # the copy back; its result is the device inputs
 
 
+# torch 2.4 takes no `early_stop` argument (later ones do): its context manager sets the same flag, which
+# `checkpoint` reads as the forward runs (on torch 2.4.1 the activation tests failed on the argument before).
+_TAKES_EARLY_STOP = "early_stop" in inspect.signature(checkpoint).parameters
+
+
+def _checkpoint(fn: Callable[..., Any], *args: Any, early_stop: bool, **kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint of `fn(*args, **kwargs)`, the RNG state preserved for its recomputation."""
+    if _TAKES_EARLY_STOP:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, early_stop=early_stop, **kwargs)
+    with set_checkpoint_early_stop(early_stop):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
 class ActivationMemory:
     """Checkpointing (and optionally input offload) installed on a model's blocks; see the notes above."""
 
@@ -145,9 +159,7 @@ class ActivationMemory:
         stop_early = self.recomputing is None
         if not self.offload:
             run_original = self._around_recompute(module, original)
-            return checkpoint(
-                run_original, *args, use_reentrant=False, preserve_rng_state=True, early_stop=stop_early, **kwargs
-            )
+            return _checkpoint(run_original, *args, early_stop=stop_early, **kwargs)
         saved = self._offload(args)
         given = [args]  # the inputs as given, for the forward itself; dropped then, so the device copy can go
         recompute = self._around_recompute(module, original)
@@ -159,7 +171,7 @@ class ActivationMemory:
             return recompute(*self._fetch_for_recompute(saved), **kwargs)
 
         del args
-        return checkpoint(run, self._token, use_reentrant=False, preserve_rng_state=True, early_stop=stop_early)
+        return _checkpoint(run, self._token, early_stop=stop_early)
 
     def _around_recompute(self, module: nn.Module, fn: Any) -> Any:
         """`fn`, run inside `recomputing(module)` when it runs in backward (the recomputation)."""

@@ -298,7 +298,11 @@ def test_saving_on_rank_0_alone_stops_every_rank_saying_why_world2(tmp_path, sta
 
 def _wrapped_models(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4-2.5: FSDP2 under its first name
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     if not dist.is_initialized():  # a group of one needs none for hetero; DDP and fully_shard do
         dist.init_process_group("gloo")

@@ -193,6 +193,7 @@ class RankPart:
     activations: int
     units: list[str]
     model: nn.Module  # the sharded meta copy the parameters belong to
+    note: str = ""  # why no activations were counted, if none were
 
 
 def pipeline_units(model: nn.Module) -> tuple[list[Unit], bool]:
@@ -231,16 +232,22 @@ def _is_block(m: nn.Module, blocks: list[nn.Module]) -> bool:
     return any(m is b for b in blocks)
 
 
-def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> None:
-    """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note)."""
+def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> str:
+    """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note). A forward that
+    cannot run on meta tensors (torch < 2.5 cannot enter autocast there, as transformers 4's Llama rotary embedding
+    does) leaves them 0: returns why, as the estimate's note; "" when counted."""
     modules = dict(model.named_modules())
-    meter, firsts = meter_modules(
-        model, inputs, {u.name: modules[u.name] for u in units if u.name in modules}, dtype=dtype
-    )
+    try:
+        meter, firsts = meter_modules(
+            model, inputs, {u.name: modules[u.name] for u in units if u.name in modules}, dtype=dtype
+        )
+    except Exception as e:  # the whole-model estimate says the same (estimator._activations)
+        return f"not counted: forward on meta failed: {e}"
     for u in units:
         u.saved = meter.by_owner.get(u.name, 0)
         u.input = firsts.get(u.name, 0)
     units[-1].saved += meter.by_owner.get("", 0)  # outside every unit: the loss, the logits' tail
+    return ""
 
 
 def rank_parts(
@@ -259,7 +266,7 @@ def rank_parts(
     split = layout.sequence in ("ulysses", "ring")  # the sequence ranks are inside ZeRO's group
     zero_world = world // ((1 if split else layout.tensor) * layout.pipeline)
     units, _ = pipeline_units(sharded)
-    measure_units(sharded, units, inputs, dtype)
+    note = measure_units(sharded, units, inputs, dtype)
     if len(units) < layout.stages:
         raise ConfigError(
             f"pipeline: {layout.stages} stages need at least {layout.stages} units, the model has {len(units)}"
@@ -278,7 +285,7 @@ def rank_parts(
                 params.append((n, p))
         peak = walk(stage_units, mine, layout, k, checkpointing)
         names = [u.name for s in mine for u in stage_units[s]]
-        parts.append(RankPart(k, params, peak, names, sharded))
+        parts.append(RankPart(k, params, peak, names, sharded, note))
     return parts, opt, zero_world * (2 if layout.chimera else 1)
 
 
