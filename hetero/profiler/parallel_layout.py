@@ -152,6 +152,8 @@ def describe_ranks(est: Any, layout: Layout, ranks: list, placed: list[tuple[dic
     est.n_chunks, est.chunk_elements = len(busiest), sum(sp.capacity for sp in busiest)
     est.chunk_params = sum(info.numel for sp in busiest for info in sp.params)
     note = f"pipeline rank {worst['pipeline_rank']}"
+    if ranks[0][0].note:  # no activations counted (`measure_units`): say why, as the whole-model estimate does
+        note = f"{ranks[0][0].note}; {note}"
     est.activations = dataclasses.replace(est.activations, bytes=worst["activations"], note=note)
 
 
