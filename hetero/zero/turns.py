@@ -84,6 +84,9 @@ class TileTurns:
         self._arrange()
         self._open: dict[tuple[int, bool], list[int]] = {}  # (unit, backward) -> [passes open, next turn]
         self.stood_in = 0  # layers stood in for: none where every rank runs every tiled layer in the order
+        # Tiles of layers stood in for beside a sibling taking its turn, left gathered: see [Note: siblings out of
+        # the order]; given back at the next layer's turn or the pass's end.
+        self._kept: list[list[Entry]] = []
         self._learning = True  # until `learn`: each unit's first forward order of its layers, as run here
         self._seen: dict[int, list[str]] = {}
 
@@ -115,6 +118,7 @@ class TileTurns:
         if state[0] > 0:
             return
         del self._open[key]
+        self._give_back_kept()
         if state[1] < len(self._place[key]):
             phase = BACKWARD if in_backward() else FORWARD
             self._flush(unit, phase)
@@ -135,6 +139,7 @@ class TileTurns:
     def clear(self) -> None:
         """The step's end: passes cut short (an error, a backward that never reached a unit) are forgotten."""
         self._open.clear()
+        self._give_back_kept()
 
     # ---- a tiled layer's turn (TileRunner) ----------------------------------------------------------------
     def turn(self, layer: str, backward: bool) -> None:
@@ -151,9 +156,10 @@ class TileTurns:
         phase = BACKWARD if in_backward() else FORWARD
         self._flush(unit, phase)  # a no-op after the pass's first tile
         if place >= state[1]:
+            self._give_back_kept()
             if place > state[1]:
                 for name in self._turns(key)[state[1] : place]:
-                    self._stand_in(self._tiles[name], phase)
+                    self._stand_in(self._tiles[name], phase, keep=_siblings(name, layer))
             state[1] = place + 1
         # else: its turn went by (run twice, or out of the order): it gathers now, in step only where every rank does
         if self._learning and not backward:
@@ -161,15 +167,25 @@ class TileTurns:
             if layer not in seen:
                 seen.append(layer)
 
-    def _stand_in(self, tiles: list[Entry], phase: int) -> None:
-        """Take part in a skipped layer's gathers, as `TileRunner.open` issues them, and drop what came."""
+    def _stand_in(self, tiles: list[Entry], phase: int, *, keep: bool = False) -> None:
+        """Take part in a skipped layer's gathers, as `TileRunner.open` issues them, and drop what came (keep: leave
+        it gathered, for a sibling's turn; [Note: siblings out of the order])."""
         self.stood_in += 1
         for e in tiles:
             zc = e.chunk
             if not zc.gathered:
                 self.check(GATHER, chunk=zc.spec.index, phase=phase)
             zc.unshard()
-            zc.reshard()
+            if not keep:
+                zc.reshard()
+        if keep:
+            self._kept.append(tiles)
+
+    def _give_back_kept(self) -> None:
+        for tiles in self._kept:
+            for e in tiles:
+                e.chunk.reshard()  # a no-op where the layer ran since and its own close gave the tile back
+        self._kept.clear()
 
     def learn(self, comm: Comm) -> None:
         """After the first backward, on every rank: in each unit's order, the layers rank 0's forward ran take the
@@ -191,3 +207,20 @@ class TileTurns:
             self.order[u] = [names[next(flat)] for _ in names]
         self._seen.clear()
         self._arrange()
+
+
+def _siblings(a: str, b: str) -> bool:
+    """Whether two tiled layers are children of one module (an expert's w1, w2 and w3)."""
+    return a.rpartition(".")[0] == b.rpartition(".")[0]
+
+
+# [Note: siblings out of the order]
+# Until the order is learnt (and for layers rank 0's first forward never ran), a module whose children run in another
+# order than they were registered in (transformers 4's Mixtral expert: w1, w3, then w2) reaches a child's turn with a
+# sibling's turn not yet taken: this rank stands in for that sibling, and when the sibling then runs, its turn has
+# gone by and it gathered on the spot, on the ranks that run the expert alone, while a rank whose router skipped the
+# expert had moved on to the next one's gathers: the first step stopped with a collective mismatch (transformers
+# 4.57.6, tests/test_model_checkpointing.py's Mixtral over two ranks). A sibling stood in for beside a layer taking
+# its turn keeps its tiles gathered until the next layer's turn or the pass's end, so when it runs it finds them and
+# gathers nothing: the collectives stay those of the order on every rank, for one more layer's tiles held a while.
+# In backward the same holds for the reversed order (w2's backward comes first there).
