@@ -406,11 +406,6 @@ def test_estimator_counts_each_modes_rank():
         assert est.parallel["zero_world"] == zero_world, parallel
         assert est.n_params == whole.n_params  # the whole model, whatever the layout
         assert est.chunk_params * share == whole.n_params, (parallel, est.chunk_params)  # rank 0's cut
-        if "forward on meta failed" in whole.activations.note and tuple(map(int, torch.__version__.split(".")[:2])) < (
-            2,
-            5,
-        ):
-            continue  # torch < 2.5 cannot enter torch.autocast on meta (transformers 4's Llama): nothing counted
         assert 0 < est.bytes("device", "activations") < whole.bytes("device", "activations"), parallel
 
 

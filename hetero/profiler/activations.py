@@ -113,12 +113,32 @@ def meter_modules(
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
     try:
-        with torch.device("meta"), FusedAttention(), meter.active():
+        with torch.device("meta"), FusedAttention(), _autocast_off_on_meta(), meter.active():
             torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
     finally:
         for h in handles:
             h.remove()
     return meter, firsts
+
+
+@contextlib.contextmanager
+def _autocast_off_on_meta() -> Iterator[None]:
+    """`torch.autocast(device_type="meta", enabled=False)` as a no-op, which it is: torch takes no autocast on the meta
+    device at all ("unsupported scalarType"), and transformers 4's rotary embeddings (Llama and its kin) switch it off
+    around their float32 arithmetic, so their meta forward failed and the estimate counted no activations. An
+    enabled autocast on meta still fails, and the estimate says so."""
+    original = torch.autocast
+
+    def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        if device_type == "meta" and kwargs.get("enabled", True) is False:
+            return contextlib.nullcontext()
+        return original(device_type, *args, **kwargs)
+
+    torch.autocast = autocast  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autocast = original  # type: ignore[misc]
 
 
 def meta_activation_bytes(
@@ -161,7 +181,7 @@ def unit_activations(
         meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
         kwargs = {"labels": labels.to("meta")} if labels is not None and i == len(units) - 1 else {}
         inp = x.detach().requires_grad_(x.is_floating_point())
-        with torch.device("meta"), FusedAttention(), meter.active():
+        with torch.device("meta"), FusedAttention(), _autocast_off_on_meta(), meter.active():
             y = torch.func.functional_call(unit, {**params, **buffers}, args=(inp,), kwargs=kwargs)
         out.append(UnitActivation(saved=meter.total, input=inp.untyped_storage().nbytes()))
         x = y if isinstance(y, torch.Tensor) else getattr(y, "logits", y)
