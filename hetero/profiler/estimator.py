@@ -284,7 +284,7 @@ def estimate(
                                          inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt,
                                          cap=cap_of, tiling=cfg.tiling)  # fmt: skip
         specs = ranks[0][1]
-        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note=ranks[0][0].note)
+        act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")  # describe_ranks
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
     # Stage 3 gathers by unit ([Note: units]): the engine's own units and release rules give the gathered peak.

@@ -236,8 +236,8 @@ def _is_block(m: nn.Module, blocks: list[nn.Module]) -> bool:
 
 def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], dtype: torch.dtype) -> str:
     """Fill each unit's saved and input bytes for one micro-batch (a meta forward; see the note). A forward that
-    cannot run on meta tensors (torch < 2.5 cannot enter autocast there, as transformers 4's Llama rotary embedding
-    does) leaves them 0: returns why, as the estimate's note; "" when counted."""
+    cannot run on meta tensors (one that enables autocast, which the meta device does not take) leaves them 0:
+    returns why, for the estimate's note (`describe_ranks`); "" when counted."""
     modules = dict(model.named_modules())
     try:
         meter, firsts = meter_modules(
