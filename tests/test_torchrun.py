@@ -14,6 +14,7 @@ except ImportError:
     from dist import run_torchrun, torchrun_failure  # type: ignore[no-redef]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BUSY, LAUNCHES = 2, 3  # busy processes on the ranks' core; launches, each of which aborted more often than not
 
 
 @pytest.mark.timeout(240)
@@ -54,3 +55,31 @@ def _process(pid: int):
         return None if p.status() == psutil.STATUS_ZOMBIE else p
     except psutil.NoSuchProcess:
         return None
+
+
+@pytest.mark.timeout(300)
+def test_a_script_ending_with_groups_still_referenced_exits_cleanly(tmp_path):
+    """[Note: letting the groups go] in hetero/comm/launch.py: each launch ends with hetero's groups alive (a
+    module-level Comm, as a script's engine) and gloo's worker threads starved of the CPU by a busy process on the
+    same core. Before the fix most launches here aborted ("terminate called without an active exception") after the
+    script had printed its result."""
+    import subprocess
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    busy = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"],
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(BUSY)
+    ]
+    try:
+        for launch in range(LAUNCHES):
+            proc = run_torchrun([os.path.join(HERE, "torchrun_leave.py"), str(cpu)], nproc=2, timeout=120)
+            assert proc.returncode == 0, f"launch {launch}: " + torchrun_failure(proc)
+            assert sorted(re.findall(r"done (\d)", proc.stdout)) == ["0", "1"], proc.stdout
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()

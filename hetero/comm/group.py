@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hetero.comm import leaving
 from hetero.comm.collectives import Collectives
 from hetero.comm.p2p import PointToPoint
 from hetero.comm.rules import CONTROL_OF, Rules, mark_failed, peer_gone, timed_out, world_rules
@@ -69,6 +70,7 @@ class Comm(Collectives, PointToPoint):
             self._backend = "none"
             self.rules = Rules()
             return
+        leaving.hold(self)  # it lets go of the group at exit: [Note: letting the groups go]
         self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise CommError("this process is not a member of the process group it was given")

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime
 import logging
 import os
-import sys
 
 import torch.distributed as dist
 
+from hetero.comm import leaving
 from hetero.comm.group import Comm
 from hetero.comm.launchers import adopt_launcher_env
-from hetero.comm.rules import CONTROL_OF, rules_for, set_world_rules
+from hetero.comm.rules import rules_for, set_world_rules
 from hetero.device import gpu_count, select_gpu
 from hetero.errors import CommError
 
@@ -97,33 +95,7 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
             f"{os.environ['MASTER_ADDR']}:{port} within {timeout_s} s: {err}"
         ) from err
     set_world_rules(rules_for(backend, timeout_s))
-    # The group we joined is ours to leave: a process that exits with it alive leaves the backend's threads to be
-    # torn down by static destructors, which can abort the process ("terminate called without an active exception")
-    # after the training script has finished correctly.
-    atexit.register(_leave_group)
+    # The group we joined is ours to leave, at exit: [Note: leaving together], [Note: letting the groups go].
+    leaving.joined()
     logger.info("joined %s process group: rank %d of %d (local rank %d)", backend, rank, world_size, lrank)
     return Comm.world()
-
-
-_LEAVE_BARRIER_S = 30.0  # how long a rank that ends cleanly waits for the others before leaving anyway
-
-
-def _leave_group() -> None:
-    """[Note: leaving together]
-    A rank that leaves the group closes its connections; a peer still inside the backend (its last collective not
-    yet returned on this side, a gloo work not yet reaped) can then take the closed connection as a fatal error and
-    abort after its script finished correctly. So a rank that ends without an exception first meets the others in
-    a barrier, bounded so a peer that failed or exited early costs at most `_LEAVE_BARRIER_S`; a rank unwinding an
-    exception leaves at once (the others learn it from their own timeouts, see `watch.py`)."""
-    if not dist.is_initialized():
-        return
-    if getattr(sys, "last_value", None) is None:  # set by the interpreter for an exception that ended the script
-        # On gloo the world itself; else the gloo control group made when the world was first wrapped (never made
-        # here: making a group is itself a collective). A monitored barrier is the one with its own timeout.
-        group = dist.group.WORLD if dist.get_backend() == "gloo" else CONTROL_OF.get(dist.group.WORLD)
-        if group is not None:
-            with contextlib.suppress(Exception):
-                timeout = datetime.timedelta(seconds=_LEAVE_BARRIER_S)
-                dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()

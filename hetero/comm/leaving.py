@@ -1,0 +1,164 @@
+"""Leaving the job's process groups when the process exits, without aborting after a correct run.
+
+[Note: letting the groups go]
+A gloo group runs each collective on a worker thread of its own (named "pt_gloo_runloop"). Once a collective's
+result is ready the caller returns from its wait, while that worker may not yet have dropped its own reference to
+the collective: in the window between the two, on a loaded machine, the caller's reference can go first, so the
+worker's is the last one and dropping it frees the tensors, which needs the interpreter (a tensor made in Python
+releases its Python object). A worker that asks for the interpreter once it is shutting down is ended by the
+interpreter with a forced unwind, and that unwind through torch's non-throwing destructors aborts the process:
+"terminate called without an active exception", after a script that printed the right results. Measured: a script
+ending with its group still referenced, both ranks on one core shared with two busy processes, aborted on most
+launches (`tests/test_torchrun.py::test_a_script_ending_with_groups_still_referenced_exits_cleanly`); the suite's
+torchrun test aborted so once in about thirty CI runs.
+
+The backend's own destructor is what waits for its workers: it lets the queued collectives finish and joins the
+threads. It runs when the last reference to the group goes, and torch's `destroy_process_group` drops only torch's
+references; every `Comm` holds its group as long as the Comm lives, which for a script's module-level engine is until
+the interpreter's teardown, too late. So at exit (an `atexit` hook, while the interpreter still runs) every Comm
+lets go of its group (`release`) and the control groups are forgotten, before `destroy_process_group` when hetero
+joined the group itself (init_from_env), so that the groups are destroyed, and their workers joined, right there.
+A group someone else still holds (the user's own, or one torch keeps) cannot be destroyed by us: for those the hook
+waits, briefly and bounded, until every gloo worker thread is asleep (`_quiet_workers`), which leaves the window
+closed in practice, though it cannot prove it as the destructor does. Only a clean exit lets go: see `_at_exit`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from hetero.comm.rules import CONTROL_OF, FAILED
+
+logger = logging.getLogger("hetero.comm")
+
+_LEAVE_BARRIER_S = 30.0  # how long a rank that ends cleanly waits for the others before leaving anyway
+_QUIET_LIMIT_S = 2.0  # how long exit waits for gloo workers of groups still held elsewhere to fall asleep
+_WORKER_NAME = "pt_gloo_runloop"  # torch's name for a gloo group's worker threads
+
+# Every object holding a process group (a Comm), so that the exit hook can make it let go: see `hold`.
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_STATE = {"hooked": False, "joined": False}
+_LOCK = threading.Lock()
+
+
+class LeftGroup:
+    """What a Comm holds in place of its group once the process has left it at exit: using it is an error."""
+
+    def __repr__(self) -> str:
+        return "<process group left at exit>"
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"hetero's process group was destroyed when the process exited (asked for {name!r}): "
+            "no collective can run in an atexit hook that runs after hetero's"
+        )
+
+
+LEFT = LeftGroup()
+
+
+def hold(holder: Any) -> None:
+    """Register `holder` (an object with a `.group` attribute holding a process group) to let go of it at exit."""
+    with _LOCK:
+        _HOLDERS.add(holder)
+        if not _STATE["hooked"]:
+            _STATE["hooked"] = True
+            atexit.register(_at_exit)
+
+
+def joined() -> None:
+    """Called by init_from_env: hetero joined the job's group itself, so it also leaves it ([Note: leaving
+    together])."""
+    with _LOCK:
+        _STATE["joined"] = True
+        if not _STATE["hooked"]:
+            _STATE["hooked"] = True
+            atexit.register(_at_exit)
+
+
+def release() -> None:
+    """Every holder lets go of its group, and the control groups are forgotten: [Note: letting the groups go]."""
+    with _LOCK:
+        holders = list(_HOLDERS)
+        _HOLDERS.clear()
+    for h in holders:
+        if h.group is not None:
+            h.group = LEFT
+    CONTROL_OF.clear()
+
+
+def _at_exit() -> None:
+    # After an exception ended the script, or a collective failed, a collective may still be waiting for a rank that
+    # is gone; a group's destructor would wait for it, up to the group's timeout. Exiting at once matters more then,
+    # so the groups are left alive as before (the abort this avoids changes only how a failed run ends).
+    clean = getattr(sys, "last_value", None) is None and not FAILED  # last_value: set for an uncaught exception
+    ours = _STATE["joined"] and dist.is_available() and dist.is_initialized()
+    if ours and clean:
+        _barrier()
+    if clean:
+        release()
+    if ours:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if clean:
+        left = _quiet_workers(_QUIET_LIMIT_S)
+        if left:
+            logger.debug("%d gloo worker thread(s) of groups held outside hetero were still busy at exit", left)
+
+
+def _barrier() -> None:
+    """[Note: leaving together]
+    A rank that leaves the group closes its connections; a peer still inside the backend (its last collective not
+    yet returned on this side, a gloo work not yet reaped) can then take the closed connection as a fatal error and
+    abort after its script finished correctly. So a rank that ends without an exception first meets the others in
+    a barrier, bounded so a peer that failed or exited early costs at most `_LEAVE_BARRIER_S`; a rank unwinding an
+    exception leaves at once (the others learn it from their own timeouts, see `watch.py`)."""
+    # On gloo the world itself; else the gloo control group made when the world was first wrapped (never made here:
+    # making a group is itself a collective). A monitored barrier is the one with its own timeout.
+    group = dist.group.WORLD if dist.get_backend() == "gloo" else CONTROL_OF.get(dist.group.WORLD)
+    if group is not None:
+        with contextlib.suppress(Exception):
+            timeout = datetime.timedelta(seconds=_LEAVE_BARRIER_S)
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+
+
+def _worker_states() -> list[str]:
+    """The scheduler state ("R" running or runnable, "S" asleep, ...) of each gloo worker thread of this process;
+    empty where /proc does not tell (not Linux) or no gloo group is alive."""
+    out = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() != _WORKER_NAME:
+                        continue
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    out.append(f.read().rsplit(")", 1)[1].split()[0])
+    return out
+
+
+def _quiet_workers(limit_s: float) -> int:
+    """Wait until every remaining gloo worker thread was seen asleep twice in a row, the interpreter free between
+    the looks (a worker waiting for it wakes up then); at most `limit_s`. Returns how many were still awake."""
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while True:
+        states = _worker_states()
+        if not states:
+            return 0
+        awake = sum(s != "S" for s in states)
+        quiet = quiet + 1 if awake == 0 else 0
+        if quiet >= 2 or time.monotonic() > deadline:
+            return awake
+        time.sleep(0.002)
