@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -16,5 +18,10 @@ def lazy_init() -> Iterator[None]:
     _init_weights) chunk by chunk, each rank keeping only its share, or streams `weights=` files in; see
     `hetero/zero/materialize.py`. Seed every rank the same before building: each initialises from its own generator.
     """
+    if "torch._dynamo" not in sys.modules and torch.__version__ < "2.13":
+        # Imported for the first time inside the context, torch 2.6's dynamo (which transformers' model modules
+        # import) runs tensor code at import on the meta device and fails ("Tensor.item() cannot be called on meta
+        # tensors"); 2.13's imports there. Versions between were not tried: imported first, outside.
+        importlib.import_module("torch._dynamo")
     with torch.device("meta"):
         yield

@@ -292,3 +292,13 @@ def test_peak_host_memory_of_lazy_init_stays_near_budget(tmp_path):
     # On the CPU the "device" tier is RAM as well: both budgets, one chunk of staging slack, the allowance.
     limit = budget + device_budget + 4 * chunk + _ALLOWANCE
     assert r["grew"] < limit, f"peak RSS grew {r['grew'] / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB"
+
+
+@pytest.mark.timeout(120)
+def test_a_model_module_imported_first_inside_lazy_init_imports():
+    """transformers imports a model's module on first use, so its first `LlamaForCausalLM` is often inside
+    `hetero.lazy_init()`, and with it torch's dynamo (GenerationMixin); torch 2.6's dynamo failed to import on the
+    meta device. A fresh interpreter, so that nothing imported dynamo before."""
+    code = "import hetero\nwith hetero.lazy_init():\n    import torch._dynamo\nprint('imported')\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0 and "imported" in r.stdout, r.stderr[-3000:]

@@ -246,6 +246,7 @@ def test_the_update_gives_back_cached_buffers_unless_pinned(tmp_path, monkeypatc
     through the next forward. The update gives them back, but the device buffers the next forward takes again ([Note:
     what the forward takes again]); pinned host buffers stay (freeing pinned memory waits for the whole GPU, and
     pinning again costs more than the copies it serves)."""
+    from hetero.io.swap import storages_exchange
     from hetero.zero.update import Updater
 
     if pinned:
@@ -278,7 +279,10 @@ def test_the_update_gives_back_cached_buffers_unless_pinned(tmp_path, monkeypatc
         assert device.cached == forward
         assert (host.cached > 0) if pinned else (host.cached == 0)
     assert at_first_chunk == kept
-    assert pinned or kept[0] > 0  # a CPU device's forward gathers into pooled buffers: those stay
+    # A CPU device's forward gathers into pooled buffers, which stay, where torch lets two storages exchange their
+    # memory (`UntypedStorage._swap_data_ptr_`, which torch 2.4-2.6 lack); else its transient storages grow back
+    # instead ([Note: transient storage on pooled memory])
+    assert pinned or (kept[0] > 0) == storages_exchange()
     engine.close()
 
 
