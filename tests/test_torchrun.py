@@ -66,6 +66,10 @@ def test_a_script_ending_with_groups_still_referenced_exits_cleanly(tmp_path):
     import subprocess
     import sys
 
+    from hetero.comm.leaving import _destroyed_without_the_interpreter
+
+    if not _destroyed_without_the_interpreter():
+        pytest.skip(f"torch {torch.__version__} destroys a group holding the interpreter: hetero keeps its groups")
     cpu = min(os.sched_getaffinity(0))
     busy = [
         subprocess.Popen(
