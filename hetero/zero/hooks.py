@@ -181,6 +181,11 @@ def outside_compile(fn: Callable) -> Callable:
     2-core VM), which `import hetero` paid before (the tiled layers' forwards are wrapped at import): 2.2 s against
     0.5 s now, for the estimator's and profiler's command lines too. A training run imports it anyway when it makes a
     torch optimizer."""
+    if torch.__version__ < "2.5":
+        # Torch 2.4's tracer recompiled `call` below once per wrapped function, then ran it eagerly with its callees
+        # still compiled, and failed inside hetero's bookkeeping; there the disabled function is the hook itself
+        # (and `import hetero` imports the compiler).
+        return torch.compiler.disable(fn)
     skipped: list[Callable] = []
 
     def call(*args: Any, **kwargs: Any) -> Any:
