@@ -52,7 +52,7 @@ _WORKER_NAME = "pt_gloo_runloop"  # torch's name for a gloo group's worker threa
 
 # Every object holding a process group (a Comm), so that the exit hook can make it let go: see `hold`.
 _HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
-_STATE = {"hooked": False, "joined": False}
+_STATE: dict[str, Any] = {"hooked": False, "joined": False, "pid": os.getpid()}
 _LOCK = threading.Lock()
 
 
@@ -75,20 +75,27 @@ LEFT = LeftGroup()
 def hold(holder: Any) -> None:
     """Register `holder` (an object with a `.group` attribute holding a process group) to let go of it at exit."""
     with _LOCK:
+        _hook()
         _HOLDERS.add(holder)
-        if not _STATE["hooked"]:
-            _STATE["hooked"] = True
-            atexit.register(_at_exit)
 
 
 def joined() -> None:
     """Called by init_from_env: hetero joined the job's group itself, so it also leaves it ([Note: leaving
     together])."""
     with _LOCK:
+        _hook()
         _STATE["joined"] = True
-        if not _STATE["hooked"]:
-            _STATE["hooked"] = True
-            atexit.register(_at_exit)
+
+
+def _hook() -> None:
+    # Per process: a child forked from a process that had registered inherits the registration, which must not
+    # touch the parent's groups (its copies), and registers its own when it makes groups.
+    if _STATE["pid"] != os.getpid():
+        _STATE.update(hooked=False, joined=False, pid=os.getpid())
+        _HOLDERS.clear()
+    if not _STATE["hooked"]:
+        _STATE["hooked"] = True
+        atexit.register(_at_exit)
 
 
 def release() -> None:
@@ -107,6 +114,8 @@ def _at_exit() -> None:
     # is gone; a group's destructor would wait for it, up to the group's timeout. Exiting at once matters more then,
     # so the groups are left alive as before (the abort this avoids changes only how a failed run ends).
     clean = getattr(sys, "last_value", None) is None and not FAILED  # last_value: set for an uncaught exception
+    if os.getpid() != _STATE["pid"]:
+        return  # a forked child ending through the interpreter, with its parent's registration: see `_hook`
     ours = _STATE["joined"] and dist.is_available() and dist.is_initialized()
     if ours and clean:
         _barrier()
