@@ -113,9 +113,9 @@ def _at_exit() -> None:
     # After an exception ended the script, or a collective failed, a collective may still be waiting for a rank that
     # is gone; a group's destructor would wait for it, up to the group's timeout. Exiting at once matters more then,
     # so the groups are left alive as before (the abort this avoids changes only how a failed run ends).
-    clean = getattr(sys, "last_value", None) is None and not FAILED  # last_value: set for an uncaught exception
     if os.getpid() != _STATE["pid"]:
         return  # a forked child ending through the interpreter, with its parent's registration: see `_hook`
+    clean = getattr(sys, "last_value", None) is None and not FAILED  # last_value: set for an uncaught exception
     ours = _STATE["joined"] and dist.is_available() and dist.is_initialized()
     if ours and clean:
         _barrier()
