@@ -17,10 +17,13 @@ configuration in fresh processes (so peak RSS is its own):
               communication at all: the least any sharded engine's step can take on this machine; each race
               reports it over the peer's step (floor_ratio)
   floor_zero3 the floor plus the least a ZeRO-3 step sends: one all-gather of the parameters and one
-              reduce-scatter of the gradients, both started before forward and waited for after backward
-              (floor_zero3_ratio);
+              reduce-scatter of the gradients, both started before forward and waited for after backward, through
+              hetero's Comm (its cross-memory transport: the fastest any engine here has) (floor_zero3_ratio);
               a race says when its step target lies below the lower of the floors it measured
-  hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo
+  hetero_sK   hetero.initialize with zero_stage K (0..3), world size 2 on gloo, its large CPU collectives by
+              cross-memory reads between the ranks (hetero/comm/cma.py)
+  hetero_stage3_gloo, hetero_stage3_nvme_gloo   the same with HETERO_CPU_TRANSPORT=gloo: every byte through gloo,
+              as the peers move theirs (races vs_fsdp2_on_gloo, vs_deepspeed_nvme_on_gloo, for information)
   deepspeed   DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), world size 2 on gloo, when DeepSpeed is importable
   *_nvme      with --with-nvme DIR: hetero stage 3 and DeepSpeed ZeRO-3 with params and optimizer states on NVMe;
               both keep the same parameter elements in host memory (--max-in-cpu N: DeepSpeed's
@@ -126,6 +129,7 @@ class Spec:
     pipelined: bool = False  # DeepSpeed with nvme_dir: its pipelined optimizer swapper over several sub-groups
     hetero_extra: str = ""  # JSON object of extra hetero config keys (--hetero-config), merged last
     deepspeed_extra: str = ""  # JSON object merged into DeepSpeed's config (--deepspeed-config), nested keys too
+    transport: str = "cma"  # HETERO_CPU_TRANSPORT of hetero's ranks (and the floor's); "gloo": what peers have
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -436,16 +440,22 @@ def _setup_floor(spec: Spec, model: nn.Module) -> tuple[StepFn, Callable[[], dic
     # floor_zero3: also the least a ZeRO-3 step must send, once each: the parameters all-gathered and the gradients
     # reduce-scattered, both started before forward and waited for after backward, so that they may overlap all the
     # compute (no engine can start them earlier). Flat fp32 buffers of the model's size; the data sent is not used.
+    # They go through hetero's Comm, so through the fastest CPU transport any engine here has (its cross-memory
+    # reads unless spec.transport says gloo).
     comm = spec.name == "floor_zero3" and spec.world > 1
     flat = -(-total // spec.world) * spec.world if comm else 0
     full, shard = torch.zeros(flat), torch.zeros(flat // spec.world)
     grads, reduced = torch.zeros(flat), torch.zeros(flat // spec.world)
+    if comm:
+        from hetero.comm import Comm
+
+        group = Comm.world()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         sent = []
         if comm:
-            sent.append(dist.all_gather_into_tensor(full, shard, async_op=True))
-            sent.append(dist.reduce_scatter_tensor(reduced, grads, async_op=True))
+            sent.append(group.all_gather_async(full, shard))
+            sent.append(group.reduce_scatter_async(reduced, grads))
         loss = model(input_ids=x, labels=y).loss
         loss.backward()
         for work in sent:
@@ -528,6 +538,7 @@ def _rank_main(spec: Spec, rank: int, port: int, log_path: str, reports: Any) ->
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(spec.world),
         LOCAL_WORLD_SIZE=str(spec.world),
+        HETERO_CPU_TRANSPORT=spec.transport,
     )
     torch.set_num_threads(spec.threads)
     with contextlib.suppress(RuntimeError):  # fails only if inter-op work already started: then it is moot
@@ -743,12 +754,17 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
         Spec(f"hetero_stage{k}", "hetero", world=WORLD, threads=per_rank, batch=args.batch, stage=k, **common)
         for k in range(4)
     ]
+    # Like for like: hetero moving its data through gloo, the only CPU transport the peers' torch.distributed has.
+    gloo = dict(world=WORLD, threads=per_rank, batch=args.batch, stage=3, transport="gloo")
+    specs.append(Spec("hetero_stage3_gloo", "hetero", **gloo, **common))
     specs.append(Spec("deepspeed", "deepspeed", world=WORLD, threads=per_rank, batch=args.batch, stage=3, **common))
     if args.with_nvme:
         for kind in ("hetero", "deepspeed"):
             name = "hetero_stage3_nvme" if kind == "hetero" else "deepspeed_nvme"
             nvme = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), max_in_cpu=args.max_in_cpu)
             specs.append(Spec(name, kind, world=WORLD, threads=per_rank, batch=args.batch, **nvme, **common))
+        nvme_gloo = dict(gloo, nvme_dir=os.path.abspath(args.with_nvme), max_in_cpu=args.max_in_cpu)
+        specs.append(Spec("hetero_stage3_nvme_gloo", "hetero", **nvme_gloo, **common))
         piped = dict(stage=3, nvme_dir=os.path.abspath(args.with_nvme), pipelined=True, max_in_cpu=args.max_in_cpu)
         specs.append(
             Spec(
@@ -1006,6 +1022,9 @@ RACES = (
     ("vs_fsdp2", "hetero_stage3", "fsdp2", 0.85, 1.0),
     ("vs_deepspeed_nvme", "hetero_stage3_nvme", DS_NVME, 0.75, 0.5),
     ("vs_deepspeed_nvme_in_backward", "hetero_stage3_nvme_ib", DS_NVME, None, None),
+    # hetero on gloo as the peers are: how much of the lead is the cross-memory transport (benchmarks/README.md).
+    ("vs_fsdp2_on_gloo", "hetero_stage3_gloo", "fsdp2", None, None),
+    ("vs_deepspeed_nvme_on_gloo", "hetero_stage3_nvme_gloo", DS_NVME, None, None),
     ("delayed_update", "hetero_stage3_nvme_dpu", "hetero_stage3_nvme", None, None),
 )
 

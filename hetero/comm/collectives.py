@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hetero import standin
-from hetero.comm import objects
+from hetero.comm import cma, objects
 from hetero.comm.handles import Done, Handle, LateGather, ThenDivide, Timed
 from hetero.errors import RankTimeoutError
 
@@ -70,6 +70,8 @@ class Collectives:
 
     def _reduce_contiguous(self, t: torch.Tensor, op: str, what: str | None = None) -> None:
         what = what or f"all_reduce of {t.numel()} {t.dtype} elements"
+        if self._cma_run(cma.start(self, "all_reduce", what, t, op=op), what):
+            return
         if op == "avg" and self._backend != "nccl":
             # Only NCCL is trusted with a native AVG (gloo lacks it in many torch versions): sum, divide.
             self._run(what, dist.all_reduce, t, op=dist.ReduceOp.SUM)
@@ -102,6 +104,9 @@ class Collectives:
             raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
         label = f"all_reduce of {what or f'{t.numel()} {t.dtype} elements'}"
         self._check_data(label, t)
+        work = cma.start(self, "all_reduce", label, t, op=op)
+        if work is not None:
+            return Timed(work, self._wait, label, self.guarded())
         native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
         with torch.no_grad():
             work = dist.all_reduce(t, op=_reduce_op(native_op), group=self.group, async_op=True)
@@ -169,6 +174,11 @@ class Collectives:
             if self._backend != "nccl" and _overlap(src, out):
                 # In place (out is our shard of inp) is what ZeRO does; only NCCL documents it as safe.
                 src = src.clone()
+            dst = out if out.is_contiguous() else _contiguous_like(out)
+            if self._cma_run(cma.start(self, "reduce_scatter", what, dst.view(-1), src, op=op), what):
+                if dst is not out:
+                    out.copy_(dst)
+                return
             native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
             if self._native_rs is not False and _native_rs_op_ok(self._backend, native_op):
                 dst = out if out.is_contiguous() else _contiguous_like(out)
@@ -209,6 +219,9 @@ class Collectives:
             return Done()
         label = f"reduce_scatter of {what or f'{inp.numel()} {inp.dtype} elements'}"
         self._check_data(label, out, inp)
+        work = cma.start(self, "reduce_scatter", label, out.view(-1), inp.view(-1), op=op)
+        if work is not None:
+            return Timed(work, self._wait, label, self.guarded())
         native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
         try:
             with torch.no_grad():
@@ -242,8 +255,8 @@ class Collectives:
                 # In place (inp is our shard of out) is what ZeRO does; only NCCL documents it as safe.
                 src = src.clone()
             flat = dst.view(-1)
-            done = False
-            if self._native_ag is not False:
+            done = self._cma_run(cma.start(self, "all_gather", what, flat, src), what)
+            if not done and self._native_ag is not False:
                 fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                 try:
                     self._run(what, fn, flat, src)
@@ -272,6 +285,9 @@ class Collectives:
             return Done()
         label = f"all_gather of {what or f'{inp.numel()} {inp.dtype} elements'}"
         self._check_data(label, out, inp)
+        work = cma.start(self, "all_gather", label, out.view(-1), inp.view(-1))
+        if work is not None:
+            return Timed(work, self._wait, label, self.guarded())
         strict = standin.active()
         dst = torch.empty_like(out) if strict else out
         try:
@@ -289,6 +305,14 @@ class Collectives:
             standin.poison(out)
             return LateGather(Timed(work, self._wait, label, self.guarded()), out, dst, inp, label)
         return Timed(work, self._wait, label, self.guarded())
+
+    def _cma_run(self, work: cma.Work | None, what: str) -> bool:
+        """Wait for an operation the cross-memory transport took (as `_run` does); False where it took none."""
+        if work is None:
+            return False
+        self.verify_checks()
+        self._wait(work, what)
+        return True
 
     def _check_pair(
         self, out: torch.Tensor, inp: torch.Tensor, *, big: torch.Tensor, small: torch.Tensor, what: str

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetero.comm import cma
 from hetero.comm.rules import CONTROL_OF, FAILED
 
 logger = logging.getLogger("hetero.comm")
@@ -119,6 +120,7 @@ def _at_exit() -> None:
     ours = _STATE["joined"] and dist.is_available() and dist.is_initialized()
     if ours and clean:
         _barrier()
+    cma.close_all()  # its workers hold no collective now (or one a failed peer left: bounded)
     if clean and _destroyed_without_the_interpreter():
         release()
     if ours:

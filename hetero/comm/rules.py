@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hetero import standin
+from hetero.comm import cma
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Rules:
     timeout_s: float | None = None  # bound on every blocking operation; None: the process group's own timeout
     device_only: Callable[[torch.Tensor], str | None] | None = None  # why a data tensor is refused, or None
     separate_control: bool = False  # small host messages go through a gloo group of their own
+    cma: bool = False  # CPU data within a host: [Note: collectives by cross-memory attach] (cma.py)
 
 
 def _cuda_only(t: torch.Tensor) -> str | None:
@@ -33,7 +35,7 @@ def rules_for(backend: str, timeout_s: float | None) -> Rules:
         return Rules(timeout_s=timeout_s, device_only=_cuda_only, separate_control=True)
     if standin.active():
         return Rules(timeout_s=timeout_s, device_only=standin.collective_rule, separate_control=True)
-    return Rules(timeout_s=timeout_s)
+    return Rules(timeout_s=timeout_s, cma=backend == "gloo" and cma.transport() == "cma")
 
 
 # The control group made for each process group, so that wrapping the same group twice (Comm.world() again) does

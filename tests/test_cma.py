@@ -1,0 +1,236 @@
+"""The cross-memory transport of CPU data collectives ([Note: collectives by cross-memory attach], hetero/comm/cma.py):
+it carries every large CPU collective of a gloo group on one host, gives the same results as the local math (every
+rank the same bits for an all-reduce), falls back to gloo together when any rank cannot use it, and turns a peer that
+died or hangs into the group's errors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetero import standin
+from hetero.comm import Comm, cma, rules
+from hetero.errors import CommError
+from tests.dist import ONE_RANK_FAULTS, ONLY_SEVERAL, ranks_apart, run_distributed
+
+# Under the stand-in the data group takes "device" tensors only and gloo carries them, as NCCL would on a GPU.
+pytestmark = pytest.mark.skipif(standin.active(), reason="the stand-in holds data collectives to NCCL's rule")
+
+N = 40_000  # elements a rank: 160 KB of float32, above cma.MIN_BYTES
+
+
+def _data(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 100
+    return x.to(dtype) if dtype.is_floating_point else x.round().to(dtype)
+
+
+def _reduce(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Rank order, in the parts' dtype: what every rank must compute."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op](acc, p)
+    return acc / len(parts) if op == "avg" else acc
+
+
+def _small_only(name: str, real: Any) -> Any:
+    """torch's collective `name`, failing for a tensor as large as those the cross-memory transport carries."""
+
+    def call(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+        assert t.numel() * t.element_size() < cma.MIN_BYTES, f"{name} carried {t.numel()} elements through gloo"
+        return real(t, *a, **k)
+
+    return call
+
+
+_DATA_OPS = ["all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single"]
+
+
+def _carry(rank: int, world: int) -> dict[str, Any]:
+    comm = Comm.world()
+    assert comm.rules.cma
+    saved = {n: getattr(dist, n) for n in [*_DATA_OPS, "all_reduce"] if hasattr(dist, n)}
+    for name, fn in saved.items():
+        setattr(dist, name, _small_only(name, fn))
+    ranks = list(range(world))
+    digests = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        ops = ("sum", "avg", "max", "min") if dtype.is_floating_point else ("sum", "max", "min")
+        # all_gather: blocking, async, 2-D and non-contiguous out, in place (inp is our shard of out).
+        want = torch.cat([_data(r, N, dtype) for r in ranks])
+        out = torch.empty(world * N, dtype=dtype)
+        comm.all_gather(out, _data(rank, N, dtype))
+        assert torch.equal(out, want)
+        out = torch.full((world * N,), 7, dtype=dtype)
+        inp = _data(rank, N, dtype)
+        comm.all_gather_async(out, inp).wait()
+        assert torch.equal(out, want)
+        out_nc = torch.empty(N, world, dtype=dtype).t()
+        comm.all_gather(out_nc, _data(rank, N, dtype))
+        assert torch.equal(out_nc.reshape(-1), want)
+        flat = torch.zeros(world * N, dtype=dtype)
+        flat[rank * N : (rank + 1) * N] = _data(rank, N, dtype)
+        comm.all_gather(flat, flat[rank * N : (rank + 1) * N])
+        assert torch.equal(flat, want)
+        for op in ops:
+            full = [_data(r, world * N, dtype, salt=1) for r in ranks]
+            red = _reduce(full, op)
+            mine = red[rank * N : (rank + 1) * N]
+            close = (lambda a, b: torch.equal(a, b)) if world == 2 or op in ("max", "min") else torch.allclose
+            out = torch.empty(N, dtype=dtype)
+            comm.reduce_scatter(out, _data(rank, world * N, dtype, salt=1), op)
+            assert close(out, mine), (dtype, op, "reduce_scatter")
+            out = torch.empty(N, dtype=dtype)
+            comm.reduce_scatter_async(out, _data(rank, world * N, dtype, salt=1), op).wait()
+            assert close(out, mine), (dtype, op, "reduce_scatter_async")
+            flat = _data(rank, world * N, dtype, salt=1)
+            comm.reduce_scatter(flat[rank * N : (rank + 1) * N], flat, op)  # in place, as ZeRO does
+            assert close(flat[rank * N : (rank + 1) * N], mine), (dtype, op, "reduce_scatter in place")
+            t = _data(rank, world * N, dtype, salt=1)
+            comm.all_reduce(t, op)
+            assert close(t, red), (dtype, op, "all_reduce")
+            t2 = _data(rank, world * N, dtype, salt=1)
+            comm.all_reduce_async(t2, op).wait()
+            assert torch.equal(t2, t), (dtype, op, "all_reduce_async")
+            digests[f"{dtype}-{op}"] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    # Several in flight at once, waited in reverse: they still run in the order issued, on every rank.
+    outs = [torch.empty(world * N) for _ in range(4)]
+    handles = [comm.all_gather_async(o, _data(rank, N, torch.float32, salt=i)) for i, o in enumerate(outs)]
+    for h in reversed(handles):
+        h.wait()
+    for i, o in enumerate(outs):
+        assert torch.equal(o, torch.cat([_data(r, N, torch.float32, salt=i) for r in ranks]))
+    # A subgroup of the world has its own link.
+    if world == 4:
+        sub = comm.split([[0, 2], [1, 3]])
+        members = [rank % 2, rank % 2 + 2]
+        out = torch.empty(2 * N)
+        sub.all_gather(out, _data(rank, N, torch.float32))
+        assert torch.equal(out, torch.cat([_data(r, N, torch.float32) for r in members]))
+        assert cma.link_of(sub) is not None and cma.link_of(sub) is not cma.link_of(comm)
+    # Small ones still went through gloo.
+    t = torch.full((4,), float(rank))
+    comm.all_reduce(t)
+    assert t.tolist() == [float(sum(ranks))] * 4
+    for name, fn in saved.items():
+        setattr(dist, name, fn)
+    return {"link": cma.link_of(comm) is not None, "digests": digests}
+
+
+@ranks_apart(ONLY_SEVERAL)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_cpu_collectives_go_by_cross_memory_reads_and_match_the_local_math(world: int) -> None:
+    reports = run_distributed(_carry, world, timeout=220)
+    assert all(r["link"] for r in reports)
+    assert all(r["digests"] == reports[0]["digests"] for r in reports)  # an all-reduce: the same bits everywhere
+
+
+def _gloo_only(rank: int, world: int) -> dict[str, Any]:
+    comm = Comm.world()
+    out = torch.empty(world * N)
+    comm.all_gather(out, _data(rank, N, torch.float32))
+    assert torch.equal(out, torch.cat([_data(r, N, torch.float32) for r in range(world)]))
+    return {"cma": comm.rules.cma, "links": len(cma._LINKS)}
+
+
+@ranks_apart(ONLY_SEVERAL)
+@pytest.mark.timeout(120)
+def test_the_gloo_transport_can_be_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETERO_CPU_TRANSPORT", "gloo")
+    assert run_distributed(_gloo_only, 2, timeout=100) == [{"cma": False, "links": 0}] * 2
+
+
+def test_a_bad_transport_name_says_what_to_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETERO_CPU_TRANSPORT", "shm")
+    with pytest.raises(ValueError, match="HETERO_CPU_TRANSPORT='shm'.*'cma'.*'gloo'"):
+        rules.rules_for("gloo", None)
+
+
+def test_the_standin_and_nccl_keep_their_own_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not rules.rules_for("nccl", None).cma
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    assert not rules.rules_for("gloo", None).cma  # the stand-in holds data to NCCL's rule instead
+
+
+def _one_cannot_read(rank: int, world: int) -> dict[str, Any]:
+    if rank == 1:
+        real = cma._read
+
+        def refused(pid: int, *a: Any) -> None:
+            if pid != os.getpid():
+                raise RuntimeError("Operation not permitted")
+            real(pid, *a)
+
+        cma._read = refused
+    comm = Comm.world()
+    out = torch.empty(world * N)
+    comm.all_gather(out, _data(rank, N, torch.float32))  # gloo on every rank, or this would hang
+    assert torch.equal(out, torch.cat([_data(r, N, torch.float32) for r in range(world)]))
+    t = _data(rank, world * N, torch.float32)
+    comm.all_reduce(t)
+    return {"link": cma.link_of(comm)}
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.timeout(120)
+def test_ranks_fall_back_to_gloo_together_when_one_cannot_read_the_others() -> None:
+    assert run_distributed(_one_cannot_read, 2, timeout=100) == [{"link": None}] * 2
+
+
+def _peer_dies(rank: int, world: int, how: str, marker: str) -> float:
+    comm = Comm.world().with_timeout(60 if how == "dies" else 3)
+    out = torch.empty(world * N)
+    comm.all_gather(out, _data(rank, N, torch.float32))  # opens the link
+    if rank == 1:
+        if how == "dies":
+            os._exit(0)
+        Path(marker).touch()
+        time.sleep(20)  # hangs: never issues the next gather
+        return 0.0
+    start = time.monotonic()
+    with pytest.raises(CommError) as info:
+        comm.all_gather(out, _data(rank, N, torch.float32))
+    assert "all_gather" in str(info.value)
+    assert "1" in str(info.value)  # the rank behind it is named
+    return time.monotonic() - start
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.timeout(120)
+def test_a_peer_that_died_fails_the_collective_at_once(tmp_path: Path) -> None:
+    from tests.dist import DistributedTestError, DistributedTimeoutError
+
+    try:
+        results = run_distributed(_peer_dies, 2, "dies", str(tmp_path / "m"), timeout=50, report_grace=30)
+    except (DistributedTestError, DistributedTimeoutError) as err:
+        results = [err.results.get(0)]
+    assert results[0] is not None and results[0] < 20  # far sooner than the group's 60 s timeout
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.timeout(120)
+def test_a_peer_that_hangs_fails_the_collective_at_the_timeout(tmp_path: Path) -> None:
+    from tests.dist import DistributedTimeoutError
+
+    try:
+        results = run_distributed(_peer_dies, 2, "hangs", str(tmp_path / "m"), timeout=40)
+    except DistributedTimeoutError as err:
+        results = [err.results.get(0)]
+    assert results[0] is not None and 2.5 < results[0] < 20
+
+
+def test_close_all_stops_the_workers() -> None:
+    wake = cma._wake_socket()
+    link = cma.Link(rank=0, pids=[os.getpid()], blocks=[0], block=cma._BLOCK(), wake=wake, wakes=[wake.getsockname()])
+    assert any(t.name == "hetero-cma" for t in threading.enumerate())
+    link.close()
+    assert not link._thread.is_alive()
