@@ -12,37 +12,31 @@ Per group one worker thread runs the group's operations in the order they were i
 sequence, so the k-th operation matches everywhere). Operation k on a rank:
   1. post: write the input's address, then the sequence number k, in its own block;
   2. read: for each peer, wait until the peer's block shows k, then copy what it needs from the peer's input;
-  3. done: write k as "done reading" in its own block;
-  4. wait until every peer is done reading operation k: only then may the caller change or free the input (the
-     handle completes here), and only then may the peer's k+1 replace the address.
-A peer can therefore never see a stale address, and nobody writes memory another rank reads. Reductions add in rank
-order (((x0 + x1) + x2) ...), the same order on every rank, so an all-reduce gives every rank the same bits.
+  3. done: write k as "done reading you" into each peer's block (`process_vm_writev`, our slot there);
+  4. wait until every peer wrote the same into ours: only then may the caller change or free the input (the handle
+     completes here), and only then may the peer's k+1 replace the address. This wait reads our own memory: a peer
+     that finished and exited meanwhile still counts as done (reading its block would find it gone).
+A peer can therefore never see a stale address, and nobody writes memory another rank reads. A reduction adds in rank
+order (((x0 + x1) + x2) ...); an all-reduce is a reduce-scatter then an all-gather in place, each element reduced once
+by the rank that owns it, so every rank has the same bits (`Link._all_reduce`).
 
 Whether an operation goes this way or through gloo must be the same on every rank (else one waits on a transfer the
 other never starts): it depends only on what every rank shares, the tensor's dtype, size and device type and the
-group's link, which is opened by a collective (`Link.open`: all ranks agree that they share a boot id and that each
-can read every other's memory, with a probe) at the first operation that could use it. Nothing else is needed: no
-shared-memory files that a killed job would leave behind, and a peer that died shows at once (the read fails with
-ESRCH) instead of at the timeout. Under the stand-in, and where `HETERO_CPU_TRANSPORT=gloo`, gloo moves everything.
+group's link, which is opened by a collective (`Link.open`: all ranks agree that they share a boot id, run on a CPU
+that keeps stores in order, and can each read every other's memory, with a probe) at the first operation that could
+use it. Nothing else is needed: no shared-memory files that a killed job would leave behind, and a peer that died
+shows at once (the read fails with ESRCH) instead of at the timeout. Under the stand-in, and where
+`HETERO_CPU_TRANSPORT=gloo`, gloo moves everything.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
-import logging
 import os
-import queue
-import socket
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-logger = logging.getLogger("hetero.comm")
+from hetero.comm.cma_link import Link, Work
 
 MIN_BYTES = 64 << 10  # smaller operations (flags, scalars) stay on gloo, whose latency is no worse there
 DEFAULT_DEADLINE_S = 1800.0  # a group without a timeout: torch's default for gloo
@@ -57,37 +51,6 @@ _DTYPES = {
     torch.int8,
     torch.uint8,
 }
-_SEQ, _ADDR, _DONE = 0, 1, 2  # the fields of a rank's block (int64 each)
-_BLOCK = ctypes.c_int64 * 4
-_LOOK_S = 0.05  # a waiting worker looks at its peers' blocks at least this often, poked or not
-_PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF)
-
-
-class _IOVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _libc() -> Any:
-    """libc with `process_vm_readv` declared, or None where it has none (not Linux)."""
-    if "libc" not in _CACHE:
-        lib = None
-        with contextlib.suppress(OSError, AttributeError):
-            lib = ctypes.CDLL(None, use_errno=True)  # a ctypes call releases the interpreter while it copies
-            fn = lib.process_vm_readv
-            fn.argtypes = [
-                ctypes.c_int,
-                ctypes.POINTER(_IOVec),
-                ctypes.c_ulong,
-                ctypes.POINTER(_IOVec),
-                ctypes.c_ulong,
-                ctypes.c_ulong,
-            ]
-            fn.restype = ctypes.c_ssize_t
-        _CACHE["libc"] = lib
-    return _CACHE["libc"]
-
-
-_CACHE: dict[str, Any] = {}
 
 
 def transport() -> str:
@@ -99,306 +62,6 @@ def transport() -> str:
             "of one host, the default) or 'gloo' (everything through gloo)"
         )
     return value
-
-
-def _read(pid: int, remote: int, local: int, nbytes: int) -> None:
-    """Copy `nbytes` from address `remote` of process `pid` to our address `local`."""
-    lib = _libc()
-    while nbytes:
-        lo, re = _IOVec(local, nbytes), _IOVec(remote, nbytes)
-        got = lib.process_vm_readv(pid, ctypes.byref(lo), 1, ctypes.byref(re), 1, 0)
-        if got <= 0:
-            code = ctypes.get_errno() if got < 0 else errno.EIO
-            if code == errno.ESRCH:
-                # Worded so that `rules.peer_gone` recognises it: the caller then names the rank.
-                raise RuntimeError(f"connection closed: process {pid} is gone (cross-memory read)")
-            raise RuntimeError(f"cross-memory read of {nbytes} bytes from process {pid}: {os.strerror(code)}")
-        nbytes, local, remote = nbytes - got, local + got, remote + got
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _allow_peers() -> None:
-    """Under Yama's "restricted" ptrace scope only a process's ancestors may read it; ranks are siblings, so each
-    names any process of its user as allowed (what MPI libraries do for the same copies). Scopes 2 and 3 forbid
-    it outright: the probe then fails and gloo moves the data."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = f.read().strip()
-    except OSError:
-        return
-    if scope == "1":
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None).prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
-
-
-def _wake_socket() -> socket.socket | None:
-    """[Note: waking a waiting rank]
-    A worker waiting for a peer's post or "done" blocks on a datagram socket of its own, and every post and "done"
-    sends each peer one byte: no core spins while a peer computes (spinning with sched_yield cost 6% of a rank's
-    samples in the ZeRO-3 race, on two cores both computing). The socket's name is in Linux's abstract namespace
-    (a leading NUL): it has no file, so a killed job leaves nothing behind."""
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(f"\0hetero-cma-{os.getpid()}-{os.urandom(6).hex()}".encode())
-        return sock
-    except (OSError, AttributeError):
-        return None
-
-
-class Work:
-    """A submitted operation: `wait(timeout)` blocks until every rank finished it (as a backend's work does)."""
-
-    def __init__(self, what: str, run: Callable[[], None]) -> None:
-        self.what, self._run = what, run
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def run(self, broken: str | None) -> BaseException | None:
-        """Run it (the link's worker), unless an earlier operation of the group failed; returns its error."""
-        try:
-            if broken is not None:
-                raise RuntimeError(f"an earlier collective of this group failed ({broken})")
-            self._run()
-        except BaseException as err:  # the waiter raises it
-            self._error = err
-        self._run = None  # type: ignore[assignment]  # drop the tensors now: see [Note: letting the groups go]
-        self._done.set()
-        return self._error
-
-    def wait(self, timeout: Any = None) -> bool:
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        if not self._done.wait(seconds):
-            raise RuntimeError(f"{self.what} timed out after {seconds} s (cross-memory transport)")
-        if self._error is not None:
-            raise RuntimeError(str(self._error)) from self._error
-        return True
-
-
-class Link:
-    """The transport of one group: its ranks' processes and blocks, and the worker that runs its operations."""
-
-    def __init__(
-        self, *, rank: int, pids: list[int], blocks: list[int], block: Any, wake: socket.socket, wakes: list[bytes]
-    ) -> None:
-        self.rank, self.size, self.pids, self.blocks, self.wakes = rank, len(pids), pids, blocks, wakes
-        self._block = block  # ours: peers read it, so it lives as long as the link
-        self._wake = wake
-        self._peek_buf = _BLOCK()
-        self._scratches: dict[int, torch.Tensor] = {}  # used by the worker thread only
-        self._seq = 0
-        self._broken: str | None = None
-        self._stop = False
-        self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="hetero-cma", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------------------------------ opening
-    @classmethod
-    def open(cls, comm: Any) -> Link | None:
-        """Collective over `comm`'s ranks: a link if all share the host and can read each other, else None."""
-        _allow_peers()
-        block = _BLOCK()
-        probe = ctypes.create_string_buffer(os.getpid().to_bytes(8, "little") * 8)
-        wake = _wake_socket()
-        lib = _libc()
-        name = wake.getsockname() if wake is not None else None
-        mine = (_boot_id(), os.getpid(), ctypes.addressof(block), ctypes.addressof(probe), lib is not None, name)
-        infos = comm.control.all_gather_object(mine)
-        ok = all(i[0] is not None and i[0] == mine[0] and i[4] and i[5] is not None for i in infos)
-        for r, (_, pid, _, addr, _, peer_wake) in enumerate(infos):
-            if not ok or r == comm.rank:
-                continue
-            got = ctypes.create_string_buffer(64)
-            try:
-                _read(pid, addr, ctypes.addressof(got), 64)
-                wake.sendto(b"?", socket.MSG_DONTWAIT, peer_wake)  # reachable: same host and network namespace
-            except (RuntimeError, OSError) as err:
-                logger.debug("cross-memory probe of rank %d failed: %s", r, err)
-                ok = False
-                break
-            ok = got.raw == pid.to_bytes(8, "little") * 8
-        agreed = all(comm.control.all_gather_object(ok))  # the decision every rank takes, from what all saw
-        if not agreed:
-            logger.debug("group %s moves CPU data through gloo (ranks on different hosts or unreadable)", comm)
-            if wake is not None:
-                wake.close()
-            return None
-        return cls(
-            rank=comm.rank,
-            pids=[i[1] for i in infos],
-            blocks=[i[2] for i in infos],
-            block=block,
-            wake=wake,
-            wakes=[i[5] for i in infos],
-        )
-
-    # ------------------------------------------------------------------------------------------ operations
-    def submit(self, what: str, kind: str, deadline_s: float, *args: Any) -> Work:
-        """Queue one operation; every rank submits the same sequence. An all-reduce takes two sequence numbers (its
-        reduce and its gather)."""
-        seq = self._seq + 1
-        self._seq += 2 if kind == "all_reduce" else 1
-        run = getattr(self, f"_{kind}")
-
-        def body() -> None:
-            run(seq, time.monotonic() + deadline_s, what, *args)
-
-        work = Work(what, body)
-        self._queue.put(work)
-        return work
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the worker (at exit): it finishes the operation at hand, bounded by `timeout_s`."""
-        self._stop = True
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self._wake.close()
-
-    def _serve(self) -> None:
-        while True:
-            work = self._queue.get()
-            if work is None:
-                return
-            err = work.run(self._broken)
-            self._broken = self._broken or (None if err is None else str(err))
-            del work
-
-    # The steps of [Note: collectives by cross-memory attach].
-    def _post(self, seq: int, addr: int) -> None:
-        self._block[_ADDR] = addr
-        self._block[_SEQ] = seq  # last: a peer that sees seq sees the address
-        self._poke()
-
-    def _peek(self, peer: int, field: int) -> int:
-        _read(self.pids[peer], self.blocks[peer], ctypes.addressof(self._peek_buf), ctypes.sizeof(self._peek_buf))
-        return int(self._peek_buf[field])
-
-    def _await(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
-        """Block until `ready()`: woken by the peers' pokes ([Note: waking a waiting rank]), looking again at least
-        every `_LOOK_S` (for the exit, the deadline, a peer that died without a poke)."""
-        while not ready():
-            if self._stop:
-                raise RuntimeError(f"{what}: the process is exiting")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"{what} timed out waiting for a peer (cross-memory transport)")
-            self._wake.settimeout(min(left, _LOOK_S))
-            with contextlib.suppress(TimeoutError, InterruptedError):
-                self._wake.recv(16)
-            self._wake.settimeout(0.0)  # non-blocking: a socket with a timeout waits for data even with MSG_DONTWAIT
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                while True:  # the pokes that came meanwhile say nothing more
-                    self._wake.recv(16)
-
-    def _poke(self) -> None:
-        for p in self._peers():
-            with contextlib.suppress(OSError):  # a full queue wakes it anyway; a gone peer shows in its reads
-                self._wake.sendto(b"!", socket.MSG_DONTWAIT, self.wakes[p])
-
-    def _addr_of(self, peer: int, seq: int, deadline: float, what: str) -> int:
-        self._await(lambda: self._peek(peer, _SEQ) >= seq, deadline, what)
-        return self._peek(peer, _ADDR)  # read after seq was seen: see `_post`
-
-    def _finish(self, seq: int, deadline: float, what: str) -> None:
-        self._block[_DONE] = seq
-        self._poke()
-        for p in self._peers():
-            self._await(lambda p=p: self._peek(p, _DONE) >= seq, deadline, what)
-
-    def _peers(self) -> list[int]:
-        return [(self.rank + i) % self.size for i in range(1, self.size)]  # staggered: not all at rank 0 first
-
-    def _all_gather(self, seq: int, deadline: float, what: str, out: torch.Tensor, inp: torch.Tensor) -> None:
-        nbytes = inp.numel() * inp.element_size()
-        self._post(seq, inp.data_ptr())
-        for p in self._peers():
-            src = self._addr_of(p, seq, deadline, what)
-            _read(self.pids[p], src, out.data_ptr() + p * nbytes, nbytes)
-        out.view(-1)[self.rank * inp.numel() : (self.rank + 1) * inp.numel()].copy_(inp.view(-1))
-        self._finish(seq, deadline, what)
-
-    def _scratch(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """Scratch buffer `i` shaped like `like`, kept between operations: a fresh one each time faulted its pages in
-        anew (8k more page faults a step in the ZeRO-3 race)."""
-        nbytes = like.numel() * like.element_size()
-        buf = self._scratches.get(i)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._scratches[i] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes].view(like.dtype).view(like.shape)
-
-    def _reduced(
-        self, seq: int, deadline: float, what: str, acc: torch.Tensor, own: torch.Tensor, offset: int, op: str
-    ) -> None:
-        """acc = own reduced with every peer's elements at byte `offset` of its input, in rank order: x0 op x1 first,
-        then op x2, op x3, ... (the same operands in the same order on every rank). acc must not overlap own."""
-        nbytes = acc.numel() * acc.element_size()
-
-        def fetch(p: int, into: torch.Tensor) -> None:
-            _read(self.pids[p], self._addr_of(p, seq, deadline, what) + offset, into.data_ptr(), nbytes)
-
-        combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-        if self.rank < 2:
-            fetch(1 - self.rank, acc)  # the other of ranks 0 and 1, straight into acc
-            if self.rank == 0:
-                combine(own, acc, out=acc)
-            else:
-                combine(acc, own, out=acc)
-        else:
-            fetch(0, acc)
-            tmp = self._scratch(0, acc)
-            fetch(1, tmp)
-            combine(acc, tmp, out=acc)
-        for q in range(2, self.size):
-            if q == self.rank:
-                combine(acc, own, out=acc)
-            else:
-                tmp = self._scratch(0, acc)
-                fetch(q, tmp)
-                combine(acc, tmp, out=acc)
-        if op == "avg":
-            acc.div_(self.size)
-
-    def _reduce_scatter(
-        self, seq: int, deadline: float, what: str, out: torch.Tensor, inp: torch.Tensor, op: str
-    ) -> None:
-        n = out.numel()
-        self._post(seq, inp.data_ptr())
-        own = inp.view(-1)[self.rank * n : (self.rank + 1) * n]
-        self._reduced(seq, deadline, what, out.view(-1), own, self.rank * n * inp.element_size(), op)
-        self._finish(seq, deadline, what)
-
-    def _all_reduce(self, seq: int, deadline: float, what: str, t: torch.Tensor, op: str) -> None:
-        """A reduce-scatter then an all-gather in place, each rank owning the slice of its rank number: it reduces
-        that slice (in rank order) from everyone's input and writes it into its own `t`, which no peer reads there;
-        it posts again (seq + 1), which also says it has read everything it needed from the peers; then it copies
-        every peer's reduced slice out of the peer's `t` into its own, where that peer no longer reads. Each element
-        is reduced once, by its owner, so every rank gets the same bits; each moves a slice a peer each way, where
-        reducing the whole tensor on every rank read all of it and took 0.78x gloo's time for 90 MiB, not 0.5x."""
-        flat = t.view(-1)
-        bounds = [flat.numel() * i // self.size for i in range(self.size + 1)]
-        esize = flat.element_size()
-        self._post(seq, flat.data_ptr())
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        acc = self._scratch(1, flat[lo:hi])
-        self._reduced(seq, deadline, what, acc, flat[lo:hi], lo * esize, op)
-        flat[lo:hi].copy_(acc)
-        self._post(seq + 1, flat.data_ptr())
-        for p in self._peers():
-            plo, phi = bounds[p], bounds[p + 1]
-            src = self._addr_of(p, seq + 1, deadline, what)
-            _read(self.pids[p], src + plo * esize, flat.data_ptr() + plo * esize, (phi - plo) * esize)
-        self._finish(seq + 1, deadline, what)
 
 
 # The link of each process group (None: the group moves everything through gloo), shared by every Comm of the group;
