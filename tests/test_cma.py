@@ -165,14 +165,14 @@ def _one_cannot_read(rank: int, world: int, why: str) -> dict[str, Any]:
     if rank == 1 and why == "weak memory order":
         cma_link.platform.machine = lambda: "aarch64"  # its stores may be seen out of order: `_post` is not safe there
     elif rank == 1:
-        real = cma_link._read
+        real = cma_link._copy
 
         def refused(pid: int, *a: Any) -> None:
             if pid != os.getpid():
                 raise RuntimeError("Operation not permitted")
             real(pid, *a)
 
-        cma_link._read = refused
+        cma_link._copy = refused
     comm = Comm.world()
     out = torch.empty(world * N)
     comm.all_gather(out, _data(rank, N, torch.float32))  # gloo on every rank, or this would hang

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import platform
@@ -37,30 +38,21 @@ class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+@functools.cache
 def _libc() -> Any:
-    """libc with `process_vm_readv` declared, or None where it has none (not Linux)."""
-    if "libc" not in _CACHE:
-        lib = None
-        with contextlib.suppress(OSError, AttributeError):
-            lib = ctypes.CDLL(None, use_errno=True)  # a ctypes call releases the interpreter while it copies
-            for fn in (lib.process_vm_readv, lib.process_vm_writev):
-                fn.argtypes = [
-                    ctypes.c_int,
-                    ctypes.POINTER(_IOVec),
-                    ctypes.c_ulong,
-                    ctypes.POINTER(_IOVec),
-                    ctypes.c_ulong,
-                    ctypes.c_ulong,
-                ]
-                fn.restype = ctypes.c_ssize_t
-        _CACHE["libc"] = lib
-    return _CACHE["libc"]
+    """libc with `process_vm_readv` and `process_vm_writev` declared, or None where it has them not (not Linux)."""
+    try:
+        lib = ctypes.CDLL(None, use_errno=True)  # a ctypes call releases the interpreter while it copies
+        for fn in (lib.process_vm_readv, lib.process_vm_writev):
+            iov, n = ctypes.POINTER(_IOVec), ctypes.c_ulong
+            fn.argtypes = [ctypes.c_int, iov, n, iov, n, ctypes.c_ulong]  # pid, ours and count, its and count, flags
+            fn.restype = ctypes.c_ssize_t
+    except (OSError, AttributeError):
+        return None
+    return lib
 
 
-_CACHE: dict[str, Any] = {}
-
-
-def _read(pid: int, remote: int, local: int, nbytes: int, *, write: bool = False) -> None:
+def _copy(pid: int, remote: int, local: int, nbytes: int, *, write: bool = False) -> None:
     """Copy `nbytes` from address `remote` of process `pid` to our address `local` (`write`: from ours to its)."""
     lib = _libc()
     call = lib.process_vm_writev if write else lib.process_vm_readv
@@ -73,7 +65,8 @@ def _read(pid: int, remote: int, local: int, nbytes: int, *, write: bool = False
                 # A process exiting loses its memory before its pid: a read then may fail with EFAULT or copy
                 # nothing. Worded so that `rules.peer_gone` recognises it: the caller then names the rank.
                 raise RuntimeError(f"connection closed: process {pid} is gone (cross-memory read)")
-            raise RuntimeError(f"cross-memory read of {nbytes} bytes from process {pid}: {os.strerror(code)}")
+            way = "write to" if write else "read from"
+            raise RuntimeError(f"cross-memory {way} process {pid} of {nbytes} bytes: {os.strerror(code)}")
         nbytes, local, remote = nbytes - got, local + got, remote + got
 
 
@@ -138,9 +131,6 @@ class Work:
         self._done = threading.Event()
         self._error: BaseException | None = None
 
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
     def run(self, broken: str | None) -> BaseException | None:
         """Run it (the link's worker), unless an earlier operation of the group failed; returns its error."""
         try:
@@ -169,6 +159,7 @@ class Link:
         self, *, rank: int, pids: list[int], blocks: list[int], block: Any, wake: socket.socket, wakes: list[bytes]
     ) -> None:
         self.rank, self.size, self.pids, self.blocks, self.wakes = rank, len(pids), pids, blocks, wakes
+        self.peers = [(rank + i) % self.size for i in range(1, self.size)]  # staggered: not all at rank 0 first
         self._block = block  # ours: peers read it, so it lives as long as the link
         self._wake = wake
         self._peek_buf = (ctypes.c_int64 * 2)()  # a peer's seq and address
@@ -199,9 +190,9 @@ class Link:
                 continue
             got = ctypes.create_string_buffer(64)
             try:
-                _read(pid, addr, ctypes.addressof(got), 64)
+                _copy(pid, addr, ctypes.addressof(got), 64)
                 zero = ctypes.c_int64(0)  # and write: our slot of its block, with the value it already holds
-                _read(pid, infos[r][2] + 8 * (_DONE + comm.rank), ctypes.addressof(zero), 8, write=True)
+                _copy(pid, infos[r][2] + 8 * (_DONE + comm.rank), ctypes.addressof(zero), 8, write=True)
                 wake.sendto(b"?", socket.MSG_DONTWAIT, peer_wake)  # reachable: same host and network namespace
             except (RuntimeError, OSError) as err:
                 logger.debug("cross-memory probe of rank %d failed: %s", r, err)
@@ -262,7 +253,7 @@ class Link:
         self._poke()
 
     def _peek(self, peer: int, field: int) -> int:
-        _read(self.pids[peer], self.blocks[peer], ctypes.addressof(self._peek_buf), ctypes.sizeof(self._peek_buf))
+        _copy(self.pids[peer], self.blocks[peer], ctypes.addressof(self._peek_buf), ctypes.sizeof(self._peek_buf))
         return int(self._peek_buf[field])
 
     def _await(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
@@ -283,7 +274,7 @@ class Link:
                     self._wake.recv(16)
 
     def _poke(self) -> None:
-        for p in self._peers():
+        for p in self.peers:
             with contextlib.suppress(OSError):  # a full queue wakes it anyway; a gone peer shows in its reads
                 self._wake.sendto(b"!", socket.MSG_DONTWAIT, self.wakes[p])
 
@@ -295,20 +286,17 @@ class Link:
         """Tell each peer we are done reading it (in its own block), then wait until each told us the same (in ours):
         our own memory, so a peer that finished and exited meanwhile still counts as done."""
         done = ctypes.c_int64(seq)
-        for p in self._peers():
-            _read(self.pids[p], self.blocks[p] + 8 * (_DONE + self.rank), ctypes.addressof(done), 8, write=True)
+        for p in self.peers:
+            _copy(self.pids[p], self.blocks[p] + 8 * (_DONE + self.rank), ctypes.addressof(done), 8, write=True)
         self._poke()
-        self._await(lambda: all(self._block[_DONE + p] >= seq for p in self._peers()), deadline, what)
-
-    def _peers(self) -> list[int]:
-        return [(self.rank + i) % self.size for i in range(1, self.size)]  # staggered: not all at rank 0 first
+        self._await(lambda: all(self._block[_DONE + p] >= seq for p in self.peers), deadline, what)
 
     def _all_gather(self, seq: int, deadline: float, what: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         nbytes = inp.numel() * inp.element_size()
         self._post(seq, inp.data_ptr())
-        for p in self._peers():
+        for p in self.peers:
             src = self._addr_of(p, seq, deadline, what)
-            _read(self.pids[p], src, out.data_ptr() + p * nbytes, nbytes)
+            _copy(self.pids[p], src, out.data_ptr() + p * nbytes, nbytes)
         out.view(-1)[self.rank * inp.numel() : (self.rank + 1) * inp.numel()].copy_(inp.view(-1))
         self._finish(seq, deadline, what)
 
@@ -329,7 +317,7 @@ class Link:
         nbytes = acc.numel() * acc.element_size()
 
         def fetch(p: int, into: torch.Tensor) -> None:
-            _read(self.pids[p], self._addr_of(p, seq, deadline, what) + offset, into.data_ptr(), nbytes)
+            _copy(self.pids[p], self._addr_of(p, seq, deadline, what) + offset, into.data_ptr(), nbytes)
 
         combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
         if self.rank < 2:
@@ -378,8 +366,8 @@ class Link:
         self._reduced(seq, deadline, what, acc, flat[lo:hi], lo * esize, op)
         flat[lo:hi].copy_(acc)
         self._post(seq + 1, flat.data_ptr())
-        for p in self._peers():
+        for p in self.peers:
             plo, phi = bounds[p], bounds[p + 1]
             src = self._addr_of(p, seq + 1, deadline, what)
-            _read(self.pids[p], src + plo * esize, flat.data_ptr() + plo * esize, (phi - plo) * esize)
+            _copy(self.pids[p], src + plo * esize, flat.data_ptr() + plo * esize, (phi - plo) * esize)
         self._finish(seq + 1, deadline, what)

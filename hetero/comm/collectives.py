@@ -181,7 +181,6 @@ class Collectives:
                 return
             native_op = op if (op != "avg" or self._backend == "nccl") else "sum"
             if self._native_rs is not False and _native_rs_op_ok(self._backend, native_op):
-                dst = out if out.is_contiguous() else _contiguous_like(out)
                 fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
                 try:
                     self._run(what, fn, dst.view(-1), src, op=_reduce_op(native_op))
