@@ -5,10 +5,15 @@ died or hangs into the group's errors."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import datetime
+import gc
 import hashlib
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +277,140 @@ def test_close_all_stops_the_workers() -> None:
     assert any(t.name == "hetero-cma" for t in threading.enumerate())
     link.close()
     assert not link._thread.is_alive()
+
+
+def _autograd_modes(rank: int, world: int) -> dict[str, bool]:
+    comm = Comm.world()
+    ranks = range(world)
+    full = [_data(r, world * N, torch.float32) for r in ranks]
+    want = _reduce(full, "sum")
+    got = {}
+    leaf = _data(rank, world * N, torch.float32).requires_grad_()  # a parameter, averaged at init say
+    comm.all_reduce(leaf)
+    got["leaf all_reduce"] = torch.equal(leaf.detach(), want) and leaf.grad_fn is None
+    out = torch.empty(N)
+    comm.reduce_scatter_async(out, _data(rank, world * N, torch.float32).requires_grad_()).wait()
+    got["reduce_scatter of a tensor that requires grad"] = torch.equal(out, want[rank * N : (rank + 1) * N])
+    out = torch.empty(world * N)
+    comm.all_gather_async(out, _data(rank, N, torch.float32).requires_grad_()).wait()
+    gathered = torch.cat([_data(r, N, torch.float32) for r in ranks])
+    got["all_gather records no graph"] = torch.equal(out, gathered) and not out.requires_grad
+    with torch.inference_mode():  # tensor-parallel generation, say
+        t = _data(rank, world * N, torch.float32)
+        comm.all_reduce(t)
+        got["inference all_reduce"] = torch.equal(t, want)
+        out = torch.empty(world * N)
+        comm.all_gather(out, _data(rank, N, torch.float32))
+        got["inference all_gather"] = torch.equal(out, gathered)
+    got["link"] = cma.link_of(comm) is not None
+    return got
+
+
+@ranks_apart(ONLY_SEVERAL)
+@pytest.mark.timeout(120)
+def test_tensors_that_require_grad_and_inference_tensors_go_as_through_gloo() -> None:
+    """The worker's thread records autograd as any fresh thread does, where the caller issued the collective under
+    no_grad or inference mode: its `out=` add and in-place copies failed there (and broke the group) or recorded a
+    graph onto the caller's output, where gloo takes such tensors as they are."""
+    reports = run_distributed(_autograd_modes, 2, timeout=100)
+    assert all(all(r.values()) for r in reports), reports
+
+
+def _own_timeout(rank: int, world: int) -> float:
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=3))
+    comm = Comm(group, rules=dataclasses.replace(Comm.world().rules, timeout_s=None))  # the group's own timeout
+    assert comm.rules.cma
+    out = torch.empty(world * N)
+    comm.all_gather(out, _data(rank, N, torch.float32))  # opens the link
+    if rank == 1:
+        time.sleep(15)  # hangs: never issues the next gather
+        return 0.0
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):  # the backend's own error, as gloo's would be
+        comm.all_gather(out, _data(rank, N, torch.float32))
+    return time.monotonic() - start
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.timeout(120)
+def test_a_comm_without_a_timeout_keeps_its_process_groups_own() -> None:
+    """`Rules.timeout_s` None means the process group's own timeout, which gloo keeps; the transport waited its
+    fixed 30 minutes there instead (a `Comm.world()` after a plain `init_process_group(timeout=...)`)."""
+    results = run_distributed(_own_timeout, 2, timeout=100)
+    assert 2.5 < results[0] < 12, results
+
+
+def _init_again(rank: int, world: int) -> dict[str, Any]:
+    from tests.dist import free_port
+
+    workers, alive = [], []
+    for _ in range(3):
+        comm = Comm.world()
+        out = torch.empty(world * N)
+        comm.all_gather(out, _data(rank, N, torch.float32))
+        assert torch.equal(out, torch.cat([_data(r, N, torch.float32) for r in range(world)]))
+        old = weakref.ref(comm.group)
+        port = [free_port() if rank == 0 else 0]
+        dist.broadcast_object_list(port, src=0)
+        del comm
+        dist.destroy_process_group()
+        os.environ["MASTER_PORT"] = str(port[0])
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        gc.collect()
+        alive.append(old() is not None)
+        deadline = time.monotonic() + 10
+        while any(t.name == "hetero-cma" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers.append(sum(t.name == "hetero-cma" for t in threading.enumerate()))
+    return {"groups kept": alive, "workers left": workers}
+
+
+@ranks_apart(ONLY_SEVERAL)
+@pytest.mark.timeout(120)
+def test_a_destroyed_group_leaves_neither_itself_nor_its_link_behind() -> None:
+    """`destroy_process_group`, then init again in the same process: the registry of links held the old group (its
+    backend's threads and connections) and its link's worker, one more each time round."""
+    expect = {"groups kept": [False] * 3, "workers left": [0] * 3}
+    assert run_distributed(_init_again, 2, timeout=100) == [expect] * 2
+
+
+_PROBE_AT = 0x3A5A_0000_0000  # a page both ranks map: where the same program would have put the probe
+
+
+def _pid_of_another(rank: int, world: int) -> dict[str, bool]:
+    pids = Comm.world().all_gather_object(os.getpid())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 4]
+    assert libc.mmap(_PROBE_AT, 4096, 3, 0x22 | 0x100000, -1, 0) == _PROBE_AT  # private, anonymous, fixed-noreplace
+
+    class Here:  # cma_link's modules, as seen by a rank whose probe lands where its peer's does
+        def __init__(self, module: Any, **own: Any) -> None:
+            self.module, self.own = module, own
+
+        def __getattr__(self, name: str) -> Any:
+            return self.own.get(name) or getattr(self.module, name)
+
+    def probe(init: Any, size: Any = None) -> Any:
+        if not isinstance(init, bytes):
+            return ctypes.create_string_buffer(init, size)
+        buf = (ctypes.c_char * (len(init) + 1)).from_address(_PROBE_AT)
+        ctypes.memmove(_PROBE_AT, init, len(init))
+        return buf
+
+    cma_link.ctypes = Here(ctypes, create_string_buffer=probe)
+    if rank == 1:  # as a rank of another pid namespace whose pid is rank 0's here (each the first of its container)
+        cma_link.os = Here(os, getpid=lambda: pids[0])
+    comm = Comm.world().with_timeout(20)
+    out = torch.empty(world * N)
+    comm.all_gather(out, _data(rank, N, torch.float32))
+    right = torch.equal(out, torch.cat([_data(r, N, torch.float32) for r in range(world)]))
+    return {"link": cma.link_of(comm) is not None, "right": right}
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.timeout(120)
+def test_a_peer_whose_pid_names_another_process_here_is_not_read() -> None:
+    """A pid names a process only within its namespace: a rank whose pid is ours here (containers on one host, each
+    rank the first process of its own) passed the probe whenever our own probe lay where its did (1 launch in 4), and
+    the link then read our own memory for its: wrong values on one rank, a hang on the other."""
+    assert run_distributed(_pid_of_another, 2, timeout=60) == [{"link": False, "right": True}] * 2

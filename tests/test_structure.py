@@ -26,7 +26,8 @@ EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "thre
 # stand-in tracks (an `nn.Embedding(sparse=True)` gradient; the public accessors want a coalesced copy), a tensor's
 # version counter, which tells a loop's in-place write into a parameter ([Note: the loop's writes into parameters]),
 # and a module's `_apply`, through which torch converts its children (a held model's guard walks them the same way:
-# [Note: casting or moving a held model]).
+# [Note: casting or moving a held model]), and a process group's own timeout, which a transport other than its
+# backend keeps where the Comm sets none ([Note: collectives by cross-memory attach]).
 EXTERNAL_ATTRS = {
     "_cdata",
     "_attn_implementation",
@@ -37,6 +38,8 @@ EXTERNAL_ATTRS = {
     "_indices",
     "_version",
     "_apply",
+    "_get_backend",
+    "_timeout",
 }
 
 

@@ -22,16 +22,17 @@ by the rank that owns it, so every rank has the same bits (`Link._all_reduce`).
 
 Whether an operation goes this way or through gloo must be the same on every rank (else one waits on a transfer the
 other never starts): it depends only on what every rank shares, the tensor's dtype, size and device type and the
-group's link, which is opened by a collective (`Link.open`: all ranks agree that they share a boot id, run on a CPU
-that keeps stores in order, and can each read every other's memory, with a probe) at the first operation that could
-use it. Nothing else is needed: no shared-memory files that a killed job would leave behind, and a peer that died
-shows at once (the read fails with ESRCH) instead of at the timeout. Under the stand-in, and where
-`HETERO_CPU_TRANSPORT=gloo`, gloo moves everything.
+group's link, which is opened by a collective (`Link.open`: all ranks agree that they share a boot id and a pid
+namespace, run on a CPU that keeps stores in order, and can each read every other's memory, with a probe of random
+bytes) at the first operation that could use it. Nothing else is needed: no shared-memory files that a killed job
+would leave behind, and a peer that died shows at once (the read fails with ESRCH) instead of at the timeout. Under
+the stand-in, and where `HETERO_CPU_TRANSPORT=gloo`, gloo moves everything.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from hetero.comm.cma_link import Link, Work
 
 MIN_BYTES = 64 << 10  # smaller operations (flags, scalars) stay on gloo, whose latency is no worse there
-DEFAULT_DEADLINE_S = 1800.0  # a group without a timeout: torch's default for gloo
+DEFAULT_DEADLINE_S = 1800.0  # a group whose own timeout cannot be read: torch's default for gloo
 _DTYPES = {
     torch.float32,
     torch.float64,
@@ -65,8 +66,12 @@ def transport() -> str:
 
 
 # The link of each process group (None: the group moves everything through gloo), shared by every Comm of the group;
-# per process, since a forked child has neither its parent's worker threads nor its address space's future.
-_LINKS: dict[Any, Link | None] = {}
+# per process, since a forked child has neither its parent's worker threads nor its address space's future. Held as
+# long as the group is: a group destroyed (`destroy_process_group`, then init again) and let go is neither kept alive
+# here, which would keep its backend's threads and connections, nor leaves its link's worker behind (one more each
+# time round, and the group with it).
+_LINKS: weakref.WeakKeyDictionary[Any, Link | None] = weakref.WeakKeyDictionary()
+_OPENED: weakref.WeakSet[Link] = weakref.WeakSet()  # every link whose worker may run: a retired one until it ends
 _OWNER = [os.getpid()]
 
 
@@ -74,11 +79,23 @@ def link_of(comm: Any) -> Link | None:
     """The group's link, opened (collectively) on first use; None where gloo moves the data."""
     if _OWNER[0] != os.getpid():
         _LINKS.clear()
+        _OPENED.clear()
         _OWNER[0] = os.getpid()
     group = comm.group
     if group not in _LINKS:
-        _LINKS[group] = Link.open(comm)
+        link = _LINKS[group] = Link.open(comm)
+        if link is not None:
+            _OPENED.add(link)
+            weakref.finalize(group, link.retire).atexit = False  # `close_all` stops it at exit
     return _LINKS[group]
+
+
+def _own_timeout_s(group: Any) -> float:
+    """The process group's own timeout, which gloo's waits keep where the Comm sets none (`Rules.timeout_s`)."""
+    try:
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # not a torch that says
+        return DEFAULT_DEADLINE_S
 
 
 def start(comm: Any, kind: str, what: str, *tensors: torch.Tensor, op: str = "sum") -> Work | None:
@@ -96,7 +113,7 @@ def start(comm: Any, kind: str, what: str, *tensors: torch.Tensor, op: str = "su
     link = link_of(comm)
     if link is None:
         return None
-    deadline = comm.rules.timeout_s or DEFAULT_DEADLINE_S
+    deadline = comm.rules.timeout_s or _own_timeout_s(comm.group)
     args: tuple[Any, ...] = (*tensors, op) if kind != "all_gather" else tensors
     return link.submit(what, kind, deadline, *args)
 
@@ -105,7 +122,7 @@ def close_all() -> None:
     """Stop every link's worker (the exit hook: [Note: letting the groups go])."""
     if _OWNER[0] != os.getpid():
         return
-    for link in list(_LINKS.values()):
-        if link is not None:
-            link.close()
+    for link in list(_OPENED):
+        link.close()
     _LINKS.clear()
+    _OPENED.clear()

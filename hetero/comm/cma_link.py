@@ -88,6 +88,15 @@ def _boot_id() -> str | None:
         return None
 
 
+def _pid_namespace() -> int | None:
+    """Our pid namespace: a pid names the same process only within one. Containers on one host share the boot id
+    (and, with the host's network, the abstract sockets) but not their pids: there a peer's pid may be our own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def _stores_in_order() -> bool:
     """Whether this CPU makes a thread's stores visible to other cores in program order (x86's TSO), which `_post`
     relies on: the address, then the sequence number, each a plain store. Python has no fence to make weaker
@@ -165,6 +174,7 @@ class Link:
         self._peek_buf = (ctypes.c_int64 * 2)()  # a peer's seq and address
         self._scratches: dict[int, torch.Tensor] = {}  # used by the worker thread only
         self._seq = 0
+        self._submitting = threading.Lock()
         self._broken: str | None = None
         self._stop = False
         self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
@@ -177,15 +187,22 @@ class Link:
         """Collective over `comm`'s ranks: a link if all share the host and can read each other, else None."""
         _allow_peers()
         block = _block(comm.size)
-        probe = ctypes.create_string_buffer(os.getpid().to_bytes(8, "little") * 8)
+        # Random bytes, not the pid: the process a peer's pid names here may not be the peer (see `_pid_namespace`),
+        # and one running the same program, or a fork of the peer, can hold the same bytes at the same address.
+        token = os.urandom(64)
+        probe = ctypes.create_string_buffer(token)
         wake = _wake_socket()
         lib = _libc()
         name = wake.getsockname() if wake is not None else None
         usable = lib is not None and _stores_in_order()
-        mine = (_boot_id(), os.getpid(), ctypes.addressof(block), ctypes.addressof(probe), usable, name)
+        here = (_boot_id(), _pid_namespace())
+        mine = (here, os.getpid(), ctypes.addressof(block), ctypes.addressof(probe), usable, name, token)
         infos = comm.control.all_gather_object(mine)
-        ok = all(i[0] is not None and i[0] == mine[0] and i[4] and i[5] is not None for i in infos)
-        for r, (_, pid, _, addr, _, peer_wake) in enumerate(infos):
+        ok = all(i[0][0] is not None and i[0] == here and i[4] and i[5] is not None for i in infos)
+        # One pid, one rank: a peer whose pid is ours here (the first process of its own container) passed the probe
+        # by reading our own, wherever the two lay alike (1 launch in 4), and the link then read us for it.
+        ok = ok and len({i[1] for i in infos}) == len(infos)
+        for r, (_, pid, _, addr, _, peer_wake, peer_token) in enumerate(infos):
             if not ok or r == comm.rank:
                 continue
             got = ctypes.create_string_buffer(64)
@@ -198,7 +215,7 @@ class Link:
                 logger.debug("cross-memory probe of rank %d failed: %s", r, err)
                 ok = False
                 break
-            ok = got.raw == pid.to_bytes(8, "little") * 8
+            ok = got.raw == peer_token
         agreed = all(comm.control.all_gather_object(ok))  # the decision every rank takes, from what all saw
         if not agreed:
             logger.debug("group %s moves CPU data through gloo (ranks on different hosts or unreadable)", comm)
@@ -218,15 +235,16 @@ class Link:
     def submit(self, what: str, kind: str, deadline_s: float, *args: Any) -> Work:
         """Queue one operation; every rank submits the same sequence. An all-reduce takes two sequence numbers (its
         reduce and its gather)."""
-        seq = self._seq + 1
-        self._seq += 2 if kind == "all_reduce" else 1
         run = getattr(self, f"_{kind}")
+        with self._submitting:  # a number and a place in the queue together: the worker runs them in that order
+            seq = self._seq + 1
+            self._seq += 2 if kind == "all_reduce" else 1
 
-        def body() -> None:
-            run(seq, time.monotonic() + deadline_s, what, *args)
+            def body() -> None:
+                run(seq, time.monotonic() + deadline_s, what, *args)
 
-        work = Work(what, body)
-        self._queue.put(work)
+            work = Work(what, body)
+            self._queue.put(work)
         return work
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -234,17 +252,24 @@ class Link:
         self._stop = True
         self._queue.put(None)
         self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self._wake.close()
+
+    def retire(self) -> None:
+        """Let the worker end once the operations queued so far are done (the group is gone: `cma.link_of`)."""
+        self._queue.put(None)
 
     def _serve(self) -> None:
-        while True:
-            work = self._queue.get()
-            if work is None:
-                return
-            err = work.run(self._broken)
-            self._broken = self._broken or (None if err is None else str(err))
-            del work
+        # Inference mode: the worker's own thread would otherwise record autograd, as a fresh thread does, where the
+        # caller issued the collective under no_grad (or inference mode): an all-reduce of a leaf that requires grad
+        # failed in its `out=` add, one of an inference tensor in its in-place copy, where gloo took both.
+        with torch.inference_mode():
+            while True:
+                work = self._queue.get()
+                if work is None:
+                    break
+                err = work.run(self._broken)
+                self._broken = self._broken or (None if err is None else str(err))
+                del work
+        self._wake.close()  # only this thread waits on it
 
     # The steps of [Note: collectives by cross-memory attach].
     def _post(self, seq: int, addr: int) -> None:
