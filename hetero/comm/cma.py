@@ -83,7 +83,7 @@ def link_of(comm: Any) -> Link | None:
         _OWNER[0] = os.getpid()
     group = comm.group
     if group not in _LINKS:
-        link = _LINKS[group] = Link.open(comm)
+        link = _LINKS[group] = Link.open(comm, wanted=transport() == "cma")
         if link is not None:
             _OPENED.add(link)
             weakref.finalize(group, link.retire).atexit = False  # `close_all` stops it at exit

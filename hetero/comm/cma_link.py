@@ -183,8 +183,14 @@ class Link:
 
     # ------------------------------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, comm: Any) -> Link | None:
-        """Collective over `comm`'s ranks: a link if all share the host and can read each other, else None."""
+    def open(cls, comm: Any, *, wanted: bool = True) -> Link | None:
+        """Collective over `comm`'s ranks: a link if all want one, share the host and can read each other, else None.
+        `wanted` is each rank's own setting (`HETERO_CPU_TRANSPORT`): agreed here, like the rest, so that a rank
+        launched with another setting than its peers makes them all use gloo instead of leaving them waiting on it."""
+        if not wanted:
+            comm.control.all_gather_object(None)
+            comm.control.all_gather_object(False)
+            return None
         _allow_peers()
         block = _block(comm.size)
         # Random bytes, not the pid: the process a peer's pid names here may not be the peer (see `_pid_namespace`),
@@ -198,13 +204,14 @@ class Link:
         here = (_boot_id(), _pid_namespace())
         mine = (here, os.getpid(), ctypes.addressof(block), ctypes.addressof(probe), usable, name, token)
         infos = comm.control.all_gather_object(mine)
-        ok = all(i[0][0] is not None and i[0] == here and i[4] and i[5] is not None for i in infos)
+        ok = all(i is not None and i[0][0] is not None and i[0] == here and i[4] and i[5] is not None for i in infos)
         # One pid, one rank: a peer whose pid is ours here (the first process of its own container) passed the probe
         # by reading our own, wherever the two lay alike (1 launch in 4), and the link then read us for it.
         ok = ok and len({i[1] for i in infos}) == len(infos)
-        for r, (_, pid, _, addr, _, peer_wake, peer_token) in enumerate(infos):
-            if not ok or r == comm.rank:
+        for r, info in enumerate(infos if ok else ()):
+            if r == comm.rank:
                 continue
+            _, pid, _, addr, _, peer_wake, peer_token = info
             got = ctypes.create_string_buffer(64)
             try:
                 _copy(pid, addr, ctypes.addressof(got), 64)
@@ -216,6 +223,8 @@ class Link:
                 ok = False
                 break
             ok = got.raw == peer_token
+            if not ok:
+                break
         agreed = all(comm.control.all_gather_object(ok))  # the decision every rank takes, from what all saw
         if not agreed:
             logger.debug("group %s moves CPU data through gloo (ranks on different hosts or unreadable)", comm)

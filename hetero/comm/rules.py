@@ -35,7 +35,8 @@ def rules_for(backend: str, timeout_s: float | None) -> Rules:
         return Rules(timeout_s=timeout_s, device_only=_cuda_only, separate_control=True)
     if standin.active():
         return Rules(timeout_s=timeout_s, device_only=standin.collective_rule, separate_control=True)
-    return Rules(timeout_s=timeout_s, cma=backend == "gloo" and cma.transport() == "cma")
+    cma.transport()  # a bad HETERO_CPU_TRANSPORT fails here, at the edge; each rank's choice is agreed at `Link.open`
+    return Rules(timeout_s=timeout_s, cma=backend == "gloo")
 
 
 # The control group made for each process group, so that wrapping the same group twice (Comm.world() again) does
