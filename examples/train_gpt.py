@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 import hetero
-from hetero.config import format_size
+from hetero.config import format_size, parse_size
 from hetero.models import GPT, GPTConfig, generate_greedy
 
 BLOCK_SIZE = 128
@@ -41,6 +41,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def size(text: str) -> str:
+    """A byte count as hetero's config reads it ("6MiB", "2GB", 1073741824), checked here so that a typo is a usage
+    error; the text itself goes into the config."""
+    try:
+        parse_size(text)
+    except hetero.ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
+    return text
 
 
 def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float) -> None:
@@ -69,13 +86,15 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
         help="where parameter chunks live between uses",
     )
     ap.add_argument("--nvme-dir", default=None, help="directory for swap files (default: a temporary directory)")
-    ap.add_argument("--device-budget", default="6MiB", help="bytes of chunks on the compute device, e.g. 6MiB")
-    ap.add_argument("--host-budget", default="128MiB", help="bytes of chunks in host memory")
+    ap.add_argument(
+        "--device-budget", type=size, default="6MiB", help="bytes of chunks on the compute device, e.g. 6MiB"
+    )
+    ap.add_argument("--host-budget", type=size, default="128MiB", help="bytes of chunks in host memory")
     ap.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer update")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient norm clip; 0 disables")
     ap.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate greedily at the end")
+    ap.add_argument("--sample-tokens", type=non_negative_int, default=200, help="bytes to generate greedily at the end")
     ap.add_argument(
         "--delayed-param-update",
         action="store_true",
@@ -84,7 +103,7 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
     )
     ap.add_argument(
         "--delayed-update-warmup",
-        type=int,
+        type=non_negative_int,
         default=40,
         help="with --delayed-param-update: exact updates before the delay starts (0: delayed from the first)",
     )

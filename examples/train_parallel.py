@@ -30,6 +30,9 @@ import torch
 from corpus import VOCAB_SIZE, batches, decode, load_corpus
 from tqdm import tqdm
 
+# train_gpt.py, next to this file (on sys.path when run as a script): the flag types it checks
+from train_gpt import non_negative_int, positive_int
+
 import hetero
 from hetero.models.gpt import GPTConfig
 from hetero.models.gpt_pipe import TP_PLAN, GPTPipe
@@ -37,9 +40,9 @@ from hetero.models.gpt_pipe import TP_PLAN, GPTPipe
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
+    ap.add_argument("--tensor", type=positive_int, default=1, help="tensor-parallel degree")
     ap.add_argument("--tensor-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"), help="how layers are cut")
-    ap.add_argument("--tensor-depth", type=int, default=None, help="depth of --tensor-mode 2.5d")
+    ap.add_argument("--tensor-depth", type=positive_int, default=None, help="depth of --tensor-mode 2.5d")
     ap.add_argument(
         "--sequence",
         nargs="?",
@@ -49,20 +52,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="sequence parallelism: megatron (the default when given alone) inside the tensor group; ulysses or ring "
         "over the --tensor ranks, layers whole",
     )
-    ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages")
+    ap.add_argument("--pipeline", type=positive_int, default=1, help="pipeline stages")
     ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"))
-    ap.add_argument("--virtual-stages", type=int, default=None, help="model chunks per rank (interleaved only)")
-    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
+    ap.add_argument(
+        "--virtual-stages", type=positive_int, default=None, help="model chunks per rank (interleaved only)"
+    )
+    ap.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per batch")
     ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     ap.add_argument("--offload-optimizer", default="device", choices=("device", "host"))
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
-    ap.add_argument("--generate", type=int, default=24, help="tokens to generate greedily after training")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank per batch")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--generate", type=non_negative_int, default=24, help="tokens to generate greedily after training")
+    ap.add_argument("--steps", type=positive_int, default=200)
+    ap.add_argument("--batch-size", type=positive_int, default=8, help="sequences per data-parallel rank per batch")
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--embd", type=positive_int, default=128)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--block-size", type=positive_int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="rank 0 prints one JSON object at the end")

@@ -31,6 +31,7 @@ except ImportError:
 
 # corpus.py, next to this file (on sys.path when run as a script), reads the shipped byte-level corpus.
 from corpus import VOCAB_SIZE, encode, load_corpus
+from train_gpt import non_negative_int, positive_int
 
 from hetero.integrations.transformers import HeteroTrainer
 
@@ -120,20 +121,20 @@ def train(args: argparse.Namespace, hetero: bool, output_dir: str, nvme_dir: str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--zero-stage", type=int, default=3)
+    ap.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
     ap.add_argument("--offload-optimizer", default="nvme", choices=("device", "host", "nvme"))
     ap.add_argument("--offload-params", default="device", choices=("device", "host", "nvme"))
     ap.add_argument("--nvme-dir", default=None, help="swap directory (default: a temporary one)")
-    ap.add_argument("--steps", type=int, default=12, help="optimizer updates")
-    ap.add_argument("--batch-size", type=int, default=4, help="per rank and micro-batch")
-    ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=12, help="optimizer updates")
+    ap.add_argument("--batch-size", type=positive_int, default=4, help="per rank and micro-batch")
+    ap.add_argument("--grad-accum", type=positive_int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--embd", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--eval-steps", type=int, default=6, help="0: no evaluation")
-    ap.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
+    ap.add_argument("--layers", type=positive_int, default=2)
+    ap.add_argument("--embd", type=positive_int, default=64)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--block-size", type=positive_int, default=64)
+    ap.add_argument("--eval-steps", type=non_negative_int, default=6, help="0: no evaluation")
+    ap.add_argument("--save-steps", type=non_negative_int, default=0, help="0: no checkpoints")
     ap.add_argument("--output-dir", default=None, help="default: a temporary directory")
     ap.add_argument(
         "--resume",
@@ -146,6 +147,8 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="train with the plain Trainer first and compare losses")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end (rank 0)")
     args = ap.parse_args()
+    if args.resume is True and args.output_dir is None:
+        ap.error("--resume without a checkpoint directory resumes the last one in --output-dir: give --output-dir")
     transformers.logging.set_verbosity_error()
     rank = int(os.environ.get("RANK", "0"))
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import hetero  # noqa: E402
+from hetero.config import parse_size  # noqa: E402
 from hetero.profiler import Machine  # noqa: E402
 
 
@@ -82,7 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     ):
         rec.add_argument(flag, help=f"{what} (default: an 8-GPU H100 node's with --device-memory, else measured)")
     args = ap.parse_args(argv)
+    for flag in ("batch_size", "seq_len", "gpus", "global_batch", "top"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {value}")
+    if args.tensor_modes:
+        unknown = sorted(set(args.tensor_modes.split(",")) - {"1d", "2d", "2.5d", "3d"})
+        if unknown:
+            ap.error(f"--tensor-modes: unknown {', '.join(unknown)}; choose from 1d, 2d, 2.5d, 3d")
+    try:
+        return _run(ap, args)
+    except hetero.ConfigError as e:  # a bad value in --config's file or in a size: the message says which
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
+
+def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = dict(hetero.Config.from_any(args.config).to_dict()) if args.config else {}
     if args.zero_stage is not None:
         config["zero_stage"] = args.zero_stage
@@ -106,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     given = (args.device_memory, args.host_memory, args.nvme_space)
     if any(given) and not all(given[:2]):
         ap.error("describe the target machine with both --device-memory and --host-memory (and --nvme-space)")
+    if "nvme" in offload.values() and not config.get("memory", {}).get("nvme_dir") and not args.recommend:
+        if not any(given):
+            ap.error(
+                "offload to nvme: give --nvme-dir DIR (its free space is this machine's NVMe tier), or describe the "
+                "target machine with --device-memory, --host-memory and --nvme-space"
+            )
+        # A machine described by its sizes: the directory is only a name in the config (as --recommend prints it)
+        config["memory"] = {**config.get("memory", {}), "nvme_dir": "/path/on/nvme"}
     machine: Machine | bool = True
     if any(given):
         machine = Machine(
@@ -154,9 +178,12 @@ def _recommend(args: argparse.Namespace, model: object, config: dict, machine: M
     if machine is True:
         machine = Machine.detect(nvme_dir=args.nvme_dir)
         rates = Rates.measure(nvme_dir=args.nvme_dir)
-        rates = Rates(**{**rates.to_dict(), **{k: float(v) for k, v in overrides.items() if v is not None}})
+        given = {k: float(parse_size(v, key=k)) for k, v in overrides.items() if v is not None}  # '360GB' as Rates.node
+        rates = Rates(**{**rates.to_dict(), **given})
     else:
         rates = Rates.node(**overrides)
+    if sys.stderr.isatty():  # a 70B model's layouts take a minute or more to rank on a small machine
+        print("ranking every layout that fits...", file=sys.stderr)
     try:
         result = hetero.plan(
             model,

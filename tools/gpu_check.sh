@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, for a lent GPU machine that has no network (see README, "GPU runs"):
+# The GPU checks in one go, for a lent GPU machine that has no network (see README, "Status": "On a GPU"):
 #
 #   bash tools/gpu_check.sh tests   the test suite (or TESTS="files") with CUDA visible (gloo ranks stay on the CPU)
 #   bash tools/gpu_check.sh onegpu  the same, each multi-rank test run as one NCCL rank on the GPU
@@ -55,6 +55,13 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
 PHASE=${1:-all}
+case "$PHASE" in
+  tests | onegpu | smoke | race | nvme | waits | build | all) ;;
+  *)  # a typo would otherwise spend a lent machine's start on nothing
+    echo "gpu_check.sh: unknown phase '$PHASE'; choose tests, onegpu, smoke, race, nvme, waits, build or all" >&2
+    exit 2
+    ;;
+esac
 NV=${NVME_DIR:-/tmp/hetero_gpu_nvme}
 mkdir -p "$OUT" "$NV"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

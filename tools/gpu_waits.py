@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps: expected an integer >= 1, got {args.steps}")
     if not torch.cuda.is_available():
         os.environ["HETERO_STANDIN"] = "1"  # before hetero makes its device
     names = [n for n in CONFIGS if n not in NVME or args.nvme_dir]
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(wanted) - set(CONFIGS)
         if unknown:
             ap.error(f"--only: unknown {sorted(unknown)}; known: {sorted(CONFIGS)}")
+        needs_dir = [n for n in wanted if n in NVME and not args.nvme_dir]
+        if needs_dir:
+            ap.error(f"--only {','.join(needs_dir)}: these configurations need --nvme-dir DIR (on the NVMe disk)")
         names = [n for n in names if n in wanted]
     out = {name: run(name, CONFIGS[name], args) for name in names}
     if args.json:

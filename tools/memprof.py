@@ -14,10 +14,13 @@ SystemExit unwinding).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
 from pathlib import Path
+
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
@@ -32,33 +35,45 @@ class _Stop(SystemExit):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print("usage: memprof.py [--out DIR] [--steps N] [--exit] -- python SCRIPT [ARGS...]", file=sys.stderr)
-        return 2
-    cut = argv.index("--")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        usage="memprof.py [-h] [--out DIR] [--steps N] [--exit] -- python SCRIPT [ARGS...]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", default="memprof", help="output directory (default: ./memprof)")
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps to record per engine (default 5)")
     ap.add_argument("--exit", action="store_true", help="end the run once the profiles are written")
+    if "--" not in argv:
+        ap.parse_args(argv)  # --help prints the help; anything else is an unknown argument or the missing `--`
+        ap.error("give the command to profile after --, e.g. -- python examples/train_gpt.py --steps 50")
+    cut = argv.index("--")
     args = ap.parse_args(argv[:cut])
     command = argv[cut + 1 :]
     if command and Path(command[0]).name.startswith("python"):
         command = command[1:]  # `-- python script.py ...`: the interpreter is this one
     if not command:
-        print("memprof.py: nothing to run after --", file=sys.stderr)
-        return 2
+        ap.error("nothing to run after --")
     if args.steps < 1:
-        print("memprof.py: --steps must be >= 1", file=sys.stderr)
-        return 2
+        ap.error(f"--steps: expected an integer >= 1, got {args.steps}")
+    if command[0] == "-m":
+        if len(command) < 2:
+            ap.error("-m needs a module name")
+    elif not Path(command[0]).is_file():
+        ap.error(f"no such script: {command[0]}")
 
     out = Path(args.out)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         out = out / f"rank{os.environ.get('RANK', '0')}"
+    try:  # before the script runs: a bad --out stops here, not in the middle of its training
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out: cannot create {str(out)!r} ({e.strerror or e}); choose a writable directory")
     profiles: list[Profile] = []
     original = hetero.engine.initialize
 
     def on_stop(prof: Profile) -> None:
-        print(f"memprof: wrote {prof.out_dir}/summary.txt, timeline.png, trace.json", file=sys.stderr)
+        # tqdm.write: on a line of its own, above any progress bar the script is drawing
+        tqdm.write(f"memprof: wrote {prof.out_dir}/summary.txt, timeline.png, trace.json", file=sys.stderr)
         if args.exit and all(p.finished for p in profiles):
             raise _Stop(0)
 
@@ -75,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command[0] == "-m":
             sys.argv = [command[1], *command[2:]]
+            sys.path.insert(0, os.getcwd())  # as `python -m module` would
             runpy.run_module(command[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(command)
@@ -90,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 prof.on_stop = None
                 prof.stop()
     if not profiles:
+        with contextlib.suppress(OSError):
+            out.rmdir()  # made above; left empty
         print("memprof: the script created no hetero engine; nothing was profiled", file=sys.stderr)
         return 1
     return 0
