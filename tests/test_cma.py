@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hetero import standin
 from hetero.comm import Comm, cma, cma_link, rules
-from hetero.errors import CommError
+from hetero.errors import CommError, RankTimeoutError
 from tests.dist import ONE_RANK_FAULTS, ONLY_SEVERAL, ranks_apart, run_distributed
 
 # Under the stand-in the data group takes "device" tensors only and gloo carries them, as NCCL would on a GPU.
@@ -328,8 +328,10 @@ def _own_timeout(rank: int, world: int) -> float:
         time.sleep(15)  # hangs: never issues the next gather
         return 0.0
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="timed out"):  # the backend's own error, as gloo's would be
+    # Named as under a timeout of the Comm's own: the rank that did not arrive, and the group's 3 s.
+    with pytest.raises(RankTimeoutError, match=r"timed out after 3 s .*rank\(s\) 1 did not arrive") as got:
         comm.all_gather(out, _data(rank, N, torch.float32))
+    assert got.value.missing_ranks == [1]
     return time.monotonic() - start
 
 

@@ -26,7 +26,9 @@ group's link, which is opened by a collective (`Link.open`: all ranks agree that
 namespace, run on a CPU that keeps stores in order, and can each read every other's memory, with a probe of random
 bytes) at the first operation that could use it. Nothing else is needed: no shared-memory files that a killed job
 would leave behind, and a peer that died shows at once (the read fails with ESRCH) instead of at the timeout. Under
-the stand-in, and where `HETERO_CPU_TRANSPORT=gloo`, gloo moves everything.
+the stand-in gloo moves everything; so it does where `HETERO_CPU_TRANSPORT=gloo` on any rank, a setting agreed at the
+same probe (a rank launched unlike its peers makes them all use gloo, rather than leave them waiting on it). The
+worker waits as long as the Comm's timeout, or the process group's own (`Comm.timeout_s`), as gloo would.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ import torch
 from hetero.comm.cma_link import Link, Work
 
 MIN_BYTES = 64 << 10  # smaller operations (flags, scalars) stay on gloo, whose latency is no worse there
-DEFAULT_DEADLINE_S = 1800.0  # a group whose own timeout cannot be read: torch's default for gloo
 _DTYPES = {
     torch.float32,
     torch.float64,
@@ -90,14 +91,6 @@ def link_of(comm: Any) -> Link | None:
     return _LINKS[group]
 
 
-def _own_timeout_s(group: Any) -> float:
-    """The process group's own timeout, which gloo's waits keep where the Comm sets none (`Rules.timeout_s`)."""
-    try:
-        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-    except Exception:  # not a torch that says
-        return DEFAULT_DEADLINE_S
-
-
 def start(comm: Any, kind: str, what: str, *tensors: torch.Tensor, op: str = "sum") -> Work | None:
     """Submit `kind` ("all_gather": out, inp; "reduce_scatter": out, inp; "all_reduce": t) through the group's link,
     or return None where gloo must move it. Tensors must be contiguous and not overlap; the choice depends only on
@@ -113,7 +106,7 @@ def start(comm: Any, kind: str, what: str, *tensors: torch.Tensor, op: str = "su
     link = link_of(comm)
     if link is None:
         return None
-    deadline = comm.rules.timeout_s or _own_timeout_s(comm.group)
+    deadline = comm.timeout_s()
     args: tuple[Any, ...] = (*tensors, op) if kind != "all_gather" else tensors
     return link.submit(what, kind, deadline, *args)
 

@@ -145,6 +145,16 @@ class Comm(Collectives, PointToPoint):
         # A group of one has nothing to exchange: skip torch.distributed (and the group-less Comm has none).
         return self.size == 1
 
+    def timeout_s(self) -> float:
+        """How long a blocking operation may wait: the Comm's own bound, else the process group's (which its backend
+        keeps, and a transport beside it must keep too: [Note: collectives by cross-memory attach])."""
+        if self.rules.timeout_s is not None:
+            return self.rules.timeout_s
+        try:
+            return float(self.group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        except Exception:  # a torch that does not say: its default for gloo
+            return 1800.0
+
     def _timedelta(self) -> datetime.timedelta | None:
         t = self.rules.timeout_s
         return None if t is None else datetime.timedelta(seconds=t)
@@ -168,11 +178,13 @@ class Comm(Collectives, PointToPoint):
         if work is None:
             return
         timeout = self._timedelta()
-        if timeout is None or self._backend == "nccl":
+        if self._backend == "nccl":
             work.wait()
             return
         try:
-            ok = work.wait(timeout=timeout)
+            # No timeout of ours: the backend's own (the process group's), whose failure leaves memory the operation
+            # may still write all the same ([Note: memory a failed collective may still write]).
+            ok = work.wait() if timeout is None else work.wait(timeout=timeout)
         except RuntimeError as err:
             mark_failed(what)
             if not (timed_out(err) or peer_gone(err)):
@@ -190,8 +202,7 @@ class Comm(Collectives, PointToPoint):
             store = None
         desc = f"{what} on group {self._global_ranks}"
         me = self._global_ranks[self.rank]
-        timeout_s = self.rules.timeout_s or 0.0
-        return diagnose(store, me=me, members=self._global_ranks, what=desc, timeout_s=timeout_s, err=err)
+        return diagnose(store, me=me, members=self._global_ranks, what=desc, timeout_s=self.timeout_s(), err=err)
 
     def _run(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """A blocking operation: started asynchronously, then waited for with the group's timeout (after the checks
