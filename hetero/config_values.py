@@ -24,7 +24,8 @@ _SIZE_UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# A sign is read so that "-1GiB" is refused as negative, as the int -1 is, rather than as unreadable.
+_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: int | float | str, *, key: str = "size") -> int:
@@ -48,7 +49,7 @@ def parse_size(value: int | float | str, *, key: str = "size") -> int:
         n = int(float(m.group(1)) * _SIZE_UNITS[unit])
     else:
         raise ConfigError(f"{key}: expected a size in bytes or a string like '2GiB', got {type(value).__name__}")
-    if n < 0:
+    if n < 0 or (isinstance(value, str) and value.strip().startswith("-")):  # "-0.5" truncates to 0
         raise ConfigError(f"{key}: a size cannot be negative, got {value!r}")
     return n
 

@@ -81,3 +81,10 @@ def test_config_from_json_file(tmp_path):
 def test_config_round_trips_through_dict():
     c = Config.from_any({"zero_stage": 1, "memory": {"host_budget": "1MiB"}})
     assert Config.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("bad", ["-1", "-1GiB", " -2.5 MB", "-0.5", -1])
+def test_negative_sizes_say_they_are_negative(bad):
+    """A negative string is a negative size (as the int -1 is), not an unreadable one."""
+    with pytest.raises(ConfigError, match=rf"memory.host_budget: a size cannot be negative, got {bad!r}"):
+        parse_size(bad, key="memory.host_budget")

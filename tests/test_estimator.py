@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -261,6 +263,55 @@ def test_bad_inputs_are_refused():
     for layout, world in (({"tensor": 2}, 1), ({"pipeline": 2}, 3), ({"tensor": 2, "pipeline": 2}, 2)):
         with pytest.raises(hetero.ConfigError, match="must divide the world size"):
             estimate(1e6, {"zero_stage": 3, "parallel": layout}, world_size=world, machine=False)
+
+
+def test_nvme_on_a_described_machine_needs_no_directory(tmp_path, monkeypatch):
+    """The README's estimate: NVMe offload for a machine described by its sizes needs no directory on this one (a
+    placeholder stands in for the config's check, and nothing is made); on this machine its free space is the NVMe
+    tier, so the directory is still asked for, with the way out named."""
+    monkeypatch.chdir(tmp_path)
+    node = Machine(device_bytes="80GiB", host_bytes="1TiB", nvme_bytes="4TiB", gpus=8)
+    config = {"zero_stage": 3, "offload": {"optimizer": "nvme"}}
+    est = estimate(_gpt(meta=True), config, world_size=8, batch_size=4, seq_len=16, machine=node)
+    assert est.offload_optimizer == "nvme" and est.model_state("nvme") > 0 and est.fits
+    assert list(tmp_path.iterdir()) == [] and not os.path.exists("/path/on/nvme")
+    assert config == {"zero_stage": 3, "offload": {"optimizer": "nvme"}}  # the caller's dict is left as it was
+    with pytest.raises(hetero.ConfigError, match=r"memory.nvme_dir: .*this machine.*pass memory.nvme_dir.*Machine"):
+        estimate(_gpt(meta=True), config, machine=True)
+    with pytest.raises(hetero.ConfigError, match="memory.nvme_dir: expected a directory path"):
+        estimate(1e6, {**config, "memory": {"nvme_dir": 3}}, machine=node)  # a bad directory is still refused
+
+
+def test_batch_size_and_seq_len_are_checked():
+    """Below 1 they were a torch error deep in the meta forward (seq_len) or silently accepted (batch_size)."""
+    for kwargs, match in (
+        ({"seq_len": -1}, r"seq_len: expected an integer >= 1 .*got -1"),
+        ({"seq_len": 0}, r"seq_len: expected an integer >= 1 .*got 0"),
+        ({"batch_size": 0}, r"batch_size: expected an integer >= 1 .*got 0"),
+        ({"batch_size": 2.5}, r"batch_size: expected an integer >= 1 .*got 2.5"),
+    ):
+        with pytest.raises(hetero.ConfigError, match=match):
+            estimate(_gpt(meta=True), {}, machine=False, **kwargs)
+
+
+def test_nothing_fits_for_activations_says_what_to_change():
+    """When no placement fits and activations are most of what the device needs, no offload can help: the verdict
+    says so and names what shrinks them; where model states are the trouble it does not."""
+    meta = _gpt(meta=True)
+    for config in ({}, {"activation_checkpointing": True}):
+        need = estimate(meta, config, batch_size=64, seq_len=16, machine=False).bytes("device")
+        small = Machine(device_bytes=need // 2, host_bytes="1GiB", nvme_bytes=0)
+        est = estimate(meta, config, batch_size=64, seq_len=16, machine=small)
+        assert est.recommendation is None and est.advice is not None
+        assert f"recommended: nothing fits this machine; {est.advice}" in est.table()
+        assert est.to_dict()["advice"] == est.advice
+        assert re.search(r"activations are .* of the .* needed on the device", est.advice)
+        assert "batch_size" in est.advice and "seq_len" in est.advice
+        assert ("set activation_checkpointing" in est.advice) == (not config)
+    tiny = Machine(device_bytes="1KiB", host_bytes="1GiB", nvme_bytes=0)
+    est = estimate(meta, {}, batch_size=1, seq_len=1, machine=tiny)
+    assert est.recommendation is None and est.advice is None
+    assert est.table().endswith("recommended: nothing fits this machine")
 
 
 def _layouts(rank: int, world: int, configs: list[dict]) -> list[dict]:

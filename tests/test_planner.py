@@ -107,3 +107,37 @@ def test_estimate_tool_takes_the_layout_flags_and_recommends(capsys):
     assert "config to paste" in text and " 1. " in text and " 4. " not in text
     pasted = json.loads(text[text.index("config to paste") :].split("\n", 1)[1])
     hetero.Config.from_dict(pasted)
+
+
+def test_plan_shows_its_progress_and_refuses_unknown_modes(monkeypatch, capsys):
+    """A 70B model's layouts take a minute to rank: a bar ticks once per layout (where progress bars show:
+    hetero/progress.py). A tensor mode it does not know is a ConfigError naming the valid ones, not a KeyError."""
+    from hetero.profiler import planner
+
+    args = dict(machine=NODE, rates=Rates.node(), global_batch=4, seq_len=16, tensor_modes=("1d",))
+    bars = []
+
+    class Recording:
+        def __init__(self, total, desc, **kwargs):
+            self.total, self.desc, self.ticks, self.closed = total, desc, 0, False
+            bars.append(self)
+
+        def update(self, n=1):
+            self.ticks += n
+
+        def close(self):
+            self.closed = True
+
+    with monkeypatch.context() as m:
+        m.setattr(planner, "make_bar", Recording)
+        plan(_meta(), 2, **args)
+    grid = list(planner._grid(planner.shape_of(_meta()), 2, 8, None, ("1d",), planner.SCHEDULES))
+    assert len(bars) == 1 and bars[0].total == bars[0].ticks == len(grid) > 1 and bars[0].closed
+    monkeypatch.setenv("HETERO_PROGRESS", "0")
+    plan(_meta(), 2, **args)
+    assert capsys.readouterr().err == ""  # switched off: quiet
+    monkeypatch.setenv("HETERO_PROGRESS", "1")
+    plan(_meta(), 2, **args)
+    assert "hetero: ranking layouts" in capsys.readouterr().err
+    with pytest.raises(hetero.ConfigError, match=r"tensor_modes: unknown '4d'; choose from '1d', '2d', '2.5d', '3d'"):
+        plan(_meta(), 2, **{**args, "tensor_modes": ("1d", "4d")})

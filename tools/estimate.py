@@ -182,8 +182,6 @@ def _recommend(args: argparse.Namespace, model: object, config: dict, machine: M
         rates = Rates(**{**rates.to_dict(), **given})
     else:
         rates = Rates.node(**overrides)
-    if sys.stderr.isatty():  # a 70B model's layouts take a minute or more to rank on a small machine
-        print("ranking every layout that fits...", file=sys.stderr)
     try:
         result = hetero.plan(
             model,

@@ -8,9 +8,9 @@ config puts them. These *resident* model states are what the engine's tier ledge
 byte. On top come *transient* buffers that exist only during a step: stage-3 chunks gathered for use (the one in use
 plus `prefetch_depth` arriving and one being released), per-micro-batch gradient buffers and the reduce-scatters in
 flight (stages 2-3), optimizer states read back from NVMe for the update (the chunk stepping and the next one), and
-parameter shards read back from NVMe for a gather. Activations are counted on the meta device (see
-`activations.py`). A configuration fits when each tier's resident + transient bytes (per node for the shared host
-and NVMe tiers) stay within the usable share of what the machine has.
+parameter shards read back from NVMe for a gather (`placement.py` places both). Activations are counted on the
+meta device (see `activations.py`). A configuration fits when each tier's resident + transient bytes (per node for
+the shared host and NVMe tiers) stay within the usable share of what the machine has.
 """
 
 from __future__ import annotations
@@ -28,21 +28,18 @@ from hetero.errors import ConfigError
 from hetero.parallel.mesh import check_degrees
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
 from hetero.profiler.auto_chunks import cap_for, tiled_counts
+from hetero.profiler.estimate_args import check_sizes, config_for
 from hetero.profiler.gathered import gathered_bytes
 from hetero.profiler.machine import Machine
 from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks, with_layout
 from hetero.profiler.parallel_shapes import per_rank_model
-from hetero.zero.layout import ChunkSpec, build_layout
+from hetero.profiler.placement import KINDS, MODEL_STATE_KINDS, TIERS, place, zeros
+from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
-from hetero.zero.stages import STAGES, Placement, master_is_shard, shard_homes
 
-TIERS = ("device", "host", "nvme")
-MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
-KINDS = (*MODEL_STATE_KINDS, "activations", "buffers")
 USABLE = {"device": 0.9, "host": 0.9, "nvme": 1.0}  # share of a tier's capacity a run can count on
-REDUCES_IN_FLIGHT = 2  # the engine's _REDUCES_IN_FLIGHT: gradient reduce-scatters kept running during backward
 # (zero_stage, offload.params, offload.optimizer), fastest first: everything on the device at the lowest stage, then
 # optimizer states on the host, then on NVMe, parameters leaving the device last.
 CANDIDATES = (
@@ -50,10 +47,6 @@ CANDIDATES = (
     (1, "device", "host"), (2, "device", "host"), (3, "device", "host"), (3, "host", "host"),
     (2, "device", "nvme"), (3, "device", "nvme"), (3, "host", "nvme"), (3, "nvme", "nvme"),
 )  # fmt: skip
-
-
-def _zeros() -> dict[str, dict[str, int]]:
-    return {t: dict.fromkeys(KINDS, 0) for t in TIERS}
 
 
 @dataclass(frozen=True)
@@ -87,8 +80,8 @@ class Estimate:
     optimizer: str
     batch_size: int
     seq_len: int
-    resident: dict[str, dict[str, int]] = field(default_factory=_zeros)
-    transient: dict[str, dict[str, int]] = field(default_factory=_zeros)
+    resident: dict[str, dict[str, int]] = field(default_factory=zeros)
+    transient: dict[str, dict[str, int]] = field(default_factory=zeros)
     activations: ActivationEstimate | None = None
     machine: Machine | None = None
     candidates: list[Candidate] = field(default_factory=list)
@@ -127,6 +120,23 @@ class Estimate:
     def recommendation(self) -> Candidate | None:
         return next((c for c in self.candidates if c.fits), None)
 
+    @property
+    def advice(self) -> str | None:
+        """Where nothing fits for the activations: they are most of what the device needs even with the model
+        states offloaded furthest, and no placement moves them; only checkpointing or a smaller micro-batch does."""
+        if self.machine is None or not self.candidates or self.recommendation is not None:
+            return None
+        leanest = min(c.needed["device"] for c in self.candidates)
+        acts = self.bytes("device", "activations")
+        if leanest <= _capacity(self.machine, "device") or 2 * acts <= leanest:
+            return None  # short elsewhere, or model states are most of the device's need
+        ckpt = self.activations is not None and self.activations.checkpointed
+        fix = "" if ckpt else "set activation_checkpointing (true, or the blocks to checkpoint), or "
+        return (
+            f"activations are {format_size(acts)} of the {format_size(leanest)} needed on the device with the model"
+            f" states offloaded furthest, and no placement moves them; {fix}lower batch_size or seq_len"
+        )
+
     # ---- renderings ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         rec = self.recommendation
@@ -157,6 +167,7 @@ class Estimate:
             "short": list(self.short),
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
             "recommendation": None if rec is None else dataclasses.asdict(rec),
+            "advice": self.advice,
             "layout": self.layout,
             "per_pipeline_rank": self.per_pipeline_rank,
         }
@@ -205,7 +216,8 @@ class Estimate:
                 mark = "fits" if c.fits else f"short: {', '.join(c.short)}"
                 lines.append(f"  {c.label():<62} {need}   {mark}")
             rec = self.recommendation
-            lines.append(f"recommended: {rec.label()}" if rec else "recommended: nothing fits this machine")
+            advice = f"; {self.advice}" if self.advice else ""
+            lines.append(f"recommended: {rec.label()}" if rec else f"recommended: nothing fits this machine{advice}")
         return "\n".join(lines)
 
 
@@ -238,19 +250,19 @@ def estimate(
     config.json, or a parameter count (a GPT-3-shaped model is assumed, see `layouts.gpt_for_params`).
     optimizer: the optimizer instance you will train with (its param groups shape the layout), or "adamw" / "adam"
     / "sgd" for one param group. inputs: forward keyword arguments as meta tensors, for models that do not take
-    `input_ids` (default: input_ids and labels of [batch_size, seq_len]). machine: True reads this machine, a
-    `Machine` describes another, False/None checks nothing. ranks_per_node: ranks sharing a node's host RAM and NVMe
-    (default: the world size, at most the node's GPU count when it has GPUs).
+    `input_ids` (default: input_ids and labels of [batch_size, seq_len]). machine: True reads this machine (NVMe
+    offload then needs memory.nvme_dir: its free space is the tier), a `Machine` describes another, False/None checks
+    nothing (neither needs a directory: `estimate_args.py`). ranks_per_node: ranks sharing a node's host RAM and
+    NVMe (default: the world size, at most the node's GPU count when it has GPUs).
 
     tensor, tensor_mode, pipeline, microbatches, sequence: the layout (over the config's "parallel" section);
     world_size counts every rank. With a pipeline the bytes are the busiest pipeline rank's, every rank's in
     `per_pipeline_rank` ([Note: a layout's bytes per rank]); batch_size is the rows of one micro-batch.
     """
-    cfg = Config.from_any(config)
+    check_sizes(world_size=world_size, batch_size=batch_size, seq_len=seq_len)
+    cfg = config_for(config, machine)  # NVMe offload for a described machine needs no directory here
     cfg = with_layout(cfg, tensor=tensor, tensor_mode=tensor_mode, pipeline=pipeline, microbatches=microbatches,
                       sequence=sequence)  # fmt: skip
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
     check_degrees(world_size, tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline)  # the engine's own check
     for key, value in (("offload.params", cfg.offload.params), ("offload.optimizer", cfg.offload.optimizer)):
         if value == "auto":
@@ -356,78 +368,6 @@ def estimate(
             needed = {t: probe.needed(t) for t in TIERS}
             est.candidates.append(Candidate(stage, params, optim, needed, not probe.short, probe.short))
     return est
-
-
-def place(
-    specs: list[ChunkSpec],
-    *,
-    gathered: int,
-    stage: int,
-    world: int,
-    dtype: torch.dtype,
-    n_states: int,
-    params: str,
-    optim: str,
-    prefetch_depth: int,
-    params_host_bytes: int = 0,
-) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Per tier and kind: the resident bytes of every chunk's buffers (the engine's table: [Note: what each stage
-    keeps]), and the transient peak of a step."""
-    resident, transient = _zeros(), _zeros()
-    layout, placement = STAGES[stage], Placement.of(params, optim)
-    compute = placement.compute.label  # where gradients accumulate and the optimizer steps
-    capacities = [s.capacity for s in specs]  # [Note: parameter shards kept on the host]
-    homes = shard_homes(capacities, placement, world=world, itemsize=dtype.itemsize, host_bytes=params_host_bytes)
-    full_chunks: list[int] = []  # stage 3: bytes of each full chunk, gathered for use
-    shards: list[int] = []  # stage 3: bytes of each parameter shard
-    grad_full: list[int] = []  # stages 2-3: each chunk's per-micro-batch fp32 gradient buffer
-    reduce_targets: list[int] = []
-    optim_chunks: list[int] = []  # bytes of each chunk's master + states
-    for spec, home in zip(specs, homes):
-        cap = spec.capacity
-        shard = cap // world
-        if not layout.params_sharded:
-            resident["device"]["parameters"] += cap * dtype.itemsize
-        else:
-            if not master_is_shard(layout, spec.trainable, dtype, placement):  # see the note
-                resident[home.label]["parameters"] += shard * dtype.itemsize
-            full_chunks.append(cap * dtype.itemsize)
-            shards.append(shard * dtype.itemsize)
-        if not spec.trainable:
-            continue
-        if layout.grads_sharded:
-            # A gradient shard is released once its chunk has stepped (Updater.release_zeroed): between steps it
-            # takes nothing; from backward to the update they all live.
-            transient[compute]["gradients"] += shard * 4
-        else:
-            resident[compute]["gradients"] += layout.grad_numel(cap, world) * 4
-        if layout.grads_sharded:
-            grad_full.append(cap * 4)
-            reduce_targets.append(shard * 4)
-        s = layout.optim_numel(cap, world)
-        resident[optim]["master_weights"] += s * 4
-        resident[optim]["optimizer_states"] += n_states * s * 4
-        optim_chunks.append(s * 4 * (1 + n_states))
-
-    def largest(sizes: list[int], n: int) -> int:
-        return sum(sorted(sizes, reverse=True)[:n])
-
-    if layout.params_sharded:
-        working = prefetch_depth + 2  # in use, arriving ahead of use, being released
-        transient["device"]["parameters"] += gathered + largest(full_chunks, prefetch_depth)
-        if params != "device":
-            # Shards read up for a gather: onto the host from NVMe (and onto the device for NCCL to read).
-            transient["host" if params == "nvme" else "device"]["parameters"] += largest(shards, working)
-    if grad_full:
-        # Reduces in flight, the one just issued before the oldest completes, and the chunk being filled.
-        transient["device"]["gradients"] += largest(grad_full, REDUCES_IN_FLIGHT + 2)
-        transient["device"]["buffers"] += largest(reduce_targets, REDUCES_IN_FLIGHT + 1)
-    if optim == "nvme" and optim_chunks:
-        # The update reads a chunk's states onto the host while the next one is prefetched.
-        both = largest(optim_chunks, 2)
-        transient["host"]["master_weights"] += both // (1 + n_states)
-        transient["host"]["optimizer_states"] += both - both // (1 + n_states)
-    return resident, transient
 
 
 def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.profiler import estimator as E
 from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
+from hetero.profiler.estimate_args import NVME_PLACEHOLDER
 from hetero.profiler.machine import Machine
 from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import (
@@ -35,8 +36,10 @@ from hetero.profiler.parallel_layout import (
     walk,
 )
 from hetero.profiler.parallel_shapes import per_rank_model
+from hetero.profiler.placement import TIERS, place
 from hetero.profiler.rates import Rates
 from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, q_and_depth
+from hetero.progress import bar as make_bar
 from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -151,6 +154,12 @@ def plan(
     the known model families'); a layout the plan cannot shard is left out.
     """
     tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
+    tensor_modes = (tensor_modes,) if isinstance(tensor_modes, str) else tuple(tensor_modes)  # "2d": one mode
+    unknown = [m for m in tensor_modes if m not in TENSOR_MODES]
+    if unknown:
+        raise ConfigError(
+            f"tensor_modes: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, TENSOR_MODES))}"
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
     model = as_model(model_or_config)
@@ -206,21 +215,22 @@ def plan(
             result.append((k, mine, stage_units, specs, E.gathered_bytes(sharded, specs, dtype, None), zero_world))
         return result
 
-    for t, mode, sequence, p, sched, m in _grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules):
+    def rank_layout(t: int, mode: str, sequence: str | None, p: int, sched: str, m: int) -> None:
+        """Every placement of one layout: its bytes checked against the machine, its step time predicted."""
         data = world_size // (t * p)
         if batch % (data * m):
-            continue
+            return
         rows = batch // (data * m)
         if rows % _batch_parts(mode, t):
-            continue  # a grid mode cuts each micro-batch's rows over its batch groups
+            return  # a grid mode cuts each micro-batch's rows over its batch groups
         chimera = sched == "chimera" and p > 1
         virtual = 2 if sched == "interleaved_1f1b" and p > 1 else 1
         try:
             ranks = ranks_for(t, mode, sequence, p, chimera, virtual)
         except (ConfigError, ValueError):
-            continue  # a degree the model's shapes do not divide by
+            return  # a degree the model's shapes do not divide by
         if ranks is None:
-            continue
+            return
         _, units_rows = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
         by_name = {u.name: u for u in units_rows}
         acts = [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
@@ -234,24 +244,34 @@ def plan(
                 continue
             out.considered += 1
             # The busiest pipeline rank, as the estimator reports it: per rank on the device, per node elsewhere.
-            needed = {tier: -1 for tier in E.TIERS}
+            needed = {tier: -1 for tier in TIERS}
             psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
             n_chunks = max(len(rk[3]) for rk in ranks)
             for (_, _, _, specs, gathered, _), act in zip(ranks, acts):
-                resident, transient = E.place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
-                                               n_states=n_states, params=params_at, optim=optim_at,
-                                               prefetch_depth=prefetch)  # fmt: skip
+                resident, transient = place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
+                                            n_states=n_states, params=params_at, optim=optim_at,
+                                            prefetch_depth=prefetch)  # fmt: skip
                 resident["device"]["buffers"] += buffers
                 transient["device"]["activations"] += act
-                per = {tier: sum(resident[tier].values()) + sum(transient[tier].values()) for tier in E.TIERS}
+                per = {tier: sum(resident[tier].values()) + sum(transient[tier].values()) for tier in TIERS}
                 if per["device"] > needed["device"]:
-                    needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in E.TIERS}
-            fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in E.TIERS)
+                    needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in TIERS}
+            fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in TIERS)
             terms = step_cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
                           gpus, ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
             config = _config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
             out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
                                       sum(terms.values()), terms, config))  # fmt: skip
+
+    # A 70B model's layouts take a minute or more to rank: a bar where someone watches (hetero/progress.py).
+    grid = list(_grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules))
+    progress = make_bar(len(grid), "hetero: ranking layouts", unit="layout")
+    try:
+        for cell in grid:
+            rank_layout(*cell)
+            progress.update()
+    finally:
+        progress.close()
     # Equal times: the option needing less device memory first (room for a larger batch).
     out.options.sort(key=lambda o: (not o.fits, round(o.seconds, 9), o.needed["device"]))
     return out
@@ -354,5 +374,5 @@ def _config(
         "parallel": parallel,
     }
     if "nvme" in (params_at, optim_at):
-        config["memory"] = {"nvme_dir": nvme_dir or "/path/on/nvme"}
+        config["memory"] = {"nvme_dir": nvme_dir or NVME_PLACEHOLDER}
     return config
