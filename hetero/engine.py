@@ -816,7 +816,7 @@ class Engine(DeepSpeedNames):
     # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, **kwargs: Any) -> str:
         """Save a checkpoint under the root directory `path` (every rank calls it); returns its directory.
-        Keyword-only extras: lr_scheduler=, tag=. See `hetero.checkpoint.save`."""
+        Keyword-only extras: lr_scheduler=, tag=, replace=. See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
         if isinstance(client_state, (str, int)) and "tag" not in kwargs:

@@ -133,10 +133,17 @@ def test_path_not_writable_and_existing_tag(saved, tmp_path):
     afile.write_text("x")
     e = make_engine(0, _cfg(1))
     try:
-        with pytest.raises(CheckpointError, match="cannot create the checkpoint directory"):
+        with pytest.raises(
+            CheckpointError, match="cannot create the checkpoint directory .*a-file is a file, not a directory"
+        ):
             e.save_checkpoint(str(afile / "ckpt"))
+        with pytest.raises(CheckpointError, match=r"a-file is a file, not a directory: .*Pass the path of a directory"):
+            e.save_checkpoint(str(afile))
+        assert afile.read_text() == "x"
         root = _copy(saved, tmp_path)
-        with pytest.raises(CheckpointError, match="exists already and is the latest: pass another tag"):
+        with pytest.raises(
+            CheckpointError, match=r"exists already and is the latest: pass another tag, .*replace=True"
+        ):
             e.save_checkpoint(root, tag="step-00000002")
         with pytest.raises(CheckpointError, match="weights_only"):
             e.save_checkpoint(root, client_state={"obj": object()})
@@ -297,3 +304,48 @@ def test_a_failed_save_puts_back_the_checkpoint_of_the_same_tag(saved, tmp_path,
     assert sorted(os.listdir(root)) == ["latest", "step-00000001", "step-00000002"]
     assert {n: os.path.getsize(os.path.join(old, n)) for n in os.listdir(old)} == before
     _load(old)  # it still loads
+
+
+def test_replacing_the_latest_checkpoint(saved, tmp_path):
+    """replace=True saves over the checkpoint `latest` names (as HeteroTrainer does when a resumed run saves a
+    checkpoint-N folder again): the new one stands under the same tag, the old one is gone, nothing is left aside."""
+    root = _copy(saved, tmp_path)
+    e = make_engine(0, _cfg(1))
+    try:
+        e.save_checkpoint(root, client_state={"epoch": "again"}, tag="step-00000002", replace=True)
+    finally:
+        e.close()
+    assert sorted(os.listdir(root)) == ["latest", "step-00000001", "step-00000002"]
+    assert _load(root)[0] == {"epoch": "again"}
+
+
+def test_trainer_folder_and_root_without_latest_resolve(saved, tmp_path, capsys):
+    """A HeteroTrainer checkpoint folder (checkpoint-N/, the engine's root in its hetero/) is a checkpoint to every
+    reader: load, verify, consolidate. A root that lost its `latest` names the complete checkpoints it holds."""
+    from hetero.checkpoint.__main__ import main
+
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(saved[0], folder / "hetero")
+    (folder / "model.safetensors").write_bytes(b"")  # the Trainer's own files beside it
+    assert mf.resolve(folder) == str(folder / "hetero" / "step-00000002")
+    assert _load(str(folder))[0] == {"epoch": 2}
+    assert main(["verify", str(folder)]) == 0
+    assert main(["consolidate", str(folder), str(tmp_path / "x.safetensors")]) == 0
+    assert capsys.readouterr().err == ""
+
+    os.remove(folder / "hetero" / "latest")
+    os.makedirs(folder / "hetero" / ".tmp-step-00000003-0123abcd")  # an interrupted save: not offered
+    os.makedirs(folder / "hetero" / "notes")  # nor a folder that is no checkpoint
+    for path in (folder, folder / "hetero"):
+        with pytest.raises(CheckpointError) as err:
+            mf.resolve(path)
+        msg = str(err.value)
+        assert "no latest file" in msg and "step-00000001, step-00000002" in msg, msg
+        assert f"e.g. {folder / 'hetero' / 'step-00000002'}" in msg, msg
+        assert ".tmp" not in msg and "notes" not in msg, msg
+    assert main(["verify", str(folder)]) == 1
+    assert "step-00000001, step-00000002" in capsys.readouterr().err
+    assert _load(str(folder / "hetero" / "step-00000001"))[0] == {"epoch": 1}
+
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):  # a folder with no checkpoint in it
+        mf.resolve(tmp_path)

@@ -1,5 +1,6 @@
 """A process SIGKILLed in the middle of a save leaves the previous checkpoint intact and `latest` valid; training
-resumes from it bit-exactly, and the next save succeeds."""
+resumes from it bit-exactly, and the next save succeeds. So too for a save that replaces the latest checkpoint
+(replace=True), killed after setting the old one aside and before the new one took its place."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ N, EXTRA, M = 3, 2, 6  # saved at N; killed while saving at N + EXTRA; resumed f
 CONFIG = _cfg(3, optim="nvme", params="nvme")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The job: train, save (committed), train on, then save with the test hook pausing it at `point` (to be killed).
+# The job: train, save (committed), train on, then save with the test hook pausing it at `point` (to be killed);
+# at "set-aside", that save replaces the first checkpoint under its own tag.
 JOB = f"""
 import os, sys
 sys.path.insert(0, {REPO!r})
@@ -33,7 +35,8 @@ train(e, 0, 1, 0, {N})
 e.save_checkpoint(os.path.join(root, "ckpt"), client_state={{"micro": {N}}})
 train(e, 0, 1, {N}, {N + EXTRA})
 os.environ["HETERO_CHECKPOINT_TEST_PAUSE"] = point + ":" + marker
-e.save_checkpoint(os.path.join(root, "ckpt"))
+kw = dict(tag="step-{N:08d}", replace=True) if point == "set-aside" else {{}}
+e.save_checkpoint(os.path.join(root, "ckpt"), **kw)
 raise SystemExit("the save was not paused")
 """
 
@@ -47,7 +50,7 @@ def _uninterrupted(scratch: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("point", ["shard-written", "before-latest"])
+@pytest.mark.parametrize("point", ["shard-written", "before-latest", "set-aside"])
 def test_sigkill_mid_save_keeps_previous_checkpoint(point, tmp_path):
     root, marker = str(tmp_path), str(tmp_path / "paused")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -63,8 +66,12 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(point, tmp_path):
         ckpt = os.path.join(root, "ckpt")
         if point == "shard-written":  # killed with the new checkpoint only in its temporary directory
             assert glob.glob(os.path.join(ckpt, ".tmp-step-00000005-*", "rank-00000.safetensors"))
-        else:  # killed after the rename, before `latest` moved
+        elif point == "before-latest":  # killed after the rename, before `latest` moved
             assert os.path.isfile(os.path.join(ckpt, "step-00000005", "manifest.json"))
+        else:  # killed with the checkpoint `latest` names set aside, the new one not yet in its place
+            assert not os.path.exists(os.path.join(ckpt, "step-00000003"))
+            assert glob.glob(os.path.join(ckpt, ".stale-step-00000003-*", "manifest.json"))
+            assert glob.glob(os.path.join(ckpt, ".tmp-step-00000003-*", "manifest.json"))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -92,3 +99,8 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(point, tmp_path):
     with open(os.path.join(ckpt, "latest")) as f:
         assert f.read().strip() == "step-00000005"
     assert not glob.glob(os.path.join(ckpt, ".stale-*"))
+    assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".tmp-")) == [
+        "latest",
+        "step-00000003",
+        "step-00000005",
+    ]

@@ -144,7 +144,9 @@ def test_activation_checkpointing_argument(tmp_path):
 
 
 def test_save_steps_and_resume(tmp_path):
-    """save_steps writes the Trainer's checkpoint with hetero's inside; resuming from it continues bit-exactly."""
+    """save_steps writes the Trainer's checkpoint with hetero's inside; resuming from it continues bit-exactly. The
+    resumed run saves into the same output directory, as a user resuming a run does: it saves checkpoint-6 again,
+    replacing the first run's whole (the Trainer's files and hetero's), as the plain Trainer replaces its own."""
     args = dict(num_train_epochs=1, max_steps=6, save_strategy="steps", save_steps=3, eval_strategy="no")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -155,8 +157,10 @@ def test_save_steps_and_resume(tmp_path):
     full.train()
     ckpt = tmp_path / "full" / "checkpoint-3"
     assert (ckpt / HETERO_DIR / "latest").is_file() and (ckpt / "model.safetensors").is_file()
+    last = tmp_path / "full" / "checkpoint-6"
+    first_manifest = (last / HETERO_DIR / "step-00000006" / "manifest.json").read_bytes()
     resumed = HeteroTrainer(
-        model=_model(), args=_args(tmp_path / "again", **args), train_dataset=Rows(80, 1), hetero_config=config
+        model=_model(), args=_args(tmp_path / "full", **args), train_dataset=Rows(80, 1), hetero_config=config
     )
     resumed.train(resume_from_checkpoint=str(ckpt))
     tail = [x for x in _logs(full)[3:]]
@@ -165,6 +169,19 @@ def test_save_steps_and_resume(tmp_path):
     assert resumed.lr_scheduler.last_epoch == full.lr_scheduler.last_epoch == 6
     full.engine.close()
     resumed.engine.close()
+    # checkpoint-6 is the second run's throughout: hetero's checkpoint was replaced, nothing set aside is left,
+    # and its weights (consolidated from the Trainer's folder itself) are those of the Trainer's model.safetensors.
+    from safetensors.torch import load_file
+
+    from hetero.checkpoint.__main__ import main
+
+    assert (last / HETERO_DIR / "step-00000006" / "manifest.json").read_bytes() != first_manifest
+    assert sorted(os.listdir(last / HETERO_DIR)) == ["latest", "step-00000006"]
+    assert main(["consolidate", str(last), str(tmp_path / "x.safetensors")]) == 0
+    hetero_weights, trainer_weights = load_file(tmp_path / "x.safetensors"), load_file(last / "model.safetensors")
+    assert trainer_weights and set(trainer_weights) <= set(hetero_weights)
+    for k, v in trainer_weights.items():
+        assert torch.equal(hetero_weights[k], v), k
 
 
 def test_config_conflicts_and_non_elementwise_optimizer(tmp_path):

@@ -6,6 +6,11 @@
     ROOT/<tag>/state.pt               rank 0: param groups, client_state, LR scheduler (loaded weights_only=True)
     ROOT/<tag>/rank-00000.safetensors one per global rank, written in parallel
     ROOT/.tmp-<tag>-<nonce>/          a save in progress (or one killed midway): never read
+    ROOT/.stale-<tag>-<nonce>/        the checkpoint <tag> set aside by a save replacing it, for the instant
+                                      between its two renames; read in its place if a kill left <tag> missing
+
+HeteroTrainer's checkpoint-N/ folder holds the engine's ROOT in its hetero/ subfolder (NESTED): every reader
+(`resolve`) takes the folder for that root.
 
 Tensors are stored by parameter name and element range, not by chunk, so any layout can read them. A key is
 "KIND:START:NAME": elements [START, START + numel) of the flattened tensor NAME, where KIND is `master` (fp32 master
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import zlib
 from collections import defaultdict
@@ -33,8 +39,11 @@ FORMAT = "hetero-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
+STALE = ".stale-"  # ROOT/.stale-<tag>-<nonce>: see [Note: checkpoint layout]
+NESTED = "hetero"  # HeteroTrainer's checkpoint-N/hetero/ (hetero/integrations/transformers.py)
 _RUN_BYTES = 64 << 20  # the most one vectored read asks for
 STATE_FILE = "state.pt"
+log = logging.getLogger("hetero.checkpoint")
 
 
 def key(kind: str, name: str, start: int = 0) -> str:
@@ -91,7 +100,8 @@ def file_crc(path: str) -> int:
 
 # ---- finding and checking a checkpoint -------------------------------------------------------------------------
 def resolve(path: str | os.PathLike) -> str:
-    """The checkpoint directory `path` names: a tag directory itself, or a root whose `latest` names one."""
+    """The checkpoint directory `path` names: a tag directory itself, a root whose `latest` names one, or a folder
+    (HeteroTrainer's checkpoint-N/) whose NESTED subfolder is either."""
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
@@ -101,17 +111,68 @@ def resolve(path: str | os.PathLike) -> str:
             tag = f.read().strip()
         target = os.path.join(path, tag)
         if not os.path.isfile(os.path.join(target, MANIFEST)):
-            raise CheckpointError(
-                f"{latest} names {tag!r}, but {target} holds no {MANIFEST}: the checkpoint was removed or moved. "
-                "Pass one of the tag directories under the root instead"
+            aside = set_aside(path, tag)
+            if aside is None:
+                raise CheckpointError(
+                    f"{latest} names {tag!r}, but {target} holds no {MANIFEST}: the checkpoint was removed or moved. "
+                    "Pass one of the tag directories under the root instead"
+                )
+            log.warning(
+                "%s is missing: a save replacing it was killed; reading the one it set aside, %s", target, aside
             )
+            return aside
         return target
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
+    nested = os.path.join(path, NESTED)
+    if (
+        os.path.isfile(os.path.join(nested, MANIFEST))
+        or os.path.isfile(os.path.join(nested, LATEST))
+        or complete_tags(nested)
+    ):
+        return resolve(nested)
+    tags = complete_tags(path)
+    if tags:
+        # `latest` is the only file a save writes outside its tag directory: a copy of the tag directories alone
+        # (or a hand-made one) lacks it. Which of these to resume from is the user's call, not a guess here.
+        raise CheckpointError(
+            f"{path}: a checkpoint root with no {LATEST} file (lost, or not copied with it) holding the complete "
+            f"checkpoints {', '.join(tags)}: pass one of them, e.g. {os.path.join(path, tags[-1])}"
+        )
     raise CheckpointError(
         f"{path}: neither a checkpoint (no {MANIFEST}) nor a checkpoint root (no {LATEST} file). A save that was "
         "interrupted leaves only a .tmp-* directory, which is never complete"
     )
+
+
+def complete_tags(root: str) -> list[str]:
+    """The tags of the complete checkpoints directly under `root` (a manifest written: the last step of a save),
+    sorted; never a .tmp-* or .stale-* directory."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(root, n, MANIFEST)))
+
+
+def set_aside(root: str, tag: str) -> str | None:
+    """The complete checkpoint of `tag` a save set aside to replace it (see `hetero.checkpoint.save`), if any."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for name in names:
+        if stale_tag(name) == tag and os.path.isfile(os.path.join(root, name, MANIFEST)):
+            return os.path.join(root, name)
+    return None
+
+
+def stale_tag(name: str) -> str | None:
+    """The tag of a set-aside directory's name (.stale-<tag>-<8 hex digits>), else None. Parsed whole, since a
+    prefix match would take step-1's for step-1-micro-2's."""
+    if not name.startswith(STALE) or len(name) < len(STALE) + 10 or name[-9] != "-":
+        return None
+    return name[len(STALE) : -9]
 
 
 def read_manifest(directory: str) -> dict[str, Any]:

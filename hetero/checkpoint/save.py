@@ -1,9 +1,10 @@
 """`engine.save_checkpoint`: every rank streams its own shard to disk in parallel; rank 0 commits the checkpoint.
 
 [Note: an atomic save]
-1. Before a byte is written, rank 0 checks that the root is a writable directory, that the tag is new, and that
-   the file system has room for every rank's planned bytes; the outcome is broadcast, so every rank raises the same
-   error and nothing already saved is touched.
+1. Before a byte is written, rank 0 checks that the root is a writable directory, that the tag is new (or that
+   replace=True allows replacing the latest checkpoint), and that the file system has room for every rank's
+   planned bytes; the outcome is broadcast, so every rank raises the same error and nothing already saved is
+   touched.
 2. Rank 0 makes ROOT/.tmp-<tag>-<nonce>/; each rank writes rank-<global rank>.safetensors into it chunk by chunk
    (written on I/O threads while the next chunk is brought to the host; a chunk on NVMe is read back and returned
    there) and fsyncs it.
@@ -12,6 +13,10 @@
    atomically (temporary file, fsync, rename, fsync).
 A process killed at any point leaves ROOT/latest naming the previous complete checkpoint: before the rename the new
 one exists only as a .tmp-* directory, which no reader opens; after it, `latest` is either old or new, both complete.
+A checkpoint already under the tag (replace=True, or one `latest` never moved to) stays in place until the new one
+is complete: it is renamed to ROOT/.stale-<tag>-<nonce>/ just before the new one takes its name, and deleted once
+`latest` has moved. A kill between those two renames leaves <tag> missing: readers then take the set-aside one
+(`manifest.resolve`), and the next save puts it back (`_settle_stale`) before anything else.
 """
 
 from __future__ import annotations
@@ -52,9 +57,12 @@ def save_checkpoint(
     *,
     lr_scheduler: Any = None,
     tag: str | None = None,
+    replace: bool = False,
 ) -> str:
     """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory.
-    lr_scheduler: default, the one given to `hetero.initialize`."""
+    lr_scheduler: default, the one given to `hetero.initialize`. replace: save over the checkpoint of the same tag
+    even when it is the latest (refused by default, since it discards that checkpoint); the old one stands until
+    the new one is committed ([Note: an atomic save])."""
     if lr_scheduler is None:
         lr_scheduler = getattr(engine, "lr_scheduler", None)
     comm = par.world(engine)  # every rank of the job; engine.comm is the data-parallel group
@@ -81,7 +89,7 @@ def save_checkpoint(
         try:
             state_bytes = _small_state(engine, client_state, lr_scheduler)
             need = sum(sizes) + len(state_bytes) + _extra_estimate(engine, plan, comm.size)
-            outcome = ("ok", _prepare(root, tag, need))
+            outcome = ("ok", _prepare(root, tag, need, replace))
         except Exception as e:  # any failure here is every rank's error: none may wait on rank 0
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     status, value = comm.broadcast_object(outcome, src=0)
@@ -105,7 +113,7 @@ def save_checkpoint(
     except BaseException as e:  # a rank dead or hung: nothing is committed
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            _restore_stale(root, tag)
+            _settle_stale(root, tag)
         if isinstance(e, RankTimeoutError):
             note = f" Checkpoint {tag!r} was not committed: the checkpoints under {root} are as they were."
             raise RankTimeoutError(str(e) + note, missing_ranks=e.missing_ranks, timeout_s=e.timeout_s) from e
@@ -120,7 +128,7 @@ def save_checkpoint(
             _commit(engine, root, tag, tmp, infos, state_bytes)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            _restore_stale(root, tag)
+            _settle_stale(root, tag)
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
@@ -241,17 +249,31 @@ def _extra_estimate(engine: Engine, plan: list[Item], world: int) -> int:
     return (1 << 20) + 200 * len(plan) * world  # manifest and state.pt
 
 
-def _prepare(root: str, tag: str, nbytes: int) -> str:
+def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
     """Check the root and the free space, then make the temporary directory; returns its path."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(
+            f"{root} is a file, not a directory: save_checkpoint's path is a checkpoint root, the directory that "
+            "holds one subdirectory per checkpoint and the `latest` file. Pass the path of a directory (made if "
+            "missing), or move the file away. Nothing was written"
+        )
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"cannot create the checkpoint directory {root}: {e.strerror or e}") from None
+        above = os.path.dirname(root)
+        while not os.path.exists(above) and above != os.path.dirname(above):
+            above = os.path.dirname(above)
+        why = f"{above} is a file, not a directory" if os.path.isfile(above) else (e.strerror or str(e))
+        raise CheckpointError(f"cannot create the checkpoint directory {root}: {why}") from None
     if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"{root} is not a writable directory: choose another path or fix its permissions")
+    _settle_stale(root)  # what a save killed between its renames left: before the tag is looked at
     final = os.path.join(root, tag)
-    if os.path.exists(final) and _latest(root) == tag:
-        raise CheckpointError(f"{final} exists already and is the latest: pass another tag, or remove it first")
+    if os.path.exists(final) and _latest(root) == tag and not replace:
+        raise CheckpointError(
+            f"{final} exists already and is the latest: pass another tag, or replace=True to save over it (it stays "
+            "until the new one is complete), or remove it first"
+        )
     free = shutil.disk_usage(root).free
     need = int(nbytes * _SPACE_MARGIN)
     if free < need:
@@ -260,12 +282,9 @@ def _prepare(root: str, tag: str, nbytes: int) -> str:
             f"{free / 2**20:.1f} MiB are free. Free space, delete old checkpoints, or save elsewhere. Nothing was "
             "written"
         )
-    if os.path.exists(final):
+    if os.path.exists(final) and not replace:
         # A checkpoint `latest` never moved to (a save killed between its rename and the pointer's move, or a run
-        # that went back to an earlier checkpoint): set aside now, deleted once the new one is committed, and put
-        # back if this save fails (`_restore_stale`).
-        stale = os.path.join(root, f".stale-{tag}-{secrets.token_hex(4)}")
-        os.rename(final, stale)
+        # that went back to an earlier checkpoint): replaced, at the commit.
         log.warning("%s was not the latest checkpoint: replaced by this save", final)
     tmp = os.path.join(root, f".tmp-{tag}-{secrets.token_hex(4)}")
     try:
@@ -315,24 +334,31 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
     mf.write_durable(os.path.join(tmp, mf.MANIFEST), mf.dumps(manifest))
     mf.fsync_dir(tmp)
     final = os.path.join(root, tag)
+    if os.path.exists(final):
+        # Set aside only now, the new checkpoint complete beside it: the old one stays readable under its tag for
+        # the whole write, and a kill between these two renames leaves it whole under its new name.
+        os.rename(final, os.path.join(root, f"{mf.STALE}{tag}-{secrets.token_hex(4)}"))
+        _test_pause("set-aside")
     os.rename(tmp, final)
     mf.fsync_dir(root)
     _test_pause("before-latest")
     mf.replace_atomic(os.path.join(root, mf.LATEST), (tag + "\n").encode())
-    for name in os.listdir(root):
-        if name.startswith(f".stale-{tag}-"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    _settle_stale(root, tag)
 
 
-def _restore_stale(root: str, tag: str) -> None:
-    """A save that failed puts back the checkpoint of the same tag it set aside (`_prepare`): nothing saved before
-    is hidden by a save that did not happen."""
-    if os.path.exists(os.path.join(root, tag)):
-        return
+def _settle_stale(root: str, tag: str | None = None) -> None:
+    """Put back a checkpoint set aside (`_commit`) whose tag is missing, a save having failed or been killed
+    between the renames: nothing saved before stays hidden by a save that did not happen. Delete one whose tag
+    holds a complete checkpoint again: the new one took its place. tag: only that tag's; default, every one."""
     for name in sorted(os.listdir(root)):
-        if name.startswith(f".stale-{tag}-"):
-            os.rename(os.path.join(root, name), os.path.join(root, tag))
-            return
+        t = mf.stale_tag(name)
+        if t is None or (tag is not None and t != tag):
+            continue
+        aside, final = os.path.join(root, name), os.path.join(root, t)
+        if not os.path.exists(final):
+            os.rename(aside, final)
+        elif os.path.isfile(os.path.join(final, mf.MANIFEST)):
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _latest(root: str) -> str | None:

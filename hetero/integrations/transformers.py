@@ -30,7 +30,9 @@ takes the model's state, as DeepSpeed does under the Trainer:
   model is compiled in place once the engine holds it (`model.compile`, with the arguments' backend and mode).
 - A checkpoint (`save_steps`) is the Trainer's directory (weights gathered for `from_pretrained`, trainer state,
   RNG) with the engine's own checkpoint in `hetero/` under it: master weights, optimizer states wherever they
-  live, scheduler. `resume_from_checkpoint` restores from there.
+  live, scheduler. `resume_from_checkpoint` restores from there. A checkpoint-N saved again (a run resumed from an
+  earlier one) is replaced whole, as the plain Trainer replaces its own files. The checkpoint tools take the
+  checkpoint-N folder itself (`python -m hetero.checkpoint consolidate out/checkpoint-N model.safetensors`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 import hetero
+from hetero.checkpoint.manifest import NESTED
 from hetero.config import Config
 from hetero.errors import ConfigError
 
@@ -66,7 +69,7 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFOR
 
 log = logging.getLogger("hetero.integrations")
 
-HETERO_DIR = "hetero"  # the engine's checkpoint root inside a Trainer checkpoint directory
+HETERO_DIR = NESTED  # the engine's checkpoint root inside a Trainer checkpoint directory
 
 
 class EngineModule(nn.Module):
@@ -267,7 +270,10 @@ class HeteroTrainer(transformers.Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.engine.save_checkpoint(os.path.join(output_dir, HETERO_DIR), lr_scheduler=self._scheduler())
+        # A run resumed from an earlier checkpoint saves checkpoint-N folders again, and the Trainer has already
+        # written its own files there: hetero's must be replaced too (it stands until the new one is complete).
+        root = os.path.join(output_dir, HETERO_DIR)
+        self.engine.save_checkpoint(root, lr_scheduler=self._scheduler(), replace=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
