@@ -16,7 +16,8 @@ one exists only as a .tmp-* directory, which no reader opens; after it, `latest`
 A checkpoint already under the tag (replace=True, or one `latest` never moved to) stays in place until the new one
 is complete: it is renamed to ROOT/.stale-<tag>-<nonce>/ just before the new one takes its name, and deleted once
 `latest` has moved. A kill between those two renames leaves <tag> missing: readers then take the set-aside one
-(`manifest.resolve`), and the next save puts it back (`_settle_stale`) before anything else.
+(`manifest.resolve`), and the next save puts it back (`_settle_stale`) before anything else. The next save also
+deletes the .tmp-* directories of saves killed midway (`_drop_unfinished`), so kills do not fill the disk.
 """
 
 from __future__ import annotations
@@ -268,6 +269,7 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
     if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"{root} is not a writable directory: choose another path or fix its permissions")
     _settle_stale(root)  # what a save killed between its renames left: before the tag is looked at
+    _drop_unfinished(root)
     final = os.path.join(root, tag)
     if os.path.exists(final) and _latest(root) == tag and not replace:
         raise CheckpointError(
@@ -286,7 +288,7 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
         # A checkpoint `latest` never moved to (a save killed between its rename and the pointer's move, or a run
         # that went back to an earlier checkpoint): replaced, at the commit.
         log.warning("%s was not the latest checkpoint: replaced by this save", final)
-    tmp = os.path.join(root, f".tmp-{tag}-{secrets.token_hex(4)}")
+    tmp = os.path.join(root, f"{mf.UNFINISHED}{tag}-{secrets.token_hex(4)}")
     try:
         os.makedirs(tmp)
     except OSError as e:
@@ -344,6 +346,16 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
     _test_pause("before-latest")
     mf.replace_atomic(os.path.join(root, mf.LATEST), (tag + "\n").encode())
     _settle_stale(root, tag)
+
+
+def _drop_unfinished(root: str) -> None:
+    """Delete what saves killed midway left (.tmp-* directories, never read): each as large as a checkpoint, they
+    would fill the disk a kill at a time. One save at a time writes under a root (a job's saves are collective and
+    in turn), so none of them is in progress now."""
+    for name in sorted(os.listdir(root)):
+        if name.startswith(mf.UNFINISHED) and os.path.isdir(os.path.join(root, name)):
+            log.warning("%s: removing %s, left by a save that did not finish", root, name)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _settle_stale(root: str, tag: str | None = None) -> None:
