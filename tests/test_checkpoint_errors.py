@@ -347,5 +347,9 @@ def test_trainer_folder_and_root_without_latest_resolve(saved, tmp_path, capsys)
     assert "step-00000001, step-00000002" in capsys.readouterr().err
     assert _load(str(folder / "hetero" / "step-00000001"))[0] == {"epoch": 1}
 
-    with pytest.raises(CheckpointError, match="neither a checkpoint"):  # a folder with no checkpoint in it
+    # The Trainer's output_dir: its checkpoint-N folders named, in step order.
+    shutil.copytree(folder, tmp_path / "checkpoint-10")
+    with pytest.raises(CheckpointError, match=r"checkpoints checkpoint-2, checkpoint-10: .*e\.g\. .*checkpoint-10"):
         mf.resolve(tmp_path)
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):  # a folder with no checkpoint in it
+        mf.resolve(tmp_path / "checkpoint-2" / "hetero" / "notes")

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import zlib
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -141,10 +142,31 @@ def resolve(path: str | os.PathLike) -> str:
             f"{path}: a checkpoint root with no {LATEST} file (lost, or not copied with it) holding the complete "
             f"checkpoints {', '.join(tags)}: pass one of them, e.g. {os.path.join(path, tags[-1])}"
         )
+    folders = trainer_checkpoints(path)
+    if folders:  # a Trainer's output_dir: which of its checkpoints to take is the user's call, as above
+        raise CheckpointError(
+            f"{path}: a training output folder holding the checkpoints {', '.join(folders)}: pass one of them, e.g. "
+            f"{os.path.join(path, folders[-1])}"
+        )
     raise CheckpointError(
         f"{path}: neither a checkpoint (no {MANIFEST}) nor a checkpoint root (no {LATEST} file). A save that was "
         "interrupted leaves only a .tmp-* directory, which is never complete"
     )
+
+
+def trainer_checkpoints(path: str) -> list[str]:
+    """The folders directly under `path` whose NESTED subfolder holds checkpoints (HeteroTrainer's checkpoint-N/),
+    in step order: checkpoint-10 after checkpoint-9."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    found = []
+    for n in names:
+        nested = os.path.join(path, n, NESTED)
+        if os.path.isfile(os.path.join(nested, LATEST)) or complete_tags(nested):
+            found.append(n)
+    return sorted(found, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 
 def complete_tags(root: str) -> list[str]:
