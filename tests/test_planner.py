@@ -141,3 +141,19 @@ def test_plan_shows_its_progress_and_refuses_unknown_modes(monkeypatch, capsys):
     assert "hetero: ranking layouts" in capsys.readouterr().err
     with pytest.raises(hetero.ConfigError, match=r"tensor_modes: unknown '4d'; choose from '1d', '2d', '2.5d', '3d'"):
         plan(_meta(), 2, **{**args, "tensor_modes": ("1d", "4d")})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("global_batch", 0, r"global_batch: expected an integer >= 1 \(sequences per step"),
+        ("seq_len", -3, r"seq_len: expected an integer >= 1 \(tokens per sequence\), got -3"),
+        ("precision", "fp8", r"precision: unknown 'fp8'; choose from 'fp32', 'bf16', 'fp16'"),
+    ],
+)
+def test_plan_checks_its_arguments_first(key, value, message):
+    """A bad batch, sequence length or precision is named before any layout is ranked (a torch error from deep in
+    the meta forward, or a KeyError, before)."""
+    args = dict(machine=NODE, rates=Rates.node(), global_batch=4, seq_len=16, tensor_modes=("1d",))
+    with pytest.raises(hetero.ConfigError, match=message):
+        plan(_meta(), 2, **{**args, key: value})

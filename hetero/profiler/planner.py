@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hetero.config import Config, format_size
+from hetero.config_values import check_int
 from hetero.errors import ConfigError
 from hetero.profiler import estimator as E
 from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
@@ -160,8 +161,13 @@ def plan(
         raise ConfigError(
             f"tensor_modes: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, TENSOR_MODES))}"
         )
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    check_int("world_size", world_size, minimum=1, hint="(ranks in all)")
+    if global_batch is not None:
+        check_int("global_batch", global_batch, minimum=1, hint="(sequences per step, over every rank)")
+    if seq_len is not None:
+        check_int("seq_len", seq_len, minimum=1, hint="(tokens per sequence)")
+    if precision not in COMPUTE_DTYPES:
+        raise ConfigError(f"precision: unknown {precision!r}; choose from {', '.join(map(repr, COMPUTE_DTYPES))}")
     model = as_model(model_or_config)
     opt = as_optimizer(optimizer, model)
     machine = machine if machine is not None else Machine.detect()
