@@ -139,6 +139,9 @@ def test_plan_shows_its_progress_and_refuses_unknown_modes(monkeypatch, capsys):
     monkeypatch.setenv("HETERO_PROGRESS", "1")
     plan(_meta(), 2, **args)
     assert "hetero: ranking layouts" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")  # another rank of a torchrun job: quiet
+    plan(_meta(), 2, **args)
+    assert capsys.readouterr().err == ""
     with pytest.raises(hetero.ConfigError, match=r"tensor_modes: unknown '4d'; choose from '1d', '2d', '2.5d', '3d'"):
         plan(_meta(), 2, **{**args, "tensor_modes": ("1d", "4d")})
 

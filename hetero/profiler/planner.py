@@ -271,7 +271,8 @@ def plan(
 
     # A 70B model's layouts take a minute or more to rank: a bar where someone watches (hetero/progress.py).
     grid = list(_grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules))
-    progress = make_bar(len(grid), "hetero: ranking layouts", unit="layout")
+    # Under torchrun every rank may plan alike (nothing here is collective): the launcher's RANK shows one bar.
+    progress = make_bar(len(grid), "hetero: ranking layouts", unit="layout", rank=int(os.environ.get("RANK", "0")))
     try:
         for cell in grid:
             rank_layout(*cell)
