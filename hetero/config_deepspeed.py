@@ -3,7 +3,8 @@
 [Note: translating a DeepSpeed config]
 DeepSpeed's JSON mixes what hetero configures (ZeRO stage, where optimizer states and parameters live, precision,
 gradient accumulation and clipping, a metrics sink) with what a hetero user writes in Python (the optimizer and the
-LR scheduler are torch objects given to `hetero.initialize`; batch sizes belong to the data loader) and with tuning
+LR scheduler are objects given to `hetero.initialize`, DeepSpeed's own scheduler classes included; batch sizes belong
+to the data loader, though the accumulation DeepSpeed derives from them is hetero's and translated) and with tuning
 knobs hetero decides itself (bucket sizes, prefetch sizes, AIO queue depths: hetero sizes chunks, prefetches along
 the recorded access trace and sizes its NVMe I/O by itself). `from_deepspeed` translates the first kind and names
 every key of the other two with what to do instead, as a warning (or, with strict=True, as one ConfigError). A value
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hetero.comm.launchers import LAUNCHERS
 from hetero.errors import ConfigError
+from hetero.zero.precision import LossScaler
 
 log = logging.getLogger("hetero.config")
 
@@ -30,9 +34,11 @@ _DEVICES = {"cpu": "host", "nvme": "nvme", "none": "device", None: "device"}
 _HANDLED_ELSEWHERE = {
     "optimizer": "build the torch optimizer yourself (e.g. torch.optim.AdamW(model.parameters(), lr=..., "
     "betas=..., eps=..., weight_decay=...)) and pass it to hetero.initialize",
-    "scheduler": "build a torch LR scheduler on that optimizer and pass lr_scheduler= to hetero.initialize "
-    "(WarmupLR / WarmupDecayLR: torch.optim.lr_scheduler.LambdaLR or transformers.get_scheduler)",
-    "train_batch_size": "hetero does not load data: batch size x data-parallel size x accumulation is your loader's",
+    "scheduler": "build the scheduler on that optimizer and pass lr_scheduler= to hetero.initialize: DeepSpeed's own "
+    "classes run unchanged (deepspeed.runtime.lr_schedules.WarmupLR(optimizer, ...), WarmupDecayLR, WarmupCosineLR), "
+    "stepped once per update and not after a skipped fp16 update, as DeepSpeed steps them",
+    "train_batch_size": "hetero does not load data: your loader's micro-batches make it up (with "
+    "train_micro_batch_size_per_gpu, gradient_accumulation_steps is derived from it and checked as DeepSpeed does)",
     "train_micro_batch_size_per_gpu": "hetero does not load data: feed micro-batches of this size per rank",
     "steps_per_print": "log engine.metrics() at the interval you want",
     "wall_clock_breakdown": "see engine.metrics()['update_seconds'] and hetero.profile",
@@ -115,10 +121,13 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
         elif key == "wandb":
             if _enabled(value):
                 out.setdefault("log", {})["wandb"] = value.get("project", "deepspeed")
+        elif key in ("optimizer", "scheduler") and isinstance(value, Mapping):
+            notes.append(f"{key}: {_built_yourself(key, value)}")
         elif key in _HANDLED_ELSEWHERE:
             notes.append(f"{key}: {_HANDLED_ELSEWHERE[key]}")
         else:
             notes.append(f"{key}: no hetero equivalent")
+    _batch_sizes(ds_config, out)
     if "precision" in out and isinstance(out["precision"], list):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16: enable one")
     if "params_host_bytes" in out.get("offload", {}):  # DeepSpeed counts 16-bit elements (fp32 without fp16/bf16)
@@ -136,6 +145,17 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
+# fp16 loss scaling in DeepSpeed's terms: hetero's scaler (hetero/zero/precision.py), and DeepSpeed's defaults.
+_HETERO_FP16 = {
+    "loss_scale": 0,  # 0: dynamic
+    "initial_scale_power": int(math.log2(LossScaler.scale)),
+    "loss_scale_window": LossScaler.growth_interval,
+    "hysteresis": 1,  # hetero halves the scale at the first overflow
+    "min_loss_scale": LossScaler.min_scale,
+}
+_DS_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+
+
 def _precision(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> None:
     if not _enabled(value) or value.get("enabled") == "auto":
         return
@@ -144,12 +164,99 @@ def _precision(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> N
         out["precision"] = [out["precision"], name]  # both: reported by the caller
         return
     out["precision"] = name
-    extra = [k for k in value if k != "enabled"]
-    if extra:
-        notes.append(
-            f"{key}.{'/'.join(extra)}: hetero's fp16 loss scale is dynamic (starts at 2**16, halves on overflow, "
-            "doubles after 2000 clean steps)"
+    if name == "bf16":
+        extra = [k for k, v in value.items() if k != "enabled" and v]
+        if extra:
+            notes.append(
+                f"{key}.{'/'.join(extra)}: no hetero equivalent (hetero keeps fp32 master weights and optimizer "
+                "states, and accumulates gradients in fp32)"
+            )
+        return
+    # DeepSpeed's scaler with this config's settings, its defaults where they are absent: hetero's scaler has no
+    # settings, so each that differs is named with what hetero does. A setting written in the config is a note
+    # (an error under strict); DeepSpeed's defaults (hysteresis 2, window 1000) differ too, and are warned about
+    # alone, so that a plain {"enabled": true} still translates under strict.
+    ds = {k: value.get(k, d) if value.get(k, d) != "auto" else d for k, d in _DS_FP16.items()}
+    differ = [k for k in _DS_FP16 if ds[k] != _HETERO_FP16[k]]
+    differ += [k for k in ("consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads") if value.get(k)]
+    if not differ:
+        return
+    text = (
+        f"fp16 ({', '.join(f'{k}={value.get(k, _DS_FP16.get(k))}' for k in differ)}): hetero's fp16 loss scale is "
+        f"dynamic: it starts at 2**{_HETERO_FP16['initial_scale_power']}, halves at every overflow (no hysteresis: "
+        f"the first overflow halves it) and doubles after {LossScaler.growth_interval} clean steps"
+    )
+    if any(k in value for k in differ):
+        notes.append(text)
+    else:
+        log.warning("from_deepspeed: DeepSpeed's default loss scaling differs: %s", text)
+
+
+_DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # run under hetero by tests/test_deepspeed_compat.py
+_TORCH_OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}  # DeepSpeed reads the type in any case
+
+
+def _built_yourself(key: str, section: Mapping[str, Any]) -> str:
+    """What to build for DeepSpeed's optimizer or scheduler section, with its type and settings ("auto": yours)."""
+    kind = str(section.get("type"))
+    params = section.get("params") or {}
+    auto = [k for k, v in params.items() if v == "auto"]
+    fill = f' (and fill {", ".join(auto)}, which Hugging Face fills for "auto")' if auto else ""
+    if key == "scheduler":
+        if kind not in _DS_SCHEDULERS:
+            return f"DeepSpeed's {kind!r} scheduler: {_HANDLED_ELSEWHERE[key]}"
+        args = "".join(f", {k}={v!r}" for k, v in params.items() if v != "auto")
+        return (
+            f"pass lr_scheduler=deepspeed.runtime.lr_schedules.{kind}(optimizer{args}){fill} to hetero.initialize: "
+            "DeepSpeed's classes run unchanged, stepped once per update and not after a skipped fp16 update, as "
+            "DeepSpeed steps them"
         )
+    # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false; its own flags are not torch's.
+    adam = kind.lower() == "adam"
+    torch_name = (
+        ("AdamW" if params.get("adam_w_mode", True) else "Adam") if adam else _TORCH_OPTIMIZERS.get(kind.lower())
+    )
+    if torch_name is None:
+        return f"DeepSpeed's {kind!r} optimizer: {_HANDLED_ELSEWHERE[key]}"
+    own = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
+    args = "".join(f", {k}={v!r}" for k, v in params.items() if v != "auto" and k not in own)
+    decoupled = " (DeepSpeed's 'Adam' decouples weight decay: torch's AdamW)" if adam and torch_name == "AdamW" else ""
+    return f"build torch.optim.{torch_name}(model.parameters(){args}){decoupled}{fill} and pass it to hetero.initialize"
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _batch_sizes(ds_config: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """DeepSpeed derives gradient_accumulation_steps from the two batch sizes where it is not given, and refuses
+    sizes that do not multiply out: the accumulation is hetero's, so it is derived and checked here alike."""
+    given = {k: ds_config[k] for k in _BATCH_KEYS if ds_config.get(k) not in (None, "auto")}
+    if "train_batch_size" not in given or "train_micro_batch_size_per_gpu" not in given:
+        return  # DeepSpeed's other cases leave the accumulation as given (1 when absent, hetero's default too)
+    for k, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{k}: expected a positive integer, got {v!r}")
+    batch, micro = given["train_batch_size"], given["train_micro_batch_size_per_gpu"]
+    world = _world_size()
+    accum = given.get("gradient_accumulation_steps", batch // micro // world)
+    if accum <= 0 or batch != micro * accum * world:
+        shown = accum if "gradient_accumulation_steps" in given else f"{accum}, derived"
+        raise ConfigError(
+            f"train_batch_size {batch} is not train_micro_batch_size_per_gpu x gradient_accumulation_steps x world "
+            f"size ({micro} x {shown} x {world}, the world from the launcher's environment); DeepSpeed refuses "
+            "this config too. Give sizes that multiply out, or only gradient_accumulation_steps (with tensor or "
+            "pipeline parallelism, the world here is every rank)"
+        )
+    out["grad_accumulation_steps"] = accum
+
+
+def _world_size() -> int:
+    # from_deepspeed runs before hetero joins the world: its size comes from the launcher, as hetero's join reads it.
+    for var in ("WORLD_SIZE", *(size for _, size, _ in LAUNCHERS.values())):
+        raw = os.environ.get(var, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+    return 1
 
 
 def _zero(zero: Any, out: dict[str, Any], notes: list[str]) -> None:

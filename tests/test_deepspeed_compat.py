@@ -152,3 +152,124 @@ def test_consolidate_hf_writes_shards_with_an_index(tmp_path):
     back = transformers.GPT2LMHeadModel.from_pretrained(str(out), dtype=torch.bfloat16)
     for k, v in back.state_dict().items():
         assert v.dtype == torch.bfloat16 and torch.equal(v, expected[k].to(torch.bfloat16)), k
+
+
+# DeepSpeed's batch-size rules (deepspeed/runtime/config.py, _set_batch_related_parameters and _batch_assertion):
+# (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) -> the accumulation, or refused.
+BATCH_CASES = [
+    ((16, 4, None), 4),  # derived: 16 / 4 / world 1
+    ((16, 4, 2), None),  # 16 != 4 * 2 * 1: refused
+    ((18, 4, None), None),  # 18 / 4 -> 4, and 18 != 4 * 4: refused
+    ((16, None, 2), 2),
+    ((None, 4, 3), 3),
+    ((16, None, None), 1),
+    (("auto", "auto", "auto"), 1),  # Hugging Face's: the Trainer fills them
+]
+
+
+def _batch_config(sizes: tuple) -> dict:
+    return {k: v for k, v in zip(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+                                 sizes) if v is not None}  # fmt: skip
+
+
+@pytest.mark.parametrize(("sizes", "accumulation"), BATCH_CASES)
+def test_batch_sizes_give_deepspeeds_accumulation_or_its_refusal(sizes, accumulation, monkeypatch):
+    # Before, train_batch_size 16 with micro-batches of 4 trained with an accumulation of 1 (DeepSpeed's: 4), and sizes
+    # DeepSpeed refuses were taken without a word.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if accumulation is None:
+        with pytest.raises(ConfigError, match=r"train_batch_size \d+ is not .*DeepSpeed refuses this config too"):
+            hetero.Config.from_deepspeed(_batch_config(sizes))
+    else:
+        assert hetero.Config.from_deepspeed(_batch_config(sizes)).grad_accumulation_steps == accumulation
+
+
+def test_batch_sizes_count_the_launchers_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: DeepSpeed divides by the data-parallel world
+    assert hetero.Config.from_deepspeed(_batch_config((16, 4, None))).grad_accumulation_steps == 2
+    with pytest.raises(ConfigError, match=r"\(4 x 4 x 2, the world"):
+        hetero.Config.from_deepspeed(_batch_config((16, 4, 4)))
+
+
+def test_batch_cases_are_deepspeeds_own():
+    # The table above, against DeepSpeed's config class itself (world size 1 without a process group).
+    config = pytest.importorskip("deepspeed.runtime.config")
+    for sizes, accumulation in BATCH_CASES:
+        if "auto" in sizes:
+            continue
+        try:
+            got = config.DeepSpeedConfig(_batch_config(sizes)).gradient_accumulation_steps
+        except AssertionError:
+            got = None
+        assert got == accumulation, sizes
+
+
+def test_fp16_loss_scaling_that_differs_from_deepspeeds_is_named(caplog):
+    # DeepSpeed's scaler by default waits for a second overflow before halving (hysteresis 2) and doubles after 1000
+    # clean steps; hetero's halves at the first, doubles after 2000. Before, {"fp16": {"enabled": true}} said nothing.
+    with caplog.at_level(logging.WARNING, logger="hetero.config"):
+        hetero.Config.from_deepspeed({"fp16": {"enabled": True}})
+    assert "hysteresis=2" in caplog.text and "loss_scale_window=1000" in caplog.text
+    assert "halves at every overflow" in caplog.text
+    same = {"enabled": True, "loss_scale": 0, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
+    assert hetero.Config.from_deepspeed({"fp16": same}, strict=True).precision == "fp16"  # nothing differs
+    with pytest.raises(ConfigError, match=r"loss_scale=128"):  # a static scale: hetero's is dynamic
+        hetero.Config.from_deepspeed({"fp16": {**same, "loss_scale": 128}}, strict=True)
+    with pytest.raises(ConfigError, match=r"bf16.immediate_grad_update: no hetero equivalent"):  # not fp16's text
+        hetero.Config.from_deepspeed({"bf16": {"enabled": True, "immediate_grad_update": True}}, strict=True)
+
+
+def test_optimizer_and_scheduler_sections_name_what_to_build(caplog):
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (ADAM_W_MODE_DEFAULT); the note said only "e.g.
+    # torch.optim.AdamW(lr=...)", and pointed WarmupLR users at transformers' schedules, whose warmup is linear where
+    # DeepSpeed's default is log.
+    ds = {
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 10}},
+    }
+    with caplog.at_level(logging.WARNING, logger="hetero.config"):
+        hetero.Config.from_deepspeed(ds)
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003, weight_decay=0.01) (DeepSpeed's 'Adam'" in caplog.text
+    assert "deepspeed.runtime.lr_schedules.WarmupDecayLR(optimizer, warmup_num_steps=10)" in caplog.text
+    assert "fill total_num_steps" in caplog.text and "transformers" not in caplog.text
+    plain = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}}
+    with pytest.raises(ConfigError, match=r"torch\.optim\.Adam\(model\.parameters\(\), lr=0\.001\) and pass"):
+        hetero.Config.from_deepspeed(plain, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 4}),
+        (
+            "WarmupDecayLR",
+            {"total_num_steps": 8, "warmup_max_lr": 1e-3, "warmup_num_steps": 3, "warmup_type": "linear"},
+        ),
+        ("WarmupCosineLR", {"total_num_steps": 8, "warmup_num_steps": 3}),
+    ],
+)
+def test_deepspeeds_schedulers_step_as_under_deepspeed(name, params, tmp_path):
+    # What the scheduler note promises: DeepSpeed's classes given to initialize take each update's rate from the
+    # schedule DeepSpeed's engine would (stepped once per accumulated update, not after an fp16 overflow).
+    schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    model = parity.build()
+    opt = parity.make_optimizer(model)
+    sched = getattr(schedules, name)(opt, **params)
+    twin = parity.make_optimizer(parity.build())
+    ref = getattr(schedules, name)(twin, **params)  # stepped as DeepSpeed's engine steps it
+    config = {"zero_stage": 2, "chunk_size": parity.CHUNK, "precision": "fp16", "grad_accumulation_steps": 2}
+    engine = hetero.initialize(model, opt, config, lr_scheduler=sched)
+    for update, (x, y) in enumerate(parity.batches(6, 2)):
+        assert engine.get_lr() == [g["lr"] for g in twin.param_groups], update
+        for _ in range(2):
+            loss = engine(x, labels=y).loss
+            engine.backward(loss * 1e6 if update == 2 else loss)  # update 2 overflows fp16 and is skipped
+            engine.step()
+        assert engine.was_step_applied() == (update != 2)
+        if engine.was_step_applied():
+            ref.step()
+    saved = engine.save_checkpoint(tmp_path)
+    sched.step()
+    engine.load_checkpoint(saved)
+    assert sched.state_dict() == ref.state_dict() == {"last_batch_iteration": 4}
+    engine.close()

@@ -530,3 +530,18 @@ def test_a_module_added_after_initialize_is_refused_at_its_first_backward(stage)
     with pytest.raises(HeteroError, match=r"'lm_head\.weight' \(shape \[64, 32\]\) is not one hetero\.initialize"):
         engine.backward(engine(x, labels=y).loss)
     engine.close()
+
+
+def test_deepspeeds_config_queries_answer_and_batch_sizes_say_where_they_are():
+    # Before, each of these was "neither the engine nor its model has an attribute ...".
+    model, opt, engine = _engine(1, grad_clip_norm=0.5, precision="bf16")
+    assert (engine.gradient_clipping(), engine.zero_optimization()) == (0.5, True)
+    assert (engine.fp16_enabled(), engine.bfloat16_enabled()) == (False, True)
+    assert engine.get_mom() == [g["betas"] for g in opt.param_groups]  # DeepSpeed's: Adam's betas
+    for name in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        with pytest.raises(HeteroError, match=rf"engine\.{name}\(\): hetero does not load data.*data loader's"):
+            getattr(engine, name)()
+    engine.close()
+    model, opt, engine = _engine(0)
+    assert (engine.gradient_clipping(), engine.zero_optimization(), engine.fp16_enabled()) == (0.0, False, False)
+    engine.close()

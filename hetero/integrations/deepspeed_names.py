@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hetero.errors import HeteroError
+
 
 class DeepSpeedNames:
     """Mixed into `hetero.Engine`."""
@@ -37,3 +39,36 @@ class DeepSpeedNames:
 
     def zero_optimization_stage(self) -> int:
         return self.stage
+
+    def zero_optimization(self) -> bool:
+        return self.stage > 0
+
+    def gradient_clipping(self) -> float:
+        """The clipping norm (0.0: none, DeepSpeed's value for no clipping)."""
+        return float(self.config.grad_clip_norm or 0.0)
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum term: Adam's betas, SGD's and RMSprop's momentum (0.0 where it has none)."""
+        key = "betas" if all("betas" in g for g in self.optimizer.param_groups) else "momentum"
+        return [g.get(key, 0.0) for g in self.optimizer.param_groups]
+
+    # hetero never sees the batches (the loop's loader makes them), so it has no batch size to answer with: say so,
+    # where the engine would otherwise report that its model lacks the attribute.
+    def train_batch_size(self) -> int:
+        raise HeteroError(_NO_BATCH_SIZE.format("train_batch_size"))
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        raise HeteroError(_NO_BATCH_SIZE.format("train_micro_batch_size_per_gpu"))
+
+
+_NO_BATCH_SIZE = (
+    "engine.{}(): hetero does not load data, so it holds no batch size; use your data loader's (the value in your "
+    "DeepSpeed config), feeding each rank micro-batches of train_micro_batch_size_per_gpu and calling engine.step() "
+    "after each, as with DeepSpeed; the engine updates every engine.gradient_accumulation_steps() of them"
+)
