@@ -26,7 +26,7 @@ from hetero.config import Config
 from hetero.device import make_device
 from hetero.errors import CommError, ConfigError, HeteroError
 from hetero.events import Events
-from hetero.integrations.deepspeed_names import DeepSpeedNames
+from hetero.integrations.deepspeed_names import DeepSpeedNames, refuse_deepspeed_kwargs
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
@@ -825,6 +825,7 @@ class Engine(DeepSpeedNames):
                 f"save_checkpoint's second argument is client_state (your own state, saved with the checkpoint and "
                 f"returned by load_checkpoint); got {client_state!r}, a tag? Pass tag={client_state!r}"
             )
+        refuse_deepspeed_kwargs("save_checkpoint", kwargs)
         # Every rank saves: one alone would meet the others' next collective ([Note: every rank in step]).
         self.check(CHECKPOINT)
         self._no_update_in_flight("save_checkpoint")
@@ -839,6 +840,7 @@ class Engine(DeepSpeedNames):
         `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
+        refuse_deepspeed_kwargs("load_checkpoint", kwargs)
         if tag is not None:
             path = os.path.join(os.fspath(path), str(tag))
         self.check(CHECKPOINT)

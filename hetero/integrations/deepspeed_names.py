@@ -72,3 +72,35 @@ _NO_BATCH_SIZE = (
     "DeepSpeed config), feeding each rank micro-batches of train_micro_batch_size_per_gpu and calling engine.step() "
     "after each, as with DeepSpeed; the engine updates every engine.gradient_accumulation_steps() of them"
 )
+
+
+# DeepSpeed's keyword arguments of its checkpoint calls, with what hetero does instead: named, rather than met by
+# Python's bare "unexpected keyword argument" in a script ported from DeepSpeed.
+_LOAD_ONLY_PART = (
+    "hetero restores the weights, optimizer states and LR scheduler together (and returns client_state alone, where "
+    "DeepSpeed returns (load_path, client_state)); to start from the weights only, write them out with "
+    "hetero.checkpoint.consolidate(dir, 'weights.safetensors') and load them into the model before hetero.initialize"
+)
+_DEEPSPEED_KWARGS = {
+    "load_checkpoint": {
+        "load_module_strict": "hetero checks every saved tensor against the model, always strictly",
+        "load_optimizer_states": _LOAD_ONLY_PART,
+        "load_lr_scheduler_states": _LOAD_ONLY_PART,
+        "load_module_only": _LOAD_ONLY_PART,
+        "custom_load_fn": "hetero loads its own sharded format; convert other checkpoints to a state_dict first",
+    },
+    "save_checkpoint": {
+        "save_latest": "hetero always moves the root's `latest` to the checkpoint it commits",
+        "exclude_frozen_parameters": "hetero saves every parameter, so that a resume is bit-exact",
+    },
+}
+
+
+def refuse_deepspeed_kwargs(method: str, kwargs: dict[str, Any]) -> None:
+    """Raise a TypeError naming each of DeepSpeed's keywords of `method` in kwargs, with hetero's way instead."""
+    known = _DEEPSPEED_KWARGS[method]
+    found = [k for k in kwargs if k in known]
+    if found:
+        raise TypeError(
+            f"{method}: " + "; ".join(f"{k} is DeepSpeed's keyword: {known[k]}" for k in found) + ". Leave it out"
+        )
