@@ -1,6 +1,6 @@
 """hetero: train models larger than GPU memory on chunks spread over GPU, host memory and NVMe."""
 
-from hetero.config import Config, MemoryConfig, OffloadConfig, ParallelConfig, parse_size
+from hetero.config import Config, LogConfig, LossScaleConfig, MemoryConfig, OffloadConfig, ParallelConfig, parse_size
 from hetero.engine import Engine, initialize
 from hetero.errors import (
     CheckpointError,
@@ -26,6 +26,8 @@ __all__ = [
     "ConfigError",
     "HeteroError",
     "IllegalTransitionError",
+    "LogConfig",
+    "LossScaleConfig",
     "MemoryConfig",
     "NvmeCorruptError",
     "NvmeError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -101,11 +102,60 @@ class LogConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """fp16's loss scale, read only with precision "fp16": dynamic by default, or static ([Note: the fp16 loss scale]
+    in hetero/zero/precision.py). `Config.from_deepspeed` translates DeepSpeed's fp16 settings into it exactly."""
+
+    initial_scale: float = 2.0**16
+    """The scale the first steps' loss is multiplied by (DeepSpeed's 2**initial_scale_power)."""
+    growth_interval: int = 2000
+    """The scale doubles after this many overflow-free steps since the last overflow, and again every as many."""
+    hysteresis: int = 1
+    """Overflows it takes to halve the scale: 1 halves at every one; 2 (DeepSpeed's default) lets one pass (its step
+    is skipped all the same). The count refills when the scale grows."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis count at every overflow-free step, so that only overflows in a row add up."""
+    min_scale: float = 1.0
+    """The scale never halves below this."""
+    deepspeed_window: bool = False
+    """Count growth_interval as DeepSpeed's loss_scale_window: the scale doubles at the step after growth_interval
+    overflow-free ones, one step later than torch.amp.GradScaler and hetero by default (then every growth_interval)."""
+    static: float | None = None
+    """A fixed scale instead of the dynamic one (DeepSpeed's loss_scale > 0): it never changes, and a step whose
+    gradients overflow is still skipped, as DeepSpeed skips it. None: dynamic."""
+
+    def __post_init__(self) -> None:
+        for name in ("initial_scale", "min_scale"):
+            object.__setattr__(self, name, _positive(f"loss_scale.{name}", getattr(self, name)))
+        check_int("loss_scale.growth_interval", self.growth_interval, minimum=1, hint="(overflow-free steps)")
+        check_int("loss_scale.hysteresis", self.hysteresis, minimum=1, hint="(1 halves at every overflow)")
+        for name in ("consecutive_hysteresis", "deepspeed_window"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"loss_scale.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(
+                f"loss_scale.min_scale: {self.min_scale!r} is above initial_scale {self.initial_scale!r}; the scale "
+                "starts at initial_scale and never halves below min_scale: give min_scale <= initial_scale"
+            )
+        if self.static is None:
+            return
+        object.__setattr__(self, "static", _positive("loss_scale.static", self.static, hint=" (or None: dynamic)"))
+        dynamic = [
+            f.name for f in dataclasses.fields(self) if f.name != "static" and getattr(self, f.name) != f.default
+        ]
+        if dynamic:
+            raise ConfigError(
+                f"loss_scale.{'/'.join(dynamic)}: a static scale never changes, so these dynamic settings have no "
+                "effect; remove them, or set static to None for a dynamic scale"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     zero_stage: int = 0
     """0: data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision; bf16/fp16 keep fp32 master weights. fp16 uses dynamic loss scaling."""
+    """Compute precision; bf16/fp16 keep fp32 master weights. fp16 scales the loss (loss_scale: dynamic by default)."""
     grad_accumulation_steps: int = 1
     """Micro-batches per optimizer update; backward divides the loss by this."""
     grad_clip_norm: float | None = None
@@ -168,6 +218,9 @@ class Config:
     fp16 loss scaling or delayed_param_update. The hyperparameters (lr, ...) are read when that backward starts, not
     at engine.step(), and the parameters hold their new values once backward returns ([Note: the update in
     backward])."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """With precision "fp16": the loss scale, dynamic (hetero's defaults, or DeepSpeed's hysteresis and window) or
+    static (see LossScaleConfig)."""
     log: LogConfig = field(default_factory=LogConfig)
     """An optional metrics sink: tensorboard directory, wandb project (see LogConfig)."""
     progress: bool = True
@@ -287,9 +340,10 @@ class Config:
     @classmethod
     def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> Config:
         """Translate a DeepSpeed config (a dict or a .json path): ZeRO stage, offload devices and nvme_path,
-        fp16/bf16, gradient accumulation and clipping, tensorboard/wandb. What has no translation (the optimizer,
-        the scheduler, batch sizes, tuning knobs) is named in a warning with what to do instead; strict=True makes
-        that a ConfigError. See [Note: translating a DeepSpeed config] in hetero/config_deepspeed.py."""
+        fp16/bf16 and fp16's loss scale, gradient accumulation and clipping, tensorboard/wandb. What has no
+        translation (the optimizer, the scheduler, batch sizes, tuning knobs) is named in a warning with what to do
+        instead; strict=True makes that a ConfigError. See [Note: translating a DeepSpeed config] in
+        hetero/config_deepspeed.py."""
         return cls.from_dict(from_deepspeed(ds_config, strict=strict))
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,6 +357,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (Config, "memory"): MemoryConfig,
     (Config, "parallel"): ParallelConfig,
     (Config, "log"): LogConfig,
+    (Config, "loss_scale"): LossScaleConfig,
 }
 
 
@@ -323,6 +378,13 @@ def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
             value = _build(sub, value, prefix=f"{prefix}{key}.")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _positive(key: str, value: object, *, hint: str = "") -> float:
+    """A positive, finite number as a float (a loss scale)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{key}: expected a positive number{hint}, got {value!r}")
+    return float(value)
 
 
 def _check_activation(checkpointing: object, offload: object) -> None:

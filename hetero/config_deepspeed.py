@@ -1,15 +1,18 @@
 """Coming from DeepSpeed: `hetero.Config.from_deepspeed(ds_config)`, and hints in config errors.
 
 [Note: translating a DeepSpeed config]
-DeepSpeed's JSON mixes what hetero configures (ZeRO stage, where optimizer states and parameters live, precision,
-gradient accumulation and clipping, a metrics sink) with what a hetero user writes in Python (the optimizer and the
-LR scheduler are objects given to `hetero.initialize`, DeepSpeed's own scheduler classes included; batch sizes belong
-to the data loader, though the accumulation DeepSpeed derives from them is hetero's and translated) and with tuning
-knobs hetero decides itself (bucket sizes, prefetch sizes, AIO queue depths: hetero sizes chunks, prefetches along
-the recorded access trace and sizes its NVMe I/O by itself). `from_deepspeed` translates the first kind and names
-every key of the other two with what to do instead, as a warning (or, with strict=True, as one ConfigError). A value
-of "auto" (Hugging Face's DeepSpeed integration fills those from TrainingArguments) is left to hetero's default,
-and HeteroTrainer fills the same fields from TrainingArguments.
+DeepSpeed's JSON mixes what hetero configures (ZeRO stage, where optimizer states and parameters live, precision
+and fp16's loss scale, gradient accumulation and clipping, a metrics sink) with what a hetero user writes in Python
+(the optimizer and the LR scheduler are objects given to `hetero.initialize`, DeepSpeed's own scheduler classes
+included; batch sizes belong to the data loader, though the accumulation DeepSpeed derives from them is hetero's and
+translated) and with tuning knobs hetero decides itself (bucket sizes, prefetch sizes, AIO queue depths: hetero sizes
+chunks, prefetches along the recorded access trace and sizes its NVMe I/O by itself). `from_deepspeed` translates the
+first kind and names every key of the other two with what to do instead, as a warning (or, with strict=True, as one
+ConfigError). A value of "auto" (Hugging Face's DeepSpeed integration fills those from TrainingArguments) is left to
+hetero's default, and HeteroTrainer fills the same fields from TrainingArguments; fp16's loss-scale settings beside
+an "auto" fp16 are translated all the same, for when TrainingArguments choose fp16. The fp16 section becomes the
+loss_scale section with DeepSpeed's defaults where it gives none (hysteresis 2, a window of 1000), so a translated
+config scales the loss and skips steps as DeepSpeed does ([Note: the fp16 loss scale] in hetero/zero/precision.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import Any
 
 from hetero.comm.launchers import LAUNCHERS
 from hetero.errors import ConfigError
-from hetero.zero.precision import LossScaler
 
 log = logging.getLogger("hetero.config")
 
@@ -84,8 +86,6 @@ _ZERO_TUNING = {
 _DS_MAX_IN_CPU = 10**9  # DeepSpeed's default offload_param.max_in_cpu, in parameter elements
 _OFFLOAD_TUNING = ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read",
                    "pipeline_write", "ratio")  # fmt: skip
-_FP16_TUNING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-                "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads")  # fmt: skip
 
 
 def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> dict[str, Any]:
@@ -145,25 +145,30 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
-# fp16 loss scaling in DeepSpeed's terms: hetero's scaler (hetero/zero/precision.py), and DeepSpeed's defaults.
-_HETERO_FP16 = {
-    "loss_scale": 0,  # 0: dynamic
-    "initial_scale_power": int(math.log2(LossScaler.scale)),
-    "loss_scale_window": LossScaler.growth_interval,
-    "hysteresis": 1,  # hetero halves the scale at the first overflow
-    "min_loss_scale": LossScaler.min_scale,
+# DeepSpeed's fp16 settings and their defaults (its DeepSpeedFP16Config), translated exactly into hetero's loss_scale
+# section by `_loss_scale` ([Note: the fp16 loss scale] in hetero/zero/precision.py).
+_DS_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+            "consecutive_hysteresis": False, "min_loss_scale": 1}  # fmt: skip
+_FP16_UNTRANSLATED = {
+    "auto_cast": "hetero computes in fp16 throughout (parameters and floating inputs cast), without torch.autocast",
+    "fp16_master_weights_and_grads": "hetero keeps fp32 master weights, and accumulates gradients in fp32",
 }
-_DS_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
 
 
 def _precision(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> None:
-    if not _enabled(value) or value.get("enabled") == "auto":
+    if not _enabled(value):
         return
     name = "fp16" if key == "fp16" else "bf16"
-    if out.get("precision") not in (None, name):
+    # "auto": the Trainer's TrainingArguments choose the precision (HeteroTrainer); fp16's scale is still translated,
+    # for when they choose fp16 (it is read only then).
+    auto = value.get("enabled") == "auto"
+    if auto and name == "bf16":
+        return
+    if not auto and out.get("precision") not in (None, name):
         out["precision"] = [out["precision"], name]  # both: reported by the caller
         return
-    out["precision"] = name
+    if not auto:
+        out["precision"] = name
     if name == "bf16":
         extra = [k for k, v in value.items() if k != "enabled" and v]
         if extra:
@@ -172,24 +177,33 @@ def _precision(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> N
                 "states, and accumulates gradients in fp32)"
             )
         return
-    # DeepSpeed's scaler with this config's settings, its defaults where they are absent: hetero's scaler has no
-    # settings, so each that differs is named with what hetero does. A setting written in the config is a note
-    # (an error under strict); DeepSpeed's defaults (hysteresis 2, window 1000) differ too, and are warned about
-    # alone, so that a plain {"enabled": true} still translates under strict.
-    ds = {k: value.get(k, d) if value.get(k, d) != "auto" else d for k, d in _DS_FP16.items()}
-    differ = [k for k in _DS_FP16 if ds[k] != _HETERO_FP16[k]]
-    differ += [k for k in ("consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads") if value.get(k)]
-    if not differ:
-        return
-    text = (
-        f"fp16 ({', '.join(f'{k}={value.get(k, _DS_FP16.get(k))}' for k in differ)}): hetero's fp16 loss scale is "
-        f"dynamic: it starts at 2**{_HETERO_FP16['initial_scale_power']}, halves at every overflow (no hysteresis: "
-        f"the first overflow halves it) and doubles after {LossScaler.growth_interval} clean steps"
+    # DeepSpeed's scaler with this config's settings, its defaults where they are absent or "auto".
+    out["loss_scale"] = _loss_scale(
+        {k: d if value.get(k, d) == "auto" else value.get(k, d) for k, d in _DS_FP16.items()}
     )
-    if any(k in value for k in differ):
-        notes.append(text)
-    else:
-        log.warning("from_deepspeed: DeepSpeed's default loss scaling differs: %s", text)
+    notes += [f"fp16.{k}: {why}" for k, why in _FP16_UNTRANSLATED.items() if value.get(k)]
+
+
+def _loss_scale(ds: dict[str, Any]) -> dict[str, Any]:
+    """hetero's loss_scale section for DeepSpeed's fp16 settings (all given): the same scales, the same skips."""
+    static = ds["loss_scale"]
+    if isinstance(static, bool) or not isinstance(static, (int, float)) or not 0 <= static < math.inf:
+        raise ConfigError(f"fp16.loss_scale: expected a number >= 0 (0: a dynamic scale), got {static!r}")
+    if static > 0:  # DeepSpeed reads none of the dynamic settings then
+        return {"static": static}
+    power = ds["initial_scale_power"]
+    if isinstance(power, bool) or not isinstance(power, int):
+        raise ConfigError(
+            f"fp16.initial_scale_power: expected an integer (the scale starts at 2**power), got {power!r}"
+        )
+    return {
+        "initial_scale": 2.0**power,
+        "growth_interval": ds["loss_scale_window"],
+        "deepspeed_window": True,  # DeepSpeed's window grows one overflow-free step later than hetero's
+        "hysteresis": ds["hysteresis"],
+        "consecutive_hysteresis": ds["consecutive_hysteresis"],
+        "min_scale": ds["min_loss_scale"],
+    }
 
 
 _DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # run under hetero by tests/test_deepspeed_compat.py

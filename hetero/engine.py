@@ -909,7 +909,7 @@ class Engine(DeepSpeedNames):
 
     @property
     def scaler(self) -> LossScaler | None:
-        """The dynamic loss scaler (fp16 only)."""
+        """The loss scaler (fp16 only): dynamic, or static (config loss_scale)."""
         return self.updater.scaler
 
     @property

@@ -88,3 +88,36 @@ def test_negative_sizes_say_they_are_negative(bad):
     """A negative string is a negative size (as the int -1 is), not an unreadable one."""
     with pytest.raises(ConfigError, match=rf"memory.host_budget: a size cannot be negative, got {bad!r}"):
         parse_size(bad, key="memory.host_budget")
+
+
+@pytest.mark.parametrize(
+    "section,match",
+    [
+        ({"initial_scale": 0}, r"loss_scale.initial_scale: expected a positive number, got 0"),
+        ({"initial_scale": "2**16"}, r"loss_scale.initial_scale: expected a positive number, got '2\*\*16'"),
+        ({"initial_scale": float("inf")}, r"loss_scale.initial_scale: expected a positive number, got inf"),
+        ({"growth_interval": 0}, r"loss_scale.growth_interval: expected an integer >= 1 \(overflow-free steps\)"),
+        ({"hysteresis": 0}, r"loss_scale.hysteresis: expected an integer >= 1 \(1 halves at every overflow\), got 0"),
+        ({"hysteresis": True}, r"loss_scale.hysteresis: expected an integer >= 1"),
+        ({"consecutive_hysteresis": 1}, r"loss_scale.consecutive_hysteresis: expected true or false, got 1"),
+        ({"deepspeed_window": "yes"}, r"loss_scale.deepspeed_window: expected true or false, got 'yes'"),
+        ({"min_scale": -1}, r"loss_scale.min_scale: expected a positive number, got -1"),
+        ({"min_scale": 4, "initial_scale": 2}, r"loss_scale.min_scale: 4.0 is above initial_scale 2.0"),
+        ({"static": 0}, r"loss_scale.static: expected a positive number \(or None: dynamic\), got 0"),
+        ({"static": 8, "hysteresis": 2, "min_scale": 2}, r"loss_scale.hysteresis/min_scale: a static scale never"),
+        ({"hysteresys": 2}, r"unknown config key 'loss_scale.hysteresys'; did you mean 'loss_scale.hysteresis'"),
+    ],
+)
+def test_loss_scale_errors_name_the_key_and_what_is_valid(section, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_any({"precision": "fp16", "loss_scale": section})
+
+
+def test_loss_scale_section_defaults_and_round_trip():
+    c = Config.from_any({"precision": "fp16", "loss_scale": {"initial_scale": 1024, "hysteresis": 2}})
+    assert (c.loss_scale.initial_scale, c.loss_scale.hysteresis, c.loss_scale.growth_interval) == (1024.0, 2, 2000)
+    assert Config.from_dict(c.to_dict()) == c
+    d = Config().loss_scale  # the scale hetero always had: 2**16, halved at every overflow, doubled after 2000 steps
+    assert (d.initial_scale, d.growth_interval, d.hysteresis, d.min_scale, d.static) == (2.0**16, 2000, 1, 1.0, None)
+    assert not d.consecutive_hysteresis and not d.deepspeed_window
+    assert Config.from_any({"loss_scale": {"static": 128}}).loss_scale.static == 128.0  # read only with fp16

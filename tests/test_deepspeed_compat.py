@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hetero
+from hetero.config import LossScaleConfig
 from hetero.errors import ConfigError
 from tests import parity
 
@@ -60,6 +61,8 @@ def test_docs_config_translates_and_trains(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hetero.config"):
         config = hetero.Config.from_deepspeed(path)
     assert config.zero_stage == 3 and config.precision == "fp32"  # fp16 "auto": left to hetero's default
+    # ... its loss-scale settings translated all the same, for when TrainingArguments choose fp16
+    assert config.loss_scale == LossScaleConfig(growth_interval=1000, hysteresis=2, deepspeed_window=True)
     assert (config.offload.params, config.offload.optimizer) == ("nvme", "nvme")
     assert config.offload.params_host_bytes == 4 * 10**9  # DeepSpeed's max_in_cpu default, 1e9 fp32 elements
     assert config.memory.nvme_dir == str(tmp_path)
@@ -88,6 +91,7 @@ def test_getting_started_config_translates_and_trains(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hetero.config"):
         config = hetero.Config.from_deepspeed(path)
     assert (config.zero_stage, config.precision, config.grad_accumulation_steps) == (1, "fp16", 1)
+    assert (config.loss_scale.hysteresis, config.loss_scale.growth_interval) == (2, 1000)  # DeepSpeed's defaults
     assert "optimizer" in caplog.text and "train_batch_size" in caplog.text
     assert hetero.Config.from_deepspeed({"zero_optimization": False}).zero_stage == 0
     out = parity.run_hetero(0, 1, steps=4, rows=4, config=config.to_dict())
@@ -204,19 +208,40 @@ def test_batch_cases_are_deepspeeds_own():
         assert got == accumulation, sizes
 
 
-def test_fp16_loss_scaling_that_differs_from_deepspeeds_is_named(caplog):
-    # DeepSpeed's scaler by default waits for a second overflow before halving (hysteresis 2) and doubles after 1000
-    # clean steps; hetero's halves at the first, doubles after 2000. Before, {"fp16": {"enabled": true}} said nothing.
+def test_fp16_loss_scale_settings_translate_exactly(caplog):
+    # Before, the settings were only named (hetero's scale had none); now they are the loss_scale section, with
+    # DeepSpeed's defaults where the config gives none (tests/test_loss_scale.py runs both scalers side by side).
+    deepspeeds = LossScaleConfig(growth_interval=1000, hysteresis=2, deepspeed_window=True)
     with caplog.at_level(logging.WARNING, logger="hetero.config"):
-        hetero.Config.from_deepspeed({"fp16": {"enabled": True}})
-    assert "hysteresis=2" in caplog.text and "loss_scale_window=1000" in caplog.text
-    assert "halves at every overflow" in caplog.text
-    same = {"enabled": True, "loss_scale": 0, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
-    assert hetero.Config.from_deepspeed({"fp16": same}, strict=True).precision == "fp16"  # nothing differs
-    with pytest.raises(ConfigError, match=r"loss_scale=128"):  # a static scale: hetero's is dynamic
-        hetero.Config.from_deepspeed({"fp16": {**same, "loss_scale": 128}}, strict=True)
-    with pytest.raises(ConfigError, match=r"bf16.immediate_grad_update: no hetero equivalent"):  # not fp16's text
+        assert hetero.Config.from_deepspeed({"fp16": {"enabled": True}}, strict=True).loss_scale == deepspeeds
+    assert "fp16" not in caplog.text
+    given = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 4,
+             "consecutive_hysteresis": True, "min_loss_scale": 8}  # fmt: skip
+    cfg = hetero.Config.from_deepspeed({"fp16": given}, strict=True)
+    assert cfg.precision == "fp16" and cfg.loss_scale == LossScaleConfig(
+        initial_scale=4096, growth_interval=500, hysteresis=4, consecutive_hysteresis=True, min_scale=8,
+        deepspeed_window=True,
+    )  # fmt: skip
+    static = hetero.Config.from_deepspeed({"fp16": {**given, "loss_scale": 128}}, strict=True)
+    assert static.loss_scale == LossScaleConfig(static=128)  # DeepSpeed reads no dynamic setting then
+    auto = {"enabled": True, "loss_scale_window": "auto", "hysteresis": "auto"}
+    assert hetero.Config.from_deepspeed({"fp16": auto}, strict=True).loss_scale == deepspeeds
+    off = hetero.Config.from_deepspeed({"fp16": {"enabled": False, "hysteresis": 4}}, strict=True)
+    assert off.precision == "fp32" and off.loss_scale == LossScaleConfig()
+    # What still has no equivalent is named, fp16's own text; bf16's keys keep theirs.
+    with pytest.raises(ConfigError, match=r"fp16.auto_cast: hetero computes in fp16 throughout"):
+        hetero.Config.from_deepspeed({"fp16": {"enabled": True, "auto_cast": True}}, strict=True)
+    with pytest.raises(ConfigError, match=r"fp16.fp16_master_weights_and_grads: hetero keeps fp32 master weights"):
+        hetero.Config.from_deepspeed({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, strict=True)
+    with pytest.raises(ConfigError, match=r"bf16.immediate_grad_update: no hetero equivalent"):
         hetero.Config.from_deepspeed({"bf16": {"enabled": True, "immediate_grad_update": True}}, strict=True)
+    # Values DeepSpeed refuses are refused, named in DeepSpeed's terms where the translation reads them.
+    with pytest.raises(ConfigError, match=r"fp16.loss_scale: expected a number >= 0"):
+        hetero.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale": -1}})
+    with pytest.raises(ConfigError, match=r"fp16.initial_scale_power: expected an integer"):
+        hetero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 1.5}})
+    with pytest.raises(ConfigError, match=r"loss_scale.growth_interval: expected an integer >= 1"):
+        hetero.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 0}})
 
 
 def test_optimizer_and_scheduler_sections_name_what_to_build(caplog):

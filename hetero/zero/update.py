@@ -70,7 +70,8 @@ class Updater:
         self.algorithm = algorithm
         self.check = check
         self.param_groups: list[dict[str, Any]] = []  # the user's hyperparameters (the optimizer's param groups)
-        self.scaler = LossScaler() if config.precision == "fp16" else None  # dynamic loss scale (fp16 only)
+        # fp16's loss scale, as the config's loss_scale section sets it ([Note: the fp16 loss scale])
+        self.scaler = LossScaler.configured(config.loss_scale) if config.precision == "fp16" else None
         # fp16's check where the kernels skip an overflowed update themselves ([Note: the overflow check on the device])
         self.overflow = DeviceCheck(manager.device) if self.scaler is not None else None
         self.loop_clip: float | None = None  # the loop's clip_grad_norm_ for the next update
