@@ -12,13 +12,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections import namedtuple
 
 import pytest
 import torch
 
 from hetero.errors import NvmeCorruptError, NvmeError, NvmeSpaceError, NvmeUnavailableError
-from hetero.memory import nvme
+from hetero.memory import nvme, swap_file
 from hetero.memory.aligned import ALIGN, AlignedBuffer, StagingPool, align_up
 from hetero.memory.nvme import NvmeStore
 from hetero.memory.swap_file import Slots
@@ -564,8 +563,7 @@ def test_budget_exceeded(stores, tmp_path):
 def test_file_system_too_full(stores, tmp_path, monkeypatch):
     s = stores(tmp_path)
     s.write(0, torch.zeros(BLOCK, dtype=torch.uint8)).result()
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 100, 100))
+    monkeypatch.setattr(swap_file, "free_bytes", lambda fd: 100)  # asked of the open file, not of a path
     with pytest.raises(NvmeSpaceError) as info:
         s.write(1, torch.zeros(BLOCK, dtype=torch.uint8))
     assert "100 B free" in str(info.value) and str(BLOCK) in str(info.value)

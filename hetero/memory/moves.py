@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.device import Device
+from hetero.errors import NvmeError
 from hetero.memory.chunk import Chunk, Move
 from hetero.memory.states import ChunkState
 from hetero.memory.storage import Storage
@@ -352,6 +353,9 @@ class Mover:
                 storage.free_buffer(move.dst, move.new_payload, chunk)
             if move.dst is Tier.NVME:
                 storage.drop_nvme_copy(chunk)
+            if isinstance(error, NvmeError):  # the store knows keys only: name the chunk and the tensors in it
+                where = f"{chunk.describe()} from the {move.src.label} to the {move.dst.label} tier"
+                raise type(error)(f"moving {where} failed: {error}") from error
             raise error
         start, end = move.future.result()
         if move.src is not Tier.NVME and not move.handed_off:

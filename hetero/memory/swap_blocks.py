@@ -27,6 +27,11 @@ from hetero.memory.lanes import LanePool
 from hetero.memory.swap_file import SwapFile, io_error
 
 _FADVISE = getattr(os, "posix_fadvise", None)
+# Said with every corrupt read: the store wrote and checksummed these bytes itself, so the file changed under it.
+_LOST = (
+    "something other than this store changed the file (another program, a disk fault); these values are lost: "
+    "restart from the last checkpoint"
+)
 
 
 @dataclass(eq=False)
@@ -240,7 +245,7 @@ class BlockPipeline:
         if got < n:  # checked whether or not verify is on: a short file must never pass as data
             raise NvmeCorruptError(
                 f"swap file {self.swap.path!r} is truncated: key {op.key} needs {n} B at offset {offset} "
-                f"but only {got} B could be read"
+                f"but only {got} B could be read; {_LOST}"
             )
         if not self.swap.direct and _FADVISE is not None:
             # These pages will not be read again soon: keep host RAM for the host tier.
@@ -256,7 +261,8 @@ class BlockPipeline:
             if crc != op.entry.crcs[b.index]:
                 raise NvmeCorruptError(
                     f"checksum mismatch in swap file {self.swap.path!r}: key {op.key}, {n} B at offset "
-                    f"{op.entry.offset + b.start} ({self.checksum} {crc:#x}, expected {op.entry.crcs[b.index]:#x})"
+                    f"{op.entry.offset + b.start} ({self.checksum} {crc:#x}, expected {op.entry.crcs[b.index]:#x}); "
+                    f"{_LOST}"
                 )
         if b.buf is not None:
             op.tensor[b.start : b.stop].copy_(b.buf.tensor[:n])

@@ -5,9 +5,11 @@ only to the high-water mark of live data, preallocated as it grows ([Note: preal
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
+import time
 from bisect import bisect_left
 
 from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
@@ -17,6 +19,14 @@ log = logging.getLogger("hetero.memory.nvme")
 
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 RESERVE_MAX = 2 << 30  # the most a growth reserves beyond what it needs ([Note: preallocating the swap file])
+PREFIX = "hetero-swap-"  # the name of every store's private directory starts so
+ORPHAN_AGE_S = 60.0  # [Note: swap directories left by a killed process]
+_HINTS = {  # what to do after a transfer failed with this errno (a full disk is NvmeSpaceError's)
+    errno.EROFS: "the file system became read-only (a disk error remounts ext4 so: see dmesg); point nvme_dir at a "
+    "writable drive and restart from the last checkpoint",
+    errno.EIO: "the drive reported an I/O error (see dmesg); check it, or point nvme_dir at another drive, and restart "
+    "from the last checkpoint",
+}
 
 
 def io_error(e: OSError, what: str, key: int, offset: int, n: int, path: str) -> NvmeError:
@@ -24,7 +34,65 @@ def io_error(e: OSError, what: str, key: int, offset: int, n: int, path: str) ->
     msg = f"{what} {n} B of key {key} at offset {offset} of swap file {path!r} failed: {e}"
     if e.errno in SPACE_ERRNOS:
         return NvmeSpaceError(f"{msg}; free disk space or point nvme_dir at a larger drive")
-    return NvmeError(msg)
+    hint = _HINTS.get(e.errno)
+    return NvmeError(f"{msg}; {hint}" if hint else msg)
+
+
+def free_bytes(fd: int) -> int:
+    """Free bytes (for an unprivileged user) of the file system holding the open file fd: asked of the file, not of
+    its directory's path, which someone may have deleted while the file is still open and in use."""
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
+def remove_orphans(parent: str) -> list[str]:
+    """Delete the swap directories in `parent` that no live store holds; returns them.
+
+    [Note: swap directories left by a killed process]
+    A store deletes its directory on close() and at exit, but a process killed by SIGKILL (the OOM killer, a
+    scheduler's hard limit) runs neither, and its swap file, preallocated to the tier's high-water mark and beyond,
+    stays: a crash loop filled the disk one swap file per kill. Each store holds an flock on its swap file for as
+    long as the file is open (the kernel drops it when the process dies, however it dies; it holds across PID
+    namespaces, where a PID recorded in a name would not), so a directory whose file nobody locks is an orphan. Only
+    directories of this user older than ORPHAN_AGE_S are considered: a store just being made has not locked its file
+    yet. Failures are ignored: this is housekeeping, and the new store's own checks say what is wrong."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        d = os.path.join(parent, name)
+        try:
+            st = os.lstat(d)
+            if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.geteuid():
+                continue
+            if now - st.st_mtime < ORPHAN_AGE_S:
+                continue
+            fd = os.open(os.path.join(d, "swap"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:  # made, then killed before its file was: nothing holds it either
+            fd = -1
+        except OSError:
+            continue
+        try:
+            if fd >= 0:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live store: BlockingIOError
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        except OSError:
+            continue
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    if removed:
+        log.warning(
+            "removed %d swap directories left in %s by processes that ended without closing their store: %s",
+            len(removed),
+            parent,
+            ", ".join(os.path.basename(d) for d in removed),
+        )
+    return removed
 
 
 class Slots:
@@ -121,6 +189,12 @@ class SwapFile:
         self.directory = directory
         self.path = os.path.join(directory, "swap")
         self.fd, self.direct, self.mem_align = _open(self.path, direct)
+        try:
+            # Held while the file is open: other stores tell this live directory from a killed process's
+            # ([Note: swap directories left by a killed process]).
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:  # a file system without locks (ENOLCK): other stores cannot lock it either, and skip it
+            log.debug("cannot lock %s (%s): a killed run's copy of it will not be cleaned up", self.path, e)
         self.slots = Slots()
         # [Note: preallocating the swap file], except where files are held in RAM (tmpfs): that would take memory early.
         self.prealloc = memory_file_system(directory) is None
@@ -137,9 +211,11 @@ class SwapFile:
         if length == 0:
             return 0
         growth, free = self.slots.growth(length), 0
+        if self.prealloc:  # what the file has preallocated beyond its slots needs no more free space
+            growth = max(0, self.slots.end + growth - self.reserved)
         if growth:
             # Check before queueing anything, so a full disk is a clear error now rather than a failed write.
-            free = shutil.disk_usage(self.directory).free
+            free = free_bytes(self.fd)
             if growth > free:
                 raise NvmeSpaceError(
                     f"not enough free space for the NVMe tier in {self.directory!r}: key {key} needs {growth} B "
