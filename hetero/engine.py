@@ -24,7 +24,7 @@ from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, collective_failed, init_from_env
 from hetero.config import Config
 from hetero.device import make_device
-from hetero.errors import CommError, ConfigError, HeteroError
+from hetero.errors import CommError, ConfigError, HeteroError, add_note
 from hetero.events import Events
 from hetero.integrations.deepspeed_names import DeepSpeedNames, refuse_deepspeed_kwargs
 from hetero.memory import ChunkManager, Tier
@@ -460,7 +460,7 @@ class Engine(DeepSpeedNames):
         except Exception as ending:
             if failed is None:
                 raise
-            failed.add_note(f"hetero: ending that backward failed too: {ending!r}")
+            add_note(failed, f"hetero: ending that backward failed too: {ending!r}")
             raise failed from None  # the backward's own error first
         self.events.emit("backward_end")
         if failed is not None:

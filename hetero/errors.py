@@ -87,3 +87,14 @@ class BatchMismatchError(HeteroError, ValueError):
         # Each rank's batch, one line per leaf (a tensor's place, dtype and shape), in the rank order of the group
         # that agrees on it (`Mesh.batch_group`); None when the shapes agreed and the values did not.
         self.shapes = shapes
+
+
+def add_note(error: BaseException, text: str) -> None:
+    """Add `text` to the error's report: a note (Python 3.11+, shown below its message in the traceback), or where
+    notes do not exist (3.10) its last argument, so that the text is never lost."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    elif error.args and isinstance(error.args[-1], str):
+        error.args = (*error.args[:-1], f"{error.args[-1]}\n{text}")
+    else:
+        error.args = (*error.args, text)

@@ -11,6 +11,7 @@ against the float64 run as every parity test is ([Note: tolerances from the arit
 from __future__ import annotations
 
 import contextlib
+import errno
 import warnings
 
 import pytest
@@ -558,4 +559,32 @@ def test_deepspeeds_checkpoint_keywords_say_what_hetero_does(tmp_path):
     with pytest.raises(TypeError, match=r"load_module_only is DeepSpeed's keyword: .*consolidate") as err:
         engine.load_checkpoint(tmp_path / "ckpt", load_module_only=True, load_optimizer_states=False)
     assert "load_optimizer_states is DeepSpeed's keyword" in str(err.value)
+    engine.close()
+
+
+def test_an_update_that_fails_partway_says_it_was_partial(monkeypatch):
+    """A disk that fails in the middle of an update (an NVMe write-back) leaves the chunks before it stepped and the
+    rest not: stepping again would step the first ones twice. The error says so and names the way back, keeping its
+    own type (the disk's error said only "free disk space", and a retried step trained on from mixed states)."""
+    from hetero.zero.update import Updater
+
+    model, opt, engine = _engine(1)
+    assert len(engine.updater.chunks) >= 2
+    real, calls = Updater._step_chunk, []
+
+    def fails_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "_step_chunk", fails_second)
+    x, y = _batch()
+    engine.backward(engine(x, labels=y).loss)
+    with pytest.raises(OSError, match="No space left") as err:
+        engine.step()
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    n = len(engine.updater.chunks)
+    assert f"the update stopped at chunk 2 of {n} (chunks 1-1 of {n} had stepped" in notes, notes
+    assert "load the last checkpoint" in notes
     engine.close()

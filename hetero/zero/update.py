@@ -25,6 +25,7 @@ import torch
 
 from hetero.comm import Comm
 from hetero.config import Config
+from hetero.errors import add_note
 from hetero.memory import Chunk, ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.zero import master as master_weights
@@ -127,6 +128,20 @@ class Updater:
         """Step chunk order[i] (the chunks step in `order`, whose next ones are read ahead with states on NVMe),
         write its parameters back and release its gradient. gather False: stages 1-2 leave the all-gather of the
         other ranks' parameters to the caller (`gather_params`)."""
+        try:
+            self._step_one(order, i, plan, used, gather=gather)
+        except Exception as e:
+            # The chunks before the i-th stepped, the rest did not: stepping again would step the first ones twice.
+            done = "no chunk had stepped yet" if i == 0 else f"chunks 1-{i} of {len(order)} had stepped"
+            add_note(
+                e,
+                f"hetero: the update stopped at chunk {i + 1} of {len(order)} ({done}; that one may have in part): "
+                "the parameters and optimizer states may now mix two steps. Do not call step() again: load the "
+                "last checkpoint (engine.load_checkpoint) once the cause is fixed",
+            )
+            raise
+
+    def _step_one(self, order: list[ZeroChunk], i: int, plan: Plan, used: torch.Tensor, *, gather: bool) -> None:
         zc = order[i]
         streamed = zc.placement.optim is Tier.NVME
         if streamed:
