@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from hetero.device import allocated_bytes
-from hetero.memory import ChunkState, Tier
+from hetero.memory import Tier
 from hetero.memory.manager import MoveEvent
 from hetero.profiler.activations import storage_key
+from hetero.profiler.kinds import by_kind, holds
 from hetero.profiler.rss import RssSampler
 
 log = logging.getLogger("hetero.profiler")
@@ -121,6 +122,7 @@ class Profile:
         self._dirty = False  # a ledger changed since the last by-kind sample
         self._changes: Counter[Tier] = Counter()  # ledger changes per tier
         self._relabel: dict[Tier, int] = {}  # tiers whose peak was reached inside a manager operation under way
+        self._sampled_inside = False  # a by-kind sample was taken at a peak inside the manager operation under way
         self._counters0: Counter[str] = Counter()
         self._steps0 = 0
         self._saved: dict[int, tuple[str, int, torch.Tensor]] = {}  # storage key -> (owner, bytes, tensor)
@@ -230,6 +232,7 @@ class Profile:
         if used > self.peaks[tier.label].bytes:
             self._new_peak(tier, used, t)
             self._sample(t, force=True)
+            self._sampled_inside = True
             self._relabel[tier] = self._changes[tier]
 
     def _after_manager(self) -> None:
@@ -242,13 +245,19 @@ class Profile:
             if self._changes[tier] == change:
                 peak = self.peaks[tier.label]
                 self._new_peak(tier, peak.bytes, peak.time, where=peak.where)
-        if self._dirty:
-            self._sample(self._now())
+        inside, self._sampled_inside = self._sampled_inside, False
+        if inside and not self._dirty:
+            # The sample at that peak labelled the buffer being taken "staging" (its chunk was not resident yet).
+            # No ledger changed since: the bytes now are the bytes then, and now every chunk has its label.
+            self.samples[-1] = (self.samples[-1][0], by_kind(self.manager))
+        elif self._dirty:
+            # Forced after a peak sample: the rate limit would leave that mislabelled sample standing for a while.
+            self._sample(self._now(), force=inside)
 
     def _new_peak(self, tier: Tier, used: int, t: float, where: str | None = None) -> None:
         holders: list[tuple[str, str, int]] = []
         for c in self.manager.chunks:
-            if _holds(c, tier):
+            if holds(c, tier):
                 names = ", ".join(s.name for s in c.slots[:2]) + (", ..." if len(c.slots) > 2 else "")
                 holders.append((f"chunk {c.id} ({names})", c.kind, c.nbytes))
         ledger = self.manager.ledgers[tier]
@@ -387,54 +396,6 @@ class Profile:
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
-
-
-def _holds(chunk: Any, tier: Tier) -> bool:
-    """Whether a chunk's bytes count on a tier's ledger now: resident there, reserved there by a move, or (NVMe) a
-    swap copy."""
-    if tier is Tier.NVME and chunk.on_nvme:
-        return True
-    if chunk.state is ChunkState.EMPTY:
-        return False
-    if chunk.tier == tier and tier is not Tier.NVME:
-        return True
-    return chunk.move is not None and chunk.move.dst == tier and tier is not Tier.NVME
-
-
-def by_kind(manager: Any) -> dict[str, dict[str, int]]:
-    """Bytes per tier per chunk kind now (what `_holds` counts, in one pass), plus the pools' cached buffers and
-    whatever else the ledger holds (buffers being allocated, staging). Runs at every sample: kept to plain lookups."""
-    per_tier: tuple[dict[str, int], ...] = ({}, {}, {})  # indexed by Tier value
-    nvme = per_tier[Tier.NVME]
-    empty, nvme_tier = ChunkState.EMPTY, Tier.NVME
-    for c in manager.chunks:
-        n = c.capacity * c.dtype.itemsize
-        k = c.kind
-        if c.on_nvme:
-            nvme[k] = nvme.get(k, 0) + n
-        if c.state is empty:
-            continue
-        t = c.tier
-        if t is not None and t is not nvme_tier:
-            d = per_tier[t]
-            d[k] = d.get(k, 0) + n
-        move = c.move
-        if move is not None and move.dst is not nvme_tier:
-            d = per_tier[move.dst]
-            d[k] = d.get(k, 0) + n
-    out = {}
-    for tier, ledger in manager.ledgers.items():
-        d = per_tier[tier]
-        if ledger.cached:
-            d["cached"] = ledger.cached
-        rest = ledger.current + ledger.cached - sum(d.values())
-        if rest > 0:
-            d["staging"] = rest
-        out[_LABELS[tier]] = d
-    return out
-
-
-_LABELS = {t: t.label for t in Tier}
 
 
 def profile(engine: Any, out_dir: str | os.PathLike, **kwargs: Any) -> Profile:

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from hetero.config import format_size
-from hetero.profiler.overlap import overlap
+from hetero.profiler.overlap import length, overlap, union
 from hetero.profiler.rss import rss_summary
 
 TOP = 10  # holders and modules listed
@@ -31,16 +31,20 @@ def summary_data(prof: Any) -> dict[str, Any]:
             "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         }
     moved: dict[str, Any] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
     for m in prof.moves:
         pair = f"{m.src}->{m.dst}"
         d = moved.setdefault(pair, {"bytes": 0, "moves": 0, "seconds": 0.0, "prefetched": 0, "_bw": []})
         d["bytes"] += m.nbytes
         d["moves"] += 1
-        d["seconds"] += m.seconds
         d["prefetched"] += int(m.prefetch)
         d["_bw"].append(m.bandwidth)
-    for d in moved.values():
-        d["bandwidth"] = d["bytes"] / d["seconds"] if d["seconds"] else 0.0  # bytes per second of copying
+        spans.setdefault(pair, []).append((m.start, m.start + m.seconds))
+    for pair, d in moved.items():
+        # Moves of one pair overlap (two workers, swap I/O queued at once): the pair was busy for the union of
+        # their intervals, and the sum of their durations counted the overlapped time more than once.
+        d["seconds"] = length(union(spans[pair]))
+        d["bandwidth"] = d["bytes"] / d["seconds"] if d["seconds"] else 0.0  # bytes per second the pair was busy
         d["median_bandwidth"] = statistics.median(d.pop("_bw"))
     c = prof.counters
     hits, misses = c.get("prefetch_hits", 0), c.get("prefetch_misses", 0)
@@ -139,8 +143,9 @@ def summary_text(d: dict[str, Any]) -> str:
     lines += [
         "",
         f"prefetch: {pf['hits']} hits, {pf['misses']} misses, hit rate {rate}; {pf['started']} prefetches started",
-        f"evictions: {d['evictions']} ({d['clean_evictions']} clean, no write), {d['released']} chunks released "
-        f"instead; {d['accesses']} accesses",
+        # The manager counts clean evictions apart from the others: "N (M clean)" read as M of N.
+        f"evictions: {d['evictions']} moved down, and {d['clean_evictions']} clean (the swap copy was current: no "
+        f"write); {d['released']} chunks released instead; {d['accesses']} accesses",
     ]
     if d.get("tiled"):
         n = len(d["tiled"])

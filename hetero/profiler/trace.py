@@ -4,7 +4,8 @@ chrome://tracing).
 Tracks (threads of one process per rank): the step phases, module forward spans (nested), module backward spans
 (async: a module's backward uses of what it saved may interleave with its neighbours'), and one track per tier
 pair for chunk moves, one for the gradient collectives (issued to completed) and one for the optimizer's math per
-chunk (the delayed update's runs beside forward and backward). Counters: each tier's bytes by chunk kind, the exact
+chunk (the delayed update's runs beside forward and backward); each of these last as many lanes as its events
+overlap (`_Lanes`). Counters: each tier's bytes by chunk kind, the exact
 ledger total, activations held, and the process's RSS.
 """
 
@@ -40,22 +41,26 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
             common = {"name": s.name, "cat": "backward", "id": i, "pid": pid, "tid": _BACKWARD}
             events.append({**common, "ph": "b", "ts": _us(s.start), "args": {"released_bytes": s.saved}})
             events.append({**common, "ph": "e", "ts": _us(max(s.end, s.start))})
-    tracks: dict[str, int] = {}
-    for m in prof.moves:
-        pair = f"{m.src}->{m.dst}"
-        if pair not in tracks:
-            tracks[pair] = _MOVE_TRACKS + len(tracks)
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tracks[pair], "args": {"name": pair}})
-        args = {"chunk": m.chunk, "kind": m.kind, "bytes": m.nbytes, "GB/s": m.bandwidth / 1e9, "prefetch": m.prefetch}
-        events.append(_span(f"chunk {m.chunk} {m.kind}", "move", m.start, m.end, pid, tracks[pair], args))
-    for track, name, start, end in prof.spans:
-        if track not in tracks:
-            tracks[track] = _MOVE_TRACKS + len(tracks)
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tracks[track], "args": {"name": track}})
-        events.append(_span(name, track, start, end, pid, tracks[track], {}))
+    lanes = _Lanes(pid, events)
+    for m in sorted(prof.moves, key=lambda m: m.start):  # by start: a lane takes the next event that fits
+        args = {"chunk": m.chunk, "kind": m.kind, "src": m.src, "dst": m.dst, "bytes": m.nbytes}
+        args.update({"GB/s": m.bandwidth / 1e9, "prefetch": m.prefetch})
+        tid = lanes.tid(f"{m.src}->{m.dst}", m.start, m.end)
+        events.append(_span(f"chunk {m.chunk} {m.kind}", "move", m.start, m.end, pid, tid, args))
+    for track, name, start, end in sorted(prof.spans, key=lambda s: s[2]):
+        events.append(_span(name, track, start, end, pid, lanes.tid(track, start, end), {}))
+    kinds: dict[str, list[str]] = {}  # per tier, every kind it held during the recording
+    for _, tiers in prof.samples:
+        for tier, held in tiers.items():
+            kinds.setdefault(tier, [])
+            kinds[tier] += [k for k in held if k not in kinds[tier]]
     for t, tiers in prof.samples:
-        for tier, kinds in tiers.items():
-            events.append({"ph": "C", "name": f"{tier} by kind", "ts": _us(t), "pid": pid, "args": dict(kinds)})
+        for tier, held in tiers.items():
+            # Every kind in every event: a counter's series keeps its last value until set again, so a kind that
+            # left the tier would stay drawn at what it last held. A tier that never held anything has no counter.
+            if kinds[tier]:
+                args = {k: held.get(k, 0) for k in kinds[tier]}
+                events.append({"ph": "C", "name": f"{tier} by kind", "ts": _us(t), "pid": pid, "args": args})
     for tier, series in prof.series.items():
         for t, used in series:
             events.append({"ph": "C", "name": f"{tier} ledger", "ts": _us(t), "pid": pid, "args": {"bytes": used}})
@@ -67,13 +72,38 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
 
 
 def _span(name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict[str, Any]:
+    ts = _us(start)
     return {
         "ph": "X",
         "name": name,
         "cat": cat,
-        "ts": _us(start),
-        "dur": _us(max(end - start, 0.0)),
+        "ts": ts,
+        "dur": round(max(_us(end) - ts, 0.0), 3),  # from the rounded ends: a slice ending with its parent stays in it
         "pid": pid,
         "tid": tid,
         "args": args,
     }
+
+
+class _Lanes:
+    """Threads for a track's complete events: one thread's slices must nest, and moves of one tier pair (or two
+    collectives) overlap without nesting, which Perfetto's importer mis-nests or drops. An event goes to the first
+    lane of its track free at its start ("host->nvme", "host->nvme (2)", ...); a lane's thread is named when made."""
+
+    def __init__(self, pid: int, events: list[dict[str, Any]]) -> None:
+        self.pid = pid
+        self.events = events
+        self.ends: dict[str, list[tuple[int, float]]] = {}  # track -> its lanes' (tid, end of the last event)
+        self.next_tid = _MOVE_TRACKS
+
+    def tid(self, track: str, start: float, end: float) -> int:
+        lanes = self.ends.setdefault(track, [])
+        for i, (tid, busy_until) in enumerate(lanes):
+            if busy_until <= start:
+                lanes[i] = (tid, max(end, start))
+                return tid
+        tid, self.next_tid = self.next_tid, self.next_tid + 1
+        name = track if not lanes else f"{track} ({len(lanes) + 1})"
+        lanes.append((tid, max(end, start)))
+        self.events.append({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": tid, "args": {"name": name}})
+        return tid
