@@ -183,12 +183,14 @@ def test_close_inside_the_profile_and_max_steps(tmp_path):
 
 def _profile_rank(rank: int, world: int, root: str) -> dict:
     engine = _engine(Path(root) / f"rank{rank}")
-    with hetero.profile(engine, Path(root) / f"prof{rank}", plot=False):
+    # One folder given on every rank, as a script run under torchrun gives it: each rank writes its own under it.
+    with hetero.profile(engine, Path(root) / "prof", plot=False) as prof:
         _train(engine, 2)
     stats = engine.memory_stats()
     engine.close()
-    summary = json.loads((Path(root) / f"prof{rank}" / "summary.json").read_text())
-    pids = {e["pid"] for e in json.loads((Path(root) / f"prof{rank}" / "trace.json").read_text())["traceEvents"]}
+    assert prof.out_dir == Path(root) / "prof" / f"rank{rank}"
+    summary = json.loads((prof.out_dir / "summary.json").read_text())
+    pids = {e["pid"] for e in json.loads((prof.out_dir / "trace.json").read_text())["traceEvents"]}
     return {
         "peaks": {t: (summary["peaks"][t]["bytes"], stats[t]["peak"]) for t in TIERS},
         "pids": pids,

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     def initialize(*a: object, **kw: object) -> hetero.Engine:
         engine = original(*a, **kw)
         target = out if not profiles else out / f"engine{len(profiles)}"
-        prof = Profile(engine, target, max_steps=args.steps, on_stop=on_stop)
+        prof = Profile(engine, target, max_steps=args.steps, on_stop=on_stop, per_rank=False)  # rankR: above
         profiles.append(prof)
         prof.start()
         return engine

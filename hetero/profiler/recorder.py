@@ -92,9 +92,14 @@ class Profile:
         max_steps: int | None = None,
         plot: bool = True,
         on_stop: Callable[[Profile], None] | None = None,
+        per_rank: bool = True,
     ) -> None:
         self.engine = engine
-        self.out_dir = Path(out_dir)
+        # Every rank of a job profiles its own process: each writes into out_dir/rank<global rank>, where they would
+        # otherwise overwrite each other's files (per_rank=False: the caller chose the folder per rank itself).
+        world = job_of(engine)
+        self.rank = world.global_rank(world.rank)
+        self.out_dir = Path(out_dir) / f"rank{self.rank}" if per_rank and world.size > 1 else Path(out_dir)
         self.max_steps = max_steps  # stop by itself after this many optimizer steps (tools/memprof.py)
         self.plot = plot
         self.on_stop = on_stop
@@ -398,7 +403,14 @@ class Profile:
         return time.perf_counter() - self.t0
 
 
+def job_of(engine: Any) -> Any:
+    """The Comm of every rank of the engine's job (its own comm is the data-parallel group)."""
+    mesh = getattr(engine, "mesh", None)
+    return mesh.world if mesh is not None else engine.comm
+
+
 def profile(engine: Any, out_dir: str | os.PathLike, **kwargs: Any) -> Profile:
     """Profile an engine's memory: `with hetero.profile(engine, "prof") as prof:` around training steps. On exit it
-    writes summary.txt (and .json), timeline.png and trace.json (Perfetto / chrome://tracing) into out_dir."""
+    writes summary.txt (and .json), timeline.png and trace.json (Perfetto / chrome://tracing) into out_dir; in a job
+    of several ranks, each into out_dir/rank<global rank>."""
     return Profile(engine, out_dir, **kwargs)

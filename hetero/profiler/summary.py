@@ -67,7 +67,7 @@ def summary_data(prof: Any) -> dict[str, Any]:
         "seconds": prof.duration,
         "micro_steps": prof.micro_steps,
         "optimizer_steps": len(prof.steps),
-        "rank": prof.engine.data_parallel_rank,
+        "rank": prof.rank,
         "world_size": prof.engine.data_parallel_size,
         "peaks": peaks,
         "process_rss": rss_summary(prof),  # [Note: what the ledgers do not see]

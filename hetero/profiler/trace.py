@@ -22,7 +22,7 @@ def _us(seconds: float) -> float:
 
 
 def chrome_trace(prof: Any) -> dict[str, Any]:
-    pid = prof.engine.data_parallel_rank
+    pid = prof.rank  # the global rank: data-parallel ranks repeat across tensor and pipeline groups
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"hetero rank {pid}"}},
         {"ph": "M", "name": "thread_name", "pid": pid, "tid": _PHASES, "args": {"name": "step phases"}},
