@@ -162,6 +162,52 @@ def test_a_mismatch_on_one_stage_stops_every_stage():
     assert len({r["loss"] for r in results}) == 1
 
 
+SPLITS = {  # a sequence split over a pipeline, every rank given the same batch of a length the split cannot cut
+    "megatron-seq15": ({**TP2, "sequence": True}, 15, "2 equal parts"),
+    "ring-seq6": (RING2, 6, "4 equal parts"),  # ring cuts 2 x 2 zig-zag chunks: 6 divides by 2, not by 4
+}
+
+
+def _split_lengths(rank: int, world: int) -> dict:
+    import time
+
+    import hetero
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, (parallel, seq, _) in SPLITS.items():
+        model = pipe_parity.build()
+        config = {"zero_stage": 1, "parallel": {**parallel, "pipeline": 2, "microbatches": 2}}
+        engine = hetero.initialize(model, parity.make_optimizer(model), {**config, "chunk_size": parity.CHUNK})
+        (x, y), _ = parity.batches(2, 4, seq=16)
+        start = time.monotonic()
+        try:
+            engine.train_batch(x[:, :seq], y[:, :seq])
+            error = None
+        except Exception as err:
+            error = (type(err).__name__, str(err))
+        # Refused before stage 0 scattered the sequence: the engine goes on with a length that divides.
+        out[name] = {"error": error, "seconds": time.monotonic() - start, "after": float(engine.train_batch(x, y))}
+        engine.close()
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(180)
+def test_a_sequence_length_the_split_cannot_cut_stops_every_stage_at_once():
+    """Without the check stage 0 raised in its scatter and stage 1 waited for its activations until comm_timeout
+    (600 s by default), then blamed stage 0 as dead or hung."""
+    results = run_distributed(_split_lengths, 4, timeout=150)
+    for name, (_, seq, parts) in SPLITS.items():
+        errors = [r[name]["error"] for r in results]
+        assert all(e is not None and e == errors[0] for e in errors), (name, errors)
+        kind, message = errors[0]
+        assert kind == "ConfigError" and f"length {seq}" in message and parts in message, message
+        assert "pad" in message and "global ranks [0, 1, 2, 3]" in message, message
+        assert all(r[name]["seconds"] < 30 for r in results), (name, [r[name]["seconds"] for r in results])
+        assert len({r[name]["after"] for r in results}) == 1, name
+
+
 MESHES = [  # (tensor, pipeline, sequence)
     (2, 2, 1),
     (1, 2, 2),

@@ -11,14 +11,17 @@ silent garbage; other samples of the same shapes train on garbage without a sign
 (`engine(...)`, `train_batch`, `eval_batch`; a forward inside the last two is covered by their check) first agrees
 on it over the control group ([Note: data and control groups]) of `Mesh.batch_group`, every rank given that batch:
 the tensor or sequence group, and with a pipeline those of every stage, each stage's ranks compared among themselves
-(a later stage may be given no inputs), so that a mismatch on one stage stops the others too, which would otherwise
-wait for its activations until `comm_timeout`. One all-gather of two int64 numbers per rank: a digest of the batch's
-structure (every leaf's place in the nested arguments; a tensor's dtype and shape, another leaf's short value) and,
-while `check_collectives` is on, a CRC-32 of its tensors' bytes (exact: bit-identical batches agree whatever device
-holds them; a device tensor is copied to the host for it). Equal rows: the batch goes on. Otherwise every rank holds
-every row, so every rank raises the same `BatchMismatchError`, after one object gather of each rank's description
-(safe: each just saw the same mismatch), so that the message names each rank's shapes. Nothing has run yet: the
-engine is as it was, and a next batch that agrees trains.
+(a later stage may be given no inputs), so that a mismatch on one stage stops the others too, which would otherwise wait
+for its activations until `comm_timeout`. One all-gather of three int64 numbers per rank: a digest of the batch's
+structure (every leaf's place in the nested arguments; a tensor's dtype and shape, another leaf's short value), while
+`check_collectives` is on a CRC-32 of its tensors' bytes (exact: bit-identical batches agree whatever device holds them;
+a device tensor is copied to the host for it), and under a sequence split (Megatron-SP, Ulysses, ring) the length of a
+[batch, sequence] token tensor that does not divide into the split's parts (`Mesh.sequence_parts`), else 0: with a
+pipeline only the stage holding the scatter would find it, and the stages after it would wait for its activations until
+`comm_timeout`, so any rank's length stops every rank with the same ConfigError. Equal rows: the batch goes on.
+Otherwise every rank holds every row, so every rank raises the same `BatchMismatchError`, after one object gather of
+each rank's description (safe: each just saw the same mismatch), so that the message names each rank's shapes. Nothing
+has run yet: the engine is as it was, and a next batch that agrees trains.
 
 Why a blocking gather of its own and not a row in the collective schedule's posted checks ([Note: checks posted,
 verified at the wait]): those run over ZeRO's group, which holds no tensor-parallel peer (and under Ulysses / ring
@@ -43,12 +46,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.comm import Comm
-from hetero.errors import BatchMismatchError
+from hetero.errors import BatchMismatchError, ConfigError
 
 if TYPE_CHECKING:
     from hetero.parallel.mesh import Mesh
 
-_ROW = 2  # structure digest, value checksum
+_ROW = 3  # structure digest, value checksum, a sequence length the split cannot cut (0: none)
 
 
 def _digest(text: str) -> int:
@@ -80,6 +83,16 @@ def describe(batch: Any) -> list[str]:
     return out
 
 
+def uncut_length(batch: Any, parts: int) -> int:
+    """The length of the first token-like tensor ([batch, sequence] integers or booleans: ids, labels, masks) that
+    does not divide into `parts`, else 0. Float inputs are left alone: their dim 1 need not be the sequence."""
+    for _, v in leaves(batch, ""):
+        tokens = isinstance(v, torch.Tensor) and v.dim() == 2 and not (v.is_floating_point() or v.is_complex())
+        if tokens and v.shape[1] % parts:
+            return int(v.shape[1])
+    return 0
+
+
 def checksum(tensors: list[torch.Tensor]) -> int:
     """A CRC-32 of the tensors' bytes, in order: exact, so bit-identical batches agree on any device."""
     crc = 0
@@ -96,7 +109,7 @@ class BatchAgreement:
     (`Mesh.batch_group`), `stages` consecutive parts of it (one per pipeline stage), each of which must agree; `kind`
     names a part in errors."""
 
-    def __init__(self, comm: Comm, *, kind: str, values: bool, stages: int = 1) -> None:
+    def __init__(self, comm: Comm, *, kind: str, values: bool, stages: int = 1, sequence_parts: int = 1) -> None:
         if comm.size % stages:
             raise ValueError(f"a group of {comm.size} ranks does not cut into {stages} equal stages")
         self.comm = comm
@@ -104,6 +117,10 @@ class BatchAgreement:
         self.values = values  # compare the values too (check_collectives), not only the shapes
         self.stages = stages  # pipeline stages: each stage's ranks agree among themselves (what they are given may
         # differ between stages: a later stage may be given no inputs)
+        # A sequence split's equal parts: only the stage holding the scatter would find a length that does not
+        # divide, and the stages after it would wait for its activations until comm_timeout; the verdict rides in
+        # the row, so every stage refuses the batch at once.
+        self.sequence_parts = sequence_parts
         self.checks = 0  # batches agreed: the same on every rank
         self._covered = 0  # entries open whose whole batch was agreed: the forwards inside check nothing more
 
@@ -111,7 +128,7 @@ class BatchAgreement:
     def of(cls, mesh: Mesh, *, values: bool) -> BatchAgreement:
         kind = "sequence-parallel" if mesh.sp.size > 1 else "tensor-parallel"
         stages = mesh.pp_size if mesh.batch_group.size > 1 else 1
-        return cls(mesh.batch_group, kind=kind, values=values, stages=stages)
+        return cls(mesh.batch_group, kind=kind, values=values, stages=stages, sequence_parts=mesh.sequence_parts)
 
     @contextlib.contextmanager
     def entry(self, batch: Any, where: str) -> Iterator[None]:
@@ -133,19 +150,33 @@ class BatchAgreement:
         values = 0
         if self.values:
             values = checksum([v for _, v in leaves(batch, "") if isinstance(v, torch.Tensor)])
-        row = torch.tensor([_digest(where + "\n" + "\n".join(lines)), values], dtype=torch.int64)
+        uncut = uncut_length(batch, self.sequence_parts) if self.sequence_parts > 1 else 0
+        row = torch.tensor([_digest(where + "\n" + "\n".join(lines)), values, uncut], dtype=torch.int64)
         rows = torch.empty(self.comm.size * _ROW, dtype=torch.int64)
         ctl = self.comm.control
         ctl.all_gather(rows, row, what=f"the {self.kind} ranks' agreement on the batch of {where}")
-        parts = rows.view(self.stages, -1, _ROW)  # [stage, rank of the stage, (structure, values)]
-        apart = (parts != parts[:, :1]).any(dim=1)  # [stage, (structure, values)]
+        parts = rows.view(self.stages, -1, _ROW)  # [stage, rank of the stage, (structure, values, length)]
+        apart = (parts[..., :2] != parts[:, :1, :2]).any(dim=1)  # [stage, (structure, values)]
         if not bool(apart.any()):
+            self._check_lengths(rows.view(-1, _ROW)[:, 2].tolist(), where)
             return
         every = ctl.all_gather_object((where, lines))  # every rank is here: each saw the same rows
         shapes = [f"{w}: {'; '.join(ls) or 'nothing'}" for w, ls in every]
         if bool(apart[:, 0].any()):
             raise BatchMismatchError(self._shapes(apart[:, 0].tolist(), shapes), shapes=[ls for _, ls in every])
         raise BatchMismatchError(self._values(apart[:, 1].tolist(), parts[:, :, 1], shapes), shapes=None)
+
+    def _check_lengths(self, uncut: list[int], where: str) -> None:
+        """Every rank raises the same error when any rank's batch has a sequence length the split cannot cut."""
+        bad = [(self.comm.global_rank(r), n) for r, n in enumerate(uncut) if n]
+        if not bad:
+            return
+        rank, n = bad[0]
+        raise ConfigError(
+            f"{where}: sequence parallelism cuts each sequence into {self.sequence_parts} equal parts, and the batch "
+            f"of global rank {rank} has sequences of length {n}: pad the sequences to a multiple of "
+            f"{self.sequence_parts} (or change parallel.tensor). Nothing has run." + self._stopped()
+        )
 
     def _part(self, c: int) -> list[int]:
         """Global ranks of stage c's part."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.device import Device
-from hetero.errors import ConfigError
+from hetero.errors import CommError, ConfigError
 from hetero.zero.protocol import BATCH_REDUCE
 
 if TYPE_CHECKING:
@@ -78,7 +78,15 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
         engine.events.emit("forward_begin")
         try:
             with engine.device.compute_context(), engine.backward_open():
-                total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
+                try:
+                    total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
+                except Exception as e:
+                    # Every stage stops with the one that raised ([Note: a stage that raises]): the gradients the
+                    # batch added are dropped, as engine.backward drops a failed backward's ([Note: a backward that
+                    # fails]), or the next update would step on part of this batch's. A CommError passes at once.
+                    if not isinstance(e, CommError):
+                        engine.drop_accumulation(e)
+                    raise
             if engine.tied is not None:  # before any data-parallel reduction ([Note: parameters tied across stages])
                 engine.tied.sum_grads(update_follows=engine.is_gradient_accumulation_boundary())
             for zc in accumulate:

@@ -52,6 +52,9 @@ class Mesh:
     # batch_rank, in stage order (tp or sp itself without a pipeline); Comm() where no split does. The group that
     # agrees on each batch ([Note: a batch agreed over the model-parallel group] in hetero/parallel/agree.py).
     batch_group: Comm = field(default_factory=Comm)
+    # Equal parts a sequence split (Megatron-SP, Ulysses, ring) cuts each batch's sequence into; 1 without one. The
+    # batch agreement refuses a length that does not divide on every stage at once (agree.py).
+    sequence_parts: int = 1
 
     @property
     def batch_size(self) -> int:
@@ -97,10 +100,12 @@ class Mesh:
         sequence: int = 1,
         tensor_mode: str = "1d",
         tensor_depth: int | None = None,
+        sequence_parts: int = 1,
     ) -> Mesh:
         """Split `world` into its tensor, data and pipeline groups. Every rank of `world` must call this, with the
         same degrees (new process groups are made collectively). `sequence`: Ulysses / ring degree, a split of the
-        data-parallel group (pass tensor=1 then). `tensor_mode`: a grid mode carves its groups out of tp."""
+        data-parallel group (pass tensor=1 then). `tensor_mode`: a grid mode carves its groups out of tp.
+        `sequence_parts`: the equal parts a sequence split cuts the sequence into (ring: 2 per rank)."""
         t, p = tensor, pipeline
         d = check_degrees(world.size, tensor=t, pipeline=p)
         r = world.rank
@@ -155,6 +160,7 @@ class Mesh:
             sp=sp,
             grid=grid,
             batch_group=batch_group,
+            sequence_parts=sequence_parts,
         )
 
     def __repr__(self) -> str:

@@ -138,8 +138,9 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     families = "; ".join(f"{family} ({', '.join(sig)})" for family, sig, _ in BUILTIN_PLANS)
     raise ConfigError(
         f"tensor_plan = 'auto' recognises no known layout in {type(model).__name__}; the families it knows, by the "
-        f"module names they have: {families}. Give a mapping of module patterns to styles instead (see "
-        "hetero.parallel.plans)"
+        f"module names they have: {families}. Give your own plan instead: a mapping of module patterns to styles, as "
+        "parallel.tensor_plan (or apply_tensor_parallel's plan), e.g. {'model.layers.*.self_attn.q_proj': 'colwise', "
+        "...}; the styles are listed in hetero/parallel/plans.py"
     )
 
 

@@ -41,6 +41,7 @@ def setup_parallel(
         sequence=cfg.tensor if split else 1,
         tensor_mode=cfg.tensor_mode,
         tensor_depth=cfg.tensor_depth,
+        sequence_parts=(2 if cfg.sequence == "ring" else 1) * cfg.tensor if cfg.sequence else 1,  # ring: zig-zag
     )
     chimera = cfg.schedule == "chimera" and cfg.pipeline > 1
     zero = replica_group(mesh, world) if chimera else mesh.dp

@@ -13,6 +13,7 @@ parameters' squares + replicated parameters' squares / degree).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,48 @@ class _VocabHead:
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The head sits after sequence_gather: its input is the whole sequence, replicated, under SP too.
         return super().forward(self._hetero_region.enter(x, sequence=False), *args, **kwargs)
+
+    def whole_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the vocabulary gathered with the other tensor ranks' into whole logits."""
+        return self._hetero_region.comm.all_gather_dim(logits, logits.dim() - 1)
+
+
+def _whole_logits_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return module.whole_logits(out)
+
+
+def _generating_class(cls: type) -> type:
+    """`cls` whose Hugging Face `generate` sees whole logits: it picks the next token by an argmax or a sample over
+    the vocabulary, and over one rank's part each rank would pick another token, by its index in the part, with no
+    error. Same name (save_pretrained writes it as the architecture) and signature (`synced_gpus`, read by
+    hetero/zero/generate.py); the head gathers only inside generate, so training and a plain forward keep their
+    logits cut (the vocabulary-parallel loss takes them so)."""
+    base = cls.generate
+
+    @functools.wraps(base)
+    def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        handles = [m.register_forward_hook(_whole_logits_hook) for m in self.modules() if is_vocab_head(m)]
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    return type(cls.__name__, (cls,), {"generate": generate, "__module__": cls.__module__, "_hetero_whole": True})
+
+
+def _generate_whole(model: nn.Module) -> None:
+    """Swap `model`'s class for its generating one (once per class) when it has a generate to wrap."""
+    cls = type(model)
+    if not callable(getattr(cls, "generate", None)) or cls.__dict__.get("_hetero_whole"):
+        return
+    if (_GenerateWhole, cls) not in _SUBCLASSES:
+        _SUBCLASSES[(_GenerateWhole, cls)] = _generating_class(cls)
+    model.__class__ = _SUBCLASSES[(_GenerateWhole, cls)]
+
+
+class _GenerateWhole:
+    """The key of a generating class in _SUBCLASSES."""
 
 
 def is_vocab_head(module: nn.Module) -> bool:
@@ -321,6 +364,7 @@ def apply_tensor_parallel(
             _apply(part, modules[name], name, region)
     if any("vocab_head" in style.split("+") for style in resolved.values()):
         _install_loss(model, comm)
+        _generate_whole(model)
     log.info(
         "tensor parallel over %d ranks%s: %d modules planned", comm.size, " with SP" if sequence else "", len(resolved)
     )

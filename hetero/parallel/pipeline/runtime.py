@@ -10,6 +10,16 @@ of computing with the wrong tensor. Every transfer carries a tag unique to its m
 matches by order, which `schedule.programs` proves consistent on both sides of every link and free of deadlock even
 when every send waits for its receive (it replays them, splitting exchanges where needed: [Note: split exchanges]).
 Receives are waited before the step that needs them, sends at the end of the batch.
+
+[Note: a stage that raises]
+A forward or backward that raises (a user's loss_fn, a hook, a shape error) would leave the stages after it waiting
+for its activations, and those before it for its gradients, until comm_timeout (600 s by default), which then names
+it as dead or hung. Instead the rank keeps to its program without computing: every message it owes goes as a header
+marked stopped (code -2, with the pipeline rank that raised first) and no payload, and a rank that receives one stops
+computing too and passes the mark on. The programs complete as they would have (their exchanges are unchanged, which
+is what the replay proved free of deadlock), then the rank that raised raises its own error and every other rank a
+PipelineError naming it. Collectives inside a stage (tensor, ZeRO-3 gathers) are not covered: a rank whose tensor or
+data-parallel peers go on computing still waits for them until comm_timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +48,34 @@ def _sendable(t: torch.Tensor) -> bool:
 
 class PipelineError(HeteroError, RuntimeError):
     """Stages disagree on what they exchange, or a stage produced something that cannot be passed on."""
+
+
+STOPPED = -2  # a header's dtype code: no payload follows, its sender stopped ([Note: a stage that raises])
+
+
+class Halt:
+    """Whether this rank stopped computing in a batch: its own error, or the pipeline rank that raised first."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None  # this rank's own
+        self.origin: int | None = None  # the pipeline rank that raised first, as far as this rank knows
+
+    def fail(self, error: Exception, rank: int) -> None:
+        self.error, self.origin = error, rank
+
+    def heard(self, origin: int) -> None:
+        if self.origin is None:
+            self.origin = origin
+
+    def raise_if_stopped(self, pp: Comm) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.origin is not None:
+            raise PipelineError(
+                f"pipeline rank {self.origin} (global rank {pp.global_rank(self.origin)}) raised during this batch: "
+                "see its error. This rank stopped with it, its schedule's exchanges run through without computing "
+                "so that no stage waits for another until comm_timeout"
+            )
 
 
 @dataclass
@@ -98,72 +136,108 @@ class PipelineRuntime:
         stats = self.stats = RunStats()
         alive: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per (chunk, micro-batch), when measuring
         t0 = time.perf_counter()
+        halt = Halt()
         for item in self.program:
             if isinstance(item, Exchange):
                 start = time.perf_counter()
-                sends += self.exchange(item, outbox, inbox)
+                try:
+                    sends += self.exchange(item, outbox, inbox, halt)
+                except Exception:
+                    halt.raise_if_stopped(self.pp)  # the error that stopped this rank is the one to see
+                    raise
                 stats.wait_s += time.perf_counter() - start
                 continue
+            if halt.origin is not None:
+                continue  # stopped: the exchanges go on, marked ([Note: a stage that raises])
             a, start = item, time.perf_counter()
             s = stage(a, self.p, self.pp.rank)
             key = (a.chunk, a.microbatch)
-            if a.kind == "F":
-                if s == 0:
-                    x = inputs[a.microbatch]
-                else:
-                    x = inbox.pop((0, a.microbatch, s))
-                    if x.is_floating_point():
-                        x.requires_grad_(True)
-                last = s == self.last_stage
-                with self._saving(alive, key):
-                    y = self.chunks[a.chunk](x, labels[a.microbatch] if last and loss_fn is None else None)
-                    if last:
-                        y = loss_fn(y, labels[a.microbatch]) if loss_fn is not None else loss_of(y)
-                if last:
-                    total += y.detach().float().cpu()
-                else:
-                    if not isinstance(y, torch.Tensor):
-                        raise PipelineError(
-                            f"virtual stage {s} returned {type(y).__name__}; a stage must return one tensor to pass "
-                            "to the next (split the model where a single tensor flows between units)"
-                        )
-                    outbox[(0, a.microbatch, s + 1)] = y.detach()
-                saved[key] = (x, y)
-                stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
-                stats.peak_saved_bytes = max(stats.peak_saved_bytes, sum(alive.values()))
-                after_forward()
-            else:
-                x, y = saved.pop(key)
-                if s == self.last_stage:
-                    torch.autograd.backward(y * loss_scale)
-                else:
-                    grad = inbox.pop((1, a.microbatch, s))
-                    # A stage whose parameters are all frozen (a fine-tuned model's first stage) and that takes
-                    # no gradient in has nothing to run backward through: the gradient it was sent ends here, on
-                    # this rank alone and without a collective, where backward would raise.
-                    if y.requires_grad:
-                        torch.autograd.backward(y, grad)
-                alive.pop(key, None)
-                if s > 0:
-                    outbox[(1, a.microbatch, s - 1)] = x.grad if x.grad is not None else torch.zeros_like(x)
-                del x, y
-                after_backward()
+            try:
+                total += self._act(a, s, key, inputs, labels, saved, inbox, outbox, alive, loss_fn, loss_scale)
+                (after_forward if a.kind == "F" else after_backward)()
+            except Exception as e:
+                halt.fail(e, self.pp.rank)
+                continue
             if self.measure:
                 stats.actions.append((repr(a), start - t0, time.perf_counter() - t0))
-        assert not inbox and not outbox, "the program left messages unused"  # check_rendezvous rules this out
         for handle, _ in sends:
             handle.wait()
+        halt.raise_if_stopped(self.pp)
+        assert not inbox and not outbox, "the program left messages unused"  # check_rendezvous rules this out
         stats.wall_s = time.perf_counter() - t0
+        return total
+
+    def _act(
+        self,
+        a: Action,
+        s: int,
+        key: tuple[int, int],
+        inputs: list[Any],
+        labels: list[Any],
+        saved: dict,
+        inbox: dict,
+        outbox: dict,
+        alive: dict,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        loss_scale: float,
+    ) -> torch.Tensor:
+        """One forward or backward of the program; returns its loss (on the last stage's forwards), else 0."""
+        stats = self.stats
+        total = torch.zeros((), dtype=torch.float32)
+        if a.kind == "F":
+            if s == 0:
+                x = inputs[a.microbatch]
+            else:
+                x = inbox.pop((0, a.microbatch, s))
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+            last = s == self.last_stage
+            with self._saving(alive, key):
+                y = self.chunks[a.chunk](x, labels[a.microbatch] if last and loss_fn is None else None)
+                if last:
+                    y = loss_fn(y, labels[a.microbatch]) if loss_fn is not None else loss_of(y)
+            if last:
+                total += y.detach().float().cpu()
+            else:
+                if not isinstance(y, torch.Tensor):
+                    raise PipelineError(
+                        f"virtual stage {s} returned {type(y).__name__}; a stage must return one tensor to pass "
+                        "to the next (split the model where a single tensor flows between units)"
+                    )
+                outbox[(0, a.microbatch, s + 1)] = y.detach()
+            saved[key] = (x, y)
+            stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
+            stats.peak_saved_bytes = max(stats.peak_saved_bytes, sum(alive.values()))
+        else:
+            x, y = saved.pop(key)
+            if s == self.last_stage:
+                torch.autograd.backward(y * loss_scale)
+            else:
+                grad = inbox.pop((1, a.microbatch, s))
+                # A stage whose parameters are all frozen (a fine-tuned model's first stage) and that takes
+                # no gradient in has nothing to run backward through: the gradient it was sent ends here, on
+                # this rank alone and without a collective, where backward would raise.
+                if y.requires_grad:
+                    torch.autograd.backward(y, grad)
+            alive.pop(key, None)
+            if s > 0:
+                outbox[(1, a.microbatch, s - 1)] = x.grad if x.grad is not None else torch.zeros_like(x)
+            del x, y
         return total
 
     # ---- transfers ------------------------------------------------------------------------------------------
     def _tag(self, kind: int, microbatch: int, stage: int) -> int:
         return (microbatch * (self.last_stage + 1) + stage) * 2 + kind
 
-    def _header(self, t: torch.Tensor, msg: Message) -> torch.Tensor:
+    def _header(self, t: torch.Tensor | None, msg: Message, halt: Halt | None) -> torch.Tensor:
         """The header (on the payload's device: NCCL reads GPU memory only). A tensor no header can describe gets
-        code -1: the header still goes, so the receiver fails with the sender instead of waiting for it."""
+        code -1: the header still goes, so the receiver fails with the sender instead of waiting for it. None: this
+        rank stopped (STOPPED, and the pipeline rank that raised first)."""
         header = torch.zeros(HEADER, dtype=torch.int64)
+        if t is None:
+            origin = halt.origin if halt is not None and halt.origin is not None else self.pp.rank
+            header[:5] = torch.tensor([msg[1], msg[2], STOPPED, 0, origin])
+            return header.to(self.device)
         if _sendable(t):
             header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype), t.dim()])
             header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
@@ -172,11 +246,18 @@ class PipelineRuntime:
         return header.to(t.device)
 
     def exchange(
-        self, ex: Exchange, outbox: dict[Message, torch.Tensor], inbox: dict[Message, torch.Tensor]
+        self,
+        ex: Exchange,
+        outbox: dict[Message, torch.Tensor],
+        inbox: dict[Message, torch.Tensor],
+        halt: Halt | None = None,
     ) -> list[tuple[Any, Any]]:
-        """Start the exchange's sends, complete its receives into `inbox`; return the sends' handles."""
-        out = [(peer, msg, outbox.pop(msg).contiguous()) for peer, msg in ex.sends]
-        headers_out = [self._header(t, msg) for _, msg, t in out]
+        """Start the exchange's sends, complete its receives into `inbox`; return the sends' handles. `halt`: once
+        this rank stopped, what it did not compute goes marked, and marks received stop it ([Note: a stage that
+        raises])."""
+        stopped = halt is not None and halt.origin is not None
+        out = [(peer, msg, self._outgoing(outbox, msg, stopped)) for peer, msg in ex.sends]
+        headers_out = [self._header(t, msg, halt) for _, msg, t in out]
         headers_in = [torch.empty(HEADER, dtype=torch.int64, device=self.device) for _ in ex.recvs]
         ops = [("send", h, peer, self._tag(*msg)) for (peer, msg, _), h in zip(out, headers_out)]
         ops += [("recv", h, peer, self._tag(*msg)) for (peer, msg), h in zip(ex.recvs, headers_in)]
@@ -184,7 +265,7 @@ class PipelineRuntime:
         for h in handles[len(out) :]:
             h.wait()
         pending = [(h, headers_out) for h in handles[: len(out)]]
-        bad = [t for _, _, t in out if not _sendable(t)]
+        bad = [t for _, _, t in out if t is not None and not _sendable(t)]
         if bad:
             for h in handles[: len(out)]:  # the marked headers delivered before this rank stops (and drops them)
                 h.wait()
@@ -196,6 +277,10 @@ class PipelineRuntime:
         for (peer, msg), header in zip(ex.recvs, headers_in):
             values = header.tolist()  # one copy to the host per header
             mb, st, code, ndim = values[:4]
+            if code == STOPPED and halt is not None:
+                halt.heard(values[4])
+                payloads.append(None)
+                continue
             if code < 0:
                 raise PipelineError(
                     f"pipeline rank {peer} could not pass its tensor for virtual stage {msg[2]} (a dtype or a number "
@@ -210,15 +295,24 @@ class PipelineRuntime:
                 )
             shape = values[4 : 4 + ndim]
             payloads.append(torch.empty(shape, dtype=DTYPES[code], device=self.device))
-        ops = [("send", t, peer, self._tag(*msg)) for peer, msg, t in out]
-        ops += [("recv", t, peer, self._tag(*msg)) for (peer, msg), t in zip(ex.recvs, payloads)]
+        # Marked messages carry no payload, on either side: both read it from the same header.
+        sent = [(peer, msg, t) for peer, msg, t in out if t is not None]
+        ops = [("send", t, peer, self._tag(*msg)) for peer, msg, t in sent]
+        ops += [("recv", t, peer, self._tag(*msg)) for (peer, msg), t in zip(ex.recvs, payloads) if t is not None]
         handles = self.pp.batch_p2p(ops)
-        for h in handles[len(out) :]:
+        for h in handles[len(sent) :]:
             h.wait()
-        pending += [(h, [t for _, _, t in out]) for h in handles[: len(out)]]  # the tensors outlive the sends
+        pending += [(h, [t for _, _, t in sent]) for h in handles[: len(sent)]]  # the tensors outlive the sends
         for (_, msg), t in zip(ex.recvs, payloads):
-            inbox[msg] = t
+            if t is not None:
+                inbox[msg] = t
         return pending
+
+    @staticmethod
+    def _outgoing(outbox: dict[Message, torch.Tensor], msg: Message, stopped: bool) -> torch.Tensor | None:
+        """The message's tensor; None where a stopped rank did not compute it."""
+        t = outbox.pop(msg, None) if stopped else outbox.pop(msg)
+        return t.contiguous() if t is not None else None
 
     # ---- measuring ------------------------------------------------------------------------------------------
     def _saving(self, alive: dict, key: tuple[int, int]) -> Any:
