@@ -10,7 +10,8 @@ tokens from prompts of the corpus: each step runs a forward only across the stag
 (gathered from the tensor ranks) on every rank, so every rank appends the same tokens.
 
     torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 2 --pipeline 2          # 2 x 2 x dp 2
-    torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule interleaved_1f1b --microbatches 8
+    torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule interleaved_1f1b --microbatches 8 \
+        --layers 6
     torchrun --nproc_per_node=4 examples/train_parallel.py --pipeline 4 --schedule chimera --microbatches 4
     torchrun --nproc_per_node=2 examples/train_parallel.py --tensor 2 --sequence --zero-stage 3
     torchrun --nproc_per_node=8 examples/train_parallel.py --tensor 4 --tensor-mode 2d --pipeline 2  # SUMMA x pp 2

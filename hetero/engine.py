@@ -464,7 +464,7 @@ class Engine(DeepSpeedNames):
             raise failed from None  # the backward's own error first
         self.events.emit("backward_end")
         if failed is not None:
-            self._drop_accumulation(failed)
+            self.drop_accumulation(failed)
             raise failed
 
     def _end_backward(self, boundary: bool, *, retain_graph: bool, failed: bool) -> None:
@@ -496,7 +496,9 @@ class Engine(DeepSpeedNames):
         self._in_step = False
         self._grads_final = boundary  # full_grads may read them until step()
 
-    def _drop_accumulation(self, failed: Exception) -> None:
+    def drop_accumulation(self, failed: Exception) -> None:
+        """After a backward (or a pipeline's batch: `train_batch`) that raised: its gradients, and those of the
+        accumulation's micro-batches before it, are dropped, and the accumulation starts again."""
         # [Note: a backward that fails]
         # A backward that raises (out of memory, a check in the model's own backward hook) had added part of its
         # gradients into the chunks: the next update stepped on them (measured: a loop skipping such a batch, as

@@ -329,6 +329,7 @@ class ZeroChunk:
 
     def zero_grad(self) -> None:
         self.grads_seen.clear()
+        self.batch_seen.clear()  # a pipeline batch that failed: its partial sum in grad_full is not added to
         self.used.zero_()
         self.grad_is_zero = True
         self.grad_sq = None
