@@ -16,7 +16,8 @@ from hetero.memory import ChunkState, Tier
 from hetero.profiler.overlap import length, union
 from hetero.profiler.recorder import MoveRecord
 from hetero.profiler.summary import summary_data, summary_text
-from tests.parity import batches, build, make_optimizer
+from tests.parity import build, make_optimizer
+from tests.test_profiler import _train
 
 TIERS = ("device", "host", "nvme")
 
@@ -36,12 +37,6 @@ def _engine(
         config["memory"]["host_budget"] = host_budget
     model = build()
     return hetero.initialize(model, make_optimizer(model), config)
-
-
-def _train(engine: hetero.Engine, steps: int) -> None:
-    for x, y in batches(steps, 2):
-        engine.backward(engine(x, labels=y).loss)
-        engine.step()
 
 
 def _chunk_bytes(manager) -> dict[str, int]:
