@@ -300,7 +300,11 @@ def _generate(rank: int, world: int) -> dict:
         )
         model.eval()
         with torch.no_grad():
-            got = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            # The prompt on the compute device, as on a GPU, where NCCL's collectives take device tensors; and under
+            # the device's compute, where the stand-in counts what the model makes as device memory, as a GPU would.
+            with engine.device.compute_context():
+                got = model.generate(engine.to_device(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+            got = got.cpu()
             logits = engine(prompt).logits  # a forward outside generate keeps its logits cut by vocabulary
         out[stage] = {"same": torch.equal(got, want), "got": got.tolist(), "cut": logits.shape[-1]}
         out[stage]["name"] = type(model).__name__ == name  # save_pretrained writes the class name as the architecture
