@@ -128,11 +128,7 @@ def resolve(path: str | os.PathLike) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     nested = os.path.join(path, NESTED)
-    if (
-        os.path.isfile(os.path.join(nested, MANIFEST))
-        or os.path.isfile(os.path.join(nested, LATEST))
-        or complete_tags(nested)
-    ):
+    if _holds_checkpoints(nested):
         return resolve(nested)
     tags = complete_tags(path)
     if tags:
@@ -161,12 +157,17 @@ def trainer_checkpoints(path: str) -> list[str]:
         names = os.listdir(path)
     except OSError:
         return []
-    found = []
-    for n in names:
-        nested = os.path.join(path, n, NESTED)
-        if os.path.isfile(os.path.join(nested, LATEST)) or complete_tags(nested):
-            found.append(n)
+    found = [n for n in names if _holds_checkpoints(os.path.join(path, n, NESTED))]
     return sorted(found, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+
+
+def _holds_checkpoints(path: str) -> bool:
+    """Whether `path` is a checkpoint, or a root of some (`latest`, or complete tag directories)."""
+    return (
+        os.path.isfile(os.path.join(path, MANIFEST))
+        or os.path.isfile(os.path.join(path, LATEST))
+        or bool(complete_tags(path))
+    )
 
 
 def complete_tags(root: str) -> list[str]:
