@@ -687,3 +687,44 @@ def test_trim_between_steps_keeps_the_buffers_the_forward_takes_again(make_manag
     # The forward reused both; backward's third gathered chunk one the forward gave back; only the gradient's is new.
     assert pool.allocations == made + 1
     assert ledger.cached == 2 * (1 << 14) * 4
+
+
+def test_room_on_the_host_waits_for_a_staging_buffer_to_come_back(make_manager, monkeypatch):
+    """A device<->NVMe move on a GPU holds a host staging buffer until it ends; making room on a full host waits for
+    that move (its buffer comes back) instead of reporting the host out of memory with a budget that would have been
+    enough."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")  # a device with its own memory: NVMe reads stage through the host
+    nb = NUMEL * 4
+    m = make_manager(nvme=True, device_budget=4 * nb, host_budget=2 * nb, prefetch_depth=0)
+    a, sa, abits = _filled_chunk(m, tier=Tier.NVME)
+    b, _, _ = _filled_chunk(m)  # half the host; pinned below, so nothing on the host can make room
+    gated = _GatedStore(m.storage.store)
+    m.storage.store = gated
+    m.prefetch([a], Tier.DEVICE)  # NVMe -> host staging -> device, held at the gate: the host is full
+    assert a.moving and m.ledgers[Tier.HOST].used == 2 * nb
+    c = m.new_chunk(dtype=torch.float32, capacity=NUMEL)
+    c.add_tensor("c", (NUMEL,))
+    threading.Timer(0.2, gated.gate.set).start()
+    with m.pinned(b):
+        m.access(c, Tier.HOST)  # waits for a's read, whose staging buffer then holds it
+    assert c.tier is Tier.HOST and a.tier is Tier.DEVICE and b.tier is Tier.HOST
+    assert torch.equal(_bits(a, sa), abits)
+    _check_ledgers(m)
+
+
+def test_out_of_memory_counts_what_the_request_itself_keeps_on_the_tier(make_manager):
+    """Bringing a host chunk to a full device evicts a device chunk to the host, where the chunk being brought still
+    is: with no other room there, the error names the host budget that would hold both, and says which chunk is
+    pinned rather than computed on."""
+    nb = NUMEL * 4
+    m = make_manager(nvme=True, device_budget=nb, host_budget=2 * nb, prefetch_depth=0)
+    on_device, _, _ = _filled_chunk(m, tier=Tier.DEVICE)
+    wanted, _, _ = _filled_chunk(m)
+    held, _, _ = _filled_chunk(m)
+    with m.pinned(held), pytest.raises(TierOutOfMemoryError) as info:
+        m.access(wanted, Tier.DEVICE)
+    msg = str(info.value)
+    assert info.value.tier == "host" and f"for {on_device.describe()}" in msg, msg
+    assert f"{held.describe()} (pinned)" in msg and f"{wanted.describe()} (needed by this request)" in msg, msg
+    assert "A budget of 48.00 KiB would have been enough" in msg, msg  # the victim, the pinned one and the wanted one
+    _check_ledgers(m)

@@ -375,8 +375,15 @@ class Mover:
 
     # ---- views for room-making ----------------------------------------------------------------------------
     def leaving(self, tier: Tier) -> list[Chunk]:
-        """Chunks whose move out of `tier` will give its bytes back when done (not handed to a chained read)."""
-        return [c for c in self.moving.values() if c.move.src == tier and not c.move.handed_off]
+        """Chunks whose move will give bytes of `tier` back when done: a move out of it (not handed to a chained
+        read), and on the host a device<->NVMe hop's staging buffer. Unseen, a full host with only staging buffers
+        in flight besides what cannot move had nothing to wait for, and raised out of memory."""
+        host = tier is Tier.HOST
+        return [
+            c
+            for c in self.moving.values()
+            if (c.move.src == tier and not c.move.handed_off) or (host and c.move.staging is not None)
+        ]
 
     def arriving(self, tier: Tier) -> list[Chunk]:
         """Chunks with a move into or out of `tier` in flight."""

@@ -152,21 +152,38 @@ class RoomMaker:
         """The error for a request the tier cannot hold: what it was for, what holds the tier, the budget that would
         have been enough, and what to do."""
         ledger = self.storage.ledgers[tier]
+        staging = tier is Tier.HOST
         holders = sorted(
-            (c for c in self.chunks.values() if c.tier == tier or (c.move is not None and c.move.dst == tier)),
+            (
+                c
+                for c in self.chunks.values()
+                if c.tier == tier
+                or (c.move is not None and (c.move.dst == tier or (staging and c.move.staging is not None)))
+            ),
             key=lambda c: -c.nbytes,
         )
-        lines = []
-        for c in holders[:8]:
-            why = "being computed on" if not c.movable else ("moving" if c.moving else "resident")
-            lines.append(f"  {c.describe()} ({why})")
+        # The chunk asking: a protected one of the request's size (a caller protects what it makes room for), one
+        # not on the tier yet first: what a request protects on the tier (the chunk an eviction makes room for, on
+        # its way up) is not what it asks room for.
+        asking = [self.chunks[i] for i in protect if i in self.chunks and self.chunks[i].nbytes == nbytes]
+        asking.sort(key=lambda c: (c.tier == tier and c.state is ChunkState.RESIDENT, c.moving, -c.id))
+        asking = asking[:1]
+        what = f" for {asking[0].describe()}" if asking else ""
+
+        def why(c: Chunk) -> str:
+            if c.computing:
+                return "being computed on"
+            if c.pins:
+                return "pinned"
+            if c.id in protect:
+                return "needed by this request"
+            return "moving" if c.moving else "resident"
+
+        lines = [f"  {c.describe()} ({why(c)})" for c in holders[:8] if c not in asking]
         if len(holders) > 8:
             lines.append(f"  ... and {len(holders) - 8} more chunks")
-        # The chunk asking: the protected one of the request's size (a caller protects what it makes room for).
-        asking = [self.chunks[i] for i in protect if i in self.chunks and self.chunks[i].nbytes == nbytes]
-        asking.sort(key=lambda c: (c.moving, -c.id))
-        what = f" for {asking[0].describe()}" if asking else ""
-        stuck = sum(c.nbytes for c in holders if not c.movable and c not in asking)
+        # What could not make room: chunks that cannot move, and those this very request keeps where they are.
+        stuck = sum(c.nbytes for c in holders if (not c.movable or c.id in protect) and c not in asking)
         enough = nbytes + stuck
         advice = [f"raise {_RAISE[tier]} to at least {format_size(enough)} (the request and what could not move)"]
         if tier is Tier.DEVICE:
