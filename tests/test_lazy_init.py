@@ -302,3 +302,50 @@ def test_a_model_module_imported_first_inside_lazy_init_imports():
     code = "import hetero\nwith hetero.lazy_init():\n    import torch._dynamo\nprint('imported')\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert r.returncode == 0 and "imported" in r.stdout, r.stderr[-3000:]
+
+
+class _ZeroedOut(nn.Module):
+    """A parent whose reset_parameters (at the end of its __init__, after its children's) zeroes one child weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.out.weight)  # the residual projection starts at zero; its bias keeps torch's default
+
+
+class _TiedLM(nn.Module):
+    """A weight tied at construction: the head's own default weight is drawn, then replaced by the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mid = nn.Sequential(_ZeroedOut(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 16)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("stage,chunk", [(0, 4096), (3, 128)])
+def test_meta_reset_walk_keeps_what_normal_construction_keeps(stage, chunk):
+    """Module order runs a parent's reset_parameters before its children's, and the tied head after the embedding;
+    normal construction keeps the parent's writes (it ran last) and the embedding's values (the tie came last). The
+    later calls still draw their numbers, so every other tensor is bit-identical too."""
+    torch.manual_seed(0)
+    plain = _TiedLM()
+    torch.manual_seed(0)
+    with hetero.lazy_init():
+        model = _TiedLM()
+    # One chunk: the later calls overwrote the values (silently); 128 elements: the tied weight's chunk had loaded
+    # before the head wrote it (an error).
+    config = {"zero_stage": stage, "chunk_size": chunk}
+    engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    got = engine.full_state_dict()
+    assert got.keys() == plain.state_dict().keys()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(got[k], v), f"{k} differs from normal construction"
+    assert not got["mid.0.out.weight"].any()
+    assert model.head.weight is model.emb.weight
+    engine.close()
