@@ -728,3 +728,76 @@ def test_out_of_memory_counts_what_the_request_itself_keeps_on_the_tier(make_man
     assert f"{held.describe()} (pinned)" in msg and f"{wanted.describe()} (needed by this request)" in msg, msg
     assert "A budget of 48.00 KiB would have been enough" in msg, msg  # the victim, the pinned one and the wanted one
     _check_ledgers(m)
+
+
+def test_an_allocation_that_fails_gives_its_bytes_back(make_manager, monkeypatch):
+    """The device's allocator can refuse memory the budget allows (activations took it: torch.OutOfMemoryError on a
+    GPU). The ledger must not keep the bytes of the buffer that never came, nor a move hold the buffer it did get:
+    a loop that skips the batch and goes on would run on with that much less budget, lost at every such failure."""
+    real = hetero.device.Device.empty_host
+    refuse = {"on": False}
+
+    def empty_host(self, nbytes):
+        if refuse["on"]:
+            raise torch.OutOfMemoryError("injected: the allocator has no memory left")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(hetero.device.Device, "empty_host", empty_host)
+    m = make_manager(device=hetero.device.Device("cpu"), device_budget=4 * NUMEL * 4, prefetch_depth=0)
+    on_host, s, bits = _filled_chunk(m)
+    new = m.new_chunk(dtype=torch.float32, capacity=NUMEL)
+    new.add_tensor("new", (NUMEL,))
+    refuse["on"] = True
+    for chunk in (new, on_host):  # a first allocation; a move up from the host
+        with pytest.raises(torch.OutOfMemoryError):
+            m.access(chunk, Tier.DEVICE)
+        assert m.ledgers[Tier.DEVICE].used == 0
+        _check_ledgers(m)
+    assert new.state is ChunkState.EMPTY and on_host.tier is Tier.HOST and on_host.state is ChunkState.RESIDENT
+    refuse["on"] = False
+    for chunk in (new, on_host):
+        m.access(chunk, Tier.DEVICE)
+    assert torch.equal(_bits(on_host, s), bits) and m.ledgers[Tier.DEVICE].used == 2 * NUMEL * 4
+    _check_ledgers(m)
+
+
+@pytest.mark.parametrize("refused", ["staging", "device"])
+def test_a_move_whose_second_buffer_is_refused_takes_nothing(make_manager, monkeypatch, refused):
+    """A device<->NVMe move on a GPU takes two buffers, a host staging one and the destination's; when the allocator
+    refuses one, the move takes nothing: no staging buffer held, no swap slot counted for bytes never written (a
+    later eviction would take that slot for a clean copy and lose the chunk's data)."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    cls = hetero.device.StandinDevice
+    name = "empty_host" if refused == "staging" else "empty_bytes"
+    real = getattr(cls, name)
+    refuse = {"on": False}
+
+    def alloc(self, nbytes):
+        if refuse["on"]:
+            raise torch.OutOfMemoryError(f"injected: no memory for {name}")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(cls, name, alloc)
+    m = make_manager(nvme=True, prefetch_depth=0)
+    c, s, bits = _filled_chunk(m, tier=Tier.NVME)
+    if refused == "staging":
+        m.access(c, Tier.DEVICE, write=False)  # read back clean, its swap copy kept...
+        m.storage.drop_nvme_copy(c)  # ...then dropped (NVMe full): the device holds the only copy
+        m.trim(Tier.HOST)  # no cached staging buffer: the next one is allocated
+        refuse["on"] = True
+        with pytest.raises(torch.OutOfMemoryError):
+            m.move(c, Tier.NVME)
+        assert c.tier is Tier.DEVICE and not c.on_nvme
+    else:
+        m.trim(Tier.DEVICE)
+        refuse["on"] = True
+        with pytest.raises(torch.OutOfMemoryError):
+            m.access(c, Tier.DEVICE)
+        assert c.tier is Tier.NVME
+        assert m.ledgers[Tier.HOST].current == 0  # the staging buffer came back
+    _check_ledgers(m)
+    refuse["on"] = False
+    m.move(c, Tier.NVME)
+    m.access(c, Tier.HOST)
+    assert torch.equal(_bits(c, s), bits)
+    _check_ledgers(m)

@@ -132,15 +132,22 @@ class Mover:
             return False
         if needs_staging and not room.make(Tier.HOST, chunk.nbytes, protect, blocking=blocking):
             return False
+        # The staging buffer first, and given back if the destination's is refused (an allocator out of memory):
+        # a move that fails to start takes nothing, above all no swap slot for bytes it never writes.
+        staging = storage.staging(chunk.nbytes).view(chunk.dtype) if needs_staging else None
         if dst is Tier.NVME:
             if not chunk.on_nvme:
                 storage.take_nvme_slot(chunk)  # the ledger counts the whole chunk: a later write may need it all
             new_payload = None
             chunk.stored_from = head = chunk.free_head()  # [Note: FREE slots are not stored]
         else:
-            new_payload = storage.new_buffer(dst, chunk)
+            try:
+                new_payload = storage.new_buffer(dst, chunk)
+            except BaseException:
+                if staging is not None:
+                    storage.release_staging(staging)
+                raise
             head = chunk.stored_from if src is Tier.NVME else 0
-        staging = storage.staging(chunk.nbytes).view(chunk.dtype) if needs_staging else None
         # Order the copy after compute queued so far: it may read what compute writes, or write a buffer compute
         # still reads (a pooled buffer's last user); see [Note: copies off the compute stream].
         marker = self.device.compute_marker() if Tier.DEVICE in (src, dst) else None

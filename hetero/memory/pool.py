@@ -63,15 +63,19 @@ class BufferPool:
         """A uint8 buffer of exactly nbytes. The caller has made room on the ledger for nbytes."""
         if self.elastic is not None:
             return self._acquire_elastic(nbytes)
-        self._in_use[nbytes] += 1
-        self._high[nbytes] = max(self._high.get(nbytes, 0), self._in_use[nbytes])
         cached = self._free.get(nbytes)
         if cached:
+            buf = cached.pop()
             self._ledger.from_cache(nbytes)
-            return cached.pop()
-        self._ledger.take(nbytes)
-        self.allocations += 1
-        return self._alloc(nbytes)
+        else:
+            # Allocated before it is counted: an allocator that refuses (torch.OutOfMemoryError where activations
+            # took the memory the budget allows) leaves the ledger as it was, not a buffer's bytes short for good.
+            buf = self._alloc(nbytes)
+            self._ledger.take(nbytes)
+            self.allocations += 1
+        self._in_use[nbytes] += 1
+        self._high[nbytes] = max(self._high.get(nbytes, 0), self._in_use[nbytes])
+        return buf
 
     def mark(self) -> None:
         """Start counting what is taken from here (`taken_since_mark`)."""
@@ -87,9 +91,9 @@ class BufferPool:
         # The cached buffer that can hold nbytes with the fewest bytes to give back, else the most already resident.
         fits = [(size, i) for size, bufs in self._free.items() for i, b in enumerate(bufs) if b.numel() >= nbytes]
         if not fits:
+            whole = self._alloc(max(nbytes, self.elastic or 0))  # before it is counted, as in `acquire`
             self._ledger.take(nbytes)
             self.allocations += 1
-            whole = self._alloc(max(nbytes, self.elastic or 0))
         else:
             size, i = min(fits, key=lambda f: (f[0] < nbytes, f[0] if f[0] >= nbytes else -f[0]))
             whole = self._free[size].pop(i)

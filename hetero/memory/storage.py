@@ -91,11 +91,11 @@ class Storage:
             ledger = self.ledgers[tier]
             if ledger.free < chunk.nbytes:
                 self.pools[tier].trim(chunk.nbytes - ledger.free)
-            ledger.take(chunk.nbytes)
             if chunk.kept is None:
                 chunk.kept = self.device.empty_bytes(chunk.nbytes).view(chunk.dtype)
             else:
                 self.device.regrow(chunk.kept, chunk.nbytes)
+            ledger.take(chunk.nbytes)  # once the memory is there: an allocation that fails took none
             return chunk.kept
         return self.pools[tier].acquire(chunk.nbytes).view(chunk.dtype)
 
@@ -158,6 +158,7 @@ class Storage:
             self.store.discard(chunk.id)
             self.ledgers[Tier.NVME].give(chunk.nbytes)
             chunk.on_nvme = False
+            chunk.dirty = True  # no swap copy: the payload is the only one, and an eviction must write it
 
     def forget(self, chunk: Chunk) -> None:
         """Free everything a chunk holds, on every tier, its transient storage included (closing)."""
