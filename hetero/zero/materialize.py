@@ -5,19 +5,19 @@ safetensors files.
 A model built under `torch.device("meta")` (or `hetero.lazy_init()`) has parameters with shapes and no memory. We run
 the model's own initialiser, the one normal construction would have run, in the same order, so it consumes the random
 number generator exactly as normal construction does: a Hugging Face `PreTrainedModel`'s `init_weights()` (the
-`_init_weights(module)` walk of `post_init`, then weight tying); otherwise `reset_parameters()` of every module in
-module order, skipping a subtree an ancestor's `reset_parameters()` already initialised (hetero's GPT initialises its
-whole tree from the root); a tensor keeps the values of the first call that wrote it (a parent's write, which normal
-construction runs last; a tied weight's first module), later calls only drawing their numbers. While it runs, a
-`TorchFunctionMode` stands a real tensor in for each meta parameter the moment a function touches it: a view into a
-staging buffer of the parameter's chunk, a host chunk of the manager (so the host ledger counts it). Once every
-parameter of a chunk has been written and the initialiser writes a parameter of another chunk, the chunk is complete:
-`ZeroChunk.load` takes this rank's share (the shard at stage 3) and the staging buffer is freed. Host memory therefore
-holds the rank's share plus the chunks being written (one per optimizer param group, as groups are packed into separate
-chunks). Every rank computes the same values from the same seed, so nothing is broadcast; a checksum all-reduce at the
-end catches ranks that were seeded differently. A write to a parameter whose chunk was already loaded, or a parameter
-the initialiser never wrote, is an error that names it. Buffers are small and kept whole: the initialiser's writes to
-meta buffers go to real CPU tensors that replace them.
+`_init_weights(module)` walk of `post_init`, then weight tying; also where one sits inside the user's module); otherwise
+`reset_parameters()` of every module in module order, skipping a subtree an ancestor's `reset_parameters()` already
+initialised (hetero's GPT initialises its whole tree from the root); a tensor keeps the values of the first call that
+wrote it (a parent's write, which normal construction runs last; a tied weight's first module), later calls only drawing
+their numbers. While it runs, a `TorchFunctionMode` stands a real tensor in for each meta parameter the moment a
+function touches it: a view into a staging buffer of the parameter's chunk, a host chunk of the manager (so the host
+ledger counts it). Once every parameter of a chunk has been written and the initialiser writes a parameter of another
+chunk, the chunk is complete: `ZeroChunk.load` takes this rank's share (the shard at stage 3) and the staging buffer is
+freed. Host memory therefore holds the rank's share plus the chunks being written (one per optimizer param group, as
+groups are packed into separate chunks). Every rank computes the same values from the same seed, so nothing is
+broadcast; a checksum all-reduce at the end catches ranks that were seeded differently. A write to a parameter whose
+chunk was already loaded, or a parameter the initialiser never wrote, is an error that names it. Buffers are small and
+kept whole: the initialiser's writes to meta buffers go to real CPU tensors that replace them.
 
 [Note: streaming pretrained weights]
 With `weights=` (a .safetensors or .bin file, a directory of them, or Hugging Face's sharded index), tensors are
@@ -255,14 +255,6 @@ def _initialise(
     _check_same_everywhere(sums, comm)
 
 
-def _run_initialiser(model: nn.Module, real: Callable, on_write: Callable, written: set, passes: list[int]) -> None:
-    if _is_hf(model):
-        _replay_hf(model, real, on_write, passes)
-        return
-    with _StandIn(real, on_write), torch.no_grad():
-        _reset_walk(model, written, passes)
-
-
 def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: list[int]) -> None:
     """The initialisation order of a Hugging Face model's normal construction: each layer runs torch's default init
     as it is built, and each PreTrainedModel (a causal LM wraps a base model: two) runs post_init's _init_weights
@@ -296,14 +288,19 @@ def _scratch(t: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(t.shape, dtype=t.dtype) if t.is_meta or isinstance(t, nn.Parameter) else None
 
 
-def _reset_walk(model: nn.Module, written: set[int], passes: list[int]) -> None:
-    """reset_parameters() of every module in module order, each call a pass of `real` (see the note above)."""
+def _run_initialiser(model: nn.Module, real: Callable, on_write: Callable, written: set, passes: list[int]) -> None:
+    """reset_parameters() of every module in module order, each call a pass of `real` (see the note above); a
+    Hugging Face model, also one inside the user's own module (a backbone under a new head), replays its own."""
 
     def visit(module: nn.Module) -> None:
+        if _is_hf(module):
+            _replay_hf(module, real, on_write, passes)
+            return
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             passes[0] += 1
-            reset()
+            with _StandIn(real, on_write), torch.no_grad():
+                reset()
         for child in module.children():
             own = list(_tensors(child))
             if own and all(id(t) in written for t in own):
