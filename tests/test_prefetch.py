@@ -228,3 +228,27 @@ def test_the_update_reads_a_second_chunk_ahead_only_while_little_is_ahead(tmp_pa
     engine.step()
     engine.close()
     assert asked and max(asked) == most, asked
+
+
+def test_a_prefetch_that_cannot_fit_the_budget_is_no_error(make_manager):
+    """The trace wants a chunk on the device that no longer fits its budget at all (lowered since the step was
+    recorded: `set_budget`). Prefetching it is only a wish: step_begin and the accesses of other chunks go on, and
+    the error comes from the access of that chunk, naming it."""
+    nb = NUMEL * 4
+    m = make_manager(device_budget=4 * nb, prefetch_depth=2)
+    a, b = (_filled(m, seed=i)[0] for i in range(2))
+    big = m.new_chunk(dtype=torch.float32, capacity=2 * NUMEL)
+    big.add_tensor("big", (2 * NUMEL,))
+    m.step_begin()
+    for c in (a, big, b):
+        m.access(c)
+    m.step_end()
+    m.move(big, Tier.HOST)
+    assert m.set_budget(Tier.DEVICE, nb) == nb
+    m.step_begin()  # the replay's first chunks are a and big: big's prefetch cannot be
+    m.access(a)
+    with pytest.raises(hetero.TierOutOfMemoryError, match="exceeds the budget") as info:
+        m.access(big)
+    assert info.value.needed == 2 * nb and big.describe() in str(info.value)
+    m.access(b)
+    assert b.tier is Tier.DEVICE and m.ledgers[Tier.DEVICE].used <= nb

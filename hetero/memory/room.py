@@ -55,8 +55,11 @@ class RoomMaker:
         """
         ledger = self.storage.ledgers[tier]
         mover = self.mover
-        if nbytes > ledger.budget and not self._rise(tier, nbytes):
-            raise self.oom(tier, nbytes, extra="the request alone exceeds the budget", protect=protect)
+        if nbytes > ledger.budget:
+            if not blocking:
+                return False  # a prefetch is a wish: the access that needs the chunk raises, naming it
+            if not self._rise(tier, nbytes):
+                raise self.oom(tier, nbytes, extra="the request alone exceeds the budget", protect=protect)
         while self.available(tier, nbytes) < nbytes:
             if mover.poll():
                 continue
