@@ -5,6 +5,8 @@ update as `grad_clip_norm` does: the same bits at every stage over two ranks, wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -111,3 +113,43 @@ def test_a_backward_after_the_clip_is_clipped_by_the_norm_it_makes():
 
     clipped, config = run(True), run(False)
     assert all(torch.equal(clipped[k], config[k]) for k in config)
+
+
+def _nan_in_one_gradient(model: torch.nn.Module) -> None:
+    model.layers[0].attn.q_proj.weight.register_hook(lambda g: g * float("nan"))
+
+
+@pytest.mark.parametrize("standin", [False, True], ids=["cpu", "standin"])
+def test_a_nan_gradient_with_clipping_poisons_every_parameter_as_torchs(monkeypatch, standin):
+    """One parameter's gradient NaN, clipping on: the norm is NaN and so is torch's clipping coefficient
+    (`torch.clamp(nan, max=1)`), which multiplies every gradient, so torch's step leaves every parameter NaN. The
+    chunks stepped on the host took min(1.0, nan), which is 1.0 in Python, and left all but the NaN parameter finite,
+    where the same run on a device with memory of its own (the stand-in, a GPU) made every one NaN, as torch does."""
+    if standin:
+        monkeypatch.setenv("HETERO_STANDIN", "1")
+    else:
+        monkeypatch.delenv("HETERO_STANDIN", raising=False)  # the whole suite may run under it
+    x, y = parity.batches(1, 4)[0]
+    model = parity.build()
+    _nan_in_one_gradient(model)
+    model(x, labels=y).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    parity.make_optimizer(model).step()
+    assert all(p.isnan().all() for p in model.parameters())  # torch's: every parameter
+    for stage in (0, 3):
+        for how in ("config", "loop"):
+            model = parity.build()
+            _nan_in_one_gradient(model)
+            config = {"zero_stage": stage, "chunk_size": parity.CHUNK}
+            if how == "config":
+                config["grad_clip_norm"] = MAX_NORM
+            engine = hetero.initialize(model, parity.make_optimizer(model), config)
+            engine.backward(engine(x, labels=y).loss)
+            if how == "loop":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            engine.step()
+            state = engine.full_state_dict()
+            finite = sorted(k for k, v in state.items() if not v.isnan().all())
+            assert finite == [], (stage, how, finite)
+            assert math.isnan(engine.last_grad_norm)
+            engine.close()

@@ -66,6 +66,15 @@ def sq_on_device(chunks: list[ZeroChunk], *, comm: Comm, device: Device) -> torc
     return sq
 
 
+def clip_coef(clip_max: float, norm: float) -> float:
+    """min(1, clip / (norm + 1e-6)) as torch's clip_grad_norm_ clamps it: NaN where the norm is NaN, so a NaN gradient
+    makes every parameter NaN, as torch's loop and the coefficient on the device (`clip_coef_on_device`) do. Python's
+    min(1.0, nan) is 1.0: the chunks stepped on the host left all but the NaN parameters finite, the same run on a
+    GPU none."""
+    coef = clip_max / (norm + 1e-6)
+    return coef if coef < 1.0 or math.isnan(coef) else 1.0
+
+
 def clip_coef_on_device(sq: torch.Tensor, clip_max: float, inv_scale: float = 1.0) -> torch.Tensor:
     """min(1, clip / (norm + 1e-6)) * inv_scale from the (scaled) sum of squares on the device, norm = sqrt(sq) *
     inv_scale: in float64, one rounding per operation in the host's order (`Updater.prepare`), so the same bits (a

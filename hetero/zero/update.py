@@ -30,7 +30,7 @@ from hetero.memory import Chunk, ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.zero import master as master_weights
 from hetero.zero.buckets import reduce_at_update
-from hetero.zero.grad_norm import clip_coef_on_device, grad_stats, sq_on_device, zc_sharded
+from hetero.zero.grad_norm import clip_coef, clip_coef_on_device, grad_stats, sq_on_device, zc_sharded
 from hetero.zero.host_grads import chunk_sum_of_squares
 from hetero.zero.norms import SquareSum
 from hetero.zero.optim import Algorithm, update
@@ -191,8 +191,7 @@ class Updater:
                 return None
         coef = inv_scale
         if clip_max is not None:
-            norm = math.sqrt(sq) * inv_scale
-            coef *= min(1.0, clip_max / (norm + 1e-6))
+            coef *= clip_coef(clip_max, math.sqrt(sq) * inv_scale)
         if not fused_norm:
             self.last_grad_norm = math.sqrt(sq) * inv_scale
         return Plan(coef=coef, used_of=self._used_of(), fused_norm=fused_norm, sq=SquareSum(), groups=self._groups())
