@@ -354,35 +354,32 @@ def test_meta_reset_walk_keeps_what_normal_construction_keeps(stage, chunk):
 class _Classifier(nn.Module):
     """The user's own module around a Hugging Face base model: a new head, as on a reward model."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str) -> None:
         super().__init__()
-        cfg = transformers.LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-        self.backbone = transformers.LlamaModel(cfg)
+        sizes = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+        if family == "Llama":
+            sizes.update(num_key_value_heads=1, max_position_embeddings=32)
+        cfg = getattr(transformers, f"{family}Config")(**sizes)
+        self.backbone = getattr(transformers, f"{family}Model")(cfg)
         self.head = nn.Linear(16, 3)
 
 
-def test_meta_hf_model_inside_the_users_module():
+@pytest.mark.parametrize("family", ["Llama", "Bert"])
+def test_meta_hf_model_inside_the_users_module(family):
     """The backbone replays its own Hugging Face initialiser (_init_weights, then tying) where it sits in the tree,
     and the head its reset_parameters after it, as normal construction ran them: bit-identical values. Before, only
-    a Hugging Face model at the root did; inside, its RMSNorm weights (no reset_parameters) were never written."""
+    a Hugging Face model at the root did; inside, Llama's RMSNorm weights (no reset_parameters) were never written
+    and BERT's position_ids buffer never set."""
     torch.manual_seed(0)
-    plain = _Classifier()
+    plain = _Classifier(family)
     torch.manual_seed(0)
     with hetero.lazy_init():
-        model = _Classifier()
+        model = _Classifier(family)
     engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"chunk_size": 2048})
     got = engine.full_state_dict()
     assert got.keys() == plain.state_dict().keys()
     for k, v in plain.state_dict().items():
         assert torch.equal(got[k], v), f"{k} differs from normal construction"
-    # The rotary tables (non-persistent buffers) as normal construction computed them.
-    assert torch.equal(model.backbone.rotary_emb.inv_freq.cpu(), plain.backbone.rotary_emb.inv_freq)
+    for name, b in plain.named_buffers():  # the non-persistent ones too (Llama's rotary tables)
+        assert torch.equal(model.get_buffer(name).cpu(), b), name
     engine.close()
