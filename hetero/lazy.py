@@ -8,6 +8,9 @@ import sys
 from collections.abc import Iterator
 
 import torch
+from torch import nn
+
+from hetero.errors import WeightsError
 
 
 @contextlib.contextmanager
@@ -25,3 +28,24 @@ def lazy_init() -> Iterator[None]:
         importlib.import_module("torch._dynamo")
     with torch.device("meta"):
         yield
+
+
+def refuse_meta_adapters(model: nn.Module) -> None:
+    """PEFT adapters added to a model built on meta cannot get their first values here: refused, with what works.
+
+    hetero replays the model's own initialiser (hetero/zero/materialize.py); PEFT's adapters are initialised by
+    `get_peft_model` (LoRA's B at zero, so that the model starts as its base model), which no replay runs: a Hugging
+    Face model's _init_weights would give B small random values instead. Weight files of the base model do not
+    name PEFT's wrapped layers (`base_layer`) either."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # imported wherever a model holds adapters
+    layer = getattr(tuners, "BaseTunerLayer", None)
+    if layer is None:
+        return
+    names = [n for n, m in model.named_modules() if isinstance(m, layer) and any(p.is_meta for p in m.parameters())]
+    if names:
+        raise WeightsError(
+            f"PEFT adapters on the meta device ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
+            "hetero cannot initialise them as peft.get_peft_model does (LoRA's B at zero), nor read a base model's "
+            "weight files into PEFT's names. Build the base model with its weights (from_pretrained), then "
+            "get_peft_model, then hetero.initialize"
+        )

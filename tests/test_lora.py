@@ -68,3 +68,19 @@ def test_lora_adapters_saved_from_stage_3_load_into_peft(tmp_path):
     assert len(adapters) == 2 * 3 * 2  # A and B of three projections in each of two layers
     assert all(torch.equal(loaded[k], state[k]) for k in adapters)
     assert not torch.equal(state[adapters[0]], _lora().state_dict()[adapters[0]])  # trained: not the initial values
+
+
+def test_lora_on_a_meta_model_is_refused_with_what_works(tmp_path):
+    """get_peft_model on a model built under lazy_init leaves the adapters on meta too. Replaying the base model's
+    initialiser gave LoRA's B small random values (Llama's _init_weights), not PEFT's zeros: the model did not start
+    as its base model, silently. Weight files of the base model do not name PEFT's layers either. Both refused."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    base = unmodified.tiny_hf()
+    state = {k: v.contiguous() for k, v in base.state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    for weights in (None, tmp_path):
+        with hetero.lazy_init():
+            model = peft.get_peft_model(unmodified.tiny_hf(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        with pytest.raises(hetero.WeightsError, match=r"PEFT adapters on the meta device .*q_proj.*from_pretrained"):
+            hetero.initialize(model, opt, {"chunk_size": 8192}, weights=weights)

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_map
 from hetero.comm import Comm
 from hetero.device import Device
 from hetero.errors import WeightsError
+from hetero.lazy import refuse_meta_adapters
 from hetero.memory import ChunkManager
 from hetero.progress import bar as make_bar
 from hetero.zero import weights
@@ -85,6 +86,7 @@ def load_values(
         return make_bar(total, desc, unit=unit, rank=comm.rank, config=progress)
 
     mode = _agreed_mode(0 if weights is not None else 1 if any(p.is_meta for p in model.parameters()) else 2, comm)
+    refuse_meta_adapters(model)
     if mode == 0:
         _stream_weights(model, chunks, manager, Path(weights), strict=strict, bar=bar)
     elif mode == 1:
