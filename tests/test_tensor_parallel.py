@@ -17,12 +17,14 @@ from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.models.gpt import GPT, GPTConfig
 from hetero.parallel import (
+    apply_ring,
     apply_tensor_parallel,
     apply_ulysses,
     resolve_plan,
     unshard,
     vocab_parallel_cross_entropy,
 )
+from hetero.parallel.plans import auto_plan
 from tests.dist import NEEDS_DEGREES, ranks_apart
 
 try:
@@ -325,3 +327,104 @@ def test_generate_on_a_tensor_parallel_model_picks_from_the_whole_vocabulary():
         for stage in (1, 3):
             assert r[stage]["same"], (stage, r[stage]["got"], r["want"])
             assert r[stage]["cut"] == VOCAB // 2 and r[stage]["name"] and r[stage]["synced"], r[stage]
+
+
+# ---- Llama's relatives, padding masks, float64 ------------------------------------------------------------------
+# Float64, and an objective without the fp32 cross entropy (a fixed weighting of the logits; vocabulary-sharded
+# logits sum their parts through the head's f). transformers' RMSNorms still compute in fp32 whatever the model's
+# dtype (x.float()), so the two models agree to fp32 rounding (6e-8 relative per operation, a few hundred deep):
+# 1e-5 relative to each gradient's largest entry (its entries are sums of terms that large, rounded in fp32). Every
+# error this catches is O(1): a missing sqrt(hidden) scale, half a gradient, a mask ignored.
+F32_ROUNDING = 1e-5
+
+
+def _relative(family: str) -> torch.nn.Module:
+    """Gemma 3 (its embedding scales its output, four norms per layer, q/k norms per head, a sliding window of 4
+    over 8 positions, scores softcapped at 1: init 0.3 makes them O(1)), or Llama with sdpa (boolean masks)."""
+    import transformers
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **shape, num_key_value_heads=2, head_dim=8, max_position_embeddings=16, sliding_window=4,
+            attn_logit_softcapping=1.0, initializer_range=0.3, attn_implementation="eager",
+        )  # fmt: skip
+        model = transformers.Gemma3ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**shape, num_key_value_heads=2, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.double()
+
+
+def _relatives(rank: int, world: int) -> list[str]:
+    comm = Comm.world()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    weight = torch.randn(2, SEQ, VOCAB, generator=g, dtype=torch.float64)
+    done = []
+    for family, modes in (("gemma3", ("tp", "sp", "ulysses", "ring")), ("llama", ("ring",))):
+        mask = torch.ones(2, SEQ, dtype=torch.long)
+        # Gemma 3 in eager float64 makes NaNs on a query that attends to nothing (left padding), the plain model too
+        if family == "gemma3":
+            mask[1, -2:] = 0
+        else:
+            mask[0, :3] = 0
+        # A padding query's output is arbitrary (the plain model's too): weighted 0.
+        weighted = weight * mask.unsqueeze(-1)
+        for mode in modes:
+            ref, model = _relative(family), _relative(family)
+            if mode == "ring":
+                apply_ring(model, comm)
+            elif mode == "ulysses":
+                apply_ulysses(model, comm)
+            else:
+                apply_tensor_parallel(model, "auto", comm, sequence=mode == "sp")
+            for m in (ref, model):
+                logits = m(ids, attention_mask=mask).logits
+                cut = weighted.chunk(world, -1)[rank] if logits.shape[-1] < VOCAB else weighted
+                (logits * cut).sum().backward()  # a vocabulary-parallel head's f sums the ranks' parts
+            ref_params = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                want = ref_params[name].grad
+                torch.testing.assert_close(
+                    _full(p.grad, p, comm),
+                    want,
+                    rtol=F32_ROUNDING,
+                    atol=F32_ROUNDING * float(want.abs().max()),
+                    msg=lambda m, n=f"{mode} {name}": f"{n}: {m}",
+                )
+            done.append(f"{family} {mode}")
+    return done
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(300)
+def test_llama_relatives_and_padding_masks_match_the_plain_model():
+    """Gemma 3 under 1D tensor parallelism (with and without Megatron-SP), Ulysses and ring attention, and Llama
+    (sdpa) under ring attention, with a left-padded batch, in float64: every gradient equals the plain model's.
+    Before: Gemma 3's vocabulary-parallel embedding skipped its sqrt(hidden) scale; its q/k norms (per head, so fed
+    a rank's heads only) kept a part of their gradient under TP, and its pre/post-feedforward norms under SP, Ulysses
+    and ring; ring attention ignored the attention mask (padding, sliding window) and the softcap."""
+    pytest.importorskip("transformers")
+    out = run_distributed(_relatives, 2, timeout=240)
+    assert out[0] == ["gemma3 tp", "gemma3 sp", "gemma3 ulysses", "gemma3 ring", "llama ring"]
+
+
+def test_plan_of_llama_relatives_and_unhandled_parameters_inside_attention():
+    """The auto plan names Gemma's extra norms and per-head q/k norms; a plan that leaves a parameter inside a
+    tensor-parallel attention or MLP without a style is refused before anything changes (it would get a part of its
+    gradient on every rank, silently)."""
+    pytest.importorskip("transformers")
+    fake = types.SimpleNamespace(size=2, rank=0)  # checks run before any communication
+    model = _relative("gemma3")
+    plan = resolve_plan(model, "auto")
+    assert plan["model.layers.1.pre_feedforward_layernorm"] == "norm"
+    assert plan["model.layers.1.self_attn.k_norm"] == "head_norm"
+    partial = {k: v for k, v in auto_plan(model).items() if v != "head_norm"}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"layers\.0\.self_attn\.q_norm .*holds parameters \['weight'\] inside"):
+        apply_tensor_parallel(model, partial, fake)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert resolve_plan(_model("llama"), "auto")["model.layers.0.post_attention_layernorm"] == "norm"

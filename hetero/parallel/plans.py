@@ -18,6 +18,8 @@ Styles:
 - ``heads``: an attention module; its head counts are divided by the degree (checked), and it is a
   ``parallel_input`` (under sequence parallelism attention must see the whole sequence).
 - ``norm``: a LayerNorm/RMSNorm inside the sequence-parallel region (its gradients are all-reduced under SP).
+- ``head_norm``: a norm inside an attention module applied to each head on its own (Qwen3's and Gemma 3's q_norm and
+  k_norm): whole on every rank but fed only this rank's heads, so its gradient is summed over the tensor group.
 - ``embedding``: a position embedding (not cut by vocabulary). 1D leaves it whole; the grid modes (2D, 2.5D, 3D),
   which cut every activation along the hidden dimension, cut its columns (``grid/apply.py``).
 - ``sequence_scatter`` / ``sequence_gather``: where the sequence-parallel region begins (the module's input is cut)
@@ -43,6 +45,7 @@ STYLES = (
     "heads",
     "parallel_input",
     "norm",
+    "head_norm",
     "embedding",
     "sequence_scatter",
     "sequence_gather",
@@ -89,14 +92,15 @@ def _gpt2(prefix: str, head: bool) -> dict[str, str]:
     return plan
 
 
-def _llama(prefix: str, head: bool) -> dict[str, str]:
-    """Llama of transformers (also the plan of its close relatives: grouped-query attention, RMSNorm, SwiGLU)."""
+def _llama(prefix: str, head: bool, head_norms: bool = False) -> dict[str, str]:
+    """Llama of transformers (also the plan of its close relatives: grouped-query attention, RMSNorm, SwiGLU).
+    ``head_norms``: its attention normalises q and k per head (Qwen3, Gemma 3)."""
     p = prefix
     plan = {
         f"{p}embed_tokens": "vocab",
         f"{p}layers.0": "sequence_scatter",
-        f"{p}layers.*.input_layernorm": "norm",
-        f"{p}layers.*.post_attention_layernorm": "norm",
+        # input_ and post_attention_layernorm, and Gemma's pre_ and post_feedforward_layernorm
+        f"{p}layers.*.*_layernorm": "norm",
         f"{p}layers.*.self_attn": "heads",
         f"{p}layers.*.self_attn.q_proj": "colwise",
         f"{p}layers.*.self_attn.k_proj": "colwise",
@@ -108,6 +112,8 @@ def _llama(prefix: str, head: bool) -> dict[str, str]:
         f"{p}layers.*.mlp.down_proj": "rowwise",
         f"{p}norm": "norm+sequence_gather",
     }
+    if head_norms:
+        plan[f"{p}layers.*.self_attn.?_norm"] = "head_norm"
     if head:
         plan["lm_head"] = "vocab_head"
     return plan
@@ -120,6 +126,16 @@ BUILTIN_PLANS: list[tuple[str, tuple[str, ...], dict[str, str]]] = [
     ("hetero GPT", ("embed", "layers.*.attn.q_proj", "layers.*.mlp.fc", "lm_head"), _gpt()),
     ("GPT-2 with LM head", ("transformer.h.*.attn.c_attn", "lm_head"), _gpt2("transformer.", head=True)),
     ("GPT-2", ("h.*.attn.c_attn", "wte"), _gpt2("", head=False)),
+    (
+        "Llama-like with q/k norms and LM head",
+        ("model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.q_norm", "model.embed_tokens", "lm_head"),
+        _llama("model.", head=True, head_norms=True),
+    ),
+    (
+        "Llama-like with q/k norms",
+        ("layers.*.self_attn.q_proj", "layers.*.self_attn.q_norm", "embed_tokens"),
+        _llama("", head=False, head_norms=True),
+    ),
     (
         "Llama-like with LM head",
         ("model.layers.*.self_attn.q_proj", "model.embed_tokens", "lm_head"),

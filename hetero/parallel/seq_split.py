@@ -54,7 +54,7 @@ from hetero.parallel.tensor import check_untouched
 from hetero.parallel.tp_ops import gather_seq_exact, scatter_seq
 
 _HF_NAME = "hetero_seq_split"  # the attention implementation registered with transformers
-_INSIDE = ("colwise", "colwise_qkv", "rowwise", "norm", "heads", "parallel_input")  # styles of modules in the region
+_INSIDE = ("colwise", "colwise_qkv", "rowwise", "norm", "head_norm", "heads", "parallel_input")  # in the region
 
 
 @dataclass(frozen=True)

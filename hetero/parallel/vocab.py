@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd import Function
 
 from hetero.comm import Comm
@@ -89,19 +88,25 @@ def vocab_parallel_cross_entropy(
     return per_token.sum() / count  # a number goes with the kernel: made a tensor on a GPU, it would wait for it
 
 
-def embed_vocab_parallel(module: nn.Embedding, ids: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """A vocabulary-sharded embedding's forward: rows it does not hold read as zero, then the ranks' parts sum."""
-    n_local = module.weight.shape[0]
-    start = comm.rank * n_local
-    local = ids - start
+def embed_vocab_parallel(
+    ids: torch.Tensor, n_local: int, comm: Comm, lookup: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """A vocabulary-sharded embedding's forward: ``lookup`` (the layer's own forward on this rank's ``n_local`` rows:
+    a subclass may scale its output, as Gemma's does) reads the ids this rank holds, the others read as zero, then
+    the ranks' parts sum. Whatever the layer does after the row lookup must be linear in the row (a scale), since
+    the sum comes after it."""
+    local = ids - comm.rank * n_local
     outside = (local < 0) | (local >= n_local)
-    local = local.masked_fill(outside, 0)
-    pad = module.padding_idx
-    pad = pad - start if pad is not None and 0 <= pad - start < n_local else None
-    out = F.embedding(
-        local, module.weight, pad, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
-    )
+    out = lookup(local.masked_fill(outside, 0))
     return reduce_from_region(out.masked_fill(outside.unsqueeze(-1), 0.0), comm)
+
+
+def local_padding_idx(padding_idx: int | None, n_local: int, rank: int) -> int | None:
+    """The row of this rank's shard that is the padding row (no gradient), or None when another rank holds it."""
+    if padding_idx is None:
+        return None
+    local = padding_idx - rank * n_local
+    return local if 0 <= local < n_local else None
 
 
 class CausalLMLoss:
