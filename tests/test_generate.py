@@ -3,7 +3,12 @@ prompts that end at other lengths, runs without `synced_gpus` being passed, and 
 model generates from its prompts; `synced_gpus=False` is still obeyed; closing the engine takes the default away.
 
 Greedy decoding picks the largest logit: the same fp32 forward on the same weights (stage 3 gathers them whole, bit
-for bit) gives the same tokens as the plain model, so the outputs are compared exactly."""
+for bit) gives the same tokens as the plain model, so the outputs are compared exactly.
+
+Under a 2D grid (batch and hidden cut two ways) generate gives the plain model's greedy tokens too, from unpadded and
+left-padded prompts: the prompts' mask and positions are cut with the batch ([Note: row inputs under a grid]) and
+the head's logits gathered whole inside generate (`LogitsHead`). Its sums run in other orders than the plain
+model's: the tiny model's top two logits are far enough apart that they pick the same tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 
 import hetero
 from tests import test_unmodified_models as unmodified
-from tests.dist import ONLY_SEVERAL, RANKS_DIFFER, ranks_apart, run_distributed
+from tests.dist import NEEDS_DEGREES, ONLY_SEVERAL, RANKS_DIFFER, ranks_apart, run_distributed
 
 pytest.importorskip("transformers")
 
@@ -65,3 +70,45 @@ def test_generate_of_a_peft_model_reaches_the_model_inside():
     for r in run_distributed(_job, 2, True, timeout=170):
         assert r["same"] and r["unsynced_same"], r
         assert r["given"] == ["LlamaForCausalLM"] and r["left"] == [], r
+
+
+def _grid_job(rank: int, world: int) -> dict:
+    """Greedy generate on a 2D grid (q = 2: batch and hidden cut two ways) through the engine at stage 3, for Llama
+    and GPT-2, from unpadded and left-padded prompts; and a plain forward, whose logits stay cut."""
+    from tests import grid_parity
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    for family in ("llama", "gpt2"):
+        for padded in (False, True):
+            prompts = torch.randint(1, grid_parity.VOCAB, (4, 6), generator=torch.Generator().manual_seed(0))
+            mask = torch.ones_like(prompts)
+            if padded:  # rows 1 and 3 left-padded (as a tokenizer pads for generation): other positions, a mask
+                mask[1, :2] = mask[3, :3] = 0
+                prompts = prompts.masked_fill(mask == 0, 0)
+            kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            with torch.no_grad():
+                want = grid_parity.build(family).eval().generate(prompts, **kwargs)
+            model = grid_parity.build(family)
+            config = {"zero_stage": 3, "chunk_size": 4096, "parallel": {"tensor": 4, "tensor_mode": "2d"}}
+            engine = hetero.initialize(model, None, config)
+            model.eval()
+            with torch.no_grad(), engine.device.compute_context():
+                got = model.generate(engine.to_device(prompts), **{**kwargs, "attention_mask": engine.to_device(mask)})
+                cut = tuple(engine(prompts).logits.shape)
+            out[(family, padded)] = {"same": torch.equal(got.cpu(), want), "got": got.tolist(), "cut": cut}
+            out[(family, padded)]["want"] = want.tolist()
+            engine.close()
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+def test_generate_on_a_2d_grid_model_gives_the_plain_models_tokens():
+    """generate used to fail inside the model (the rotary tables and masks built for the whole batch met activations
+    of half its rows), and a padded mask would be read from the first rows on every rank: now the mask and positions
+    are cut with the batch and the head's logits gathered whole (rows and vocabulary) inside generate."""
+    for r in run_distributed(_grid_job, 4, timeout=170):
+        for key, res in r.items():
+            assert res["same"], (key, res["got"], res["want"])
+            assert res["cut"] == (2, 6, 32), (key, res["cut"])  # outside generate: this rank's rows and vocabulary

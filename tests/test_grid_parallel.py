@@ -124,6 +124,65 @@ def test_grid_errors_before_anything_changes():
     check_regions({"embed.drop": "sequence_scatter", "layers.0.attn": "heads", "head.ln_f": "norm+sequence_gather"})
 
 
+def _padded_batch(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """Rows 1 and 2 left-padded: a mask, positions counted from each row's first token, padding ignored by the loss."""
+    x = torch.randint(1, grid_parity.VOCAB, (4, grid_parity.SEQ), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(x)
+    mask[1, :3] = mask[2, :5] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return x.masked_fill(mask == 0, 0), mask, positions, x.masked_fill(mask == 0, -100)
+
+
+def _padded_loss(model: nn.Module, positions: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and gradients of the padded batch, with its positions given or left to the model (counted from 0)."""
+    x, mask, pos, y = _padded_batch()
+    model.zero_grad()
+    loss = model(x, attention_mask=mask, position_ids=pos if positions else None, labels=y).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _padded_job(rank: int, world: int, family: str) -> dict:
+    from hetero.comm import Comm
+
+    torch.set_num_threads(1)
+    model = grid_parity.build(family)
+    apply_grid_parallel(model, "auto", Grid.build(Comm.world(), "2d"))
+    out: dict = {p: _padded_loss(model, p) for p in (False, True)}
+    out["cuts"] = {n: p._hetero_tp for n, p in model.named_parameters()}
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_padded_batch_on_a_2d_grid_matches_the_plain_model(family):
+    """A padded batch's attention mask and position ids, given for the whole batch, are cut with it: the loss and
+    every gradient are plain PyTorch's (within fp32's own distance from float64). The mask used to be read from its
+    first b/B rows on every rank (another loss, with no error), and positions failed inside the model."""
+    results = run_distributed(_padded_job, 4, family, timeout=170)
+    for positions in (False, True):
+        exact_loss, exact = _padded_loss(grid_parity.build(family).to(torch.float64), positions)
+        plain_loss, plain = _padded_loss(grid_parity.build(family), positions)
+        for r in results:
+            tolerance.assert_losses([r[positions][0]], [exact_loss], [plain_loss], dtype=torch.float32)
+        joined = {n: cut.join([r[positions][1][n] for r in results]) for n, cut in results[0]["cuts"].items()}
+        assert joined.keys() == exact.keys()
+        tolerance.assert_weights(joined, exact, plain, dtype=torch.float32)
+
+
+def test_a_padded_batch_on_a_3d_grid_is_refused():
+    """3D computes attention on other rows than it embeds them: a mask whose rows differ has no one right cut, and
+    is refused before any layer runs; rows all alike (unpadded prompts, as generate makes them) are cut."""
+    model = grid_parity.build("llama")
+    apply_grid_parallel(model, "auto", Grid.shape_only("3d", 8, rank=3))
+    x, mask, positions, y = _padded_batch()
+    with pytest.raises(ConfigError, match="attention_mask: its rows differ .* use tensor_mode '2d' or '2.5d'"):
+        model(x, attention_mask=mask, labels=y)
+    with pytest.raises(ConfigError, match="position_ids: its rows differ"):
+        model(x, position_ids=positions, labels=y)
+
+
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_ring_zigzag_balances_the_causal_triangle(p):
     """Every rank computes two whole blocks' worth per ring step (a triangle is half), and every (query, key) chunk

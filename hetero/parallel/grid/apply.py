@@ -31,10 +31,11 @@ from hetero.errors import ConfigError
 from hetero.parallel.grid.layers import MIXINS, GridRole, norm_kind
 from hetero.parallel.grid.loss import grid_cross_entropy
 from hetero.parallel.grid.mesh import Grid, Orient, Place
+from hetero.parallel.grid.rows import cut_row_inputs
 from hetero.parallel.grid.shard import BlockShard
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.sequence import all_reduce_grads
-from hetero.parallel.tensor import check_untouched, head_counts, linear_dims
+from hetero.parallel.tensor import check_untouched, generate_with_whole_logits, head_counts, linear_dims
 from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss
 
 log = logging.getLogger("hetero.parallel")
@@ -171,11 +172,15 @@ def _swap(module: nn.Module, mixin: type, role: GridRole) -> None:
 
 
 def _install_loss(model: nn.Module, grid: Grid) -> None:
-    """Every module whose `lm_head` is the grid's vocabulary head computes its loss on grid logits: transformers'
-    models (a settable `loss_function` property, per instance), hetero's GPT and its pipelined head (a method)."""
+    """Every module whose `lm_head` is the grid's vocabulary head takes its masks and positions for the whole batch
+    (`rows.py`) and computes its loss on grid logits: transformers' models (a settable `loss_function` property, per
+    instance), hetero's GPT and its pipelined head (a method)."""
     for m in model.modules():
         head = getattr(m, "lm_head", None)
-        if not isinstance(getattr(head, "_hetero_grid", None), GridRole) or not hasattr(m, "loss_function"):
+        if not isinstance(getattr(head, "_hetero_grid", None), GridRole):
+            continue
+        cut_row_inputs(m, grid)  # its masks and positions meet the rows the head's logits hold
+        if not hasattr(m, "loss_function"):
             continue
         causal = isinstance(getattr(type(m), "loss_function", None), property)
         entropy = functools.partial(grid_cross_entropy, grid=grid)
@@ -228,5 +233,7 @@ def apply_grid_parallel(
         # 2.5D: every depth layer holds the same weights and computes their gradient on its own slice of the batch.
         all_reduce_grads([p for p in model.parameters() if hasattr(p, "_hetero_tp")], grid.outer)
     _install_loss(model, grid)
+    if any("vocab_head" in styles for styles in parts.values()):
+        generate_with_whole_logits(model)  # generate picks each token from the whole batch's whole vocabulary
     log.info("tensor mode %s: %d modules planned over %s", grid.mode, len(resolved), grid)
     return resolved

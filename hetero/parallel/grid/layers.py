@@ -20,6 +20,7 @@ ranks need the same hidden part) and its gradient reduce-scattered back, which a
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from hetero.parallel.grid.mesh import Grid, Orient
 from hetero.parallel.grid.ops import Spec, gather, grid_linear, scatter_sum, sum_shared
+from hetero.parallel.tensor import LogitsHead
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,13 +72,17 @@ class _Linear:
         return y + hidden_vector(self.bias, role.orient, 0, role.fused)
 
 
-class _Head:
+class _Head(LogitsHead):
     """The vocabulary head: logits cut by batch (rows) and vocabulary (the layout's hidden group)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         role = self._hetero_grid
         y = grid_linear(x, self.weight, role.gx, role.gw, role.gy)
         return y if self.bias is None else y + hidden_vector(self.bias, role.orient, 0)
+
+    def whole_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b/B, s, V/q] gathered whole, [b, s, V], on every tensor rank (generate picks its tokens from them)."""
+        return whole_logits(logits, self._hetero_grid.grid)
 
 
 def check_rows(t: torch.Tensor, grid: Grid, what: str) -> None:
@@ -107,10 +113,16 @@ def whole_logits(logits: torch.Tensor, grid: Grid) -> torch.Tensor:
     return grid.outer.all_gather_dim(grid.main.batch.all_gather_dim(whole, 0), 0)
 
 
+# The grid whose model's forward in progress cut its ids to this rank's rows ([Note: row inputs under a grid]).
+IDS_CUT: ContextVar[Grid | None] = ContextVar("hetero_grid_ids_cut", default=None)
+
+
 class _VocabEmbedding:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         grid = self._hetero_grid.grid
         batch = grid.main.batch
+        if IDS_CUT.get() is grid:  # this rank's rows: whole again, in own_rows' order (integers, no gradient)
+            ids = grid.outer.all_gather_dim(batch.all_gather_dim(ids, 0), 0)
         check_rows(ids, grid, "the input ids")
         ids = ids.chunk(grid.outer.size, 0)[grid.outer.rank]  # 2.5D: this depth layer's slab
         n_local = self.weight.shape[0]
