@@ -33,7 +33,7 @@ from hetero.parallel.sequence import (
     replace_first_input,
 )
 from hetero.parallel.tp_ops import copy_to_region, gather_seq, reduce_from_region, reduce_scatter_seq
-from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, embed_vocab_parallel
+from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, embed_vocab_parallel, local_padding_idx
 
 log = logging.getLogger("hetero.parallel")
 
@@ -200,7 +200,8 @@ class _Rowwise:
 
 class _VocabEmbedding:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embed_vocab_parallel(self, ids, self._hetero_region.comm)
+        # The class's own forward on this rank's rows (Gemma's embedding scales its output by sqrt(hidden)).
+        return embed_vocab_parallel(ids, self.num_embeddings, self._hetero_region.comm, super().forward)
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}  # (mixin, module class) -> the class swapped in
@@ -267,6 +268,27 @@ def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
         head_counts(module, name, degree)
 
 
+_SHARDED_INSIDE = ("colwise", "colwise_qkv", "rowwise", "head_norm")  # styles that handle a parameter between f and g
+
+
+def _check_inside(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]) -> None:
+    """Raise if a module holding parameters inside an attention or MLP region (``heads``, ``parallel_input``) has no
+    style for them: there each rank computes only its heads or features, so a whole parameter left alone would get
+    a part of its gradient (Qwen3's q_norm did before its plan named it), and ranks would drift apart silently."""
+    for outer, style in resolved.items():
+        if not {"heads", "parallel_input"} & set(style.split("+")):
+            continue
+        for sub, module in modules[outer].named_modules():
+            name = f"{outer}.{sub}" if sub else outer
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            if own and not set(resolved.get(name, "").split("+")) & set(_SHARDED_INSIDE):
+                raise ConfigError(
+                    f"{name} ({type(module).__name__}) holds parameters {own} inside {outer} (style {style!r}), where "
+                    "each tensor rank computes only its own heads or features, and the plan gives it no style for "
+                    f"them: shard it ('colwise', 'rowwise'), or give a norm applied to each head 'head_norm'"
+                )
+
+
 def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
     comm, degree = region.comm, region.comm.size
     if part in ("colwise", "colwise_qkv", "vocab_head"):
@@ -288,6 +310,8 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         _shard(module.weight, 0, 1, comm, f"{name}.weight")
         _swap_class(module, _VocabEmbedding, region, name)
         module.num_embeddings = module.weight.shape[0]
+        # The layer's own forward looks up this rank's rows: its padding row is a row of the shard, if any.
+        module.padding_idx = local_padding_idx(module.padding_idx, module.num_embeddings, comm.rank)
     elif part == "heads":
         for attr, value in head_counts(module, name, degree).items():
             setattr(module, attr, value)
@@ -301,6 +325,8 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
     elif part == "norm":
         if region.sequence:
             all_reduce_grads(list(module.parameters()), comm)
+    elif part == "head_norm":  # fed this rank's heads only, under SP too (attention's input is gathered)
+        all_reduce_grads(list(module.parameters()), comm)
     elif part == "sequence_scatter" and region.sequence:
         add_sequence_scatter(module, name, comm)
     elif part == "sequence_gather" and region.sequence:
@@ -367,6 +393,7 @@ def apply_tensor_parallel(
     for name, style in resolved.items():
         for part in style.split("+"):
             _check(part, modules[name], name, comm.size)
+    _check_inside(resolved, modules)
     region = _Region(comm, sequence)
     for name, style in resolved.items():
         for part in style.split("+"):
