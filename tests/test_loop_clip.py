@@ -80,11 +80,19 @@ def test_a_clip_the_engine_cannot_honour_is_refused_and_other_models_clip_as_bef
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *other.parameters()], 1.0)
     with pytest.raises(ValueError, match="2-norm"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
-    # A model hetero does not hold: torch's own function, unchanged
+    # torch's other clips of parameters found no .grad and clipped nothing, without a word: refused, naming the clip
+    with pytest.raises(RuntimeError, match=r"clip_grad_value_ .*clip_grad_norm_\(model.parameters\(\), max_norm\)"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+    with pytest.raises(RuntimeError, match="clip_grads_with_norm_ .*grad_clip_norm"):  # torchtitan's second half
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.nn.utils.get_total_norm([]))
+    # A model hetero does not hold: torch's own functions, unchanged
     other(torch.ones(2, 4)).sum().backward()
     before = torch.cat([p.grad.reshape(-1) for p in other.parameters()]).norm()
     assert torch.allclose(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3), before)
     assert torch.cat([p.grad.reshape(-1) for p in other.parameters()]).norm() < 2e-3
+    torch.nn.utils.clip_grads_with_norm_(other.parameters(), 1e-4, torch.tensor(1e-3))
+    torch.nn.utils.clip_grad_value_(other.parameters(), 1e-5)
+    assert max(float(p.grad.abs().max()) for p in other.parameters()) == pytest.approx(1e-5)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     engine.step()
     assert float(norm) == float(torch.tensor(engine.last_grad_norm, dtype=torch.float32))

@@ -15,6 +15,10 @@ the backward that ends an accumulation and its `step()` is refused with the reas
 name before the first `hetero.initialize` (`from torch.nn.utils import clip_grad_norm_`) holds torch's own, which still
 finds no gradient: call it through `torch.nn.utils`, or set `grad_clip_norm`. The update clips by the norm the call
 computed (`Updater.clip_stats`), not summing the gradient again; a backward after the call makes it sum afresh.
+torch's other clips of parameters find no gradient either: `clip_grads_with_norm_` (the second half of torchtitan's
+clip, after `get_total_norm` of the `.grad`s, which is 0) clipped nothing without a word, and `clip_grad_value_`
+failed inside torch ("Expected !nested_tensorlist[0].empty()"). Given a held parameter, both are refused, naming the
+clip hetero does instead.
 """
 
 from __future__ import annotations
@@ -59,14 +63,51 @@ def clip_grad_norm_(
     return engine.clip_grad_norm_(max_norm, norm_type, parameters=params, error_if_nonfinite=error_if_nonfinite)
 
 
+def _refuse_held(name: str, parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters as a list, or the refusal of torch's `name` where one of them is held by an engine."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if any(_holder(p) is not None for p in params):
+        raise RuntimeError(
+            f"torch.nn.utils.{name} was given parameters of a model hetero holds: their gradients are in hetero's "
+            "chunks, not in .grad, so it would clip nothing. hetero clips the whole gradient by its 2-norm at the "
+            "update: call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after the backward that ends "
+            "an accumulation and before step() (it returns the norm), or set grad_clip_norm in the config"
+        )
+    return params
+
+
+def clip_grad_value_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float, foreach: bool | None = None
+) -> None:
+    """torch.nn.utils.clip_grad_value_, refused for a held model's parameters (see the Note)."""
+    _TORCH["clip_grad_value_"](_refuse_held("clip_grad_value_", parameters), clip_value, foreach)
+
+
+def clip_grads_with_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """torch.nn.utils.clip_grads_with_norm_, refused for a held model's parameters (see the Note)."""
+    params = _refuse_held("clip_grads_with_norm_", parameters)
+    _TORCH["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
+
+
 def route(params: Iterable[torch.Tensor], engine: Any) -> Callable[[], None]:
     """While `engine` is open, torch.nn.utils.clip_grad_norm_ of its parameters is the engine's; returns the undo."""
     if not _TORCH:
         import torch.nn.utils.clip_grad as module
 
         _TORCH["clip_grad_norm_"] = module.clip_grad_norm_
+        _TORCH["clip_grad_value_"] = module.clip_grad_value_
         module.clip_grad_norm_ = clip_grad_norm_
+        module.clip_grad_value_ = clip_grad_value_
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        torch.nn.utils.clip_grad_value_ = clip_grad_value_
+        if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch 2.6 and later
+            _TORCH["clip_grads_with_norm_"] = torch.nn.utils.clip_grads_with_norm_
+            torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
     me = weakref.ref(engine)
     held = list(params)
     for p in held:
