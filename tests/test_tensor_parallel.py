@@ -25,7 +25,7 @@ from hetero.parallel import (
     vocab_parallel_cross_entropy,
 )
 from hetero.parallel.plans import auto_plan
-from tests.dist import NEEDS_DEGREES, ranks_apart
+from tests.dist import NEEDS_DEGREES, RANKS_DIFFER, ranks_apart
 
 try:
     from tests.dist import run_distributed
@@ -428,3 +428,22 @@ def test_plan_of_llama_relatives_and_unhandled_parameters_inside_attention():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert resolve_plan(_model("llama"), "auto")["model.layers.0.post_attention_layernorm"] == "norm"
+
+
+def _built_per_rank(rank: int, world: int) -> str:
+    torch.manual_seed(rank)  # another seed on each rank: two different models
+    model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, block_size=8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"ranks hold different values of 8 parameters \(embed\.weight, pos_embed"):
+        apply_tensor_parallel(model, "auto", Comm.world())
+    for k, v in model.state_dict().items():  # checked before anything changed
+        assert torch.equal(v, before[k])
+    return "refused"
+
+
+@ranks_apart(RANKS_DIFFER)
+@pytest.mark.timeout(120)
+def test_a_model_built_differently_on_each_tensor_rank_is_refused():
+    """Each rank kept its slice of its own copy: a model of mismatched slices and replicated parameters (the
+    position embedding) that differed between ranks trained without an error."""
+    assert run_distributed(_built_per_rank, 2, timeout=100) == ["refused", "refused"]
