@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import sys
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -26,8 +28,43 @@ def lazy_init() -> Iterator[None]:
         # import) runs tensor code at import on the meta device and fails ("Tensor.item() cannot be called on meta
         # tensors"); 2.13's imports there. Versions between were not tried: imported first, outside.
         importlib.import_module("torch._dynamo")
-    with torch.device("meta"):
-        yield
+    hook = torch.nn.modules.module.register_module_parameter_registration_hook(_record)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        hook.remove()
+
+
+# module -> {parameter name: (its id, when registered there)}, for models built under lazy_init: of the modules that
+# hold one tied parameter, the one that registered it first made it (the tie registered it again on the others).
+# Kept by module, weakly: a parameter is not weakly referenced, as torch.utils.swap_tensors refuses one that is.
+_registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_clock = itertools.count()
+
+
+def _record(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    held = _registered.setdefault(module, {})
+    if held.get(name, (None,))[0] != id(param):  # the same parameter registered again keeps its first time
+        held[name] = (id(param), next(_clock))
+
+
+def tie_makers(model: nn.Module) -> dict[int, nn.Module]:
+    """Parameter id -> the module whose construction made it, for parameters tied across modules of a model built
+    under lazy_init, where that module has a reset_parameters: tied at construction, the parameter has its values
+    (nanoGPT's `wte.weight = lm_head.weight` keeps the head's, `lm_head.weight = embed.weight` the embedding's)."""
+    holders: dict[int, list[tuple[int, nn.Module]]] = {}  # parameter id -> (when registered, module), each holder
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((_registered.get(m, {}).get(name, (None, -1))[1], m))
+    makers = {}
+    for key, held in holders.items():
+        if len(held) < 2 or any(when < 0 for when, _ in held):
+            continue  # not tied, or tied outside lazy_init (unknown: module order decides, see materialize.py)
+        maker = min(held, key=lambda wm: wm[0])[1]
+        if callable(getattr(maker, "reset_parameters", None)):
+            makers[key] = maker
+    return makers
 
 
 def refuse_meta_adapters(model: nn.Module) -> None:

@@ -318,26 +318,30 @@ class _ZeroedOut(nn.Module):
 
 
 class _TiedLM(nn.Module):
-    """A weight tied at construction: the head's own default weight is drawn, then replaced by the embedding's."""
+    """A weight tied at construction: one module's own default weight is drawn, then replaced by the other's."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_makes_it: bool) -> None:
         super().__init__()
         self.emb = nn.Embedding(16, 8)
         self.mid = nn.Sequential(_ZeroedOut(), nn.Linear(8, 8))
         self.head = nn.Linear(8, 16)
-        self.head.weight = self.emb.weight
+        if head_makes_it:
+            self.emb.weight = self.head.weight  # nanoGPT's direction: the later module's weight is kept
+        else:
+            self.head.weight = self.emb.weight  # Hugging Face's direction: the earlier module's
 
 
-@pytest.mark.parametrize("stage,chunk", [(0, 4096), (3, 128)])
-def test_meta_reset_walk_keeps_what_normal_construction_keeps(stage, chunk):
-    """Module order runs a parent's reset_parameters before its children's, and the tied head after the embedding;
-    normal construction keeps the parent's writes (it ran last) and the embedding's values (the tie came last). The
-    later calls still draw their numbers, so every other tensor is bit-identical too."""
+@pytest.mark.parametrize("stage,chunk,head_makes_it", [(0, 4096, False), (3, 128, False), (0, 4096, True)])
+def test_meta_reset_walk_keeps_what_normal_construction_keeps(stage, chunk, head_makes_it):
+    """Module order runs a parent's reset_parameters before its children's, and both tied modules' in module order;
+    normal construction keeps the parent's writes (it ran last) and the values of the module that made the tied
+    weight (lazy_init saw which). The other calls still draw their numbers, so every other tensor is bit-identical
+    too."""
     torch.manual_seed(0)
-    plain = _TiedLM()
+    plain = _TiedLM(head_makes_it)
     torch.manual_seed(0)
     with hetero.lazy_init():
-        model = _TiedLM()
+        model = _TiedLM(head_makes_it)
     # One chunk: the later calls overwrote the values (silently); 128 elements: the tied weight's chunk had loaded
     # before the head wrote it (an error).
     config = {"zero_stage": stage, "chunk_size": chunk}

@@ -5,32 +5,33 @@ safetensors files.
 A model built under `torch.device("meta")` (or `hetero.lazy_init()`) has parameters with shapes and no memory. We run
 the model's own initialiser, the one normal construction would have run, in the same order, so it consumes the random
 number generator exactly as normal construction does: a Hugging Face `PreTrainedModel`'s `init_weights()` (the
-`_init_weights(module)` walk of `post_init`, then weight tying; also where one sits inside the user's module); otherwise
+`_init_weights(module)` walk of `post_init`, then weight tying; also inside the user's module); otherwise
 `reset_parameters()` of every module in module order, skipping a subtree an ancestor's `reset_parameters()` already
 initialised (hetero's GPT initialises its whole tree from the root); a tensor keeps the values of the first call that
-wrote it (a parent's write, which normal construction runs last; a tied weight's first module), later calls only drawing
-their numbers. While it runs, a `TorchFunctionMode` stands a real tensor in for each meta parameter the moment a
-function touches it: a view into a staging buffer of the parameter's chunk, a host chunk of the manager (so the host
-ledger counts it). Once every parameter of a chunk has been written and the initialiser writes a parameter of another
-chunk, the chunk is complete: `ZeroChunk.load` takes this rank's share (the shard at stage 3) and the staging buffer is
-freed. Host memory therefore holds the rank's share plus the chunks being written (one per optimizer param group, as
-groups are packed into separate chunks). Every rank computes the same values from the same seed, so nothing is
-broadcast; a checksum all-reduce at the end catches ranks that were seeded differently. A write to a parameter whose
-chunk was already loaded, or a parameter the initialiser never wrote, is an error that names it. Buffers are small and
-kept whole: the initialiser's writes to meta buffers go to real CPU tensors that replace them.
+wrote it (a parent's write, which normal construction runs last), later calls only drawing their numbers; a weight tied
+at construction those of the module that made it (`hetero.lazy.tie_makers`). While it runs, a `TorchFunctionMode` stands
+a real tensor in for each meta parameter the moment a function touches it: a view into a staging buffer of the
+parameter's chunk, a host chunk of the manager (so the host ledger counts it). Once every parameter of a chunk has been
+written and the initialiser writes a parameter of another chunk, the chunk is complete: `ZeroChunk.load` takes this
+rank's share (the shard at stage 3) and the staging buffer is freed. Host memory therefore holds the rank's share plus
+the chunks being written (one per optimizer param group: groups fill separate chunks). Every rank computes the same
+values from the same seed, so nothing is broadcast; a checksum all-reduce at the end catches ranks that were seeded
+differently. A write to a parameter whose chunk was already loaded, or a parameter the initialiser never wrote, is an
+error that names it. Buffers are small and kept whole: the initialiser's writes to meta buffers go to real CPU tensors
+that replace them.
 
 [Note: streaming pretrained weights]
-With `weights=` (a .safetensors or .bin file, a directory of them, or Hugging Face's sharded index), tensors are
-read one at a time (hetero/zero/weights.py) into the same staging buffers, chunk by chunk; names are the model's own
-state_dict keys (a tied parameter may come under any of its names), through its base-model prefix where the files
-were saved from the base or the head model. Names and shapes are matched from the files' headers before anything
-is read; what cannot load is reported together, with its cause.
+With `weights=` (a .safetensors or .bin file, a directory of them, or Hugging Face's sharded index), tensors are read
+one at a time (hetero/zero/weights.py) into the same staging buffers, chunk by chunk; names are the model's own
+state_dict keys (a tied parameter may come under any of its names), through its base-model prefix where the files were
+saved from the base or the head model. Names and shapes are matched from the files' headers before anything is read;
+what cannot load is reported together, with its cause.
 
 [Note: initialising tiles]
-A weight split into tiles ([Note: tiles] in `hetero/memory/chunk_size.py`) is initialised through one staging buffer
-of its whole size: an initialiser draws a tensor's random numbers in one call, and only the whole tensor's call gives
-the values of normal construction. Once written, it is copied into its tiles one at a time (each tile's chunk loads
-and frees its own staging buffer) and freed, so host memory holds the whole weight once, in fp32, during its own
+A weight split into tiles ([Note: tiles] in `hetero/memory/chunk_size.py`) is initialised through one staging buffer of
+its whole size: an initialiser draws a tensor's random numbers in one call, and only the whole tensor's call gives the
+values of normal construction. Once written, it is copied into its tiles one at a time (each tile's chunk loads and
+frees its own staging buffer) and freed, so host memory holds the whole weight once, in fp32, during its own
 initialisation only. `weights=` needs no such buffer: each tile's rows are read from the file on their own.
 """
 
@@ -51,7 +52,7 @@ from torch.utils._pytree import tree_map
 from hetero.comm import Comm
 from hetero.device import Device
 from hetero.errors import WeightsError
-from hetero.lazy import refuse_meta_adapters
+from hetero.lazy import refuse_meta_adapters, tie_makers
 from hetero.memory import ChunkManager
 from hetero.progress import bar as make_bar
 from hetero.zero import weights
@@ -105,9 +106,8 @@ def load_values(
     still = [n for n, b in model.named_buffers() if b.is_meta]
     if still:
         raise WeightsError(
-            f"buffers {still[:10]} are still on the meta device after initialisation: give their modules a "
-            "reset_parameters() that sets them (or an _init_weights branch for a Hugging Face model), or build the "
-            "model normally"
+            f"buffers {still[:10]} are still on the meta device after initialisation: give their modules a reset_"
+            "parameters() that sets them (a Hugging Face model: an _init_weights branch), or build the model normally"
         )
 
 
@@ -267,8 +267,7 @@ def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: li
             _replay_hf(child, real, on_write, passes)
         passes[0] += 1
         for m in module.modules():
-            # transformers 4 marks each module that post_init initialised (here: on meta, no values) and skips it
-            # from then on: the replay must run them again.
+            # transformers 4 skips each module post_init marked initialised (here: on meta, no values): unmarked
             if getattr(m, "_is_hf_initialized", False):
                 m._is_hf_initialized = False
         with _StandIn(real, on_write), torch.no_grad():
@@ -291,8 +290,8 @@ def _scratch(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _run_initialiser(model: nn.Module, real: Callable, on_write: Callable, written: set, passes: list[int]) -> None:
-    """reset_parameters() of every module in module order, each call a pass of `real` (see the note above); a
-    Hugging Face model, also one inside the user's own module (a backbone under a new head), replays its own."""
+    """reset_parameters() of every module in module order, each a pass; a Hugging Face model replays its own."""
+    makers = tie_makers(model)
 
     def visit(module: nn.Module) -> None:
         if _is_hf(module):
@@ -301,7 +300,10 @@ def _run_initialiser(model: nn.Module, real: Callable, on_write: Callable, writt
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             passes[0] += 1
-            with _StandIn(real, on_write), torch.no_grad():
+            # A weight tied to this module that another module made: that one's call writes it, this one's draws.
+            lose = {id(p) for p in module.parameters(recurse=False) if makers.get(id(p), module) is not module}
+            swap = (lambda t: _scratch(t) if id(t) in lose else real(t)) if lose else real
+            with _StandIn(swap, lambda key: None if key in lose else on_write(key)), torch.no_grad():
                 reset()
         for child in module.children():
             own = list(_tensors(child))
