@@ -22,6 +22,7 @@ from torch import nn
 from hetero import standin
 from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, collective_failed, init_from_env
+from hetero.comm.watch import post_failure
 from hetero.config import Config
 from hetero.device import make_device
 from hetero.errors import CommError, ConfigError, HeteroError, add_note
@@ -156,6 +157,8 @@ class Engine(DeepSpeedNames):
         placement = Placement.of(config.offload.params, config.offload.optimizer)
         self.manager = ChunkManager.from_config(config.memory, device=self.device, prefetch_depth=config.prefetch_depth)
         self.manager.storage.backend_may_write = collective_failed  # once a wait failed, memory stays put
+        if self.manager.storage.store is not None:  # a failed disk stops every rank, not only this one
+            self.manager.storage.store.on_failure = post_failure  # [Note: a rank's failure told to the others]
         chunk_numel = None if config.chunk_size == "auto" else config.chunk_size
         # "auto": at most what the budgets hold with room to spare, the same on every rank (the smallest budgets').
         every = self.mesh.world if self.mesh.pp_size * self.mesh.tp_size > 1 else None  # tied copies tile alike

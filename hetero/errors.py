@@ -59,6 +59,17 @@ class RankTimeoutError(CommError, TimeoutError):
         self.timeout_s = timeout_s  # the timeout that ran out, in seconds
 
 
+class RankFailedError(CommError):
+    """Another rank stopped with an error of its own (its NVMe tier failed, ...) and will not come to the collectives
+    this rank waits in: raised on the ranks that wait for it, naming it and its error ([Note: a rank's failure told
+    to the others] in hetero/comm/watch.py)."""
+
+    def __init__(self, message: str, *, failed_rank: int, cause: str) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank  # the global rank whose own error it was
+        self.cause = cause  # that error, as "Type: message"
+
+
 class CheckpointError(HeteroError, RuntimeError):
     """A checkpoint cannot be written or read: missing, truncated or corrupt files, an incompatible model, no disk
     space, a path that is not writable."""

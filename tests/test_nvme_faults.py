@@ -1,10 +1,12 @@
 """The NVMe tier when the disk misbehaves under a run: full in the middle of it, the swap directory deleted, a file
-system turned read-only, a swap file changed by someone else, and swap directories that a killed process left
-behind ([Note: swap directories left by a killed process] in hetero/memory/swap_file.py)."""
+system turned read-only, a swap file changed by someone else, swap directories that a killed process left behind
+([Note: swap directories left by a killed process] in hetero/memory/swap_file.py), and a disk that fails on one rank
+of several ([Note: a rank's failure told to the others] in hetero/comm/watch.py)."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -22,8 +24,12 @@ from hetero.memory.nvme import NvmeStore
 from hetero.memory.swap_file import ORPHAN_AGE_S, PREFIX
 
 try:
+    from tests import parity
+    from tests.dist import ONE_RANK_FAULTS, ranks_apart, run_distributed
     from tests.test_manager import _bits, _filled_chunk
 except ImportError:  # tests/ itself on sys.path
+    import parity  # type: ignore[no-redef]
+    from dist import ONE_RANK_FAULTS, ranks_apart, run_distributed  # type: ignore[no-redef]
     from test_manager import _bits, _filled_chunk  # type: ignore[no-redef]
 
 MIB = 1 << 20
@@ -169,3 +175,198 @@ def test_a_killed_process_leaves_nothing_behind_the_next_store(tmp_path):
         assert torch.equal(out, t)
     finally:
         live.close()
+
+
+COMM_TIMEOUT = 60.0  # the ranks waiting for the failed one must stop long before this
+
+
+def _digest(root: str) -> dict[str, int]:
+    """Every file under a checkpoint root, with its size and modification time."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            st = os.stat(os.path.join(d, f))
+            out[os.path.relpath(os.path.join(d, f), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _one_disk_fails(rank: int, world: int, root: str) -> dict:
+    import hetero
+    from hetero.errors import NvmeSpaceError, RankFailedError
+    from hetero.memory import swap_blocks
+
+    nvme = os.path.join(root, f"nvme{rank}")
+    os.makedirs(nvme)
+    model = parity.build()
+    config = {
+        "zero_stage": 3,
+        "chunk_size": parity.CHUNK,
+        "offload": {"optimizer": "nvme"},
+        "memory": {"nvme_dir": nvme},
+        "comm_timeout": COMM_TIMEOUT,
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    ckpt = os.path.join(root, "ckpt")
+    out: dict = {}
+
+    def step(x, y):
+        engine.backward(engine(x, labels=y).loss)
+        engine.step()
+
+    data = parity.batches(3, 4)
+    step(*(t[rank * 2 : rank * 2 + 2] for t in data[0]))
+    engine.save_checkpoint(ckpt)
+    saved = _digest(ckpt)
+    if rank == 1:  # only this rank's disk fills up, in the middle of the next update's write-backs
+        real = swap_blocks.write_full
+
+        def full(*args, **kwargs):
+            out.setdefault("failed_at", time.time())
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        swap_blocks.write_full = full
+    try:
+        for x, y in data[1:]:
+            step(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2])
+    except (NvmeSpaceError, RankFailedError) as e:
+        out.update(raised_at=time.time(), error=e, message=str(e))
+    if rank == 1:
+        swap_blocks.write_full = real
+        # Alive, its process and connections open, until rank 0 is done: a rank that exits is seen by its closed
+        # connection instead, which is not what this test is about.
+        flag = os.path.join(root, "rank0-done")
+        deadline = time.monotonic() + COMM_TIMEOUT
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {k: (type(v).__name__ if k == "error" else v) for k, v in out.items()}
+    try:
+        t0 = time.monotonic()
+        engine.save_checkpoint(ckpt)  # a save after the failure: refused at once, the saved checkpoint untouched
+    except RankFailedError as e:
+        out.update(save_error=str(e), save_seconds=time.monotonic() - t0)
+    out["saved_intact"] = _digest(ckpt).items() >= saved.items()
+    open(os.path.join(root, "rank0-done"), "w").close()
+    error = out.pop("error", None)
+    out.update(type=type(error).__name__, failed_rank=getattr(error, "failed_rank", None))
+    out["cause"] = getattr(error, "cause", None)
+    return out
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+def test_a_full_disk_on_one_rank_stops_every_rank_at_once_with_its_cause(tmp_path):
+    """Rank 1's NVMe disk fills up in an update; rank 1 raises NvmeSpaceError. Rank 0 was already waiting in a
+    collective of the update for rank 1: it waited comm_timeout (ten minutes by default), then said that rank 1 did
+    not arrive, never why. Now rank 1 posts its error and rank 0 stops within seconds with RankFailedError, naming
+    rank 1 and the full disk; a save attempted after it is refused at once, and the checkpoint saved before stands."""
+    r0, r1 = run_distributed(_one_disk_fails, 2, str(tmp_path), timeout=COMM_TIMEOUT * 0.75)
+    assert r1["error"] == "NvmeSpaceError" and "No space left on device" in r1["message"]
+    assert r0["type"] == "RankFailedError", r0
+    assert r0["failed_rank"] == 1 and r0["cause"].startswith("NvmeSpaceError: ") and "nvme1" in r0["cause"]
+    msg = r0["message"]
+    assert "global rank 1 failed with NvmeSpaceError" in msg and "No space left on device" in msg, msg
+    assert "free disk space" in msg and "resume from the last checkpoint" in msg, msg
+    waited = r0["raised_at"] - r1["failed_at"]
+    assert waited < COMM_TIMEOUT / 6, f"rank 0 stopped {waited:.1f} s after rank 1's disk failed"
+    assert "global rank 1" in r0["save_error"] and r0["save_seconds"] < COMM_TIMEOUT / 6, r0
+    assert r0["saved_intact"]
+
+
+class _Work:
+    """A backend's work that completes `after` seconds from its making (never, for None), or fails at once with
+    `error`: its wait(timeout) raises "Operation timed out!" after `timeout` as torch's does."""
+
+    def __init__(self, after: float | None = None, error: str | None = None) -> None:
+        self.end = None if after is None else time.monotonic() + after
+        self.error = error
+
+    def wait(self, timeout=None) -> bool:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        s = timeout.total_seconds()
+        left = float("inf") if self.end is None else self.end - time.monotonic()
+        time.sleep(max(0.0, min(s, left)))
+        if left > s:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+
+def _posted_by(store, rank: int, cause: str, origin: int | None = None) -> None:
+    """What another process's `post_failure` leaves in the store."""
+    from hetero.comm import watch
+
+    n = store.add(watch._FAILED + "count", 1)
+    store.set(
+        f"{watch._FAILED}{n}", json.dumps({"rank": rank, "origin": rank if origin is None else origin, "cause": cause})
+    )
+
+
+def test_a_wait_ends_within_a_look_once_a_member_posts_its_failure_and_the_news_travels_on():
+    from torch.distributed import HashStore
+
+    from hetero.comm import watch
+    from hetero.errors import RankFailedError
+
+    store = HashStore()
+    cause = "NvmeSpaceError: writing 4096 B of key 3 ... No space left on device"
+    _posted_by(store, 1, cause)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="global rank 1 failed with NvmeSpaceError: .*No space left") as info:
+        watch.wait(_Work(), timeout_s=30.0, members=[0, 1], me=0, what="all_reduce", store=store)
+    assert time.monotonic() - t0 < 3 * watch.POLL_S
+    assert info.value.failed_rank == 1 and info.value.cause == cause
+    assert "all_reduce on group [0, 1] on global rank 0" in str(info.value)
+    t0 = time.monotonic()  # known now: the next wait on that group stops before it starts
+    with pytest.raises(RankFailedError):
+        watch.wait(_Work(), timeout_s=30.0, members=[0, 1], me=0, what="barrier", store=store)
+    assert time.monotonic() - t0 < 0.5
+    # Rank 0 posted that it stopped for rank 1: rank 2, which shares a group with rank 0 only, stops too, told why.
+    with pytest.raises(RankFailedError, match=r"global rank 1 failed .*\(global rank\(s\) 0 stopped for it\)"):
+        watch.wait(_Work(), timeout_s=30.0, members=[0, 2], me=2, what="recv", store=store)
+
+
+def test_waits_on_groups_without_a_failure_are_as_before():
+    from torch.distributed import HashStore
+
+    from hetero.comm import watch
+
+    store = HashStore()
+    _posted_by(store, 5, "NvmeError: not a member of these groups")
+    assert watch.wait(_Work(after=1.5 * watch.POLL_S), timeout_s=30.0, members=[0, 1], me=0, what="x", store=store)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Operation timed out"):  # the wait's own limit: the caller diagnoses
+        watch.wait(_Work(), timeout_s=1.5 * watch.POLL_S, members=[0, 1], me=0, what="x", store=store)
+    assert 1.4 * watch.POLL_S < time.monotonic() - t0 < 3 * watch.POLL_S
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # the work's own error, at once
+        watch.wait(
+            _Work(error="Connection closed by peer"), timeout_s=30.0, members=[0, 1], me=0, what="x", store=store
+        )
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_a_closed_connection_and_a_patient_meeting_name_the_failed_rank_and_its_cause():
+    """A rank whose process ended after its failure closes its connections: the diagnosis names its error at once,
+    where it waited ten seconds for posts, then said only that a peer closed its connection. A checkpoint's meeting
+    stops on the post too, where it waited comm_timeout for a heartbeat that never came."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from hetero.comm.patience import Meeting
+    from hetero.comm.watch import diagnose
+    from hetero.errors import RankFailedError
+
+    store = HashStore()
+    _posted_by(store, 1, "NvmeError: reading 8192 B of key 7 ... Input/output error")
+    t0 = time.monotonic()
+    err = diagnose(
+        store, me=0, members=[0, 1], what="all_gather", timeout_s=60.0, err=RuntimeError("Connection closed")
+    )
+    assert isinstance(err, RankFailedError) and err.failed_rank == 1 and "Input/output error" in str(err)
+    assert time.monotonic() - t0 < 1.0
+    comm = SimpleNamespace(global_ranks=[0, 1], rank=0, size=2, rules=SimpleNamespace(timeout_s=30.0))
+    t0 = time.monotonic()
+    left = r"global rank 1 left .*Input/output error.*finish writing"
+    with pytest.raises(RankFailedError, match=left) as info, Meeting(comm, "save", "writing a checkpoint", store=store):
+        pass
+    assert info.value.failed_rank == 1 and time.monotonic() - t0 < 10.0

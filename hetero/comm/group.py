@@ -33,12 +33,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hetero.comm import leaving
+from hetero.comm import leaving, watch
 from hetero.comm.collectives import Collectives
 from hetero.comm.p2p import PointToPoint
 from hetero.comm.rules import CONTROL_OF, Rules, mark_failed, peer_gone, timed_out, world_rules
 from hetero.comm.watch import diagnose
-from hetero.errors import CommError
+from hetero.errors import CommError, RankFailedError
 
 logger = logging.getLogger("hetero.comm")
 
@@ -177,14 +177,18 @@ class Comm(Collectives, PointToPoint):
         arrive]. NCCL's work is left to the device stream (and NCCL's watchdog)."""
         if work is None:
             return
-        timeout = self._timedelta()
         if self._backend == "nccl":
             work.wait()
             return
+        me = self._global_ranks[self.rank]
         try:
             # No timeout of ours: the backend's own (the process group's), whose failure leaves memory the operation
-            # may still write all the same ([Note: memory a failed collective may still write]).
-            ok = work.wait() if timeout is None else work.wait(timeout=timeout)
+            # may still write all the same ([Note: memory a failed collective may still write]). A rank that failed
+            # ends the wait at once ([Note: a rank's failure told to the others]).
+            ok = watch.wait(work, timeout_s=self.rules.timeout_s, members=self._global_ranks, me=me, what=what)
+        except RankFailedError:
+            mark_failed(what)
+            raise
         except RuntimeError as err:
             mark_failed(what)
             if not (timed_out(err) or peer_gone(err)):

@@ -37,9 +37,8 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
-from hetero.errors import CommError, RankTimeoutError
+from hetero.comm.watch import default_store, failures
+from hetero.errors import CommError, RankFailedError, RankTimeoutError
 
 if TYPE_CHECKING:
     from hetero.comm.group import Comm
@@ -52,16 +51,6 @@ _MAX_POLL_S = 0.25  # how late, at most, a waiting rank sees the outcome once it
 # Meetings held so far by this process on each group (by its members' digest): the next one's number. Shared by every
 # Comm over the same members, as the store's keys are.
 _HELD: dict[str, int] = {}
-
-
-def default_store() -> Any:
-    """The job's key-value store (torch.distributed's rendezvous), or None outside a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # a group made without one
-        return None
 
 
 class Meeting:
@@ -149,6 +138,9 @@ class Meeting:
             now = time.monotonic()
             if now >= next_scan:
                 stalled = self._scan(pending, now)
+                failed = failures(self.store, self.members, self.me)  # [Note: a rank's failure told to the others]
+                if failed:
+                    return self._settle({"left": failed[0].origin, "error": failed[0].cause})
                 if not pending:  # every key done, though no outcome yet (the last one's process died in between)
                     return self._settle({"ok": True})
                 if stalled:
@@ -198,10 +190,12 @@ class Meeting:
             return
         group = f"group {self.members}"
         if "left" in outcome:
-            raise CommError(
+            raise RankFailedError(
                 f"global rank {outcome['left']} left {group} with an error ({outcome['error']}) while global rank "
                 f"{self.me} was waiting for every rank to finish {self.what}; it does not come to the collective "
-                "that follows, so no rank goes on. Its log says more"
+                "that follows, so no rank goes on. Its log says more",
+                failed_rank=outcome["left"],
+                cause=outcome["error"],
             )
         if "late" in outcome:
             late = ", ".join(map(str, outcome["late"]))

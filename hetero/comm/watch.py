@@ -9,21 +9,173 @@ different sequence of collectives (the ranks diverged); a member that posts noth
 any collective. Either way the error names it, in global ranks, with what this rank was doing. A post carries the
 time it was made: one older than this wait is what a member posted after an earlier timeout (a caller that caught
 that error and went on), not where it is now, and is read as no post.
+
+[Note: a rank's failure told to the others]
+A rank whose NVMe tier fails (a full disk, an I/O error) raises at once, but with data-parallel ranks the others were
+already waiting in their next collective, for a rank that will never come: they waited comm_timeout (ten minutes by
+default), then reported a timeout naming the rank, not the disk; if its process ended meanwhile they reported that a
+peer closed its connection. So a rank that stops posts its error in the job's key-value store (`post_failure`: the
+n-th post under hetero/failed/<n>, n taken from the counter hetero/failed/count, so that a reader learns of every
+post with one request), and a wait longer than POLL_S reads the counter every POLL_S (`wait`): a post by a member of
+the group it waits on ends the wait with RankFailedError, naming that rank and its error, within about POLL_S. A rank
+that stops so posts too, naming the rank whose error it was, so that ranks waiting for it (a pipeline or tensor peer
+that shares no group with the first) stop as well. Waits that complete within POLL_S, nearly all of them, never ask
+the store; a failure read once ends the next wait on that group at once, with no store request. The timeout's and a
+closed connection's diagnosis read the posts first (`diagnose`), and so do patient meetings (`patience.py`).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from hetero.errors import RankTimeoutError
+import torch.distributed as dist
+
+from hetero.errors import RankFailedError, RankTimeoutError
 
 log = logging.getLogger("hetero.comm")
 
 _GRACE_S = 10.0  # at most this long to hear from the other ranks once our own wait expired
 _KEY = "hetero/waiting/{rank}"
 _SKEW_S = 5.0  # hosts' clocks may differ by this much; a post older than this wait by more is from an earlier one
+POLL_S = 1.0  # how often a long wait asks the store whether another rank failed (see the note above)
+_FAILED = "hetero/failed/"  # the failures' keys: "count", then one per post, "1", "2", ...
+
+
+def default_store() -> Any:
+    """The job's key-value store (torch.distributed's rendezvous), or None outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a group made without one
+        return None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A post on the failure board: global rank `rank` stopped, for an error of global rank `origin` (its own or
+    one it learned of), `cause` ("Type: message")."""
+
+    rank: int
+    origin: int
+    cause: str
+
+
+class _Board:
+    """What this process knows of one store's failure board."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.posted = False  # this process posted its own failure: once is enough
+        self.known: list[Failure] = []  # the posts read so far, in post order
+
+
+_BOARD: list[_Board] = []  # the board of the store in use (a new job's store starts a new one)
+_LOCK = threading.Lock()  # posts come from the NVMe tier's I/O threads too
+
+
+def _board(store: Any) -> _Board:
+    if not _BOARD or _BOARD[0].store is not store:
+        _BOARD[:] = [_Board(store)]
+    return _BOARD[0]
+
+
+def post_failure(
+    err: BaseException, *, store: Any = None, me: int | None = None, origin: Failure | None = None
+) -> None:
+    """Tell the other ranks of the job that this one (global rank `me`, default this process's) stopped with `err`,
+    or, with `origin`, for another rank's failure: [Note: a rank's failure told to the others]. Once per process and
+    job; best effort (a store that cannot be reached is only logged: the others then see a timeout as before)."""
+    store = store if store is not None else default_store()
+    if store is None:
+        return
+    try:
+        me = dist.get_rank() if me is None else me
+        with _LOCK:
+            board = _board(store)
+            if board.posted:
+                return
+            board.posted = True
+        post = Failure(me, origin.origin, origin.cause) if origin else Failure(me, me, f"{type(err).__name__}: {err}")
+        n = store.add(_FAILED + "count", 1)
+        store.set(f"{_FAILED}{n}", json.dumps(post.__dict__))
+    except Exception as e:
+        log.debug("could not post the failure of this rank (%s) to the rendezvous store: %s", err, e)
+
+
+def failures(store: Any, members: list[int], me: int, *, ask: bool = True) -> list[Failure]:
+    """The failures posted by members of a group other than `me` (global ranks); with `ask`, the posts not read yet
+    are read first (one request to the store when there are none)."""
+    with _LOCK:
+        board = _board(store)
+        if ask:
+            count = store.add(_FAILED + "count", 0)
+            while len(board.known) < count:
+                key = f"{_FAILED}{len(board.known) + 1}"
+                if not store.check([key]):
+                    break  # counted, not written yet: read at the next look
+                board.known.append(Failure(**json.loads(store.get(key))))
+        return [f for f in board.known if f.rank in members and f.rank != me]
+
+
+def failed_error(failed: list[Failure], *, me: int, what: str, store: Any = None) -> RankFailedError:
+    """The error for `what` on global rank `me` after ranks of its group posted `failed`; this rank posts that it
+    stopped too, so that ranks waiting for it stop."""
+    first = next((f for f in failed if f.rank == f.origin), failed[0])
+    post_failure(RuntimeError(first.cause), store=store, me=me, origin=first)
+    via = sorted({f.rank for f in failed if f.rank != first.origin})
+    msg = f"{what} on global rank {me} stopped: global rank {first.origin} failed with {first.cause}"
+    if via:
+        msg += f" (global rank(s) {', '.join(map(str, via))} stopped for it)"
+    msg += (
+        ". It will not come to this collective, so every rank of the job stops instead of waiting for comm_timeout. "
+        f"Fix the cause on global rank {first.origin} (its log says more), then resume from the last checkpoint."
+    )
+    return RankFailedError(msg, failed_rank=first.origin, cause=first.cause)
+
+
+def wait(work: Any, *, timeout_s: float | None, members: list[int], me: int, what: str, store: Any = None) -> Any:
+    """Wait for a backend's `work` at most `timeout_s` seconds (None: the backend's own limit), and return what its
+    wait returns; RankFailedError as soon as another member posted a failure in `store` (default: the job's), as
+    [Note: a rank's failure told to the others] says. The backend's own error (a peer gone, the time up) is raised
+    as it is, for the caller to diagnose."""
+    store = store if store is not None else default_store()
+    if store is not None:
+        failed = failures(store, members, me, ask=False)  # read already: no request to the store
+        if failed:
+            raise failed_error(failed, me=me, what=f"{what} on group {members}", store=store)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if store is None or (left is not None and left <= POLL_S):  # the rest of the wait in one piece
+            return work.wait() if left is None else work.wait(timeout=_seconds(left))
+        start = time.monotonic()
+        try:
+            ok = work.wait(timeout=_seconds(POLL_S))
+        except RuntimeError:
+            if time.monotonic() - start < 0.9 * POLL_S:  # the work's own error, not this look's expiry
+                raise
+            ok = False
+        if ok is not False:
+            return ok
+        try:
+            failed = failures(store, members, me)
+        except Exception as e:  # the store is gone (rank 0's process with it): wait as the backend does
+            log.debug("could not read the failures of other ranks from the rendezvous store: %s", e)
+            store = None
+            continue
+        if failed:
+            raise failed_error(failed, me=me, what=f"{what} on group {members}", store=store)
+
+
+def _seconds(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(s, 0.001))
 
 
 def _float(text: str) -> float:
@@ -38,6 +190,12 @@ def diagnose(store: Any, *, me: int, members: list[int], what: str, timeout_s: f
     posted: dict[int, str] = {}
     since = time.time() - timeout_s - _SKEW_S  # when this wait began (the others' began near it)
     if store is not None:
+        try:
+            failed = failures(store, members, me)
+        except Exception:  # a store without the board's operations, or one gone: the posts below say what they can
+            failed = []
+        if failed:  # [Note: a rank's failure told to the others]: the cause, at once
+            return failed_error(failed, me=me, what=what, store=store)
         try:
             store.set(_KEY.format(rank=me), f"{time.time():.3f} {what}")
             deadline = time.monotonic() + min(_GRACE_S, timeout_s)

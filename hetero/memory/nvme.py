@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -177,6 +178,9 @@ class NvmeStore:
         self._inflight: set[concurrent.futures.Future] = set()
         self._used = 0
         self._closed = False
+        # Called with the error of every request that fails (on the thread that saw it), before the caller learns
+        # of it: the engine posts it to the other ranks ([Note: a rank's failure told to the others], comm/watch.py).
+        self.on_failure: Callable[[BaseException], None] | None = None
         log.debug(
             "NVMe store at %s: direct=%s (memory alignment %d), %d I/O + %d CPU threads, %d B blocks",
             self.path,
@@ -205,18 +209,25 @@ class NvmeStore:
             old = self._entries.get(key)
             others = self._used - (old.nbytes if old is not None else 0)
             if self.budget is not None and others + nbytes > self.budget:
-                raise NvmeSpaceError(
+                err = NvmeSpaceError(
                     f"NVMe tier budget exhausted: key {key} needs {nbytes} B but only "
                     f"{self.budget - others} B of the {self.budget} B budget are free in "
                     f"{self.directory!r}; raise the NVMe budget or discard keys"
                 )
+                self._failed(err)
+                raise err
             crcs = [0] * -(-nbytes // self.block_bytes)
             if old is not None and length <= old.length < 2 * length:
                 # Same-size overwrite (the common case for a chunk): keep the slot. Earlier requests on the
                 # key still using it finish first because requests on one key run in order.
                 entry = Entry(old.offset, old.length, nbytes, crcs)
             else:
-                entry = Entry(self._file.allocate(key, length), length, nbytes, crcs)
+                try:
+                    offset = self._file.allocate(key, length)
+                except NvmeError as err:
+                    self._failed(err)
+                    raise
+                entry = Entry(offset, length, nbytes, crcs)
                 if old is not None:
                     self._retire(key, old)
             self._entries[key] = entry
@@ -372,4 +383,13 @@ class NvmeStore:
             op.future.set_result(None)
         else:
             log.debug("NVMe %s of key %s failed: %s", "write" if op.write else "read", op.key, err)
+            self._failed(err)  # before the future: whoever waits for it may stop the process
             op.future.set_exception(err)
+
+    def _failed(self, err: BaseException) -> None:
+        """Report a failed request to `on_failure`, which must not hide the error itself."""
+        if self.on_failure is not None:
+            try:
+                self.on_failure(err)
+            except Exception as e:
+                log.debug("on_failure raised for %s: %s", err, e)
