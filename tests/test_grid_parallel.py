@@ -124,6 +124,28 @@ def test_grid_errors_before_anything_changes():
     check_regions({"embed.drop": "sequence_scatter", "layers.0.attn": "heads", "head.ln_f": "norm+sequence_gather"})
 
 
+def test_a_fused_width_and_a_batch_the_grid_cannot_cut_are_config_errors():
+    """A fused q/k/v projection's width must divide into 3 x q (it was floored to its thirds first: 98 outputs passed
+    as 3 x 32, and the last 2 rows were dropped from every block); a batch of rows the grid cannot cut is a
+    ConfigError saying what to feed (it was a bare ValueError from inside the embedding)."""
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(32, 98), nn.Linear(98, 32)
+
+    fused = Fused()
+    with pytest.raises(
+        ConfigError, match=r"qkv.weight: dimension 0 of shape \(98, 32\) does not divide into 3 parts x 2"
+    ):
+        apply_grid_parallel(fused, {"qkv": "colwise_qkv", "out": "rowwise"}, Grid.shape_only("2d", 4, rank=1))
+    assert not hasattr(fused.qkv.weight, "_hetero_tp")
+    model = grid_parity.build("llama")
+    apply_grid_parallel(model, "auto", Grid.shape_only("2.5d", 8, 2, rank=5))
+    with pytest.raises(ConfigError, match="cuts the batch into 4 parts, the input ids: 6 rows; give each data-paral"):
+        model(torch.zeros(6, grid_parity.SEQ, dtype=torch.long))
+
+
 def _padded_batch(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """Rows 1 and 2 left-padded: a mask, positions counted from each row's first token, padding ignored by the loss."""
     x = torch.randint(1, grid_parity.VOCAB, (4, grid_parity.SEQ), generator=torch.Generator().manual_seed(5))
@@ -181,6 +203,36 @@ def test_a_padded_batch_on_a_3d_grid_is_refused():
         model(x, attention_mask=mask, labels=y)
     with pytest.raises(ConfigError, match="position_ids: its rows differ"):
         model(x, position_ids=positions, labels=y)
+
+
+def _stage_job(rank: int, world: int) -> str:
+    """initialize a one-layer Llama whose MLP width (49) a 2D grid cannot cut, over pipeline 2 x 2D (q = 2): the
+    layer is on stage 0, the norm and head on stage 1."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=49, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    parallel = {"tensor": 4, "tensor_mode": "2d", "pipeline": 2, "microbatches": 2, "pipeline_split": "params"}
+    import hetero
+
+    try:
+        engine = hetero.initialize(model, None, {"zero_stage": 1, "parallel": parallel})
+    except ConfigError as err:
+        return str(err)
+    engine.close()
+    return "initialized"
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+def test_a_width_the_grid_cannot_cut_stops_every_pipeline_stage():
+    """The grid's checks run on the whole model before the pipeline cuts it: the stage without the layer used to
+    initialize, and go on to wait for the stage that raised."""
+    for r in run_distributed(_stage_job, 8, timeout=170):
+        assert r.startswith("model.layers.0.mlp.gate_proj.weight: dimension 0 of shape (49, 32)"), r
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])

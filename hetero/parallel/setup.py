@@ -56,6 +56,11 @@ def setup_parallel(
             from hetero.parallel.seq_split import check_regions
 
             check_regions(plan)  # before the cut: [Note: the sequence split across pipeline stages]
+        elif mesh.grid is not None and cfg.pipeline > 1:
+            from hetero.parallel.grid import check_grid_plan
+
+            # On the whole model: a stage checking only its own layers would pass and wait for one that raised.
+            check_grid_plan(model, plan, mesh.grid)
     if cfg.pipeline > 1:
         costs = None
         if cfg.pipeline_split == "auto":

@@ -139,13 +139,14 @@ def _cuts(part: str, module: nn.Module, name: str, grid: Grid) -> tuple[GridRole
 
 def _check_divides(cut: BlockShard, name: str, grid: Grid) -> None:
     for d, p in zip(cut.dims, cut.parts):
-        n = cut.full_shape[d] // (cut.fused if d == cut.fused_dim else 1)
-        if n % p:
-            split = f"{cut.fused} parts x {p}" if d == cut.fused_dim and cut.fused > 1 else str(p)
+        fused = cut.fused if d == cut.fused_dim else 1  # a fused q/k/v dimension is cut alike in each of its thirds
+        if cut.full_shape[d] % (fused * p):
+            split = f"{fused} parts x {p} blocks" if fused > 1 else f"{p} blocks"
             raise ConfigError(
-                f"{name}: dimension {d} of shape {cut.full_shape} does not divide into {split} blocks, as tensor_mode "
-                f"{grid.mode!r} with q = {grid.q} cuts it; choose a grid (parallel.tensor) whose q divides the model's "
-                "widths, or pad the layer"
+                f"{name}: dimension {d} of shape {cut.full_shape} does not divide into {split}, as tensor_mode "
+                f"{grid.mode!r} with q = {grid.q} (tensor = {grid.tp.size}) cuts it; a grid cuts every layer (none "
+                f"can be left whole), so choose a tensor degree whose q divides the model's widths, pad this layer "
+                f"to a multiple of {fused * p}, or use tensor_mode '1d'"
             )
 
 
@@ -188,13 +189,14 @@ def _install_loss(model: nn.Module, grid: Grid) -> None:
         m.loss_function = loss(grid.main.hidden, entropy=entropy)  # the vocabulary is cut over the hidden group
 
 
-def apply_grid_parallel(
-    model: nn.Module, plan: Mapping[str, str] | str, grid: Grid, *, strict: bool = True
-) -> dict[str, str]:
-    """Cut ``model`` in place over ``grid`` following ``plan`` (patterns -> styles, or "auto"); returns the resolved
-    plan. The model must be complete (or this pipeline stage's part of it) and identical on every rank of the grid.
-    """
-    check_untouched(model)
+_Work = list[tuple[str, nn.Module, str, GridRole | None, dict[str, BlockShard]]]
+
+
+def _planned(
+    model: nn.Module, plan: Mapping[str, str] | str, grid: Grid, strict: bool
+) -> tuple[dict[str, str], dict[str, list[str]], _Work]:
+    """Every check of the plan against the model and the grid, changing nothing: the resolved plan, each module's
+    styles, and each partitioned module's role and cuts."""
     resolved = resolve_plan(model, plan, strict=strict)
     modules = dict(model.named_modules())
     parts = {name: style.split("+") for name, style in resolved.items()}
@@ -205,7 +207,7 @@ def apply_grid_parallel(
                 f"partitions them; tensor_mode {grid.mode!r} cuts the batch and the hidden dimension, so every such "
                 f"module needs one of {', '.join(PARTITIONING)} (or use tensor_mode '1d')"
             )
-    work: list[tuple[str, nn.Module, str, GridRole | None, dict[str, BlockShard]]] = []
+    work: _Work = []
     for name, styles in parts.items():
         module = modules[name]
         if "heads" in styles:
@@ -218,6 +220,25 @@ def apply_grid_parallel(
             for pname, cut in cuts.items():
                 _check_divides(cut, f"{name}.{pname}", grid)
             work.append((name, module, part, role, cuts))
+    return resolved, parts, work
+
+
+def check_grid_plan(model: nn.Module, plan: Mapping[str, str] | str, grid: Grid) -> None:
+    """Raise the ConfigError `apply_grid_parallel` would raise on ``model``, changing nothing. Run on the whole
+    model before a pipeline cuts it: each stage would otherwise check only its own layers, and a stage whose layers
+    pass would go on to wait for one that raised."""
+    _planned(model, plan, grid, strict=True)
+
+
+def apply_grid_parallel(
+    model: nn.Module, plan: Mapping[str, str] | str, grid: Grid, *, strict: bool = True
+) -> dict[str, str]:
+    """Cut ``model`` in place over ``grid`` following ``plan`` (patterns -> styles, or "auto"); returns the resolved
+    plan. The model must be complete (or this pipeline stage's part of it) and identical on every rank of the grid.
+    """
+    check_untouched(model)
+    resolved, parts, work = _planned(model, plan, grid, strict)
+    modules = dict(model.named_modules())
     for name, styles in parts.items():  # nothing changed above this line
         if "heads" in styles:
             for attr, value in head_counts(modules[name], name, grid.q).items():

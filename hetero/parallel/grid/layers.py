@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.errors import ConfigError
 from hetero.parallel.grid.mesh import Grid, Orient
 from hetero.parallel.grid.ops import Spec, gather, grid_linear, scatter_sum, sum_shared
 from hetero.parallel.tensor import LogitsHead
@@ -88,9 +89,10 @@ class _Head(LogitsHead):
 def check_rows(t: torch.Tensor, grid: Grid, what: str) -> None:
     parts = grid.batch_parts
     if t.shape[0] % parts:
-        raise ValueError(
-            f"tensor_mode {grid.mode!r} cuts the batch into {parts} parts, {what}: {t.shape[0]} rows; use a "
-            f"multiple of {parts} rows per data-parallel rank and micro-batch"
+        raise ConfigError(
+            f"tensor_mode {grid.mode!r} (tensor = {grid.tp.size}) cuts the batch into {parts} parts, {what}: "
+            f"{t.shape[0]} rows; give each data-parallel rank a multiple of {parts} rows per micro-batch (its batch "
+            f"divided by parallel.microbatches), or pad the batch with rows whose labels are -100"
         )
 
 
