@@ -252,3 +252,45 @@ def test_a_prefetch_that_cannot_fit_the_budget_is_no_error(make_manager):
     assert info.value.needed == 2 * nb and big.describe() in str(info.value)
     m.access(b)
     assert b.tier is Tier.DEVICE and m.ledgers[Tier.DEVICE].used <= nb
+
+
+@pytest.mark.parametrize("held", ["compute", "pinned", "landing"])
+def test_prefetch_leaves_a_chunk_held_where_it_is(make_manager, monkeypatch, held):
+    """A chunk computed on where it is (an update stepping states in place on the host), pinned there, or with a copy
+    still landing in it, stays there until it is let go, even when the trace or a prefetch wants it on the device next:
+    moved, its buffer went back to the pool while the caller (or the copy) still wrote into it, and the values written
+    were lost."""
+    if held == "landing":
+        monkeypatch.setenv("HETERO_STANDIN", "1")  # its device's copy handles are futures
+    m = make_manager(prefetch_depth=2)
+    (a, sa, _), (b, _, _), (c, _, _) = (_filled(m, seed=i) for i in range(3))
+    m.step_begin()
+    for x in (b, a, c):
+        m.access(x, Tier.DEVICE)
+    m.step_end()
+    for x in (a, b, c):
+        m.move(x, Tier.HOST)
+    view = m.access(a, Tier.HOST)
+    landed = concurrent.futures.Future()
+    if held == "compute":
+        a.set_state(sa, TensorState.COMPUTE)
+    elif held == "pinned":
+        m.pin(a)
+    else:
+        m.land_later(a, landed)  # a copy writing into it, done when `landed` is
+    try:
+        m.step_begin()  # the replay wants b and a on the device
+        m.access(b, Tier.DEVICE)
+        m.prefetch([a], Tier.DEVICE)
+        assert a.tier is Tier.HOST and not a.moving
+    finally:
+        if held == "landing" and a.moving:
+            landed.set_result(None)  # else closing the manager would wait for it
+    view.fill_(42.0)  # the caller's (or the copy's) write
+    if held == "compute":
+        a.set_state(sa, TensorState.HOLD)
+    elif held == "pinned":
+        m.unpin(a)
+    else:
+        landed.set_result(None)
+    assert torch.equal(m.access(a, Tier.DEVICE), torch.full((NUMEL,), 42.0))

@@ -44,6 +44,8 @@ class Prefetcher:
                 continue
             if chunk.move is None and (chunk.state is ChunkState.EMPTY or chunk.tier == tier or tier > chunk.tier):
                 continue  # there already, or wanted lower down (what `start` would say, without the horizon's cost)
+            if not chunk.movable:
+                continue  # held where it is: see `start`
             # Evict only what is needed later than this chunk; else prefetching would evict what comes sooner.
             horizon = self.trace.next_use(cid)
             if self.start(chunk, tier, horizon=horizon, protect=protect | {cid}, earmarked=earmarked[tier]):
@@ -62,6 +64,10 @@ class Prefetcher:
             return chunk.move.dst == tier
         if chunk.state is ChunkState.EMPTY or chunk.tier == tier:
             return True
+        if not chunk.movable:
+            # Computed on where it is (an update stepping states in place on the host), pinned, or a copy landing in
+            # it: its holder writes through views of this payload, which a move would give back to the pool.
+            return False
         if tier > chunk.tier:
             return True  # a chunk wanted lower down will be evicted there when room is needed
         room = self.room.make(
