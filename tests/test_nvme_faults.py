@@ -370,3 +370,43 @@ def test_a_closed_connection_and_a_patient_meeting_name_the_failed_rank_and_its_
     with pytest.raises(RankFailedError, match=left) as info, Meeting(comm, "save", "writing a checkpoint", store=store):
         pass
     assert info.value.failed_rank == 1 and time.monotonic() - t0 < 10.0
+
+
+_DIES = """
+import os, sys, time, torch
+from hetero.comm import init_from_env
+comm = init_from_env(backend="gloo", timeout_s=60)
+if comm.rank == 1:
+    raise ValueError("a mistake on rank 1 alone")
+t0 = time.monotonic()
+try:
+    comm.all_reduce(torch.ones(4))
+except Exception as e:
+    print(f"{time.monotonic() - t0:.2f} {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+def test_a_rank_that_dies_of_an_exception_is_named_with_it(tmp_path):
+    """Not only a disk: a rank whose script ends in an exception posts it as it exits. The other rank, waiting for
+    it, said after ten seconds that a peer closed its connection; now it names the exception at once."""
+    from tests.dist import cpu_ranks_env, free_port
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_DIES)],
+            env=cpu_ranks_env({**env, "RANK": str(r), "LOCAL_RANK": str(r)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    (out, err), (_, err1) = (p.communicate(timeout=100) for p in procs)
+    assert procs[1].returncode != 0 and "a mistake on rank 1 alone" in err1
+    seconds, _, message = out.strip().partition(" ")
+    assert message.startswith("RankFailedError: "), out + err
+    assert "global rank 1 failed with ValueError: a mistake on rank 1 alone" in message, message
+    assert float(seconds) < 5.0, out

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetero.comm import cma
+from hetero.comm import cma, watch
 from hetero.comm.rules import CONTROL_OF, FAILED
 
 logger = logging.getLogger("hetero.comm")
@@ -116,8 +116,11 @@ def _at_exit() -> None:
     # so the groups are left alive as before (the abort this avoids changes only how a failed run ends).
     if os.getpid() != _STATE["pid"]:
         return  # a forked child ending through the interpreter, with its parent's registration: see `_hook`
-    clean = getattr(sys, "last_value", None) is None and not FAILED  # last_value: set for an uncaught exception
+    error = getattr(sys, "last_value", None)  # set for an uncaught exception
+    clean = error is None and not FAILED
     ours = _STATE["joined"] and dist.is_available() and dist.is_initialized()
+    if error is not None:  # the others stop at once, told why ([Note: a rank's failure told to the others])
+        watch.post_failure(error)
     if ours and clean:
         _barrier()
     cma.close_all()  # its workers hold no collective now (or one a failed peer left: bounded)
@@ -146,7 +149,8 @@ def _barrier() -> None:
     yet returned on this side, a gloo work not yet reaped) can then take the closed connection as a fatal error and
     abort after its script finished correctly. So a rank that ends without an exception first meets the others in
     a barrier, bounded so a peer that failed or exited early costs at most `_LEAVE_BARRIER_S`; a rank unwinding an
-    exception leaves at once (the others learn it from their own timeouts, see `watch.py`)."""
+    exception leaves at once, having posted it (the others stop on the post, or on their connection to this rank
+    closing, and name the exception: [Note: a rank's failure told to the others] in `watch.py`)."""
     # On gloo the world itself; else the gloo control group made when the world was first wrapped (never made here:
     # making a group is itself a collective). A monitored barrier is the one with its own timeout.
     group = dist.group.WORLD if dist.get_backend() == "gloo" else CONTROL_OF.get(dist.group.WORLD)
