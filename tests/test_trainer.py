@@ -129,6 +129,24 @@ def test_matches_plain_trainer(tmp_path, stage):
     het.engine.close()
 
 
+def test_one_process_on_a_machine_with_several_gpus(tmp_path):
+    """`python train.py` on a machine with 2 GPUs: TrainingArguments count them (n_gpu = 2, set here by hand as
+    `_setup_devices` sets it there) and the plain Trainer would use nn.DataParallel, with batches of 2 x
+    per_device_train_batch_size and the loss multiplied by 2 for the replicas' mean. HeteroTrainer's engine is one
+    device per process: it trains with the per-device batch and logs what the plain Trainer logs on one device (the
+    loss and gradient norm were twice the plain Trainer's, on twice its batch)."""
+    args = {"num_train_epochs": 1, "max_steps": 3, "eval_strategy": "no"}
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "a", **args), train_dataset=Rows(26, 1))
+    plain.train()
+    two_gpus = _args(tmp_path / "b", **args)
+    two_gpus._n_gpu = 2
+    het = HeteroTrainer(model=_model(), args=two_gpus, train_dataset=Rows(26, 1), hetero_config={"zero_stage": 3})
+    het.train()
+    assert het.args.train_batch_size == 4
+    _close(_logs(plain), _logs(het))
+    het.engine.close()
+
+
 def test_activation_checkpointing_argument(tmp_path):
     """`TrainingArguments(activation_checkpointing=True)` (`gradient_checkpointing` before transformers 5.x renamed
     it): the Trainer turns on the model's own checkpointing before hetero wraps it; ZeRO-3 then logs what the plain

@@ -18,7 +18,9 @@ takes the model's state, as DeepSpeed does under the Trainer:
   whose param groups are the engine's (so the Trainer's scheduler drives the engine's learning rates) and whose
   `step` does nothing: the update has already happened.
 - `_wrap_model` gives the Trainer `EngineModule`, an nn.Module whose forward is the engine's, in place of DDP (so
-  accelerate never wraps the model; hetero reduces gradients itself).
+  accelerate never wraps the model; hetero reduces gradients itself). For the same reason there is no
+  nn.DataParallel: one process on a machine with several GPUs trains on one (`args.n_gpu` set to 1, with a
+  warning naming torchrun), with the per-device batch and the plain Trainer's loss scaling.
 - `training_step` computes the loss exactly as the Trainer does (its `compute_loss`, its division for
   accumulation) and calls `engine.backward(loss, scale_wrt_gas=False)` then `engine.step()`. The Trainer marks the
   micro-batch that ends an accumulation (`accelerator.sync_gradients`, also at a shorter last accumulation of an
@@ -173,6 +175,20 @@ class HeteroTrainer(transformers.Trainer):
                 "HeteroTrainer trains through hetero: leave TrainingArguments' deepspeed and fsdp unset (translate a "
                 "DeepSpeed config with hetero.Config.from_deepspeed and pass it as hetero_config)"
             )
+        if self.args.n_gpu > 1:
+            # One process on a machine with several GPUs: the Trainer would run nn.DataParallel, with batches of
+            # n_gpu x per_device_train_batch_size and its loss multiplied by n_gpu for the replicas' mean. hetero's
+            # engine is one device per process (cuda:LOCAL_RANK), so that batch and factor went into one model:
+            # the loss, its gradient and the logs n_gpu times the plain Trainer's. The Trainer forces the same for
+            # model parallelism (`is_model_parallel`).
+            log.warning(
+                "%d GPUs visible to one process: HeteroTrainer trains on one of them (one device per process); "
+                "launch with torchrun --nproc_per_node=%d to train on all",
+                self.args.n_gpu,
+                self.args.n_gpu,
+            )
+            self.args._n_gpu = 1
+            self._train_batch_size = self.args.train_batch_size
 
     # ---- building the engine ------------------------------------------------------------------------------
     def engine_config(self) -> Config:
