@@ -21,7 +21,9 @@ the group it waits on ends the wait with RankFailedError, naming that rank and i
 that stops so posts too, naming the rank whose error it was, so that ranks waiting for it (a pipeline or tensor peer
 that shares no group with the first) stop as well. Waits that complete within POLL_S, nearly all of them, never ask
 the store; a failure read once ends the next wait on that group at once, with no store request. The timeout's and a
-closed connection's diagnosis read the posts first (`diagnose`), and so do patient meetings (`patience.py`).
+closed connection's diagnosis read the posts first (`diagnose`), and so do patient meetings (`patience.py`). Besides
+the NVMe tier's failures (the engine hands `post_failure` to its store), a rank whose script ends in an uncaught
+exception posts that exception as it exits (`leaving.py`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class _Board:
         self.store = store
         self.posted = False  # this process posted its own failure: once is enough
         self.known: list[Failure] = []  # the posts read so far, in post order
+        self.reading = threading.Lock()  # held by the one thread reading new posts
 
 
 _BOARD: list[_Board] = []  # the board of the store in use (a new job's store starts a new one)
@@ -114,14 +117,15 @@ def failures(store: Any, members: list[int], me: int, *, ask: bool = True) -> li
     are read first (one request to the store when there are none)."""
     with _LOCK:
         board = _board(store)
-        if ask:
+    if ask:
+        with board.reading:  # the store's requests outside _LOCK: a post from an I/O thread never waits for them
             count = store.add(_FAILED + "count", 0)
             while len(board.known) < count:
                 key = f"{_FAILED}{len(board.known) + 1}"
                 if not store.check([key]):
                     break  # counted, not written yet: read at the next look
                 board.known.append(Failure(**json.loads(store.get(key))))
-        return [f for f in board.known if f.rank in members and f.rank != me]
+    return [f for f in list(board.known) if f.rank in members and f.rank != me]
 
 
 def failed_error(failed: list[Failure], *, me: int, what: str, store: Any = None) -> RankFailedError:
