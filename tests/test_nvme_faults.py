@@ -177,6 +177,31 @@ def test_a_killed_process_leaves_nothing_behind_the_next_store(tmp_path):
         live.close()
 
 
+def test_a_budget_given_counts_the_space_a_killed_run_left(tmp_path, monkeypatch):
+    """A run killed outright (SIGKILL, or a launcher's SIGTERM once another rank failed) leaves its preallocated swap
+    file, which the next store removes. But a given nvme_budget was checked against the free space before that: the
+    restart failed with 'nvme_budget is more than the free space', the killed run's own file filling the disk."""
+    from hetero.device import make_device
+    from hetero.errors import ConfigError
+    from hetero.memory.budgets import check_budgets
+
+    dead = _killed_store(tmp_path)
+
+    def held() -> int:  # bytes the files under tmp_path take on disk
+        return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(tmp_path) for f in fs)
+
+    disk = held() + 2 * MIB  # a disk holding only the killed run's file and 2 MiB free beside it
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(disk, held(), disk - held()))
+    with pytest.raises(ConfigError, match="more than"):  # more than the whole disk: still refused
+        check_budgets(
+            make_device("cpu"), device_budget=None, host_budget=None, nvme_dir=str(tmp_path), nvme_budget=2 * disk
+        )
+    check_budgets(
+        make_device("cpu"), device_budget=None, host_budget=None, nvme_dir=str(tmp_path), nvme_budget=disk - MIB
+    )
+    assert not os.path.exists(dead)
+
+
 COMM_TIMEOUT = 60.0  # the ranks waiting for the failed one must stop long before this
 
 

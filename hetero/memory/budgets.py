@@ -18,6 +18,7 @@ import shutil
 from hetero.config import format_size
 from hetero.device import Device
 from hetero.errors import ConfigError
+from hetero.memory.swap_file import remove_orphans
 
 
 def local_ranks() -> int:
@@ -52,6 +53,8 @@ def check_budgets(
             "(or leave it out: a share of the available RAM per local rank)"
         )
     if nvme_dir is not None and nvme_budget is not None and os.path.isdir(nvme_dir):
+        # A killed run's swap file is free space: [Note: swap directories left by a killed process].
+        remove_orphans(nvme_dir)
         free = shutil.disk_usage(nvme_dir).free
         if nvme_budget * ranks > free:
             raise ConfigError(
