@@ -205,6 +205,75 @@ def test_a_padded_batch_on_a_3d_grid_is_refused():
         model(x, position_ids=positions, labels=y)
 
 
+def _gemma(family: str) -> nn.Module:
+    """A tiny Gemma (1 or 2), its weights moved off their init (Gemma's norm weights start at 0, read as 1 + w)."""
+    torch.manual_seed(0)
+    kind = {"gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}
+    kind["gemma2"] = (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)
+    config, cls = kind[family]
+    model = cls(
+        config(
+            vocab_size=grid_parity.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=16,
+        )
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _gemma_loss(model: nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
+    x = torch.randint(0, grid_parity.VOCAB, (4, grid_parity.SEQ), generator=torch.Generator().manual_seed(5))
+    loss = model(x, labels=x).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _gemma_job(rank: int, world: int, family: str) -> dict:
+    from hetero.comm import Comm
+
+    torch.set_num_threads(1)
+    model = _gemma(family)
+    apply_grid_parallel(model, "auto", Grid.build(Comm.world(), "2d"))
+    loss, grads = _gemma_loss(model)
+    return {"loss": loss, "grads": grads, "cuts": {n: p._hetero_tp for n, p in model.named_parameters()}}
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_gemma_on_a_2d_grid_matches_the_plain_model(family):
+    """Gemma's RMS norms scale by (1 + weight) and its embedding by sqrt(hidden): the grid's norm used weight alone
+    and its lookup skipped the class's scale, another loss with no error. Now the loss and every gradient are plain
+    PyTorch's (within fp32's own distance from float64)."""
+    results = run_distributed(_gemma_job, 4, family, timeout=170)
+    exact_loss, exact = _gemma_loss(_gemma(family).to(torch.float64))
+    plain_loss, plain = _gemma_loss(_gemma(family))
+    for r in results:
+        tolerance.assert_losses([r["loss"]], [exact_loss], [plain_loss], dtype=torch.float32)
+    joined = {n: cut.join([r["grads"][n] for r in results]) for n, cut in results[0]["cuts"].items()}
+    tolerance.assert_weights(joined, exact, plain, dtype=torch.float32)
+
+
+def test_an_rms_norm_the_grid_does_not_compute_is_refused():
+    """A module named like an RMS norm whose output is neither Llama's nor Gemma's norm is a ConfigError."""
+
+    class OddRMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    model = grid_parity.build("llama")
+    model.model.norm = OddRMSNorm()
+    with pytest.raises(ConfigError, match=r"model.norm is a OddRMSNorm whose output is neither x / rms\(x\) \* weight"):
+        apply_grid_parallel(model, "auto", Grid.shape_only("2d", 4, rank=0))
+
+
 def _stage_job(rank: int, world: int) -> str:
     """initialize a one-layer Llama whose MLP width (49) a 2D grid cannot cut, over pipeline 2 x 2D (q = 2): the
     layer is on stage 0, the norm and head on stage 1."""

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hetero.errors import ConfigError
-from hetero.parallel.grid.layers import MIXINS, GridRole, norm_kind
+from hetero.parallel.grid.layers import MIXINS, GridRole, norm_kind, rms_offset
 from hetero.parallel.grid.loss import grid_cross_entropy
 from hetero.parallel.grid.mesh import Grid, Orient, Place
 from hetero.parallel.grid.rows import cut_row_inputs
@@ -36,7 +36,7 @@ from hetero.parallel.grid.shard import BlockShard
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.sequence import all_reduce_grads
 from hetero.parallel.tensor import check_untouched, generate_with_whole_logits, head_counts, linear_dims
-from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss
+from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, local_padding_idx
 
 log = logging.getLogger("hetero.parallel")
 
@@ -131,7 +131,14 @@ def _cuts(part: str, module: nn.Module, name: str, grid: Grid) -> tuple[GridRole
         shape = getattr(module, "normalized_shape", None)
         size = int(shape[-1]) if shape else int(module.weight.shape[-1])
         own = {n: p for n, p in module.named_parameters(recurse=False)}
-        return GridRole(grid=grid, orient=grid.main, size=size), {
+        offset = 0.0 if isinstance(module, nn.LayerNorm) else rms_offset(module)
+        if offset is None:
+            raise ConfigError(
+                f"{name} is a {type(module).__name__} whose output is neither x / rms(x) * weight (Llama's) nor "
+                f"x / rms(x) * (1 + weight) (Gemma's): tensor_mode {grid.mode!r} would compute another norm; give "
+                "the model a norm hetero knows, or use tensor_mode '1d'"
+            )
+        return GridRole(grid=grid, orient=grid.main, size=size, offset=offset), {
             n: _vector_cut(grid, grid.main, tuple(p.shape), 0) for n, p in own.items()
         }
     return None, {}
@@ -246,6 +253,8 @@ def apply_grid_parallel(
     for name, module, part, role, cuts in work:
         for pname, cut in cuts.items():
             _shard(getattr(module, pname), cut, f"{name}.{pname}")
+        if part == "vocab":  # the class's own lookup runs on this rank's block: its padding row is one of the block's
+            module.padding_idx = local_padding_idx(module.padding_idx, module.weight.shape[0], grid.main.batch.rank)
         if part == "norm":
             _swap(module, norm_kind(module), role)
         else:

@@ -43,6 +43,7 @@ class GridRole:
     gy: Spec = None
     fused: int = 1  # a fused q/k/v projection's bias is cut per third
     size: int = 0  # a norm's full normalized size
+    offset: float = 0.0  # an RMS norm's scale is (offset + weight): 1 in Gemma's, 0 in Llama's
 
 
 def hidden_vector(p: torch.Tensor, orient: Orient, dim: int = 0, fused: int = 1) -> torch.Tensor:
@@ -130,10 +131,9 @@ class _VocabEmbedding:
         n_local = self.weight.shape[0]
         local = ids - batch.rank * n_local
         outside = (local < 0) | (local >= n_local)
-        local = local.masked_fill(outside, 0)
-        pad = self.padding_idx
-        pad = pad - batch.rank * n_local if pad is not None and 0 <= pad - batch.rank * n_local < n_local else None
-        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        # The class's own lookup on this rank's block (Gemma's scales its rows by sqrt(hidden)); its padding_idx was
+        # made a row of the block, or None, when the block was cut.
+        out = super().forward(local.masked_fill(outside, 0))
         # Rows of other vocabulary parts read 0 here: the sum over the batch group completes every row, and the
         # reduce-scatter keeps this rank's part of the batch (backward: all-gather, then the lookup's scatter-add).
         return scatter_sum(out.masked_fill(outside.unsqueeze(-1), 0.0), batch, 0)
@@ -175,8 +175,35 @@ class _RMSNorm:
             eps = getattr(self, "eps", None)
         if eps is None:
             eps = torch.finfo(xf.dtype).eps
-        y = (xf * torch.rsqrt(var + eps)).to(dtype)
-        return y if self.weight is None else hidden_vector(self.weight, role.orient) * y
+        y = xf * torch.rsqrt(var + eps)
+        if self.weight is None:
+            return y.to(dtype)
+        if role.offset:  # Gemma's: (x_normed * (1 + w)) in fp32, then cast
+            return (y * (role.offset + hidden_vector(self.weight, role.orient).float())).to(dtype)
+        return hidden_vector(self.weight, role.orient) * y.to(dtype)  # Llama's: the cast first, then w
+
+
+def rms_offset(module: nn.Module) -> float | None:
+    """An RMS norm's weight offset (its scale is offset + weight): 0 as Llama's, 1 as Gemma's; None when its output
+    is neither. Told by running the module on a probe (the weights whole, before any cut); a module on the meta
+    device has no values to run, and is told by its name."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return 0.0
+    if weight.is_meta:
+        return 1.0 if "Gemma" in type(module).__name__ else 0.0
+    with torch.no_grad():
+        w = weight.detach().float().cpu()
+        x = torch.linspace(-2.0, 3.0, w.numel(), dtype=torch.float32).reshape(1, -1)
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None) or torch.finfo(x.dtype).eps
+        normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+        got = module(x.to(weight.dtype).to(weight.device)).float().cpu()
+        tol = max(16 * torch.finfo(weight.dtype).eps, 1e-5)  # a few roundings in the weight's precision (bf16 too)
+        for offset in (0.0, 1.0):
+            want = normed * (offset + w)
+            if torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+                return offset
+    return None
 
 
 def norm_kind(module: nn.Module) -> type | None:
