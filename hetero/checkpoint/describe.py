@@ -43,6 +43,14 @@ def rank_info(engine: Engine, fname: str) -> dict[str, Any]:
             for zc, st in zip(engine.chunks, states)
             for info, n in zip(zc.spec.params, st["param_steps"])
         },
+        # Parameters whose zero gradient the loop keeps ([Note: zero gradients kept]), agreed over the ranks.
+        "kept_grads": [
+            par.stored_name(info)
+            for zc, st in zip(engine.chunks, states)
+            for info, k in zip(zc.spec.params, st["kept_grads"])
+            if k
+        ],
+        "keeps_zero_grads": any(st["keeps_zero_grads"] for st in states),
         # 0-d per-parameter states of an optimizer on the generic path (NAdam's mu_product, ...), by name.
         "optim_scalars": (
             engine.algorithm.generic.scalars_by_name(engine.chunks, par.stored_name)
@@ -60,6 +68,8 @@ NOT_PER_RANK = (
     "model",
     "param_steps",
     "optim_scalars",
+    "kept_grads",
+    "keeps_zero_grads",
 )  # in the manifest's files and model
 
 
@@ -71,6 +81,8 @@ def engine_state(engine: Engine, infos: list[dict[str, Any]]) -> dict[str, Any]:
         "pending_grads": engine.accumulated != 0,
         "optim_scalars": {k: v for i in infos for k, v in i["optim_scalars"].items()},
         "param_steps": steps,
+        "kept_grads": sorted({k for i in infos for k in i["kept_grads"]}),
+        "keeps_zero_grads": any(i["keeps_zero_grads"] for i in infos),
         "config": engine.config.to_dict(),
     }
 

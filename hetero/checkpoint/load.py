@@ -63,6 +63,8 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
         try:
             index = mf.Index(directory, manifest)
             steps = manifest["engine"]["param_steps"]
+            kept = set(manifest["engine"].get("kept_grads", ()))  # older checkpoints: none kept
+            keeps = bool(manifest["engine"].get("keeps_zero_grads", False))
             used = set(mine["used"]) if (pending and mine) else set()
             reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
 
@@ -71,7 +73,9 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                 i, zc, futures = reading.pop(0)
                 _finish_trainable(engine, zc, futures)
                 state: dict[str, Any] = {
-                    "param_steps": [steps.get(par.stored_name(info), 0) for info in zc.spec.params]
+                    "param_steps": [steps.get(par.stored_name(info), 0) for info in zc.spec.params],
+                    "kept_grads": [int(par.stored_name(info) in kept) for info in zc.spec.params],
+                    "keeps_zero_grads": keeps,
                 }
                 if pending and zc.grad is not None:
                     _fill_grad(engine, zc, index, mine["file"])

@@ -56,6 +56,7 @@ from hetero.comm.handles import Handle
 from hetero.memory import Tier
 from hetero.zero.norms import SquareSum, sum_of_squares
 from hetero.zero.protocol import UPDATE, reduce_order
+from hetero.zero.segments import flags_to_step, remember_stepped
 from hetero.zero.update import Plan, Updater, step_chunk
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ class InBackward:
         rendezvous at every reduction otherwise); the chunk's step waits for it."""
         if self.plan is None:
             return
-        used = zc.used.clone()
+        used = flags_to_step(zc)
         # A parameter any rank used has a (mean) gradient.
         self._used[id(zc)] = (used, self.updater.comm.control.all_reduce_async(used, op="max"))
 
@@ -126,6 +127,7 @@ class InBackward:
         u.reduced_early(zc)  # stages 0-1: forget the early reduction, which the update after backward would skip
         used, agreed = self._used.pop(id(zc))
         agreed.wait()
+        remember_stepped(zc, used)
         with zc.device.update_context():
             if not self.off_thread(zc):
                 u.step_one(self.order, i, plan, used, gather=False)

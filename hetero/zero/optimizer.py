@@ -30,7 +30,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._updater.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._updater.zero_grads()
+        self._updater.zero_grads(set_to_none)  # False: the gradients stay, as zeros ([Note: zero gradients kept])
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each param group's settings (lr, betas, ...), without its parameters: what a checkpoint keeps."""

@@ -6,6 +6,14 @@ count. A flat update would do all three to a parameter that a step did not use (
 update runs on runs of parameters that did get a gradient (on any rank: `used` is all-reduced), and each
 parameter keeps its own step count for Adam's bias correction. In the common case, every parameter used and
 all counts equal, that is one run: the whole shard in one fused call.
+
+[Note: zero gradients kept]
+`optimizer.zero_grad(set_to_none=False)` leaves a zero tensor in each .grad that exists, so torch steps a parameter
+that once had a gradient at every later update, used or not (Adam's moments decay and move it, weight decay shrinks
+it, its step count advances), until a `zero_grad()` that sets them to None. hetero's loop calls the same: after
+`engine.optimizer.zero_grad(set_to_none=False)` each chunk keeps `kept_grads`, the parameters any rank stepped since
+then, and steps them again with a zero gradient (the buffer holds zeros where no gradient came). The flags are
+or-ed into `used` before its all-reduce, so every rank steps the same parameters whatever its own loop called.
 """
 
 from __future__ import annotations
@@ -43,3 +51,15 @@ def uncount_step(zc: ZeroChunk, used: torch.Tensor) -> None:
     for i, flag in enumerate(used.tolist()):
         if flag:
             zc.param_steps[i] -= 1
+
+
+def flags_to_step(zc: ZeroChunk) -> torch.Tensor:
+    """This rank's parameters to step, before the all-reduce: those that got a gradient, and where the loop zeroes
+    with `set_to_none=False`, those whose zero gradient it keeps ([Note: zero gradients kept])."""
+    return zc.used | zc.kept_grads if zc.keeps_zero_grads else zc.used.clone()
+
+
+def remember_stepped(zc: ZeroChunk, used: torch.Tensor) -> None:
+    """`used` (agreed over the ranks) stepped: while the loop keeps zero gradients, they stay to step next time."""
+    if zc.keeps_zero_grads:
+        zc.kept_grads.copy_(used)

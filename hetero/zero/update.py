@@ -38,7 +38,7 @@ from hetero.zero.overflow import DeviceCheck, skips_itself
 from hetero.zero.precision import LossScaler
 from hetero.zero.protocol import UPDATE, Checker
 from hetero.zero.read_ahead import read_ahead
-from hetero.zero.segments import uncount_step
+from hetero.zero.segments import flags_to_step, remember_stepped, uncount_step
 from hetero.zero.zero_chunk import ZeroChunk
 
 if TYPE_CHECKING:
@@ -199,9 +199,13 @@ class Updater:
     def _used_of(self) -> list[torch.Tensor]:
         """Per chunk, which parameters any rank used this update (they have a mean gradient)."""
         # A pipeline stage may hold no trainable chunk (a frozen first stage): nothing to tell, on every rank of it.
-        used = torch.cat([zc.used for zc in self.chunks]) if self.chunks else torch.zeros(0, dtype=torch.uint8)
+        none = torch.zeros(0, dtype=torch.uint8)
+        used = torch.cat([flags_to_step(zc) for zc in self.chunks]) if self.chunks else none
         self.comm.control.all_reduce(used, op="max")
-        return list(used.split([len(zc.spec.params) for zc in self.chunks]))
+        split = list(used.split([len(zc.spec.params) for zc in self.chunks]))
+        for zc, u in zip(self.chunks, split):
+            remember_stepped(zc, u)
+        return split
 
     def _groups(self) -> list[dict[str, Any]]:
         # The hyperparameters as they are now: a scheduler may change them before a delayed update runs.
@@ -361,10 +365,10 @@ class Updater:
         """The next update clips to `max_norm` (the smaller, where the loop clipped twice)."""
         self.loop_clip = max_norm if self.loop_clip is None else min(max_norm, self.loop_clip)
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, set_to_none: bool | None = None) -> None:
         self.clip_stats = None
         for zc in self.chunks:
-            zc.zero_grad()
+            zc.zero_grad(set_to_none)
 
     # [Note: the norm read when asked]
     # Every update reports the gradient's norm. Where it is the only use of the norm (nothing clips, no fp16 scale,

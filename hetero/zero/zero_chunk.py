@@ -70,6 +70,8 @@ class ZeroChunk:
         self.param_steps = [0] * len(spec.params)  # optimizer steps each parameter has taken (see update_segments)
         self._used = bytearray(len(spec.params))  # got a gradient since the last update (set with no tensor call)
         self.used = torch.frombuffer(self._used, dtype=torch.uint8)  # the same bytes, for the collectives
+        self.kept_grads = torch.zeros(len(spec.params), dtype=torch.uint8)  # [Note: zero gradients kept]
+        self.keeps_zero_grads = False  # the loop's last zero_grad was set_to_none=False
         self._index = {id(p.param): i for i, p in enumerate(spec.params)}
         self.grads_seen: set[int] = set()  # trainable param ids whose gradient this micro-batch has arrived
         self.n_trainable = sum(1 for p in spec.params if p.trainable)
@@ -327,7 +329,12 @@ class ZeroChunk:
             return self.kept(acc)
         return acc
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Drop the accumulated gradient; `set_to_none` given: the loop's zero_grad ([Note: zero gradients kept])."""
+        if set_to_none is not None:
+            self.keeps_zero_grads = not set_to_none
+            if set_to_none:
+                self.kept_grads.zero_()
         self.grads_seen.clear()
         self.batch_seen.clear()  # a pipeline batch that failed: its partial sum in grad_full is not added to
         self.used.zero_()
@@ -415,6 +422,8 @@ class ZeroChunk:
             "param_steps": list(self.param_steps),
             "used": [int(u) for u in self.used.tolist()],
             "grad_is_zero": self.grad_is_zero,
+            "kept_grads": [int(u) for u in self.kept_grads.tolist()],
+            "keeps_zero_grads": self.keeps_zero_grads,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -425,6 +434,9 @@ class ZeroChunk:
             self.used.copy_(torch.tensor(state["used"], dtype=torch.uint8))
         if "grad_is_zero" in state:
             self.grad_is_zero = bool(state["grad_is_zero"])
+        if "kept_grads" in state:
+            self.kept_grads.copy_(torch.tensor(state["kept_grads"], dtype=torch.uint8))
+            self.keeps_zero_grads = bool(state["keeps_zero_grads"])
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (CPU copies; a tile's rows); at stage 3 the chunk must be gathered first."""
