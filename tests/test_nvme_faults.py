@@ -202,7 +202,8 @@ def test_a_budget_given_counts_the_space_a_killed_run_left(tmp_path, monkeypatch
     assert not os.path.exists(dead)
 
 
-COMM_TIMEOUT = 60.0  # the ranks waiting for the failed one must stop long before this
+COMM_TIMEOUT = 120.0  # the ranks waiting for the failed one must stop long before this
+STOPS_WITHIN_S = 10.0  # a look every POLL_S (1 s), with room for a loaded machine
 
 
 def _digest(root: str) -> dict[str, int]:
@@ -291,8 +292,8 @@ def test_a_full_disk_on_one_rank_stops_every_rank_at_once_with_its_cause(tmp_pat
     assert "global rank 1 failed with NvmeSpaceError" in msg and "No space left on device" in msg, msg
     assert "free disk space" in msg and "resume from the last checkpoint" in msg, msg
     waited = r0["raised_at"] - r1["failed_at"]
-    assert waited < COMM_TIMEOUT / 6, f"rank 0 stopped {waited:.1f} s after rank 1's disk failed"
-    assert "global rank 1" in r0["save_error"] and r0["save_seconds"] < COMM_TIMEOUT / 6, r0
+    assert waited < STOPS_WITHIN_S, f"rank 0 stopped {waited:.1f} s after rank 1's disk failed"
+    assert "global rank 1" in r0["save_error"] and r0["save_seconds"] < STOPS_WITHIN_S, r0
     assert r0["saved_intact"]
 
 
