@@ -798,9 +798,9 @@ class Engine(DeepSpeedNames):
                     "gradient at its update. Pass model.parameters() (or engine.parameters()), or set grad_clip_norm"
                 )
         self.check(READ_GRADS)
-        sq, finite = self.updater.stats_to_clip()
+        sq, _ = self.updater.stats_to_clip()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        norm = math.sqrt(sq) / scale if finite else float("inf")
+        norm = math.sqrt(sq) / scale  # nan where a gradient is nan, as torch's clip_grad_norm_ returns
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"the total norm of order 2.0 for gradients from `parameters` is non-finite ({norm})")
         self.updater.clip_to(float(max_norm))
