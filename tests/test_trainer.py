@@ -210,6 +210,15 @@ def test_config_conflicts_and_non_elementwise_optimizer(tmp_path):
             train_dataset=Rows(8, 1),
             hetero_config={"grad_accumulation_steps": 5},
         ).train()
+    # update_in_backward cannot clip by the whole gradient's norm, and the Trainer clips at 1.0 unless told
+    # otherwise: the error names the argument the user never set (before, only hetero's grad_clip_norm).
+    with pytest.raises(ConfigError, match=r"grad_clip_norm is max_grad_norm \(here 1.0.*0 turns clipping off"):
+        HeteroTrainer(
+            model=_model(),
+            args=_args(tmp_path, eval_strategy="no"),
+            train_dataset=Rows(8, 1),
+            hetero_config={"update_in_backward": True},
+        ).train()
     # transformers' own Adafactor factors its second moment: refused, saying why.
     trainer = HeteroTrainer(
         model=_model(), args=_args(tmp_path, optim="adafactor", eval_strategy="no"), train_dataset=Rows(8, 1)

@@ -209,7 +209,16 @@ class HeteroTrainer(transformers.Trainer):
                     f"{key}; set it in TrainingArguments (gradient_accumulation_steps, max_grad_norm, bf16/fp16) "
                     "and leave it out of hetero_config"
                 )
-        return dataclasses.replace(cfg, **wanted)
+        try:
+            return dataclasses.replace(cfg, **wanted)
+        except ConfigError as e:
+            # hetero_config was valid alone: what clashes is a value the TrainingArguments gave, which the user may
+            # never have set (max_grad_norm is 1.0 by default), so name where each one comes from
+            raise ConfigError(
+                f"{e}. Under HeteroTrainer these come from the TrainingArguments: grad_clip_norm is max_grad_norm "
+                f"(here {args.max_grad_norm}; the Trainer's default is 1.0, and 0 turns clipping off), precision is "
+                "bf16 / fp16, grad_accumulation_steps is gradient_accumulation_steps"
+            ) from None
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is not None:
