@@ -27,7 +27,9 @@ EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "thre
 # version counter, which tells a loop's in-place write into a parameter ([Note: the loop's writes into parameters]),
 # and a module's `_apply`, through which torch converts its children (a held model's guard walks them the same way:
 # [Note: casting or moving a held model]), and a process group's own timeout, which a transport other than its
-# backend keeps where the Comm sets none ([Note: collectives by cross-memory attach]).
+# backend keeps where the Comm sets none ([Note: collectives by cross-memory attach]), and TrainingArguments' GPU
+# count, which transformers' Trainer itself sets to 1 where the model must not go into nn.DataParallel (HeteroTrainer:
+# one device per process).
 EXTERNAL_ATTRS = {
     "_cdata",
     "_attn_implementation",
@@ -40,6 +42,7 @@ EXTERNAL_ATTRS = {
     "_apply",
     "_get_backend",
     "_timeout",
+    "_n_gpu",
 }
 
 
