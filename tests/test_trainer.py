@@ -147,6 +147,29 @@ def test_one_process_on_a_machine_with_several_gpus(tmp_path):
     het.engine.close()
 
 
+@pytest.mark.filterwarnings("error:Seems like `optimizer.step\\(\\)` has been overridden:UserWarning")
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_optimizers_argument(tmp_path):
+    """`Trainer(optimizers=(optimizer, scheduler))`: the user's own optimizer and scheduler drive the engine's update
+    as the plain Trainer's, and torch does not warn that the optimizer's step was replaced after the scheduler was
+    built (hetero refuses that step on purpose: [Note: the optimizer handed over]); it did on every run."""
+
+    def run(cls, out: Path, **kw) -> transformers.Trainer:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        args = _args(out, num_train_epochs=1, max_steps=3, eval_strategy="no")
+        trainer = cls(model=model, args=args, train_dataset=Rows(26, 1), optimizers=(opt, sched), **kw)
+        trainer.train()
+        return trainer
+
+    plain = run(transformers.Trainer, tmp_path / "a")
+    het = run(HeteroTrainer, tmp_path / "b", hetero_config={"zero_stage": 3, "chunk_size": 4096})
+    assert [x[2] for x in _logs(het)] == [3e-3, 1.5e-3, 1e-3]  # the user's schedule
+    _close(_logs(plain), _logs(het))
+    het.engine.close()
+
+
 def test_activation_checkpointing_argument(tmp_path):
     """`TrainingArguments(activation_checkpointing=True)` (`gradient_checkpointing` before transformers 5.x renamed
     it): the Trainer turns on the model's own checkpointing before hetero wraps it; ZeRO-3 then logs what the plain

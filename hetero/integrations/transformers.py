@@ -52,6 +52,7 @@ import hetero
 from hetero.checkpoint.manifest import NESTED
 from hetero.config import Config
 from hetero.errors import ConfigError
+from hetero.zero.optim import step_scheduler
 
 try:
     import transformers
@@ -149,8 +150,12 @@ class _SchedulerAfterRealUpdates:
         self._engine = engine
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self._engine.last_update_skipped:
+        if self._engine.last_update_skipped:
+            return
+        if args or kwargs:
             self.scheduler.step(*args, **kwargs)
+        else:  # a scheduler built on the user's optimizer (optimizers=) warned that its step was never called
+            step_scheduler(self.scheduler)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
