@@ -52,7 +52,8 @@ class MemoryConfig:
         if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
             raise ConfigError(f"memory.nvme_dir: expected a directory path, got {type(self.nvme_dir).__name__}")
         if self.nvme_dir is not None:
-            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+            # "~/swap" as a shell would read it (DeepSpeed's nvme_path too): else "folder does not exist"
+            object.__setattr__(self, "nvme_dir", os.path.expanduser(os.fspath(self.nvme_dir)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -121,3 +121,10 @@ def test_loss_scale_section_defaults_and_round_trip():
     assert (d.initial_scale, d.growth_interval, d.hysteresis, d.min_scale, d.static) == (2.0**16, 2000, 1, 1.0, None)
     assert not d.consecutive_hysteresis and not d.deepspeed_window
     assert Config.from_any({"loss_scale": {"static": 128}}).loss_scale.static == 128.0  # read only with fp16
+
+
+def test_nvme_dir_expands_the_home_folder(monkeypatch, tmp_path):
+    """`~/swap` is the user's folder, as a shell (and DeepSpeed's nvme_path) reads it, not a folder named '~'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    c = Config.from_dict({"memory": {"nvme_dir": "~/swap"}, "offload": {"optimizer": "nvme"}})
+    assert c.memory.nvme_dir == str(tmp_path / "swap")
