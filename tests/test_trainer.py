@@ -242,6 +242,17 @@ def test_config_conflicts_and_non_elementwise_optimizer(tmp_path):
             train_dataset=Rows(8, 1),
             hetero_config={"update_in_backward": True},
         ).train()
+    # Tensor and pipeline layouts: the Trainer gives every rank a batch of its own, so a tensor group's ranks (2 under
+    # torchrun) stopped at their first forward with a BatchMismatchError telling them to shard the data by
+    # data-parallel rank, which the Trainer does not let them do; refused up front, before the engine is built.
+    for parallel in ({"tensor": 2}, {"pipeline": 2}):
+        with pytest.raises(ConfigError, match="HeteroTrainer trains data parallel only"):
+            HeteroTrainer(
+                model=_model(),
+                args=_args(tmp_path, eval_strategy="no"),
+                train_dataset=Rows(8, 1),
+                hetero_config={"parallel": parallel},
+            ).train()
     # transformers' own Adafactor factors its second moment: refused, saying why.
     trainer = HeteroTrainer(
         model=_model(), args=_args(tmp_path, optim="adafactor", eval_strategy="no"), train_dataset=Rows(8, 1)

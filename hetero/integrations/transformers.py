@@ -21,6 +21,8 @@ takes the model's state, as DeepSpeed does under the Trainer:
   accelerate never wraps the model; hetero reduces gradients itself). For the same reason there is no
   nn.DataParallel: one process on a machine with several GPUs trains on one (`args.n_gpu` set to 1, with a
   warning naming torchrun), with the per-device batch and the plain Trainer's loss scaling.
+- Data parallelism only: the Trainer's loader gives each rank its own batch, so a config with tensor or
+  pipeline ranks is refused before the engine is built (they need one batch per group, or train_batch).
 - `training_step` computes the loss exactly as the Trainer does (its `compute_loss`, its division for
   accumulation) and calls `engine.backward(loss, scale_wrt_gas=False)` then `engine.step()`. The Trainer marks the
   micro-batch that ends an accumulation (`accelerator.sync_gradients`, also at a shorter last accumulation of an
@@ -199,6 +201,17 @@ class HeteroTrainer(transformers.Trainer):
     def engine_config(self) -> Config:
         """hetero_config with accumulation, clipping and precision from the TrainingArguments."""
         args, cfg, default = self.args, self.hetero_config, Config()
+        if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
+            # The Trainer's data loader gives every rank a batch of its own (accelerate shards by global rank): the
+            # ranks of a tensor group stopped at their first forward with a BatchMismatchError telling them to shard
+            # by data-parallel rank, which a Trainer user cannot do, and a pipeline with an error naming train_batch.
+            raise ConfigError(
+                f"hetero_config.parallel: tensor {cfg.parallel.tensor} x pipeline {cfg.parallel.pipeline}, but "
+                "HeteroTrainer trains data parallel only (ZeRO 0-3 and offload over every rank): the Trainer gives "
+                "each rank a batch of its own, where a tensor group (sequence modes included) needs one batch on all "
+                "its ranks and a pipeline runs through engine.train_batch. Leave parallel.tensor and "
+                "parallel.pipeline at 1, or train such a layout with your own loop (examples/train_parallel.py)"
+            )
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else cfg.precision
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         wanted = {
