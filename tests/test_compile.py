@@ -86,3 +86,37 @@ def test_compiled_model_over_two_ranks():
     plain, _ = parity.cached_reference("fp32", steps=STEPS, rows=ROWS)
     for r in (r0, r1):
         tolerance.assert_losses(r["tp"]["losses"], exact, plain, dtype=torch.float32)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_model_with_the_delayed_update():
+    """`delayed_param_update` hooks every module with parameters to pace the pending update over the step ([Note:
+    pacing the delayed update]). Under the compiler that hook does nothing: traced, it took the tracer into the
+    manager and the update's bookkeeping, recompiled as the update advanced and cut stage 0's one graph into 17. The
+    compiled model trains the delayed algorithm (tests/test_delayed.py's reference), through the switch after the
+    warm-up, with the graphs of the model alone and nothing compiled after the first steps."""
+    from tests.test_delayed import delayed_reference
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    frames: list[int] = []
+
+    def on_step(engine, step: int) -> None:
+        _compile(engine, step)
+        frames.append(torch._dynamo.utils.counters["frames"]["total"])
+
+    cfg = {
+        "zero_stage": 0,
+        "offload": {"optimizer": "host"},
+        "delayed_param_update": True,
+        "delayed_param_update_warmup": 1,
+    }
+    steps = STEPS + 2
+    result = parity.run_hetero(0, 1, steps=steps, rows=ROWS, config=cfg, on_step=on_step)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the model's forward, whole
+    assert frames[2] == frames[-1], frames  # compiled in the first step, and once more where the delay starts at most
+    exact_losses, exact = delayed_reference(torch.float64, warmup=1, steps=steps, rows=ROWS)
+    plain_losses, plain = delayed_reference(torch.float32, warmup=1, steps=steps, rows=ROWS)
+    tolerance.assert_losses(result["losses"], exact_losses, plain_losses, dtype=torch.float32)
+    tolerance.assert_weights(result["state"], exact, plain, dtype=torch.float32)
