@@ -402,6 +402,63 @@ def test_failed_move_leaves_the_chunk_where_it_was(make_manager, monkeypatch):
     _check_ledgers(m)
 
 
+def _failing_write_backs(m, count):
+    """count chunks on the host, each with a write to NVMe in flight that then fails (out of space)."""
+    chunks = [_filled_chunk(m)[0] for _ in range(count)]
+    writes = []
+
+    def held(key, src):
+        writes.append(concurrent.futures.Future())
+        return writes[-1]
+
+    m.storage.store.write = held
+    for c in chunks:
+        m.move(c, Tier.NVME, wait=False)
+    assert all(c.state is ChunkState.MOVING for c in chunks)
+    for w in writes:
+        w.set_exception(OSError(28, "No space left on device"))
+    return chunks
+
+
+def _released(m, tmp_path):
+    assert not m.chunks and not any(tmp_path.iterdir())
+    for ledger in m.ledgers.values():
+        assert ledger.current == 0 and ledger.cached == 0
+
+
+def test_synchronize_ends_every_move_before_it_raises_a_failure(make_manager, tmp_path):
+    """Three write-backs fail: synchronize raises the first failure, the others noted on it, once all three have
+    ended, so none is left in flight (each chunk back on the host, its bytes intact); a close then frees everything
+    without an error of its own. Before, synchronize raised at the first and left two in flight."""
+    m = make_manager(nvme=True)
+    chunks = _failing_write_backs(m, 3)
+    with pytest.raises(OSError, match="No space") as raised:
+        m.synchronize()
+    assert sum("another move failed too" in n for n in getattr(raised.value, "__notes__", [])) == 2
+    assert all(c.state is ChunkState.RESIDENT and c.tier is Tier.HOST and not c.on_nvme for c in chunks)
+    _check_ledgers(m)
+    m.close()
+    _released(m, tmp_path)
+
+
+def test_close_after_a_failure_releases_everything_and_hides_no_error(make_manager, tmp_path, caplog):
+    """Closing with failed moves in flight (in a `finally`, while the caller handles another error) frees every
+    chunk and swap file and raises nothing: the caller's error is the one that propagates, not chained behind one of
+    close's; the moves' failures are logged. Before, close's own wait raised one failure and then, releasing a chunk
+    still MOVING, an IllegalTransitionError, leaving the other chunks, buffers and swap files behind."""
+    m = make_manager(nvme=True)
+    _failing_write_backs(m, 3)
+    with pytest.raises(ValueError, match="the caller's") as raised:
+        try:
+            raise ValueError("the caller's error")
+        finally:
+            m.close()
+    assert raised.value.__context__ is None
+    assert "a move in flight failed" in caplog.text
+    _released(m, tmp_path)
+    m.close()  # idempotent
+
+
 def test_written_access_is_written_back_and_read_only_access_is_not(make_manager):
     m = make_manager(nvme=True)
     c, s, bits = _filled_chunk(m, tier=Tier.NVME)

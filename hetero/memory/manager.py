@@ -134,14 +134,8 @@ class ChunkManager:
     def from_config(
         cls, memory: MemoryConfig, *, device: Device | None = None, prefetch_depth: int = 2
     ) -> ChunkManager:
-        return cls(
-            device=device,
-            device_budget=memory.device_budget,
-            host_budget=memory.host_budget,
-            nvme_dir=memory.nvme_dir,
-            nvme_budget=memory.nvme_budget,
-            prefetch_depth=prefetch_depth,
-        )
+        where = {k: getattr(memory, k) for k in ("device_budget", "host_budget", "nvme_dir", "nvme_budget")}
+        return cls(device=device, prefetch_depth=prefetch_depth, **where)
 
     @property
     def prefetch_depth(self) -> int:
@@ -414,15 +408,19 @@ class ChunkManager:
             ledger.reset_peak()
 
     def close(self) -> None:
-        """Wait for moves, free every buffer, delete swap files. Idempotent."""
+        """Wait for moves, free every buffer, delete swap files. Idempotent. A move failing now is logged, not raised:
+        its bytes go with the rest, and a close (in a `finally`, after a failure) must not hide the caller's error."""
         if self._closed:
             return
+        self._closed = True
         try:
-            self.synchronize()
+            self._mover.synchronize()  # every move ends, failed or not, before it raises
+        except Exception as e:
+            log.warning("closing the chunk manager: a move in flight failed (%s); its chunk is freed with the rest", e)
         finally:
-            self._closed = True
-            for chunk in list(self._chunks.values()):
-                self.storage.forget(chunk)
+            for chunk in self._chunks.values():
+                if chunk.move is None:  # still moving (an interrupted wait): a worker may write its buffers yet
+                    self.storage.forget(chunk)
             self._chunks.clear()
             self.storage.trim()
             self._finalizer()

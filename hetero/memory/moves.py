@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetero.device import Device
-from hetero.errors import NvmeError
+from hetero.errors import NvmeError, add_note
 from hetero.memory.chunk import Chunk, Move
 from hetero.memory.states import ChunkState
 from hetero.memory.storage import Storage
@@ -336,11 +336,24 @@ class Mover:
         return bool(done)
 
     def synchronize(self) -> None:
-        """Wait for every move in flight, and every copy landing."""
+        """Wait for every move in flight, and every copy landing. A failure is raised once all of them have ended (the
+        first, the others noted on it): none is left in flight behind it, so the caller (a close above all) finds
+        every chunk settled, RESIDENT where the move left it or where it was."""
+        errors: list[Exception] = []
         for chunk, *_ in list(self.landing.values()):
-            self.land(chunk)
+            try:
+                self.land(chunk)
+            except Exception as e:
+                errors.append(e)
         for chunk in list(self.moving.values()):
-            self.wait(chunk)
+            try:
+                self.wait(chunk)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            for other in errors[1:]:
+                add_note(errors[0], f"hetero: another move failed too: {other!r}")
+            raise errors[0]
 
     def finish(self, chunk: Chunk) -> None:
         move = chunk.move
