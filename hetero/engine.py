@@ -365,7 +365,8 @@ class Engine(DeepSpeedNames):
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
-        # without autograd (evaluation, generation) is a step of its own.
+        # without autograd (evaluation, generation) is a step of its own, of another kind: each kind replays its own
+        # trace ([Note: one trace per kind of step] in hetero/memory/policy.py).
         training = torch.is_grad_enabled() and not self.inference
         if self.stages is not None:
             raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
@@ -374,7 +375,7 @@ class Engine(DeepSpeedNames):
         # model) belongs to that step: ending the step there would drop what its backward needs.
         within = self._in_step
         if not self._in_step:
-            self.manager.step_begin()
+            self.manager.step_begin("train" if training else "eval")
             self._in_step = True
         self.events.emit("forward_begin")
         self.watch.forward(training=training)
@@ -900,10 +901,11 @@ class Engine(DeepSpeedNames):
     def trace_step(self) -> Iterator[None]:
         """Hold one step of the access trace open around a whole batch (`train_batch`, `eval_batch` through the
         stages), so that prefetch and eviction see its accesses as one step; inside an open micro-batch (a forward
-        whose backward has not run) it adds nothing."""
+        whose backward has not run) it adds nothing. A batch run without autograd (`eval_batch`) replays the trace of
+        evaluation, not of training ([Note: one trace per kind of step] in hetero/memory/policy.py)."""
         began = not self._in_step
         if began:
-            self.manager.step_begin()
+            self.manager.step_begin("train" if torch.is_grad_enabled() else "eval")
             self._in_step = True
         try:
             yield

@@ -317,12 +317,14 @@ class ChunkManager:
         self.events.emit("done")
 
     # ---- steps and trace ----------------------------------------------------------------------------------
-    def step_begin(self) -> None:
+    def step_begin(self, kind: str = "train") -> None:
+        """A step of `kind` begins: it replays the trace of the last step of that kind (the engine's kinds: "train",
+        "eval"; [Note: one trace per kind of step] in policy.py) and prefetches its first chunks."""
         self.events.emit("step_begin")
         self.pools[Tier.DEVICE].mark()  # what is in use now is not the forward's take
         self._forward_seen = False
         self._last = None  # a step's first access is always recorded
-        self.trace.step_begin()
+        self.trace.step_begin(kind)
         self._prefetcher.ahead(protect=set())
         self.events.emit("done")
 

@@ -11,6 +11,19 @@ The first mismatch (a module skipped this step, a different sequence length) sto
 step: eviction falls back to least-recently-used and prefetch stops, and the step is recorded afresh to become
 the trace from the next step on. A mismatch never waits for an access that is not coming, so it cannot hang.
 
+[Note: one trace per kind of step]
+Training alternates kinds of step: a training step (forward, backward, update) and, every so often, evaluation
+(forward only, no gradients). Each kind repeats itself, but they differ: an evaluation step is a training step's
+forward and no more. With one trace, each evaluation became the trace (a replay that ends early is a change), and
+the training step after it replayed the evaluation's forward, prefetched nothing for its backward and update and
+evicted by an evaluation's future, then was recorded afresh (a tiny GPT at stage 3: 10 demand loads in the training
+step after each evaluation, none in one after a training step). So the trace keeps one recording per kind, named by
+the caller at `step_begin` (the engine: "train" for a forward with autograd, "eval" for one without), and a step
+replays the last recording of its own kind; a mismatch re-records that kind only. Shapes are no kind: the chunks a
+step touches follow the modules it runs, not the sizes of their inputs, and a key by shape would record a step
+afresh for every new sequence length. The next use of a chunk wraps into a next step of the same kind. The traces
+decide prefetch and eviction only, this rank's business: no collective reads them.
+
 [Note: an access repeated]
 An access of the chunk the last recorded access was of, to the same tier, is not recorded: it tells the future
 nothing the trace has not (no position moves, so prefetch would ask the same question again); with the chunk still
@@ -36,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from hetero.memory.tier import Tier
 
 Access = tuple[int, Tier]  # (chunk id, tier it was wanted on)
+Recorded = tuple[list[Access] | None, dict[int, list[int]], dict[int, list[Access]]]  # a trace and its indexes
 
 
 class AccessTrace:
@@ -43,6 +57,10 @@ class AccessTrace:
         self.trace: list[Access] | None = None  # the last complete step's accesses; None before one is recorded
         self._positions: dict[int, list[int]] = {}  # chunk id -> sorted positions in `trace`
         self._ahead: dict[int, list[Access]] = {}  # position -> the distinct accesses from it on (memo of `upcoming`)
+        self.kind = "train"  # the kind of step `trace` is of ([Note: one trace per kind of step])
+        self._shelved: dict[
+            str, Recorded
+        ] = {}  # the other kinds' (trace, _positions, _ahead), kept for their next step
         self._recording: list[Access] = []  # this step's accesses so far
         self.pos = 0  # index in `trace` of the next expected access
         self.matching = False  # replaying and every access so far matched
@@ -50,9 +68,14 @@ class AccessTrace:
         self.mismatches = 0  # steps whose replay broke off (for stats and tests)
 
     # ---- step boundaries ----------------------------------------------------------------------------------
-    def step_begin(self) -> None:
+    def step_begin(self, kind: str = "train") -> None:
+        """A step of `kind` begins: it replays the last step of that kind ([Note: one trace per kind of step])."""
         if self.in_step:
             self.step_end()  # a step left open (e.g. for an update that never came) ends where the next begins
+        if kind != self.kind:
+            self._shelved[self.kind] = (self.trace, self._positions, self._ahead)
+            self.trace, self._positions, self._ahead = self._shelved.pop(kind, (None, {}, {}))
+            self.kind = kind
         self._recording = []
         self.pos = 0
         self.matching = self.trace is not None and len(self.trace) > 0
@@ -80,10 +103,10 @@ class AccessTrace:
         self._ahead = {}
 
     def forget(self) -> None:
-        """End the step without keeping it, and drop the trace: the next step is recorded afresh instead of
-        replayed. For a caller that knows the steps change shape here (a mismatch would stop the replay too, but
-        only after prefetch and eviction acted on a future that is not coming, and this step would become the
-        trace the next one is checked against)."""
+        """End the step without keeping it, and drop the trace of its kind: the next step of that kind is recorded
+        afresh instead of replayed. For a caller that knows the steps change shape here (a mismatch would stop the
+        replay too, but only after prefetch and eviction acted on a future that is not coming, and this step would
+        become the trace the next one is checked against)."""
         self.in_step = False
         self._recording = []
         self.trace = None
