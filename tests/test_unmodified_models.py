@@ -433,3 +433,53 @@ def test_sparse_embedding_gradients(make_opt):
         return nn.functional.cross_entropy(out, batch[1].to(out.device))
 
     _check(model, batches, loss_of, offload="device", make_opt=make_opt)
+
+
+class _Reparametrized(nn.Module):
+    """Weights recomputed by forward pre-hooks that torch's utilities register on the layers: pruning's mask
+    (`weight_orig * weight_mask`), the legacy weight_norm (`weight_g`, `weight_v`), spectral_norm (`weight_orig`),
+    and a user's pre-hook scaling a layer's input by a norm of its weight; in blocks and at the top level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 20)
+        torch.nn.utils.prune.l1_unstructured(self.blocks[0], "weight", amount=0.3)
+        torch.nn.utils.weight_norm(self.blocks[1])
+        torch.nn.utils.spectral_norm(self.blocks[2])
+        self.blocks[3].register_forward_pre_hook(lambda m, args: (args[0] * torch.tanh(m.weight.norm()),))
+        torch.nn.utils.prune.random_unstructured(self.head, "weight", amount=0.2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+    def __deepcopy__(self, memo: dict) -> _Reparametrized:
+        # The recomputed weights are not leaves, which deepcopy refuses: a copy is a new model with these values.
+        copied = _Reparametrized()
+        copied.load_state_dict(self.state_dict())
+        return copied
+
+
+def test_weights_recomputed_by_pre_hooks():
+    # hetero's pre-hook gathers a module's parameters first among its pre-hooks: those registered before
+    # initialize (pruning, weight_norm, spectral_norm, the user's) read them. Before, at stage 3 each of them raised
+    # ReleasedParameterError, their hooks running before hetero's.
+    import torch.nn.utils.prune  # noqa: F401  (not imported by torch.nn.utils itself)
+
+    torch.manual_seed(0)
+    model = _Reparametrized()
+    batches = _lm_batches(20, n=4, rows=2, seq=6)
+
+    def loss_of(m, ids, i):
+        out = m(ids)  # on the engine's device: the labels follow it
+        return nn.functional.cross_entropy(out.flatten(0, 1), ids.to(out.device).flatten())
+
+    # Small chunks: each block's layer in a chunk of its own, released between the blocks.
+    refs = _references(model, batches, loss_of)
+    for stage in (2, 3):
+        cfg = {"zero_stage": stage, "chunk_size": 400}
+        _compare(_train(model, batches, engine_cfg=cfg, loss_of=loss_of), refs)

@@ -164,7 +164,9 @@ class Hooks:
             pre = _pre_forward(unit, owner, own, gathers, covered)
             # Outside torch.compile's trace: [Note: hetero's hooks under torch.compile]
             post = _post_forward(unit, owner, own, gathers, covered)
-            self.handles.append(m.register_forward_pre_hook(outside_compile(pre), with_kwargs=True))
+            # First among the module's pre-hooks: a hook registered before `initialize` that reads the module's weights
+            # (pruning's mask, weight_norm's and spectral_norm's recomputed weight) runs with them gathered.
+            self.handles.append(m.register_forward_pre_hook(outside_compile(pre), with_kwargs=True, prepend=True))
             self.handles.append(m.register_forward_hook(outside_compile(post)))
 
     def remove(self) -> None:
