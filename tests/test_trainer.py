@@ -276,20 +276,22 @@ def test_example_under_torchrun_zero3_nvme(tmp_path):
     assert result["memory"]["moved"].get("host->nvme", 0) > 0
 
 
+def _lora() -> torch.nn.Module:
+    import peft
+
+    model = _model()
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    return peft.get_peft_model(model, config)
+
+
 # PEFT asks transformers for the attribute by its name before 5.x (peft's own, not ours)
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_adapters(tmp_path):
     """A PEFT LoRA model under ZeRO-3 logs what the plain Trainer logs, and save_model writes PEFT's adapter files
     (the gathered values), which load back into the base model with the plain Trainer's adapters."""
     peft = pytest.importorskip("peft")
-
-    def lora() -> torch.nn.Module:
-        model = _model()
-        torch.manual_seed(1)
-        config = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
-        return peft.get_peft_model(model, config)
-
-    plain, het = _both(tmp_path, {"num_train_epochs": 1, "max_steps": 4, "eval_strategy": "no"}, 48, model=lora)
+    plain, het = _both(tmp_path, {"num_train_epochs": 1, "max_steps": 4, "eval_strategy": "no"}, 48, model=_lora)
     _close(_logs(plain), _logs(het))
     het.save_model(str(tmp_path / "export"))
     het.engine.close()
@@ -299,6 +301,18 @@ def test_lora_adapters(tmp_path):
     assert len(trained) == 4  # A and B in each of two layers
     for n, p in trained.items():
         assert torch.allclose(back[n], p, rtol=1e-4, atol=1e-6), n
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_with_label_smoothing(tmp_path):
+    """`label_smoothing_factor`: the Trainer smooths a causal LM's loss on shifted labels, finding the model's class
+    through a PEFT model's base model; HeteroTrainer's wrapped model named the PeftModel's class instead, so the loss
+    was smoothed on unshifted labels (another loss, gradient norms several times the plain Trainer's, no error)."""
+    pytest.importorskip("peft")
+    args = {"num_train_epochs": 1, "max_steps": 2, "eval_strategy": "no", "label_smoothing_factor": 0.1}
+    plain, het = _both(tmp_path, args, 24, model=_lora)
+    _close(_logs(plain), _logs(het))
+    het.engine.close()
 
 
 def test_torch_compile_argument(tmp_path):

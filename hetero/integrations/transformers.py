@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -88,8 +89,14 @@ class EngineModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
-    def _get_name(self) -> str:  # the Trainer's label smoother looks up the model class by this name
-        return type(self.module).__name__
+    def _get_name(self) -> str:
+        # The Trainer's label smoother shifts the labels where this names a causal LM class, and for a PEFT model it
+        # asks the base model (`base_model.model`): by the PeftModel's own class name it smoothed unshifted labels.
+        peft = sys.modules.get("peft")  # a PEFT model exists only once peft is imported
+        kinds = tuple(getattr(peft, k) for k in ("PeftModel", "PeftMixedModel") if hasattr(peft, k))
+        if kinds and isinstance(self.module, kinds):
+            return self.module.base_model.model._get_name()
+        return self.module._get_name()
 
 
 class _TrainerOptimizer(torch.optim.Optimizer):
