@@ -419,3 +419,74 @@ def test_the_loss_curve_benchmark_runs_the_example_exact_then_delayed():
     exact, warm = out["runs"]["exact"]["losses"], out["runs"]["delayed_warmup"]["losses"]
     assert warm[:3] == exact[:3] and warm[3] != exact[3]
     assert out["runs"]["delayed_warmup"]["gap"] == pytest.approx((warm[3] - exact[3]) / 2)
+
+
+def _train_then_close(rank: int, world: int, cfg: dict, steps: int) -> dict:
+    """Train, close the engine without reading anything first, and return what the model's parameters hold."""
+    torch.set_num_threads(1)
+    model = parity.build()
+    engine = hetero.initialize(model, parity.make_optimizer(model), {**cfg, "chunk_size": parity.CHUNK})
+    local = ROWS // world
+    for x, y in parity.batches(steps, ROWS):
+        engine.backward(engine(x[rank * local : (rank + 1) * local], labels=y[rank * local : (rank + 1) * local]).loss)
+        engine.step()
+    pending = engine.updater.delayed.pending
+    engine.close()
+    return {"pending": pending, "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "stage,predict", [(0, False), (0, True), (2, False)], ids=["z0", "z0-predicted", "z2-one-rank"]
+)
+def test_close_applies_the_pending_update_to_the_model_it_hands_back(stage, predict):
+    """At stages 0-2 the model keeps its values after `engine.close()` (to be saved, evaluated, given to another
+    engine). The last step() leaves its update pending: close applies it where that needs no other rank (stage 0,
+    or one rank), so the model holds every update, as plain PyTorch's does; it dropped it (with the prediction, the
+    model held a prediction, weights no update gave)."""
+    cfg = {
+        "zero_stage": stage,
+        "offload": {"optimizer": "host"},
+        "delayed_param_update": True,
+        "delayed_param_update_warmup": 1,
+        "delayed_param_update_prediction": predict,
+    }
+    got = _train_then_close(0, 1, cfg, STEPS)
+    assert got["pending"]
+    run = dict(warmup=1, predict=predict)
+    exact, plain = (delayed_reference(d, **run)[1] for d in (torch.float64, torch.float32))
+    tolerance.assert_weights(got["state"], exact, plain, dtype=torch.float32)
+
+
+def _close_two_ranks(rank: int, world: int) -> dict:
+    import logging
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hetero").addHandler(handler)
+    out = {}
+    for stage in (0, 2):
+        cfg = {
+            "zero_stage": stage,
+            "offload": {"optimizer": "host"},
+            "delayed_param_update": True,
+            "delayed_param_update_warmup": 1,
+        }
+        warned.clear()
+        out[stage] = {**_train_then_close(rank, world, cfg, STEPS), "warned": list(warned)}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_close_over_two_ranks_applies_at_stage_0_and_warns_at_stage_2():
+    """Stage 0 applies the pending update at close on each rank alone (each steps the whole chunk); at stage 2,
+    where applying it gathers, close sends nothing, keeps the weights before it on every rank alike and says so."""
+    results = run_distributed(_close_two_ranks, 2, timeout=100)
+    exact, plain = (delayed_reference(d, warmup=1)[1] for d in (torch.float64, torch.float32))
+    before, plain_before = (delayed_reference(d, warmup=1, steps=STEPS - 1)[1] for d in (torch.float64, torch.float32))
+    for r in results:
+        assert r[0]["pending"] and not r[0]["warned"]
+        tolerance.assert_weights(r[0]["state"], exact, plain, dtype=torch.float32)
+        assert r[2]["pending"] and any("settle_update()" in w for w in r[2]["warned"]), r[2]["warned"]
+        tolerance.assert_weights(r[2]["state"], before, plain_before, dtype=torch.float32)

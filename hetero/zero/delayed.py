@@ -245,7 +245,10 @@ class DelayedUpdate:
             # wait for that; it stays, FREE, until its chunk steps again (`_submit` takes it back, landed by then).
 
     def close(self) -> None:
-        """Wait for the math in flight and drop the pending update; remove the hooks."""
+        """The engine closes: the pending update applied where the parameters keep their values and that needs no
+        other rank, else dropped ([Note: the pending update at close]); the hooks removed."""
+        if self.plan is not None or self._ready:
+            self._settle_at_close()
         if self._running is not None:
             zc, future = self._running
             self._running = None
@@ -258,6 +261,34 @@ class DelayedUpdate:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _settle_at_close(self) -> None:
+        # [Note: the pending update at close]
+        # At stages 0-2 the model keeps its parameters' values after `engine.close()`: a loop saves it
+        # (`model.state_dict()`, `save_pretrained`), evaluates it or hands it to another engine. The last `step()`
+        # leaves its update pending, and close dropped it: the model lacked the last update, and with the
+        # prediction held a prediction, weights no update gave. So close applies it where the parameters keep
+        # their values (stages 0-2) and nothing needs another rank: at stage 0, whose ranks each step the whole
+        # chunk, or with one rank in ZeRO's group. Over several ranks at stages 1-2, applying it gathers each
+        # rank's part (and sums the reported norm), and close sends nothing: a rank may close after an error, and
+        # the others would wait on it. There it is dropped with a warning naming what keeps it
+        # (`engine.settle_update()` on every rank first). At stage 3 close releases the parameters anyway.
+        stage = self.chunks[0].stage if self.chunks else 3
+        if stage == 3:
+            return
+        if stage > 0 and self.updater.comm.size > 1:
+            log.warning(
+                "engine.close(): the last update (delayed_param_update) was still pending and is dropped: the "
+                "model keeps the weights before it. At zero_stage %d over several ranks applying it gathers from "
+                "every rank, which close does not do; call engine.settle_update() on every rank before closing "
+                "(engine.full_state_dict() and save_checkpoint apply it too)",
+                stage,
+            )
+            return
+        try:
+            self.complete()
+        except Exception as e:  # a close after an error: free what is held, as before
+            log.warning("engine.close(): applying the pending update (delayed_param_update) failed: %r", e)
 
     # ---- one chunk ----------------------------------------------------------------------------------------
     def _submit(self, i: int) -> None:
