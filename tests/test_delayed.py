@@ -490,3 +490,53 @@ def test_close_over_two_ranks_applies_at_stage_0_and_warns_at_stage_2():
         tolerance.assert_weights(r[0]["state"], exact, plain, dtype=torch.float32)
         assert r[2]["pending"] and any("settle_update()" in w for w in r[2]["warned"]), r[2]["warned"]
         tolerance.assert_weights(r[2]["state"], before, plain_before, dtype=torch.float32)
+
+
+def _train_with_eval(rank: int, world: int, cfg: dict, nvme: str) -> dict:
+    """Train STEPS, with an evaluation forward (no autograd) after each step() on the next step's batch."""
+    torch.set_num_threads(1)
+    model = parity.build()
+    cfg = {**cfg, "chunk_size": parity.CHUNK, "memory": {"nvme_dir": nvme}}
+    os.makedirs(nvme, exist_ok=True)
+    engine = hetero.initialize(model, parity.make_optimizer(model), cfg)
+    local = ROWS // world
+    data = [
+        (x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local])
+        for x, y in parity.batches(STEPS, ROWS)
+    ]
+    losses, evals = [], []
+    for i, (x, y) in enumerate(data):
+        engine.train()
+        loss = engine(x, labels=y).loss
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+        if i + 1 < len(data):
+            engine.eval()
+            with torch.no_grad():
+                evals.append(engine(*data[i + 1][:1], labels=data[i + 1][1]).loss.item())
+    engine.settle_update()
+    with torch.no_grad():
+        settled_eval = engine(data[-1][0], labels=data[-1][1]).loss.item()
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return {"losses": losses, "evals": evals, "settled_eval": settled_eval, "state": state}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["z0-host", "z3-nvme-predicted"])
+def test_an_evaluation_between_steps_sees_the_weights_the_next_forward_sees(tmp_path, name):
+    """With an update pending, the parameters hold what the next training forward computes on: the update before
+    it (with the prediction, the predicted weights), not the last step()'s. An evaluation forward between steps
+    sees those, and leaves the training run as it was without it (the delayed reference); `settle_update()`
+    (or full_state_dict, a checkpoint) applies the pending update first, for an evaluation of every update."""
+    cfg = {**DELAYED[name], "delayed_param_update_warmup": 1}
+    r = _train_with_eval(0, 1, cfg, str(tmp_path))
+    assert r["evals"] == r["losses"][1:]  # the same weights and batch: the same loss, bit for bit
+    predict = cfg.get("delayed_param_update_prediction", False)
+    run = dict(warmup=1, predict=predict)
+    (exact_losses, exact), (plain_losses, plain) = (delayed_reference(d, **run) for d in (torch.float64, torch.float32))
+    tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
+    tolerance.assert_weights(r["state"], exact, plain, dtype=torch.float32)
+    # After settle_update the model holds the last update: the last batch's loss there is another number.
+    assert r["settled_eval"] != r["losses"][-1]
