@@ -195,6 +195,7 @@ class ActivationMemory:
         for i in positions:
             a = args[i]
             chunk = self.m.new_chunk(dtype=a.dtype, capacity=max(1, a.numel()), kind="activation")
+            chunk.traced = False  # a new chunk every step: [Note: chunks of one step] in hetero/memory/policy.py
             slot = chunk.add_tensor("activation", (max(1, a.numel()),))
             self.m.access(chunk, Tier.HOST)
             chunk.set_state(slot, TensorState.HOLD)

@@ -80,6 +80,7 @@ class Chunk:
     # owner says so: elsewhere a slot's state may lag its data (a gathered chunk keeps values a FREE slot had).
     skip_free_head: bool = False
     stored_from: int = 0  # first element the swap copy holds: the FREE slots before it were not written (see free_head)
+    traced: bool = True  # its accesses go into the access trace; its owner says False for a chunk of one step
 
     @property
     def nbytes(self) -> int:

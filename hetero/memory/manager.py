@@ -198,7 +198,8 @@ class ChunkManager:
         if not repeat:
             self._clock += 1
             self.counters["accesses"] += 1
-            self.trace.record(chunk.id, tier)
+            if chunk.traced:  # [Note: chunks of one step] in policy.py
+                self.trace.record(chunk.id, tier)
         if chunk.state is ChunkState.EMPTY:
             self._allocate(chunk, tier)
         else:
@@ -221,12 +222,8 @@ class ChunkManager:
         return chunk.payload
 
     def _settled(self, chunk: Chunk, tier: Tier) -> bool:  # resident on `tier` with nothing in flight to wait for
-        return (
-            chunk.state is ChunkState.RESIDENT
-            and chunk.tier == tier
-            and chunk.move is None
-            and chunk.id not in self._mover.landing
-        )
+        here = chunk.state is ChunkState.RESIDENT and chunk.tier == tier
+        return here and chunk.move is None and chunk.id not in self._mover.landing
 
     def move(self, chunk: Chunk, tier: Tier, *, wait: bool = True) -> None:
         """Move a chunk to a tier explicitly (e.g. offload it now), without recording an access."""

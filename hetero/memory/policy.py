@@ -24,6 +24,13 @@ step touches follow the modules it runs, not the sizes of their inputs, and a ke
 afresh for every new sequence length. The next use of a chunk wraps into a next step of the same kind. The traces
 decide prefetch and eviction only, this rank's business: no collective reads them.
 
+[Note: chunks of one step]
+A chunk made and freed within one step (activation offload's host copy of a checkpointed block's inputs) has a new
+id every step: recorded, its first access broke every replay (a stage-3 GPT with activation offload replayed no step,
+prefetched nothing and loaded every chunk on demand). Its owner marks it `traced = False`: its accesses are not
+recorded or matched, and the chunks around them replay as without it. It is pinned where it was made, so it is no
+one's victim either.
+
 [Note: an access repeated]
 An access of the chunk the last recorded access was of, to the same tier, is not recorded: it tells the future
 nothing the trace has not (no position moves, so prefetch would ask the same question again); with the chunk still
