@@ -95,8 +95,8 @@ class EngineModule(nn.Module):
         peft = sys.modules.get("peft")  # a PEFT model exists only once peft is imported
         kinds = tuple(getattr(peft, k) for k in ("PeftModel", "PeftMixedModel") if hasattr(peft, k))
         if kinds and isinstance(self.module, kinds):
-            return self.module.base_model.model._get_name()
-        return self.module._get_name()
+            return type(self.module.base_model.model).__name__
+        return type(self.module).__name__
 
 
 class _TrainerOptimizer(torch.optim.Optimizer):
