@@ -170,6 +170,20 @@ def test_optimizers_argument(tmp_path):
     het.engine.close()
 
 
+def test_model_init_trains_again_from_a_fresh_model(tmp_path):
+    """`Trainer(model_init=...)` builds a fresh model for every train() (what hyperparameter_search's trials do) and
+    drops its optimizer: the second train() logs what the first did, as with the plain Trainer; it failed building the
+    scheduler on the first engine's optimizer, which the Trainer had set to None."""
+    args = _args(tmp_path, num_train_epochs=1, max_steps=2, eval_strategy="no")
+    het = HeteroTrainer(model_init=_model, args=args, train_dataset=Rows(26, 1), hetero_config={"zero_stage": 3})
+    het.train()
+    first, engine = _logs(het), het.engine
+    het.train()
+    assert het.engine is not engine and het.engine.module is het.model
+    assert _logs(het)[-len(first) :] == first
+    het.engine.close()
+
+
 def test_activation_checkpointing_argument(tmp_path):
     """`TrainingArguments(activation_checkpointing=True)` (`gradient_checkpointing` before transformers 5.x renamed
     it): the Trainer turns on the model's own checkpointing before hetero wraps it; ZeRO-3 then logs what the plain

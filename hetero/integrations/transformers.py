@@ -247,7 +247,13 @@ class HeteroTrainer(transformers.Trainer):
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is not None:
-            return self.optimizer
+            if self.engine.module is self.model:
+                return self.optimizer
+            # model_init built a fresh model for this train() (a second call, a hyperparameter search's next trial)
+            # and the Trainer dropped its optimizer, as the plain Trainer starts over: the old engine lets the old
+            # model go and a new one takes this one (the old engine's optimizer, None by then, failed the scheduler)
+            self.engine.close()
+            self.engine = None
         user = super().create_optimizer(model)
         self.engine = hetero.initialize(self.model, user, self.engine_config(), weights=self.hetero_weights)
         if self.args.torch_compile:  # accelerate compiles what it prepares, which is never hetero's model
