@@ -11,6 +11,7 @@ from torch import nn
 
 import hetero
 from tests import tolerance
+from tests.dist import OWN_BATCHES, ranks_apart, run_distributed
 
 
 def _double(batch):
@@ -64,10 +65,11 @@ def _train(model, batches, *, engine_cfg=None, loss_of, steps_cfg=None, make_opt
     return losses, {k: (v if v.dtype == torch.float64 else v.float()).cpu() for k, v in state.items()}
 
 
-def _check(model, batches, loss_of, stages=(0, 3), offload="host", make_opt=None):
+def _check(model, batches, loss_of, stages=(0, 3), offload="host", make_opt=None, chunk_size=8192):
     refs = _references(model, batches, loss_of, make_opt)
     for stage in stages:
         cfg = {"zero_stage": stage, "offload": {"optimizer": offload, "params": offload if stage == 3 else "device"}}
+        cfg["chunk_size"] = chunk_size
         _compare(_train(model, batches, engine_cfg=cfg, loss_of=loss_of, make_opt=make_opt), refs)
 
 
@@ -483,3 +485,103 @@ def test_weights_recomputed_by_pre_hooks():
     for stage in (2, 3):
         cfg = {"zero_stage": stage, "chunk_size": 400}
         _compare(_train(model, batches, engine_cfg=cfg, loss_of=loss_of), refs)
+
+
+class _ScaledBy(torch.autograd.Function):
+    """y = x * w.sum(), whose backward reads the weight it kept in ctx (not saved for backward), as hand-written
+    kernels' Functions often do."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w = w
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        return g * ctx.w.sum(), (g * x).sum() * torch.ones_like(ctx.w)
+
+
+class _ReadsOthersWeights(nn.Module):
+    """Weights read outside their modules' forwards: the head tied to the embedding as `h @ embed.weight.t()` (a view
+    of the weight), the input looked up in an unused table's weight by F.embedding, a slice of a block's weight in the
+    model's own arithmetic, a block's forward hook reading another block's weight, and a custom Function reading a
+    weight again in its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.table = nn.Embedding(20, 16)  # never called: looked up by F.embedding in the model's forward
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.scale = nn.Linear(4, 4, bias=False)  # never called: read by _ScaledBy, forward and backward
+        self.norm = nn.LayerNorm(16)
+        object.__setattr__(self.blocks[0], "peer", self.blocks[2])  # a reference, not a submodule
+        self.blocks[0].register_forward_hook(
+            lambda m, args, out: out + 0.1 * nn.functional.linear(args[0], m.peer.weight)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + nn.functional.embedding(ids, self.table.weight)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        h = h + h[..., :4].sum(-1, keepdim=True) * self.blocks[1].weight[:4, 0].sum()
+        h = _ScaledBy.apply(h, self.scale.weight)
+        return self.norm(h) @ self.embed.weight.t()
+
+
+def _tied_loss(m, ids, i):
+    out = m(ids)  # on the engine's device: the labels follow it
+    if i == 1:
+        with torch.no_grad():
+            m(ids)  # an evaluation forward between a training forward and its backward
+    return nn.functional.cross_entropy(out.flatten(0, 1), ids.to(out.device).flatten())
+
+
+def test_weights_read_outside_their_modules():
+    # [Note: a parameter read outside its module] in hetero/zero/hooks.py: each such read is a call of the weight's
+    # module outside its unit. Before, each raised ReleasedParameterError at stage 3.
+    torch.manual_seed(0)
+    model = _ReadsOthersWeights()
+    # Chunks of 400 elements: the embeddings, each block, the head's weight in chunks of their own, released between.
+    _check(model, _lm_batches(20, n=4, rows=2, seq=6), _tied_loss, stages=(0, 3), chunk_size=400)
+
+
+def test_weights_read_outside_the_forward_or_written_stay_errors():
+    from hetero.errors import ReleasedParameterError
+
+    torch.manual_seed(0)
+    model = _ReadsOthersWeights()
+    engine = hetero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3, "chunk_size": 400})
+    try:
+        with pytest.raises(ReleasedParameterError, match="gathered_parameters"):
+            model.embed.weight.norm()  # outside the model's forward: one rank's read would gather alone
+        model.blocks[1].register_forward_hook(lambda m, a, out: model.blocks[2].weight.mul_(1.0))
+        with pytest.raises(ReleasedParameterError, match="blocks.2.weight"), torch.no_grad():
+            engine(torch.zeros(1, 3, dtype=torch.long))  # a write into a released weight: not a read to gather
+    finally:
+        engine.close()
+
+
+def _tied_rank(rank: int, world: int, batches: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """_ReadsOthersWeights at stage 3 on this rank's rows of each batch (every rank the same number)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = batches[0].shape[0] // world
+    mine = [b[rank * rows : (rank + 1) * rows] for b in batches]
+    return _train(_ReadsOthersWeights(), mine, engine_cfg={"zero_stage": 3, "chunk_size": 400}, loss_of=_tied_loss)
+
+
+@ranks_apart(OWN_BATCHES)
+@pytest.mark.timeout(300)
+def test_weights_read_outside_their_modules_over_two_ranks():
+    # The reads' gathers fall at the same point of every rank's program, and a chunk read by the model's own
+    # arithmetic is reduced once every rank's backward through it is done: the mean of the ranks' losses and the
+    # weights are the full batch's.
+    torch.manual_seed(0)
+    batches = _lm_batches(20, n=4, rows=4, seq=6)
+    refs = _references(_ReadsOthersWeights(), batches, _tied_loss)
+    ranks = run_distributed(_tied_rank, 2, batches, timeout=200)
+    losses = [sum(r[0][i] for r in ranks) / 2 for i in range(len(batches))]
+    for _, state in ranks:
+        _compare((losses, state), refs)

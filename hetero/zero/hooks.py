@@ -34,6 +34,23 @@ gathered one by one, in the same layout order, and gathering ahead has usually d
 dictionary walk, a state change and a class swap per module and parameter per forward (`benchmarks/host_overhead.py`).
 A module called outside its unit's forward, or whose parameters belong to another unit, pins its own as before.
 
+[Note: a parameter read outside its module]
+A module's hooks gather its parameters around its own forward, but models also read another module's weight in their
+own code: a head tied to the embedding as `F.linear(h, self.wte.weight)` or `h @ self.embed.weight.t()`, the
+embedding looked up in the head's weight, a forward hook of one layer reading another's. At stage 3 that weight is
+released there. So an operation that reads released parameters while the model's forward runs (the root's hooks
+count its calls) treats that operation as a call of their modules outside their unit: it gathers and pins them
+(`Gathers.use`, a checked collective at the same point of every rank's program, the chunk reduced once the unit it
+ran in has ended its backward: [Note: reductions at shared points]), runs, unpins, and wraps its outputs so that
+backward gathers them again before the operation's own backward reads them. A result that is a view of a parameter
+(`.t()`, a slice) is copied: the chunk is released while the view lives on, and autograd would save the view itself,
+read in backward before the view's own backward gathered it. Inside `engine.backward` a read (a custom autograd
+Function's backward reading a weight it kept in ctx, a gradient hook) gathers and holds the parameters until their
+gradients arrive, as a module's backward does. An in-place operation on a released parameter and a read outside the
+model's forward and the engine's backward stay errors (ReleasedParameterError): `gathered_parameters` is the way
+there. Before, each of these reads raised that error, whose advice (`gathered_parameters` in a forward) released the
+weight before the backward that reads it.
+
 [Note: hetero's hooks under torch.compile]
 `model.compile()` (or `torch.compile(model)`) traces a forward through the modules' hooks. At stage 3 those gather,
 pin and release chunks, swap the class of released parameters and wrap outputs in `_OnBackward`: none of it a tensor
@@ -56,6 +73,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hetero.zero import released
 from hetero.zero.gathers import Gathers
 from hetero.zero.protocol import in_backward
 from hetero.zero.units import Entry, Unit
@@ -153,6 +171,12 @@ class Hooks:
             return
         root_of = {id(u.module): u for u in units}
         unit_of = {id(e.info.param): u for u in units for e in u.entries}
+        # [Note: a parameter read outside its module]: the model's forwards in progress, and the reader they enable.
+        forwards = [0]
+        self.handles.append(model.register_forward_pre_hook(lambda *_: _count(forwards, 1), prepend=True))
+        self.handles.append(model.register_forward_hook(lambda *_: _count(forwards, -1), always_call=True))
+        self._read = [e.info.param for e in entries.values()]
+        released.set_reader(self._read, _reader(entries, unit_of, gathers, forwards))
         for m in model.modules():
             own = [entries[id(p)] for p in m.parameters(recurse=False) if id(p) in entries]
             unit = root_of.get(id(m))
@@ -173,6 +197,57 @@ class Hooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        released.set_reader(getattr(self, "_read", []), None)
+
+
+def _count(forwards: list[int], step: int) -> None:
+    forwards[0] += step
+
+
+def _reader(entries: dict[int, Entry], unit_of: dict[int, Unit], gathers: Gathers, forwards: list[int]) -> Callable:
+    """An operation reading released parameters during the model's forward: run as a call of their modules outside
+    their units ([Note: a parameter read outside its module])."""
+
+    def read(func: Callable, args: tuple, kwargs: dict, params: list[nn.Parameter]) -> Any:
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__set__")
+        backward = in_backward()
+        if in_place or any(id(p) not in unit_of for p in params):
+            return NotImplemented
+        if not (gathers.accumulating if backward else forwards[0]):
+            return NotImplemented
+        groups: dict[int, tuple[Unit, list[Entry]]] = {}
+        for p in params:
+            unit = unit_of[id(p)]
+            groups.setdefault(unit.index, (unit, []))[1].append(entries[id(p)])
+        for unit, own in groups.values():
+            gathers.use(own, unit)  # in backward: held until their gradients arrive, or the backward ends
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            if not backward:
+                for _, own in groups.values():
+                    gathers.done_using(own)
+        out = _copy_views(out, {p.untyped_storage().data_ptr() for p in params})
+        if backward or not torch.is_grad_enabled():
+            return out
+
+        def pre_backward() -> None:
+            for unit, own in groups.values():
+                gathers.use(own, unit)
+
+        return wrap_outputs(out, pre_backward)
+
+    return read
+
+
+def _copy_views(x: Any, storages: set[int]) -> Any:
+    """x, with each tensor viewing one of `storages` (a parameter's) replaced by a copy."""
+    if isinstance(x, torch.Tensor):
+        return x.clone() if x.untyped_storage().data_ptr() in storages else x
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_copy_views(v, storages) for v in x)
+    return x
 
 
 def outside_compile(fn: Callable) -> Callable:

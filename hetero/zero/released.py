@@ -13,7 +13,7 @@ pointer write, so entering and leaving a unit costs nothing measurable.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,6 +75,11 @@ class _Released:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         released = [a for a in _flat(args, kwargs) if isinstance(a, _Released)]
+        readers = {id(r): r for r in (a.__dict__.get("_hetero_reader") for a in released)}
+        if len(readers) == 1 and None not in readers.values():  # [Note: a parameter read outside its module]
+            got = next(iter(readers.values()))(func, args, kwargs or {}, released)
+            if got is not NotImplemented:
+                return got
         names = [a._hetero_name for a in released]
         what = getattr(func, "__name__", repr(func))
         what = "an attribute read" if what in ("__get__", "__set__") else f"{what}()"
@@ -113,6 +118,17 @@ def _twin(cls: type) -> type:
         twin = type(f"Released{cls.__name__}", (_Released, cls), {"__module__": __name__})
         _CLASSES[cls] = twin
     return twin
+
+
+def set_reader(params: Iterable[nn.Parameter], reader: Callable[..., Any] | None) -> None:
+    """`reader(func, args, kwargs, params)` is asked first when an operation reads these parameters released: it
+    returns the operation's result, or NotImplemented for the error ([Note: a parameter read outside its module]
+    in hooks.py)."""
+    for p in params:
+        if reader is None:
+            p.__dict__.pop("_hetero_reader", None)
+        else:
+            p.__dict__["_hetero_reader"] = reader
 
 
 def release(params: Iterable[nn.Parameter], names: Iterable[str]) -> None:
