@@ -121,6 +121,12 @@ def test_matches_plain_trainer(tmp_path, stage):
     het.train()
     _close(_logs(plain), _logs(het))
     assert het.engine.global_steps == plain.state.global_step == 6
+    # trainer.predict: the trained model's logits and the test loss, as the plain Trainer's (same tolerance).
+    want, got = plain.predict(Rows(6, 3)), het.predict(Rows(6, 3))
+    assert got.predictions.shape == want.predictions.shape == (6, 16, 64)
+    logits, ref = torch.from_numpy(got.predictions), torch.from_numpy(want.predictions)
+    torch.testing.assert_close(logits, ref, rtol=RTOL, atol=1e-6)
+    _close([(want.metrics["test_loss"],)], [(got.metrics["test_loss"],)])
     # The saved model is the trained one: same weights as the plain Trainer's (the gathered fp32 values).
     het.save_model(str(tmp_path / "export"))
     back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "export"))
