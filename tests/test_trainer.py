@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -187,6 +188,30 @@ def test_model_init_trains_again_from_a_fresh_model(tmp_path):
     het.train()
     assert het.engine is not engine and het.engine.module is het.model
     assert _logs(het)[-len(first) :] == first
+    het.engine.close()
+
+
+def test_fp16_overflow_is_logged_and_not_scheduled(tmp_path):
+    """fp16 with the second update's loss made infinite (an overflow): that update is skipped, the LR schedule does not
+    advance for it (accelerate's convention for a skipped step), and the log shows a non-finite gradient norm, as the
+    plain Trainer logs the overflowed norm; it showed the first update's norm again, as if that step had trained."""
+    calls = []
+
+    def loss_fn(outputs, labels, num_items_in_batch=None):  # the causal LM loss; the second call's overflows
+        calls.append(1)
+        logits = outputs.logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return loss * float("inf") if len(calls) == 2 else loss
+
+    args = _args(tmp_path, max_steps=4, fp16=True, eval_strategy="no", gradient_accumulation_steps=1)
+    het = HeteroTrainer(
+        model=_model(), args=args, train_dataset=Rows(26, 1), compute_loss_func=loss_fn, hetero_config={"zero_stage": 3}
+    )
+    het.train()
+    logs = _logs(het)
+    assert het.engine.skipped_steps == 1 and het.engine.global_steps == 3 and het.lr_scheduler.last_epoch == 3
+    assert [x[2] for x in logs] == [0.0, 1.5e-3, 1.5e-3, 3e-3]  # warmup 2: the skipped update left the rate as it was
+    assert math.isfinite(logs[0][1]) and not math.isfinite(logs[1][1]) and math.isfinite(logs[2][1])
     het.engine.close()
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 from collections import defaultdict
@@ -312,7 +313,13 @@ class HeteroTrainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         # The engine clipped in its update (grad_clip_norm = max_grad_norm) and kept the norm before clipping.
-        return self.engine.last_grad_norm if self.engine is not None else grad_norm
+        if self.engine is None:
+            return grad_norm
+        if self.engine.last_update_skipped:
+            # fp16 overflow: the engine keeps the last applied update's norm, which the log would show as this
+            # step's; the plain Trainer logs the unscaled overflowed gradient's norm, inf (nan for a nan gradient)
+            return math.inf
+        return self.engine.last_grad_norm
 
     # ---- saving and resuming ------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
