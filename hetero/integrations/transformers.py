@@ -29,7 +29,10 @@ takes the model's state, as DeepSpeed does under the Trainer:
   epoch); the engine is told so (`set_gradient_accumulation_boundary`) and updates there.
 - The LR scheduler is the Trainer's own (`lr_scheduler_type`, warmup), stepped by the Trainer after each update,
   except after an update skipped for fp16 overflow (accelerate's convention, and hetero's).
-- The gradient norm the Trainer logs is the engine's (computed in the update, before clipping).
+- The gradient norm the Trainer logs is the engine's (computed in the update, before clipping); inf for an update
+  skipped for fp16 overflow, as the plain Trainer logs the overflowed norm.
+- `model_init`: the Trainer builds a fresh model for each train() (hyperparameter search's trials); a new engine
+  takes it and the old one is closed.
 - `torch_compile=True`: accelerate compiles the models it prepares, and the Trainer never prepares hetero's; the
   model is compiled in place once the engine holds it (`model.compile`, with the arguments' backend and mode).
 - A checkpoint (`save_steps`) is the Trainer's directory (weights gathered for `from_pretrained`, trainer state,
