@@ -375,7 +375,9 @@ class Engine(DeepSpeedNames):
         # model) belongs to that step: ending the step there would drop what its backward needs.
         within = self._in_step
         if not self._in_step:
-            self.manager.step_begin("train" if training else "eval")
+            # One without autograd between a backward and its update (a metric on the batch) is a step within that
+            # training step, which resumes for the update ([Note: a step within a step] in hetero/memory/policy.py).
+            self.manager.step_begin("train" if training else "eval", nested=not training)
             self._in_step = True
         self.events.emit("forward_begin")
         self.watch.forward(training=training)
@@ -455,7 +457,7 @@ class Engine(DeepSpeedNames):
                 raise  # ranks out of step (a mismatch, a rank gone): nothing more may be sent
             except Exception as e:  # [Note: a backward that fails]: ended as any backward, then its gradients dropped
                 if self.in_backward is not None:
-                    raise  # chunks may have stepped already: nothing to drop them back to
+                    self.in_backward.abort(e)  # no chunk steps after the failure (the error names those before)
                 failed = e
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
@@ -513,8 +515,11 @@ class Engine(DeepSpeedNames):
         # zero_grad() does. A rank failing alone meets the others' next collective, which the collective schedule's
         # check reports. hetero's own collective errors (a mismatch, a rank gone: CommError) pass at once, as
         # before: ending the backward would send more collectives to ranks that are not coming (in the first try,
-        # every test of a rank diverging hung there). With update_in_backward, chunks may have stepped before the
-        # failure: not undone, the error passes as it is.
+        # every test of a rank diverging hung there). With update_in_backward, the backward that ends an
+        # accumulation steps chunks as it goes: those stepped before the failure are not undone (the error says how
+        # many, and to load the last checkpoint), no other steps, and the backward is ended and dropped as here. It
+        # used to pass as it was, unended: a backward before the update left its part of the gradient for the next
+        # one, and after a failed update's backward neither the next step nor a checkpoint's load went on.
         dropped = self.accumulated
         self.settle_update()  # a pending delayed update still reads the gradient buffers
         self.updater.zero_grads()
@@ -898,20 +903,26 @@ class Engine(DeepSpeedNames):
         return self._runtime
 
     @contextlib.contextmanager
-    def trace_step(self) -> Iterator[None]:
+    def trace_step(self, *, update_follows: bool = False) -> Iterator[None]:
         """Hold one step of the access trace open around a whole batch (`train_batch`, `eval_batch` through the
         stages), so that prefetch and eviction see its accesses as one step; inside an open micro-batch (a forward
         whose backward has not run) it adds nothing. A batch run without autograd (`eval_batch`) replays the trace of
-        evaluation, not of training ([Note: one trace per kind of step] in hetero/memory/policy.py)."""
+        evaluation, not of training ([Note: one trace per kind of step] in hetero/memory/policy.py), and between a
+        backward and its update is a step within that one ([Note: a step within a step]). update_follows: the batch's
+        `step()` comes next; with `grad_accumulation_steps` 1 its update is the step's too, as after `backward`."""
         began = not self._in_step
+        training = torch.is_grad_enabled()
         if began:
-            self.manager.step_begin("train" if torch.is_grad_enabled() else "eval")
+            self.manager.step_begin("train" if training else "eval", nested=not training)
             self._in_step = True
+        ran = False
         try:
             yield
+            ran = True
         finally:
             if began:
-                self.manager.step_end()
+                if not (ran and update_follows and self.config.grad_accumulation_steps == 1):
+                    self.manager.step_end()
                 self._in_step = False
 
     @property

@@ -165,3 +165,65 @@ def test_update_in_backward_refuses_what_needs_the_whole_gradient_first():
             hetero.Config.from_dict({"update_in_backward": True, **extra})
     with pytest.raises(ConfigError, match="update_in_backward: expected true or false"):
         hetero.Config.from_dict({"update_in_backward": "yes"})
+
+
+class _Boom(Exception):
+    pass
+
+
+def _fail_then_train(rank: int, world: int, root: str) -> dict:
+    """Accumulating 2 micro-batches a step, with and without the update in backward; one micro-batch raises in its
+    backward, as an out-of-memory batch does: the first of the second step (2), whose batch the loop skips, or the
+    last (3), after which it loads the checkpoint saved at the start, as the error says to."""
+    torch.set_num_threads(1)
+    out = {}
+    for fails in (2, 3):
+        for stage in (1, 3):
+            for on in (False, True):
+                model = parity.build()
+                armed = {"on": False}
+
+                def hook(module, grad_in, grad_out, armed=armed):
+                    if armed["on"]:
+                        raise _Boom("out of memory (simulated)")
+
+                model.layers[0].register_full_backward_hook(hook)
+                cfg = {"zero_stage": stage, "chunk_size": parity.CHUNK, "grad_accumulation_steps": 2}
+                engine = hetero.initialize(model, parity.make_optimizer(model), {**cfg, "update_in_backward": on})
+                ckpt = engine.save_checkpoint(f"{root}/{fails}-{stage}-{on}")
+                local = ROWS // world
+                notes: list[str] = []
+                for i, (x, y) in enumerate(parity.batches(8, ROWS)):
+                    armed["on"] = i == fails
+                    x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+                    try:
+                        engine.backward(engine(x, labels=y).loss)
+                    except _Boom as e:
+                        notes += getattr(e, "__notes__", [])
+                        if fails == 3:
+                            engine.load_checkpoint(ckpt)
+                        continue
+                    engine.step()
+                state = {k: v.float() for k, v in engine.full_state_dict().items()}
+                out[fails, stage, on] = {"state": state, "notes": notes}
+                engine.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_backward_is_ended_and_dropped_and_a_checkpoint_resumes_after_it(tmp_path):
+    """[Note: a backward that fails]: a backward that raises is ended and the accumulation's gradients dropped. With
+    the update in backward, one before the update steps nothing and is dropped alike: the same bits as the update
+    after backward. It passed as it was, unended: its part of the gradient went into the next update (stage 1), or
+    the next backward failed on a cryptic error (stage 3). The update's own backward stops stepping chunks at the
+    failure; the error says how many had stepped and to load the last checkpoint, and that load resumes the run
+    as it resumes the update after backward (before, the next backward failed on an internal error)."""
+    results = run_distributed(_fail_then_train, 2, str(tmp_path), timeout=180)
+    for r in results:
+        for fails in (2, 3):
+            for stage in (1, 3):
+                off, on = r[fails, stage, False], r[fails, stage, True]
+                for k, v in off["state"].items():
+                    assert torch.equal(on["state"][k], v), (fails, stage, k)
+                assert off["notes"] == [] and (on["notes"] == []) == (fails == 2), on["notes"]
+        assert all("Load the last checkpoint" in n for n in r[3, 1, True]["notes"]), r[3, 1, True]["notes"]

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetero.comm.handles import Handle
+from hetero.errors import add_note
 from hetero.memory import Tier
 from hetero.zero.norms import SquareSum, sum_of_squares
 from hetero.zero.protocol import UPDATE, reduce_order
@@ -77,6 +78,7 @@ class InBackward:
         # [Note: the update in backward off the autograd thread]: the chunk whose math runs, its master, the future
         self._running: tuple[ZeroChunk, torch.Tensor, Future[tuple[torch.Tensor, float, float]]] | None = None
         self._worker: ThreadPoolExecutor | None = None
+        self._aborted = False  # this backward failed: its chunks not stepped yet stay as they are (`abort`)
 
     def adopt(self, order: list[ZeroChunk]) -> None:
         """The reducer's order changed ([Note: the reduce order learnt from a backward]): step in it too."""
@@ -91,7 +93,8 @@ class InBackward:
                 "update_in_backward: a backward before an update already stepped the parameters, and another "
                 "backward ran before engine.step(); call engine.step() after every backward"
             )
-        self._reap()  # a backward that raised left its last chunk's math running
+        self._reap()
+        self.plan, self._aborted = None, False
         if not boundary or not self.order:
             return
         u = self.updater
@@ -127,6 +130,8 @@ class InBackward:
         u.reduced_early(zc)  # stages 0-1: forget the early reduction, which the update after backward would skip
         used, agreed = self._used.pop(id(zc))
         agreed.wait()
+        if self._aborted:
+            return
         remember_stepped(zc, used)
         with zc.device.update_context():
             if not self.off_thread(zc):
@@ -204,11 +209,32 @@ class InBackward:
             self._worker.shutdown(wait=True)
             self._worker = None
 
+    def abort(self, error: BaseException) -> None:
+        """The backward failed with `error` ([Note: a backward that fails] in engine.py): the chunk whose math runs
+        finishes, no other steps. The backward then ends as any failed one (the reductions complete and their
+        agreements are waited for, in the same sequence as on a rank where it went on) and its gradients are dropped.
+        Where chunks had stepped, `error` says so and what to do: they stepped on this update's gradient, the others
+        did not."""
+        if self.plan is None:  # a backward before the update: nothing stepped, dropped as without the option
+            return
+        self._aborted = True
+        self._reap()
+        if self._next:
+            add_note(
+                error,
+                f"hetero: update_in_backward had stepped {self._next} of {len(self.order)} chunks in this backward "
+                "(the rest did not step): the parameters and optimizer states now mix two updates, on this rank "
+                "at least. Load the last checkpoint (engine.load_checkpoint) before training on",
+            )
+
     def end(self) -> None:
         """Backward is over (every reduction completed): stages 1-2 gather the parameters, in layout order."""
         if self.plan is None:
             return
         self._reap()
+        if self._aborted:  # [Note: a backward that fails]: nothing gathered, the update not counted
+            self.plan, self._aborted = None, False
+            return
         if self._next != len(self.order):
             missing = [zc.label for zc in self.order[self._next :]]
             raise RuntimeError(f"update_in_backward: chunks {missing} did not step in backward (internal error)")
