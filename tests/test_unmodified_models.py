@@ -4,6 +4,7 @@ from configs, a CNN with batch norm, a module some steps skip, a parameter used 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -585,3 +586,44 @@ def test_weights_read_outside_their_modules_over_two_ranks():
     losses = [sum(r[0][i] for r in ranks) / 2 for i in range(len(batches))]
     for _, state in ranks:
         _compare((losses, state), refs)
+
+
+@dataclasses.dataclass
+class _GatedOut:
+    h: torch.Tensor
+    gate: torch.Tensor | None = dataclasses.field(init=False, default=None)  # set after construction
+    skip: torch.Tensor | None = None
+
+
+class _GatedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Linear(6, 6)
+        self.gate = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> _GatedOut:
+        out = _GatedOut(h=torch.tanh(self.value(x)), skip=x)
+        out.gate = torch.sigmoid(self.gate(x))
+        return out
+
+
+class _Gated(nn.Module):
+    """Blocks returning a dataclass with a field outside its constructor (init=False), set by the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_GatedBlock() for _ in range(2))
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            o = block(x)
+            x = o.h * o.gate + o.skip
+        return self.out(x)
+
+
+def test_a_dataclass_output_keeps_its_fields_outside_the_constructor():
+    # Stage 3 passes a unit's outputs through its backward hook and rebuilt a dataclass with dataclasses.replace,
+    # which takes only the constructor's fields: the block's gate came back None (a TypeError in the model's forward).
+    torch.manual_seed(0)
+    _check(_Gated(), _class_batches(9, 3), _ce, stages=(3,), chunk_size=300)

@@ -65,6 +65,7 @@ kind: its collectives go through torch.distributed, where the compiler breaks it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -144,8 +145,13 @@ def _replace(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             x[k] = _replace(x[k], fn)
         return x
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        changes = {f.name: _replace(getattr(x, f.name), fn) for f in dataclasses.fields(x) if f.init}
-        return dataclasses.replace(x, **changes)
+        # A copy with every field set, as _collect walks them: `dataclasses.replace` passes only the init fields to
+        # the constructor, so a field with init=False that the module set after construction came back as its
+        # default (or a tensor collected from it took the next field's place), and __post_init__ ran again.
+        out = copy.copy(x)
+        for f in dataclasses.fields(x):
+            object.__setattr__(out, f.name, _replace(getattr(x, f.name), fn))  # frozen ones too
+        return out
     return x
 
 
