@@ -181,14 +181,15 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
             nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hetero-swap-"))
         config = build_config(args, nvme_dir)
         optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
+        # The engine steps the schedule once per real update: not after an fp16 update skipped for overflow.
+        scheduler = warmup_cosine(optimizer, steps=args.steps)
         t_init = time.perf_counter()
-        engine = hetero.initialize(model, optimizer, config)
+        engine = hetero.initialize(model, optimizer, config, lr_scheduler=scheduler)
         # Registered after the temporary directory, so it runs first: swap files go before their directory.
         stack.callback(engine.close)
         init_seconds = time.perf_counter() - t_init
         # hetero joined torchrun's process group (if any): each rank trains on its own slice of the global batch.
         rank, world = engine.data_parallel_rank, engine.data_parallel_size
-        scheduler = warmup_cosine(engine.optimizer, steps=args.steps)
         data = batches(
             load_corpus(),
             block_size=block_size,
@@ -207,9 +208,8 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
             for _ in range(args.grad_accum):
                 out = engine(**next(data))  # hetero moves the batch to its device (cuda:LOCAL_RANK or the CPU)
                 engine.backward(out.loss)
-                engine.step()  # after every micro-batch; hetero updates at the accumulation boundary
+                engine.step()  # after every micro-batch; hetero updates (and steps the schedule) at the boundary
                 total += out.loss.item()
-            scheduler.step()
             losses.append(total / args.grad_accum)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
         seconds = time.perf_counter() - t0
