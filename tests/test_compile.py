@@ -120,3 +120,28 @@ def test_compiled_model_with_the_delayed_update():
     plain_losses, plain = delayed_reference(torch.float32, warmup=1, steps=steps, rows=ROWS)
     tolerance.assert_losses(result["losses"], exact_losses, plain_losses, dtype=torch.float32)
     tolerance.assert_weights(result["state"], exact, plain, dtype=torch.float32)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_compiled_before_initialize_trains_with_the_update_in_backward():
+    """Compiled before `hetero.initialize`: `torch.compile(model)` returns a wrapper, which hetero takes as the model
+    (its names gain `_orig_mod.`); hetero's hooks, registered after the compile, still run outside the graphs, here
+    at stage 3 with each chunk stepping during backward (`update_in_backward`), as plain PyTorch trains."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = parity.build()
+    opt = parity.make_optimizer(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    cfg = {"zero_stage": 3, "chunk_size": parity.CHUNK, "offload": {"optimizer": "host"}, "update_in_backward": True}
+    engine = hetero.initialize(compiled, opt, cfg)
+    losses = []
+    for x, y in parity.batches(STEPS, ROWS):
+        loss = engine(x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = {k.removeprefix("_orig_mod."): v.float() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    parity.check({"losses": losses, "state": state}, "fp32", steps=STEPS, rows=ROWS)
