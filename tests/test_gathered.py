@@ -52,6 +52,7 @@ def _run_gathered(rank: int, world: int, stage: int) -> dict:
         out["read_outside"] = "no error"
     except ReleasedParameterError as err:
         out["read_outside"] = str(err)
+    out["repr_outside"] = repr(weight)  # a debugger's or a log's view of it: what it is, no error
     # Rank 0 halves one weight; the others write junk that must not survive.
     with engine.gathered_parameters([weight], modify=True), torch.no_grad():
         if rank == 0:
@@ -92,6 +93,7 @@ def test_gathered_parameters_read_and_modify(stage):
         assert r["equal_to_full_state_dict"] and r["state_dict_inside"]
         if stage == 3:
             assert "gathered_parameters" in r["read_outside"], r["read_outside"]
+            assert WEIGHT in r["repr_outside"] and "released" in r["repr_outside"], r["repr_outside"]
         else:
             assert r["read_outside"] == "no error"  # stages 0-2 keep full parameters on every rank
         assert torch.equal(r["after_modify"], results[0]["after_modify"])  # every rank holds rank 0's values

@@ -69,6 +69,10 @@ class _Released:
 
     _hetero_name: str
 
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        # A debugger, a log line or an error message printing a parameter between its uses: what it is, not an error.
+        return f"Parameter {self._hetero_name!r} ({tuple(self.shape)}, {self.dtype}; released: not on this rank)"  # type: ignore[attr-defined]
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in _HARMLESS:
@@ -82,16 +86,16 @@ class _Released:
                 return got
         names = [a._hetero_name for a in released]
         what = getattr(func, "__name__", repr(func))
-        what = "an attribute read" if what in ("__get__", "__set__") else f"{what}()"
+        what = "reading an attribute of" if what in ("__get__", "__set__") else f"{what}() read"
         if any(a.__dict__.get("_hetero_tiled") for a in released):
             raise ReleasedParameterError(
-                f"{what} read parameter {names[0]!r}, which is split into tiles (a weight larger than a chunk: its "
+                f"{what} parameter {names[0]!r}, which is split into tiles (a weight larger than a chunk: its "
                 "layer computes on one tile at a time, [Note: computing on tiles]), so its values are never whole. "
                 "Read it inside `with engine.gathered_parameters([...]):` (every rank enters it), use "
                 "engine.full_state_dict(), or set the config's tiling to false (or a larger chunk_size)" + _SAVING
             )
         raise ReleasedParameterError(
-            f"{what} read parameter {names[0] if names else '?'!r}, whose full values are not on this rank: at "
+            f"{what} parameter {names[0] if names else '?'!r}, whose full values are not on this rank: at "
             "zero_stage 3 each rank holds a shard of it between uses. Read it inside `with "
             "engine.gathered_parameters([...]):` (every rank enters it), or use engine.full_state_dict() for a "
             "copy of every weight" + _SAVING
