@@ -152,3 +152,109 @@ def test_activation_offload_breaks_no_replay(tmp_path):
     assert offloaded[-1] > offloaded[0] > 0  # inputs were offloaded every step
     assert m.trace.mismatches == 0
     assert m.counters["prefetches"] > recorded
+
+
+def _update_chunks(engine):
+    """The ids of the chunks only the update reads (optimizer states and masters)."""
+    return {zc.optim.id for zc in engine.chunks if zc.optim is not None}
+
+
+def _training_trace(m):
+    trace = m.trace.trace if m.trace.kind == "train" else m.trace._shelved["train"][0]
+    return trace or []
+
+
+@pytest.mark.timeout(120)
+def test_a_pipelined_batch_records_its_update(tmp_path):
+    """`train_batch` with `parallel.microbatches` 2 holds one trace step around its micro-batches; with
+    `grad_accumulation_steps` 1 the update belongs to it, as after `engine.backward`. Before, the step ended before
+    `train_batch` called `engine.step()`: the trace never held the update, nothing prefetched its optimizer states and
+    gradients, and each of them was loaded on demand at every step (with the optimizer on a device of ten chunks, 15
+    demand loads a step; none with the update traced). The bound below is one step's worth of update chunks over three
+    steps, as each replayed step loads them ahead (prefetch runs on worker threads, so a loaded machine may be late)."""
+    engine = _engine(
+        tmp_path,
+        offload={"params": "host", "optimizer": "device"},
+        memory={"device_budget": 10 * parity.CHUNK * 4},
+        parallel={"microbatches": 2},
+    )
+    m = engine.manager
+    update = _update_chunks(engine)
+    loads = []
+    original = m.access
+
+    def access(chunk, tier=Tier.DEVICE, **kwargs):
+        before = m.counters["prefetch_misses"]
+        out = original(chunk, tier, **kwargs)
+        if m.counters["prefetch_misses"] > before and chunk.kind in ("optim", "grad"):
+            loads[-1] += 1
+        return out
+
+    m.access = access
+    for x, y in parity.batches(4, 4):
+        loads.append(0)
+        engine.train_batch(x, y)
+    traced = {cid for cid, _ in _training_trace(m)}
+    engine.close()
+    assert m.trace.mismatches == 0
+    assert sum(loads[1:]) < len(update), loads
+    assert update <= traced  # the update's accesses are the step's
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["no-grad", "eval-batch"])
+def test_an_evaluation_between_backward_and_step_leaves_the_training_step_whole(tmp_path, how):
+    """[Note: a step within a step]: with `grad_accumulation_steps` 1 the training step runs on through its update;
+    an evaluation between the backward and `step()` (a metric on the batch, as a loop writes it or as `eval_batch`)
+    is a step of its own, replaying the evaluation trace, and the training step resumes for its update. Before, the
+    evaluation ended the training step there: the update went unrecorded, and each training step after one with an
+    evaluation broke off its replay (here 5 mismatches in 6 steps)."""
+    engine = _engine(tmp_path)
+    m = engine.manager
+    for i, (x, y) in enumerate(parity.batches(6, 4)):
+        engine.backward(engine(x, labels=y).loss)
+        if i % 2:
+            if how == "eval-batch":
+                engine.eval_batch(x, y)
+            else:
+                with torch.no_grad():
+                    engine(x, labels=y)
+        engine.step()
+    traced = {cid for cid, _ in _training_trace(m)}
+    engine.close()
+    assert m.trace.mismatches == 0
+    assert _update_chunks(engine) <= traced
+
+
+class _Tiled(torch.nn.Module):
+    """An embedding and a head each larger than a chunk: tiled ([Note: tiles] in hetero/zero/tiling.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 16)
+        self.head = torch.nn.Linear(16, 96, bias=False)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.timeout(120)
+def test_gathered_tiled_weights_in_an_open_step_break_no_replay():
+    """`gathered_parameters` on a tiled weight assembles it whole in a chunk made for the block and freed after it:
+    a new chunk at every use ([Note: chunks of one step]). Inside an open step (here between backward and the update,
+    a loop reading a weight's norm every step) its access is left out of the trace. Before, it broke every step's
+    replay (a mismatch a step)."""
+    torch.manual_seed(0)
+    model = _Tiled()
+    engine = hetero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3, "chunk_size": 256})
+    assert "head.weight" in engine.memory_stats()["tiled"]
+    m = engine.manager
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 96, (3, 7), generator=g)
+        engine.backward(engine(ids).square().mean())
+        with engine.gathered_parameters([model.head.weight]):
+            assert torch.isfinite(model.head.weight.norm())
+        engine.step()
+    engine.close()
+    assert m.trace.mismatches == 0

@@ -314,14 +314,16 @@ class ChunkManager:
         self.events.emit("done")
 
     # ---- steps and trace ----------------------------------------------------------------------------------
-    def step_begin(self, kind: str = "train") -> None:
+    def step_begin(self, kind: str = "train", *, nested: bool = False) -> None:
         """A step of `kind` begins: it replays the trace of the last step of that kind (the engine's kinds: "train",
-        "eval"; [Note: one trace per kind of step] in policy.py) and prefetches its first chunks."""
+        "eval"; [Note: one trace per kind of step] in policy.py) and prefetches its first chunks. nested: a step open
+        of another kind is set aside and resumes at this one's end ([Note: a step within a step] in policy.py)."""
         self.events.emit("step_begin")
         self.pools[Tier.DEVICE].mark()  # what is in use now is not the forward's take
         self._forward_seen = False
+        # A step set aside resumes with its last access: whether its next one repeats it is as without this step.
+        self.trace.step_begin(kind, nested=nested, carry=(self._last, self._last_tier))
         self._last = None  # a step's first access is always recorded
-        self.trace.step_begin(kind)
         self._prefetcher.ahead(protect=set())
         self.events.emit("done")
 
@@ -342,10 +344,10 @@ class ChunkManager:
     def step_end(self, *, keep: bool = True) -> None:
         """The step's accesses are over. keep=False: the step is not kept as the trace to replay, and the next one
         is recorded afresh (a caller that knows the steps change shape here: `AccessTrace.forget`)."""
-        if keep:
-            self.trace.step_end()
-        else:
-            self.trace.forget()
+        resumed = self.trace.step_end() if keep else self.trace.forget()
+        if resumed is not None:  # a step set aside ([Note: a step within a step] in policy.py)
+            self._last, self._last_tier = resumed
+            self._prefetcher.ahead(protect=set())  # what it needs next, which the nested step may have evicted
 
     # ---- stats --------------------------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, Any]:

@@ -24,6 +24,16 @@ step touches follow the modules it runs, not the sizes of their inputs, and a ke
 afresh for every new sequence length. The next use of a chunk wraps into a next step of the same kind. The traces
 decide prefetch and eviction only, this rank's business: no collective reads them.
 
+[Note: a step within a step]
+With `grad_accumulation_steps` 1 a training step runs on through its update, so an evaluation between the backward
+and the update (a metric on the batch under no_grad, `eval_batch`) came while it was open. Beginning the evaluation
+ended it there: the update went unrecorded (no prefetch of what it reads, no OPT knowledge of it), and a loop that
+evaluates only some steps broke the replay of the training step after each. So the engine begins such a step
+`nested`: the open step of another kind is set aside as it stands (its recording, position and whether it still
+matches) and resumes where the nested one ends, which replays and records its own trace in between. The caller's
+state rides along (`carry`: the manager's last access, so that whether the next access repeats it is as if nothing
+came between). A step begun not nested ends every open step first, the ones set aside too.
+
 [Note: chunks of one step]
 A chunk made and freed within one step (activation offload's host copy of a checkpointed block's inputs) has a new
 id every step: recorded, its first access broke every replay (a stage-3 GPT with activation offload replayed no step,
@@ -73,24 +83,36 @@ class AccessTrace:
         self.matching = False  # replaying and every access so far matched
         self.in_step = False  # between step_begin and step_end
         self.mismatches = 0  # steps whose replay broke off (for stats and tests)
+        self._aside: list[tuple[str, list[Access], int, bool, tuple]] = []  # steps set aside by nested ones, innermost
+        # last: kind, recording, position, matching, and the caller's `carry`
 
     # ---- step boundaries ----------------------------------------------------------------------------------
-    def step_begin(self, kind: str = "train") -> None:
-        """A step of `kind` begins: it replays the last step of that kind ([Note: one trace per kind of step])."""
-        if self.in_step:
-            self.step_end()  # a step left open (e.g. for an update that never came) ends where the next begins
-        if kind != self.kind:
-            self._shelved[self.kind] = (self.trace, self._positions, self._ahead)
-            self.trace, self._positions, self._ahead = self._shelved.pop(kind, (None, {}, {}))
-            self.kind = kind
+    def step_begin(self, kind: str = "train", *, nested: bool = False, carry: tuple = ()) -> None:
+        """A step of `kind` begins: it replays the last step of that kind ([Note: one trace per kind of step]).
+        nested: a step open of another kind is set aside, not ended, and resumes where this one ends ([Note: a step
+        within a step]); `step_end` hands its `carry` back then."""
+        if self.in_step and nested and kind != self.kind:
+            self._aside.append((self.kind, self._recording, self.pos, self.matching, carry))
+        else:
+            while self.in_step:  # a step left open (an update that never came) ends where the next begins
+                self.step_end()
+        self._switch(kind)
         self._recording = []
         self.pos = 0
         self.matching = self.trace is not None and len(self.trace) > 0
         self.in_step = True
 
-    def step_end(self) -> None:
+    def _switch(self, kind: str) -> None:  # the trace of `kind` in front, the others shelved
+        if kind != self.kind:
+            self._shelved[self.kind] = (self.trace, self._positions, self._ahead)
+            self.trace, self._positions, self._ahead = self._shelved.pop(kind, (None, {}, {}))
+            self.kind = kind
+
+    def step_end(self) -> tuple | None:
+        """The step's accesses are over: a replay that did not match them all is replaced by them. A step set aside
+        for this one resumes: returns the `carry` it was set aside with (None when none resumes)."""
         if not self.in_step:
-            return
+            return None
         self.in_step = False
         # A replay that matched throughout but ended early also changed: the shorter sequence is the new trace.
         complete = self.matching and self.trace is not None and self.pos == len(self.trace)
@@ -100,6 +122,15 @@ class AccessTrace:
             self._set_trace(self._recording)
         self._recording = []
         self.matching = False
+        return self._resume()
+
+    def _resume(self) -> tuple | None:  # the step set aside last, if any, open again; its carry
+        if not self._aside:
+            return None
+        kind, self._recording, self.pos, self.matching, carry = self._aside.pop()
+        self._switch(kind)
+        self.in_step = True
+        return carry
 
     def _set_trace(self, accesses: list[Access]) -> None:
         self.trace = list(accesses)
@@ -109,17 +140,18 @@ class AccessTrace:
         self._positions = dict(positions)
         self._ahead = {}
 
-    def forget(self) -> None:
+    def forget(self) -> tuple | None:
         """End the step without keeping it, and drop the trace of its kind: the next step of that kind is recorded
         afresh instead of replayed. For a caller that knows the steps change shape here (a mismatch would stop the
         replay too, but only after prefetch and eviction acted on a future that is not coming, and this step would
-        become the trace the next one is checked against)."""
+        become the trace the next one is checked against). A step set aside for this one resumes, as at `step_end`."""
         self.in_step = False
         self._recording = []
         self.trace = None
         self._positions = {}
         self._ahead = {}
         self.matching = False
+        return self._resume()
 
     # ---- during a step ------------------------------------------------------------------------------------
     def record(self, chunk_id: int, tier: Tier) -> None:

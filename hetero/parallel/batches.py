@@ -72,7 +72,9 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
         engine.events.emit("backward_end")
 
     accumulate = [zc for zc in engine.chunks if zc.spec.trainable and zc.grad_full is not None]
-    with engine.trace_step():  # one trace step per batch, whatever the schedule's order
+    # One trace step per batch, whatever the schedule's order; with grad_accumulation_steps 1 it runs on through the
+    # update (`engine.step()` below ends it), so that prefetch and eviction see the update coming.
+    with engine.trace_step(update_follows=True):
         for zc in accumulate:
             zc.accumulate_full = True
         engine.events.emit("forward_begin")

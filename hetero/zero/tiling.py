@@ -311,6 +311,7 @@ def assembled(tiled: list[Tiled], manager: ChunkManager, *, modify: bool) -> Ite
     try:
         for t in tiled:
             c = manager.new_chunk(dtype=t.tiles[0].chunk.dtype, capacity=t.param.numel(), kind="assembled")
+            c.traced = False  # a new chunk at every use: [Note: chunks of one step] in hetero/memory/policy.py
             slot = c.add_tensor(t.name, t.param.shape)
             manager.access(c, Tier.DEVICE)
             c.set_state(slot, _T.COMPUTE)  # pinned on the device while the block reads it
