@@ -258,3 +258,24 @@ def test_gathered_tiled_weights_in_an_open_step_break_no_replay():
         engine.step()
     engine.close()
     assert m.trace.mismatches == 0
+
+
+@pytest.mark.timeout(120)
+def test_several_forwards_before_one_backward_are_one_step(tmp_path):
+    """A loss over two forwards of the model (a contrastive pair, a GAN's discriminator on real and fake) is one
+    training step, both forwards and the backward, and replays as such. (Decided against: a second forward with
+    autograd and no backward between beginning a step of its own, for an evaluation that leaves autograd on. At stage
+    3 such a forward finds the first one's chunks still gathered for the backward that may come, so its accesses
+    differ from a first forward's anyway: as steps of their own they broke every replay, where one step breaks two.)
+    A device of five chunks: the backward through both forwards holds more at once than one forward's."""
+    engine = _engine(tmp_path, memory={"device_budget": 5 * parity.CHUNK * 4})
+    m = engine.manager
+    for i, (x, y) in enumerate(parity.batches(4, 4)):
+        if i == 1:
+            recorded = m.counters["prefetches"]
+        loss = engine(x, labels=y).loss + engine(y, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+    engine.close()
+    assert m.trace.mismatches == 0
+    assert m.counters["prefetches"] > recorded
