@@ -22,7 +22,7 @@ from hetero.models.gpt import GPT, GPTConfig
 from hetero.models.gpt_pipe import TP_PLAN
 from hetero.parallel.grid import Grid, apply_grid_parallel
 from hetero.parallel.ring import _pairs
-from tests.dist import NEEDS_DEGREES, ranks_apart
+from tests.dist import NEEDS_DEGREES, RANKS_DIFFER, ranks_apart
 
 try:
     from tests import grid_parity, pipe_parity, test_checkpoint_parallel, tolerance
@@ -302,6 +302,31 @@ def test_a_width_the_grid_cannot_cut_stops_every_pipeline_stage():
     initialize, and go on to wait for the stage that raised."""
     for r in run_distributed(_stage_job, 8, timeout=170):
         assert r.startswith("model.layers.0.mlp.gate_proj.weight: dimension 0 of shape (49, 32)"), r
+
+
+def _replicas_job(rank: int, world: int) -> str:
+    """A 2D grid over 4 ranks whose copies of the model differ: ranks 0 and 1 built it from seed 0, ranks 2 and 3
+    from seed 1 (two of the grid's rows, each row alike)."""
+    from hetero.comm import Comm
+
+    torch.set_num_threads(1)
+    model = grid_parity.build("llama", seed=rank // 2)
+    grid = Grid.build(Comm.world(), "2d")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"different values of \d+ parameters \(model\.embed_tokens\.weight, "):
+        apply_grid_parallel(model, "auto", grid)
+    for k, v in model.state_dict().items():  # refused before anything was cut
+        assert torch.equal(v, before[k]), k
+    assert not any(hasattr(p, "_hetero_tp") for p in model.parameters())
+    return "refused"
+
+
+@ranks_apart(RANKS_DIFFER)
+@pytest.mark.timeout(200)
+def test_a_grid_of_models_built_differently_is_refused():
+    """Each rank kept its blocks of its own copy: a grid built from models with different seeds trained one model
+    stitched from pieces of several, without an error. 1D refused it; the grid now does too, on every rank."""
+    assert run_distributed(_replicas_job, 4, timeout=170) == ["refused"] * 4
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])

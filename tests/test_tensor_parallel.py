@@ -447,3 +447,19 @@ def test_a_model_built_differently_on_each_tensor_rank_is_refused():
     """Each rank kept its slice of its own copy: a model of mismatched slices and replicated parameters (the
     position embedding) that differed between ranks trained without an error."""
     assert run_distributed(_built_per_rank, 2, timeout=100) == ["refused", "refused"]
+
+
+def _built_unlike(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=1 + rank, n_head=2, n_embd=16, block_size=8))  # another depth
+    with pytest.raises(ConfigError, match=r"models hold between \d+ and \d+ parameters off the meta device"):
+        apply_tensor_parallel(model, "auto", Comm.world())
+    return "refused"
+
+
+@ranks_apart(RANKS_DIFFER)
+@pytest.mark.timeout(120)
+def test_models_of_another_layout_on_each_tensor_rank_are_refused():
+    """The comparison's exchanges are shaped by the parameter count: ranks with another count passed gloo tensors of
+    other sizes, which aborts the process (NCCL hangs); the counts are compared first."""
+    assert run_distributed(_built_unlike, 2, timeout=100) == ["refused", "refused"]

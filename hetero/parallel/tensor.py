@@ -26,6 +26,7 @@ from torch import nn
 from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.plans import resolve_plan
+from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import (
     add_sequence_gather,
     add_sequence_scatter,
@@ -377,39 +378,29 @@ def check_untouched(model: nn.Module) -> None:
             )
 
 
-def check_replicas(model: nn.Module, comm: Comm) -> None:
-    """Raise unless ``model`` is the same on every rank of ``comm``: each rank keeps its slice of its own copy, so
-    copies built differently (a seed per rank) would make one model of mismatched slices, with replicated parameters
-    that differ between ranks, and train without an error. Two numbers per parameter over the control group; a
-    model on the meta device has nothing to compare yet (the engine initialises it alike on every rank)."""
-    named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
-    control = getattr(comm, "control", None)  # the estimator's ShapeComm has none: it only cuts meta models
-    if comm.size == 1 or not named or control is None:
-        return
-    with torch.no_grad():
-        sums = [
-            torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
-            for _, p in named
-        ]
-    lo = torch.stack(sums).cpu()
-    hi = lo.clone()
-    control.all_reduce(lo, op="min")
-    control.all_reduce(hi, op="max")
-    # The same values summed alike agree exactly; the tolerance only allows for another thread count.
-    differ = [
-        n for (n, _), same in zip(named, torch.isclose(lo, hi, rtol=1e-9, atol=0, equal_nan=True).all(1)) if not same
-    ]
-    if differ:
-        raise ConfigError(
-            f"the tensor-parallel ranks hold different values of {len(differ)} parameters ({', '.join(differ[:4])}"
-            f"{', ...' if len(differ) > 4 else ''}): tensor parallelism cuts one model, identical on every rank of the "
-            "tensor group, so build it alike on each (the same torch.manual_seed before building it, or the same "
-            "weights), or on the meta device"
-        )
+def check_tensor_plan(
+    model: nn.Module, plan: Mapping[str, str] | str, degree: int, *, strict: bool = True
+) -> dict[str, str]:
+    """Raise the ConfigError `apply_tensor_parallel` would raise on ``model`` at ``degree``, changing nothing; returns
+    the resolved plan. Run on the whole model before a pipeline cuts it: each stage would otherwise check only its own
+    layers, and a stage whose layers pass would go on to wait for one that raised."""
+    resolved = resolve_plan(model, plan, strict=strict)
+    modules = dict(model.named_modules())
+    for name, style in resolved.items():
+        for part in style.split("+"):
+            _check(part, modules[name], name, degree)
+    _check_inside(resolved, modules)
+    return resolved
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: Mapping[str, str] | str, comm: Comm, *, sequence: bool = False, strict: bool = True
+    model: nn.Module,
+    plan: Mapping[str, str] | str,
+    comm: Comm,
+    *,
+    sequence: bool = False,
+    strict: bool = True,
+    replicas_checked: bool = False,
 ) -> None:
     """Shard ``model`` in place over the tensor group ``comm`` following ``plan`` (patterns -> styles, or "auto").
 
@@ -417,15 +408,13 @@ def apply_tensor_parallel(
     changes, so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well.
     ``strict``: False lets patterns match nothing (a pipeline stage holding part of the model; better: apply to the
     whole model before splitting it, so the stages' boundaries keep the sequence split consistent).
+    ``replicas_checked``: the caller has run `check_replicas` (setup.py does, on the whole model, before the cut).
     """
     check_untouched(model)
-    resolved = resolve_plan(model, plan, strict=strict)
+    resolved = check_tensor_plan(model, plan, comm.size, strict=strict)
     modules = dict(model.named_modules())
-    for name, style in resolved.items():
-        for part in style.split("+"):
-            _check(part, modules[name], name, comm.size)
-    _check_inside(resolved, modules)
-    check_replicas(model, comm)
+    if not replicas_checked:
+        check_replicas(model, comm)
     region = _Region(comm, sequence)
     for name, style in resolved.items():
         for part in style.split("+"):

@@ -34,6 +34,7 @@ from hetero.parallel.grid.mesh import Grid, Orient, Place
 from hetero.parallel.grid.rows import cut_row_inputs
 from hetero.parallel.grid.shard import BlockShard
 from hetero.parallel.plans import resolve_plan
+from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import all_reduce_grads
 from hetero.parallel.tensor import check_untouched, generate_with_whole_logits, head_counts, linear_dims
 from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, local_padding_idx
@@ -238,13 +239,22 @@ def check_grid_plan(model: nn.Module, plan: Mapping[str, str] | str, grid: Grid)
 
 
 def apply_grid_parallel(
-    model: nn.Module, plan: Mapping[str, str] | str, grid: Grid, *, strict: bool = True
+    model: nn.Module,
+    plan: Mapping[str, str] | str,
+    grid: Grid,
+    *,
+    strict: bool = True,
+    replicas_checked: bool = False,
 ) -> dict[str, str]:
     """Cut ``model`` in place over ``grid`` following ``plan`` (patterns -> styles, or "auto"); returns the resolved
-    plan. The model must be complete (or this pipeline stage's part of it) and identical on every rank of the grid.
+    plan. The model must be complete (or this pipeline stage's part of it) and identical on every rank of the grid
+    (checked over the grid's tensor group, unless ``replicas_checked``: setup.py checks the whole model before a
+    pipeline cuts it). A ConfigError leaves the model as it was.
     """
     check_untouched(model)
     resolved, parts, work = _planned(model, plan, grid, strict)
+    if not replicas_checked:
+        check_replicas(model, grid.tp)  # every rank keeps its blocks of its own copy: they must be one model's
     modules = dict(model.named_modules())
     for name, styles in parts.items():  # nothing changed above this line
         if "heads" in styles:
