@@ -3,11 +3,24 @@
 The order follows torchtitan's: pipeline split first (so other stages' layers are dropped before anything else
 touches them), then tensor parallelism on what is left, then ZeRO over the data-parallel group (the engine's own
 construction, on the group returned here).
+
+[Note: checks before the cut]
+A layout's checks (a width or head count the tensor degree does not divide, a plan that does not fit a module, a
+model that differs between the tensor ranks) would run on each pipeline stage's part of the model after the cut,
+and a stage whose layers pass would go on to initialize and wait until comm_timeout for one that raised. So they run
+on the whole model, before the cut, where every rank sees the same layers: the plan against the model
+(`check_tensor_plan`, `check_grid_plan`, `check_regions`) and the copies against each other (`check_replicas`,
+whose verdict every rank of the job shares: [Note: one verdict for every rank]). What still runs on a stage's part
+after the cut (the sequence split's attention checks, for one) is agreed over every rank (`_agreed`): each rank
+tells the others whether its part raised, and every rank raises the first rank's ConfigError. Every rank issues
+that exchange, whatever its part did, so none is left waiting.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,11 +69,18 @@ def setup_parallel(
             from hetero.parallel.seq_split import check_regions
 
             check_regions(plan)  # before the cut: [Note: the sequence split across pipeline stages]
-        elif mesh.grid is not None and cfg.pipeline > 1:
-            from hetero.parallel.grid import check_grid_plan
+        else:  # [Note: checks before the cut]
+            from hetero.parallel.replicas import check_replicas
 
-            # On the whole model: a stage checking only its own layers would pass and wait for one that raised.
-            check_grid_plan(model, plan, mesh.grid)
+            if mesh.grid is not None:
+                from hetero.parallel.grid import check_grid_plan
+
+                check_grid_plan(model, plan, mesh.grid)
+            else:
+                from hetero.parallel.tensor import check_tensor_plan
+
+                check_tensor_plan(model, plan, mesh.tp.size)
+            check_replicas(model, mesh.tp, every=world)
     if cfg.pipeline > 1:
         costs = None
         if cfg.pipeline_split == "auto":
@@ -96,16 +116,42 @@ def setup_parallel(
 
         apply = apply_ring if cfg.sequence == "ring" else apply_ulysses
         # ZeRO's data-parallel group holds the sequence group: its mean completes the parts' sum (seq_split.py).
-        apply(model, mesh.sp, plan=plan, reduce_grads=False, whole_model=chunks is None)
+        cut = functools.partial(apply, model, mesh.sp, plan=plan, reduce_grads=False, whole_model=chunks is None)
     elif cfg.tensor > 1:
         present = {n for n, _ in model.named_modules()}
         plan = {n: st for n, st in plan.items() if n in present}
         if mesh.grid is not None:
             from hetero.parallel.grid import apply_grid_parallel
 
-            apply_grid_parallel(model, plan, mesh.grid)
-            return mesh, chunks, zero, tied
-        from hetero.parallel.tensor import apply_tensor_parallel
+            cut = functools.partial(apply_grid_parallel, model, plan, mesh.grid, replicas_checked=True)
+        else:
+            from hetero.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, plan, mesh.tp, sequence=cfg.sequence == "megatron")
+            sequence = cfg.sequence == "megatron"
+            cut = functools.partial(
+                apply_tensor_parallel, model, plan, mesh.tp, sequence=sequence, replicas_checked=True
+            )
+    else:
+        return mesh, chunks, zero, tied
+    if chunks is None:
+        cut()  # the whole model on every rank: each rank's checks are every rank's
+    else:
+        _agreed(cut, world)
     return mesh, chunks, zero, tied
+
+
+def _agreed(cut: Callable[[], object], world: Comm) -> None:
+    """Run ``cut``, this rank's stage's part of a tensor or sequence layout, and stop every rank of ``world`` with the
+    same ConfigError if any rank's raised one ([Note: checks before the cut])."""
+    error: ConfigError | None = None
+    try:
+        cut()
+    except ConfigError as err:  # the layouts raise before they change anything or issue a collective
+        error = err
+    said = world.all_gather_object(None if error is None else str(error))
+    failed = [(world.global_rank(r), m) for r, m in enumerate(said) if m is not None]
+    if failed:
+        ranks = [r for r, _ in failed]
+        raise ConfigError(
+            f"{failed[0][1]} [global ranks {ranks} found this on their pipeline stage's layers; every rank stops]"
+        ) from error
