@@ -463,3 +463,22 @@ def test_models_of_another_layout_on_each_tensor_rank_are_refused():
     """The comparison's exchanges are shaped by the parameter count: ranks with another count passed gloo tensors of
     other sizes, which aborts the process (NCCL hangs); the counts are compared first."""
     assert run_distributed(_built_unlike, 2, timeout=100) == ["refused", "refused"]
+
+
+def test_megatron_sp_needs_a_plan_that_cuts_and_gathers_the_sequence():
+    """Without a sequence_scatter the region was never entered (every rank gathered the whole sequence t times:
+    logits of twice its length), without a sequence_gather never left (logits of half of it); a loss failed on
+    shapes inside the forward, and a forward without labels returned them."""
+    from hetero.parallel.shape_comm import ShapeComm
+    from hetero.parallel.tensor import check_tensor_plan
+
+    for missing, role in (("drop", "'sequence_scatter'"), ("ln_f", "'sequence_gather'")):
+        model = _model("gpt")
+        plan = {k: v for k, v in auto_plan(model).items() if k != missing}
+        if missing == "ln_f":
+            plan["ln_f"] = "norm"  # still a norm, no longer where the region ends
+        with pytest.raises(ConfigError, match=f"sequence parallelism \\(Megatron\\) needs a plan with a {role} module"):
+            apply_tensor_parallel(model, plan, ShapeComm(0, 2), sequence=True)
+        assert not any(hasattr(p, "_hetero_tp") for p in model.parameters())
+        check_tensor_plan(model, plan, 2)  # the same plan without sequence parallelism
+        check_tensor_plan(model, plan, 2, sequence=True, strict=False)  # a pipeline stage's part: checked before

@@ -79,7 +79,7 @@ def setup_parallel(
             else:
                 from hetero.parallel.tensor import check_tensor_plan
 
-                check_tensor_plan(model, plan, mesh.tp.size)
+                check_tensor_plan(model, plan, mesh.tp.size, sequence=cfg.sequence == "megatron")
             check_replicas(model, mesh.tp, every=world)
     if cfg.pipeline > 1:
         costs = None
@@ -128,8 +128,10 @@ def setup_parallel(
             from hetero.parallel.tensor import apply_tensor_parallel
 
             sequence = cfg.sequence == "megatron"
+            # A stage's part of the plan need not bound the sequence region: the whole model's did, above.
+            whole = chunks is None
             cut = functools.partial(
-                apply_tensor_parallel, model, plan, mesh.tp, sequence=sequence, replicas_checked=True
+                apply_tensor_parallel, model, plan, mesh.tp, sequence=sequence, strict=whole, replicas_checked=True
             )
     else:
         return mesh, chunks, zero, tied

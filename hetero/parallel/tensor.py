@@ -379,7 +379,7 @@ def check_untouched(model: nn.Module) -> None:
 
 
 def check_tensor_plan(
-    model: nn.Module, plan: Mapping[str, str] | str, degree: int, *, strict: bool = True
+    model: nn.Module, plan: Mapping[str, str] | str, degree: int, *, sequence: bool = False, strict: bool = True
 ) -> dict[str, str]:
     """Raise the ConfigError `apply_tensor_parallel` would raise on ``model`` at ``degree``, changing nothing; returns
     the resolved plan. Run on the whole model before a pipeline cuts it: each stage would otherwise check only its own
@@ -390,6 +390,15 @@ def check_tensor_plan(
         for part in style.split("+"):
             _check(part, modules[name], name, degree)
     _check_inside(resolved, modules)
+    styles = {part for style in resolved.values() for part in style.split("+")}
+    if missing := [s for s in ("sequence_scatter", "sequence_gather") if sequence and strict and s not in styles]:
+        # Without both the region is never entered or never left: the model returned t times the sequence's logits
+        # (or 1/t of them), and a loss failed on shapes deep inside the forward.
+        raise ConfigError(
+            f"sequence parallelism (Megatron) needs a plan with a {' and a '.join(map(repr, missing))} module, where "
+            "the sequence is cut (the module the layers begin at: an embedding's dropout, a first decoder layer) and "
+            "gathered again (the final norm); this plan has none: add them, or turn sequence parallelism off"
+        )
     return resolved
 
 
@@ -406,12 +415,13 @@ def apply_tensor_parallel(
 
     The model must be complete and identical on every rank of ``comm`` (checked). Every check runs before anything
     changes, so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well.
-    ``strict``: False lets patterns match nothing (a pipeline stage holding part of the model; better: apply to the
-    whole model before splitting it, so the stages' boundaries keep the sequence split consistent).
-    ``replicas_checked``: the caller has run `check_replicas` (setup.py does, on the whole model, before the cut).
+    ``strict``: False lets patterns match nothing (a pipeline stage holding part of the model, whose plan need not
+    bound a sequence-parallel region; better: apply to the whole model before splitting it, so the stages' boundaries
+    keep the sequence split consistent). ``replicas_checked``: the caller has run `check_replicas` (setup.py does, on
+    the whole model, before the cut).
     """
     check_untouched(model)
-    resolved = check_tensor_plan(model, plan, comm.size, strict=strict)
+    resolved = check_tensor_plan(model, plan, comm.size, sequence=sequence, strict=strict)
     modules = dict(model.named_modules())
     if not replicas_checked:
         check_replicas(model, comm)
