@@ -54,7 +54,7 @@ from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.predict import Prediction
-from hetero.zero.protocol import CHECKPOINT, READ_GRADS, Checker, Reducer, adopt_observed_order
+from hetero.zero.protocol import CHECKPOINT, FORWARD_FAILED, READ_GRADS, Checker, Reducer, adopt_observed_order
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.unit_rules import unit_rules
@@ -386,8 +386,12 @@ class Engine(DeepSpeedNames):
         # An inference engine records autograd only for inputs that require a gradient (its output then carries
         # one back to them: a loss judged by this model), as a frozen model does in plain PyTorch.
         no_grad = torch.no_grad() if self.inference and not needs_grad((args, kwargs)) else contextlib.nullcontext()
-        with self.device.compute_context(), saving, no_grad:
-            out = self.module(*args, **kwargs)
+        try:
+            with self.device.compute_context(), saving, no_grad:
+                out = self.module(*args, **kwargs)
+        except BaseException as e:  # [Note: a forward that fails]; an interrupt too (an evaluation stopped by hand)
+            self._forward_failed(e, began=not within)
+            raise
         if self.gathers is not None:
             self.gathers.end_forward(training=training or within)
         if training or within:
@@ -399,6 +403,55 @@ class Engine(DeepSpeedNames):
         return out
 
     forward = __call__
+
+    def _forward_failed(self, failed: BaseException, *, began: bool) -> None:
+        """After the model's forward raised: every rank agrees that it did, then this forward is undone, and the
+        step with it where the forward began it. began: no forward of the step came before this one."""
+        # [Note: a forward that fails]
+        # A loop that catches a bad batch (token ids out of range, a shape error, an out-of-memory error, an
+        # interrupted evaluation) and goes on expects what plain PyTorch gives: training as if the batch had never
+        # been fed. A forward adds no gradient, so nothing of the accumulation is dropped (the earlier micro-batches'
+        # gradients stay, as in plain PyTorch and DeepSpeed, and the update comes after grad_accumulation_steps
+        # step() calls, which the loop makes for the batches it keeps). Before, at stage 3 the parameters the
+        # failing modules had pinned stayed pinned (their post-forward hooks never ran), so the next step's release
+        # raised "cannot be released while [...] are being computed on" for good; and at every stage the step stayed
+        # open, so the next forward joined the failed one's step (an evaluation forward kept its chunks gathered,
+        # the access trace took the two for one). Now the uses end and the units in progress are left
+        # (`Gathers.abort_forward`); a forward that began its step ends it as a failed backward's does: gathered
+        # chunks and saved activations released, the step not kept as the trace to replay. A forward that joined a
+        # step (a second forward before one backward, a target computed without autograd) leaves that step open:
+        # the earlier forward's graph is whole, and its backward runs as without the failure.
+        # Over several ranks a rank cannot skip a batch alone: at stage 3 the others are inside a gather it will
+        # never join, and at stages 0-2 they would pair their backward's reductions with its next batch's. So the
+        # ranks agree first, with a check of the collective schedule ([Note: checks posted, verified at the wait]):
+        # ranks whose forwards all raised at the same point of their programs agree and go on together; where one
+        # rank failed alone the check finds the others at another collective and every rank stops with an error
+        # naming both sides, instead of hanging. With check_collectives off there is no such check: the rank posts
+        # its failure ([Note: a rank's failure told to the others]), which stops the others at their next wait.
+        # hetero's own collective errors (CommError) pass as they are: nothing more may be sent.
+        if isinstance(failed, CommError):
+            return
+        if self.comm.size > 1:
+            if self.check.enabled:
+                self.check(FORWARD_FAILED)
+                try:
+                    self.check.verify(None)
+                except CommError as e:
+                    raise e from failed
+            else:
+                post_failure(failed)
+                add_note(failed, "hetero: the other ranks were told to stop (check_collectives is off)")
+        if self.gathers is not None:
+            self.gathers.abort_forward()
+        if not began:
+            return
+        self.tiles.step_end()
+        if self.gathers is not None:
+            self.gathers.release_all()
+        if self.activations is not None:
+            self.activations.step_end()
+        self.manager.step_end(keep=False)
+        self._in_step = False
 
     def train(self, mode: bool = True) -> Engine:
         """The model's `train(mode)`; returns the engine, as `nn.Module.train` returns the module."""

@@ -344,6 +344,22 @@ class Gathers:
         if not training:
             self.release_all()
 
+    def abort_forward(self) -> None:
+        """A forward raised ([Note: a forward that fails] in hetero/engine.py): the parameter uses its modules and
+        units began end here, since their post-forward hooks never run, and the units it had started are left. What
+        it gathered stays gathered: a forward before it in the same step (its backward not run yet) may need it, and
+        the step's end releases it. Local: no collective."""
+        for unit in self.units:
+            for e in unit.entries:
+                for _ in range(256):  # an exit per use in progress (nested calls); bounded: a use-less exit is a no-op
+                    if e.slot.state is not TensorState.COMPUTE:
+                        break
+                    e.chunk.exit(e, TensorState.HOLD_AFTER_FWD)
+        self._pending.clear()
+        self._pinned.clear()
+        self._active.clear()
+        self._fwd.clear()
+
     def release_all(self, *, keep_forwards: bool = False) -> None:
         """End of backward (or of a forward without one): everything still gathered is released, in layout order;
         units whose backward never ended (no input needed a gradient) are left first. keep_forwards: the graph
