@@ -121,7 +121,7 @@ _READ_AFTER_STEP = textwrap.dedent(
     "read",
     [
         "print(model.layers[0].attn.q_proj.weight.sum())",
-        "print(model.layers[0].attn.q_proj.weight)",
+        "print(model.layers[0].attn.q_proj.weight.tolist())",  # print(weight) itself says it is released (repr)
         "model.state_dict()['embed.weight'].numpy()",
         "ema = [p.detach().clone() for p in model.parameters()]",
     ],
