@@ -22,6 +22,17 @@ STEPS, ROWS = 3, 4
 pytestmark = pytest.mark.skipif(standin.active(), reason="torch.compile falls back to eager under the stand-in's mode")
 
 
+def _train_whole_batches(engine: hetero.Engine) -> list[float]:
+    """STEPS steps on whole batches (every rank the same rows); the losses."""
+    losses = []
+    for x, y in parity.batches(STEPS, ROWS):
+        loss = engine(x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _compile(engine, step: int) -> None:
     if step == 0:
         engine.module.compile(backend="aot_eager")  # in place: parameter names unchanged
@@ -64,12 +75,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     config = {"zero_stage": 3, "chunk_size": parity.CHUNK, "parallel": {"tensor": 2, "sequence": "megatron"}}
     engine = hetero.initialize(model, parity.make_optimizer(model), config)
     model.compile(backend="aot_eager")
-    losses = []
-    for x, y in parity.batches(STEPS, ROWS):
-        loss = engine(x, labels=y).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _train_whole_batches(engine)
     engine.close()
     out["tp"] = {"losses": losses, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     return out
@@ -135,12 +141,7 @@ def test_a_model_compiled_before_initialize_trains_with_the_update_in_backward()
     compiled = torch.compile(model, backend="aot_eager")
     cfg = {"zero_stage": 3, "chunk_size": parity.CHUNK, "offload": {"optimizer": "host"}, "update_in_backward": True}
     engine = hetero.initialize(compiled, opt, cfg)
-    losses = []
-    for x, y in parity.batches(STEPS, ROWS):
-        loss = engine(x, labels=y).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _train_whole_batches(engine)
     state = {k.removeprefix("_orig_mod."): v.float() for k, v in engine.full_state_dict().items()}
     engine.close()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
