@@ -597,3 +597,35 @@ def test_a_timeout_diagnosis_ignores_what_a_rank_posted_after_an_earlier_timeout
     assert err.missing_ranks == [1, 2], str(err)  # rank 1's post is an hour old: it did not arrive in this one
     assert "different operation" not in str(err)
     assert store.data["hetero/waiting/0"].decode().endswith(" all_gather of x on group [0, 1, 2, 3]")
+
+
+def _late_sends(rank: int, world_size: int) -> list[list[float]]:
+    from hetero.comm import watch
+
+    comm = Comm.world()
+    got = []
+    for i in range(2):  # the second transfer between the pair proves the first wait left it whole
+        if rank == 0:
+            time.sleep(2.5 * watch.POLL_S)  # the receiver's wait outlasts several looks at the failure board
+            comm.send(torch.full((3,), float(i)), 1)
+            handles = comm.batch_p2p([("send", torch.full((2,), i + 0.5), 1, 0)])
+        else:
+            t = torch.zeros(3)
+            comm.recv(t, 0)
+            u = torch.zeros(2)
+            handles = comm.batch_p2p([("recv", u, 0, 0)])
+        for h in handles:
+            h.wait()
+        if rank == 1:
+            got.append(t.tolist() + u.tolist())
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_waited_for_longer_than_a_look_arrives_whole() -> None:
+    """A receive waited for longer than the failure board's look (watch.POLL_S) arrives, and the pair keeps working:
+    gloo closes the pair of a send or receive whose wait timed out, so transfers are waited for in one piece (they
+    were waited for in looks of a second, and a pipeline stage whose peer computed for longer failed every transfer
+    after it: "Application timeout caused pair closure")."""
+    got = run_distributed(_late_sends, 2, timeout=100)[1]
+    assert got == [[0.0, 0.0, 0.0, 0.5, 0.5], [1.0, 1.0, 1.0, 1.5, 1.5]]

@@ -172,7 +172,11 @@ class Comm(Collectives, PointToPoint):
                     "Put bulk data on the device first; send small host-side values through comm.control"
                 )
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait_transfer(self, work: Any, what: str) -> None:
+        """`_wait` for a send or receive: in one piece, as gloo breaks the pair of one whose wait expired."""
+        self._wait(work, what, look=False)
+
+    def _wait(self, work: Any, what: str, *, look: bool = True) -> None:
         """Wait for a backend's work, bounded by the group's timeout; see [Note: naming the rank that did not
         arrive]. NCCL's work is left to the device stream (and NCCL's watchdog)."""
         if work is None:
@@ -185,7 +189,9 @@ class Comm(Collectives, PointToPoint):
             # No timeout of ours: the backend's own (the process group's), whose failure leaves memory the operation
             # may still write all the same ([Note: memory a failed collective may still write]). A rank that failed
             # ends the wait at once ([Note: a rank's failure told to the others]).
-            ok = watch.wait(work, timeout_s=self.rules.timeout_s, members=self._global_ranks, me=me, what=what)
+            ok = watch.wait(
+                work, timeout_s=self.rules.timeout_s, members=self._global_ranks, me=me, what=what, look=look
+            )
         except RankFailedError:
             mark_failed(what)
             raise

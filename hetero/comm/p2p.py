@@ -34,7 +34,7 @@ class PointToPoint:
         self._check_data("send", t)
         buf = t.contiguous()
         work = dist.isend(buf, dst=self._global_ranks[dst], group=self.group, tag=tag)
-        timed = Timed(work, self._wait, f"send of {t.numel()} {t.dtype} elements to group rank {dst}")
+        timed = Timed(work, self._wait_transfer, f"send of {t.numel()} {t.dtype} elements to group rank {dst}")
         # A contiguous copy must outlive the transfer: the handle holds it until wait().
         return timed if buf is t else CopyBack(timed, buf, None)
 
@@ -44,10 +44,11 @@ class PointToPoint:
         self._check_data("recv", t)
         what = f"receive of {t.numel()} {t.dtype} elements from group rank {src}"
         if t.is_contiguous():
-            return Timed(dist.irecv(t, src=self._global_ranks[src], group=self.group, tag=tag), self._wait, what)
+            work = dist.irecv(t, src=self._global_ranks[src], group=self.group, tag=tag)
+            return Timed(work, self._wait_transfer, what)
         buf = _contiguous_like(t)
         work = dist.irecv(buf, src=self._global_ranks[src], group=self.group, tag=tag)
-        return CopyBack(Timed(work, self._wait, what), buf, t)
+        return CopyBack(Timed(work, self._wait_transfer, what), buf, t)
 
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[Handle]:
         """Start sends and receives together: ``ops`` are ("send" | "recv", contiguous tensor, group rank, tag).
@@ -66,7 +67,7 @@ class PointToPoint:
         if not p2p:
             return []
         what = f"point-to-point group of {len(p2p)} transfers with group ranks {sorted({op[2] for op in ops})}"
-        works = [Timed(w, self._wait, what) for w in dist.batch_isend_irecv(p2p)]
+        works = [Timed(w, self._wait_transfer, what) for w in dist.batch_isend_irecv(p2p)]
         if len(works) == len(p2p):
             return works
         whole = AllOf(works)  # a coalesced group returns fewer handles than operations

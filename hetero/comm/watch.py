@@ -21,7 +21,10 @@ the group it waits on ends the wait with RankFailedError, naming that rank and i
 that stops so posts too, naming the rank whose error it was, so that ranks waiting for it (a pipeline or tensor peer
 that shares no group with the first) stop as well. Waits that complete within POLL_S, nearly all of them, never ask
 the store; a failure read once ends the next wait on that group at once, with no store request. The timeout's and a
-closed connection's diagnosis read the posts first (`diagnose`), and so do patient meetings (`patience.py`). Besides
+closed connection's diagnosis read the posts first (`diagnose`), and so do patient meetings (`patience.py`). Sends
+and receives are waited for in one piece (`look=False`): gloo closes the pair of a transfer whose wait expired, and
+every later transfer between the two ranks failed; a failed peer reaches them through its closed connection, whose
+diagnosis reads the posts. Besides
 the NVMe tier's failures (the engine hands `post_failure` to its store), a rank whose script ends in an uncaught
 exception posts that exception as it exits (`leaving.py`).
 """
@@ -146,11 +149,23 @@ def failed_error(failed: list[Failure], *, me: int, what: str, store: Any = None
     return RankFailedError(msg, failed_rank=first.origin, cause=first.cause)
 
 
-def wait(work: Any, *, timeout_s: float | None, members: list[int], me: int, what: str, store: Any = None) -> Any:
+def wait(
+    work: Any,
+    *,
+    timeout_s: float | None,
+    members: list[int],
+    me: int,
+    what: str,
+    store: Any = None,
+    look: bool = True,
+) -> Any:
     """Wait for a backend's `work` at most `timeout_s` seconds (None: the backend's own limit), and return what its
     wait returns; RankFailedError as soon as another member posted a failure in `store` (default: the job's), as
     [Note: a rank's failure told to the others] says. The backend's own error (a peer gone, the time up) is raised
-    as it is, for the caller to diagnose."""
+    as it is, for the caller to diagnose. `look` False: one wait, after the failures already read, for work that a
+    wait's expiry would break: gloo closes the pair of a send or receive whose wait timed out, and every later
+    transfer between the two ranks fails ("Application timeout caused pair closure"), where a collective's wait
+    expires harmlessly."""
     store = store if store is not None else default_store()
     if store is not None:
         failed = failures(store, members, me, ask=False)  # read already: no request to the store
@@ -159,7 +174,7 @@ def wait(work: Any, *, timeout_s: float | None, members: list[int], me: int, wha
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         left = None if deadline is None else deadline - time.monotonic()
-        if store is None or (left is not None and left <= POLL_S):  # the rest of the wait in one piece
+        if store is None or not look or (left is not None and left <= POLL_S):  # the rest of the wait in one piece
             return work.wait() if left is None else work.wait(timeout=_seconds(left))
         start = time.monotonic()
         try:
