@@ -622,7 +622,7 @@ def _late_sends(rank: int, world_size: int) -> list[list[float]]:
 
 
 @pytest.mark.timeout(120)
-def test_a_transfer_waited_for_longer_than_a_look_arrives_whole() -> None:
+def test_a_transfer_waited_for_longer_than_a_look_arrives_whole(cpu_device: str) -> None:  # gloo, CPU tensors
     """A receive waited for longer than the failure board's look (watch.POLL_S) arrives, and the pair keeps working:
     gloo closes the pair of a send or receive whose wait timed out, so transfers are waited for in one piece (they
     were waited for in looks of a second, and a pipeline stage whose peer computed for longer failed every transfer

@@ -178,7 +178,7 @@ def _padded_job(rank: int, world: int, family: str) -> dict:
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_a_padded_batch_on_a_2d_grid_matches_the_plain_model(family):
+def test_a_padded_batch_on_a_2d_grid_matches_the_plain_model(family, cpu_device):  # no engine: CPU tensors, CPU ranks
     """A padded batch's attention mask and position ids, given for the whole batch, are cut with it: the loss and
     every gradient are plain PyTorch's (within fp32's own distance from float64). The mask used to be read from its
     first b/B rows on every rank (another loss, with no error), and positions failed inside the model."""
@@ -244,7 +244,7 @@ def _gemma_job(rank: int, world: int, family: str) -> dict:
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("family", ["gemma", "gemma2"])
-def test_gemma_on_a_2d_grid_matches_the_plain_model(family):
+def test_gemma_on_a_2d_grid_matches_the_plain_model(family, cpu_device):  # no engine: CPU tensors, CPU ranks
     """Gemma's RMS norms scale by (1 + weight) and its embedding by sqrt(hidden): the grid's norm used weight alone
     and its lookup skipped the class's scale, another loss with no error. Now the loss and every gradient are plain
     PyTorch's (within fp32's own distance from float64)."""

@@ -400,7 +400,7 @@ def _relatives(rank: int, world: int) -> list[str]:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(300)
-def test_llama_relatives_and_padding_masks_match_the_plain_model():
+def test_llama_relatives_and_padding_masks_match_the_plain_model(cpu_device):  # no engine: CPU tensors, CPU ranks
     """Gemma 3 under 1D tensor parallelism (with and without Megatron-SP), Ulysses and ring attention, and Llama
     (sdpa) under ring attention, with a left-padded batch, in float64: every gradient equals the plain model's.
     Before: Gemma 3's vocabulary-parallel embedding skipped its sqrt(hidden) scale; its q/k norms (per head, so fed

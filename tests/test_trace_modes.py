@@ -165,7 +165,7 @@ def _training_trace(m):
 
 
 @pytest.mark.timeout(120)
-def test_a_pipelined_batch_records_its_update(tmp_path):
+def test_a_pipelined_batch_records_its_update(tmp_path, cpu_device):  # copies synchronous: loads counted exactly
     """`train_batch` with `parallel.microbatches` 2 holds one trace step around its micro-batches; with
     `grad_accumulation_steps` 1 the update belongs to it, as after `engine.backward`. Before, the step ended before
     `train_batch` called `engine.step()`: the trace never held the update, nothing prefetched its optimizer states and
@@ -261,7 +261,7 @@ def test_gathered_tiled_weights_in_an_open_step_break_no_replay():
 
 
 @pytest.mark.timeout(120)
-def test_several_forwards_before_one_backward_are_one_step(tmp_path):
+def test_several_forwards_before_one_backward_are_one_step(tmp_path, cpu_device):  # copies synchronous
     """A loss over two forwards of the model (a contrastive pair, a GAN's discriminator on real and fake) is one
     training step, both forwards and the backward, and replays as such. (Decided against: a second forward with
     autograd and no backward between beginning a step of its own, for an evaluation that leaves autograd on. At stage
