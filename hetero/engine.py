@@ -377,8 +377,7 @@ class Engine(DeepSpeedNames):
         if not self._in_step:
             # One without autograd between a backward and its update (a metric on the batch) is a step within that
             # training step, which resumes for the update ([Note: a step within a step] in hetero/memory/policy.py).
-            self.manager.step_begin("train" if training else "eval", nested=not training)
-            self._in_step = True
+            self._begin_step(training)
         self.events.emit("forward_begin")
         self.watch.forward(training=training)
         args, kwargs = self.to_device((args, kwargs))
@@ -955,6 +954,12 @@ class Engine(DeepSpeedNames):
             )
         return self._runtime
 
+    def _begin_step(self, training: bool) -> None:
+        """Open a step of the access trace: one without autograd is an evaluation, nested in an open training step
+        ([Note: one trace per kind of step], [Note: a step within a step] in hetero/memory/policy.py)."""
+        self.manager.step_begin("train" if training else "eval", nested=not training)
+        self._in_step = True
+
     @contextlib.contextmanager
     def trace_step(self, *, update_follows: bool = False) -> Iterator[None]:
         """Hold one step of the access trace open around a whole batch (`train_batch`, `eval_batch` through the
@@ -966,8 +971,7 @@ class Engine(DeepSpeedNames):
         began = not self._in_step
         training = torch.is_grad_enabled()
         if began:
-            self.manager.step_begin("train" if training else "eval", nested=not training)
-            self._in_step = True
+            self._begin_step(training)
         ran = False
         try:
             yield

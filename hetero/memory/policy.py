@@ -75,9 +75,8 @@ class AccessTrace:
         self._positions: dict[int, list[int]] = {}  # chunk id -> sorted positions in `trace`
         self._ahead: dict[int, list[Access]] = {}  # position -> the distinct accesses from it on (memo of `upcoming`)
         self.kind = "train"  # the kind of step `trace` is of ([Note: one trace per kind of step])
-        self._shelved: dict[
-            str, Recorded
-        ] = {}  # the other kinds' (trace, _positions, _ahead), kept for their next step
+        # The other kinds' (trace, _positions, _ahead), kept for their next step.
+        self._shelved: dict[str, Recorded] = {}
         self._recording: list[Access] = []  # this step's accesses so far
         self.pos = 0  # index in `trace` of the next expected access
         self.matching = False  # replaying and every access so far matched
