@@ -24,9 +24,18 @@ from hetero.parallel.tp_ops import reduce_from_region
 class _VocabParallelCE(Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, comm: Comm, ignore_index: int
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        start: int,
+        comm: Comm,
+        ignore_index: int,
+        smoothing: float,
+        weight: torch.Tensor | None,
+        weight_total: torch.Tensor | None,
     ) -> torch.Tensor:
         n_local = logits.shape[-1]
+        vocab = n_local * comm.size
         # Softmax is shift-invariant: subtract the global maximum so that exp never overflows.
         peak = logits.detach().max(dim=-1).values
         comm.all_reduce(peak, op="max")
@@ -38,21 +47,44 @@ class _VocabParallelCE(Function):
         local = target - start
         mine = valid & (local >= 0) & (local < n_local)
         idx = torch.where(mine, local, torch.zeros_like(local))
-        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
-        comm.all_reduce(picked)  # exactly one rank holds each valid target's logit
-        loss = torch.where(valid, total.log() - picked, torch.zeros_like(total))
+        # Sums over the vocabulary in one all-reduce: the target's logit (exactly one rank holds each valid target),
+        # its class weight, and under smoothing the (weighted) sum of all the logits.
+        cols = [shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine]
+        if weight is not None:
+            cols.append(weight[idx] * mine)
+        if smoothing:
+            cols.append((shifted if weight is None else shifted * weight).sum(dim=-1))
+        sums = torch.stack(cols, -1)
+        comm.all_reduce(sums)
+        lse = total.log()  # -log p_j = lse - shifted_j
+        w_target = None if weight is None else sums[:, 1]
+        loss = lse - sums[:, 0] if weight is None else w_target * (lse - sums[:, 0])
+        if smoothing:
+            # torch's definition: (1 - e) * w_y * (-log p_y) + e / V * sum_j w_j * (-log p_j), w = 1 unweighted.
+            w_all = vocab if weight is None else weight_total
+            loss = (1 - smoothing) * loss + smoothing / vocab * (w_all * lse - sums[:, -1])
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
         exp.div_(total.unsqueeze(-1))  # now the local part of the softmax, kept for backward
-        ctx.save_for_backward(exp, idx, mine, valid)
+        ctx.smoothing, ctx.vocab = smoothing, vocab
+        ctx.save_for_backward(exp, idx, mine, valid, w_target, weight, weight_total)
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        softmax, idx, mine, valid = ctx.saved_tensors
-        # d loss_i / d logit_ij = softmax_ij - [j is i's target]; zero for ignored tokens.
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        softmax, idx, mine, valid, w_target, weight, weight_total = ctx.saved_tensors
+        e, vocab = ctx.smoothing, ctx.vocab
+        # d loss_i / d logit_ij = (1 - e) w_y (p_ij - [j is i's target]) + e / V (W p_ij - w_j), W = sum_j w_j;
+        # zero for ignored tokens. Unweighted (w = 1, W = V): p_ij - (1 - e) [j is i's target] - e / V.
+        hit = (1 - e) * mine.to(softmax.dtype)
         out = softmax.clone()
-        out.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(out.dtype).unsqueeze(-1))
+        if weight is not None:
+            hit = hit * w_target
+            out.mul_(((1 - e) * w_target + e / vocab * weight_total).unsqueeze(-1))
+        out.scatter_add_(-1, idx.unsqueeze(-1), -hit.unsqueeze(-1))
+        if e:
+            out.sub_(e / vocab if weight is None else weight * (e / vocab))
         out.mul_((grad * valid).unsqueeze(-1))
-        return out, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -63,26 +95,50 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     num_items: torch.Tensor | int | None = None,
+    label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross entropy of ``logits`` [..., V/t] (this rank's vocabulary range, ranks in order) against ``target`` [...].
 
-    Equals ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index)``, computed in
-    fp32, with the same value on every rank. ``reduction``: "mean" (over tokens not ignored; ``num_items``, when
-    given, replaces their count, as Hugging Face's trainer passes it), "sum" or "none".
+    Equals ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=, label_smoothing=,
+    weight=)``, computed in fp32 (fp64 logits in fp64), with the same value on every rank. ``reduction``: "mean"
+    (over tokens not ignored, weighted by their targets' ``weight`` as torch does; ``num_items``, when given,
+    replaces that denominator, as Hugging Face's trainer passes it), "sum" or "none". ``weight``: torch's class
+    weights for the whole vocabulary [V], the same on every rank (each rank reads its range).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction = {reduction!r}: expected 'mean', 'sum' or 'none'")
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab")
-    flat = logits.reshape(-1, logits.shape[-1]).float()
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing = {label_smoothing}: it must be between 0.0 and 1.0, as torch requires")
+    n_local = logits.shape[-1]
+    flat = logits.reshape(-1, n_local).to(torch.promote_types(logits.dtype, torch.float32))
     tgt = target.reshape(-1).to(flat.device)
-    start = comm.rank * logits.shape[-1]
-    per_token = _VocabParallelCE.apply(flat, tgt, start, comm, ignore_index)
+    start = comm.rank * n_local
+    mine_w = weight_total = None
+    if weight is not None:
+        if weight.shape != (n_local * comm.size,):
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}: give one weight per class of the whole vocabulary, "
+                f"({n_local * comm.size},), the same on every rank ({comm.size} ranks hold {n_local} classes each)"
+            )
+        full = weight.to(flat.device, flat.dtype)
+        mine_w, weight_total = full[start : start + n_local].contiguous(), full.sum()
+    per_token = _VocabParallelCE.apply(
+        flat, tgt, start, comm, ignore_index, float(label_smoothing), mine_w, weight_total
+    )
     if reduction == "none":
         return per_token.view(target.shape)
     if reduction == "sum":
         return per_token.sum()
-    count = (tgt != ignore_index).sum() if num_items is None else num_items
+    if num_items is not None:
+        count = num_items
+    elif weight is None:
+        count = (tgt != ignore_index).sum()
+    else:  # torch divides a weighted mean by the weights of the targets counted (every rank holds all of them)
+        valid = tgt != ignore_index
+        count = (full[torch.where(valid, tgt, torch.zeros_like(tgt))] * valid).sum()
     if isinstance(count, torch.Tensor):
         return per_token.sum() / count.to(per_token.device)
     return per_token.sum() / count  # a number goes with the kernel: made a tensor on a GPU, it would wait for it

@@ -24,18 +24,34 @@ def grid_cross_entropy(
     *,
     ignore_index: int = -100,
     num_items: torch.Tensor | int | None = None,
+    label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross entropy of this rank's logits [b/B, s, V/q] against the whole batch's labels [b, s] (this rank's
-    rows are taken here); the same value on every rank of the tensor group."""
+    rows are taken here); the same value on every rank of the tensor group. ``label_smoothing`` and ``weight`` (class
+    weights of the whole vocabulary [V]) as torch's cross_entropy takes them; a weighted mean divides by the targets'
+    weights unless ``num_items`` is given."""
     mine = own_rows(labels, grid, "the labels").to(logits.device)
-    total = vocab_parallel_cross_entropy(logits, mine, grid.main.hidden, ignore_index=ignore_index, reduction="sum")
+    total = vocab_parallel_cross_entropy(
+        logits,
+        mine,
+        grid.main.hidden,
+        ignore_index=ignore_index,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+        weight=weight,
+    )
     total = reduce_from_region(reduce_from_region(total, grid.main.batch), grid.outer)
     if num_items is None:
-        count = (mine != ignore_index).sum().to(torch.float32)
+        valid = mine != ignore_index
+        if weight is None:
+            count = valid.sum().to(total.dtype)
+        else:  # torch divides a weighted mean by the weights of the targets counted
+            count = (weight.to(total)[torch.where(valid, mine, torch.zeros_like(mine))] * valid).sum()
         grid.main.batch.all_reduce(count)
         grid.outer.all_reduce(count)
     elif isinstance(num_items, torch.Tensor):
-        count = num_items.to(total.device, torch.float32)
+        count = num_items.to(total.device, total.dtype)
     else:
         return total / float(num_items)  # a number goes with the kernel: made a tensor on a GPU, it would wait for it
     return total / count
