@@ -59,6 +59,7 @@ import hetero
 from hetero.checkpoint.manifest import NESTED
 from hetero.config import Config
 from hetero.errors import ConfigError
+from hetero.integrations.roll_call import roll_call
 from hetero.zero.optim import step_scheduler
 
 try:
@@ -80,6 +81,13 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFOR
 log = logging.getLogger("hetero.integrations")
 
 HETERO_DIR = NESTED  # the engine's checkpoint root inside a Trainer checkpoint directory
+# How long process zero waits in save_model for the other ranks to call it too ([Note: a roll call before save_model])
+SAVE_MODEL_WAIT_S = 30.0
+_EVERY_RANK = (
+    "At ZeRO stage 3 (or with delayed_param_update) save_model gathers the weights from every rank's shard: call "
+    "trainer.save_model() on every rank, not under `if trainer.is_world_process_zero():` (only process zero writes "
+    "the files, as with the plain Trainer)"
+)
 
 
 class EngineModule(nn.Module):
@@ -330,6 +338,10 @@ class HeteroTrainer(transformers.Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.engine.stage == 3 or self.engine.config.delayed_param_update:
+            # the gathers below need every rank: one alone fails in seconds, saying so, instead of waiting comm_timeout
+            # for ranks an `is_world_process_zero()` guard kept out ([Note: a roll call before save_model])
+            roll_call(self.engine.comm, "HeteroTrainer.save_model", limit_s=SAVE_MODEL_WAIT_S, advice=_EVERY_RANK)
         state = self.engine.full_state_dict()
         self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
