@@ -48,6 +48,7 @@ def delayed_reference(
     accum: int = 1,
     build: Callable[[], torch.nn.Module] = parity.build,
     rows: int = ROWS,
+    schedule: Callable[[int], float] | None = None,
 ) -> tuple[list[float], dict]:
     """Plain PyTorch running the delayed algorithm: step t's gradient is taken at the parameters of update t-2 (with
     `predict`, at their prediction: benchmarks/delayed_update.py's PlainPrediction). The forward model holds what the
@@ -58,11 +59,14 @@ def delayed_reference(
     `master_dtype`: mixed precision, the model in `dtype` and the master weights and optimizer in this one. `skip`:
     the steps (1-based) whose update is skipped, as for fp16 overflow: no update is taken, the pending one's exact
     values reach the model, and the prediction starts afresh. Updates are numbered among those taken. `accum`:
-    micro-batches a step (its loss their mean). `build`: the model, `rows` a batch's."""
+    micro-batches a step (its loss their mean). `build`: the model, `rows` a batch's. `schedule`: a LambdaLR's factor,
+    the scheduler stepped right after each update, as a training loop does after `engine.step()`: update t takes
+    lr_t, and the drift predicted beside it is update t+1's, with lr_{t+1}."""
     model = build().to(dtype)
     master = copy.deepcopy(model) if master_dtype is None else build().to(master_dtype)
     opt = parity.make_optimizer(master, optimizer)
     predictor = PlainPrediction(opt) if predict else None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule is not None else None
     losses = []
     update = 0
     data = parity.batches(steps * accum, rows)
@@ -90,6 +94,8 @@ def delayed_reference(
                 p.copy_(pm if predictor is None or update <= warmup + 1 else predictor.forward_weights(pm))
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         if predictor is not None and update > warmup:
             predictor.after_step()
         if update <= warmup or update in settled:
@@ -311,6 +317,67 @@ def test_delayed_update_and_its_prediction_in_mixed_precision(tmp_path):
             plain = delayed_reference(dtype, master_dtype=torch.float32, **taken)[1]
             with pytest.raises(AssertionError):
                 tolerance.assert_weights(results[name]["state"], exact, plain, dtype=dtype, initial=initial)
+
+
+def _steep(step: int) -> float:
+    """A learning rate that jumps 16x up and down at every update: the drift predicted with the lr of the update
+    stepping beside it instead of the next one's is off by 16x."""
+    return 4.0 if step % 2 else 0.25
+
+
+# The delay alone, and its prediction of AdamW (states on NVMe, stage 3) and of SGD (stage 0, Nesterov momentum).
+SCHEDULED = {
+    "z2-nvme": {**DELAYED["z2-nvme"], "delayed_param_update_warmup": 1},
+    "z3-nvme-predicted": DELAYED["z3-nvme-predicted"],
+    "z0-host-predicted-sgd": DELAYED["z0-host-predicted"],
+}
+
+
+class _Scheduled:
+    """`on_step` for parity.run_hetero: the loop's order, engine.step(), then the scheduler, then the next forward."""
+
+    def __init__(self) -> None:
+        self.sched: torch.optim.lr_scheduler.LambdaLR | None = None
+
+    def __call__(self, engine: hetero.Engine, step: int) -> None:
+        if self.sched is None:
+            self.sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, _steep)
+        else:
+            self.sched.step()
+
+
+def _run_scheduled(rank: int, world: int, names: list[str], nvme: str) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name in names:
+        optimizer = "sgd" if name.endswith("-sgd") else "adamw"
+        cfg, path = SCHEDULED[name], f"{nvme}/{name}"
+        out[name] = parity.run_hetero(
+            rank, world, steps=STEPS, rows=ROWS, config=cfg, nvme_dir=path, optimizer=optimizer, on_step=_Scheduled()
+        )
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_delayed_update_and_its_prediction_under_a_steep_lr_schedule(tmp_path):
+    """ZeRO-Offload's delayed update t runs during step t+1 with update t's own learning rate (the groups as they
+    were at its `step()`, whatever the scheduler set since); the prediction's drift, computed beside update t, is
+    update t+1's part and takes lr_{t+1}, the one the scheduler set after update t's `step()`. It took update t's:
+    under this schedule the prediction was 16x off and the loss 0.26% off by step 4 (AdamW), far more with SGD,
+    whose prediction is otherwise the update itself. The reference is plain PyTorch's delayed loop in float64."""
+    results = run_distributed(_run_scheduled, 2, list(SCHEDULED), str(tmp_path), timeout=180)[0]
+    for name, cfg in SCHEDULED.items():
+        run = dict(
+            warmup=cfg["delayed_param_update_warmup"],
+            predict=cfg.get("delayed_param_update_prediction", False),
+            optimizer="sgd" if name.endswith("-sgd") else "adamw",
+            schedule=_steep,
+        )
+        (exact_losses, exact), (plain_losses, plain) = (
+            delayed_reference(d, **run) for d in (torch.float64, torch.float32)
+        )
+        tolerance.assert_losses(results[name]["losses"], exact_losses, plain_losses, dtype=torch.float32)
+        tolerance.assert_weights(results[name]["state"], exact, plain, dtype=torch.float32)
 
 
 def test_delayed_update_needs_the_optimizer_off_the_device():

@@ -321,6 +321,9 @@ class DelayedUpdate:
         predict = self.predict
         # Read here, on the driving thread, which owns the counts: the tensors' steps after this one, which stepped.
         steps, flags = (list(zc.param_steps), used.tolist()) if predict is not None else ([], [])
+        # The drift is the next update's part ([Note: predicting past the delay]): its hyperparameters, as the
+        # groups hold them now (a scheduler steps after step(), before this forward), not this update's.
+        upcoming = dict(self.updater.param_groups[zc.spec.group]) if predict is not None else group
 
         device = zc.device
 
@@ -332,7 +335,7 @@ class DelayedUpdate:
                 step_chunk(algorithm, group, zc, used, master, grad, states, coef, runs)
                 values.copy_(master)
                 if predict is not None:
-                    predict.drift(zc, group, states, values, steps, flags)
+                    predict.drift(zc, upcoming, states, values, steps, flags)
             return sq, t0, time.perf_counter()
 
         self._running = (zc, self._worker.submit(math))

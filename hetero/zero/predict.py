@@ -14,7 +14,13 @@ With this option the forward and backward of step t+1 run on a prediction of θ_
 is θ_t = θ_{t-1}(1 - lr·wd) - lr (β1 m_{t-1} + (1-β1) g_t) / (1-β1^k) / (√v̂_t + ε), and both of its parts are at
 hand before update t steps:
   - the drift, β1 m_{t-1}: known while update t-1 steps, when m_{t-1} is in memory (states on NVMe are not, later):
-    the pending values of update t-1 are θ_{t-1}(1 - lr·wd) minus the drift (`drift`, on the update's worker);
+    the pending values of update t-1 are θ_{t-1}(1 - lr·wd) minus the drift (`drift`, on the update's worker).
+    lr and wd there are update t's, not update t-1's: update t-1 steps with the groups copied at its `step()`
+    (ZeRO-Offload's update t-1 with lr_{t-1}), while the drift reads the groups as they are when its chunk steps,
+    in the next forward, after the loop's scheduler set lr_t. Taken from update t-1, a LambdaLR that changed lr by
+    16x at each update moved the loss of a 6-step run 1.5% off plain PyTorch's (tests/test_delayed.py). A learning
+    rate changed later than that (after the next forward began) reaches the drift of the chunks that step after
+    it only: the others' prediction is off by the change, never the master weights;
   - the fresh part, (1-β1) g_t: known at the boundary that prepares update t, where g_t is reduced and clipped: one
     axpy over this rank's shard before the values are written into the parameters (`fresh`).
 √v̂ per element is not at hand at the boundary (it is on NVMe). Both parts divide by one scale per tensor, the mean
