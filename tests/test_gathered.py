@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 import hetero
 from hetero.errors import ReleasedParameterError
@@ -133,3 +134,81 @@ def test_reading_a_released_parameter_is_a_python_error_not_a_crash(read):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert "ReleasedParameterError" in proc.stderr and "gathered_parameters" in proc.stderr, proc.stderr[-2000:]
+
+
+class _Hooked(nn.Module):
+    """A model whose hooks, registered by `_hook` (after `initialize` for hetero), read weights: of their own module
+    (forward hooks plain, with kwargs and always_call, a forward pre-hook with kwargs, a full backward hook) and, on
+    the root, the head's and the embedding's (a forward hook, and a pre-hook prepended before hetero's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 20)
+        self.scale: torch.Tensor | None = None  # set by the root's pre-hook for this forward
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.scale is not None:
+            h = h * self.scale
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def _hook(model: _Hooked) -> None:
+    b0, b1, b2 = model.blocks
+    b0.register_forward_hook(lambda m, args, out: out + 0.1 * nn.functional.linear(args[0], m.weight))
+    b1.register_forward_hook(lambda m, args, kwargs, out: out * (1 + m.weight.mean()), with_kwargs=True)
+    b1.register_forward_hook(lambda m, args, out: out - 0.05 * m.bias, always_call=True)
+    b2.register_forward_pre_hook(lambda m, a, kw: ((a[0] * m.weight.norm().tanh(),), kw), with_kwargs=True)
+    model.head.register_full_backward_hook(lambda m, gin, gout: (gin[0] * (1 + m.weight.mean().tanh()),))
+
+    def scale(m: _Hooked, args: tuple) -> None:
+        m.scale = 1 + 0.1 * m.embed.weight.mean().tanh()
+
+    model.register_forward_pre_hook(scale, prepend=True)
+    model.register_forward_hook(lambda m, args, out: out + 0.01 * m.head.weight.sum())
+
+
+def _train_hooked(dtype: torch.dtype | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch in `dtype`, or hetero at stage 3 (None) with chunks small enough to release each layer."""
+    model = _Hooked()
+    if dtype is not None:
+        model = model.to(dtype)
+        _hook(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = hetero.initialize(model, opt, {"zero_stage": 3, "chunk_size": 400}) if dtype is None else None
+    if engine is not None:
+        _hook(model)  # after initialize: hetero's own hooks come first on every module
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(4):
+        ids = torch.randint(0, 20, (2, 6), generator=g)
+        out = (engine or model)(ids)
+        loss = nn.functional.cross_entropy(out.flatten(0, 1), ids.to(out.device).flatten())
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    state = engine.full_state_dict() if engine is not None else model.state_dict()
+    if engine is not None:
+        engine.close()
+    return losses, {k: v.detach().cpu().clone() for k, v in state.items() if k != "scale"}
+
+
+def test_hooks_registered_after_initialize_read_their_weights():
+    """At stage 3 hooks registered after `initialize` run after hetero's (or, prepended, before them) and read the
+    weights as in plain PyTorch: the same losses and weights. The root's forward hook and prepended pre-hook ran
+    outside the root's count of forwards in progress and raised ReleasedParameterError ([Note: a parameter read
+    outside its module] in hetero/zero/hooks.py)."""
+    (exact_losses, exact), (plain_losses, plain) = _train_hooked(torch.float64), _train_hooked(torch.float32)
+    losses, state = _train_hooked(None)
+    tolerance.assert_losses(losses, exact_losses, plain_losses, dtype=torch.float32)
+    tolerance.assert_weights(state, exact, plain, dtype=torch.float32)

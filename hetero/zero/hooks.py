@@ -50,6 +50,11 @@ gradients arrive, as a module's backward does. An in-place operation on a releas
 model's forward and the engine's backward stay errors (ReleasedParameterError): `gathered_parameters` is the way
 there. Before, each of these reads raised that error, whose advice (`gathered_parameters` in a forward) released the
 weight before the backward that reads it.
+The root's own hooks count the model's forwards in progress. A hook registered on the root after `initialize` runs
+outside that count (a forward hook after hetero's counting one, a pre-hook with prepend=True before it), and a read
+of a weight there raised the error: a read with the count at zero therefore looks for the root's call on the
+thread's stack (`_calling`, only on this path), so hooks on the root, registered whenever, read weights as hooks on
+any other module do (on the others, hooks registered after hetero's run inside the count).
 
 [Note: hetero's hooks under torch.compile]
 `model.compile()` (or `torch.compile(model)`) traces a forward through the modules' hooks. At stage 3 those gather,
@@ -67,6 +72,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -182,7 +189,7 @@ class Hooks:
         self.handles.append(model.register_forward_pre_hook(lambda *_: _count(forwards, 1), prepend=True))
         self.handles.append(model.register_forward_hook(lambda *_: _count(forwards, -1), always_call=True))
         self._read = [e.info.param for e in entries.values()]
-        released.set_reader(self._read, _reader(entries, unit_of, gathers, forwards))
+        released.set_reader(self._read, _reader(entries, unit_of, gathers, forwards, weakref.ref(model)))
         for m in model.modules():
             own = [entries[id(p)] for p in m.parameters(recurse=False) if id(p) in entries]
             unit = root_of.get(id(m))
@@ -210,7 +217,25 @@ def _count(forwards: list[int], step: int) -> None:
     forwards[0] += step
 
 
-def _reader(entries: dict[int, Entry], unit_of: dict[int, Unit], gathers: Gathers, forwards: list[int]) -> Callable:
+def _calling(root: weakref.ref[nn.Module]) -> bool:
+    """Whether this thread is inside a call of the root module, its hooks included: a hook registered on it after
+    `initialize` runs before its counting pre-hook (prepended) or after its counting forward hook (appended)."""
+    module = root()
+    frame = sys._getframe(1)
+    while frame is not None and module is not None:
+        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _reader(
+    entries: dict[int, Entry],
+    unit_of: dict[int, Unit],
+    gathers: Gathers,
+    forwards: list[int],
+    root: weakref.ref[nn.Module],
+) -> Callable:
     """An operation reading released parameters during the model's forward: run as a call of their modules outside
     their units ([Note: a parameter read outside its module])."""
 
@@ -220,7 +245,7 @@ def _reader(entries: dict[int, Entry], unit_of: dict[int, Unit], gathers: Gather
         backward = in_backward()
         if in_place or any(id(p) not in unit_of for p in params):
             return NotImplemented
-        if not (gathers.accumulating if backward else forwards[0]):
+        if not (gathers.accumulating if backward else forwards[0] or _calling(root)):
             return NotImplemented
         groups: dict[int, tuple[Unit, list[Entry]]] = {}
         for p in params:
