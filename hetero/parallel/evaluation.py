@@ -15,6 +15,14 @@ sees them: a 1D vocabulary-parallel head's over the tensor group; a grid head's 
 batch rows and vocabulary) over its layout's groups (`grid.layers.whole_logits`). Under Ulysses and ring nothing
 is cut there: the plan's `sequence_gather` (before the head, on the final norm) has joined the sequence, zig-zag
 undone. So every rank holds the full outputs of its data-parallel rank's batch (what greedy generation needs).
+
+A forward that raises on one stage (a hook, a loss_fn, a shape error) stops its rank computing as in training
+([Note: a stage that raises] in pipeline/runtime.py): its messages go marked and stop the stages after it. Marks
+only travel forward here, so the stages before the one that raised would not hear of it: before the outputs are
+shared or the loss summed, the pipeline ranks agree on which of them raised (one small all-reduce, carrying the
+loss sum with it), and then every rank raises, its own error or a PipelineError naming the rank. Before, the
+others waited in their sends, the broadcast or the loss's all-reduce until comm_timeout (600 s by default), and
+the engine's transfers were broken for good after it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.parallel.pipeline.runtime import DTYPES, HEADER, MAX_DIMS, PipelineError, PipelineRuntime, loss_of
+from hetero.parallel.pipeline.runtime import DTYPES, HEADER, MAX_DIMS, Halt, PipelineError, PipelineRuntime, loss_of
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
 if TYPE_CHECKING:
@@ -57,8 +65,7 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
             if labels is None:
                 with engine.device.compute_context():  # headers and buffers are device memory (NCCL's rule)
                     return _share(outputs, engine.pipeline_runtime(), m)
-    mean = (total / m).to(torch.float32)
-    mesh.pp.control.all_reduce(mean, op="sum")  # only the ranks holding last stages have a non-zero sum
+    mean = (total / m).to(torch.float32)  # through the stages, already summed over the pipeline group
     mesh.dp.control.all_reduce(mean, op="avg")
     return mean
 
@@ -76,8 +83,9 @@ def forward_programs(p: int, m: int, v: int, bidirectional: bool) -> tuple[tuple
 
 
 def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable | None) -> tuple[torch.Tensor, dict]:
-    """This rank's forwards; returns the sum of the losses of the micro-batches whose last stage it holds (with
-    labels) and their outputs (without)."""
+    """This rank's forwards; returns the losses' sum over the pipeline group (with labels: the micro-batches whose
+    last stage each rank holds) and this rank's outputs (without labels). Raises on every pipeline rank when one
+    raised ([Note: evaluation through the stages])."""
     rt = engine.pipeline_runtime()
     bidirectional = engine.config.parallel.schedule == "chimera"
     prog = forward_programs(rt.p, rt.m, rt.v, bidirectional)[rt.pp.rank]
@@ -87,34 +95,81 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
     total = torch.zeros((), dtype=torch.float32)
     outputs: dict[int, torch.Tensor] = {}
     gathers = engine.gathers
+    halt = Halt()
     # The exchanges run in the device's compute too: headers and received buffers are device memory (NCCL's rule).
     with engine.trace_step(), engine.device.compute_context():
         try:
             for item in prog:
                 if isinstance(item, Exchange):
-                    sends += rt.exchange(item, outbox, inbox)
+                    try:
+                        sends += rt.exchange(item, outbox, inbox, halt)
+                    except Exception:
+                        halt.raise_if_stopped(rt.pp)  # the error that stopped this rank is the one to see
+                        raise
                     continue
-                s = stage(item, rt.p, rt.pp.rank)
-                mb = item.microbatch
-                x = xs[mb] if s == 0 else inbox.pop((0, mb, s))
-                last = s == rt.last_stage
-                with_labels = last and ys is not None and loss_fn is None
-                y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
-                if last and ys is not None:
-                    loss = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
-                    total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
-                elif last:
-                    outputs[mb] = _tensor_of(y)
-                else:
-                    outbox[(0, mb, s + 1)] = y
-                if gathers is not None:
-                    gathers.end_forward(training=False)  # stage 3: nothing will need the chunks gathered for it
+                if halt.origin is not None:
+                    continue  # stopped: the exchanges go on, marked
+                try:
+                    total += _forward(engine, rt, item, xs, ys, loss_fn, inbox, outbox, outputs)
+                except Exception as e:
+                    halt.fail(e, rt.pp.rank)
             for handle, _ in sends:
                 handle.wait()
         finally:
             if gathers is not None:
                 gathers.release_all()
-    return total, outputs
+        return _agree(rt, halt, total), outputs
+
+
+def _forward(
+    engine: Engine,
+    rt: PipelineRuntime,
+    item: Any,
+    xs: list[Any],
+    ys: list[Any] | None,
+    loss_fn: Callable | None,
+    inbox: dict,
+    outbox: dict,
+    outputs: dict[int, torch.Tensor],
+) -> torch.Tensor:
+    """One forward of the program; returns its loss on a last stage with labels, else 0."""
+    s = stage(item, rt.p, rt.pp.rank)
+    mb = item.microbatch
+    x = xs[mb] if s == 0 else inbox.pop((0, mb, s))
+    last = s == rt.last_stage
+    with_labels = last and ys is not None and loss_fn is None
+    y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
+    loss = torch.zeros((), dtype=torch.float32)
+    if last and ys is not None:
+        value = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
+        loss = engine.device.to_host(value.detach(), torch.float32, copy=True)
+    elif last:
+        outputs[mb] = _tensor_of(y)
+    elif not isinstance(y, torch.Tensor):
+        raise PipelineError(
+            f"virtual stage {s} returned {type(y).__name__}; a stage must return one tensor to pass to the next "
+            "(split the model where a single tensor flows between units)"
+        )
+    else:
+        outbox[(0, mb, s + 1)] = y
+    if engine.gathers is not None:
+        engine.gathers.end_forward(training=False)  # stage 3: nothing will need the chunks gathered for it
+    return loss
+
+
+def _agree(rt: PipelineRuntime, halt: Halt, total: torch.Tensor) -> torch.Tensor:
+    """The losses' sum over the pipeline group, and which pipeline ranks raised, in one all-reduce; raise on every
+    rank if any did: a stage's marks reach only the stages after it ([Note: evaluation through the stages])."""
+    both = torch.zeros(1 + rt.p, dtype=torch.float64)
+    both[0] = total.double()
+    if halt.error is not None:
+        both[1 + rt.pp.rank] = 1
+    rt.pp.control.all_reduce(both, op="sum")
+    raised = [r for r in range(rt.p) if both[1 + r] > 0]
+    if raised:
+        halt.heard(raised[0])
+        halt.raise_if_stopped(rt.pp)
+    return both[0].to(torch.float32)
 
 
 def _share(outputs: dict[int, torch.Tensor], rt: PipelineRuntime, m: int) -> torch.Tensor:
