@@ -181,6 +181,27 @@ def test_close_inside_the_profile_and_max_steps(tmp_path):
     engine.close()
 
 
+@pytest.mark.timeout(120)
+def test_an_unwritable_out_dir_stops_the_profile_before_it_records(tmp_path, caplog):
+    """The outputs are written when the window ends, from inside engine.step under max_steps: a folder that cannot
+    take them is an error when the profile starts, and one that fails at the end loses the profile, not the run."""
+    engine = _engine(tmp_path)
+    before = _installed(engine)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(hetero.ConfigError, match="cannot write there"):
+        hetero.profile(engine, tmp_path / "file" / "prof").start()
+    assert _installed(engine) == before
+    out = tmp_path / "prof"
+    prof = hetero.profile(engine, out, max_steps=1, plot=False)
+    prof.start()
+    out.rmdir()
+    out.write_text("")  # the folder went away during the window: writing fails in the step that ends it
+    _train(engine, 2)  # the training goes on
+    assert prof.finished and _installed(engine) == before
+    assert any("could not be written" in r.getMessage() for r in caplog.records)
+    engine.close()
+
+
 def _profile_rank(rank: int, world: int, root: str) -> dict:
     engine = _engine(Path(root) / f"rank{rank}")
     # One folder given on every rank, as a script run under torchrun gives it: each rank writes its own under it.
@@ -229,10 +250,17 @@ def test_memprof_runs_an_unmodified_example(tmp_path):
     assert list(nvme.iterdir()) == []  # the script's own cleanup still ran
 
 
-def test_memprof_usage_errors():
+def test_memprof_usage_errors(tmp_path):
     tool = str(ROOT / "tools" / "memprof.py")
     proc = subprocess.run([sys.executable, tool, "--steps", "2"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
+    # A folder that exists but takes no files (root may write anywhere else): refused before the script runs.
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')")
+    if Path("/proc/self").is_dir():
+        cmd = [sys.executable, tool, "--out", "/proc/self", "--", "python", str(script)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "cannot write there" in proc.stderr and "ran" not in proc.stdout
 
 
 def test_estimate_cli(tmp_path):

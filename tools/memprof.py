@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import hetero  # noqa: E402
 import hetero.engine  # noqa: E402
 from hetero.profiler import Profile  # noqa: E402
+from hetero.profiler.recorder import check_writable  # noqa: E402
 
 
 class _Stop(SystemExit):
@@ -64,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         out = out / f"rank{os.environ.get('RANK', '0')}"
-    try:  # before the script runs: a bad --out stops here, not in the middle of its training
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out: cannot create {str(out)!r} ({e.strerror or e}); choose a writable directory")
+    try:  # before the script runs: a bad --out stops here, not after the steps it was to profile
+        check_writable(out, what="--out")
+    except hetero.ConfigError as e:
+        ap.error(str(e))
     profiles: list[Profile] = []
     original = hetero.engine.initialize
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from hetero.device import allocated_bytes
+from hetero.errors import ConfigError
 from hetero.memory import Tier
 from hetero.memory.manager import MoveEvent
 from hetero.profiler.activations import storage_key
@@ -156,6 +158,7 @@ class Profile:
     def start(self) -> None:
         if self.active or self.finished:
             raise RuntimeError("a Profile records one window: make a new one to record again")
+        check_writable(self.out_dir, what="profile out_dir")
         self.active = True
         self.manager.synchronize()
         self.manager.reset_peaks()
@@ -180,7 +183,7 @@ class Profile:
             ("update_begin", self._update_begin),
             ("update_end", self._update_end),
             ("micro_step", self._micro_step),
-            ("close", self.stop),
+            ("close", self._stop_in_engine),
             ("span", self._on_span),
         ):
             self._undo.append(self.engine.events.subscribe(name, fn))
@@ -382,7 +385,15 @@ class Profile:
     def _micro_step(self) -> None:
         self.micro_steps += 1
         if self._stop_after_step:
+            self._stop_in_engine()
+
+    def _stop_in_engine(self) -> None:
+        """Stop from inside engine.step or engine.close (max_steps, or the engine closing): outputs that cannot be
+        written (the disk filled, the folder went away) lose the profile, not the training run it observed."""
+        try:
             self.stop()
+        except OSError as e:
+            log.error("the memory profile could not be written to %s (%s); training goes on", self.out_dir, e)
 
     def _end_micro_batch(self) -> None:
         # What backward did not use is freed with the graph.
@@ -401,6 +412,19 @@ class Profile:
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def check_writable(folder: Path, *, what: str) -> None:
+    """Make `folder` and write a file there, or raise a ConfigError naming it: the outputs are written when the
+    window ends, and a folder that cannot take them should stop the run before it, not after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {str(folder)!r}: cannot write there ({e.strerror or e}); choose a writable directory"
+        ) from None
 
 
 def job_of(engine: Any) -> Any:
