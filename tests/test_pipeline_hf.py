@@ -164,3 +164,105 @@ def test_2d_x_hf_pipeline_on_8_ranks():
         first = next(r for r in gpt2 if r["coords"] == (t, 0, 0))["state"]["transformer.wte.weight"]
         last = next(r for r in gpt2 if r["coords"] == (t, 0, 1))["state"]["lm_head.weight"]
         assert torch.equal(first, last)
+
+
+# ---- a bare base model (LlamaModel, GPT2Model): a reward or embedding model trained with a loss_fn ----------------
+BARE_LAYERS = {"llama": "layers", "gpt2": "h"}  # the base model's decoder layers, as its own FQNs name them
+
+
+def _bare(family: str) -> torch.nn.Module:
+    """The family's causal LM's base model, alone (the same weights as `grid_parity.build`'s under their names)."""
+    return grid_parity.build(family).base_model
+
+
+def _hidden_loss(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss_fn on the last hidden states: each position's mean feature regressed onto a target."""
+    return torch.nn.functional.mse_loss(hidden.mean(-1), targets.to(hidden.dtype))
+
+
+def _bare_data(steps: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    shape = (rows, grid_parity.SEQ)
+    return [
+        (torch.randint(0, grid_parity.VOCAB, shape, generator=g), torch.randn(shape, generator=g)) for _ in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_bare_base_model_is_cut_as_its_forward_runs(family):
+    """Embeddings, layers and the final norm, run one after the other, give the base model's last hidden states bit
+    for bit. Before, it was cut by its top-level children in registration order (Llama's rotary module last, GPT-2's
+    position embedding given the token embeddings) and failed in the first layer ('cannot unpack non-iterable
+    NoneType'); labels without a loss_fn now say a base model has no loss."""
+    model = _bare(family)
+    x = _bare_data(1, 2)[0][0]
+    units = units_of(model)
+    norm, layers = ("norm" if family == "llama" else "ln_f"), BARE_LAYERS[family]
+    assert [n for n, _ in units] == ["embeddings", f"{layers}.0", f"{layers}.1", "norm"]
+    h = x
+    for _, unit in units:
+        h = unit(h)
+    assert torch.equal(h, model(x, use_cache=False).last_hidden_state)
+    with pytest.raises(ConfigError, match="has no head and computes no loss: pass loss_fn"):
+        units[-1][1](h, labels=h)
+    full = model.state_dict()
+    model = _bare(family)
+    cut_stages(model, rank=1, ranks=2, virtual=1, split=[f"{layers}.1"])
+    assert f"{norm}.weight" in model.state_dict() and all(
+        torch.equal(v, full[k]) for k, v in model.state_dict().items()
+    )
+
+
+def _train_bare(rank: int, world: int, family: str, config: dict, steps: int, rows: int) -> dict:
+    import hetero
+
+    torch.set_num_threads(1)
+    model = _bare(family)
+    engine = hetero.initialize(model, grid_parity.optimizer(model), {"chunk_size": grid_parity.CHUNK, **config})
+    losses = [float(engine.train_batch(x, y, loss_fn=_hidden_loss)) for x, y in _bare_data(steps, rows)]
+    x, y = _bare_data(1, rows)[0]
+    evaluated = float(engine.eval_batch(x, y, loss_fn=_hidden_loss))
+    state = {k: v.double() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return {"losses": losses, "eval": evaluated, "state": state}
+
+
+def _bare_reference(family: str, dtype: torch.dtype, steps: int, rows: int) -> tuple[list[float], dict, float]:
+    model = _bare(family).to(dtype)
+    opt = grid_parity.optimizer(model)
+    losses = []
+    for x, y in _bare_data(steps, rows):
+        loss = _hidden_loss(model(x, use_cache=False).last_hidden_state, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    x, y = _bare_data(1, rows)[0]
+    with torch.no_grad():
+        evaluated = _hidden_loss(model(x, use_cache=False).last_hidden_state, y).item()
+    return losses, {k: v.detach().double() for k, v in model.state_dict().items()}, evaluated
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(300)
+def test_a_bare_base_model_trains_through_a_pipeline_like_plain_pytorch():
+    """LlamaModel (1F1B, ZeRO-3) and GPT2Model (GPipe, ZeRO-1) on 2 pipeline ranks with a loss_fn on the hidden
+    states: the losses, eval_batch's loss and the weights of plain PyTorch (fp32, within fp32's own error of the
+    float64 run: tests/tolerance.py)."""
+    from tests import tolerance
+
+    steps, rows = 3, 4
+    cases = {"llama": (3, "1f1b"), "gpt2": (1, "gpipe")}
+    for family, (stage, schedule) in cases.items():
+        split = [f"{BARE_LAYERS[family]}.1"]
+        config = {"zero_stage": stage, "parallel": {"pipeline": 2, "microbatches": 2, "schedule": schedule}}
+        config["parallel"]["pipeline_split"] = split
+        results = run_distributed(_train_bare, 2, family, config, steps, rows, timeout=240)
+        exact_losses, exact, exact_eval = _bare_reference(family, torch.float64, steps, rows)
+        plain_losses, plain, plain_eval = _bare_reference(family, torch.float32, steps, rows)
+        merged = {k: v for r in results for k, v in r["state"].items()}
+        assert merged.keys() == exact.keys()
+        for r in results:
+            tolerance.assert_losses(r["losses"], exact_losses, plain_losses, dtype=torch.float32)
+            tolerance.assert_losses([r["eval"]], [exact_eval], [plain_eval], dtype=torch.float32)
+        tolerance.assert_weights(merged, exact, plain, dtype=torch.float32)

@@ -12,6 +12,11 @@ decoder, each a small wrapper that calls the model's own modules:
    an additive one for eager attention), cached per shape: the layers of a stage share them;
  - "head": final norm, LM head and, given labels, the model's own `loss_function` (per instance, so a tensor
    layout's vocabulary-parallel loss replaces it as it does in the whole model).
+A bare base model (`LlamaModel`, `GPT2Model`: a reward or embedding model trained with a loss_fn) is cut the same
+way, its last unit "norm" the final norm alone, returning the last hidden states as its forward does. Cut by its
+top-level children it ran them in registration order, which is not its forward (Llama's rotary module last, GPT-2's
+position embedding given the token embeddings), and failed deep in a layer ('cannot unpack non-iterable
+NoneType').
 The wrappers are not registered in the model: parameter names and `state_dict` keys stay the model's. Each unit
 owns the model's modules it runs (`parts`), which the splitter removes from the ranks that do not keep the unit.
 An embedding tied to the head (GPT-2) is then held by the first and last stages, each under its own name there
@@ -43,9 +48,12 @@ class HeadOutput:
 
 
 def is_hf_decoder(model: nn.Module) -> bool:
-    """A Hugging Face model with a base model distinct from itself (a causal LM around a decoder)."""
+    """A Hugging Face model with a base model distinct from itself (a causal LM around a decoder), or a bare base
+    model of a family reproduced here."""
     base = getattr(model, "base_model", None)
-    return hasattr(model, "config") and isinstance(base, nn.Module) and base is not model
+    if not hasattr(model, "config") or not isinstance(base, nn.Module):
+        return False
+    return base is not model or type(model).__name__ in FAMILIES
 
 
 def hf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -59,10 +67,11 @@ def hf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
             "top-level children in order (an nn.Sequential, or a module like hetero.models.gpt_pipe.GPTPipe)"
         )
     names = {id(m): n for n, m in model.named_modules()}
-    head = model.get_output_embeddings()
-    if head is None or id(head) not in names:
+    bare = base is model  # a base model alone: no head, its output the last hidden states
+    head = None if bare else model.get_output_embeddings()
+    if not bare and (head is None or id(head) not in names):
         raise ConfigError(f"parallel.pipeline: {type(model).__name__} has no output embeddings (LM head) to pipeline")
-    prefix = names[id(base)]
+    prefix = f"{names[id(base)]}." if names[id(base)] else ""
     ctx = _Context(model, base, family)
     if family == "llama":
         embeds = {"embed_tokens": base.embed_tokens}
@@ -70,12 +79,13 @@ def hf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     else:
         embeds = {"wte": base.wte, "wpe": base.wpe, "drop": base.drop}
         layers, norm = base.h, ("ln_f", base.ln_f)
-    first = Embeddings(ctx, embeds, [f"{prefix}.{n}" for n, m in embeds.items() if _has_state(m)])
+    first = Embeddings(ctx, embeds, [f"{prefix}{n}" for n, m in embeds.items() if _has_state(m)])
     units: list[tuple[str, nn.Module]] = [("embeddings", first)]
     lname = names[id(layers)]
     units += [(f"{lname}.{i}", Layer(ctx, layer, f"{lname}.{i}")) for i, layer in layers.named_children()]
-    last = Head(ctx, norm[1], head, [f"{prefix}.{norm[0]}", names[id(head)]])
-    return units + [("head", last)]
+    if bare:
+        return units + [("norm", Head(ctx, norm[1], None, [f"{prefix}{norm[0]}"]))]
+    return units + [("head", Head(ctx, norm[1], head, [f"{prefix}{norm[0]}", names[id(head)]]))]
 
 
 def _has_state(m: nn.Module) -> bool:
@@ -153,12 +163,19 @@ class Layer(_Unit):
 
 
 class Head(_Unit):
-    def __init__(self, ctx: _Context, norm: nn.Module, head: nn.Module, parts: list[str]) -> None:
+    def __init__(self, ctx: _Context, norm: nn.Module, head: nn.Module | None, parts: list[str]) -> None:
         super().__init__(ctx, parts)
-        self.norm, self.head = norm, head
+        self.norm, self.head = norm, head  # head None: a bare base model, whose output is the last hidden states
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor | HeadOutput:
         """The logits; with labels, the model's own loss too (labels as the model takes them: unshifted)."""
+        if self.head is None:
+            if labels is not None:
+                raise ConfigError(
+                    f"{type(self.ctx.model).__name__} has no head and computes no loss: pass loss_fn to train_batch "
+                    "and eval_batch (it takes the last hidden states and the labels)"
+                )
+            return self.norm(x)
         logits = self.head(self.norm(x))
         if labels is None:
             return logits
