@@ -177,6 +177,93 @@ def test_a_killed_process_leaves_nothing_behind_the_next_store(tmp_path):
         live.close()
 
 
+# A rank ended by SIGTERM, with a store made on the main thread and one on another, and two children forked from it
+# (one ended by SIGTERM, one exiting normally) before: each child inherits the handler and the stores' finalizers.
+_TERMINATED = """
+import json, os, signal, sys, threading, time, torch
+from hetero.memory.nvme import NvmeStore
+s = NvmeStore(sys.argv[1], block_bytes=1 << 20)
+t = torch.arange(1 << 18, dtype=torch.float32)
+s.write(0, t).result()
+other = []
+threading.Thread(target=lambda: other.append(NvmeStore(sys.argv[1], block_bytes=1 << 20))).start()
+time.sleep(0.5)
+children = []
+for end in ("term", "exit"):
+    pid = os.fork()
+    if pid == 0:
+        if end == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        sys.exit(0)  # runs the finalizers it inherited
+    children.append(os.waitpid(pid, 0)[1])
+out = torch.empty_like(t)
+s.read(0, out).result()
+dirs = [s.directory, other[0].directory]
+there = all(os.path.isfile(os.path.join(d, "swap")) for d in dirs)
+print(json.dumps({"dirs": dirs, "children": children, "kept": torch.equal(out, t) and there}))
+sys.stdout.flush()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+
+# A program with a SIGTERM handler of its own (one that saves a checkpoint on preemption): it runs, the store stays.
+_CHAINED = """
+import json, os, signal, sys, torch
+from hetero.memory.nvme import NvmeStore
+got = []
+mine = lambda signum, frame: got.append(signum)
+signal.signal(signal.SIGTERM, mine)
+s = NvmeStore(sys.argv[1], block_bytes=1 << 20)
+t = torch.arange(1 << 18, dtype=torch.float32)
+s.write(0, t).result()
+os.kill(os.getpid(), signal.SIGTERM)
+out = torch.empty_like(t)
+s.read(0, out).result()
+there = os.path.isdir(s.directory)
+s.close()
+back = signal.getsignal(signal.SIGTERM) is mine
+print(json.dumps({"got": got, "kept": torch.equal(out, t), "dir": there, "mine_back": back}))
+"""
+
+
+def _script(code: str, parent) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(parent)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
+def test_a_rank_ended_by_sigterm_removes_its_swap_directories(tmp_path):
+    """SIGTERM (a scheduler's, torchrun's once another rank failed) ended the process with no cleanup: its swap file
+    stayed until the next store in nvme_dir, a minute later at the earliest. Now it removes this process's swap
+    directories, the one made off the main thread too, and the process still dies of SIGTERM; a child forked from it
+    removes none of them, whether SIGTERM or a normal exit ends it (its inherited finalizer deleted the parent's live
+    directory: [Note: swap directories removed on SIGTERM])."""
+    proc = _script(_TERMINATED, tmp_path)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-3000:])
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["kept"], "a forked child's end removed the parent's live swap file"
+    term, exit_ = out["children"]
+    assert os.WIFSIGNALED(term) and os.WTERMSIG(term) == signal.SIGTERM and os.WEXITSTATUS(exit_) == 0
+    assert all(os.path.isabs(d) and d.startswith(str(tmp_path)) for d in out["dirs"])
+    assert _swap_dirs(tmp_path) == []
+
+
+def test_sigterm_runs_the_programs_own_handler_and_keeps_the_store(tmp_path):
+    """A handler installed before the store (to checkpoint on preemption) runs, and the process lives on with its
+    swap file; the last store's close puts that handler back."""
+    proc = _script(_CHAINED, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"got": [signal.SIGTERM], "kept": True, "dir": True, "mine_back": True}
+    assert _swap_dirs(tmp_path) == []
+
+
 def test_a_budget_given_counts_the_space_a_killed_run_left(tmp_path, monkeypatch):
     """A run killed outright (SIGKILL, or a launcher's SIGTERM once another rank failed) leaves its preallocated swap
     file, which the next store removes. But a given nvme_budget was checked against the free space before that: the

@@ -9,8 +9,12 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from bisect import bisect_left
+from types import FrameType
+from typing import Any
 
 from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
 from hetero.io.direct import fallocate, memory_file_system, open_direct, probe_mem_align
@@ -49,13 +53,14 @@ def remove_orphans(parent: str) -> list[str]:
     """Delete the swap directories in `parent` that no live store holds; returns them.
 
     [Note: swap directories left by a killed process]
-    A store deletes its directory on close() and at exit, but a process killed by SIGKILL (the OOM killer, a
-    scheduler's hard limit) runs neither, and its swap file, preallocated to the tier's high-water mark and beyond,
-    stays: a crash loop filled the disk one swap file per kill. Each store holds an flock on its swap file for as
-    long as the file is open (the kernel drops it when the process dies, however it dies; it holds across PID
-    namespaces, where a PID recorded in a name would not), so a directory whose file nobody locks is an orphan. Only
-    directories of this user older than ORPHAN_AGE_S are considered: a store just being made has not locked its file
-    yet. Failures are ignored: this is housekeeping, and the new store's own checks say what is wrong."""
+    A store deletes its directory on close(), at exit and on SIGTERM ([Note: swap directories removed on SIGTERM]),
+    but a process killed by SIGKILL (the OOM killer, a scheduler's hard limit) runs none of them, and its swap file,
+    preallocated to the tier's high-water mark and beyond, stays: a crash loop filled the disk one swap file per
+    kill. Each store holds an flock on its swap file for as long as the file is open (the kernel drops it when the
+    process dies, however it dies; it holds across PID namespaces, where a PID recorded in a name would not), so a
+    directory whose file nobody locks is an orphan. Only directories of this user older than ORPHAN_AGE_S are
+    considered: a store just being made has not locked its file yet. Failures are ignored: this is housekeeping, and
+    the new store's own checks say what is wrong."""
     removed = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
@@ -93,6 +98,80 @@ def remove_orphans(parent: str) -> list[str]:
             ", ".join(os.path.basename(d) for d in removed),
         )
     return removed
+
+
+# [Note: swap directories removed on SIGTERM]
+# Schedulers and launchers end jobs with SIGTERM (Slurm's scancel and time limit, Kubernetes, torchrun stopping the
+# other ranks once one failed), whose default action ends the process at once: no close(), no finalizer, and its swap
+# directory stayed until the next store in the same nvme_dir swept it, a minute later at the earliest. So while this
+# process holds a swap directory, SIGTERM goes through `_on_sigterm`, installed over the handler before it:
+#   - before it the default (SIG_DFL): the directories this process made are removed, the default is put back and the
+#     signal raised again, so the process still dies of SIGTERM (its exit status says so to the launcher);
+#   - before it a handler of the program's own: that one runs, nothing is removed. It decides whether the process
+#     ends (a handler that saves a checkpoint on preemption reads the NVMe tier after the signal); if it raises
+#     (SystemExit, KeyboardInterrupt) the store's finalizer removes the directory as the interpreter exits;
+#   - ignored (SIG_IGN), or set outside Python: left alone, nothing is installed.
+# Only the main thread can install a handler; a store made on another thread uses the one a main-thread store
+# installed, else its directory waits for the sweep ([Note: swap directories left by a killed process]), as before,
+# and a warning says so. The handler is put back when the last directory goes (on the main thread), so that a process
+# holding no swap file keeps the default: a Python handler runs only once the main thread is back in the
+# interpreter, so a rank blocked in a long C call (a collective) dies of SIGTERM only when the call returns.
+# Each directory is removed only by the process that made it: a child forked from a rank (os.fork) inherits the
+# handler, the registry and the store's finalizer, and when it ended (a SIGTERM, a normal exit, the store collected)
+# it deleted the rank's live swap file under it.
+_owned: tuple[tuple[str, int], ...] = ()  # (directory, pid that made it); replaced whole, read by the handler
+_owned_lock = threading.Lock()  # writers only: the handler reads `_owned` without it (it may interrupt a holder)
+_before: list[Any] = []  # the SIGTERM handler `_on_sigterm` replaced, while it is installed
+_warned = [False]  # the warning for a store off the main thread is given once
+
+
+def own(directory: str) -> None:
+    """This process made `directory`: removed on SIGTERM ([Note: swap directories removed on SIGTERM])."""
+    global _owned
+    with _owned_lock:
+        _owned = (*_owned, (directory, os.getpid()))
+    previous = signal.getsignal(signal.SIGTERM)
+    if _before or previous is signal.SIG_IGN or previous is None or previous is _on_sigterm:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        if not _warned[0]:
+            _warned[0] = True
+            log.warning(
+                "NVMe swap directory %s was made off the main thread, where no SIGTERM handler can be installed: a "
+                "SIGTERM leaves it until the next store in the same nvme_dir removes it (after %.0f s). Create the "
+                "first engine with an NVMe tier on the main thread to have it removed at once",
+                directory,
+                ORPHAN_AGE_S,
+            )
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _before.append(previous)
+
+
+def disown(directory: str) -> None:
+    """`directory` is gone or going: the last one puts the handler before hetero's back (on the main thread)."""
+    global _owned
+    with _owned_lock:
+        _owned = tuple(o for o in _owned if o[0] != directory)
+        last = not any(pid == os.getpid() for _, pid in _owned)
+    if not (last and _before and threading.current_thread() is threading.main_thread()):
+        return
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # else someone installed theirs over it: leave both
+        signal.signal(signal.SIGTERM, _before[0])
+        _before.clear()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    previous = _before[0] if _before else signal.SIG_DFL
+    if callable(previous):
+        previous(signum, frame)  # the program's own: it decides, and the store stays usable
+        return
+    pid = os.getpid()
+    for directory, owner in _owned:
+        if owner == pid:
+            shutil.rmtree(directory, ignore_errors=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)  # dies of it, as without the handler
 
 
 class Slots:
@@ -188,7 +267,13 @@ class SwapFile:
     def __init__(self, directory: str, direct: bool | None) -> None:
         self.directory = directory
         self.path = os.path.join(directory, "swap")
-        self.fd, self.direct, self.mem_align = _open(self.path, direct)
+        self.pid = os.getpid()  # the process that made it: the only one that removes it
+        own(directory)  # [Note: swap directories removed on SIGTERM]
+        try:
+            self.fd, self.direct, self.mem_align = _open(self.path, direct)
+        except BaseException:
+            disown(directory)
+            raise
         try:
             # Held while the file is open: other stores tell this live directory from a killed process's
             # ([Note: swap directories left by a killed process]).
@@ -277,8 +362,11 @@ class SwapFile:
             self.slots.release(offset, length)
 
     def close(self) -> None:
-        """Close the file and delete the directory with it. Idempotent."""
+        """Close the file and delete the directory with it (in the process that made it: a forked child closes its
+        copy of the descriptor only). Idempotent."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if os.getpid() == self.pid:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            disown(self.directory)  # after: a SIGTERM meanwhile still finds it
