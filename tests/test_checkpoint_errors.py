@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from collections import namedtuple
@@ -101,6 +102,36 @@ def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage):
         assert cs == {"epoch": 1}
 
 
+@pytest.mark.parametrize("field", ["step-count", "name"])
+def test_flipped_byte_in_the_manifest_is_refused(saved, tmp_path, capsys, field):
+    """The manifest holds what no other file checks (step counts, random states, the files' checksums): a flipped
+    byte that leaves it valid JSON loaded before, a step count of 2 read as 3 (Adam's bias correction off from then
+    on), and a flipped parameter name failed consolidation with a KeyError ([Note: the manifest's own checksum])."""
+    from hetero.checkpoint.__main__ import main
+
+    root = _copy(saved, tmp_path)
+    path = os.path.join(root, "step-00000002", mf.MANIFEST)
+    with open(path, "rb") as f:
+        data = f.read()
+    if field == "step-count":  # the first parameter's step count
+        at = data.index(b'"embed.weight": 2', data.index(b'"param_steps"')) + len(b'"embed.weight": ')
+    else:  # a parameter's name in the model's state_dict table
+        at = data.index(b'"layers.0.attn.q_proj.weight"', data.index(b'"state_dict"')) + len(b'"layers.0.a')
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))  # '2' -> '3', 't' -> 'u': still valid JSON
+    with open(path, "rb") as f:
+        json.loads(f.read())
+    match = r"manifest\.json: fails its CRC32 check: the manifest is corrupt"
+    with pytest.raises(CheckpointError, match=match):
+        _load(root)
+    capsys.readouterr()
+    assert main(["consolidate", root, str(tmp_path / "out.safetensors")]) == 1
+    assert re.search(match, capsys.readouterr().err)
+    cs, _ = _load(os.path.join(root, "step-00000001"))  # the earlier checkpoint is untouched and loads
+    assert cs == {"epoch": 1}
+
+
 def test_incompatible_model_lists_names_and_shapes(saved):
     root, _ = saved
     with pytest.raises(CheckpointError) as err:
@@ -172,8 +203,8 @@ def test_load_never_executes_a_pickle(saved, tmp_path):
     with open(path, "rb") as f:
         data = f.read()
     manifest["files"][mf.STATE_FILE] = {"size": len(data), "crc32": zlib.crc32(data)}
-    with open(os.path.join(tag, mf.MANIFEST), "w") as f:
-        json.dump(manifest, f)
+    with open(os.path.join(tag, mf.MANIFEST), "wb") as f:
+        f.write(mf.sealed(manifest))
     with pytest.raises(CheckpointError, match="cannot be read safely"):
         _load(root)
     assert not os.path.exists(marker)

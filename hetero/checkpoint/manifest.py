@@ -209,8 +209,15 @@ def read_manifest(directory: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: missing; {directory} is not a complete checkpoint") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}): the manifest is corrupt") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a hetero checkpoint manifest")
+    seal = manifest.pop(_SEAL, None)  # none in manifests written before it: read unchecked
+    # (a key of another name there is the seal's own name with a flipped byte)
+    if (seal is None and set(manifest) - _KEYS) or (seal is not None and zlib.crc32(_canonical(manifest)) != seal):
+        raise CheckpointError(
+            f"{path}: fails its CRC32 check: the manifest is corrupt (or was edited), and the step counts, random "
+            "states and checksums it holds cannot be trusted; load an earlier checkpoint"
+        )
     if manifest.get("version", 0) > VERSION:
         raise CheckpointError(
             f"{path}: format version {manifest['version']} is newer than this hetero reads ({VERSION}): upgrade hetero"
@@ -375,6 +382,29 @@ class Index:
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, default=str).encode()
+
+
+# [Note: the manifest's own checksum]
+# Every other file of a checkpoint is checked against the manifest; the manifest holds what no file checks: the
+# per-parameter step counts (Adam's bias correction), the step and micro-step counters, each rank's random states and
+# the files' checksums themselves. A flipped digit there was valid JSON and loaded: a resume silently off (a step count
+# 2 read as 3), or a consolidation that failed with a KeyError. So the manifest carries the CRC32 of the rest of
+# itself, taken over a canonical form (sorted keys, no spaces) of what a reader parses, which any JSON library
+# reproduces from the parsed values (Python's floats print as they parse back).
+_SEAL = "manifest_crc32"
+_KEYS = {"format", "version", "tag", "created", "engine", "layout", "model", "ranks", "files"}  # besides the seal
+
+
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sealed(manifest: dict[str, Any]) -> bytes:
+    """The manifest's bytes with its own checksum ([Note: the manifest's own checksum]); `read_manifest` checks it."""
+    plain = loads(dumps(manifest))  # as a reader parses it (dumps makes strings of what JSON cannot hold)
+    plain.pop(_SEAL, None)
+    plain[_SEAL] = zlib.crc32(_canonical(plain))
+    return dumps(plain)
 
 
 def loads(data: bytes | str) -> Any:

@@ -333,7 +333,7 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
         "ranks": [{k: v for k, v in i.items() if k not in NOT_PER_RANK} for i in infos],
         "files": files,
     }
-    mf.write_durable(os.path.join(tmp, mf.MANIFEST), mf.dumps(manifest))
+    mf.write_durable(os.path.join(tmp, mf.MANIFEST), mf.sealed(manifest))
     mf.fsync_dir(tmp)
     final = os.path.join(root, tag)
     if os.path.exists(final):
