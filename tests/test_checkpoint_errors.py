@@ -13,6 +13,7 @@ from collections import namedtuple
 import pytest
 import torch
 
+from hetero.checkpoint import consolidate
 from hetero.checkpoint import manifest as mf
 from hetero.errors import CheckpointError
 from tests.dist import ONE_RANK_FAULTS, ranks_apart
@@ -130,6 +131,44 @@ def test_flipped_byte_in_the_manifest_is_refused(saved, tmp_path, capsys, field)
     assert re.search(match, capsys.readouterr().err)
     cs, _ = _load(os.path.join(root, "step-00000001"))  # the earlier checkpoint is untouched and loads
     assert cs == {"epoch": 1}
+
+
+def test_consolidate_to_a_path_it_cannot_write(saved, tmp_path, capsys, monkeypatch):
+    """The output's faults are CheckpointErrors naming the output and what to do (the CLI printed an OSError's
+    traceback), found before any tensor is read where they can be; a disk that fills midway leaves no partial file
+    behind (it was left as OUT.tmp, holding the space the user had just run out of)."""
+    import errno
+
+    from hetero.checkpoint import part_writer
+    from hetero.checkpoint.__main__ import main
+
+    root = saved[0]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        ([str(tmp_path / "no" / "such" / "out.safetensors")], r"its directory .*no/such does not exist"),
+        ([str(afile)], r"afile exists and is not a directory"),
+        ([str(afile), "--hf"], r"afile exists and is not a directory"),
+        ([str(tmp_path) + "/.safetensors"], r"is a directory"),
+    ]
+    os.makedirs(tmp_path / ".safetensors")
+    for out, match in cases:
+        capsys.readouterr()
+        assert main(["consolidate", root, *out]) == 1, out
+        assert re.search(match, capsys.readouterr().err), out
+
+    def full(fd, view, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(part_writer, "write_full", full)
+    for out in ("model.safetensors", "model.pt", "folder"):
+        if out.endswith(".pt"):
+            monkeypatch.setattr(torch, "save", lambda obj, f: full(0, b"", 0))
+        with pytest.raises(CheckpointError, match=r"cannot write .*No space left on device.*Free space") as err:
+            consolidate(root, str(tmp_path / "out" / out) if out == "folder" else str(tmp_path / out))
+        assert "removed" in str(err.value)
+    leftover = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    assert leftover == [], leftover
 
 
 def test_incompatible_model_lists_names_and_shapes(saved):

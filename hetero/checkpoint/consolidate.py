@@ -11,9 +11,11 @@ memory at that moment); a `.pt` output is built in memory whole (torch.save need
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,26 +61,60 @@ def consolidate(
     out = os.fspath(out)
     if hf and out.endswith((".pt", ".safetensors")):
         raise CheckpointError(f"--hf writes a directory of shards: {out!r} looks like a file name; name a directory")
+    is_dir = hf or not out.endswith((".pt", ".safetensors"))
+    _check_out(out, is_dir)
+    limit = parse_size(max_shard_size, key="max_shard_size") if hf else sys.maxsize
     index = mf.Index(directory, manifest)
     shown = bar(sum(_numel(spec) for spec in plan.values()), "hetero: consolidating", unit="el")
     try:
-        if hf or not out.endswith((".pt", ".safetensors")):
-            # A directory: Hugging Face's layout; without --hf everything in one model.safetensors.
-            limit = parse_size(max_shard_size, key="max_shard_size") if hf else sys.maxsize
+        if is_dir:  # Hugging Face's layout; without --hf everything in one model.safetensors
             return _write_hf(index, manifest, plan, out, limit, shown)
         if out.endswith(".pt"):
             state = {k: _assemble(index, spec).view(spec["shape"]) for k, spec in plan.items()}
-            tmp = out + ".tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, out)
+            with _unfinished(out + ".tmp") as tmp:
+                torch.save(state, tmp)
+            os.replace(out + ".tmp", out)
             return [out]
         # One scratch buffer, the size of the largest part, reused for every part: the allocator cannot let freed
         # buffers pile up, so peak memory stays at about one part.
         _write_file(out, list(plan), plan, index, _scratch(plan, index), shown)
         return [out]
+    except OSError as e:  # a full disk, no permission: the output's fault, not the checkpoint's
+        where = e.filename if e.filename is not None else out
+        raise CheckpointError(
+            f"consolidating {directory} into {out}: cannot write {where} ({e.strerror or e}); the file being written "
+            "was removed. Free space on that file system or name an OUT elsewhere"
+        ) from None
     finally:
         shown.close()
         index.close()
+
+
+def _check_out(out: str, is_dir: bool) -> None:
+    """Refuse an output path that cannot be written before any tensor is read."""
+    if is_dir:
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise CheckpointError(
+                f"{out} exists and is not a directory: a directory output (no .safetensors / .pt suffix, or --hf) is "
+                "a folder for model.safetensors and config.json; name a folder, or end OUT in .safetensors for one file"
+            )
+        return
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{out}: its directory {parent} does not exist; create it first or name another OUT")
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out} is a directory: name a file to write (or drop the suffix for a folder)")
+
+
+@contextlib.contextmanager
+def _unfinished(path: str) -> Iterator[str]:
+    """A temporary output file, removed if writing it fails (a full disk must not be left fuller)."""
+    try:
+        yield path
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
 
 
 def _write_hf(
@@ -138,7 +174,7 @@ def _write_file(
 ) -> None:
     """One .safetensors file of `keys`, streamed part by part through `scratch`; renamed into place when whole."""
     entries = [(k, plan[k]["out_dtype"], tuple(plan[k]["shape"])) for k in keys]
-    with PartWriter(path + ".tmp", entries, metadata={"format": "pt"}) as w:
+    with _unfinished(path + ".tmp") as tmp, PartWriter(tmp, entries, metadata={"format": "pt"}) as w:
         for k in keys:
             _write_one(w, index, k, plan[k], _parts(index, plan[k]), scratch)
             shown.update(_numel(plan[k]))
