@@ -212,11 +212,24 @@ def _profile_rank(rank: int, world: int, root: str) -> dict:
     assert prof.out_dir == Path(root) / "prof" / f"rank{rank}"
     summary = json.loads((prof.out_dir / "summary.json").read_text())
     pids = {e["pid"] for e in json.loads((prof.out_dir / "trace.json").read_text())["traceEvents"]}
+    # Tensor-parallel ranks: one data-parallel rank each; the summary still counts the job's ranks.
+    from hetero.models.gpt_pipe import TP_PLAN
+    from tests import pipe_parity
+
+    model = pipe_parity.build()
+    config = {"zero_stage": 1, "chunk_size": 4096, "parallel": {"tensor": 2, "tensor_plan": TP_PLAN}}
+    tp = hetero.initialize(model, make_optimizer(model), config)
+    with hetero.profile(tp, Path(root) / "tp", plot=False) as tp_prof:
+        _train(tp, 1)
+    tp.close()
+    tp_summary = json.loads((tp_prof.out_dir / "summary.json").read_text())
     return {
         "peaks": {t: (summary["peaks"][t]["bytes"], stats[t]["peak"]) for t in TIERS},
         "pids": pids,
         "rank": summary["rank"],
         "world": summary["world_size"],
+        "tp": (tp_summary["rank"], tp_summary["world_size"], tp_summary.get("data_parallel_size")),
+        "tp_text": (tp_prof.out_dir / "summary.txt").read_text().splitlines()[0],
     }
 
 
@@ -228,6 +241,7 @@ def test_profile_on_two_ranks(tmp_path):
     results = run_distributed(_profile_rank, 2, str(tmp_path), timeout=240)
     for rank, res in enumerate(results):
         assert (res["rank"], res["world"], res["pids"]) == (rank, 2, {rank})
+        assert res["tp"] == (rank, 2, 1) and f"(rank {rank} of 2)" in res["tp_text"], res
         assert all(ours == theirs > 0 for ours, theirs in res["peaks"].values()), res
 
 

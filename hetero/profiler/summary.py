@@ -8,6 +8,7 @@ from typing import Any
 
 from hetero.config import format_size
 from hetero.profiler.overlap import length, overlap, union
+from hetero.profiler.recorder import job_of
 from hetero.profiler.rss import rss_summary
 
 TOP = 10  # holders and modules listed
@@ -67,8 +68,9 @@ def summary_data(prof: Any) -> dict[str, Any]:
         "seconds": prof.duration,
         "micro_steps": prof.micro_steps,
         "optimizer_steps": len(prof.steps),
-        "rank": prof.rank,
-        "world_size": prof.engine.data_parallel_size,
+        "rank": prof.rank,  # the global rank: of the job's ranks, not of the data-parallel group
+        "world_size": job_of(prof.engine).size,
+        "data_parallel_size": prof.engine.data_parallel_size,
         "peaks": peaks,
         "process_rss": rss_summary(prof),  # [Note: what the ledgers do not see]
         "moved": moved,
