@@ -93,3 +93,67 @@ def test_a_stage_that_raises_in_eval_batch_stops_every_stage_at_once(stage):
         evaluated, before, _ = r["after"]
         assert evaluated == before, r  # the same weights evaluate alike: nothing of the failed batches stayed
     assert len({r["after"][2] for r in results}) == 1
+
+
+def _inputs_and_losses_a_pipeline_cannot_take(rank: int, world: int) -> dict:
+    """A pipelined Hugging Face Llama given a tokenizer's dict (input_ids and attention_mask), and loss_fns that return
+    a pair or a per-token loss; each rank's error, then a batch of token ids that trains."""
+    from tests import grid_parity
+
+    torch.set_num_threads(1)
+    model = grid_parity.build("llama")
+    config = {"zero_stage": 1, "comm_timeout": COMM_TIMEOUT, "chunk_size": grid_parity.CHUNK}
+    config["parallel"] = {"pipeline": 2, "microbatches": 2, "pipeline_split": ["model.layers.1"]}
+    engine = hetero.initialize(model, grid_parity.optimizer(model), config)
+    x, y = grid_parity.batches("llama")[0]
+
+    def ce(out: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction=reduction)
+
+    cases = {
+        "a tokenizer's dict": lambda: engine.train_batch({"input_ids": x, "attention_mask": torch.ones_like(x)}, y),
+        "a pair from loss_fn": lambda: engine.train_batch(x, y, loss_fn=lambda o, t: (ce(o, t), o)),
+        "a per-token loss": lambda: engine.train_batch(x, y, loss_fn=lambda o, t: ce(o, t, "none")),
+        "a per-token loss in eval": lambda: engine.eval_batch(x, y, loss_fn=lambda o, t: ce(o, t, "none")),
+    }
+    out: dict = {"stage": engine.mesh.pp_rank, "errors": {}}
+    for name, call in cases.items():
+        start = time.monotonic()
+        try:
+            call()
+            error = None
+        except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+            error = (type(e).__name__, str(e))
+        out["errors"][name] = (error, time.monotonic() - start)
+    out["after"] = float(engine.train_batch(x, y))
+    engine.close()
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(240)
+def test_inputs_and_losses_a_pipeline_cannot_take_are_named():
+    """A padded batch as a dict stops with a ConfigError saying the pipeline takes token ids and how to pad (before:
+    "'dict' object has no attribute 'shape'" from inside the embedding); a loss_fn whose loss is not one number
+    stops with a PipelineError saying so (before: "'tuple' object has no attribute 'detach'", or a broadcast error
+    summing a per-token loss); the other stage gets a PipelineError naming the rank; the next batch trains."""
+    results = run_distributed(_inputs_and_losses_a_pipeline_cannot_take, 2, timeout=200)
+    expected = {
+        "a tokenizer's dict": (
+            0,
+            "ConfigError",
+            "takes its inputs as one tensor of token ids, got dict (keys input_ids",
+        ),
+        "a pair from loss_fn": (1, "PipelineError", "loss_fn returned tuple; a micro-batch's loss must be a tensor"),
+        "a per-token loss": (1, "PipelineError", "loss_fn returned a tensor of shape (28,); a micro-batch's loss must"),
+        "a per-token loss in eval": (1, "PipelineError", "loss_fn returned a tensor of shape (28,)"),
+    }
+    for r in results:
+        for name, (error, seconds) in r["errors"].items():
+            raiser, kind, text = expected[name]
+            assert error is not None and seconds < COMM_TIMEOUT / 2, (name, r)
+            if r["stage"] == raiser:
+                assert error[0] == kind and text in error[1], (name, error)
+            else:
+                assert error[0] == "PipelineError" and f"pipeline rank {raiser} (global rank {raiser})" in error[1]
+    assert len({r["after"] for r in results}) == 1

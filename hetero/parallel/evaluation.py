@@ -33,7 +33,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.parallel.pipeline.runtime import DTYPES, HEADER, MAX_DIMS, Halt, PipelineError, PipelineRuntime, loss_of
+from hetero.parallel.pipeline.runtime import (
+    DTYPES,
+    HEADER,
+    MAX_DIMS,
+    Halt,
+    PipelineError,
+    PipelineRuntime,
+    check_loss,
+    loss_of,
+)
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
 if TYPE_CHECKING:
@@ -142,6 +151,7 @@ def _forward(
     loss = torch.zeros((), dtype=torch.float32)
     if last and ys is not None:
         value = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])
+        check_loss(value, "loss_fn" if loss_fn is not None else "the last stage's .loss")
         loss = engine.device.to_host(value.detach(), torch.float32, copy=True)
     elif last:
         outputs[mb] = _tensor_of(y)

@@ -145,6 +145,15 @@ class Embeddings(_Unit):
             self.add_module(name, m)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            # A padded batch as a tokenizer gives it: the mask could not reach the later stages' layers anyway.
+            keys = f" (keys {', '.join(map(str, input_ids))})" if isinstance(input_ids, dict) else ""
+            raise ConfigError(
+                f"a pipelined {type(self.ctx.model).__name__} takes its inputs as one tensor of token ids, got "
+                f"{type(input_ids).__name__}{keys}: attention masks, position or token type ids are not passed "
+                "between stages. Pass input_ids; pad on the right with labels -100 at the padding (causal attention "
+                "never looks ahead, so the loss is the one the mask would give)"
+            )
         if self.ctx.family == "llama":
             return self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)

@@ -196,6 +196,7 @@ class PipelineRuntime:
                 y = self.chunks[a.chunk](x, labels[a.microbatch] if last and loss_fn is None else None)
                 if last:
                     y = loss_fn(y, labels[a.microbatch]) if loss_fn is not None else loss_of(y)
+                    check_loss(y, "loss_fn" if loss_fn is not None else "the last stage's .loss")
             if last:
                 total += y.detach().float().cpu()
             else:
@@ -338,6 +339,16 @@ class _Null:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+def check_loss(loss: Any, source: str) -> None:
+    """A micro-batch's loss is one number: anything else failed later in a sum or in backward, without saying why."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise PipelineError(
+            f"{source} returned {what}; a micro-batch's loss must be a tensor of one element (reduce it: mean or "
+            "sum over the micro-batch)"
+        )
 
 
 def loss_of(out: Any) -> torch.Tensor:
