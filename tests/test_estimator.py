@@ -15,6 +15,7 @@ host for as long as its budget allows, so there the host peak follows the budget
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -250,7 +251,7 @@ def test_activation_checkpointing_attribute_is_honoured():
     assert acts.checkpointed and 0 < acts.bytes < plain.activations.bytes
 
 
-def test_bad_inputs_are_refused():
+def test_bad_inputs_are_refused(tmp_path):
     with pytest.raises(hetero.ConfigError, match="zero_stage 3"):
         estimate(1e6, {"zero_stage": 1, "offload": {"params": "host"}}, machine=False)
     with pytest.raises(hetero.ConfigError, match="world_size"):
@@ -259,6 +260,15 @@ def test_bad_inputs_are_refused():
         estimate(1e6, {}, optimizer="lamb", machine=False)
     with pytest.raises(hetero.ConfigError, match="does not exist"):
         estimate("/nonexistent/config.json", {}, machine=False)
+    with pytest.raises(hetero.ConfigError, match="finite parameter count"):
+        estimate(float("inf"), {}, machine=False)  # was an OverflowError in the shape arithmetic
+    # Were transformers' ValueErrors, listing each of its hundreds of model types or causal-LM configs.
+    hf_types = (("no_such_model", "is not known to transformers"), ("vit", "has no causal language model"))
+    for model_type, match in hf_types if importlib.util.find_spec("transformers") else ():
+        path = tmp_path / f"{model_type}.json"
+        path.write_text(json.dumps({"model_type": model_type, "hidden_size": 32, "num_attention_heads": 2}))
+        with pytest.raises(hetero.ConfigError, match=f"model_type '{model_type}' {match}"):
+            estimate(str(path), {}, machine=False)
     # Degrees that do not divide the world were a ZeroDivisionError deep in the layout (the data-parallel degree 0).
     for layout, world in (({"tensor": 2}, 1), ({"pipeline": 2}, 3), ({"tensor": 2, "pipeline": 2}, 2)):
         with pytest.raises(hetero.ConfigError, match="must divide the world size"):

@@ -33,8 +33,8 @@ def gpt_for_params(n_params: float) -> GPT:
     rounded to a multiple of the head size (128). Activations follow from a meta forward of this model, so they
     are those of a standard pre-LayerNorm transformer with sequence length S and vocabulary V.
     """
-    if not n_params >= 1e5:
-        raise ConfigError(f"params: expected a parameter count of at least 1e5, got {n_params!r}")
+    if not 1e5 <= n_params < math.inf:  # nan fails both; inf has no shape (it overflowed int() below)
+        raise ConfigError(f"params: expected a finite parameter count of at least 1e5, got {n_params!r}")
     layers = max(2, round((n_params / (12 * ASPECT**2)) ** (1 / 3)))
     # 12 L d^2 + (V + S) d - P = 0
     a, b, c = 12 * layers, GPT_VOCAB + GPT_CONTEXT, -float(n_params)
@@ -64,9 +64,30 @@ def hf_model_from_config(path: str | os.PathLike) -> nn.Module:
     model_type = d.pop("model_type", None)
     if model_type is None:
         raise ConfigError(f"hf config {str(p)!r} has no 'model_type' key; is it a Hugging Face config.json?")
-    cfg = AutoConfig.for_model(model_type, **d)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+    try:  # transformers' own errors list every model type it knows: hundreds of names, the point lost among them
+        cfg = AutoConfig.for_model(model_type, **d)
+    except ValueError:
+        raise ConfigError(
+            f"hf config {str(p)!r}: model_type {model_type!r} is not known to transformers {_version()}; check the "
+            "spelling, or upgrade transformers if the model is newer than it"
+        ) from None
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ConfigError(
+            f"hf config {str(p)!r}: model_type {model_type!r} has no causal language model in transformers "
+            f"(AutoModelForCausalLM); the estimator builds one from the config: pass the model itself (on the meta "
+            "device) to hetero.estimate instead"
+        ) from None
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def default_seq_len(model: nn.Module, cap: int = GPT_CONTEXT) -> int:
