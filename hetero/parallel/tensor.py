@@ -34,6 +34,7 @@ from hetero.parallel.sequence import (
     replace_first_input,
 )
 from hetero.parallel.tp_ops import copy_to_region, gather_seq, reduce_from_region, reduce_scatter_seq
+from hetero.parallel.tp_rng import RegionRng
 from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, embed_vocab_parallel, local_padding_idx
 
 log = logging.getLogger("hetero.parallel")
@@ -106,12 +107,16 @@ class _Region:
     def __init__(self, comm: Comm, sequence: bool) -> None:
         self.comm = comm
         self.sequence = sequence  # Megatron-SP: column-parallel inputs arrive sharded along the sequence
+        self.rng = RegionRng(comm)  # this rank's stream inside the region ([Note: dropout under tensor parallelism])
 
-    def enter(self, x: torch.Tensor, *, sequence: bool) -> torch.Tensor:
+    def enter(self, x: torch.Tensor, *, sequence: bool, head: bool = False) -> torch.Tensor:
         """f (or the all-gather along the sequence under SP), unless a parent module brought ``x`` in already:
-        q, k and v (or gate and up) projections read the same input, and one collective must serve them all."""
+        q, k and v (or gate and up) projections read the same input, and one collective must serve them all.
+        Without SP the region's random stream begins here (not at the head: no row-parallel layer follows it)."""
         if getattr(x, "_hetero_tp_entered", None) is self:
             return x
+        if not (head or self.sequence):
+            self.rng.enter_at(x)
         y = gather_seq(x, self.comm) if sequence else copy_to_region(x, self.comm)
         y._hetero_tp_entered = self  # marks this tensor object only: any op on it makes an unmarked tensor
         return y
@@ -139,7 +144,7 @@ class LogitsHead:
 class _VocabHead(LogitsHead):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The head sits after sequence_gather: its input is the whole sequence, replicated, under SP too.
-        return super().forward(self._hetero_region.enter(x, sequence=False), *args, **kwargs)
+        return super().forward(self._hetero_region.enter(x, sequence=False, head=True), *args, **kwargs)
 
     def whole_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's part of the vocabulary gathered with the other tensor ranks' into whole logits."""
@@ -193,6 +198,8 @@ def is_vocab_head(module: nn.Module) -> bool:
 class _Rowwise:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         region = self._hetero_region
+        if not region.sequence:
+            region.rng.leave()  # the sum below is replicated: what follows draws the shared stream
         y = torch.matmul(x, self.weight) if _conv1d(self) else F.linear(x, self.weight)
         y = reduce_scatter_seq(y, region.comm) if region.sequence else reduce_from_region(y, region.comm)
         # The bias is added once, after the sum (added on every rank before it, it would count degree times).
@@ -323,6 +330,8 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
             return replace_first_input(name, args, kwargs, lambda x: region.enter(x, sequence=region.sequence))
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if not region.sequence:  # the region ends inside (at the row-parallel layer); at the latest, here
+            module.register_forward_hook(region.rng.leave, always_call=True)
     elif part == "norm":
         if region.sequence:
             all_reduce_grads(list(module.parameters()), comm)
@@ -330,8 +339,11 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         all_reduce_grads(list(module.parameters()), comm)
     elif part == "sequence_scatter" and region.sequence:
         add_sequence_scatter(module, name, comm)
+        enter = functools.partial(replace_first_input, name, fn=region.rng.enter_at)  # after the scatter: own positions
+        module.register_forward_pre_hook(lambda _, args, kwargs: enter(args, kwargs), with_kwargs=True)
     elif part == "sequence_gather" and region.sequence:
         add_sequence_gather(module, name, comm)
+        module.register_forward_hook(region.rng.leave, always_call=True)
 
 
 def _set_features(module: nn.Module, *, out: int | None = None, inp: int | None = None) -> None:
@@ -429,6 +441,7 @@ def apply_tensor_parallel(
     for name, style in resolved.items():
         for part in style.split("+"):
             _apply(part, modules[name], name, region)
+    model.register_forward_pre_hook(region.rng.leave)  # a forward that raised inside the region left its stream on
     if any("vocab_head" in style.split("+") for style in resolved.values()):
         _install_loss(model, comm)
         generate_with_whole_logits(model)

@@ -1,0 +1,199 @@
+"""Dropout under 1D tensor parallelism over 2 ranks ([Note: dropout under tensor parallelism]): replicated tensors
+draw the same masks on every tensor rank, sharded ones (attention's heads, the MLP's features, Megatron-SP's
+positions) their own; activation checkpointing's recomputation draws the masks of the forward; and a model trains
+exactly as the plain model does when that model draws each part of a sharded tensor's mask from its rank's stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hetero
+from hetero.comm import Comm
+from hetero.parallel import apply_tensor_parallel
+from hetero.parallel.tp_rng import rank_seed, set_streams, shared_draw
+from tests.dist import NEEDS_DEGREES, ranks_apart, run_distributed
+
+VOCAB, SEQ, ROWS, STEPS, P = 64, 8, 2, 3, 0.3
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=P, embd_pdrop=P, attn_pdrop=P
+    )
+    cfg._attn_implementation = "eager"  # its attention dropout is F.dropout, which the masks test records
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
+
+
+class _Recorder:
+    """The masks of every F.dropout a GPT-2 forward draws, in order (the eager attention's and nn.Dropout's)."""
+
+    def __init__(self) -> None:
+        self.masks: list[torch.Tensor] = []
+        self.plain = F.dropout
+
+    def __call__(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        y = self.plain(x, p, training, inplace)
+        self.masks.append((y == 0) & (x != 0))  # what this dropout zeroed
+        return y
+
+
+def _masks(rank: int, world: int) -> list[str]:
+    comm = Comm.world()
+    seen = []
+    for sequence in (False, True):
+        model = _gpt2()
+        apply_tensor_parallel(model, "auto", comm, sequence=sequence)
+        record = _Recorder()
+        F.dropout = record  # GPT-2's eager attention and nn.Dropout call it through the module
+        try:
+            model(_batches()[0])
+        finally:
+            F.dropout = record.plain
+        theirs = comm.all_gather_object(record.masks)[1 - rank]
+        # embedding, then per layer: attention probabilities, attention's output, the MLP's output
+        kinds = ["embd"] + ["attn", "resid", "mlp"] * 2
+        assert [tuple(m.shape) for m in record.masks][:2] == [
+            (ROWS, SEQ // (2 if sequence else 1), 32),
+            (ROWS, 1, 8, 8),
+        ]
+        for kind, mine, other in zip(kinds, record.masks, theirs, strict=True):
+            sharded = kind == "attn" or sequence  # heads; under SP every one of them holds its own positions
+            assert torch.equal(mine, other) != sharded, f"sequence={sequence} {kind}: masks equal={not sharded}"
+            assert mine.any() and not mine.all()  # a mask was drawn (equal masks would otherwise prove nothing)
+        seen.append(f"sequence={sequence}")
+    return seen
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(120)
+def test_sharded_masks_differ_between_ranks_replicated_ones_agree(cpu_device):
+    pytest.importorskip("transformers")
+    assert run_distributed(_masks, 2, timeout=100) == [["sequence=False", "sequence=True"]] * 2
+
+
+def _train(rank: int, world: int) -> None:
+    """GPT-2 with every dropout on, through the engine, with and without activation checkpointing."""
+    runs = {}
+    for sequence in (False, True):
+        for ckpt in (False, True):
+            config = {
+                "zero_stage": 1,
+                "parallel": {"tensor": 2, "sequence": sequence},
+                "activation_checkpointing": ckpt,
+            }
+            model = _gpt2()
+            engine = hetero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+            assert any(hasattr(p, "_hetero_tp") for p in model.parameters())
+            assert (engine.activations is not None) == ckpt
+            losses = []
+            for ids in _batches():
+                loss = engine(ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            engine.close()
+            runs[sequence, ckpt] = losses, params
+            # replicated parameters stay bit-identical over the tensor group
+            theirs = Comm.world().all_gather_object(params)[1 - rank]
+            for name, p in model.named_parameters():
+                if not hasattr(p, "_hetero_tp"):
+                    assert torch.equal(params[name], theirs[name]), f"sequence={sequence} ckpt={ckpt}: {name}"
+        # the recomputation drew the forward's masks: the same steps, bit for bit
+        (plain_losses, plain), (ckpt_losses, ckpt_params) = runs[sequence, False], runs[sequence, True]
+        assert plain_losses == ckpt_losses, (sequence, plain_losses, ckpt_losses)
+        for name, p in plain.items():
+            assert torch.equal(p, ckpt_params[name]), f"sequence={sequence}: {name} differs under checkpointing"
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+def test_replicas_agree_and_recomputation_redraws_the_masks(cpu_device):
+    pytest.importorskip("transformers")
+    run_distributed(_train, 2, timeout=180)
+
+
+class _MLP(nn.Module):
+    def __init__(self, width: int, sharded_drop: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.inner, self.out = sharded_drop, nn.Dropout(P)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(self.inner(F.gelu(self.fc(x)))))
+
+
+class _Toy(nn.Module):
+    def __init__(self, sharded_drop: nn.Module, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.drop = nn.Embedding(VOCAB, width), nn.Dropout(P)
+        self.mlp = _MLP(width, sharded_drop)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.embed(ids))
+        logits = self.head(x + self.mlp(x))  # parallel_input: the module's input enters the region whole
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+class _RanksDropout(nn.Module):
+    """The plain model's dropout of the MLP's features that draws each rank's part of them as that rank draws it
+    under tensor parallelism: from its own stream, seeded from the shared one where the region begins."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world = world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = shared_draw()
+        after = torch.get_rng_state()
+        parts = []
+        for r, part in enumerate(x.chunk(self.world, -1)):
+            set_streams(rank_seed(shared, r))
+            parts.append(F.dropout(part.contiguous(), P, self.training))  # drawn in the order of a rank's own part
+        torch.set_rng_state(after)
+        return torch.cat(parts, -1)
+
+
+def _exact(rank: int, world: int) -> None:
+    comm = Comm.world()
+    ref, tp = _Toy(_RanksDropout(world)), _Toy(nn.Dropout(P))
+    apply_tensor_parallel(tp, {"mlp": "parallel_input", "mlp.fc": "colwise", "mlp.proj": "rowwise"}, comm)
+    ref_opt, tp_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, tp))
+    torch.manual_seed(3)  # where every run of the test starts drawing
+    for ids in _batches():
+        for model, opt in ((ref, ref_opt), (tp, tp_opt)):
+            state = torch.get_rng_state()
+            loss = model(ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if model is ref:
+                ref_loss, torch_state = loss.detach(), torch.get_rng_state()
+                torch.set_rng_state(state)  # the tensor-parallel model draws from where the plain one began
+        # the same masks: the losses agree to fp32 rounding (the row-parallel sum adds in another order)
+        torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.get_rng_state(), torch_state)  # and the shared stream moved as the plain one's
+    full = {n: p for n, p in ref.named_parameters()}
+    for name, p in tp.named_parameters():
+        info = getattr(p, "_hetero_tp", None)
+        want = full[name].detach() if info is None else full[name].detach().chunk(world, info.dim)[rank]
+        torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(120)
+def test_training_with_dropout_equals_the_plain_model_drawing_each_ranks_part():
+    run_distributed(_exact, 2, timeout=100)
