@@ -197,3 +197,34 @@ def _exact(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_training_with_dropout_equals_the_plain_model_drawing_each_ranks_part():
     run_distributed(_exact, 2, timeout=100)
+
+
+class _FailOnce(nn.Module):
+    """A dropout that raises the first time, in the middle of the sharded region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("a forward that fails inside the region")
+        return F.dropout(x, P, self.training)
+
+
+def _after_a_failure(rank: int, world: int) -> bool:
+    comm = Comm.world()
+    model = _Toy(_FailOnce())
+    apply_tensor_parallel(model, {"mlp.fc": "colwise", "mlp.proj": "rowwise"}, comm)  # no module closes the region
+    ids = _batches()[0]
+    with pytest.raises(RuntimeError, match="fails inside the region"):
+        model(ids)
+    loss = model(ids)  # its embedding's dropout draws the shared stream again: the ranks compute one model
+    return bool(torch.equal(*comm.all_gather_object(loss.detach())))
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(120)
+def test_a_forward_that_failed_inside_the_region_leaves_it():
+    assert run_distributed(_after_a_failure, 2, timeout=100) == [True, True]
