@@ -318,10 +318,15 @@ def test_nothing_fits_for_activations_says_what_to_change():
         assert re.search(r"activations are .* of the .* needed on the device", est.advice)
         assert "batch_size" in est.advice and "seq_len" in est.advice
         assert ("set activation_checkpointing" in est.advice) == (not config)
-    tiny = Machine(device_bytes="1KiB", host_bytes="1GiB", nvme_bytes=0)
+    # Model states short of every tier: no word of activations, but what the leanest placement needs, and that
+    # NVMe was never tried (the machine has none); the table ended at "nothing fits this machine".
+    tiny = Machine(device_bytes="1KiB", host_bytes="1KiB", nvme_bytes=0)
     est = estimate(meta, {}, batch_size=1, seq_len=1, machine=tiny)
-    assert est.recommendation is None and est.advice is None
-    assert est.table().endswith("recommended: nothing fits this machine")
+    assert est.recommendation is None and "activations" not in est.advice
+    assert re.search(
+        r"least on the device \(zero_stage=.*\) needs device .* of 921 B usable, host .* per node", est.advice
+    )
+    assert "NVMe offload was not tried" in est.advice and est.table().endswith(est.advice)
 
 
 def _layouts(rank: int, world: int, configs: list[dict]) -> list[dict]:

@@ -122,20 +122,32 @@ class Estimate:
 
     @property
     def advice(self) -> str | None:
-        """Where nothing fits for the activations: they are most of what the device needs even with the model
-        states offloaded furthest, and no placement moves them; only checkpointing or a smaller micro-batch does."""
+        """Where nothing fits: what the placement that needs the least device memory still needs on the tiers it is
+        short on; whether activations are most of the device's need (no placement moves them, only
+        checkpointing or a smaller micro-batch does); and whether NVMe offload was left untried (no NVMe space)."""
         if self.machine is None or not self.candidates or self.recommendation is not None:
             return None
-        leanest = min(c.needed["device"] for c in self.candidates)
-        acts = self.bytes("device", "activations")
-        if leanest <= _capacity(self.machine, "device") or 2 * acts <= leanest:
-            return None  # short elsewhere, or model states are most of the device's need
-        ckpt = self.activations is not None and self.activations.checkpointed
-        fix = "" if ckpt else "set activation_checkpointing (true, or the blocks to checkpoint), or "
-        return (
-            f"activations are {format_size(acts)} of the {format_size(leanest)} needed on the device with the model"
-            f" states offloaded furthest, and no placement moves them; {fix}lower batch_size or seq_len"
+        lean = min(self.candidates, key=lambda c: c.needed["device"])
+        short = ", ".join(
+            f"{t} {format_size(lean.needed[t])}{'' if t == 'device' else ' per node'} of "
+            f"{format_size(_capacity(self.machine, t))} usable"
+            for t in lean.short
         )
+        parts = [f"the placement that needs the least on the device ({lean.label()}) needs {short}"]
+        acts = self.bytes("device", "activations")
+        if "device" in lean.short and 2 * acts > lean.needed["device"]:
+            ckpt = self.activations is not None and self.activations.checkpointed
+            fix = "" if ckpt else "set activation_checkpointing (true, or the blocks to checkpoint), or "
+            parts.append(
+                f"activations are {format_size(acts)} of the {format_size(lean.needed['device'])} needed on the device"
+                f" there, and no placement moves them; {fix}lower batch_size or seq_len"
+            )
+        if self.machine.nvme_bytes == 0:
+            parts.append(
+                "NVMe offload was not tried: the machine has no NVMe space (give memory.nvme_dir, --nvme-dir, for "
+                "this machine; nvme_bytes, --nvme-space, for a described one)"
+            )
+        return "; ".join(parts)
 
     # ---- renderings ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
