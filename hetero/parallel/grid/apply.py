@@ -11,11 +11,15 @@ The plans are the 1D ones (`plans.py`); in a grid every layer is cut two ways, s
 | ``embedding`` | position embedding: columns gathered for this rank's hidden part (1D: left whole) |
 | ``norm`` | layer/RMS norm: statistics summed over the hidden group |
 | ``heads`` | head counts divided by q (each rank holds q-th of the heads of its batch part) |
+| ``head_norm`` | a norm of each head (Qwen3's, Gemma 3's q/k norms): whole, its gradient summed over the grid |
 | ``parallel_input``, ``sequence_*`` | nothing (each product gathers its own input) |
 
 Every module holding parameters must have one of the partitioning styles: a grid cuts the batch, so a module left
-whole would see a part of the batch and of the hidden dimension and compute nonsense. All checks (styles, module
-types, divisibility by the grid) run before anything changes.
+whole would see a part of the batch and of the hidden dimension and compute nonsense. The one exception is a norm
+of each head inside an attention module (``head_norm``): it normalises over a head's own dimension, which no grid
+cuts, so it stays whole; every rank feeds it its part of the batch and of the heads, and the tensor group's ranks
+hold each (batch part, head part) pair once, so the sum of their gradients over it is the whole gradient, as 1D's
+sum over its ranks' heads. All checks (styles, module types, divisibility by the grid) run before anything changes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, local_padding_idx
 log = logging.getLogger("hetero.parallel")
 
 PARTITIONING = ("colwise", "colwise_qkv", "rowwise", "vocab", "vocab_head", "norm", "embedding")
+WHOLE = ("head_norm",)  # styles whose parameters the grid leaves whole (see the module docstring)
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -145,6 +150,17 @@ def _cuts(part: str, module: nn.Module, name: str, grid: Grid) -> tuple[GridRole
     return None, {}
 
 
+def _check_head_norm(name: str, parts: Mapping[str, list[str]], grid: Grid) -> None:
+    """A head norm is left whole because it normalises within a head: a module outside every attention module
+    (style 'heads') would see this rank's part of the hidden dimension instead and compute another norm."""
+    if not any("heads" in styles and name.startswith(f"{outer}.") for outer, styles in parts.items()):
+        raise ConfigError(
+            f"{name}: style 'head_norm' is a norm of each head inside an attention module, but no module above it "
+            f"has style 'heads'; there tensor_mode {grid.mode!r} cuts the hidden dimension: give a norm of the "
+            "residual stream 'norm', or the attention module holding it 'heads'"
+        )
+
+
 def _check_divides(cut: BlockShard, name: str, grid: Grid) -> None:
     for d, p in zip(cut.dims, cut.parts):
         fused = cut.fused if d == cut.fused_dim else 1  # a fused q/k/v dimension is cut alike in each of its thirds
@@ -208,21 +224,26 @@ def _planned(
     resolved = resolve_plan(model, plan, strict=strict)
     modules = dict(model.named_modules())
     parts = {name: style.split("+") for name, style in resolved.items()}
+    styled = set(PARTITIONING + WHOLE)
     for name, module in modules.items():
-        if any(True for _ in module.parameters(recurse=False)) and not set(parts.get(name, ())) & set(PARTITIONING):
+        if any(True for _ in module.parameters(recurse=False)) and not set(parts.get(name, ())) & styled:
             raise ConfigError(
                 f"{name or type(model).__name__} ({type(module).__name__}) holds parameters but no tensor_plan style "
                 f"partitions them; tensor_mode {grid.mode!r} cuts the batch and the hidden dimension, so every such "
-                f"module needs one of {', '.join(PARTITIONING)} (or use tensor_mode '1d')"
+                f"module needs one of {', '.join(PARTITIONING)} (or 'head_norm' for a norm of each head inside an "
+                "attention module), or use tensor_mode '1d'"
             )
     work: _Work = []
     for name, styles in parts.items():
         module = modules[name]
         if "heads" in styles:
             head_counts(module, name, grid.q)  # checks only
-        layer = [s for s in styles if s in PARTITIONING]
+        layer = [s for s in styles if s in styled]
         if len(layer) > 1:
             raise ConfigError(f"{name}: styles {layer} both cut its parameters; give it one of them")
+        if "head_norm" in layer:
+            _check_head_norm(name, parts, grid)
+            continue
         for part in layer:
             role, cuts = _cuts(part, module, name, grid)
             for pname, cut in cuts.items():
@@ -260,6 +281,8 @@ def apply_grid_parallel(
         if "heads" in styles:
             for attr, value in head_counts(modules[name], name, grid.q).items():
                 setattr(modules[name], attr, value)
+        if "head_norm" in styles:  # fed this rank's rows and heads: the sum over the grid is the whole gradient
+            all_reduce_grads(list(modules[name].parameters()), grid.tp)
     for name, module, part, role, cuts in work:
         for pname, cut in cuts.items():
             _shard(getattr(module, pname), cut, f"{name}.{pname}")
