@@ -190,6 +190,23 @@ def test_qwen3_and_gemma3_train_on_a_2d_grid():
     )
 
 
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(600)
+def test_qwen3_and_gemma3_train_and_padded_batches_match_on_8_ranks():
+    """3D (q = 2) and 2.5D (q = 2, depth 2) on Qwen3 and Gemma 3; left-padded batches on a 3D grid (one and two rows
+    per rank, positions given or counted from 0) give the plain model's loss and gradients for Llama and GPT-2 (whose
+    position embedding reads the positions on the rows it embeds). Before, 3D refused a mask whose rows differ: it
+    attends over other rows than it embeds."""
+    d3, d25 = {"tensor": 8, "tensor_mode": "3d"}, {"tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}
+    trained = {
+        "3d-qwen3-zero2-clip": ("qwen3", _case(2, d3, clip=True)),
+        "3d-gemma3-zero3": ("gemma3", _case(3, d3)),
+        "2.5d-gemma3-zero1-clip": ("gemma3", _case(1, d25, clip=True)),
+    }
+    padded = {"3d-llama-8": ("llama", 8), "3d-gpt2-4": ("gpt2", 4)}
+    _run(8, trained, padded)
+
+
 def test_a_head_norm_outside_attention_is_refused():
     """'head_norm' leaves a norm whole: outside an attention module ('heads') it would see this rank's part of the
     hidden dimension, another norm; refused before anything changes."""

@@ -193,18 +193,6 @@ def test_a_padded_batch_on_a_2d_grid_matches_the_plain_model(family, cpu_device)
         tolerance.assert_weights(joined, exact, plain, dtype=torch.float32)
 
 
-def test_a_padded_batch_on_a_3d_grid_is_refused():
-    """3D computes attention on other rows than it embeds them: a mask whose rows differ has no one right cut, and
-    is refused before any layer runs; rows all alike (unpadded prompts, as generate makes them) are cut."""
-    model = grid_parity.build("llama")
-    apply_grid_parallel(model, "auto", Grid.shape_only("3d", 8, rank=3))
-    x, mask, positions, y = _padded_batch()
-    with pytest.raises(ConfigError, match="attention_mask: its rows differ .* use tensor_mode '2d' or '2.5d'"):
-        model(x, attention_mask=mask, labels=y)
-    with pytest.raises(ConfigError, match="position_ids: its rows differ"):
-        model(x, position_ids=positions, labels=y)
-
-
 def _gemma(family: str) -> nn.Module:
     """A tiny Gemma (1 or 2), its weights moved off their init (Gemma's norm weights start at 0, read as 1 + w)."""
     torch.manual_seed(0)

@@ -118,6 +118,17 @@ def whole_logits(logits: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 # The grid whose model's forward in progress cut its ids to this rank's rows ([Note: row inputs under a grid]).
 IDS_CUT: ContextVar[Grid | None] = ContextVar("hetero_grid_ids_cut", default=None)
+# 3D: the grid whose model's forward in progress cut its mask and positions to alt's rows, and the rows per rank.
+ROWS_ON_ALT: ContextVar[tuple[Grid, int] | None] = ContextVar("hetero_grid_rows_on_alt", default=None)
+
+
+def main_rows(ids: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Positions cut to alt's rows for attention (3D, `ROWS_ON_ALT`), moved to main's: rank (a, b, c) holds rows
+    a q + b; the b-line holds a q + 0 .. a q + q - 1 in order, of which a q + c is main's. Others as they are."""
+    cut = ROWS_ON_ALT.get()
+    if cut is None or cut[0] is not grid or ids.dim() == 0 or ids.shape[0] != cut[1]:
+        return ids  # whole-batch rows not cut, or one row broadcast to all
+    return grid.main.hidden.all_gather_dim(ids, 0).chunk(grid.q, 0)[grid.alt.hidden.rank]
 
 
 class _VocabEmbedding:
@@ -144,6 +155,7 @@ class _Embedding:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         role = self._hetero_grid
+        ids = main_rows(ids, role.grid)  # 3D: positions cut for attention, moved to the rows this output joins
         weight = hidden_vector(self.weight, role.orient, 1)
         return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
 
