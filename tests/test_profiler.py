@@ -158,6 +158,11 @@ def test_the_process_rss_peak_is_found_where_it_happens(tmp_path):
     # On a CPU device the device tier is host memory too (the stand-in's is not).
     assert rss["ledger_tiers"] == (["host"] if engine.device.separate_memory else ["device", "host"])
     assert 0 <= rss["ledgers_at_peak"] < rss["peak_bytes"] - held
+    # The RSS peak in parts that add up: the hog's buffer is none of hetero's and no activation, so it is unaccounted.
+    parts = ("ledgers_at_peak", "activations_at_peak", "outside_ledgers_before", "unaccounted_at_peak")
+    assert sum(rss[k] for k in parts) == rss["peak_bytes"]
+    assert rss["unaccounted_at_peak"] >= held * 3 // 4 and rss["outside_ledgers_before"] > 0
+    assert (rss["activations_at_peak"] > 0) == (not engine.device.separate_memory)  # mid-forward; in host memory
     assert "process RSS" in (out / "summary.txt").read_text()
     engine.close()
 

@@ -100,6 +100,11 @@ def rss_summary(prof: Any) -> dict[str, Any] | None:
     t, peak = max(series, key=lambda e: e[1])
     tiers = host_tiers(prof)
     held = sum(value_at(prof.series[tier], t) for tier in tiers)
+    # The rest, as far as the profile can name it: activations (in host memory only where the device is the CPU),
+    # and what the process held outside the ledgers when the window opened (the runtime, libraries, the data);
+    # what is left of the peak is unaccounted: operators' temporaries, the C heap's slack, anything since.
+    acts = 0 if prof.engine.device.separate_memory else value_at(prof.activation_series, t)
+    before = series[0][1] - sum(value_at(prof.series[tier], series[0][0]) for tier in tiers)
     return {
         "peak_bytes": peak,
         "time": t,
@@ -111,4 +116,7 @@ def rss_summary(prof: Any) -> dict[str, Any] | None:
         "ledger_tiers": tiers,
         "ledgers_at_peak": held,
         "outside_ledgers_at_peak": peak - held,
+        "activations_at_peak": acts,
+        "outside_ledgers_before": before,
+        "unaccounted_at_peak": peak - held - acts - before,
     }

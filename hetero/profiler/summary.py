@@ -113,8 +113,11 @@ def summary_text(d: dict[str, Any]) -> str:
         lines += [
             f"  process RSS {format_size(rss['peak_bytes']):>8} (sampled every {1e3 * rss['interval']:.0f} ms)"
             f"   at {rss['time']:.4f} s, {rss['where']}: hetero's {tiers} ledgers held "
-            f"{format_size(rss['ledgers_at_peak'])}, the rest {format_size(rss['outside_ledgers_at_peak'])} "
-            "(activations, operators' temporaries, the C heap, the runtime)",
+            f"{format_size(rss['ledgers_at_peak'])}, the rest {format_size(rss['outside_ledgers_at_peak'])}: "
+            f"activations {format_size(rss['activations_at_peak'])}, held before the profile began "
+            f"{format_size(rss['outside_ledgers_before'])} (the runtime, libraries, data), unaccounted "
+            f"{_signed(rss['unaccounted_at_peak'])} (operators' temporaries, the C heap, threads' stacks, allocations "
+            "since)",
         ]
     for tier, p in d["peaks"].items():
         if not p["bytes"]:
@@ -167,3 +170,8 @@ def summary_text(d: dict[str, Any]) -> str:
         extra = f", allocated {format_size(a['allocated_per_call'])}" if a["allocated_per_call"] else ""
         lines.append(f"  {format_size(a['saved_per_call']):>12}  {name} ({int(a['calls'])} calls{extra})")
     return "\n".join(lines) + "\n"
+
+
+def _signed(n: int) -> str:
+    """A byte count that can be negative (memory returned to the system since the window opened)."""
+    return format_size(n) if n >= 0 else f"-{format_size(-n)}"
