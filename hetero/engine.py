@@ -22,10 +22,11 @@ from torch import nn
 from hetero import standin
 from hetero.activation import ActivationMemory, choose_blocks
 from hetero.comm import Comm, collective_failed, init_from_env
-from hetero.comm.watch import post_failure
+from hetero.comm.scoped import ForwardScope
+from hetero.comm.watch import post_failure, stopped
 from hetero.config import Config
 from hetero.device import make_device
-from hetero.errors import CommError, ConfigError, HeteroError, add_note
+from hetero.errors import CommError, ConfigError, HeteroError, RankFailedError, add_note
 from hetero.events import Events
 from hetero.integrations.deepspeed_names import DeepSpeedNames, refuse_deepspeed_kwargs
 from hetero.memory import ChunkManager, Tier
@@ -232,6 +233,10 @@ class Engine(DeepSpeedNames):
         # stages 2-3, and the check that every rank is about to run the same collective.
         self.units = find_units(model, self._entries) if self.stage == 3 else []
         self.check = Checker(self.comm, enabled=config.check_collectives, units=self.units, chunks=self.chunks)
+        check = self.check  # (not self: the store's judges would keep the engine alive)
+        # Without the checks, a forward that raises is agreed in the store ([Note: a forward that fails]).
+        scoped = self.comm.size > 1 and not self.check.enabled and self.mesh.tp_size == 1
+        self._forwards = ForwardScope(self.comm, lambda: check.seq) if scoped else None
         self.gathers = None
         if self.stage == 3:
             budget, host = self.manager.ledgers[Tier.DEVICE].budget, self.manager.ledgers[Tier.HOST].budget
@@ -370,6 +375,7 @@ class Engine(DeepSpeedNames):
         training = torch.is_grad_enabled() and not self.inference
         if self.stages is not None:
             raise RuntimeError("with parallel.pipeline > 1 the model runs in stages: call train_batch or eval_batch")
+        self._refuse_if_stopped("a forward")
         self.agree.check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}, "engine(...)")
         # A forward without autograd between a training forward and its backward (a target computed by the same
         # model) belongs to that step: ending the step there would drop what its backward needs.
@@ -385,12 +391,16 @@ class Engine(DeepSpeedNames):
         # An inference engine records autograd only for inputs that require a gradient (its output then carries
         # one back to them: a loss judged by this model), as a frozen model does in plain PyTorch.
         no_grad = torch.no_grad() if self.inference and not needs_grad((args, kwargs)) else contextlib.nullcontext()
+        if self._forwards is not None:
+            self._forwards.begin()
         try:
             with self.device.compute_context(), saving, no_grad:
                 out = self.module(*args, **kwargs)
         except BaseException as e:  # [Note: a forward that fails]; an interrupt too (an evaluation stopped by hand)
             self._forward_failed(e, began=not within)
             raise
+        if self._forwards is not None:
+            self._forwards.end()
         if self.gathers is not None:
             self.gathers.end_forward(training=training or within)
         if training or within:
@@ -426,20 +436,38 @@ class Engine(DeepSpeedNames):
         # ranks whose forwards all raised at the same point of their programs agree and go on together; where one
         # rank failed alone the check finds the others at another collective and every rank stops with an error
         # naming both sides, instead of hanging. With check_collectives off there is no such check: the rank posts
-        # its failure ([Note: a rank's failure told to the others]), which stops the others at their next wait.
+        # its failure for this forward and point of the schedule, and the ranks agree in the job's store
+        # ([Note: failures scoped to a point] in hetero/comm/watch.py): all raised there, and they go on; a rank that
+        # went past that point stops at its next wait longer than a second, and so does every rank.
+        # A rank of a tensor-parallel group cannot skip a batch at all: its peers wait inside the layer's collectives
+        # (an all-reduce it never joins), and whether they all raised at the same point is not known (the schedule's
+        # count covers the data-parallel group's collectives only); ranks that raised at different points would pair
+        # their next collectives wrongly. So it posts its failure for good, which stops its peers within a second,
+        # and every rank of the job with them, and this engine refuses further batches.
         # hetero's own collective errors (CommError) pass as they are: nothing more may be sent.
         if isinstance(failed, CommError):
             return
-        if self.comm.size > 1:
+        if self.mesh.tp_size > 1:
+            self._stop_for(failed)
+        elif self.comm.size > 1:
             if self.check.enabled:
                 self.check(FORWARD_FAILED)
                 try:
                     self.check.verify(None)
                 except CommError as e:
                     raise e from failed
-            else:
-                post_failure(failed)
-                add_note(failed, "hetero: the other ranks were told to stop (check_collectives is off)")
+            elif self._forwards is not None:
+                stops = self._forwards.agree(failed)
+                if stops:
+                    post_failure(failed)
+                    ranks = sorted({f.rank for f in stops})
+                    add_note(
+                        failed,
+                        f"hetero: global rank(s) {', '.join(map(str, ranks))} of data-parallel group "
+                        f"{self.comm.global_ranks} did not raise at this point (check_collectives is off): a rank "
+                        "cannot skip a batch alone, because the others' collectives wait for it. Every rank stops; "
+                        "check the batch before the forward on every rank, or skip it on every rank together",
+                    )
         if self.gathers is not None:
             self.gathers.abort_forward()
         if not began:
@@ -451,6 +479,32 @@ class Engine(DeepSpeedNames):
             self.activations.step_end()
         self.manager.step_end(keep=False)
         self._in_step = False
+
+    def _stop_for(self, failed: BaseException) -> None:
+        """A forward (or batch) raised on a rank of a tensor-parallel group: tell every rank to stop ([Note: a
+        forward that fails])."""
+        why = f"in a forward of tensor-parallel group {self.mesh.tp.global_ranks}, which its peers cannot skip with it"
+        post_failure(failed, why=why)
+        add_note(
+            failed,
+            f"hetero: this rank's tensor-parallel peers (global ranks {self.mesh.tp.global_ranks}) wait inside "
+            "collectives it will not join, and a tensor-parallel group cannot skip a batch, not even when every rank "
+            "of it raises (hetero cannot tell that they raised at the same point, and collectives issued at "
+            "different points pair wrongly). Every rank of the job was told to stop, and this engine runs no "
+            "further batch: find the cause (above), then resume from the last checkpoint",
+        )
+
+    def _refuse_if_stopped(self, what: str) -> None:
+        own = stopped()
+        if own is None:
+            return
+        raise RankFailedError(
+            f"{what} on global rank {own.rank} refused: this rank stopped (global rank {own.origin} failed with "
+            f"{own.cause}) and told every rank of the job, which stop too. Its collectives would pair with others "
+            "its peers left waiting, so it runs none: resume from the last checkpoint",
+            failed_rank=own.origin,
+            cause=own.cause,
+        )
 
     def train(self, mode: bool = True) -> Engine:
         """The model's `train(mode)`; returns the engine, as `nn.Module.train` returns the module."""
@@ -645,9 +699,15 @@ class Engine(DeepSpeedNames):
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
         micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
         on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
+        self._refuse_if_stopped("train_batch")
         with self.agree.entry({"inputs": inputs, "labels": labels}, "train_batch"):
             if self.stages is not None or self.config.parallel.microbatches > 1:
-                return train_batch(self, inputs, labels, loss_fn)
+                try:
+                    return train_batch(self, inputs, labels, loss_fn)
+                except BaseException as e:
+                    if self.mesh.tp_size > 1 and not isinstance(e, CommError):  # [Note: a forward that fails]
+                        self._stop_for(e)
+                    raise
             if loss_fn is None:
                 out = self(inputs, labels=labels)
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
@@ -664,8 +724,14 @@ class Engine(DeepSpeedNames):
         rank's whole outputs, on every rank (`hetero/parallel/evaluation.py`)."""
         from hetero.parallel.evaluation import eval_batch
 
+        self._refuse_if_stopped("eval_batch")
         with self.agree.entry({"inputs": inputs, "labels": labels}, "eval_batch"):
-            return eval_batch(self, inputs, labels, loss_fn)
+            try:
+                return eval_batch(self, inputs, labels, loss_fn)
+            except BaseException as e:
+                if self.mesh.tp_size > 1 and not isinstance(e, CommError):  # [Note: a forward that fails]
+                    self._stop_for(e)
+                raise
 
     # ---- the update ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -1036,6 +1102,8 @@ class Engine(DeepSpeedNames):
         self.monitor.close()
         self.hooks.remove()
         self.check.close()
+        if self._forwards is not None:
+            self._forwards.close()
         if self.updater.delayed is not None:
             self.updater.delayed.close()
         if self.updater.overflow is not None:

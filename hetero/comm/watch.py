@@ -26,16 +26,32 @@ and receives are waited for in one piece (`look=False`): gloo closes the pair of
 every later transfer between the two ranks failed; a failed peer reaches them through its closed connection, whose
 diagnosis reads the posts. Besides
 the NVMe tier's failures (the engine hands `post_failure` to its store), a rank whose script ends in an uncaught
-exception posts that exception as it exits (`leaving.py`).
+exception posts that exception as it exits (`leaving.py`). A rank that posted for good (`stopped`) issues no further
+collective through the engine: its peers' queues hold operations it will never join, which its next ones would pair
+with (garbage, or gloo aborting the process on mismatched sizes).
+
+[Note: failures scoped to a point]
+A post for good would stop a job whose ranks all caught the same failure and mean to go on together (a forward that
+raises on every rank with check_collectives off). So a post may name a scope (what it concerns: "forward/<group>/<n>",
+the n-th forward of an engine's data-parallel group) and a mark (where in it: the collective schedule's count). A
+process that holds that scope registers a judge (`judge`), which a reader asks whether the post stops it: not when
+it failed at the same scope and mark itself, nor while it has not passed that point; yes once it ran a collective
+the poster never will. The posters meet in the store (`agree`): every member posted the same scope and mark, and
+each withdraws its post (`retract`: an entry that strikes it from every reader's board); else one stops, posts for
+good, and the rest stop with it. A post without a judge in this process (an engine closed meanwhile) stops, as one
+for good does: a rank that really died is seen within POLL_S as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +86,9 @@ class Failure:
     rank: int
     origin: int
     cause: str
+    scope: str = ""  # "": for good; else what it concerns ([Note: failures scoped to a point])
+    mark: int = 0  # where in its scope the poster stopped
+    number: int = 0  # its place on the board (1, 2, ...), for a retraction
 
 
 class _Board:
@@ -77,13 +96,16 @@ class _Board:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self.posted = False  # this process posted its own failure: once is enough
+        self.posted: Failure | None = None  # this process's own post for good: once is enough
         self.known: list[Failure] = []  # the posts read so far, in post order
+        self.retracted: set[int] = set()  # the numbers of posts withdrawn
         self.reading = threading.Lock()  # held by the one thread reading new posts
 
 
 _BOARD: list[_Board] = []  # the board of the store in use (a new job's store starts a new one)
 _LOCK = threading.Lock()  # posts come from the NVMe tier's I/O threads too
+# Scope prefix -> whether a post of that scope stops this process ([Note: failures scoped to a point]).
+_JUDGES: dict[str, Callable[[Failure], bool]] = {}
 
 
 def _board(store: Any) -> _Board:
@@ -93,26 +115,73 @@ def _board(store: Any) -> _Board:
 
 
 def post_failure(
-    err: BaseException, *, store: Any = None, me: int | None = None, origin: Failure | None = None
-) -> None:
+    err: BaseException,
+    *,
+    store: Any = None,
+    me: int | None = None,
+    origin: Failure | None = None,
+    scope: str = "",
+    mark: int = 0,
+    why: str = "",
+) -> int | None:
     """Tell the other ranks of the job that this one (global rank `me`, default this process's) stopped with `err`,
     or, with `origin`, for another rank's failure: [Note: a rank's failure told to the others]. Once per process and
-    job; best effort (a store that cannot be reached is only logged: the others then see a timeout as before)."""
+    job for good; with `scope`, a post about that scope only ([Note: failures scoped to a point]), as often as asked.
+    `why` is added to the cause. Returns the post's number, None if none was made; best effort (a store that cannot
+    be reached is only logged: the others then see a timeout as before)."""
+    store = store if store is not None else default_store()
+    if store is None:
+        return None
+    try:
+        me = dist.get_rank() if me is None else me
+        cause = f"{type(err).__name__}: {err}" + (f" ({why})" if why else "")
+        post = Failure(me, origin.origin, origin.cause) if origin else Failure(me, me, cause, scope, mark)
+        with _LOCK:
+            board = _board(store)
+            if not scope:
+                if board.posted is not None:
+                    return None
+                board.posted = post
+        n = store.add(_FAILED + "count", 1)
+        store.set(f"{_FAILED}{n}", json.dumps({k: v for k, v in post.__dict__.items() if k != "number"}))
+        return n
+    except Exception as e:
+        log.debug("could not post the failure of this rank (%s) to the rendezvous store: %s", err, e)
+        return None
+
+
+def retract(number: int, *, store: Any = None) -> None:
+    """Withdraw this process's scoped post `number` (its scope's failure was agreed and the ranks go on)."""
     store = store if store is not None else default_store()
     if store is None:
         return
     try:
-        me = dist.get_rank() if me is None else me
-        with _LOCK:
-            board = _board(store)
-            if board.posted:
-                return
-            board.posted = True
-        post = Failure(me, origin.origin, origin.cause) if origin else Failure(me, me, f"{type(err).__name__}: {err}")
         n = store.add(_FAILED + "count", 1)
-        store.set(f"{_FAILED}{n}", json.dumps(post.__dict__))
+        store.set(f"{_FAILED}{n}", json.dumps({"retract": number}))
     except Exception as e:
-        log.debug("could not post the failure of this rank (%s) to the rendezvous store: %s", err, e)
+        log.debug("could not withdraw failure post %d: %s", number, e)
+
+
+def stopped(store: Any = None) -> Failure | None:
+    """This process's own post for good on the job's board, if it made one: it takes part in no more collectives."""
+    store = store if store is not None else default_store()
+    with _LOCK:
+        return _BOARD[0].posted if _BOARD and _BOARD[0].store is store else None
+
+
+def judge(prefix: str, stops: Callable[[Failure], bool] | None) -> None:
+    """Let `stops` decide whether a post whose scope starts with `prefix` stops this process (None: no longer)."""
+    if stops is None:
+        _JUDGES.pop(prefix, None)
+    else:
+        _JUDGES[prefix] = stops
+
+
+def _stops(f: Failure) -> bool:
+    if not f.scope:
+        return True
+    stops = next((j for p, j in list(_JUDGES.items()) if f.scope.startswith(p)), None)
+    return True if stops is None else stops(f)
 
 
 def failures(store: Any, members: list[int], me: int, *, ask: bool = True) -> list[Failure]:
@@ -129,8 +198,40 @@ def failures(store: Any, members: list[int], me: int, *, ask: bool = True) -> li
                 key = f"{_FAILED}{len(board.known) + 1}"
                 if not store.check([key]):
                     break  # counted, not written yet: read at the next look
-                board.known.append(Failure(**json.loads(store.get(key))))
-    return [f for f in list(board.known) if f.rank in members and f.rank != me]
+                post = json.loads(store.get(key))
+                if "retract" in post:
+                    board.retracted.add(post["retract"])
+                    post = {"rank": -1, "origin": -1, "cause": "", "scope": "retraction"}  # a place, never a member
+                board.known.append(Failure(**post, number=len(board.known) + 1))
+    known = [f for f in list(board.known) if f.rank in members and f.rank != me and f.number not in board.retracted]
+    return [f for f in known if _stops(f)]
+
+
+def agree(store: Any, *, members: list[int], me: int, scope: str, mark: int, timeout_s: float) -> list[Failure]:
+    """After this rank posted a failure of `scope` at `mark`: wait until every member of the group posted the same
+    (returns [], the ranks go on together) or a post that stops this rank is read (returned):
+    [Note: failures scoped to a point]. RankTimeoutError after `timeout_s`."""
+    key = f"hetero/agree/{scope}/{mark}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    while True:
+        if store.add(key, 0) >= len(members):
+            return []
+        failed = failures(store, members, me)
+        if failed:
+            return failed
+        if time.monotonic() > deadline:
+            missing = [r for r in members if r != me]
+            raise RankTimeoutError(
+                f"global rank {me} raised in {scope} and waited {timeout_s:g} s (comm_timeout) for the others of "
+                f"group {members} to say whether they raised at the same point; none did, and none stopped. Check "
+                "their logs (a rank that left the loop, or hangs outside hetero's collectives)",
+                missing_ranks=missing,
+                timeout_s=timeout_s,
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def failed_error(failed: list[Failure], *, me: int, what: str, store: Any = None) -> RankFailedError:
@@ -172,17 +273,23 @@ def wait(
         if failed:
             raise failed_error(failed, me=me, what=f"{what} on group {members}", store=store)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    finished = _finished(work) if store is not None and look else None
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if store is None or not look or (left is not None and left <= POLL_S):  # the rest of the wait in one piece
-            return work.wait() if left is None else work.wait(timeout=_seconds(left))
+            if finished is not None and not finished.wait(left):
+                raise RuntimeError(f"{what}: the wait timed out")
+            return work.wait() if left is None or finished is not None else work.wait(timeout=_seconds(left))
         start = time.monotonic()
-        try:
-            ok = work.wait(timeout=_seconds(POLL_S))
-        except RuntimeError:
-            if time.monotonic() - start < 0.9 * POLL_S:  # the work's own error, not this look's expiry
-                raise
-            ok = False
+        if finished is not None:
+            ok = work.wait() if finished.wait(POLL_S) else False
+        else:
+            try:
+                ok = work.wait(timeout=_seconds(POLL_S))
+            except RuntimeError:
+                if time.monotonic() - start < 0.9 * POLL_S:  # the work's own error, not this look's expiry
+                    raise
+                ok = False
         if ok is not False:
             return ok
         try:
@@ -193,6 +300,43 @@ def wait(
             continue
         if failed:
             raise failed_error(failed, me=me, what=f"{what} on group {members}", store=store)
+
+
+class _Waiter:
+    """A thread that waits for one backend work at a time, without a timeout, and sets an event when it completes.
+    Some works ignore a wait's timeout (gloo's reduce_scatter_single blocks until it completes or the process group
+    times out), which left a wait on them blind to the failure board; an event's wait keeps its timeout."""
+
+    def __init__(self) -> None:
+        self.todo: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="hetero-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            work, done = self.todo.get()
+            with contextlib.suppress(Exception):  # the caller's own wait() raises it again
+                work.wait()
+            done.set()
+            with _LOCK:
+                _WAITERS.append(self)
+
+
+_WAITERS: list[_Waiter] = []  # idle waiters (one stays busy as long as a work abandoned after an error)
+
+
+def _finished(work: Any) -> threading.Event | None:
+    """An event set when `work` completes, for works that say whether they did (None: the work's own timed wait)."""
+    completed = getattr(work, "is_completed", None)
+    if completed is None:
+        return None
+    done = threading.Event()
+    if completed():
+        done.set()
+        return done
+    with _LOCK:
+        waiter = _WAITERS.pop() if _WAITERS else None
+    (waiter or _Waiter()).todo.put((work, done))
+    return done
 
 
 def _seconds(s: float) -> datetime.timedelta:
