@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import gc
 import os
 import shutil
@@ -500,6 +501,29 @@ def test_o_direct_that_fails_on_io_falls_back(stores, tmp_path, monkeypatch):
     assert not s.direct
     t = random_tensor(BLOCK + 1, torch.uint8)
     assert same_bytes(round_trip(s, 0, t), t)
+
+
+@pytest.mark.parametrize("how", ["refused", "lies"])
+def test_o_direct_whose_reads_fail_falls_back(stores, tmp_path, monkeypatch, how):
+    # A file system that takes direct writes (the open's probe) but refuses direct reads, or answers them without
+    # moving the bytes: the store must not pick O_DIRECT and then fail (or corrupt) every read.
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, *args):
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            return real_preadv(fd, buffers, offset, *args)
+        if how == "refused":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return sum(len(b) for b in buffers)  # claims the read, moves nothing
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "preadv", preadv)
+        s = stores(tmp_path)
+        with pytest.raises(NvmeUnavailableError, match="O_DIRECT is not supported"):
+            NvmeStore(tmp_path, direct=True)
+        assert not s.direct
+        t = random_tensor(3 * BLOCK + 5, torch.bfloat16)
+        assert same_bytes(round_trip(s, 0, t), t)
 
 
 # ------------------------------------------------------------------------------------------------ errors

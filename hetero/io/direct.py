@@ -8,8 +8,9 @@ device's logical block size; ALIGN (4096) covers every block size in practice (5
 anonymous mmap memory is page-aligned, so an mmap-backed buffer satisfies the memory side for free. Since Linux 6.0
 the block layer asks memory only for the device's DMA alignment (4 bytes on NVMe), which `probe_mem_align` finds.
 Some file systems refuse the flag at open (tmpfs before Linux 6.6: EINVAL), others accept it at open and fail the
-first request: `open_direct` proves it with one aligned write, and callers fall back to the page cache when it
-raises. A read or write call may move fewer bytes than asked (signals, the end of the file, limits per call):
+first request: `open_direct` proves it with one aligned write, `probe_mem_align` with writes read back (a file system
+may take direct writes and refuse direct reads, or return other bytes), and callers fall back to the page cache when
+either raises. A read or write call may move fewer bytes than asked (signals, the end of the file, limits per call):
 `read_full` and `write_full` go on from where the last call stopped, with `advance` stepping over the buffers that
 call finished.
 """
@@ -162,19 +163,28 @@ def open_direct(path: str, flags: int, mode: int = 0o600, *, probe: bool = False
 
 
 def probe_mem_align(fd: int) -> int:
-    """The smallest memory alignment (64, 512 or 4096) O_DIRECT accepts on the writable fd (it writes and reads the
-    file's first ALIGN bytes). Since Linux 6.0 the block layer asks only for the device's DMA alignment (4 bytes on
+    """The smallest memory alignment (64, 512 or 4096) O_DIRECT accepts on the writable fd (it writes and reads back
+    the file's first ALIGN bytes). Since Linux 6.0 the block layer asks only for the device's DMA alignment (4 bytes on
     NVMe), so torch's 64-byte aligned tensors can often be written straight from their own memory, with no staging
-    copy."""
-    buf = AlignedBuffer(2 * ALIGN)
-    for align in (64, 512):
-        view = buf.view[align : align + ALIGN]
+    copy. Raises OSError when even page-aligned memory fails to round-trip: a file system that took the probe write
+    refuses direct reads, or returns other bytes than were written ([Note: direct I/O]); callers fall back to the page
+    cache then, as for a refused open."""
+    src, dst = AlignedBuffer(2 * ALIGN), AlignedBuffer(2 * ALIGN)
+    src.tensor.copy_(torch.arange(2 * ALIGN).remainder(251).add(1))  # no zero byte: a read that moved nothing shows
+    failure = OSError(errno.EIO, "")
+    for align in (64, 512, ALIGN):
+        data, out = src.view[align : align + ALIGN], dst.view[align : align + ALIGN]
+        dst.tensor.zero_()
         try:
-            if os.pwrite(fd, view, 0) == ALIGN and os.preadv(fd, [view], 0) == ALIGN:
+            if os.pwrite(fd, data, 0) != ALIGN or os.preadv(fd, [out], 0) != ALIGN:
+                failure = OSError(errno.EIO, "a direct transfer of one aligned block was short")
+            elif out != data:
+                failure = OSError(errno.EIO, "a direct read returned other bytes than were written")
+            else:
                 return align
-        except OSError:
-            continue
-    return ALIGN
+        except OSError as e:
+            failure = e
+    raise OSError(failure.errno, f"direct I/O of page-aligned memory failed: {failure.strerror or failure}")
 
 
 # ---- the page cache around direct I/O --------------------------------------------------------------------------
