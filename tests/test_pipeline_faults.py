@@ -111,7 +111,7 @@ def _inputs_and_losses_a_pipeline_cannot_take(rank: int, world: int) -> dict:
         return nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction=reduction)
 
     cases = {
-        "a tokenizer's dict": lambda: engine.train_batch({"input_ids": x, "attention_mask": torch.ones_like(x)}, y),
+        "a tokenizer's token types": lambda: engine.train_batch({"input_ids": x, "token_type_ids": 0 * x}, y),
         "a pair from loss_fn": lambda: engine.train_batch(x, y, loss_fn=lambda o, t: (ce(o, t), o)),
         "a per-token loss": lambda: engine.train_batch(x, y, loss_fn=lambda o, t: ce(o, t, "none")),
         "a per-token loss in eval": lambda: engine.eval_batch(x, y, loss_fn=lambda o, t: ce(o, t, "none")),
@@ -133,17 +133,13 @@ def _inputs_and_losses_a_pipeline_cannot_take(rank: int, world: int) -> dict:
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(240)
 def test_inputs_and_losses_a_pipeline_cannot_take_are_named():
-    """A padded batch as a dict stops with a ConfigError saying the pipeline takes token ids and how to pad (before:
-    "'dict' object has no attribute 'shape'" from inside the embedding); a loss_fn whose loss is not one number
+    """A dict with inputs the stages cannot take (token type ids) stops with a ConfigError saying what it takes
+    (before: "'dict' object has no attribute 'shape'" from inside the embedding); a loss_fn whose loss is not one number
     stops with a PipelineError saying so (before: "'tuple' object has no attribute 'detach'", or a broadcast error
     summing a per-token loss); the other stage gets a PipelineError naming the rank; the next batch trains."""
     results = run_distributed(_inputs_and_losses_a_pipeline_cannot_take, 2, timeout=200)
     expected = {
-        "a tokenizer's dict": (
-            0,
-            "ConfigError",
-            "takes its inputs as one tensor of token ids, got dict (keys input_ids",
-        ),
+        "a tokenizer's token types": (0, "ConfigError", "got keys token_type_ids besides"),
         "a pair from loss_fn": (1, "PipelineError", "loss_fn returned tuple; a micro-batch's loss must be a tensor"),
         "a per-token loss": (1, "PipelineError", "loss_fn returned a tensor of shape (28,); a micro-batch's loss must"),
         "a per-token loss in eval": (1, "PipelineError", "loss_fn returned a tensor of shape (28,)"),

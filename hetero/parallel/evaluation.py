@@ -105,13 +105,14 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
     outputs: dict[int, torch.Tensor] = {}
     gathers = engine.gathers
     halt = Halt()
+    side = rt.side_digests(xs)  # what each stage reads from its own copy of a micro-batch (a padded batch's mask)
     # The exchanges run in the device's compute too: headers and received buffers are device memory (NCCL's rule).
     with engine.trace_step(), engine.device.compute_context():
         try:
             for item in prog:
                 if isinstance(item, Exchange):
                     try:
-                        sends += rt.exchange(item, outbox, inbox, halt)
+                        sends += rt.exchange(item, outbox, inbox, halt, side)
                     except Exception:
                         halt.raise_if_stopped(rt.pp)  # the error that stopped this rank is the one to see
                         raise
@@ -147,7 +148,7 @@ def _forward(
     x = xs[mb] if s == 0 else inbox.pop((0, mb, s))
     last = s == rt.last_stage
     with_labels = last and ys is not None and loss_fn is None
-    y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None)
+    y = rt.chunks[item.chunk](x, ys[mb] if with_labels else None, batch=xs[mb])
     loss = torch.zeros((), dtype=torch.float32)
     if last and ys is not None:
         value = loss_of(y) if loss_fn is None else loss_fn(y, ys[mb])

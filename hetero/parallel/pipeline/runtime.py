@@ -9,7 +9,10 @@ allocate without knowing the model; each header is checked, so ranks that disagr
 of computing with the wrong tensor. Every transfer carries a tag unique to its message, which gloo matches by; NCCL
 matches by order, which `schedule.programs` proves consistent on both sides of every link and free of deadlock even
 when every send waits for its receive (it replays them, splitting exchanges where needed: [Note: split exchanges]).
-Receives are waited before the step that needs them, sends at the end of the batch.
+Receives are waited before the step that needs them, sends at the end of the batch. An activation's header also
+carries a digest of what the stages read from their own copies of the micro-batch rather than receive (a Hugging
+Face model's attention mask and positions: [Note: a padded batch through the stages] in hf.py), which the receiver
+compares with its own; a mismatch stops it as an error of its own would.
 
 [Note: a stage that raises]
 A forward or backward that raises (a user's loss_fn, a hook, a shape error) would leave the stages after it waiting
@@ -38,7 +41,8 @@ from hetero.parallel.pipeline.split import StageChunk
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 MAX_DIMS = 8
-HEADER = 4 + MAX_DIMS  # micro-batch, virtual stage, dtype code, ndim, shape
+HEADER = 5 + MAX_DIMS  # micro-batch, virtual stage, dtype code, ndim, shape, the micro-batch's side digest
+SIDE = HEADER - 1  # an activation's header: the digest of what every stage reads from its own copy of the batch
 
 
 def _sendable(t: torch.Tensor) -> bool:
@@ -137,11 +141,12 @@ class PipelineRuntime:
         alive: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per (chunk, micro-batch), when measuring
         t0 = time.perf_counter()
         halt = Halt()
+        side = self.side_digests(inputs)
         for item in self.program:
             if isinstance(item, Exchange):
                 start = time.perf_counter()
                 try:
-                    sends += self.exchange(item, outbox, inbox, halt)
+                    sends += self.exchange(item, outbox, inbox, halt, side)
                 except Exception:
                     halt.raise_if_stopped(self.pp)  # the error that stopped this rank is the one to see
                     raise
@@ -193,7 +198,9 @@ class PipelineRuntime:
                     x.requires_grad_(True)
             last = s == self.last_stage
             with self._saving(alive, key):
-                y = self.chunks[a.chunk](x, labels[a.microbatch] if last and loss_fn is None else None)
+                y = self.chunks[a.chunk](
+                    x, labels[a.microbatch] if last and loss_fn is None else None, batch=inputs[a.microbatch]
+                )
                 if last:
                     y = loss_fn(y, labels[a.microbatch]) if loss_fn is not None else loss_of(y)
                     check_loss(y, "loss_fn" if loss_fn is not None else "the last stage's .loss")
@@ -227,10 +234,20 @@ class PipelineRuntime:
         return total
 
     # ---- transfers ------------------------------------------------------------------------------------------
+    def side_digests(self, inputs: list[Any]) -> list[int]:
+        """Per micro-batch, the digest of what this rank's stages read from their own copy of it (0: nothing);
+        one copy to the host for the batch."""
+        digests = [self.chunks[0].side_digest(x) for x in inputs]
+        if all(d is None for d in digests):
+            return [0] * len(inputs)
+        dev = next(d.device for d in digests if d is not None)
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        return torch.stack([d.to(dev) if d is not None else zero for d in digests]).tolist()
+
     def _tag(self, kind: int, microbatch: int, stage: int) -> int:
         return (microbatch * (self.last_stage + 1) + stage) * 2 + kind
 
-    def _header(self, t: torch.Tensor | None, msg: Message, halt: Halt | None) -> torch.Tensor:
+    def _header(self, t: torch.Tensor | None, msg: Message, halt: Halt | None, side: int = 0) -> torch.Tensor:
         """The header (on the payload's device: NCCL reads GPU memory only). A tensor no header can describe gets
         code -1: the header still goes, so the receiver fails with the sender instead of waiting for it. None: this
         rank stopped (STOPPED, and the pipeline rank that raised first)."""
@@ -242,6 +259,7 @@ class PipelineRuntime:
         if _sendable(t):
             header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype), t.dim()])
             header[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            header[SIDE] = side
         else:
             header[:4] = torch.tensor([msg[1], msg[2], -1, 0])
         return header.to(t.device)
@@ -252,13 +270,16 @@ class PipelineRuntime:
         outbox: dict[Message, torch.Tensor],
         inbox: dict[Message, torch.Tensor],
         halt: Halt | None = None,
+        side: list[int] | None = None,
     ) -> list[tuple[Any, Any]]:
         """Start the exchange's sends, complete its receives into `inbox`; return the sends' handles. `halt`: once
         this rank stopped, what it did not compute goes marked, and marks received stop it ([Note: a stage that
-        raises])."""
+        raises]). `side`: this rank's digest of each micro-batch ([Note: transfers]), sent with its activations and
+        compared with those received."""
         stopped = halt is not None and halt.origin is not None
         out = [(peer, msg, self._outgoing(outbox, msg, stopped)) for peer, msg in ex.sends]
-        headers_out = [self._header(t, msg, halt) for _, msg, t in out]
+        digest = [side[msg[1]] if side is not None and msg[0] == 0 else 0 for _, msg, _ in out]
+        headers_out = [self._header(t, msg, halt, d) for (_, msg, t), d in zip(out, digest)]
         headers_in = [torch.empty(HEADER, dtype=torch.int64, device=self.device) for _ in ex.recvs]
         ops = [("send", h, peer, self._tag(*msg)) for (peer, msg, _), h in zip(out, headers_out)]
         ops += [("recv", h, peer, self._tag(*msg)) for (peer, msg), h in zip(ex.recvs, headers_in)]
@@ -296,6 +317,8 @@ class PipelineRuntime:
                 )
             shape = values[4 : 4 + ndim]
             payloads.append(torch.empty(shape, dtype=DTYPES[code], device=self.device))
+            if side is not None and msg[0] == 0 and values[SIDE] != side[mb]:
+                self._side_differs(peer, mb, halt)
         # Marked messages carry no payload, on either side: both read it from the same header.
         sent = [(peer, msg, t) for peer, msg, t in out if t is not None]
         ops = [("send", t, peer, self._tag(*msg)) for peer, msg, t in sent]
@@ -308,6 +331,20 @@ class PipelineRuntime:
             if t is not None:
                 inbox[msg] = t
         return pending
+
+    def _side_differs(self, peer: int, mb: int, halt: Halt | None) -> None:
+        """This rank's copy of micro-batch `mb` is not the one its activations were computed on: stop (the transfer
+        completes, so that no rank waits for it)."""
+        error = PipelineError(
+            f"pipeline rank {self.pp.rank} was given another attention mask or position ids for micro-batch {mb} than "
+            f"pipeline rank {peer} computed its activations with: every stage reads them from the batch it is given "
+            "(hf.py, [Note: a padded batch through the stages]). Pass every pipeline rank the same inputs: a dict of "
+            "input_ids, attention_mask and position_ids, or the ids alone"
+        )
+        if halt is None:
+            raise error
+        if halt.origin is None:
+            halt.fail(error, self.pp.rank)
 
     @staticmethod
     def _outgoing(outbox: dict[Message, torch.Tensor], msg: Message, stopped: bool) -> torch.Tensor | None:

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from hetero.errors import ConfigError
-from hetero.parallel.pipeline.hf import hf_units, is_hf_decoder
+from hetero.parallel.pipeline.hf import bind_microbatch, hf_units, is_hf_decoder, microbatch_digest
 from hetero.parallel.pipeline.tied import Ties, find_ties
 
 
@@ -44,13 +44,22 @@ class StageChunk:
     def last(self) -> bool:
         return self.index == self.count - 1
 
-    def __call__(self, x: Any, labels: Any = None) -> Any:
+    def __call__(self, x: Any, labels: Any = None, batch: Any = None) -> Any:
+        """The chunk's units on `x`; `batch`: this rank's copy of the micro-batch, which a later stage's Hugging Face
+        layers read their mask and positions from (hf.py, [Note: a padded batch through the stages])."""
+        if not self.first:  # the first chunk's embeddings bind their own input
+            bind_microbatch(self.units[0][1], batch)
         for i, (_, unit) in enumerate(self.units):
             if labels is not None and self.last and i == len(self.units) - 1:
                 x = unit(x, labels=labels)
             else:
                 x = unit(x)
         return x
+
+    def side_digest(self, batch: Any) -> Any:
+        """What the stages compare of a micro-batch besides the activations (a Hugging Face model's mask and
+        positions: an int64 tensor), None when nothing."""
+        return microbatch_digest(self.units[0][1], batch)
 
 
 def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
