@@ -25,6 +25,7 @@ from hetero.comm import Comm, collective_failed, init_from_env
 from hetero.comm.scoped import ForwardScope
 from hetero.comm.watch import post_failure, stopped
 from hetero.config import Config
+from hetero.config_ranks import agree_config
 from hetero.device import make_device
 from hetero.errors import CommError, ConfigError, HeteroError, RankFailedError, add_note
 from hetero.events import Events
@@ -141,6 +142,7 @@ class Engine(DeepSpeedNames):
             world = init_from_env(timeout_s=config.comm_timeout)
         else:
             world = comm.with_timeout(config.comm_timeout)
+        agree_config(config, world)  # before any group is made from it: [Note: one config for every rank]
         self.device = make_device(device)
         if config.activation_checkpointing and config.parallel.pipeline > 1:
             choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
