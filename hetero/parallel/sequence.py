@@ -11,13 +11,15 @@ attention module's input before its forward reads the sequence length. The embed
 all-reduce is unchanged) because Hugging Face models derive position ids and masks from its output's length.
 A parameter used inside the region (a norm's weight, a row-parallel bias) sees only this rank's positions, so its
 gradient is a part of the whole: a hook all-reduces it over the tensor group before it is accumulated, and nothing
-outside this package needs to know. Dropout inside the region draws from each rank's generator: ranks seeded alike
-draw the same mask pattern for their different positions (Megatron forks a generator per rank; hetero does not yet).
+outside this package needs to know. Dropout inside the region draws from a stream of each rank's own, as Megatron's
+per-rank generator (tp_rng.py, [Note: dropout under tensor parallelism]): ranks seeded alike drew the same mask
+for their different positions. Under a pipeline, a stage after the one holding ``sequence_scatter`` enters the
+region at its first unit (`region_at`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -85,3 +87,16 @@ def all_reduce_grads(params: list[nn.Parameter], comm: Comm) -> None:
         if p.requires_grad and not getattr(p, "_hetero_sp_reduced", False):
             p.register_hook(hook)
             p._hetero_sp_reduced = True  # a tied or shared parameter is reduced once, not once per module
+
+
+def region_at(units: Sequence[str], plan: Mapping[str, str], first: str) -> bool:
+    """Whether a pipeline stage beginning at unit `first` (of the whole model's `units`, in order) takes its input
+    inside the region: a unit before it holds ``sequence_scatter`` (`plan`: the whole model's), and none before it
+    ``sequence_gather``."""
+
+    def holders(style: str) -> list[int]:
+        names = [n for n, s in plan.items() if style in s.split("+")]
+        return [i for i, u in enumerate(units) if any(n == u or n.startswith(f"{u}.") for n in names)]
+
+    start, scatter, gather = units.index(first), holders("sequence_scatter"), holders("sequence_gather")
+    return bool(scatter) and min(scatter) < start and all(start <= g for g in gather)

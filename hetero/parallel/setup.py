@@ -81,7 +81,9 @@ def setup_parallel(
 
                 check_tensor_plan(model, plan, mesh.tp.size, sequence=cfg.sequence == "megatron")
             check_replicas(model, mesh.tp, every=world)
+    whole_plan, units = plan, []  # the whole model's plan, and its pipeline units: where each stage sits in it
     if cfg.pipeline > 1:
+        units = [n for n, _ in units_of(model)]
         costs = None
         if cfg.pipeline_split == "auto":
             costs, basis = unit_costs(model, units_of(model), given=cfg.pipeline_costs, world=world, device=device)
@@ -137,17 +139,29 @@ def setup_parallel(
         return mesh, chunks, zero, tied
     if chunks is None:
         cut()  # the whole model on every rank: each rank's checks are every rank's
-    else:
-        _agreed(cut, world)
+        return mesh, chunks, zero, tied
+    made = _agreed(cut, world)
+    if not split:
+        from hetero.parallel.sequence import region_at
+        from hetero.parallel.tp_rng import RegionRng, bracket
+
+        # A stage runs its units, never the model's hooks ([Note: dropout under tensor parallelism], [Note: dropout
+        # under a grid]): a grid's stage runs inside its region; a 1D stage enters it where its input is inside.
+        rng = RegionRng(mesh.grid.tp) if mesh.grid is not None else made
+        for chunk in chunks:
+            (first, unit), (_, last) = chunk.units[0], chunk.units[-1]
+            inside = mesh.grid is not None or (cfg.sequence == "megatron" and region_at(units, whole_plan, first))
+            bracket(unit, last, rng, enter=inside)
     return mesh, chunks, zero, tied
 
 
-def _agreed(cut: Callable[[], object], world: Comm) -> None:
+def _agreed(cut: Callable[[], Any], world: Comm) -> Any:
     """Run ``cut``, this rank's stage's part of a tensor or sequence layout, and stop every rank of ``world`` with the
     same ConfigError if any rank's raised one ([Note: checks before the cut])."""
     error: ConfigError | None = None
+    made = None
     try:
-        cut()
+        made = cut()
     except ConfigError as err:  # the layouts raise before they change anything or issue a collective
         error = err
     said = world.all_gather_object(None if error is None else str(error))
@@ -157,3 +171,4 @@ def _agreed(cut: Callable[[], object], world: Comm) -> None:
         raise ConfigError(
             f"{failed[0][1]} [global ranks {ranks} found this on their pipeline stage's layers; every rank stops]"
         ) from error
+    return made

@@ -63,8 +63,7 @@ class TPShard:
 
 
 def unshard(shards: Sequence[torch.Tensor], info: TPShard) -> torch.Tensor:
-    """The full tensor from every tensor rank's shard, in rank order (for checkpoints and tests); a grid layout's
-    `BlockShard` joins its blocks."""
+    """The full tensor from every tensor rank's shard, in rank order (checkpoints, tests); `BlockShard.join`'s twin."""
     if not isinstance(info, TPShard):
         return info.join(shards)
     if len(shards) != info.degree:
@@ -422,15 +421,15 @@ def apply_tensor_parallel(
     sequence: bool = False,
     strict: bool = True,
     replicas_checked: bool = False,
-) -> None:
+) -> RegionRng:
     """Shard ``model`` in place over the tensor group ``comm`` following ``plan`` (patterns -> styles, or "auto").
 
     The model must be complete and identical on every rank of ``comm`` (checked). Every check runs before anything
     changes, so a ConfigError leaves the model as it was. ``sequence``: Megatron sequence parallelism as well.
     ``strict``: False lets patterns match nothing (a pipeline stage holding part of the model, whose plan need not
     bound a sequence-parallel region; better: apply to the whole model before splitting it, so the stages' boundaries
-    keep the sequence split consistent). ``replicas_checked``: the caller has run `check_replicas` (setup.py does, on
-    the whole model, before the cut).
+    keep the sequence split consistent). ``replicas_checked``: the caller has run `check_replicas` (setup.py: the
+    whole model, before the cut). Returns the group's random streams (tp_rng.py; a pipeline stage brackets its units).
     """
     check_untouched(model)
     resolved = check_tensor_plan(model, plan, comm.size, sequence=sequence, strict=strict)
@@ -448,3 +447,4 @@ def apply_tensor_parallel(
     log.info(
         "tensor parallel over %d ranks%s: %d modules planned", comm.size, " with SP" if sequence else "", len(resolved)
     )
+    return region.rng

@@ -20,7 +20,20 @@ state hashed from the same bytes, so:
 Without sequence parallelism the region runs from a column-parallel layer's input (or its `heads` /
 `parallel_input` parent's) to the row-parallel layer's input; under Megatron-SP from `sequence_scatter` to
 `sequence_gather`, since everything between holds a part of the sequence. A forward that raises inside the region
-leaves it at its module's exit or, at the latest, at the model's next forward.
+leaves it at its module's exit or, at the latest, at the model's next forward. Under a pipeline a stage runs its
+units, never the model: a stage whose input is inside the sequence-parallel region (after the one holding
+`sequence_scatter`) enters it at its first unit, and every stage leaves it, if open, when its last unit returns
+(`bracket`); the stage holding `sequence_scatter` used to leave the shared stream swapped for its rank's after its
+forward, so what the program drew after a step differed between the tensor ranks.
+
+[Note: dropout under a grid]
+A grid (2D, 2.5D, 3D: grid/mesh.py) cuts every activation of the forward two ways: each tensor rank holds another
+(batch part, hidden part) block of the residual stream (`main`), of what lies between a column- and a row-parallel
+layer (`alt` in 3D) and of the attention probabilities (its rows, its heads); no two ranks hold the same block, the
+2.5D depth layers included (they cut the batch first). Only the weights are replicated, and dropout draws nothing for
+them. So the whole forward is the region, over the tensor group: entered at the model's call (under a pipeline, at
+each stage's first unit) and left at its return; each rank draws its blocks' masks from its own stream, and what
+follows the forward (a sampled token, the next batch's shuffle) draws the shared one again.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import hashlib
 from typing import Any
 
 import torch
+from torch import nn
 
 from hetero.comm import Comm
 from hetero.device import Device
@@ -67,13 +81,18 @@ class RegionRng:
     def enter_at(self, x: torch.Tensor) -> torch.Tensor:
         """Switch to this rank's stream, with `x` (returned) the first tensor of the region; once: a second entry
         before leaving is the same region's (q, k and v entering one by one). One rank is the plain model."""
+        self.enter(x.device)
+        return x
+
+    @torch.compiler.disable
+    def enter(self, device: torch.device | None) -> None:
+        """`enter_at` for a tensor on `device` (None: the CPU's generator alone)."""
         if self._outside is not None or self.size == 1:
-            return x
+            return
         seed = rank_seed(shared_draw(), self.rank)
-        dev = self._device(x.device)
+        dev = None if device is None else self._device(device)
         self._outside = (torch.get_rng_state(), dev, None if dev is None else dev.rng_state())
         set_streams(seed, dev)
-        return x
 
     @torch.compiler.disable
     def leave(self, *_: Any) -> None:
@@ -101,3 +120,17 @@ def set_streams(seed: int, device: Device | None = None) -> None:
     torch.default_generator.manual_seed(seed)
     if device is not None:
         device.set_rng_state(torch.Generator(device=device.torch_device).manual_seed(seed).get_state())
+
+
+def bracket(first: nn.Module, last: nn.Module, rng: RegionRng, *, enter: bool = True) -> None:
+    """Run from `first`'s call to `last`'s return on this rank's stream (the device's of `first`'s first tensor
+    input too), and back to the shared one when `last` returns or raises; `enter` False: only the way back, for a
+    region some module inside opens. A model (first = last = the model) or a pipeline stage's run of units."""
+    if enter:
+
+        def pre_hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+            rng.enter(None if x is None else x.device)
+
+        first.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    last.register_forward_hook(rng.leave, always_call=True)

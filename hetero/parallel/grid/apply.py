@@ -41,6 +41,7 @@ from hetero.parallel.plans import resolve_plan
 from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import all_reduce_grads
 from hetero.parallel.tensor import check_untouched, generate_with_whole_logits, head_counts, linear_dims
+from hetero.parallel.tp_rng import RegionRng, bracket
 from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, local_padding_idx
 
 log = logging.getLogger("hetero.parallel")
@@ -296,6 +297,7 @@ def apply_grid_parallel(
         # 2.5D: every depth layer holds the same weights and computes their gradient on its own slice of the batch.
         all_reduce_grads([p for p in model.parameters() if hasattr(p, "_hetero_tp")], grid.outer)
     _install_loss(model, grid)
+    bracket(model, model, RegionRng(grid.tp))  # every activation is cut: [Note: dropout under a grid]
     if any("vocab_head" in styles for styles in parts.values()):
         generate_with_whole_logits(model)  # generate picks each token from the whole batch's whole vocabulary
     log.info("tensor mode %s: %d modules planned over %s", grid.mode, len(resolved), grid)
