@@ -229,7 +229,7 @@ class Config:
     environment variable HETERO_PROGRESS=0 turns them off too (hetero/progress.py)."""
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
+        if isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int) or self.zero_stage not in range(4):
             raise ConfigError(f"zero_stage: must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         check_int("grad_accumulation_steps", self.grad_accumulation_steps, minimum=1)
@@ -244,8 +244,11 @@ class Config:
         _check_activation(self.activation_checkpointing, self.activation_offload)
         if isinstance(self.comm_timeout, bool) or not isinstance(self.comm_timeout, (int, float)):
             raise ConfigError(f"comm_timeout: expected a number of seconds, got {self.comm_timeout!r}")
-        if not self.comm_timeout > 0:
-            raise ConfigError(f"comm_timeout: must be > 0 seconds, got {self.comm_timeout!r}")
+        if not 0 < self.comm_timeout < math.inf:  # inf: an OverflowError from torch.distributed's join, nan: no bound
+            raise ConfigError(
+                f"comm_timeout: must be a finite number of seconds > 0, got {self.comm_timeout!r}; for a long bound "
+                "give a long one (86400: a day)"
+            )
         if self.checkpoint_patience is not None and (
             isinstance(self.checkpoint_patience, bool)
             or not isinstance(self.checkpoint_patience, (int, float))
@@ -301,6 +304,10 @@ class Config:
                 )
                 if on
             ]
+            # Checked here, before the model is cut and its chunks allocated, rather than once the mesh exists.
+            if self.parallel.pipeline > 1 or (self.parallel.tensor > 1 and not self.parallel.split_sequence):
+                needs_all.append(f"parallel.tensor {self.parallel.tensor} / pipeline {self.parallel.pipeline} (the "
+                                 "gradient norm is summed over their ranks first; set both to 1)")  # fmt: skip
             if needs_all:
                 raise ConfigError(
                     "update_in_backward: steps each chunk as soon as its gradient is final, but "

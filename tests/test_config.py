@@ -128,3 +128,27 @@ def test_nvme_dir_expands_the_home_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     c = Config.from_dict({"memory": {"nvme_dir": "~/swap"}, "offload": {"optimizer": "nvme"}})
     assert c.memory.nvme_dir == str(tmp_path / "swap")
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        # A float stage read as 3 by `in (0, 1, 2, 3)`, kept as 3.0 in checkpoints and messages.
+        ({"zero_stage": 3.0}, r"zero_stage: must be one of 0, 1, 2, 3, got 3.0"),
+        # inf passed the check and raised OverflowError from torch.distributed's join under torchrun.
+        ({"comm_timeout": float("inf")}, r"comm_timeout: must be a finite number of seconds > 0, got inf"),
+        # Refused before only once the model was cut over the mesh and its chunks allocated and filled.
+        ({"update_in_backward": True, "parallel": {"tensor": 2}}, r"update_in_backward: .* parallel.tensor 2 / pipe"),
+        ({"update_in_backward": True, "parallel": {"pipeline": 2}}, r"update_in_backward: .*pipeline 2 \(the grad"),
+    ],
+)
+def test_contradictions_are_refused_at_the_edge(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_any(cfg)
+
+
+def test_update_in_backward_takes_a_sequence_split():
+    # Ulysses and ring split the sequence inside the data-parallel group: no tensor group, so the update may step
+    # in backward (the engine's own check reads the mesh's tensor degree, 1 there).
+    c = Config.from_any({"update_in_backward": True, "parallel": {"tensor": 2, "sequence": "ulysses"}})
+    assert c.update_in_backward
