@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from hetero.errors import NvmeCorruptError, NvmeError
-from hetero.memory import Tier
+from hetero.memory import Tier, swap_file
 from hetero.memory.nvme import NvmeStore
 from hetero.memory.swap_file import ORPHAN_AGE_S, PREFIX
 
@@ -173,6 +174,39 @@ def test_a_killed_process_leaves_nothing_behind_the_next_store(tmp_path):
         out = torch.empty_like(t)
         live.read(0, out).result()
         assert torch.equal(out, t)
+    finally:
+        live.close()
+
+
+def test_on_a_shared_file_system_a_store_removes_only_its_own_machines_orphans(tmp_path, monkeypatch):
+    """An nvme_dir on NFS mounted nolock (Lustre localflock, BeeGFS by default) shared by two machines: a lock stays on
+    the machine that took it, so the other machine's live store looked unlocked from here and its directory was
+    removed under it. A store here removes only the orphans named for this machine; the rest wait for their own."""
+    old = time.time() - 2 * ORPHAN_AGE_S
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    live = NvmeStore(tmp_path)  # node a's, in use
+    try:
+        t = torch.randn(1000)
+        live.write(0, t).result()
+        os.utime(live.directory, (old, old))
+        monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+        # Node b's view: the file system is a network one, and node a's lock does not reach it.
+        monkeypatch.setattr(swap_file, "shared_file_system", lambda path: "nfs", raising=False)
+        monkeypatch.setattr(swap_file.fcntl, "flock", lambda fd, op: None)
+        dead = [
+            os.path.join(tmp_path, f"{PREFIX}{name}") for name in ("node_b-k1lled00", "node_bb-k1lled00", "0ld0name")
+        ]
+        for d in dead:
+            os.mkdir(d)
+            open(os.path.join(d, "swap"), "wb").close()
+            os.utime(d, (old, old))
+        with NvmeStore(tmp_path) as fresh:
+            out = torch.empty_like(t)
+            live.read(0, out).result()
+            assert torch.equal(out, t) and os.path.isfile(live.path), "node a's live swap file was removed"
+            assert os.path.basename(fresh.directory).startswith(f"{PREFIX}node_b-")
+            kept = sorted(os.path.basename(d) for d in (live.directory, fresh.directory, *dead[1:]))
+            assert _swap_dirs(tmp_path) == kept  # node b's orphan went; another machine's and an unnamed one stay
     finally:
         live.close()
 

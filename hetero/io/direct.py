@@ -208,6 +208,23 @@ _MUNMAP = _libc("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
 _FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int)
 _STATFS = _libc("statfs", [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int)
 _IN_MEMORY = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type of the file systems held in RAM
+_SHARED = {  # statfs f_type of file systems other machines may mount too (FUSE: could be either, taken as shared)
+    0x6969: "nfs",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x517B: "smb",
+    0x00C36400: "ceph",
+    0x0BD00BD0: "lustre",
+    0x47504653: "gpfs",
+    0x19830326: "beegfs",
+    0x65735546: "fuse",
+    0x01021997: "9p",
+    0x5346414F: "afs",
+    0x7461636F: "ocfs2",
+    0x01161970: "gfs2",
+    0xAAD7AAEA: "panfs",
+    0x20030528: "orangefs",
+}
 _SAMPLES = 16  # pages of a range whose residency is asked for
 
 
@@ -226,15 +243,26 @@ def fallocate(fd: int, offset: int, length: int) -> bool:
     raise OSError(err, os.strerror(err))
 
 
-def memory_file_system(path: str) -> str | None:
-    """ "tmpfs" or "ramfs" when `path` is on a file system held in RAM (preallocating a file there takes memory), else
-    None (also where that cannot be told)."""
+def _fs_type(path: str) -> int | None:
+    """statfs's f_type of the file system holding `path`, or None where that cannot be told."""
     if _STATFS is None:
         return None
     buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on x86-64); f_type, a long, comes first
     if _STATFS(os.fsencode(path), buf) != 0:
         return None
-    return _IN_MEMORY.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def memory_file_system(path: str) -> str | None:
+    """ "tmpfs" or "ramfs" when `path` is on a file system held in RAM (preallocating a file there takes memory), else
+    None (also where that cannot be told)."""
+    return _IN_MEMORY.get(_fs_type(path))
+
+
+def shared_file_system(path: str) -> str | None:
+    """The name of the network or cluster file system holding `path` (nfs, lustre, beegfs, ...: other machines may
+    mount it too, and a lock taken here may not reach them), else None (also where that cannot be told)."""
+    return _SHARED.get(_fs_type(path))
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

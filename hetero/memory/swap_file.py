@@ -8,8 +8,10 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import threading
 import time
 from bisect import bisect_left
@@ -17,7 +19,7 @@ from types import FrameType
 from typing import Any
 
 from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
-from hetero.io.direct import fallocate, memory_file_system, open_direct, probe_mem_align
+from hetero.io.direct import fallocate, memory_file_system, open_direct, probe_mem_align, shared_file_system
 
 log = logging.getLogger("hetero.memory.nvme")
 
@@ -49,6 +51,13 @@ def free_bytes(fd: int) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def dir_prefix() -> str:
+    """The start of the name of this machine's swap directories: PREFIX, the host name (no '-' in it), then '-'
+    ([Note: swap directories left by a killed process])."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+    return f"{PREFIX}{host}-"
+
+
 def remove_orphans(parent: str) -> list[str]:
     """Delete the swap directories in `parent` that no live store holds; returns them.
 
@@ -60,10 +69,17 @@ def remove_orphans(parent: str) -> list[str]:
     process dies, however it dies; it holds across PID namespaces, where a PID recorded in a name would not), so a
     directory whose file nobody locks is an orphan. Only directories of this user older than ORPHAN_AGE_S are
     considered: a store just being made has not locked its file yet. Failures are ignored: this is housekeeping, and
-    the new store's own checks say what is wrong."""
+    the new store's own checks say what is wrong.
+    On a file system other machines mount too (NFS, Lustre, BeeGFS, ...: `shared_file_system`) a lock may stay on the
+    machine that took it (NFS mounted `nolock`, Lustre `localflock`, BeeGFS's default), so another node's live swap
+    directory looked like an orphan here, and removing it failed that node's next swap read (ESTALE): two jobs of one
+    user, or nodes of one job started a minute apart, sharing a scratch directory. There only directories named for
+    this machine are considered (the name carries the host: `dir_prefix`); another machine's orphans wait for a store
+    made there."""
     removed = []
+    mine = None if shared_file_system(parent) is None else dir_prefix()
     try:
-        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(parent) if n.startswith(mine or PREFIX)]
     except OSError:
         return removed
     now = time.time()
