@@ -13,10 +13,13 @@ hetero's default, and HeteroTrainer fills the same fields from TrainingArguments
 an "auto" fp16 are translated all the same, for when TrainingArguments choose fp16. The fp16 section becomes the
 loss_scale section with DeepSpeed's defaults where it gives none (hysteresis 2, a window of 1000), so a translated
 config scales the loss and skips steps as DeepSpeed does ([Note: the fp16 loss scale] in hetero/zero/precision.py).
+A config without gradient_clipping clips at 1.0, DeepSpeed's default since its 0.19.3 (and its documented one; the
+versions before did not clip), with a warning saying so; DeepSpeed clips only at a value > 0, so 0 or less is none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -111,15 +114,15 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
             if value != "auto":
                 out["grad_accumulation_steps"] = value
         elif key == "gradient_clipping":
-            if value != "auto" and value:
-                out["grad_clip_norm"] = float(value)
+            if value != "auto":  # "auto": HeteroTrainer fills it from TrainingArguments' max_grad_norm
+                out["grad_clip_norm"] = _clip(value)
         elif key == "tensorboard":
-            if _enabled(value):
+            if _enabled(key, value):
                 out.setdefault("log", {})["tensorboard"] = os.path.join(
                     value.get("output_path", "runs"), value.get("job_name", "")
                 ).rstrip(os.sep)
         elif key == "wandb":
-            if _enabled(value):
+            if _enabled(key, value):
                 out.setdefault("log", {})["wandb"] = value.get("project", "deepspeed")
         elif key in ("optimizer", "scheduler") and isinstance(value, Mapping):
             notes.append(f"{key}: {_built_yourself(key, value)}")
@@ -128,6 +131,15 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
         else:
             notes.append(f"{key}: no hetero equivalent")
     _batch_sizes(ds_config, out)
+    if "gradient_clipping" not in ds_config:
+        out["grad_clip_norm"] = _DS_CLIP
+        log.warning(
+            "from_deepspeed: gradient_clipping is not set, and DeepSpeed clips the gradient norm at %s by default "
+            "(since 0.19.3; earlier versions did not clip): grad_clip_norm is %s. Set gradient_clipping to choose (0: "
+            'no clipping; "auto": TrainingArguments\' max_grad_norm under HeteroTrainer)',
+            _DS_CLIP,
+            _DS_CLIP,
+        )
     if "precision" in out and isinstance(out["precision"], list):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16: enable one")
     if "params_host_bytes" in out.get("offload", {}):  # DeepSpeed counts 16-bit elements (fp32 without fp16/bf16)
@@ -141,8 +153,37 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
     return out
 
 
-def _enabled(section: Any) -> bool:
-    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+# [Note: a DeepSpeed flag]
+# DeepSpeed reads its sections through pydantic, whose booleans take the strings and numbers below too: a config
+# with "enabled": "false" is off under DeepSpeed. It turned fp16 on here (bool("false") is True), and a section that
+# is no mapping ("fp16": true, which DeepSpeed refuses) was skipped without a word.
+_TRUE = ("true", "t", "yes", "y", "on", "1")
+_FALSE = ("false", "f", "no", "n", "off", "0")
+_DS_CLIP = 1.0  # DeepSpeed's gradient_clipping where the config gives none (0.0 before its 0.19.3)
+
+
+def _enabled(key: str, section: Any) -> bool | str:
+    """A section's "enabled", read as DeepSpeed reads it ([Note: a DeepSpeed flag]); "auto" as it is."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f'{key}: expected a section such as {{"enabled": true}}, got {section!r}')
+    value = section.get("enabled", False)
+    if value == "auto" or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f'{key}.enabled: expected true or false (or "auto"), got {value!r}')
+
+
+def _clip(value: Any) -> float | None:
+    """grad_clip_norm for DeepSpeed's gradient_clipping: DeepSpeed clips only at a value > 0."""
+    if isinstance(value, str):  # "1.0": a number written as text, taken as before
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigError(f'gradient_clipping: expected a number (0: no clipping) or "auto", got {value!r}')
+    return float(value) if value > 0 else None
 
 
 # DeepSpeed's fp16 settings and their defaults (its DeepSpeedFP16Config), translated exactly into hetero's loss_scale
@@ -156,12 +197,13 @@ _FP16_UNTRANSLATED = {
 
 
 def _precision(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> None:
-    if not _enabled(value):
+    enabled = _enabled(key, value)
+    if not enabled:
         return
     name = "fp16" if key == "fp16" else "bf16"
     # "auto": the Trainer's TrainingArguments choose the precision (HeteroTrainer); fp16's scale is still translated,
     # for when they choose fp16 (it is read only then).
-    auto = value.get("enabled") == "auto"
+    auto = enabled == "auto"
     if auto and name == "bf16":
         return
     if not auto and out.get("precision") not in (None, name):

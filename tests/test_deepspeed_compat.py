@@ -91,12 +91,13 @@ def test_getting_started_config_translates_and_trains(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hetero.config"):
         config = hetero.Config.from_deepspeed(path)
     assert (config.zero_stage, config.precision, config.grad_accumulation_steps) == (1, "fp16", 1)
+    assert config.grad_clip_norm == 1.0  # no gradient_clipping: DeepSpeed's default since 0.19.3 (none before)
     assert (config.loss_scale.hysteresis, config.loss_scale.growth_interval) == (2, 1000)  # DeepSpeed's defaults
     assert "optimizer" in caplog.text and "train_batch_size" in caplog.text
     assert hetero.Config.from_deepspeed({"zero_optimization": False}).zero_stage == 0
     out = parity.run_hetero(0, 1, steps=4, rows=4, config=config.to_dict())
     assert out["skipped"] == 0
-    parity.check(out, "fp16", steps=4, rows=4)  # fp16 against float64, fp16's own error as the scale
+    parity.check(out, "fp16", steps=4, rows=4, clip=1.0)  # fp16 against float64, fp16's own error as the scale
 
 
 def test_translation_details():
@@ -298,3 +299,42 @@ def test_deepspeeds_schedulers_step_as_under_deepspeed(name, params, tmp_path):
     engine.load_checkpoint(saved)
     assert sched.state_dict() == ref.state_dict() == {"last_batch_iteration": 4}
     engine.close()
+
+
+# (DeepSpeed's section, hetero's grad_clip_norm). Before: no gradient_clipping gave none where DeepSpeed (since
+# 0.19.3) clips at 1.0, and a negative one, which DeepSpeed reads as no clipping, was a ConfigError.
+CLIP_CASES = [({}, 1.0), ({"gradient_clipping": 0}, None), ({"gradient_clipping": 0.5}, 0.5),
+              ({"gradient_clipping": -1.0}, None), ({"gradient_clipping": 2}, 2.0)]  # fmt: skip
+
+
+def test_gradient_clipping_as_deepspeed_reads_it(caplog):
+    config = pytest.importorskip("deepspeed.runtime.config")
+    for section, clip in CLIP_CASES:
+        with caplog.at_level(logging.WARNING, logger="hetero.config"):
+            caplog.clear()
+            assert hetero.Config.from_deepspeed(section).grad_clip_norm == clip, section
+        assert ("gradient_clipping is not set" in caplog.text) == (section == {})  # the default is named
+        theirs = config.DeepSpeedConfig({"train_batch_size": 1, **section}).gradient_clipping
+        assert (clip or 0.0) == max(theirs, 0.0), section  # DeepSpeed clips only at a value > 0
+    assert hetero.Config.from_deepspeed({"gradient_clipping": "auto"}).grad_clip_norm is None  # the Trainer's
+    with pytest.raises(ConfigError, match=r"gradient_clipping: expected a number \(0: no clipping\) or \"auto\""):
+        hetero.Config.from_deepspeed({"gradient_clipping": "max"})  # was float()'s ValueError
+
+
+@pytest.mark.parametrize("flag", [True, False, "true", "false", "False", "yes", "off", 0, 1])
+def test_enabled_reads_as_deepspeeds(flag):
+    # "enabled": "false" is off under DeepSpeed (pydantic's booleans); here bool("false") turned fp16 on.
+    config = pytest.importorskip("deepspeed.runtime.config")
+    theirs = config.DeepSpeedConfig({"train_batch_size": 1, "fp16": {"enabled": flag}}).float16_config.enabled
+    ours = hetero.Config.from_deepspeed({"fp16": {"enabled": flag}, "tensorboard": {"enabled": flag}})
+    assert (ours.precision == "fp16") == theirs and (ours.log.tensorboard is not None) == theirs
+
+
+def test_sections_deepspeed_refuses_are_named():
+    # Each was skipped without a word (precision fp32, no log) where DeepSpeed stops.
+    with pytest.raises(ConfigError, match=r"fp16: expected a section such as \{\"enabled\": true\}, got True"):
+        hetero.Config.from_deepspeed({"fp16": True})
+    with pytest.raises(ConfigError, match=r"bf16.enabled: expected true or false \(or \"auto\"\), got 'maybe'"):
+        hetero.Config.from_deepspeed({"bf16": {"enabled": "maybe"}})
+    with pytest.raises(ConfigError, match=r"tensorboard: expected a section"):
+        hetero.Config.from_deepspeed({"tensorboard": "runs"})
