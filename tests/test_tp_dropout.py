@@ -451,3 +451,14 @@ def test_the_stages_of_a_pipelined_grid_draw_their_ranks_masks(cpu_device):
 @pytest.mark.timeout(200)
 def test_a_grid_through_the_engine_recomputes_its_masks(cpu_device):
     _check_stages(run_distributed(_layout, 4, {"tensor": 4, "tensor_mode": "2d"}, timeout=180), tensor=4, stages=1)
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_ulysses_ranks_draw_their_own_masks(pipeline, cpu_device):
+    """Ulysses cuts the sequence between `sequence_scatter` and `sequence_gather` as Megatron-SP does: its ranks
+    drew one mask for their different positions (and its attention's heads), with or without a pipeline."""
+    parallel = {"tensor": 2, "sequence": "ulysses", **(PIPELINE if pipeline else {})}
+    results = run_distributed(_layout, 2 * (1 + pipeline), parallel, timeout=180)
+    _check_stages(results, tensor=2, stages=1 + pipeline)

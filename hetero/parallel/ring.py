@@ -43,6 +43,7 @@ from torch.autograd import Function
 from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.seq_split import SeqLayout, apply_sequence_split
+from hetero.parallel.tp_rng import RegionRng
 
 _TAG = 0x5249  # gloo matches point-to-point by tag: one tag for the ring's messages
 
@@ -296,12 +297,12 @@ def apply_ring(
     plan: Mapping[str, str] | str = "auto",
     reduce_grads: bool = True,
     whole_model: bool = True,
-) -> None:
+) -> RegionRng:
     """Ring sequence parallelism over ``comm``, in place; weights stay whole, names unchanged. The plan bounds the
     region and names the attention modules as for Ulysses (``ulysses.apply_ulysses``); head counts need not divide.
     Causal (decoder) attention or full attention; a transformers model's attention mask (padding, sliding window)
     and score softcap apply block by block."""
-    apply_sequence_split(
+    return apply_sequence_split(
         model,
         comm,
         plan=plan,

@@ -52,6 +52,7 @@ from hetero.parallel.plans import resolve_plan
 from hetero.parallel.sequence import SEQ_DIM, add_output_map, all_reduce_grads, replace_first_input
 from hetero.parallel.tensor import check_untouched
 from hetero.parallel.tp_ops import gather_seq_exact, scatter_seq
+from hetero.parallel.tp_rng import RegionRng
 
 _HF_NAME = "hetero_seq_split"  # the attention implementation registered with transformers
 _INSIDE = ("colwise", "colwise_qkv", "rowwise", "norm", "head_norm", "heads", "parallel_input")  # in the region
@@ -198,8 +199,10 @@ def apply_sequence_split(
     check_attention: Callable[[nn.Module, str], None],
     reduce_grads: bool,
     whole_model: bool = True,
-) -> None:
-    """Split the sequence over ``comm`` inside the plan's region, in place (see the module docstring).
+) -> RegionRng:
+    """Split the sequence over ``comm`` inside the plan's region, in place (see the module docstring); returns the
+    group's random streams: dropout inside the region draws each rank's own ([Note: dropout under tensor
+    parallelism]), for its own positions; a pipeline stage brackets its units with them (setup.py).
     ``whole_model`` False: ``model`` is one pipeline stage ([Note: the sequence split across pipeline stages]).
     ``gpt_attend(module)`` makes the new ``attend`` of a hetero GPT attention module (q, k, v [b, heads, s, d] in and
     out, causal), ``hf_attention(module, name)`` the attention function of a transformers module;
@@ -230,17 +233,21 @@ def apply_sequence_split(
             module.attend = gpt_attend(module)
         else:
             _wrap_hf(module, comm, layout, wrapped[name])
+    rng = RegionRng(comm)
     for name, styles in parts.items():
         module = modules[name]
         if "sequence_scatter" in styles:
 
             def pre_hook(_: nn.Module, args: tuple, kwargs: dict, name: str = name) -> tuple[tuple, dict]:
-                return replace_first_input(name, args, kwargs, lambda x: keep_positions(x, comm, layout))
+                return replace_first_input(name, args, kwargs, lambda x: rng.enter_at(keep_positions(x, comm, layout)))
 
             module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         if "sequence_gather" in styles:
             add_output_map(module, name, lambda x: join_positions(x, comm, layout))
+            module.register_forward_hook(rng.leave, always_call=True)
+    model.register_forward_pre_hook(rng.leave)  # a forward that raised inside the region left its stream on
     if reduce_grads:
         all_reduce_grads(list(inside.values()), comm)
     else:
         scale_grads(list(inside.values()), float(comm.size))
+    return rng

@@ -141,17 +141,16 @@ def setup_parallel(
         cut()  # the whole model on every rank: each rank's checks are every rank's
         return mesh, chunks, zero, tied
     made = _agreed(cut, world)
-    if not split:
-        from hetero.parallel.sequence import region_at
-        from hetero.parallel.tp_rng import RegionRng, bracket
+    from hetero.parallel.sequence import region_at
+    from hetero.parallel.tp_rng import RegionRng, bracket
 
-        # A stage runs its units, never the model's hooks ([Note: dropout under tensor parallelism], [Note: dropout
-        # under a grid]): a grid's stage runs inside its region; a 1D stage enters it where its input is inside.
-        rng = RegionRng(mesh.grid.tp) if mesh.grid is not None else made
-        for chunk in chunks:
-            (first, unit), (_, last) = chunk.units[0], chunk.units[-1]
-            inside = mesh.grid is not None or (cfg.sequence == "megatron" and region_at(units, whole_plan, first))
-            bracket(unit, last, rng, enter=inside)
+    # A stage runs its units, never the model's hooks ([Note: dropout under tensor parallelism], [Note: dropout under
+    # a grid]): a grid's stage runs inside its region; a 1D or sequence-split stage enters it where its input is inside.
+    rng = RegionRng(mesh.grid.tp) if mesh.grid is not None else made
+    for chunk in chunks:
+        (first, unit), (_, last) = chunk.units[0], chunk.units[-1]
+        inside = mesh.grid is not None or (bool(cfg.sequence) and region_at(units, whole_plan, first))
+        bracket(unit, last, rng, enter=inside)
     return mesh, chunks, zero, tied
 
 

@@ -19,7 +19,8 @@ state hashed from the same bytes, so:
 - a run is reproducible from the seed, and a checkpoint's saved RNG states cover it.
 Without sequence parallelism the region runs from a column-parallel layer's input (or its `heads` /
 `parallel_input` parent's) to the row-parallel layer's input; under Megatron-SP from `sequence_scatter` to
-`sequence_gather`, since everything between holds a part of the sequence. A forward that raises inside the region
+`sequence_gather`, since everything between holds a part of the sequence (so under Ulysses and ring too, over the
+sequence group: seq_split.py). A forward that raises inside the region
 leaves it at its module's exit or, at the latest, at the model's next forward. Under a pipeline a stage runs its
 units, never the model: a stage whose input is inside the sequence-parallel region (after the one holding
 `sequence_scatter`) enters it at its first unit, and every stage leaves it, if open, when its last unit returns

@@ -24,6 +24,7 @@ from hetero.comm import Comm
 from hetero.parallel.seq_split import SeqLayout, apply_sequence_split, hf_inner
 from hetero.parallel.tensor import head_counts
 from hetero.parallel.tp_ops import all_to_all
+from hetero.parallel.tp_rng import RegionRng
 
 
 class _Attend:
@@ -62,7 +63,7 @@ def apply_ulysses(
     plan: Mapping[str, str] | str = "auto",
     reduce_grads: bool = True,
     whole_model: bool = True,
-) -> None:
+) -> RegionRng:
     """Ulysses sequence parallelism over ``comm``, in place; weights stay whole, names unchanged.
 
     ``plan`` is a tensor-parallel plan (``"auto"`` for the built-in families): its ``sequence_scatter`` and
@@ -71,7 +72,7 @@ def apply_ulysses(
     styles are ignored. Head counts must divide by the group size; checked before anything changes.
     ``reduce_grads``: see [Note: gradients inside the split region] (False when ZeRO's group holds ``comm``).
     """
-    apply_sequence_split(
+    return apply_sequence_split(
         model,
         comm,
         plan=plan,
