@@ -244,8 +244,16 @@ def _loss_scale(ds: dict[str, Any]) -> dict[str, Any]:
         "deepspeed_window": True,  # DeepSpeed's window grows one overflow-free step later than hetero's
         "hysteresis": ds["hysteresis"],
         "consecutive_hysteresis": ds["consecutive_hysteresis"],
-        "min_scale": ds["min_loss_scale"],
+        "min_scale": _floor(ds["min_loss_scale"]),
     }
+
+
+def _floor(min_loss_scale: Any) -> Any:
+    """min_scale for DeepSpeed's min_loss_scale. At 0 or less DeepSpeed halves the scale without a floor (configs
+    in the wild give 0.0); hetero's floor must be > 0 (it was a ConfigError naming loss_scale.min_scale, a key the
+    DeepSpeed config does not have), so the least positive float: the same scales until DeepSpeed's reach 0."""
+    number = isinstance(min_loss_scale, (int, float)) and not isinstance(min_loss_scale, bool)
+    return math.ulp(0.0) if number and min_loss_scale <= 0 else min_loss_scale
 
 
 _DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # run under hetero by tests/test_deepspeed_compat.py

@@ -338,3 +338,23 @@ def test_sections_deepspeed_refuses_are_named():
         hetero.Config.from_deepspeed({"bf16": {"enabled": "maybe"}})
     with pytest.raises(ConfigError, match=r"tensorboard: expected a section"):
         hetero.Config.from_deepspeed({"tensorboard": "runs"})
+
+
+def test_min_loss_scale_zero_halves_as_deepspeeds_scaler(monkeypatch):
+    # "min_loss_scale": 0.0 (seen in configs in the wild): DeepSpeed halves without a floor; it was refused here with
+    # an error naming loss_scale.min_scale, which the DeepSpeed config does not have.
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    from hetero.zero.precision import LossScaler
+
+    monkeypatch.setattr(loss_scaler, "dist", type("Rank0", (), {"get_rank": staticmethod(lambda: 0)}))
+    fp16 = {"enabled": True, "initial_scale_power": 2, "hysteresis": 1, "loss_scale_window": 3}
+    for floor in (0.0, 0, -1):
+        ours = LossScaler.configured(
+            hetero.Config.from_deepspeed({"fp16": {**fp16, "min_loss_scale": floor}}).loss_scale
+        )
+        theirs = loss_scaler.DynamicLossScaler(4.0, 3, floor, 1, False, raise_error_at_min_scale=False)
+        for i, overflow in enumerate([True] * 12 + [False] * 7 + [True] * 3):  # down to 2**-10, up, down again
+            ours.update(overflow)
+            theirs.update_scale(overflow)
+            assert ours.scale == theirs.cur_scale, (floor, i)
+        assert ours.scale < 1
