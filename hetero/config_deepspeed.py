@@ -336,8 +336,12 @@ def _zero(zero: Any, out: dict[str, Any], notes: list[str]) -> None:
         if key == "stage":
             out["zero_stage"] = value
         elif key in ("offload_optimizer", "offload_param"):
-            if not isinstance(value, Mapping):
+            if value is None:  # DeepSpeed's "no offload" too
                 continue
+            if not isinstance(value, Mapping):  # was skipped without a word ("cpu": no offload); DeepSpeed refuses it
+                raise ConfigError(
+                    f'zero_optimization.{key}: expected a section such as {{"device": "cpu"}}, got {value!r}'
+                )
             device = value.get("device")
             if device not in _DEVICES:
                 raise ConfigError(

@@ -338,6 +338,10 @@ def test_sections_deepspeed_refuses_are_named():
         hetero.Config.from_deepspeed({"bf16": {"enabled": "maybe"}})
     with pytest.raises(ConfigError, match=r"tensorboard: expected a section"):
         hetero.Config.from_deepspeed({"tensorboard": "runs"})
+    with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer: expected a section such as"):
+        hetero.Config.from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}})
+    none = {"stage": 3, "offload_optimizer": None, "offload_param": None}  # DeepSpeed's "no offload"
+    assert hetero.Config.from_deepspeed({"zero_optimization": none}).offload.optimizer == "device"
 
 
 def test_min_loss_scale_zero_halves_as_deepspeeds_scaler(monkeypatch):
