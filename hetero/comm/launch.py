@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
+import socket
+from typing import Any
 
 import torch.distributed as dist
 
@@ -18,6 +21,21 @@ from hetero.errors import CommError
 logger = logging.getLogger("hetero.comm")
 
 DEFAULT_TIMEOUT_S = 600.0  # a collective that does not complete in 10 minutes is a hang, not a slow step
+
+# [Note: the roll call at joining]
+# torch's rendezvous trusts every process's RANK and WORLD_SIZE. A rank started twice (two terminals, a launch that
+# gave two processes one RANK, a previous job still holding MASTER_PORT's store) joined or hung at random: one of the
+# pair formed the group with the others, the other hung inside `init_process_group` past its timeout, or failed at its
+# first collective blaming rank 0 as dead. Ranks whose WORLD_SIZE differed all joined "their" groups and met at the
+# first collective, which timed out after `timeout_s` saying the ranks ran different collectives. So before the
+# backend connects, each rank answers a roll call in the rendezvous store: rank 0 posts its WORLD_SIZE (the store's
+# own), each rank claims its RANK with a token of its own process and compares the world size, and the last to arrive
+# posts the outcome every rank waits for. A second claim of a rank or another world size posts a refusal instead, so
+# that every rank still waiting raises the same CommError at once. Keys are per torchrun restart, and a process that
+# joins again (after `destroy_process_group`) holds its claim already.
+# This process in its claims, made once: joining again, it holds its claim (a random tag: pids repeat in containers).
+_ME = f"host {socket.gethostname()} pid {os.getpid()} ({os.urandom(4).hex()})"
+_OK = "ok"
 
 
 def _env_int(name: str, *, required: bool) -> int | None:
@@ -87,15 +105,86 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
             raise CommError("environment variable LOCAL_RANK is not set; nccl needs it to pick a GPU")
         select_gpu(lrank)
     td = datetime.timedelta(seconds=timeout_s)
+    where = f"{os.environ['MASTER_ADDR']}:{port}"
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=td)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=td))
+        store.set_timeout(td)
+        _roll_call(store, rank, world_size, timeout_s, where)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     except (RuntimeError, ValueError) as err:
+        if isinstance(err, CommError):
+            raise
+        if "EADDRINUSE" in str(err) or os.strerror(errno.EADDRINUSE).lower() in str(err).lower():
+            raise CommError(
+                f"rank {rank} of {world_size} could not open the rendezvous at {where}: MASTER_PORT {port} is taken "
+                "on this host (another job, or an earlier run still alive). Choose a free port, the same on every "
+                f"rank ({err})"
+            ) from err
         raise CommError(
-            f"rank {rank} of {world_size} could not join the {backend} process group at "
-            f"{os.environ['MASTER_ADDR']}:{port} within {timeout_s} s: {err}"
+            f"rank {rank} of {world_size} could not join the {backend} process group at {where} within "
+            f"{timeout_s} s: {err}"
         ) from err
     set_world_rules(rules_for(backend, timeout_s))
     # The group we joined is ours to leave, at exit: [Note: leaving together], [Note: letting the groups go].
     leaving.joined()
     logger.info("joined %s process group: rank %d of %d (local rank %d)", backend, rank, world_size, lrank)
     return Comm.world()
+
+
+def _roll_call(store: Any, rank: int, world_size: int, timeout_s: float, where: str, me: str = _ME) -> None:
+    """Every rank's RANK claimed once and its WORLD_SIZE rank 0's, or a CommError on every rank still waiting: see
+    [Note: the roll call at joining]. `me` names this process in the claim (its host, pid and a random tag)."""
+    key = f"hetero/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def refuse(why: str) -> CommError:
+        store.compare_set(f"{key}/outcome", "", why)  # the first refusal wins; after "ok" only this rank stops
+        return CommError(why)
+
+    def text(value: bytes) -> str:
+        return value.decode(errors="replace")
+
+    if rank == 0:
+        first = text(store.compare_set(f"{key}/world_size", "", str(world_size)))
+        if first != str(world_size):
+            raise refuse(
+                f"rank 0 was started twice at {where}: one with WORLD_SIZE {first}, {me} with {world_size}. Stop "
+                "the other job or choose another MASTER_PORT"
+            )
+    else:
+        try:
+            store.wait([f"{key}/world_size"])
+        except RuntimeError as err:
+            raise CommError(
+                f"rank {rank} of {world_size} reached the rendezvous at {where}, but rank 0 did not join within "
+                f"{timeout_s} s ({err})"
+            ) from err
+        first = text(store.get(f"{key}/world_size"))
+        if first != str(world_size):
+            raise refuse(
+                f"the ranks disagree on the world size: rank 0 has WORLD_SIZE {first}, rank {rank} ({me}) has "
+                f"{world_size}. Launch every rank with the same WORLD_SIZE (and RANKs 0 to WORLD_SIZE - 1)"
+            )
+    holder = text(store.compare_set(f"{key}/rank{rank}", "", me))
+    if holder != me:
+        raise refuse(
+            f"rank {rank} was started twice at {where}: by {holder} and by {me}. Give every process its own RANK "
+            "(torchrun does), and make sure no earlier job still uses this MASTER_ADDR:MASTER_PORT"
+        )
+    if store.add(f"{key}/arrived", 1) == world_size:
+        store.compare_set(f"{key}/outcome", "", _OK)
+    try:
+        store.wait([f"{key}/outcome"])
+    except RuntimeError as err:
+        missing = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
+        raise CommError(
+            f"rank {rank} of {world_size}: rank(s) {_listed(missing)} did not join at {where} within {timeout_s} s. "
+            f"Check that WORLD_SIZE ({world_size}) processes were started and that they reach this address ({err})"
+        ) from err
+    outcome = text(store.get(f"{key}/outcome"))
+    if outcome != _OK:
+        raise CommError(f"rank {rank} of {world_size} cannot join: {outcome}")
+
+
+def _listed(ranks: list[int], most: int = 16) -> str:
+    shown = ", ".join(map(str, ranks[:most]))
+    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
