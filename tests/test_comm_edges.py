@@ -152,3 +152,22 @@ def test_init_from_env_refuses_ranks_launched_with_different_world_sizes() -> No
     for out in outs:
         assert "refused CommError" in out and "disagree on the world size" in out, outs
     assert time.monotonic() - start < 35  # well before the 40 s timeout: imports, then the refusal at once
+
+
+def test_a_master_port_taken_on_rank_zeros_host_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from hetero.comm import init_from_env
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        start = time.monotonic()
+        with pytest.raises(CommError, match=f"MASTER_PORT {port} is taken on this host"):
+            init_from_env(backend="gloo", timeout_s=30)
+        assert time.monotonic() - start < 10
+    assert not dist.is_initialized()
