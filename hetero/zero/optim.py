@@ -32,8 +32,13 @@ _ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(adam_fn).paramet
 class Algorithm:
     name: str  # "adam", "sgd", "none" (inference), or the torch class's name on the generic path
     state_names: tuple[str, ...]  # flat fp32 states kept beside each master shard
-    decoupled: bool  # AdamW-style weight decay
+    decoupled: bool  # AdamW-style weight decay, where a param group does not say (older torch's AdamW)
     generic: GenericUpdate | None = None  # set for optimizers stepped through their own step() (generic path)
+
+    def decouples(self, group: dict[str, Any]) -> bool:
+        """Whether this param group's weight decay is AdamW's. torch reads `decoupled_weight_decay` per group, so one
+        group's setting is not every group's (an Adam with one decoupled group stepped all of them decoupled)."""
+        return bool(group.get("decoupled_weight_decay", self.decoupled))
 
 
 NO_OPTIMIZER = Algorithm("none", (), decoupled=False)
@@ -49,11 +54,53 @@ def algorithm_of(optimizer: torch.optim.Optimizer | None) -> Algorithm:
     amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
     if type(optimizer) not in FUSED or amsgrad:
         generic = GenericUpdate.probe(optimizer)  # raises, saying why, for a non-elementwise optimizer
-        return Algorithm(type(optimizer).__name__.lower(), generic.state_names, decoupled=False, generic=generic)
-    if isinstance(optimizer, SGD):
-        return Algorithm("sgd", ("momentum_buffer",), decoupled=False)
-    decoupled = isinstance(optimizer, AdamW) or any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
-    return Algorithm("adam", ("exp_avg", "exp_avg_sq"), decoupled=decoupled)
+        algo = Algorithm(type(optimizer).__name__.lower(), generic.state_names, decoupled=False, generic=generic)
+    elif isinstance(optimizer, SGD):
+        algo = Algorithm("sgd", ("momentum_buffer",), decoupled=False)
+    else:
+        decoupled = isinstance(optimizer, AdamW) or any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
+        algo = Algorithm("adam", ("exp_avg", "exp_avg_sq"), decoupled=decoupled)
+    check_states(optimizer, algo)
+    return algo
+
+
+def state_steps(state: dict[str, Any]) -> int:
+    """The steps a parameter's state says it took. SGD (and a class that counts none) keeps no "step": a state tensor
+    there stands for one, which is what hetero's count tells the update (the state exists; a first step makes it)."""
+    step = state.get("step")
+    if step is not None:
+        return int(float(step))
+    return 1 if any(isinstance(v, torch.Tensor) for v in state.values()) else 0
+
+
+def check_states(optimizer: torch.optim.Optimizer, algo: Algorithm) -> None:
+    """A state loaded into the optimizer before `initialize` is taken over ([Note: a plain optimizer's states taken
+    over] in optimizer.py): each parameter that took a step must have every state the update keeps, of its size.
+    Checked before anything is built, on every rank alike (each holds the whole state)."""
+    scalars = algo.generic.scalar_names if algo.generic is not None else ()
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            st = optimizer.state.get(p)
+            if not st or state_steps(st) == 0:
+                continue
+            where = f"param group {g}, parameter {j} (shape {tuple(p.shape)})"
+            for name in algo.state_names:
+                value = st.get(name)
+                if value is None and algo.name == "sgd":
+                    continue  # torch keeps a None buffer where momentum was 0
+                if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+                    have = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "none"
+                    raise ConfigError(
+                        f"the optimizer's state {name!r} for {where} is not one of its size ({have}): the state dict "
+                        "loaded into the optimizer before hetero.initialize belongs to another model, another order "
+                        "of parameters or another optimizer class; load the one saved with this model and optimizer"
+                    )
+            missing = [n for n in scalars if not isinstance(st.get(n), torch.Tensor)]
+            if missing:
+                raise ConfigError(
+                    f"the optimizer's state for {where} has no {missing[0]!r}, which {type(optimizer).__name__} keeps "
+                    "for every parameter that took a step: load a state dict saved by the same optimizer class"
+                )
 
 
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer | None) -> Any:
@@ -116,9 +163,10 @@ def update(
         fn, extra = adam_fn, {}
         if found_inf is not None:
             extra["found_inf"] = found_inf
+        decoupled = algo.decouples(group)
         if _ADAM_DECOUPLES:
-            extra["decoupled_weight_decay"] = algo.decoupled
-        elif algo.decoupled:
+            extra["decoupled_weight_decay"] = decoupled
+        elif decoupled:
             fn = adamw_fn
         fn(
             [master],
