@@ -212,8 +212,9 @@ def test_non_elementwise_optimizers_are_refused(name, why):
     if not hasattr(torch.optim, name):
         pytest.skip(f"this torch has no torch.optim.{name}")
     model = parity.build()
-    with pytest.raises(ConfigError, match=why):
+    with pytest.raises(ConfigError, match=why) as refused:
         hetero.initialize(model, getattr(torch.optim, name)(list(model.parameters())), {})
+    assert "Elementwise optimizers work: Adam, AdamW, SGD, Adagrad" in str(refused.value)  # what to use instead
 
 
 class _RowNormalized(torch.optim.Optimizer):
@@ -232,5 +233,5 @@ class _RowNormalized(torch.optim.Optimizer):
 
 def test_probe_catches_an_unknown_non_elementwise_optimizer():
     model = parity.build()
-    with pytest.raises(ConfigError, match="depends on other elements"):
+    with pytest.raises(ConfigError, match="depends on other elements.*Elementwise optimizers work"):
         hetero.initialize(model, _RowNormalized(model.parameters()), {})

@@ -40,6 +40,8 @@ _WHY_NOT = {
     "Muon": "it orthogonalises each matrix's update (Newton-Schulz iterations over the whole matrix), which a flat "
     "shard cut anywhere does not hold",
 }
+# What a refusal names instead: torch's elementwise optimizers, every one of which steps a flat shard.
+_WORKS = "Elementwise optimizers work: Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD, Rprop"
 _PROBE_SHAPE = (4, 6)
 _PROBE_CUT = 7  # the flat halves' boundary: not a row boundary, as a shard's is not
 
@@ -74,7 +76,7 @@ class GenericUpdate:
         kind = type(optimizer)
         name = kind.__name__
         if name in _WHY_NOT:
-            raise ConfigError(f"optimizer {name} cannot run on hetero's flat shards: {_WHY_NOT[name]}")
+            raise ConfigError(f"optimizer {name} cannot run on hetero's flat shards: {_WHY_NOT[name]}. {_WORKS}")
         hyper = _on_host({k: v for k, v in optimizer.param_groups[0].items() if k != "params"})
         g = torch.Generator().manual_seed(0)
         value = torch.rand(_PROBE_SHAPE, generator=g) + 0.5
@@ -99,8 +101,7 @@ class GenericUpdate:
             raise ConfigError(
                 f"optimizer {name} cannot run on hetero's flat shards: stepping it on flattened pieces of a matrix "
                 f"failed ({type(e).__name__}: {e}). hetero steps flat runs of elements cut anywhere, so the "
-                "optimizer must update each element from that element alone; use one that does (Adam, AdamW, SGD, "
-                "Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
+                f"optimizer must update each element from that element alone. {_WORKS}"
             ) from None
         flat_names, scalar_names = [], []
         for key, v in state.items():
@@ -109,7 +110,7 @@ class GenericUpdate:
             if not isinstance(v, torch.Tensor):
                 raise ConfigError(
                     f"optimizer {name} keeps state {key!r} as a {type(v).__name__}; hetero keeps optimizer states "
-                    "as tensors in its chunks"
+                    f"as tensors in its chunks. {_WORKS}"
                 )
             if v.shape == value.shape:
                 flat_names.append(key)
@@ -120,7 +121,7 @@ class GenericUpdate:
                     f"optimizer {name} cannot run on hetero's flat shards: its state {key!r} has shape "
                     f"{tuple(v.shape)} for a parameter of shape {tuple(value.shape)}, so it is not kept per element "
                     "(factored or blocked statistics mix the elements of a row, column or block, which a shard cut "
-                    "anywhere does not hold)"
+                    f"anywhere does not hold). {_WORKS}"
                 )
         same = torch.allclose(whole[0].reshape(-1), flat, rtol=1e-5, atol=1e-7) and all(
             torch.allclose(state[k].reshape(-1), torch.cat([split.state[h][k] for h in halves]), rtol=1e-5, atol=1e-7)
@@ -130,7 +131,7 @@ class GenericUpdate:
             raise ConfigError(
                 f"optimizer {name} cannot run on hetero's flat shards: its update of an element depends on other "
                 "elements of the same tensor (two steps on a matrix differ from two steps on its flattened halves), "
-                "and hetero cuts tensors into shards anywhere"
+                f"and hetero cuts tensors into shards anywhere. {_WORKS}"
             )
         tensor_step = isinstance(state.get("step"), torch.Tensor)
         log.info("optimizer %s steps through the generic path: states %s, scalars %s", name, flat_names, scalar_names)
