@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hetero import standin
 from hetero.comm import Comm, cma, cma_link, rules
-from hetero.errors import CommError, RankTimeoutError
+from hetero.errors import CollectiveMismatchError, CommError, RankTimeoutError
 from tests.dist import ONE_RANK_FAULTS, ONLY_SEVERAL, ranks_apart, run_distributed
 
 # Under the stand-in the data group takes "device" tensors only and gloo carries them, as NCCL would on a GPU.
@@ -418,3 +418,39 @@ def test_a_peer_whose_pid_names_another_process_here_is_not_read() -> None:
     rank the first process of its own) passed the probe whenever our own probe lay where its did (1 launch in 4), and
     the link then read our own memory for its: wrong values on one rank, a hang on the other."""
     assert run_distributed(_pid_of_another, 2, timeout=60) == [{"link": False, "right": True}] * 2
+
+
+def _unlike(rank: int, world: int) -> dict[str, str]:
+    comm = Comm.world().with_timeout(30)
+    got = {}
+    for case in ("size", "dtype", "op"):
+        sub = comm.split([list(range(world))])  # a group, and a link, of its own: a failed one stays failed
+        odd = rank == world - 1
+        try:
+            if case == "size":
+                n = N - 1000 if odd else N
+                sub.all_gather(torch.empty(world * n), _data(rank, n, torch.float32))
+            elif case == "dtype":
+                sub.all_reduce(_data(rank, world * N, torch.int32 if odd else torch.float32))
+            else:
+                sub.reduce_scatter(torch.empty(N), _data(rank, world * N, torch.float32), "max" if odd else "sum")
+            got[case] = "no error"
+        except CollectiveMismatchError as err:
+            got[case] = str(err)
+    return got
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.timeout(120)
+def test_ranks_that_issue_different_collectives_all_raise_before_reading() -> None:
+    """The transport read each peer's input as long as its own: a peer's smaller input gave the memory beyond it as
+    data (garbage in `out`, no error anywhere), another dtype or op was reduced as if it were ours. gloo aborted the
+    process there; now every rank raises CollectiveMismatchError naming what each posted."""
+    results = run_distributed(_unlike, 3, timeout=100)
+    last = N * 4
+    for rank, got in enumerate(results):
+        size = got["size"]
+        assert "issued different collectives" in size and f"group rank 2: all_gather of {last - 4000} bytes" in size
+        assert f"group rank {rank}: all_gather of {last if rank < 2 else last - 4000} bytes of float32" in size
+        assert "all_reduce (sum) of" in got["dtype"] and "of int32" in got["dtype"], got
+        assert "reduce_scatter (max)" in got["op"] and "reduce_scatter (sum)" in got["op"], got

@@ -10,8 +10,9 @@ input in a small block of its own memory, and every rank reads its peers' blocks
 
 Per group one worker thread runs the group's operations in the order they were issued (every rank issues the same
 sequence, so the k-th operation matches everywhere). Operation k on a rank:
-  1. post: write the input's address, then the sequence number k, in its own block;
-  2. read: for each peer, wait until the peer's block shows k, then copy what it needs from the peer's input;
+  1. post: write the input's address, size and operation (kind, op, dtype), then the sequence number k, in its block;
+  2. read: wait until each peer's block shows k and the same operation as ours (else every rank raises, before reading
+     anything: `Link._matched`), then copy what it needs from each peer's input;
   3. done: write k as "done reading you" into each peer's block (`process_vm_writev`, our slot there);
   4. wait until every peer wrote the same into ours: only then may the caller change or free the input (the handle
      completes here), and only then may the peer's k+1 replace the address. This wait reads our own memory: a peer
@@ -39,20 +40,9 @@ from typing import Any
 
 import torch
 
-from hetero.comm.cma_link import Link, Work
+from hetero.comm.cma_link import DTYPES, Link, Work
 
 MIN_BYTES = 64 << 10  # smaller operations (flags, scalars) stay on gloo, whose latency is no worse there
-_DTYPES = {
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-}
 
 
 def transport() -> str:
@@ -99,7 +89,7 @@ def start(comm: Any, kind: str, what: str, *tensors: torch.Tensor, op: str = "su
     if (
         not comm.rules.cma
         or data.device.type != "cpu"
-        or data.dtype not in _DTYPES
+        or data.dtype not in DTYPES
         or data.numel() * data.element_size() < MIN_BYTES
     ):
         return None

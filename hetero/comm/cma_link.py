@@ -19,15 +19,33 @@ from typing import Any
 
 import torch
 
+from hetero.errors import CollectiveMismatchError
+
 logger = logging.getLogger("hetero.comm")
 
-# A rank's block, int64 each: its posted sequence number, its input's address, then one slot per rank of the group,
-# where that rank writes the last operation it finished reading from this one.
-_SEQ, _ADDR, _DONE = 0, 1, 2
+# A rank's block, int64 each: its posted sequence number, its input's address, its size in bytes and what it is (kind,
+# op, dtype: `_code`), then one slot per rank of the group, where that rank writes the last operation it finished
+# reading from this one.
+_SEQ, _ADDR, _NBYTES, _CODE, _DONE = 0, 1, 2, 3, 4
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# What the transport carries (`cma.start`): the dtypes whose reductions torch computes on a CPU as gloo does.
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+DTYPES = (*_FLOATS, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_OPS = ("sum", "avg", "max", "min")
 
 
 def _block(size: int) -> Any:
     return (ctypes.c_int64 * (_DONE + size))()
+
+
+def _code(kind: str, op: str, dtype: torch.dtype) -> int:
+    """What an operation posts beside its input, for its peers to compare with theirs (`_describe` reads it)."""
+    return (_KINDS.index(kind) * len(_OPS) + _OPS.index(op)) * len(DTYPES) + DTYPES.index(dtype)
+
+
+def _describe(code: int, nbytes: int) -> str:
+    (kind, op), dtype = divmod(code // len(DTYPES), len(_OPS)), str(DTYPES[code % len(DTYPES)]).removeprefix("torch.")
+    return f"{_KINDS[kind]}{'' if kind == 0 else f' ({_OPS[op]})'} of {nbytes} bytes of {dtype}"
 
 
 _LOOK_S = 0.05  # a waiting worker looks at its peers' blocks at least this often, poked or not
@@ -157,7 +175,8 @@ class Work:
         if not self._done.wait(seconds):
             raise RuntimeError(f"{self.what} timed out after {seconds} s (cross-memory transport)")
         if self._error is not None:
-            raise RuntimeError(str(self._error)) from self._error
+            kind = CollectiveMismatchError if isinstance(self._error, CollectiveMismatchError) else RuntimeError
+            raise kind(str(self._error)) from self._error
         return True
 
 
@@ -171,7 +190,7 @@ class Link:
         self.peers = [(rank + i) % self.size for i in range(1, self.size)]  # staggered: not all at rank 0 first
         self._block = block  # ours: peers read it, so it lives as long as the link
         self._wake = wake
-        self._peek_buf = (ctypes.c_int64 * 2)()  # a peer's seq and address
+        self._peek_buf = (ctypes.c_int64 * _DONE)()  # a peer's seq, address, size and code
         self._scratches: dict[int, torch.Tensor] = {}  # used by the worker thread only
         self._seq = 0
         self._submitting = threading.Lock()
@@ -281,9 +300,11 @@ class Link:
         self._wake.close()  # only this thread waits on it
 
     # The steps of [Note: collectives by cross-memory attach].
-    def _post(self, seq: int, addr: int) -> None:
-        self._block[_ADDR] = addr
-        self._block[_SEQ] = seq  # last: a peer that sees seq sees the address
+    def _post(self, seq: int, t: torch.Tensor, code: int) -> None:
+        self._block[_ADDR] = t.data_ptr()
+        self._block[_NBYTES] = t.numel() * t.element_size()
+        self._block[_CODE] = code
+        self._block[_SEQ] = seq  # last: a peer that sees seq sees the rest
         self._poke()
 
     def _peek(self, peer: int, field: int) -> int:
@@ -316,6 +337,24 @@ class Link:
         self._await(lambda: self._peek(peer, _SEQ) >= seq, deadline, what)
         return self._peek(peer, _ADDR)  # read after seq was seen: see `_post`
 
+    def _matched(self, seq: int, deadline: float, what: str) -> dict[int, int]:
+        """Each peer's input address for operation `seq`, once every peer posted the same operation as ours (kind, op,
+        dtype, bytes); else raise before reading anything. gloo aborted the process on such a mismatch; read as posted,
+        the peer's smaller input gave its memory beyond as data. Every rank finds a peer unlike itself, so all raise."""
+        addrs, unlike = {}, []
+        for p in self.peers:
+            addrs[p] = self._addr_of(p, seq, deadline, what)
+            nbytes, code = int(self._peek_buf[_NBYTES]), int(self._peek_buf[_CODE])
+            if (nbytes, code) != (self._block[_NBYTES], self._block[_CODE]):
+                unlike.append(f"group rank {p}: {_describe(code, nbytes)}")
+        if unlike:
+            mine = _describe(self._block[_CODE], self._block[_NBYTES])
+            raise CollectiveMismatchError(
+                f"{what}: the ranks issued different collectives (group rank {self.rank}: {mine}; "
+                f"{'; '.join(unlike)}). Every rank must pass tensors of the same size and dtype to the same operation"
+            )
+        return addrs
+
     def _finish(self, seq: int, deadline: float, what: str) -> None:
         """Tell each peer we are done reading it (in its own block), then wait until each told us the same (in ours):
         our own memory, so a peer that finished and exited meanwhile still counts as done."""
@@ -327,9 +366,8 @@ class Link:
 
     def _all_gather(self, seq: int, deadline: float, what: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         nbytes = inp.numel() * inp.element_size()
-        self._post(seq, inp.data_ptr())
-        for p in self.peers:
-            src = self._addr_of(p, seq, deadline, what)
+        self._post(seq, inp, _code("all_gather", "sum", inp.dtype))
+        for p, src in self._matched(seq, deadline, what).items():
             _copy(self.pids[p], src, out.data_ptr() + p * nbytes, nbytes)
         out.view(-1)[self.rank * inp.numel() : (self.rank + 1) * inp.numel()].copy_(inp.view(-1))
         self._finish(seq, deadline, what)
@@ -349,9 +387,10 @@ class Link:
         """acc = own reduced with every peer's elements at byte `offset` of its input, in rank order: x0 op x1 first,
         then op x2, op x3, ... (the same operands in the same order on every rank). acc must not overlap own."""
         nbytes = acc.numel() * acc.element_size()
+        addrs = self._matched(seq, deadline, what)
 
         def fetch(p: int, into: torch.Tensor) -> None:
-            _copy(self.pids[p], self._addr_of(p, seq, deadline, what) + offset, into.data_ptr(), nbytes)
+            _copy(self.pids[p], addrs[p] + offset, into.data_ptr(), nbytes)
 
         combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
         if self.rank < 2:
@@ -379,7 +418,7 @@ class Link:
         self, seq: int, deadline: float, what: str, out: torch.Tensor, inp: torch.Tensor, op: str
     ) -> None:
         n = out.numel()
-        self._post(seq, inp.data_ptr())
+        self._post(seq, inp, _code("reduce_scatter", op, inp.dtype))
         own = inp.view(-1)[self.rank * n : (self.rank + 1) * n]
         self._reduced(seq, deadline, what, out.view(-1), own, self.rank * n * inp.element_size(), op)
         self._finish(seq, deadline, what)
@@ -394,12 +433,12 @@ class Link:
         flat = t.view(-1)
         bounds = [flat.numel() * i // self.size for i in range(self.size + 1)]
         esize = flat.element_size()
-        self._post(seq, flat.data_ptr())
+        self._post(seq, flat, _code("all_reduce", op, flat.dtype))
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         acc = self._scratch(1, flat[lo:hi])
         self._reduced(seq, deadline, what, acc, flat[lo:hi], lo * esize, op)
         flat[lo:hi].copy_(acc)
-        self._post(seq + 1, flat.data_ptr())
+        self._post(seq + 1, flat, self._block[_CODE])
         for p in self.peers:
             plo, phi = bounds[p], bounds[p + 1]
             src = self._addr_of(p, seq + 1, deadline, what)
