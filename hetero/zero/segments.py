@@ -14,6 +14,11 @@ it, its step count advances), until a `zero_grad()` that sets them to None. hete
 `engine.optimizer.zero_grad(set_to_none=False)` each chunk keeps `kept_grads`, the parameters any rank stepped since
 then, and steps them again with a zero gradient (the buffer holds zeros where no gradient came). The flags are
 or-ed into `used` before its all-reduce, so every rank steps the same parameters whatever its own loop called.
+Whatever the loop's last zeroing, each update adds what it stepped to `kept_grads` (a set_to_none zeroing empties
+it): torch's `.grad` exists for what got a gradient since then, so a loop zeroing after its step
+(`step(); zero_grad(set_to_none=False)`, the order of most loops) keeps the first update's gradients as zeros too.
+Recorded only once the loop zeroed that way, they were lost: the parameters not used at the next update were
+skipped (measured: a block frozen for two steps, the loss 0.0093 off plain PyTorch's at the fourth step).
 """
 
 from __future__ import annotations
@@ -60,6 +65,6 @@ def flags_to_step(zc: ZeroChunk) -> torch.Tensor:
 
 
 def remember_stepped(zc: ZeroChunk, used: torch.Tensor) -> None:
-    """`used` (agreed over the ranks) stepped: while the loop keeps zero gradients, they stay to step next time."""
-    if zc.keeps_zero_grads:
-        zc.kept_grads.copy_(used)
+    """`used` (agreed over the ranks) stepped: torch's `.grad` of each now exists, and stays (as zeros) until a
+    set_to_none zeroing; while the loop keeps zero gradients, they step next time."""
+    zc.kept_grads |= used
