@@ -176,7 +176,7 @@ class PlainPrediction:
                     if pm in self.scale:  # the least sqrt(v-hat) of update k + 1 is q sqrt(v), where above the scale
                         q = math.sqrt(b2 / (1 - b2 ** (k + 1)))
                         root = st["exp_avg_sq"].sqrt().clamp_(min=(self.scale[pm] + g["eps"]) / q)
-                        if lr * g["weight_decay"] != 0:
+                        if lr * g["weight_decay"] != 0 and g.get("decoupled_weight_decay", True):  # L2: in g
                             self.values[pm].mul_(1 - lr * g["weight_decay"])
                         self.values[pm].addcdiv_(st["exp_avg"], root, value=-lr * b1 / (1 - b1 ** (k + 1)) / q)
 

@@ -63,6 +63,9 @@ def make_optimizer(model: torch.nn.Module, name: str = "adamw") -> torch.optim.O
         return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
     if name == "adam":
         return torch.optim.Adam(groups, lr=3e-3)
+    if name == "adamw-l2":  # one group decoupled (AdamW's), one with torch's per-group L2 decay
+        groups[1].update(weight_decay=0.05, decoupled_weight_decay=False)
+        return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
     if name == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
     raise ValueError(name)

@@ -330,7 +330,12 @@ SCHEDULED = {
     "z2-nvme": {**DELAYED["z2-nvme"], "delayed_param_update_warmup": 1},
     "z3-nvme-predicted": DELAYED["z3-nvme-predicted"],
     "z0-host-predicted-sgd": DELAYED["z0-host-predicted"],
+    "z3-nvme-predicted-l2": DELAYED["z3-nvme-predicted"],  # an AdamW with one L2 group: its drift decays nothing
 }
+
+
+def _scheduled_optimizer(name: str) -> str:
+    return {"-sgd": "sgd", "-l2": "adamw-l2"}.get(name[name.rfind("-") :], "adamw")
 
 
 class _Scheduled:
@@ -350,7 +355,7 @@ def _run_scheduled(rank: int, world: int, names: list[str], nvme: str) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name in names:
-        optimizer = "sgd" if name.endswith("-sgd") else "adamw"
+        optimizer = _scheduled_optimizer(name)
         cfg, path = SCHEDULED[name], f"{nvme}/{name}"
         out[name] = parity.run_hetero(
             rank, world, steps=STEPS, rows=ROWS, config=cfg, nvme_dir=path, optimizer=optimizer, on_step=_Scheduled()
@@ -364,13 +369,15 @@ def test_delayed_update_and_its_prediction_under_a_steep_lr_schedule(tmp_path):
     were at its `step()`, whatever the scheduler set since); the prediction's drift, computed beside update t, is
     update t+1's part and takes lr_{t+1}, the one the scheduler set after update t's `step()`. It took update t's:
     under this schedule the prediction was 16x off and the loss 0.26% off by step 4 (AdamW), far more with SGD,
-    whose prediction is otherwise the update itself. The reference is plain PyTorch's delayed loop in float64."""
+    whose prediction is otherwise the update itself. A group with torch's L2 decay (`decoupled_weight_decay` False
+    in an AdamW) keeps its decay in the gradient: its drift took AdamW's decay too. The reference is plain
+    PyTorch's delayed loop in float64."""
     results = run_distributed(_run_scheduled, 2, list(SCHEDULED), str(tmp_path), timeout=180)[0]
     for name, cfg in SCHEDULED.items():
         run = dict(
             warmup=cfg["delayed_param_update_warmup"],
             predict=cfg.get("delayed_param_update_prediction", False),
-            optimizer="sgd" if name.endswith("-sgd") else "adamw",
+            optimizer=_scheduled_optimizer(name),
             schedule=_steep,
         )
         (exact_losses, exact), (plain_losses, plain) = (

@@ -138,7 +138,7 @@ class Prediction:
             # the larger of that bound and the scale keeps an element with a large v from moving further than Adam
             # could move it. max(q√v, scale) = q max(√v, scale / q): one clamp, with 1/q folded into the multiplier.
             q = math.sqrt(beta2 / (1.0 - beta2 ** (k + 1)))
-            decay = 1.0 - lr * wd if self.algorithm.decoupled else 1.0
+            decay = 1.0 - lr * wd if self.algorithm.decouples(group) else 1.0
             roots = torch.zeros((), dtype=torch.float64)
             for s, e in _blocks(a, b):  # [Note: predicting in blocks]
                 root = torch.sqrt(states[1][s:e], out=self._drift_buf.take(e - s, states[1]))
