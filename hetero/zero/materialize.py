@@ -389,7 +389,7 @@ def _stream_weights(
             key = m.chosen.get(id(t))
             if rows is not None:  # a tile's rows only ([Note: initialising tiles])
                 return source.read_rows(key, *rows) if key is not None else t.detach()[rows[0] : rows[1]]
-            return source.read(key) if key is not None else t.detach()
+            return weights.own_part(t, source.read(key)) if key is not None else t.detach()
 
         # Buffers first, while parameters still have no memory: an initialiser run for non-persistent buffers
         # (rotary tables) then writes nothing that matters.

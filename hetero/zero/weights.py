@@ -13,7 +13,9 @@ that the model does not have are a warning by default (`strict_weights=True`: an
 the files lack keep the model's own values when it was built normally, and are an error for a meta-device model,
 which has no values. Shape mismatches are always errors: the model was built from another config. When most names
 fail to match, the error says why in terms of the names themselves: a prefix one side has and the other lacks
-(a `module.` wrapper, another head) or two different naming schemes (another architecture).
+(a `module.` wrapper, another head) or two different naming schemes (another architecture). Files hold whole
+tensors; a weight that tensor parallelism cut (1D or a grid) is matched by its whole shape, and each tensor rank keeps
+its own shard of what it reads (`own_part`).
 """
 
 from __future__ import annotations
@@ -190,11 +192,30 @@ def match(model: nn.Module, source: WeightSource) -> Match:
             continue
         src = by_model_name[found[0]]
         out.chosen[key] = src
-        expect, got = tuple(state[found[0]].shape), source.shape(src)
+        expect, got = whole_shape(state[found[0]]), source.shape(src)
         if got != expect:
             out.shapes.append(f"{found[0]}: file {got}, model {expect}")
     # A tied parameter's other names are neither missing nor unexpected when the files hold it under one of them.
     return out
+
+
+def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape the files hold a tensor in: a tensor-parallel parameter's before it was cut."""
+    cut = getattr(t, "_hetero_tp", None)
+    return tuple(cut.full_shape) if cut is not None else tuple(t.shape)
+
+
+def own_part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole` as `t` holds it: its shard where tensor parallelism cut `t` (files hold whole
+    tensors: each tensor rank reads them and keeps its own slice), else `whole`."""
+    cut = getattr(t, "_hetero_tp", None)
+    if cut is None:
+        return whole
+    if callable(getattr(cut, "shard_of", None)):  # a grid's BlockShard
+        return cut.shard_of(whole)
+    # 1D's TPShard (hetero/parallel/tensor.py): slice `rank` of `degree` in each of `parts` blocks along `dim`.
+    blocks = whole.chunk(cut.parts, cut.dim)
+    return torch.cat([b.chunk(cut.degree, cut.dim)[cut.rank] for b in blocks], cut.dim)
 
 
 def _prefix_map(model: nn.Module, model_keys: list[str], file_keys: list[str]) -> tuple[Any, str]:

@@ -216,10 +216,12 @@ class ZeroChunk:
             if info.tiled:
                 continue  # never whole: its module computes on the tiles ([Note: computing on tiles])
             if info.param.is_meta:
-                # A meta tensor cannot take another device's data: swap in an empty one first, which keeps the
-                # Parameter object (the optimizer's and every tied module's reference) and its attributes.
+                # A meta tensor cannot take another device's data: swap in an empty one, keeping the Parameter object
+                # (the optimizer's and tied modules' reference) and its attributes (swap_tensors swaps __dict__ too).
                 empty = torch.empty(0, dtype=self.dtype, device=self.device.torch_device)
-                torch.utils.swap_tensors(info.param, nn.Parameter(empty, requires_grad=info.param.requires_grad))
+                empty = nn.Parameter(empty, requires_grad=info.param.requires_grad)
+                empty.__dict__.update(vars(info.param))
+                torch.utils.swap_tensors(info.param, empty)
             info.param.data = self.full.view(slot)
 
     # ---- gradients ----------------------------------------------------------------------------------------
