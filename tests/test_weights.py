@@ -140,3 +140,23 @@ def test_errors_name_the_cause(tmp_path):
     torch.save(_plain(other.state_dict()), tmp_path / "small.bin")
     with pytest.raises(WeightsError, match="another config"):
         _load(_base(), tmp_path / "small.bin")
+
+
+def test_a_damaged_file_is_named(tmp_path):
+    """A shard cut short (an interrupted download) stops the load with its own name, among many."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = _plain(_base(meta=False).state_dict())
+    keys = sorted(state)
+    names = [f"model-0000{i + 1}-of-00003.safetensors" for i in range(3)]
+    for i, name in enumerate(names):
+        safetensors_torch.save_file({k: state[k] for k in keys[i::3]}, str(tmp_path / name))
+    index = {"metadata": {}, "weight_map": {k: names[keys.index(k) % 3] for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    damaged = tmp_path / names[1]
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(WeightsError, match=f"{names[1]}.*damaged or was not fully written"):
+        _load(_base(), tmp_path)
+    torch.save(state, tmp_path / "w.bin")
+    (tmp_path / "w.bin").write_bytes((tmp_path / "w.bin").read_bytes()[:1000])
+    with pytest.raises(WeightsError, match="w.bin.*damaged or was not fully written"):
+        _load(_base(), tmp_path / "w.bin")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,11 @@ class WeightSource:
 
     def _open(self, f: Path) -> None:
         if f.name.endswith(_SAFE):
-            handle = self._stack.enter_context(_safe_open()(str(f), framework="pt", device="cpu"))
+            opener = _safe_open()
+            try:
+                handle = self._stack.enter_context(opener(str(f), framework="pt", device="cpu"))
+            except Exception as e:  # safetensors' own error names neither the file nor what to do
+                raise _unreadable(f, ".safetensors", e) from None
             for k in handle.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
                 self._where[k] = handle
             return
@@ -146,16 +151,28 @@ def _torch_load(f: Path) -> dict[str, Any]:
                 raise
             state = torch.load(str(f), map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
     except Exception as e:
-        raise WeightsError(
-            f"weights: {str(f)!r} cannot be loaded safely (torch.load weights_only=True: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}). It must hold a plain state_dict of tensors; convert it "
-            "to .safetensors where it holds more"
-        ) from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        if isinstance(e, pickle.UnpicklingError) and "weights only" in first.lower():
+            raise WeightsError(
+                f"weights: {str(f)!r} cannot be loaded safely (torch.load weights_only=True: {type(e).__name__}: "
+                f"{first}). It must hold a plain state_dict of tensors; convert it to .safetensors where it holds more"
+            ) from None
+        raise _unreadable(f, "torch", e) from None  # no pickle refused: the bytes themselves are wrong
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]  # a training checkpoint's common layout
     if not isinstance(state, dict):
         raise WeightsError(f"weights: {str(f)!r} holds a {type(state).__name__}, not a state_dict")
     return state
+
+
+def _unreadable(f: Path, kind: str, e: Exception) -> WeightsError:
+    first = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, PermissionError):
+        return WeightsError(f"weights: {str(f)!r} cannot be read ({first}): give this process read permission")
+    return WeightsError(
+        f"weights: {str(f)!r} is not a readable {kind} file ({type(e).__name__}: {first}): it is damaged or was not "
+        "fully written (an interrupted download or copy); fetch it again"
+    )
 
 
 @dataclass
