@@ -11,12 +11,15 @@ Where stage 3's tiled layers take turns over several ranks, the recomputation ru
 ([Note: tile gathers in turns] in `hetero/zero/turns.py`).
 
 [Note: offloading block inputs]
-What a checkpointed block keeps from forward to backward is its input. With `"activation_offload": true` that input
-is copied, as forward moves on, into a host chunk of the manager (pinned with CUDA, counted in the host ledger) on a
+What a checkpointed block keeps from forward to backward is its input: its floating-point tensors given by position
+or by keyword (the others, and tensors inside a tuple, stay as given). With `"activation_offload": true` they are
+copied, as forward moves on, into a host chunk of the manager (pinned with CUDA, counted in the host ledger) on a
 worker thread (on CUDA on a copy stream after the compute stream's progress, see `hetero/device.py`), and the
 device copy is dropped. In backward, the blocks recompute in reverse order of their forward: when one starts, its
 input is waited for and the next one's (the block before it) is brought back ahead of need. The checkpoint is given
-only a zero-size tensor on the device, so that it still saves and restores the device's random state (dropout).
+only a zero-size tensor on the device, so that it still saves and restores the device's random state (dropout):
+torch's checkpoint saves the state of the devices of its positional tensors alone. Without offload the same tensor
+goes first, so that a block given its device tensors by keyword only redraws its dropout masks too.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hetero.device import Device
-from hetero.errors import ConfigError
+from hetero.errors import ConfigError, TierOutOfMemoryError, add_note
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 
 log = logging.getLogger("hetero.activation")
@@ -96,16 +99,22 @@ def _no_kv_cache(model: nn.Module) -> None:
         config.use_cache = False
 
 
+def _offloadable(value: Any) -> bool:
+    """Whether a block's input goes to the host under offload: a floating-point tensor (ids and masks stay)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 class _Saved:
-    """One checkpointed call's input, on its way to the host and back."""
+    """One checkpointed call's input, on its way to the host and back. An input is keyed by its argument position
+    (int) or its keyword (str)."""
 
     def __init__(self) -> None:
-        self.device_args: tuple | None = None  # the inputs while on the device (forward, and once fetched back)
-        self.host: list[tuple[int, Chunk]] = []  # (argument position, host chunk) of each offloaded tensor
-        self.meta: dict[int, tuple[torch.Size, bool]] = {}  # position -> (shape, requires_grad)
-        self.args: tuple = ()  # the inputs, offloaded tensors replaced by None
+        self.host: list[tuple[int | str, Chunk]] = []  # (input key, host chunk) of each offloaded tensor
+        self.meta: dict[int | str, tuple[torch.Size, bool]] = {}  # input key -> (shape, requires_grad)
+        self.args: tuple = ()  # the positional inputs, offloaded tensors replaced by None
+        self.kwargs: dict[str, Any] = {}  # the keyword inputs, offloaded tensors replaced by None
         self.going: Future | None = None  # the copy to the host
-        self.coming: Future | None = None  # the copy back; its result is the device inputs
+        self.coming: Future | None = None  # the copy back; its result is the device inputs (args, kwargs)
 
 
 # torch 2.4 takes no `early_stop` argument (later ones do): its context manager sets the same flag, which
@@ -135,6 +144,7 @@ class ActivationMemory:
         strict: bool = True,
     ) -> None:
         self.blocks = choose_blocks(model, selection, strict=strict)  # (qualified name, module), checkpointed
+        self._names = {id(module): name for name, module in self.blocks}  # id(block) -> its name, for errors
         self.offload = offload  # saved inputs go to host memory between forward and backward
         self.m = manager
         self.device = device
@@ -159,18 +169,27 @@ class ActivationMemory:
         stop_early = self.recomputing is None
         if not self.offload:
             run_original = self._around_recompute(module, original)
-            return _checkpoint(run_original, *args, early_stop=stop_early, **kwargs)
-        saved = self._offload(args)
-        given = [args]  # the inputs as given, for the forward itself; dropped then, so the device copy can go
+
+            def run_given(_token: torch.Tensor, *a: Any, **kw: Any) -> Any:
+                return run_original(*a, **kw)
+
+            # The device token first, as with offload: torch's checkpoint saves and restores the random state of the
+            # devices of its positional tensors only, so a block given its device tensors by keyword (`block(x=h)`)
+            # redrew other dropout masks on the GPU in its recomputation (wrong gradients, silently).
+            return _checkpoint(run_given, self._token, *args, early_stop=stop_early, **kwargs)
+        saved = self._offload(module, args, kwargs)
+        given = [(args, kwargs)]  # the inputs as given, for the forward itself; dropped then, so the device copy can go
         recompute = self._around_recompute(module, original)
 
         def run(_token: torch.Tensor) -> Any:
             if given[0] is not None:
-                inputs, given[0] = given[0], None
-                return original(*inputs, **kwargs)
-            return recompute(*self._fetch_for_recompute(saved), **kwargs)
+                (a, kw), given[0] = given[0], None
+                return original(*a, **kw)
+            a, kw = self._fetch_for_recompute(saved)
+            return recompute(*a, **kw)
 
-        del args
+        # Neither the checkpoint nor `run` may hold the inputs, positional or keyword: only the host copy stays.
+        del args, kwargs
         return _checkpoint(run, self._token, early_stop=stop_early)
 
     def _around_recompute(self, module: nn.Module, fn: Any) -> Any:
@@ -187,25 +206,43 @@ class ActivationMemory:
 
         return run
 
-    def _offload(self, args: tuple) -> _Saved:
+    def _offload(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Saved:
         saved = _Saved()
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        kept = list(args)
+        # Inputs given by keyword count as those given by position: a block called as `block(x=h)` keeps `h` as
+        # `block(h)` does (only positional ones were offloaded before, and such a block's inputs stayed on the device).
+        inputs: dict[int | str, Any] = {**dict(enumerate(args)), **kwargs}
+        kept = dict(inputs)
         jobs = []
-        for i in positions:
-            a = args[i]
-            chunk = self.m.new_chunk(dtype=a.dtype, capacity=max(1, a.numel()), kind="activation")
-            chunk.traced = False  # a new chunk every step: [Note: chunks of one step] in hetero/memory/policy.py
-            slot = chunk.add_tensor("activation", (max(1, a.numel()),))
-            self.m.access(chunk, Tier.HOST)
-            chunk.set_state(slot, TensorState.HOLD)
-            self.m.pin(chunk)  # nothing may move it while a copy runs
-            saved.host.append((i, chunk))
-            saved.meta[i] = (a.shape, a.requires_grad)
-            jobs.append((chunk.payload.narrow(0, 0, a.numel()), a.detach().reshape(-1)))
-            kept[i] = None
-            self.offloaded_bytes += a.numel() * a.element_size()
-        saved.args = tuple(kept)
+        try:
+            for i, a in inputs.items():
+                if not _offloadable(a):
+                    continue
+                chunk = self.m.new_chunk(dtype=a.dtype, capacity=max(1, a.numel()), kind="activation")
+                chunk.traced = False  # a new chunk every step: [Note: chunks of one step] in hetero/memory/policy.py
+                slot = chunk.add_tensor("activation", (max(1, a.numel()),))
+                saved.host.append((i, chunk))  # from here on `_free` forgets it, should the host have no room
+                self.m.access(chunk, Tier.HOST)
+                chunk.set_state(slot, TensorState.HOLD)
+                self.m.pin(chunk)  # nothing may move it while a copy runs
+                saved.meta[i] = (a.shape, a.requires_grad)
+                jobs.append((chunk.payload.narrow(0, 0, a.numel()), a.detach().reshape(-1)))
+                kept[i] = None
+                self.offloaded_bytes += a.numel() * a.element_size()
+        except BaseException as e:
+            # Not on the stack yet, so no step_end would free them: the chunks of this call's inputs that already
+            # held host memory stayed pinned for good (the budget shrank by them), and every one stayed listed.
+            self._free(saved)
+            if isinstance(e, TierOutOfMemoryError):
+                need = sum(a.numel() * a.element_size() for a in inputs.values() if _offloadable(a))
+                add_note(
+                    e,
+                    f"hetero: activation_offload was moving the inputs of checkpointed block {self._names[id(module)]} "
+                    f"({need} B) to host memory; raise memory.host_budget, set memory.nvme_dir, use smaller "
+                    "micro-batches, or turn activation_offload off (the inputs then stay on the device)",
+                )
+            raise
+        saved.args = tuple(kept[i] for i in range(len(args)))
+        saved.kwargs = {k: kept[k] for k in kwargs}
         marker = self.device.compute_marker()
         saved.going = self._copier.submit(self._copy_all, jobs, marker)
         self._stack.append(saved)
@@ -216,7 +253,7 @@ class ActivationMemory:
             self.device.copy(dst, src, after=marker)
 
     # ---- backward -----------------------------------------------------------------------------------------
-    def _fetch_for_recompute(self, saved: _Saved) -> tuple:
+    def _fetch_for_recompute(self, saved: _Saved) -> tuple[tuple, dict[str, Any]]:
         """This block's inputs back on the device; starts bringing back the next block backward will need."""
         if saved.coming is None:
             self._start_fetch(saved)
@@ -233,27 +270,30 @@ class ActivationMemory:
         if saved.coming is not None:
             return
         saved.going.result()  # its bytes are on the host
-        args = list(saved.args)
+        back: dict[int | str, tuple[torch.Tensor, bool]] = {}
         jobs = []
-        for i, chunk in saved.host:
-            shape, requires_grad = saved.meta[i]
+        for key, chunk in saved.host:
+            shape, requires_grad = saved.meta[key]
             dev = self.device.empty(shape, chunk.dtype)
             jobs.append((dev.reshape(-1), chunk.payload.narrow(0, 0, dev.numel())))
-            args[i] = (dev, requires_grad)
+            back[key] = (dev, requires_grad)
         # The fresh device memory may be what compute just freed, still read by queued kernels: the copy waits for
         # the compute stream's progress now.
         marker = self.device.compute_marker()
 
-        def fetch() -> tuple:
+        def fetch() -> tuple[tuple, dict[str, Any]]:
             self._copy_all(jobs, marker)
-            return tuple(a[0].requires_grad_(a[1]) if isinstance(a, tuple) else a for a in args)
+            landed = {key: dev.requires_grad_(requires_grad) for key, (dev, requires_grad) in back.items()}
+            args = tuple(landed.get(i, a) for i, a in enumerate(saved.args))
+            return args, {k: landed.get(k, a) for k, a in saved.kwargs.items()}
 
         saved.coming = self._copier.submit(fetch)
 
     def _free(self, saved: _Saved) -> None:
         for _, chunk in saved.host:
-            self.m.unpin(chunk)
-            chunk.set_state(chunk.slots[0], TensorState.FREE)
+            if chunk.pins:  # else an offload that failed before the chunk was filled
+                self.m.unpin(chunk)
+                chunk.set_state(chunk.slots[0], TensorState.FREE)
             self.m.free_chunk(chunk)
         saved.host = []
 
