@@ -160,3 +160,18 @@ def test_a_damaged_file_is_named(tmp_path):
     (tmp_path / "w.bin").write_bytes((tmp_path / "w.bin").read_bytes()[:1000])
     with pytest.raises(WeightsError, match="w.bin.*damaged or was not fully written"):
         _load(_base(), tmp_path / "w.bin")
+
+
+def test_a_trainer_output_directory_loads_its_weights(tmp_path):
+    """transformers' Trainer saves pytorch_model.bin beside its own state: training_args.bin (a pickled object that
+    weights_only refuses), optimizer.pt, rng_state.pth. from_pretrained reads the weights; so does weights=."""
+    import argparse
+
+    src = _base(meta=False)
+    torch.save(_plain(src.state_dict()), tmp_path / "pytorch_model.bin")
+    torch.save(argparse.Namespace(learning_rate=1e-4), tmp_path / "training_args.bin")
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.pt")
+    torch.save({"cpu_rng_state": torch.get_rng_state()}, tmp_path / "rng_state.pth")
+    got = _load(_base(), tmp_path, strict_weights=True)
+    for k, v in src.state_dict().items():
+        assert torch.equal(got[k], v), k

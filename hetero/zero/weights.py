@@ -1,7 +1,8 @@
 """Pretrained weights as users have them: which files, which tensor goes to which parameter.
 
 [Note: matching weight names]
-`weights=` names a .safetensors or .bin (.pt, .pth) file, a directory of either, or a Hugging Face sharded index
+`weights=` names a .safetensors or .bin (.pt, .pth) file, a directory of either (Hugging Face's own file names
+first, as from_pretrained reads them; a Trainer's state files never), or a Hugging Face sharded index
 (`*.safetensors.index.json`, `pytorch_model.bin.index.json`). safetensors files are read lazily, one tensor at a
 time; torch files are loaded with `weights_only=True` (never unpickling code) and memory-mapped where their format
 allows, so a tensor's pages are read when it is copied.
@@ -38,14 +39,18 @@ log = logging.getLogger("hetero.zero")
 _SAFE = (".safetensors",)
 _TORCH = (".bin", ".pt", ".pth")
 _SHOW = 10
+_HF_NAMES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+_TORCH_GLOBS = ("*.bin", "*.pt", "*.pth")
 
 
 def weight_files(path: Path) -> list[Path]:
     """The weight files of a file, a directory, or a Hugging Face `*.index.json`."""
     path = Path(path)
     if path.is_dir():
-        for pattern in ("*.safetensors.index.json", "*.safetensors", "*.bin.index.json", "*.bin", "*.pt", "*.pth"):
-            found = sorted(path.glob(pattern))
+        # Hugging Face's own names first, as from_pretrained reads them: a Trainer's output holds its training state
+        # in .bin/.pt/.pth files too (training_args.bin is a pickled object, not tensors).
+        for pattern in (*_HF_NAMES, "*.safetensors.index.json", "*.safetensors", "*.bin.index.json", *_TORCH_GLOBS):
+            found = sorted(f for f in path.glob(pattern) if not _trainer_state(f.name))
             if found and pattern.endswith(".index.json"):
                 path = found[0]
                 break
@@ -72,6 +77,11 @@ def weight_files(path: Path) -> list[Path]:
             f"weights: expected a .safetensors, .bin, .pt or .pth file, a directory or an index.json, got {str(path)!r}"
         )
     return [path]
+
+
+def _trainer_state(name: str) -> bool:
+    """A file transformers' Trainer writes beside the weights: its arguments, optimizer, scheduler, scaler, RNG."""
+    return name in ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt") or name.startswith("rng_state")
 
 
 class WeightSource:
