@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -57,6 +58,7 @@ from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.predict import Prediction
 from hetero.zero.protocol import CHECKPOINT, FORWARD_FAILED, READ_GRADS, Checker, Reducer, adopt_observed_order
+from hetero.zero.segments import zero_mode
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
 from hetero.zero.unit_rules import unit_rules
@@ -297,7 +299,8 @@ class Engine(DeepSpeedNames):
         for part in (self.reducer, self.dense.reducer, self.updater):
             part.on_span = on_span
         self.optimizer = ZeroOptimizer(self.updater, optimizer) if optimizer is not None else None
-        self._handed_back = take_over(optimizer) if optimizer is not None else None  # [Note: the optimizer handed over]
+        keep = functools.partial(zero_mode, self.chunks)  # [Note: the optimizer handed over]
+        self._handed_back = take_over(optimizer, keep) if optimizer is not None else None
         self._loads_back = route_loads(model, _loading(weakref.ref(self)))  # [Note: loading weights into a held model]
         self._casts_back = guard_casts(model)  # [Note: casting or moving a held model]
         self._clips_back = route_clips(model.parameters(), self)  # [Note: the loop's clip_grad_norm_]

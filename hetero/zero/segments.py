@@ -18,7 +18,9 @@ Whatever the loop's last zeroing, each update adds what it stepped to `kept_grad
 it): torch's `.grad` exists for what got a gradient since then, so a loop zeroing after its step
 (`step(); zero_grad(set_to_none=False)`, the order of most loops) keeps the first update's gradients as zeros too.
 Recorded only once the loop zeroed that way, they were lost: the parameters not used at the next update were
-skipped (measured: a block frozen for two steps, the loss 0.0093 off plain PyTorch's at the fourth step).
+skipped (measured: a block frozen for two steps, the loss 0.0093 off plain PyTorch's at the fourth step). The
+optimizer object the user built and handed to `initialize` passes its `zero_grad`'s `set_to_none` here too
+(`zero_mode`), dropping no gradient ([Note: the optimizer handed over]).
 """
 
 from __future__ import annotations
@@ -68,3 +70,11 @@ def remember_stepped(zc: ZeroChunk, used: torch.Tensor) -> None:
     """`used` (agreed over the ranks) stepped: torch's `.grad` of each now exists, and stays (as zeros) until a
     set_to_none zeroing; while the loop keeps zero gradients, they step next time."""
     zc.kept_grads |= used
+
+
+def zero_mode(chunks: list[ZeroChunk], set_to_none: bool) -> None:
+    """The loop's choice of torch's zero_grad semantics, no gradient dropped: False keeps what steps as zeros."""
+    for zc in chunks:
+        zc.keeps_zero_grads = not set_to_none
+        if set_to_none:
+            zc.kept_grads.zero_()
