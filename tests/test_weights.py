@@ -175,3 +175,33 @@ def test_a_trainer_output_directory_loads_its_weights(tmp_path):
     got = _load(_base(), tmp_path, strict_weights=True)
     for k, v in src.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_keys_from_pretrained_drops_are_no_surprise(tmp_path, caplog):
+    """Older checkpoints hold buffers that are no longer saved: GPT-2's causal masks (`attn.bias`, which GPT-2 lists
+    in `_keys_to_ignore_on_load_unexpected`) and each layer's rotary `inv_freq` (Llama). from_pretrained drops them
+    silently; weights= drops them too, strict_weights included."""
+    src = _base(meta=False)
+    state = _plain(src.state_dict())
+    for i in range(CFG["n_layer"]):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, CFG["n_positions"], CFG["n_positions"]))
+    torch.save(state, tmp_path / "gpt2.bin")
+    with caplog.at_level(logging.WARNING, logger="hetero.zero"):
+        got = _load(_base(), tmp_path / "gpt2.bin", strict_weights=True)
+    assert torch.equal(got["h.1.attn.c_attn.weight"], src.h[1].attn.c_attn.weight)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(cfg)
+    state = {k: v.contiguous() for k, v in llama.state_dict().items()}
+    for i in range(cfg.num_hidden_layers):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = llama.model.rotary_emb.inv_freq.clone()
+    torch.save(state, tmp_path / "llama.bin")
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    with caplog.at_level(logging.WARNING, logger="hetero.zero"):
+        got = _load(meta, tmp_path / "llama.bin", strict_weights=True)
+    assert torch.equal(got["model.norm.weight"], llama.model.norm.weight)
+    assert "not have" not in caplog.text  # nothing warned as left out

@@ -10,9 +10,10 @@ allows, so a tensor's pages are read when it is copied.
 Names are the model's own `state_dict` keys. Like `from_pretrained`, a model with a `base_model_prefix` (GPT-2's
 "transformer", Llama's "model") takes weights saved from its base model (keys without the prefix) and a base model
 takes weights saved from a head model (keys with it; the head's own tensors are then unexpected). Keys in the files
-that the model does not have are a warning by default (`strict_weights=True`: an error); tensors the model has and
-the files lack keep the model's own values when it was built normally, and are an error for a meta-device model,
-which has no values. Shape mismatches are always errors: the model was built from another config. When most names
+that the model does not have are a warning by default (`strict_weights=True`: an error), except those
+from_pretrained drops silently (old buffers: GPT-2's `attn.bias`, each layer's rotary `inv_freq`); tensors the model
+has and the files lack keep the model's own values when it was built normally, and are an error for a meta-device
+model, which has no values. Shape mismatches are always errors: the model was built from another config. When most names
 fail to match, the error says why in terms of the names themselves: a prefix one side has and the other lacks
 (a `module.` wrapper, another head) or two different naming schemes (another architecture). Files hold whole
 tensors; a weight that tensor parallelism cut (1D or a grid) is matched by its whole shape, and each tensor rank keeps
@@ -25,6 +26,7 @@ import contextlib
 import json
 import logging
 import pickle
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,11 +205,12 @@ def match(model: nn.Module, source: WeightSource) -> Match:
     rename, how = _prefix_map(model, list(state), file_keys)
     by_model_name: dict[str, str] = {}
     out = Match(mapping=how)
+    ignored = _ignored_unexpected(model)
     for k in file_keys:
         name = rename(k)
         if name in state:
             by_model_name[name] = k
-        else:
+        elif ignored is None or ignored.search(k) is None:
             out.unexpected.append(k)
     names_of: dict[int, list[str]] = {}
     for name, t in state.items():
@@ -224,6 +227,19 @@ def match(model: nn.Module, source: WeightSource) -> Match:
             out.shapes.append(f"{found[0]}: file {got}, model {expect}")
     # A tied parameter's other names are neither missing nor unexpected when the files hold it under one of them.
     return out
+
+
+def _ignored_unexpected(model: nn.Module) -> re.Pattern | None:
+    """Keys that from_pretrained drops without a word, as transformers does: its model's
+    `_keys_to_ignore_on_load_unexpected` (GPT-2's `attn.bias` causal masks, saved by older versions) and buffers older
+    checkpoints saved that are no longer persistent (each layer's `rotary_emb.inv_freq`, `position_ids`)."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
 
 
 def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
