@@ -83,20 +83,12 @@ def setup_parallel(
             check_replicas(model, mesh.tp, every=world)
     whole_plan, units = plan, []  # the whole model's plan, and its pipeline units: where each stage sits in it
     if cfg.pipeline > 1:
+        check_pipeline_sequence(model, cfg)
         units = [n for n, _ in units_of(model)]
         costs = None
         if cfg.pipeline_split == "auto":
             costs, basis = unit_costs(model, units_of(model), given=cfg.pipeline_costs, world=world, device=device)
             log.info("pipeline stages balanced by %s%s", basis, f": {[f'{c:.3g}' for c in costs]}" if costs else "")
-        if split or cfg.sequence == "megatron":
-            from hetero.parallel.pipeline.hf import is_hf_decoder
-
-            if is_hf_decoder(model):  # its layers' masks and rotary tables are made for the whole sequence
-                raise ConfigError(
-                    f"parallel: sequence {cfg.sequence!r} with a pipeline of a Hugging Face model is not supported; "
-                    "use the pipeline with tensor parallelism (any tensor_mode) and data parallelism, or sequence "
-                    "parallelism without a pipeline"
-                )
         chunks, ties = cut_stages(
             model,
             rank=mesh.pp_rank,
@@ -152,6 +144,20 @@ def setup_parallel(
         inside = mesh.grid is not None or (bool(cfg.sequence) and region_at(units, whole_plan, first))
         bracket(unit, last, rng, enter=inside)
     return mesh, chunks, zero, tied
+
+
+def check_pipeline_sequence(model: nn.Module, cfg: ParallelConfig) -> None:
+    """A pipeline of a Hugging Face decoder with any sequence split is refused: its layers' masks and rotary tables
+    are made for the whole sequence (the estimator asks too, so that it never plans a layout `initialize` refuses)."""
+    if cfg.pipeline > 1 and cfg.sequence:
+        from hetero.parallel.pipeline.hf import is_hf_decoder
+
+        if is_hf_decoder(model):
+            raise ConfigError(
+                f"parallel: sequence {cfg.sequence!r} with a pipeline of a Hugging Face model is not supported; "
+                "use the pipeline with tensor parallelism (any tensor_mode) and data parallelism, or sequence "
+                "parallelism without a pipeline"
+            )
 
 
 def _agreed(cut: Callable[[], Any], world: Comm) -> Any:
