@@ -98,6 +98,7 @@ from torch.utils.hooks import RemovableHandle
 from hetero.memory import Chunk, TensorState, Tier
 from hetero.zero import master as master_weights
 from hetero.zero.norms import sum_of_squares
+from hetero.zero.outside_inference import outside_inference_mode
 from hetero.zero.predict import Prediction
 from hetero.zero.update import Plan, Updater, step_chunk
 
@@ -140,7 +141,8 @@ class DelayedUpdate:
         def hook(module: nn.Module, args: object) -> None:
             # Skipped where torch.compile traces the forward ([Note: pacing the delayed update]).
             if not torch.compiler.is_compiling():
-                self.tick()
+                with outside_inference_mode():  # [Note: hetero's memory under inference mode]
+                    self.tick()
 
         for m in model.modules():
             if any(True for _ in m.parameters(recurse=False)):

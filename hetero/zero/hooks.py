@@ -83,6 +83,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hetero.zero import released
 from hetero.zero.gathers import Gathers
+from hetero.zero.outside_inference import in_normal_mode, outside_inference_mode
 from hetero.zero.protocol import in_backward
 from hetero.zero.units import Entry, Unit
 
@@ -203,6 +204,8 @@ class Hooks:
             post = _post_forward(unit, owner, own, gathers, covered)
             # First among the module's pre-hooks: a hook registered before `initialize` that reads the module's weights
             # (pruning's mask, weight_norm's and spectral_norm's recomputed weight) runs with them gathered.
+            # Outside inference mode too: [Note: hetero's memory under inference mode]
+            pre, post = in_normal_mode(pre), in_normal_mode(post)
             self.handles.append(m.register_forward_pre_hook(outside_compile(pre), with_kwargs=True, prepend=True))
             self.handles.append(m.register_forward_hook(outside_compile(post)))
 
@@ -251,14 +254,16 @@ def _reader(
         for p in params:
             unit = unit_of[id(p)]
             groups.setdefault(unit.index, (unit, []))[1].append(entries[id(p)])
-        for unit, own in groups.values():
-            gathers.use(own, unit)  # in backward: held until their gradients arrive, or the backward ends
+        with outside_inference_mode():  # [Note: hetero's memory under inference mode]
+            for unit, own in groups.values():
+                gathers.use(own, unit)  # in backward: held until their gradients arrive, or the backward ends
         try:
             out = func(*args, **kwargs)
         finally:
             if not backward:
-                for _, own in groups.values():
-                    gathers.done_using(own)
+                with outside_inference_mode():
+                    for _, own in groups.values():
+                        gathers.done_using(own)
         out = _copy_views(out, {p.untyped_storage().data_ptr() for p in params})
         if backward or not torch.is_grad_enabled():
             return out

@@ -63,6 +63,7 @@ from hetero.io.hugepages import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.hooks import outside_compile
+from hetero.zero.outside_inference import in_normal_mode
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
 from hetero.zero.tile_autograd import TiledConv1D, TiledEmbedding, TiledLinear
 from hetero.zero.tileable import bases, layer_kind
@@ -151,11 +152,13 @@ class TileRunner:
         }
 
     # ---- one tile at a time -------------------------------------------------------------------------------
+    @in_normal_mode  # [Note: hetero's memory under inference mode]
     def take_turn(self, layer: str, *, backward: bool) -> None:
         """`layer`'s forward (or backward) is about to gather its tiles."""
         if self.turn is not None:
             self.turn(layer, backward)
 
+    @in_normal_mode  # [Note: hetero's memory under inference mode]
     def open(self, e: Entry) -> torch.Tensor:
         """The tile's values on the device, pinned there until `close`."""
         zc = e.chunk
@@ -166,6 +169,7 @@ class TileRunner:
             zc.full.set_state(e.slot, _T.COMPUTE)
         return zc.full.view(e.slot)
 
+    @in_normal_mode  # [Note: hetero's memory under inference mode]
     def close(self, e: Entry) -> None:
         zc = e.chunk
         if zc.layout.params_sharded:
