@@ -55,6 +55,7 @@ from hetero.zero.loop_writes import LoopWrites
 from hetero.zero.materialize import load_values
 from hetero.zero.optim import algorithm_of, check_scheduler, step_scheduler
 from hetero.zero.optimizer import ZeroOptimizer
+from hetero.zero.outside_inference import in_callers_mode, outside_inference_mode
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.predict import Prediction
 from hetero.zero.protocol import CHECKPOINT, FORWARD_FAILED, READ_GRADS, Checker, Reducer, adopt_observed_order
@@ -374,6 +375,13 @@ class Engine(DeepSpeedNames):
 
     # ---- the training loop ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The engine's bookkeeping outside inference mode, the model's compute in the caller's mode: [Note: hetero's
+        # memory under inference mode] in hetero/zero/outside_inference.py.
+        inference = torch.is_inference_mode_enabled()
+        with outside_inference_mode():
+            return self._forward(inference, args, kwargs)
+
+    def _forward(self, inference: bool, args: tuple, kwargs: dict) -> Any:
         # A training step (for the access trace) runs from its first forward to the end of its backward; a forward
         # without autograd (evaluation, generation) is a step of its own, of another kind: each kind replays its own
         # trace ([Note: one trace per kind of step] in hetero/memory/policy.py).
@@ -399,7 +407,7 @@ class Engine(DeepSpeedNames):
         if self._forwards is not None:
             self._forwards.begin()
         try:
-            with self.device.compute_context(), saving, no_grad:
+            with self.device.compute_context(), saving, no_grad, in_callers_mode(inference):
                 out = self.module(*args, **kwargs)
         except BaseException as e:  # [Note: a forward that fails]; an interrupt too (an evaluation stopped by hand)
             self._forward_failed(e, began=not within)
