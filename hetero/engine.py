@@ -43,7 +43,7 @@ from hetero.zero import backwards
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers
-from hetero.zero.generate import keep_ranks_generating
+from hetero.zero.generate import keep_ranks_generating, refuse_generating
 from hetero.zero.grad_views import full_grads
 from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads, take_over, watch_structure
 from hetero.zero.hooks import Hooks, needs_grad
@@ -254,6 +254,8 @@ class Engine(DeepSpeedNames):
         # step] in hetero/zero/generate.py).
         in_step = self.stage == 3 and self.comm.size > 1 and self.mesh.pp_size == 1 and world.is_job
         self._generating = keep_ranks_generating(model) if in_step else None
+        if self.mesh.pp_size > 1:  # the whole model on each rank: refused by name, not None's TypeError
+            self._generating = refuse_generating(model)
         deliver = weakref.WeakMethod(self._on_tile_grad)
         target = weakref.WeakMethod(self._tile_grad_target)
         # Layers whose weight is split over chunks compute on one tile at a time ([Note: computing on tiles]).

@@ -14,6 +14,10 @@ model inside a PEFT wrapper, whose `generate` calls it) an instance `generate` w
 passing `synced_gpus` still decides. Only where hetero's ranks are the whole job: that all-reduce runs over the
 default group, and a process outside hetero's group would not join it. Removed when the engine closes. Stages 0-2
 gather nothing in forward, and a tensor-parallel group's ranks agree on each batch and end together.
+
+Under a pipeline (parallel.pipeline > 1) a rank holds its stage's layers only, the others' set to None, and
+`generate` runs the whole model on each rank: it failed inside the model ("'NoneType' object is not callable"). There
+the generating modules get a `generate` that says so and what to do instead.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+
+from hetero.errors import HeteroError
 
 
 def keep_ranks_generating(model: nn.Module) -> Callable[[], None]:
@@ -38,6 +44,30 @@ def keep_ranks_generating(model: nn.Module) -> Callable[[], None]:
             m.__dict__.pop("generate", None)
 
     return undo
+
+
+def refuse_generating(model: nn.Module) -> Callable[[], None]:
+    """Give each generating module of `model`, cut into pipeline stages, a `generate` that raises a clear error
+    ([Note: generating in step]); returns what undoes it."""
+    changed = [m for m in model.modules() if callable(getattr(type(m), "generate", None))]
+    for m in changed:
+        m.generate = types.MethodType(_generate_in_stages, m)
+
+    def undo() -> None:
+        for m in changed:
+            m.__dict__.pop("generate", None)
+
+    return undo
+
+
+def _generate_in_stages(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    raise HeteroError(
+        f"{type(self).__name__}.generate with parallel.pipeline > 1: this rank holds only its pipeline stage's layers "
+        "(the others' are None here), and generate runs the whole model on one rank. Decode with engine.eval_batch("
+        "input_ids) in a loop of your own (it runs the batch through every stage and returns this data-parallel "
+        "rank's whole logits on every rank: append the next token and call it again), or take the weights "
+        "(engine.full_state_dict() on every rank) into a model of its own and generate there"
+    )
 
 
 def _takes_synced_gpus(cls: type) -> bool:
