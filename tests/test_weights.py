@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -205,3 +206,32 @@ def test_keys_from_pretrained_drops_are_no_surprise(tmp_path, caplog):
         got = _load(meta, tmp_path / "llama.bin", strict_weights=True)
     assert torch.equal(got["model.norm.weight"], llama.model.norm.weight)
     assert "not have" not in caplog.text  # nothing warned as left out
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc/self/status")
+def test_reading_safetensors_maps_no_file_pages(tmp_path):
+    """Every page of a checkpoint read through a memory map stays resident until its file closes: a model larger than
+    the host raised the RSS peak by the whole checkpoint, whatever the budgets ([Note: reading .safetensors without a
+    memory map]). Read with positioned reads, the file adds nothing to the process's file-backed memory."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from hetero.zero.weights import WeightSource
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(14)}
+    state["b"] = torch.randn(1024, generator=g).to(torch.bfloat16)
+    state["s"] = torch.tensor(3.5, dtype=torch.float16)  # a 0-d tensor
+    path = tmp_path / "big.safetensors"  # 56 MiB
+    safetensors_torch.save_file(state, str(path))
+    with WeightSource([path]) as source:
+        before = _rss_file()
+        for k, v in state.items():
+            assert torch.equal(source.read(k), v), k
+        assert torch.equal(source.read_rows("w3", 5, 9), state["w3"][5:9])
+        grew = _rss_file() - before
+    # Mapped, the file's 56 MiB would be resident now; code paged in on first use is a few MiB at most.
+    assert grew < 8 << 20, f"file-backed memory grew {grew >> 20} MiB reading the checkpoint"
