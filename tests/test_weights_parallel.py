@@ -4,6 +4,8 @@ folder: they are copied and sliced, not computed."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -79,3 +81,45 @@ def test_tensor_parallel_ranks_load_their_shards_of_whole_files(tmp_path):
         src.save_pretrained(folders[tie], max_shard_size="20KB")  # sharded, with an index
     for wrong in run_distributed(_rank_loads_its_shards, 2, folders, timeout=200):
         assert wrong == []
+
+
+def _rank_reads_its_share(rank: int, world: int, folder: str, stage: int) -> tuple[int, list[str]]:
+    read = [0]
+    plain = os.preadv
+
+    def counted(fd: int, buffers: list, offset: int) -> int:
+        n = plain(fd, buffers, offset)
+        read[0] += n
+        return n
+
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    with hetero.lazy_init():
+        model = transformers.LlamaForCausalLM(_config(False))
+    os.preadv = counted
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = hetero.initialize(model, opt, {"zero_stage": stage, "chunk_size": 3000}, weights=folder)
+    finally:
+        os.preadv = plain
+    got = engine.full_state_dict()
+    engine.close()
+    return read[0], [k for k, v in ref.items() if not torch.equal(got[k], v)]
+
+
+@pytest.mark.timeout(240)
+def test_stage_3_ranks_read_only_their_shares(tmp_path):
+    """At stage 3 each rank keeps its range of every chunk and reads only that from the files: two ranks read the
+    checkpoint about once between them (each read all of it before; for a model larger than the host each read went to
+    the disk). Stage 2 keeps whole parameters on every rank: each reads everything. Values equal from_pretrained's."""
+    torch.manual_seed(4)
+    folder = str(tmp_path / "llama")
+    transformers.LlamaForCausalLM(_config(False)).save_pretrained(folder, max_shard_size="20KB")
+    data = sum(t.numel() * t.element_size() for t in transformers.LlamaForCausalLM.from_pretrained(folder).parameters())
+    files = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    headers = files - data  # each file's header is read once by each rank
+    for stage in (3, 2):
+        results = run_distributed(_rank_reads_its_share, 2, folder, stage, timeout=200)
+        assert [wrong for _, wrong in results] == [[], []]
+        total = sum(n for n, _ in results)
+        want = data + 2 * headers if stage == 3 else 2 * (data + headers)
+        assert total == want, f"stage {stage}: the ranks read {total} bytes, {want} expected"

@@ -385,27 +385,26 @@ def _stream_weights(
                 ", ".join(m.missing[:10]) + (" ..." if len(m.missing) > 10 else ""),
             )
 
-        def read(t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-            key = m.chosen.get(id(t))
-            if rows is not None:  # a tile's rows only ([Note: initialising tiles])
-                return source.read_rows(key, *rows) if key is not None else t.detach()[rows[0] : rows[1]]
-            return weights.own_part(t, source.read(key)) if key is not None else t.detach()
-
         # Buffers first, while parameters still have no memory: an initialiser run for non-persistent buffers
         # (rotary tables) then writes nothing that matters.
         for module in model.modules():
             for name, b in list(module.named_buffers(recurse=False)):
                 if id(b) in m.chosen:
-                    setattr(module, name, read(b).to(b.dtype))
+                    setattr(module, name, source.read(m.chosen[id(b)]).to(b.dtype))
         _initialise_buffers(model)
         staging = Staging(manager)
         progress = bar(sum(zc.spec.capacity * 4 for zc in chunks), "hetero: loading weights", unit="B")
         try:
             for zc in chunks:
+                # At stage 3 a rank keeps only its range of the chunk: it reads only that ([Note: each rank reads its
+                # share] in weights.py); a tile's elements are its rows ([Note: initialising tiles]).
+                lo, hi = zc.kept_range() if zc.layout.params_sharded else (0, zc.spec.capacity)
+                flat = staging.flat(zc)
                 for info in zc.spec.params:
-                    staging.view(zc, info).copy_(
-                        read(info.param, info.rows if info.tiled else None).reshape(info.shape)
-                    )
+                    a, b = max(lo, info.offset), min(hi, info.offset + info.numel)
+                    if a < b:
+                        first, key = info.start + a - info.offset, m.chosen.get(id(info.param))
+                        flat.narrow(0, a, b - a).copy_(weights.read_part(source, key, info.param, first, first + b - a))
                 staging.load(zc)
                 progress.update(zc.spec.capacity * 4)
         finally:

@@ -125,11 +125,11 @@ class WeightSource:
         src = self._where[key]
         return src[key] if isinstance(src, dict) else src.read(key)
 
-    def read_rows(self, key: str, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b) of a tensor, without reading the rest from a .safetensors file (a tile's share of a weight,
-        [Note: initialising tiles] in materialize.py)."""
+    def read_elements(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a tensor flattened, without reading the rest from a .safetensors file (a tile's rows,
+        [Note: initialising tiles] in materialize.py, or a rank's share: [Note: each rank reads its share])."""
         src = self._where[key]
-        return src[key][a:b] if isinstance(src, dict) else src.read_rows(key, a, b)
+        return src[key].reshape(-1)[a:b] if isinstance(src, dict) else src.read_elements(key, a, b)
 
     def close(self) -> None:
         self._stack.close()
@@ -215,23 +215,17 @@ class SafetensorsFile:
 
     def read(self, key: str) -> torch.Tensor:
         shape = self._entries[key][1]
-        return self.read_rows(key, 0, shape[0]) if shape else self._rows(key, 0, 1, ())
+        return self.read_elements(key, 0, math.prod(shape)).reshape(shape)
 
-    def read_rows(self, key: str, a: int, b: int) -> torch.Tensor:
-        shape = self._entries[key][1]
-        return self._rows(key, a, b, (b - a, *shape[1:]))
-
-    def _rows(self, key: str, a: int, b: int, shape: tuple[int, ...]) -> torch.Tensor:
-        dtype, whole, offset, nbytes = self._entries[key]
-        row = nbytes // whole[0] if whole and whole[0] else nbytes
-        n = max(b - a, 0) * row
-        if n == 0:
-            return torch.empty(shape, dtype=dtype)
+    def read_elements(self, key: str, a: int, b: int) -> torch.Tensor:
+        dtype, _, offset, _ = self._entries[key]
+        if b <= a:
+            return torch.empty(0, dtype=dtype)
         try:
-            data = self._pread(n, offset + a * row)
+            data = self._pread((b - a) * dtype.itemsize, offset + a * dtype.itemsize)
         except (ValueError, OSError) as e:  # changed under us since its header was read
             raise _unreadable(self.path, ".safetensors", e) from None
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)  # shares data's memory
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # shares data's memory
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -331,6 +325,21 @@ def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
     """The shape the files hold a tensor in: a tensor-parallel parameter's before it was cut."""
     cut = getattr(t, "_hetero_tp", None)
     return tuple(cut.full_shape) if cut is not None else tuple(t.shape)
+
+
+def read_part(source: WeightSource, key: str | None, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of `t` flattened, from the files' tensor `key` (None: not in the files, `t`'s own values).
+
+    [Note: each rank reads its share]
+    At stage 3 a rank keeps only its range of each chunk, so it reads only the elements there: over N ranks the files
+    are read about once in all, not once per rank (a model larger than the host does not fit the page cache either,
+    so each rank's whole read went to the disk). A tensor-parallel shard is not contiguous in the file: its whole
+    tensor is read and cut."""
+    if key is None:
+        return t.detach().reshape(-1)[a:b]
+    if getattr(t, "_hetero_tp", None) is not None:
+        return own_part(t, source.read(key)).reshape(-1)[a:b]
+    return source.read_elements(key, a, b)
 
 
 def own_part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
