@@ -253,7 +253,15 @@ class Engine(DeepSpeedNames):
         # Forwards gather across ranks: Hugging Face's generate runs until every rank has ended ([Note: generating in
         # step] in hetero/zero/generate.py).
         in_step = self.stage == 3 and self.comm.size > 1 and self.mesh.pp_size == 1 and world.is_job
-        self._generating = keep_ranks_generating(model) if in_step else None
+        # A tensor group generates from one prompt and one random stream ([Note: one prompt and one stream per tensor
+        # group]).
+        grouped = self.mesh.batch_group.size > 1
+        self._generating = None
+        if in_step or grouped:
+            agree = self.agree.check if grouped else None
+            self._generating = keep_ranks_generating(
+                model, synced=in_step, agree=agree, device_rng=self.device.rng_state
+            )
         if self.mesh.pp_size > 1:  # the whole model on each rank: refused by name, not None's TypeError
             self._generating = refuse_generating(model)
         deliver = weakref.WeakMethod(self._on_tile_grad)

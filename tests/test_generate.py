@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 def _greedy(model: torch.nn.Module, prompts: torch.Tensor, new: int, **kwargs) -> torch.Tensor:
     with torch.no_grad():
         mask = torch.ones_like(prompts)
-        return model.generate(prompts, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)
+        return model.generate(prompts, attention_mask=mask, max_new_tokens=new, **{"do_sample": False, **kwargs})
 
 
 def _job(rank: int, world: int, peft: bool) -> dict:
@@ -147,3 +147,40 @@ def test_generate_under_a_pipeline_is_refused_by_name():
     for r in run_distributed(_pipeline_job, 2, timeout=170):
         assert "parallel.pipeline > 1" in r.get("error", ""), r
         assert r["same"] and r["left"] == [], r
+
+
+def _tensor_job(rank: int, world: int) -> dict:
+    """generate under 1D tensor parallelism (two ranks, one model): one prompt and one random stream per group."""
+    torch.set_num_threads(1)
+    model = unmodified.tiny_hf()
+    model.generation_config.pad_token_id = 0
+    prompts = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(10))
+    engine = hetero.initialize(model, None, {"zero_stage": 1, "parallel": {"tensor": 2}, "comm_timeout": 60})
+    model.eval()
+    out: dict = {}
+    torch.manual_seed(7)
+    out["sampled"] = _greedy(model, prompts, 4, do_sample=True).tolist()  # seeded alike: the same tokens
+    for case, seed, own in (("seeds", 7 + rank, prompts), ("prompts", 7, prompts + rank)):
+        torch.manual_seed(seed)
+        try:
+            _greedy(model, own, 4, do_sample=case == "seeds")
+        except hetero.errors.BatchMismatchError as e:
+            out[case] = str(e)
+    torch.manual_seed(7 + rank)  # greedy draws nothing: seeds apart do not matter
+    out["greedy"] = _greedy(model, prompts, 4).tolist()
+    engine.close()
+    out["left"] = [m.__class__.__name__ for m in model.modules() if "generate" in m.__dict__]
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+def test_generate_under_tensor_parallelism_agrees_on_prompts_and_streams():
+    """[Note: one prompt and one stream per tensor group]: ranks seeded apart sampled other tokens, and ranks given
+    other prompts generated from a mix of both, each with no error."""
+    r0, r1 = run_distributed(_tensor_job, 2, timeout=170)
+    assert r0["sampled"] == r1["sampled"] and r0["greedy"] == r1["greedy"], (r0, r1)
+    for r in (r0, r1):
+        assert "random streams (sampling: seed these ranks alike)" in r.get("seeds", ""), r
+        assert "same shapes but different values" in r.get("prompts", ""), r
+        assert r["left"] == [], r

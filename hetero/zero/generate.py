@@ -18,26 +18,48 @@ gather nothing in forward, and a tensor-parallel group's ranks agree on each bat
 Under a pipeline (parallel.pipeline > 1) a rank holds its stage's layers only, the others' set to None, and
 `generate` runs the whole model on each rank: it failed inside the model ("'NoneType' object is not callable"). There
 the generating modules get a `generate` that says so and what to do instead.
+
+[Note: one prompt and one stream per tensor group]
+The ranks of a tensor-parallel group (1D, Megatron-SP, the grid modes) run one model on one batch; `generate` runs the
+model directly, not through `engine(...)`, so no batch agreement ([Note: a batch agreed over the model-parallel
+group] in hetero/parallel/agree.py) saw its prompts. Ranks given other prompts (a loader sharded by global rank
+instead of data-parallel rank) computed every token from a mix of both with no error, and so did ranks that sample
+(`do_sample`) from streams seeded apart (`torch.manual_seed(seed + rank)`): each drew another token from the same
+whole logits, and from then on each fed its own sequence. So there each generating module's `generate` first agrees
+over the group on its arguments and, where it samples, on a digest of the random streams it draws from (the CPU's
+and the compute device's): one small exchange per call. The logits are whole and the same on every rank, so a group
+that agrees at the start picks the same tokens throughout.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import inspect
 import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from hetero.errors import HeteroError
 
 
-def keep_ranks_generating(model: nn.Module) -> Callable[[], None]:
-    """Give each generating module of `model` a `generate` with `synced_gpus` True by default ([Note: generating in
-    step]); returns what undoes it."""
+def keep_ranks_generating(
+    model: nn.Module,
+    *,
+    synced: bool,
+    agree: Callable[[Any, str], None] | None = None,
+    device_rng: Callable[[], torch.Tensor | None] = lambda: None,
+) -> Callable[[], None]:
+    """Give each generating module of `model` a `generate` with `synced_gpus` True by default where `synced`
+    ([Note: generating in step]) and, with `agree` (a tensor group's batch agreement), one that agrees on its
+    arguments and random streams first ([Note: one prompt and one stream per tensor group]); `device_rng`: the
+    compute device's generator state (None on the CPU). Returns what undoes it."""
     changed = [m for m in model.modules() if _takes_synced_gpus(type(m))]
     for m in changed:
-        m.generate = types.MethodType(_generate_in_step, m)
+        m.generate = types.MethodType(functools.partial(_generate_in_step, synced, agree, device_rng), m)
 
     def undo() -> None:
         for m in changed:
@@ -80,8 +102,33 @@ def _takes_synced_gpus(cls: type) -> bool:
         return False
 
 
-def _generate_in_step(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The class's `generate`, every rank running forwards until all have ended, unless `synced_gpus` is given."""
-    if kwargs.get("synced_gpus") is None:
+def _generate_in_step(
+    synced: bool,
+    agree: Callable[[Any, str], None] | None,
+    device_rng: Callable[[], torch.Tensor | None],
+    self: nn.Module,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """The class's `generate`, every rank running forwards until all have ended unless `synced_gpus` is given, the
+    tensor group agreed on what it generates from."""
+    if agree is not None:
+        where = f"{type(self).__name__}.generate"
+        streams = _streams(self, kwargs, device_rng)  # the key names what to do: the error shows it beside the values
+        agree({"args": args, "kwargs": kwargs, "random streams (sampling: seed these ranks alike)": streams}, where)
+    if synced and kwargs.get("synced_gpus") is None:
         kwargs["synced_gpus"] = True
     return type(self).generate(self, *args, **kwargs)
+
+
+def _streams(model: nn.Module, kwargs: dict[str, Any], device_rng: Callable[[], torch.Tensor | None]) -> int:
+    """A digest of the random streams a sampling `generate` draws from; 0 where it draws none (greedy, beam)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    sampling = kwargs.get("do_sample", getattr(config, "do_sample", False))
+    if not sampling:
+        return 0
+    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8)
+    on_device = device_rng()
+    if on_device is not None:
+        digest.update(on_device.cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=True)
