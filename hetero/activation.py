@@ -20,6 +20,11 @@ input is waited for and the next one's (the block before it) is brought back ahe
 only a zero-size tensor on the device, so that it still saves and restores the device's random state (dropout):
 torch's checkpoint saves the state of the devices of its positional tensors alone. Without offload the same tensor
 goes first, so that a block given its device tensors by keyword only redraws its dropout masks too.
+A tensor given to several blocks of a step (an additive attention mask, an encoder's output for every decoder layer)
+is copied once, its host chunk shared and freed when the last of them has recomputed (a copy per block took the host
+memory of as many copies); one written in place since (its version counter moved) is copied again. An input written
+in place after its block ran, before its copy landed, is refused in backward as torch's checkpoint refuses a saved
+input written since (the copy raced the write: the recomputation could read either values).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import fnmatch
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -104,15 +110,26 @@ def _offloadable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
+class _HostCopy:
+    """A block input's bytes in a host chunk: one for every block of the step that is given that same tensor."""
+
+    def __init__(self, chunk: Chunk, owner: _Saved) -> None:
+        self.chunk = chunk
+        self.owner = owner  # the call whose copy job (`owner.going`) fills the chunk
+        self.users = 1  # calls whose recomputation still needs it; the chunk is freed when none is left
+        self.written: tuple[int, int] | None = None  # (version copied, version found): written before it landed
+
+
 class _Saved:
     """One checkpointed call's input, on its way to the host and back. An input is keyed by its argument position
     (int) or its keyword (str)."""
 
     def __init__(self) -> None:
-        self.host: list[tuple[int | str, Chunk]] = []  # (input key, host chunk) of each offloaded tensor
+        self.host: list[tuple[int | str, _HostCopy]] = []  # (input key, its host copy) of each offloaded tensor
         self.meta: dict[int | str, tuple[torch.Size, bool]] = {}  # input key -> (shape, requires_grad)
         self.args: tuple = ()  # the positional inputs, offloaded tensors replaced by None
         self.kwargs: dict[str, Any] = {}  # the keyword inputs, offloaded tensors replaced by None
+        self.module: nn.Module | None = None  # the block called
         self.going: Future | None = None  # the copy to the host
         self.coming: Future | None = None  # the copy back; its result is the device inputs (args, kwargs)
 
@@ -150,6 +167,9 @@ class ActivationMemory:
         self.device = device
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="hetero-act") if offload else None
         self._stack: list[_Saved] = []  # offloaded inputs of this step, in forward order
+        # id(tensor) -> (the tensor, weakly; its version when copied; its host copy): a tensor given to several blocks
+        # of the step (a mask, an encoder's output) is copied once ([Note: offloading block inputs])
+        self._copies: dict[int, tuple[weakref.ref, int, _HostCopy]] = {}
         self._token = device.empty((0,), torch.float32)  # see the note: carries the device's RNG state
         self.offloaded_bytes = 0  # bytes copied to the host (cumulative)
         # block -> a context around its recomputation in backward (stage 3's tile turns over several ranks: a tiled
@@ -170,13 +190,17 @@ class ActivationMemory:
         if not self.offload:
             run_original = self._around_recompute(module, original)
 
-            def run_given(_token: torch.Tensor, *a: Any, **kw: Any) -> Any:
-                return run_original(*a, **kw)
+            names, n = tuple(kwargs), len(args)
 
-            # The device token first, as with offload: torch's checkpoint saves and restores the random state of the
-            # devices of its positional tensors only, so a block given its device tensors by keyword (`block(x=h)`)
-            # redrew other dropout masks on the GPU in its recomputation (wrong gradients, silently).
-            return _checkpoint(run_given, self._token, *args, early_stop=stop_early, **kwargs)
+            def run_given(_token: torch.Tensor, *inputs: Any) -> Any:
+                return run_original(*inputs[:n], **dict(zip(names, inputs[n:])))
+
+            # Every input positional, the device token first: torch's checkpoint saves and restores the random state
+            # of the devices of its positional tensors only, and checks only those for writes in place after the
+            # block ran. A block given its tensors by keyword (`block(x=h)`) redrew other dropout masks on the GPU
+            # in its recomputation, and recomputed from a keyword input written in place since: wrong gradients,
+            # silently.
+            return _checkpoint(run_given, self._token, *args, *kwargs.values(), early_stop=stop_early)
         saved = self._offload(module, args, kwargs)
         given = [(args, kwargs)]  # the inputs as given, for the forward itself; dropped then, so the device copy can go
         recompute = self._around_recompute(module, original)
@@ -208,6 +232,7 @@ class ActivationMemory:
 
     def _offload(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Saved:
         saved = _Saved()
+        saved.module = module
         # Inputs given by keyword count as those given by position: a block called as `block(x=h)` keeps `h` as
         # `block(h)` does (only positional ones were offloaded before, and such a block's inputs stayed on the device).
         inputs: dict[int | str, Any] = {**dict(enumerate(args)), **kwargs}
@@ -217,16 +242,23 @@ class ActivationMemory:
             for i, a in inputs.items():
                 if not _offloadable(a):
                     continue
+                saved.meta[i] = (a.shape, a.requires_grad)
+                kept[i] = None
+                copy = self._copy_of(a)
+                if copy is not None:  # given to an earlier block of the step, and unchanged since
+                    copy.users += 1
+                    saved.host.append((i, copy))
+                    continue
                 chunk = self.m.new_chunk(dtype=a.dtype, capacity=max(1, a.numel()), kind="activation")
                 chunk.traced = False  # a new chunk every step: [Note: chunks of one step] in hetero/memory/policy.py
                 slot = chunk.add_tensor("activation", (max(1, a.numel()),))
-                saved.host.append((i, chunk))  # from here on `_free` forgets it, should the host have no room
+                copy = _HostCopy(chunk, saved)
+                saved.host.append((i, copy))  # from here on `_free` forgets it, should the host have no room
                 self.m.access(chunk, Tier.HOST)
                 chunk.set_state(slot, TensorState.HOLD)
                 self.m.pin(chunk)  # nothing may move it while a copy runs
-                saved.meta[i] = (a.shape, a.requires_grad)
-                jobs.append((chunk.payload.narrow(0, 0, a.numel()), a.detach().reshape(-1)))
-                kept[i] = None
+                jobs.append((chunk.payload.narrow(0, 0, a.numel()), a.detach().reshape(-1), a._version, copy))
+                self._copies[id(a)] = (weakref.ref(a), a._version, copy)
                 self.offloaded_bytes += a.numel() * a.element_size()
         except BaseException as e:
             # Not on the stack yet, so no step_end would free them: the chunks of this call's inputs that already
@@ -244,9 +276,27 @@ class ActivationMemory:
         saved.args = tuple(kept[i] for i in range(len(args)))
         saved.kwargs = {k: kept[k] for k in kwargs}
         marker = self.device.compute_marker()
-        saved.going = self._copier.submit(self._copy_all, jobs, marker)
+        saved.going = self._copier.submit(self._copy_to_host, jobs, marker)
         self._stack.append(saved)
         return saved
+
+    def _copy_of(self, tensor: torch.Tensor) -> _HostCopy | None:
+        """The host copy this step already made of `tensor`, if its bytes are still those copied."""
+        entry = self._copies.get(id(tensor))
+        if entry is None:
+            return None
+        ref, version, copy = entry
+        if ref() is not tensor or version != tensor._version or copy.users == 0:
+            return None  # another tensor at a reused id, written in place since, or its copy already freed
+        return copy
+
+    def _copy_to_host(self, jobs: list[tuple[torch.Tensor, torch.Tensor, int, _HostCopy]], marker: Any) -> None:
+        for dst, src, version, copy in jobs:
+            self.device.copy(dst, src, after=marker)
+            # A write issued before the bytes landed may or may not be in the copy; one issued after is not (the
+            # view shares the input's version counter, which a write moves when it is issued).
+            if src._version != version:
+                copy.written = (version, src._version)
 
     def _copy_all(self, jobs: list[tuple[torch.Tensor, torch.Tensor]], marker: Any) -> None:
         for dst, src in jobs:
@@ -269,13 +319,22 @@ class ActivationMemory:
     def _start_fetch(self, saved: _Saved) -> None:
         if saved.coming is not None:
             return
-        saved.going.result()  # its bytes are on the host
         back: dict[int | str, tuple[torch.Tensor, bool]] = {}
         jobs = []
-        for key, chunk in saved.host:
+        for key, copy in saved.host:
+            copy.owner.going.result()  # its bytes are on the host
+            if copy.written is not None:
+                # What torch's checkpoint raises for a positional input written in place after the block ran: the
+                # recomputation would not read what the forward read (here, the host copy raced the write).
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: input {key!r} of checkpointed block {self._names[id(saved.module)]} was written in "
+                    f"place after the block ran (version {copy.written[0]}, then {copy.written[1]}) and before "
+                    "activation_offload's copy of it reached the host; write to a new tensor (or a clone) instead"
+                )
             shape, requires_grad = saved.meta[key]
-            dev = self.device.empty(shape, chunk.dtype)
-            jobs.append((dev.reshape(-1), chunk.payload.narrow(0, 0, dev.numel())))
+            dev = self.device.empty(shape, copy.chunk.dtype)
+            jobs.append((dev.reshape(-1), copy.chunk.payload.narrow(0, 0, dev.numel())))
             back[key] = (dev, requires_grad)
         # The fresh device memory may be what compute just freed, still read by queued kernels: the copy waits for
         # the compute stream's progress now.
@@ -290,7 +349,13 @@ class ActivationMemory:
         saved.coming = self._copier.submit(fetch)
 
     def _free(self, saved: _Saved) -> None:
-        for _, chunk in saved.host:
+        for _, copy in saved.host:
+            copy.users -= 1
+            if copy.users > 0:
+                continue  # a block of the step given the same tensor has yet to recompute
+            if copy.owner.going is not None:
+                copy.owner.going.result()  # never free a chunk a copy still writes
+            chunk = copy.chunk
             if chunk.pins:  # else an offload that failed before the chunk was filled
                 self.m.unpin(chunk)
                 chunk.set_state(chunk.slots[0], TensorState.FREE)
@@ -306,6 +371,7 @@ class ActivationMemory:
                 saved.coming.result()
             self._free(saved)
         self._stack.clear()
+        self._copies.clear()
 
     def remove(self) -> None:
         """Restore the modules' own forward and stop the copy thread."""

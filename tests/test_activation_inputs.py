@@ -10,6 +10,8 @@ forward runs, not what it computes, so every run here ends within fp32 rounding 
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import weakref
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 import hetero
+from hetero import standin
 from tests import test_unmodified_models as unmodified
 
 DIM, VOCAB, LAYERS = 16, 32, 3
@@ -222,3 +225,87 @@ def test_dropout_under_checkpointing_on_cuda_same_bits(offload):
         engine.close()
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
+
+
+class SharedBiasModel(nn.Module):
+    """Every block is given the same additive bias (as an attention mask or an encoder's output is given to every
+    layer), by position or by keyword; `mutate` scales it in place after each block, a write its blocks must see."""
+
+    def __init__(self, by_keyword: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(BiasBlock() for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB)
+        self.by_keyword = by_keyword
+        self.mutate = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        bias = torch.linspace(-1, 1, ids.shape[1] * DIM).reshape(ids.shape[1], DIM).expand(*ids.shape, DIM).clone()
+        for layer in self.layers:
+            h = layer(x=h, bias=bias) if self.by_keyword else layer(h, bias)
+            if self.mutate:
+                bias.mul_(0.5)
+        return self.head(h)
+
+
+class BiasBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x) + bias)
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_offload_copies_a_tensor_given_to_every_block_once(by_keyword):
+    """A tensor given to every block goes to the host once, its chunk shared and freed after the last recomputation
+    that needs it: before, each block copied it again (a float attention mask or an encoder's output took the host
+    memory of one copy per layer), and the training is plain PyTorch's."""
+    batches = _batches()
+    torch.manual_seed(0)
+    model = SharedBiasModel(by_keyword)
+    refs = unmodified._references(model, batches, _loss)
+    cfg = {"zero_stage": 0, "activation_checkpointing": True, "activation_offload": True}
+    got = unmodified._train(model, batches, engine_cfg=cfg, loss_of=_loss)
+    unmodified._compare(got, refs)
+
+    engine = hetero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    chunks = len(engine.manager.chunks)
+    ids = batches[0]
+    loss = _loss(engine, ids, 0)
+    x_bytes = ids.numel() * DIM * 4
+    # Each block's hidden states, and the bias once.
+    assert engine.activations.offloaded_bytes == LAYERS * x_bytes + x_bytes
+    engine.backward(loss)
+    engine.step()
+    assert len(engine.manager.chunks) == chunks  # every host copy freed, the shared one too
+    engine.close()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_input_written_in_place_after_its_block_is_an_error(offload, monkeypatch):
+    """A block's input written in place after the block ran is refused in backward, as torch's checkpoint refuses it
+    (the recomputation would read other values than the forward did). With offload the checkpoint holds no input to
+    check, and the host copy, made as forward moves on, raced the write: before, backward took whichever values the
+    copy found, with no error (the stale bias here, or the new one: gradients of the wrong inputs, silently)."""
+    if offload and standin.active():
+        pytest.skip("the stand-in stops the copy itself, as racing the write ([Note: the CPU stand-in])")
+    torch.manual_seed(0)
+    model = SharedBiasModel(by_keyword=True)
+    model.mutate = True
+    cfg = {"zero_stage": 0, "activation_checkpointing": True, "activation_offload": offload}
+    engine = hetero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    copy = engine.device.copy
+
+    def slow_copy(dst, src, *, after=None):
+        if threading.current_thread().name.startswith("hetero-act"):
+            time.sleep(0.05)  # a copy to the host that lands after the forward's next operations (a GPU's, at times)
+        copy(dst, src, after=after)
+
+    monkeypatch.setattr(engine.device, "copy", slow_copy)
+    loss = _loss(engine, _batches(n=1)[0], 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        engine.backward(loss)
+    engine.close()
