@@ -81,6 +81,7 @@ def choose_blocks(
                 f"activation_checkpointing: {unmatched} match no module by class name or qualified-name pattern; "
                 f"class names in this model: {classes[:20]}"
             )
+    picked = [block for name, module in picked for block in _called(name, module)]
     order = {id(m): i for i, m in enumerate(model.modules())}
     outer: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
@@ -90,6 +91,14 @@ def choose_blocks(
         seen.add(id(module))
         outer.append((name, module))
     return outer
+
+
+def _called(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that stand for a chosen one when it runs: a ModuleList or ModuleDict is never called (checkpointing
+    it recomputed nothing, its blocks skipped as inside it), so the blocks it holds stand for it."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [(name, module)]
+    return [block for child, m in module.named_children() for block in _called(f"{name}.{child}", m)]
 
 
 def _no_kv_cache(model: nn.Module) -> None:

@@ -309,3 +309,21 @@ def test_an_input_written_in_place_after_its_block_is_an_error(offload, monkeypa
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         engine.backward(loss)
     engine.close()
+
+
+@pytest.mark.parametrize("selection", [["layers"], ["ModuleList"]])
+def test_a_selected_module_list_checkpoints_its_blocks(selection):
+    """A selection naming the ModuleList itself (`["model.layers"]`, or its class) checkpoints the blocks in it: a
+    ModuleList is never called, so before, checkpointing it (and the blocks inside, skipped as within a chosen
+    module) recomputed nothing, silently."""
+    model = _model()
+    calls = [0]
+    model.layers[0].fc1.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    engine = hetero.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 0, "activation_checkpointing": selection}
+    )
+    assert [name for name, _ in engine.activations.blocks] == [f"layers.{i}" for i in range(LAYERS)]
+    engine.backward(_loss(engine, _batches(n=1)[0], 0))
+    engine.step()
+    engine.close()
+    assert calls[0] == 2  # the forward and the recomputation
