@@ -188,16 +188,21 @@ def generate_greedy(
     """Append `max_new_tokens` greedy tokens to `input_ids` [1, seq] and return the whole sequence.
 
     `forward` is anything called as `forward(input_ids=...)` that returns an object with `.logits` (a GPT, a
-    Hugging Face causal LM, a hetero engine). Each call sees exactly `block_size` tokens: the context is right-padded,
-    which a causal model cannot see from earlier positions, so every call has the same shape (a training engine
-    replays the same access pattern) and the logits at the last real position are exact.
+    Hugging Face causal LM), or a hetero engine, whose `eval_batch` it calls: that gives every rank the whole logits
+    of its batch under any layout, where `engine(...)` leaves them cut by vocabulary over tensor ranks (each rank
+    picked another token, by its index in its part) or by rows under a grid, and a pipeline runs no `engine(...)`.
+    Each call sees exactly `block_size` tokens: the context is right-padded, which a causal model cannot see from
+    earlier positions, so every call has the same shape (a training engine replays the same access pattern) and the
+    logits at the last real position are exact.
     """
+    whole = getattr(forward, "eval_batch", None)  # an engine's
     ids = input_ids
     for _ in range(max_new_tokens):
         ctx = ids[:, -block_size:]
         n = ctx.shape[1]
         padded = F.pad(ctx, (0, block_size - n))
-        logits = forward(input_ids=padded).logits
+        out = whole(padded) if whole is not None else forward(input_ids=padded)
+        logits = getattr(out, "logits", out)  # a pipeline's eval_batch gives the last stage's output as it is
         nxt = logits[:, n - 1].argmax(dim=-1, keepdim=True).to(ids.device, ids.dtype)  # logits may be on a GPU
         ids = torch.cat([ids, nxt], dim=1)
     return ids
