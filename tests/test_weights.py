@@ -235,3 +235,38 @@ def test_reading_safetensors_maps_no_file_pages(tmp_path):
         grew = _rss_file() - before
     # Mapped, the file's 56 MiB would be resident now; code paged in on first use is a few MiB at most.
     assert grew < 8 << 20, f"file-backed memory grew {grew >> 20} MiB reading the checkpoint"
+
+
+def test_checkpoints_transformers_converts_on_load(tmp_path):
+    """transformers 5 saves a Mixtral in its original layout (one tensor per expert, `block_sparse_moe`) and fuses
+    the experts in from_pretrained ([Note: transformers' checkpoint conversions]): weights= loads the same values,
+    and a range of a fused tensor (a rank's share) is read from the expert tensors it covers."""
+    if not hasattr(transformers, "MixtralConfig"):
+        pytest.skip("no Mixtral in this transformers")
+    pytest.importorskip("transformers.conversion_mapping")
+    from hetero.zero import weights
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=3,
+    )
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    ref = transformers.MixtralForCausalLM.from_pretrained(tmp_path).state_dict()
+    with hetero.lazy_init():
+        model = transformers.MixtralForCausalLM(cfg)
+    with weights.WeightSource(weights.weight_files(tmp_path)) as files:
+        names = files.keys()
+        assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in names  # saved the old way
+    with weights.open_source(tmp_path, model) as source:
+        fused = ref["model.layers.1.mlp.experts.gate_up_proj"].reshape(-1)
+        a, b = 500, 3 * 512 + 7  # across w1 and w3 of expert 0 and into expert 1
+        assert torch.equal(source.read_elements("model.layers.1.mlp.experts.gate_up_proj", a, b), fused[a:b])
+    got = _load(model, tmp_path, strict_weights=True)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k

@@ -362,7 +362,7 @@ def _stream_weights(
 ) -> None:
     """See [Note: streaming pretrained weights] here and [Note: matching weight names] in weights.py."""
     meta = any(p.is_meta for p in model.parameters())
-    with weights.WeightSource(weights.weight_files(path)) as source:
+    with weights.open_source(path, model) as source:
         m = weights.match(model, source)
         fatal = bool(m.shapes) or (strict and bool(m.unexpected)) or (meta and bool(m.missing)) or not m.chosen
         if fatal:

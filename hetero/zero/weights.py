@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hetero.errors import WeightsError
+from hetero.zero import hf_names
 
 log = logging.getLogger("hetero.zero")
 _SAFE = (".safetensors",)
@@ -82,6 +83,14 @@ def weight_files(path: Path) -> list[Path]:
             f"weights: expected a .safetensors, .bin, .pt or .pth file, a directory or an index.json, got {str(path)!r}"
         )
     return [path]
+
+
+@contextlib.contextmanager
+def open_source(path: Path, model: nn.Module) -> Iterator[Any]:
+    """The tensors of the weight files at `path`, under the names the model's from_pretrained would give them
+    ([Note: transformers' checkpoint conversions] in hf_names.py)."""
+    with WeightSource(weight_files(path)) as source:
+        yield hf_names.converted(source, model)
 
 
 def _trainer_state(name: str) -> bool:
@@ -277,7 +286,7 @@ class Match:
     mapping: str = ""  # how names were mapped, for messages ("" when they matched as they are)
 
 
-def match(model: nn.Module, source: WeightSource) -> Match:
+def match(model: nn.Module, source: Any) -> Match:
     """Map the files' keys onto the model's state_dict by name, through the model's base prefix if it has one."""
     state = model.state_dict(keep_vars=True)
     file_keys = source.keys()
@@ -327,7 +336,7 @@ def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(cut.full_shape) if cut is not None else tuple(t.shape)
 
 
-def read_part(source: WeightSource, key: str | None, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+def read_part(source: Any, key: str | None, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
     """Elements [a, b) of `t` flattened, from the files' tensor `key` (None: not in the files, `t`'s own values).
 
     [Note: each rank reads its share]
@@ -430,10 +439,3 @@ def _common_prefix_difference(missing: list[str], unexpected: list[str]) -> tupl
 
 def _list(names: list[str]) -> str:
     return ", ".join(names[:_SHOW]) + (" ..." if len(names) > _SHOW else "")
-
-
-def iter_reads(m: Match, source: WeightSource, tensors: list[torch.Tensor]) -> Iterator[torch.Tensor | None]:
-    """Each tensor's values from the files (None: not in the files)."""
-    for t in tensors:
-        key = m.chosen.get(id(t))
-        yield source.read(key) if key is not None else None
