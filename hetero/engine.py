@@ -262,8 +262,9 @@ class Engine(DeepSpeedNames):
             self._generating = keep_ranks_generating(
                 model, synced=in_step, agree=agree, device_rng=self.device.rng_state
             )
-        if self.mesh.pp_size > 1:  # the whole model on each rank: refused by name, not None's TypeError
-            self._generating = refuse_generating(model)
+        if self.mesh.pp_size > 1 or self.mesh.sequence_parts > 1:  # refused by name, not deep inside the model
+            parts = self.mesh.sequence_parts
+            self._generating = refuse_generating(model, pipeline=self.mesh.pp_size > 1, sequence_parts=parts)
         deliver = weakref.WeakMethod(self._on_tile_grad)
         target = weakref.WeakMethod(self._tile_grad_target)
         # Layers whose weight is split over chunks compute on one tile at a time ([Note: computing on tiles]).

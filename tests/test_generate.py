@@ -114,27 +114,24 @@ def test_generate_on_a_2d_grid_model_gives_the_plain_models_tokens():
             assert res["cut"] == (2, 6, 32), (key, res["cut"])  # outside generate: this rank's rows and vocabulary
 
 
-def _pipeline_job(rank: int, world: int) -> dict:
-    """generate on a model cut into two pipeline stages is refused by name on every rank; the loop the error advises
-    (eval_batch's whole logits, the next token appended) gives the plain model's greedy tokens."""
+def _refused_job(rank: int, world: int, parallel: dict) -> dict:
+    """generate under a pipeline or a sequence split is refused by name on every rank; what the error advises
+    (hetero.models.generate_greedy through the engine) gives the plain model's greedy tokens."""
+    from hetero.models import generate_greedy
+
     torch.set_num_threads(1)
     model = unmodified.tiny_hf()
     model.generation_config.pad_token_id = 0
     prompts = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(10))
     want = _greedy(copy.deepcopy(model).eval(), prompts, 3)
-    engine = hetero.initialize(model, None, {"zero_stage": 1, "parallel": {"pipeline": 2}, "comm_timeout": 60})
+    engine = hetero.initialize(model, None, {"zero_stage": 1, "parallel": parallel, "comm_timeout": 60})
     model.eval()
     out: dict = {}
     try:
         _greedy(model, prompts, 3)
     except hetero.errors.HeteroError as e:
         out["error"] = str(e)
-    ids = prompts
-    for _ in range(3):
-        logits = engine.eval_batch(ids)
-        logits = getattr(logits, "logits", logits)
-        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True).cpu()], dim=1)
-    out["same"] = torch.equal(ids, want)
+    out["same"] = torch.equal(generate_greedy(engine, prompts, max_new_tokens=3, block_size=8), want)
     engine.close()
     out["left"] = [m.__class__.__name__ for m in model.modules() if "generate" in m.__dict__]
     return out
@@ -142,10 +139,15 @@ def _pipeline_job(rank: int, world: int) -> dict:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(200)
-def test_generate_under_a_pipeline_is_refused_by_name():
-    """It failed inside the model, at the first layer this rank does not hold: "'NoneType' object is not callable"."""
-    for r in run_distributed(_pipeline_job, 2, timeout=170):
-        assert "parallel.pipeline > 1" in r.get("error", ""), r
+@pytest.mark.parametrize(
+    "parallel, said",
+    [({"pipeline": 2}, "parallel.pipeline > 1"), ({"tensor": 2, "sequence": True}, "cuts every sequence into 2")],
+)
+def test_generate_under_a_pipeline_or_sequence_split_is_refused_by_name(parallel, said):
+    """It failed inside the model: under a pipeline at the first layer this rank does not hold ("'NoneType' object is
+    not callable"), under a sequence split at the first decode step's one token, advising to pad the sequence."""
+    for r in run_distributed(_refused_job, 2, parallel, timeout=170):
+        assert said in r.get("error", "") and "generate_greedy" in r["error"], r
         assert r["same"] and r["left"] == [], r
 
 

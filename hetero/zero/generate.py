@@ -16,8 +16,10 @@ default group, and a process outside hetero's group would not join it. Removed w
 gather nothing in forward, and a tensor-parallel group's ranks agree on each batch and end together.
 
 Under a pipeline (parallel.pipeline > 1) a rank holds its stage's layers only, the others' set to None, and
-`generate` runs the whole model on each rank: it failed inside the model ("'NoneType' object is not callable"). There
-the generating modules get a `generate` that says so and what to do instead.
+`generate` runs the whole model on each rank: it failed inside the model ("'NoneType' object is not callable"). Under
+a sequence split (parallel.sequence) each decode step's one new token cannot be cut into the split's parts: it failed
+at the first step, advising to pad the sequence, which generate's caller cannot do. There the generating modules get
+a `generate` that says so and what to do instead (`hetero.models.generate_greedy`, through eval_batch).
 
 [Note: one prompt and one stream per tensor group]
 The ranks of a tensor-parallel group (1D, Megatron-SP, the grid modes) run one model on one batch; `generate` runs the
@@ -68,12 +70,23 @@ def keep_ranks_generating(
     return undo
 
 
-def refuse_generating(model: nn.Module) -> Callable[[], None]:
-    """Give each generating module of `model`, cut into pipeline stages, a `generate` that raises a clear error
-    ([Note: generating in step]); returns what undoes it."""
+def refuse_generating(model: nn.Module, *, pipeline: bool, sequence_parts: int) -> Callable[[], None]:
+    """Give each generating module of `model`, cut into pipeline stages or run with its sequence split over
+    `sequence_parts` parts, a `generate` that raises a clear error ([Note: generating in step]); returns what undoes
+    it."""
+    if pipeline:
+        why = (
+            "parallel.pipeline > 1: this rank holds only its pipeline stage's layers (the others' are None here), and "
+            "generate runs the whole model on one rank"
+        )
+    else:
+        why = (
+            f"a sequence split (parallel.sequence) cuts every sequence into {sequence_parts} equal parts, and each "
+            "step of generate feeds one new token (the cache holds the rest) or a sequence one longer than the last"
+        )
     changed = [m for m in model.modules() if callable(getattr(type(m), "generate", None))]
     for m in changed:
-        m.generate = types.MethodType(_generate_in_stages, m)
+        m.generate = types.MethodType(functools.partial(_refused, why), m)
 
     def undo() -> None:
         for m in changed:
@@ -82,13 +95,12 @@ def refuse_generating(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _generate_in_stages(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _refused(why: str, self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     raise HeteroError(
-        f"{type(self).__name__}.generate with parallel.pipeline > 1: this rank holds only its pipeline stage's layers "
-        "(the others' are None here), and generate runs the whole model on one rank. Decode with engine.eval_batch("
-        "input_ids) in a loop of your own (it runs the batch through every stage and returns this data-parallel "
-        "rank's whole logits on every rank: append the next token and call it again), or take the weights "
-        "(engine.full_state_dict() on every rank) into a model of its own and generate there"
+        f"{type(self).__name__}.generate with {why}. Decode greedily with hetero.models.generate_greedy(engine, "
+        "input_ids, max_new_tokens=..., block_size=...) on every rank (a block_size the split divides: it pads every "
+        "step to that length, through engine.eval_batch, which gives every rank its batch's whole logits), or take "
+        "the weights (engine.full_state_dict() on every rank) into a model of its own and generate there"
     )
 
 
