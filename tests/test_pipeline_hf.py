@@ -93,6 +93,22 @@ def test_estimator_holds_each_ranks_parameters_as_the_cut(family):
         assert [n for n, _ in part.params] == [n for n, _ in model.named_parameters()]
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_units_of_a_meta_model_count_their_flops(family):
+    """`pipeline_split: "auto"` on a model built on the meta device counts each unit's FLOPs there: a Hugging Face
+    Llama's mask looked for packed sequences with `.item()` (refused on meta), so `initialize` failed. Equal decoder
+    layers cost the same (the mask on meta is materialised where a built model's sdpa needs none, so the counts are
+    not a built model's to the FLOP)."""
+    from hetero.parallel.pipeline.balance import flop_costs, sample_input
+
+    with torch.device("meta"):
+        meta = grid_parity.build(family)
+    names = [n for n, _ in units_of(meta)]
+    costs = dict(zip(names, flop_costs(units_of(meta), sample_input(meta, units_of(meta)))))
+    layers = {c for n, c in costs.items() if n.split(".")[-2:-1] in (["layers"], ["h"])}
+    assert len(layers) == 1 and min(costs.values()) >= 1, costs
+
+
 def test_pipeline_errors_for_models_it_cannot_cut():
     bert = transformers.BertForMaskedLM(
         transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)

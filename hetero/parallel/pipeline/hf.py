@@ -245,8 +245,11 @@ class _Context:
     def _compute(self, x: torch.Tensor, mask: Any, pos: Any, kind: str) -> dict[str, Any]:
         if pos is None:
             pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        # On the meta device (the balancer counting FLOPs of a model built there) the mask's values do not matter, and
+        # transformers looks for packed sequences in given positions with `.item()`, which meta tensors refuse.
+        mask_pos = None if x.is_meta else pos
         value: dict[str, Any] = {
-            "attention_mask": causal_mask(self.config, x, mask, pos, sliding=kind != "full_attention")
+            "attention_mask": causal_mask(self.config, x, mask, mask_pos, sliding=kind != "full_attention")
         }
         if self.family.rotary == "none":
             return value
