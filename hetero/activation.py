@@ -34,6 +34,7 @@ import fnmatch
 import functools
 import inspect
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,6 +140,9 @@ class _Saved:
         self.args: tuple = ()  # the positional inputs, offloaded tensors replaced by None
         self.kwargs: dict[str, Any] = {}  # the keyword inputs, offloaded tensors replaced by None
         self.module: nn.Module | None = None  # the block called
+        # the checkpointed function, weakly: the autograd graph of the forward holds it until a backward through it
+        # (or the loss's end) releases it; dead, nothing can recompute the block any more
+        self.graph: weakref.ref | None = None
         self.going: Future | None = None  # the copy to the host
         self.coming: Future | None = None  # the copy back; its result is the device inputs (args, kwargs)
 
@@ -223,6 +227,7 @@ class ActivationMemory:
 
         # Neither the checkpoint nor `run` may hold the inputs, positional or keyword: only the host copy stays.
         del args, kwargs
+        saved.graph = weakref.ref(run)
         return _checkpoint(run, self._token, early_stop=stop_early)
 
     def _around_recompute(self, module: nn.Module, fn: Any) -> Any:
@@ -372,19 +377,33 @@ class ActivationMemory:
         saved.host = []
 
     def step_end(self) -> None:
-        """End of backward: inputs of blocks whose recomputation never ran (no gradient reached them) are freed."""
+        """End of backward: inputs of blocks whose recomputation never ran (no gradient reached them) are freed,
+        unless their forward's graph still awaits a backward of its own. In a failure (called while the engine
+        handles an error: a forward that raised) every one is freed."""
+        # Two forwards, then a backward of each (`a = engine(x); b = engine(y); engine.backward(a.loss);
+        # engine.backward(b.loss)`), train without offload; with it, the first backward freed the second forward's
+        # inputs too, whose recomputation then ran on None (a TypeError deep in the model). What no graph holds any
+        # more can never recompute; a failed forward's graph may live on in its traceback, and its host memory is
+        # what a retry with a smaller batch needs.
+        self._release(every=sys.exc_info()[0] is not None)
+
+    def _release(self, *, every: bool) -> None:
+        kept = []
         for saved in self._stack:
+            if not every and saved.graph is not None and saved.graph() is not None:
+                kept.append(saved)
+                continue
             if saved.going is not None:
                 saved.going.result()
             if saved.coming is not None:
                 saved.coming.result()
             self._free(saved)
-        self._stack.clear()
-        self._copies.clear()
+        self._stack = kept
+        self._copies.clear()  # only sharing ends: a copy lives while its users do
 
     def remove(self) -> None:
         """Restore the modules' own forward and stop the copy thread."""
-        self.step_end()
+        self._release(every=True)
         for _, module in self.blocks:
             module.__dict__.pop("forward", None)
         if self._copier is not None:
