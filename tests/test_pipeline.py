@@ -310,6 +310,27 @@ def test_split_errors():
         keep_stages(tied, rank=0, ranks=4, virtual=1, split="params", bidirectional=True)
 
 
+def _pipelined_gpt(rank: int, world: int) -> str:
+    from hetero.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16))
+    try:
+        hetero.initialize(model, None, {"parallel": {"pipeline": 2, "microbatches": 2}})
+    except ConfigError as e:
+        return str(e)
+    return "initialized"
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(120)
+def test_a_model_whose_children_do_not_chain_is_named():
+    """hetero's own GPT adds its position embedding beside the token one: cut by its children, the position embedding
+    was fed the token embedding's output (initialize failed in the balancer on an embedding of float indices, or with
+    a split given, in the first batch). Refused on every rank, naming GPTPipe."""
+    for msg in run_distributed(_pipelined_gpt, 2, timeout=100):
+        assert "build hetero.models.gpt_pipe.GPTPipe" in msg, msg
+
+
 def test_parallel_config_errors():
     def cfg(**parallel):
         return hetero.Config.from_dict({"parallel": parallel})

@@ -84,6 +84,7 @@ def setup_parallel(
     whole_plan, units = plan, []  # the whole model's plan, and its pipeline units: where each stage sits in it
     if cfg.pipeline > 1:
         check_pipeline_sequence(model, cfg)
+        _check_chain(model)
         units = [n for n, _ in units_of(model)]
         costs = None
         if cfg.pipeline_split == "auto":
@@ -158,6 +159,21 @@ def check_pipeline_sequence(model: nn.Module, cfg: ParallelConfig) -> None:
                 "use the pipeline with tensor parallelism (any tensor_mode) and data parallelism, or sequence "
                 "parallelism without a pipeline"
             )
+
+
+def _check_chain(model: nn.Module) -> None:
+    """hetero's own GPT is no chain of children (its forward adds the position embedding beside the token one, which
+    a cut fed the token embedding's output: initialize failed in the balancer, or with a split given, in the first
+    batch): refused, naming its pipelineable twin. The estimator still cuts it by its children (the parameter-count
+    model: only where its bytes sit matters there)."""
+    from hetero.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        raise ConfigError(
+            "parallel.pipeline: hetero.models.GPT's forward adds its position embedding to its token embedding, so "
+            "its children do not run one after the other and a pipeline cannot cut it between them; build "
+            "hetero.models.gpt_pipe.GPTPipe from the same GPTConfig (the same model, its children in order)"
+        )
 
 
 def _agreed(cut: Callable[[], Any], world: Comm) -> Any:
