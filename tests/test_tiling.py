@@ -334,10 +334,12 @@ def test_lazy_init_and_weights_through_tiles(tmp_path):
         torch.manual_seed(0)
         with hetero.lazy_init():
             model = transformers.LlamaForCausalLM(cfg)
+        model.model.embed_tokens.weight.tag = "kept"  # an attribute of the user's (or a tensor-parallel cut)
         engine = hetero.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": stage, "chunk_size": 256}
         )
         assert "model.embed_tokens.weight" in engine.memory_stats()["tiled"]
+        assert getattr(model.model.embed_tokens.weight, "tag", None) == "kept"  # swap_tensors swapped it away
         got = engine.full_state_dict()
         for k, v in ref.state_dict().items():
             assert torch.equal(got[k], v), k  # bit-identical to normal construction, tiles included

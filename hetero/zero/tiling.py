@@ -298,8 +298,10 @@ def detach_tiled(tiled: dict[int, Tiled], *, dtype: torch.dtype, device: torch.d
     for t in tiled.values():
         p = t.param
         stub = torch.empty(1, dtype=dtype, device=device).expand(p.shape)
-        if p.is_meta:
-            torch.utils.swap_tensors(p, nn.Parameter(stub, requires_grad=p.requires_grad))
+        if p.is_meta:  # swap_tensors swaps __dict__ too: the parameter's attributes go with it
+            new = nn.Parameter(stub, requires_grad=p.requires_grad)
+            new.__dict__.update(vars(p))
+            torch.utils.swap_tensors(p, new)
         else:
             p.data = stub
         p.__dict__["_hetero_tiled"] = True
