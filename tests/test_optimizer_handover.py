@@ -158,6 +158,15 @@ def _decoupled_plain(dtype: torch.dtype) -> tuple[list[float], dict[str, torch.T
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _matches(engine, losses: list[float], plain_loop) -> None:
+    """The engine's losses and final weights against `plain_loop(dtype)` in float64 and float32; closes the engine."""
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    (exact_losses, exact), (plain_losses, plain) = plain_loop(torch.float64), plain_loop(torch.float32)
+    tolerance.assert_losses(losses, exact_losses, plain_losses, dtype=torch.float32)
+    tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_decoupled_weight_decay_is_each_groups_own(stage):
     """One group AdamW-style, the other L2: every group was stepped decoupled when any one was (the second loss
@@ -170,12 +179,7 @@ def test_decoupled_weight_decay_is_each_groups_own(stage):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    state = {k: v.float() for k, v in engine.full_state_dict().items()}
-    engine.close()
-    exact_losses, exact = _decoupled_plain(torch.float64)
-    plain_losses, plain = _decoupled_plain(torch.float32)
-    tolerance.assert_losses(losses, exact_losses, plain_losses, dtype=torch.float32)
-    tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
+    _matches(engine, losses, _decoupled_plain)
 
 
 def test_engine_optimizer_add_param_group_is_refused():
@@ -226,9 +230,4 @@ def test_zero_grad_keeping_zeros_after_the_step(stage, own):
         engine.step()
         (opt if own else engine.optimizer).zero_grad(set_to_none=False)
         losses.append(loss.item())
-    state = {k: v.float() for k, v in engine.full_state_dict().items()}
-    engine.close()
-    exact_losses, exact = _zeroed_after_step_plain(torch.float64)
-    plain_losses, plain = _zeroed_after_step_plain(torch.float32)
-    tolerance.assert_losses(losses, exact_losses, plain_losses, dtype=torch.float32)
-    tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
+    _matches(engine, losses, _zeroed_after_step_plain)
