@@ -23,6 +23,17 @@ except ImportError:  # tests/ itself on sys.path
 COMM_TIMEOUT = 20  # seconds: what a stage left waiting would wait before its RankTimeoutError
 
 
+def _outcome(call) -> tuple[tuple[str, str] | None, float]:
+    """(the error's type and text, or None; seconds until it came)."""
+    start = time.monotonic()
+    try:
+        call()
+        error = None
+    except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+        error = (type(e).__name__, str(e))
+    return error, time.monotonic() - start
+
+
 def _fails(message: str):
     def fail(*_: object) -> None:
         raise RuntimeError(message)
@@ -57,13 +68,7 @@ def _eval_with_a_stage_that_raises(rank: int, world: int, stage: int) -> dict:
         handle = None
         if where == pp:
             handle = getattr(engine.module, module).register_forward_hook(_fails(f"user code failed ({name})"))
-        start = time.monotonic()
-        try:
-            call()
-            error = None
-        except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
-            error = (type(e).__name__, str(e))
-        out["errors"][name] = (error, time.monotonic() - start)
+        out["errors"][name] = _outcome(call)
         if handle is not None:
             handle.remove()
     out["after"] = [float(engine.eval_batch(x, y)), before, float(engine.train_batch(x, y, loss_fn=loss_fn))]
@@ -118,13 +123,7 @@ def _inputs_and_losses_a_pipeline_cannot_take(rank: int, world: int) -> dict:
     }
     out: dict = {"stage": engine.mesh.pp_rank, "errors": {}}
     for name, call in cases.items():
-        start = time.monotonic()
-        try:
-            call()
-            error = None
-        except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
-            error = (type(e).__name__, str(e))
-        out["errors"][name] = (error, time.monotonic() - start)
+        out["errors"][name] = _outcome(call)
     out["after"] = float(engine.train_batch(x, y))
     engine.close()
     return out
