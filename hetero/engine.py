@@ -35,7 +35,7 @@ from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
 from hetero.parallel.agree import BatchAgreement
-from hetero.parallel.batches import train_batch
+from hetero.parallel.batches import mean_over_ranks, train_batch
 from hetero.parallel.pipeline.runtime import PipelineRuntime
 from hetero.parallel.pipeline.tied import TiedGrads
 from hetero.parallel.setup import setup_parallel
@@ -437,6 +437,21 @@ class Engine(DeepSpeedNames):
 
     forward = __call__
 
+    @contextlib.contextmanager
+    def forward_agreed(self) -> Iterator[None]:
+        """Around a forward that `engine(...)` does not make (a micro-batch of `train_batch`, a batch through the
+        pipeline stages): counted as `engine(...)`'s are, and if it raises, agreed over the data-parallel ranks as
+        theirs are ([Note: a forward that fails]); the batch, not this, ends the step it runs in."""
+        if self._forwards is not None:
+            self._forwards.begin()
+        try:
+            yield
+        except BaseException as e:
+            self._forward_failed(e, began=False)
+            raise
+        if self._forwards is not None:
+            self._forwards.end()
+
     def _forward_failed(self, failed: BaseException, *, began: bool) -> None:
         """After the model's forward raised: every rank agrees that it did, then this forward is undone, and the
         step with it where the forward began it. began: no forward of the step came before this one."""
@@ -729,7 +744,8 @@ class Engine(DeepSpeedNames):
                 try:
                     return train_batch(self, inputs, labels, loss_fn)
                 except BaseException as e:
-                    if self.mesh.tp_size > 1 and not isinstance(e, CommError):  # [Note: a forward that fails]
+                    # [Note: a forward that fails]; where its forward told the others, this rank stopped already
+                    if self.mesh.tp_size > 1 and not isinstance(e, CommError) and stopped() is None:
                         self._stop_for(e)
                     raise
             if loss_fn is None:
@@ -737,10 +753,11 @@ class Engine(DeepSpeedNames):
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
             else:
                 loss = loss_fn(self(inputs), labels.to(self.device.torch_device))
+            forwards_done = self.check.seq
             self.backward(loss)
             self.step()
         mean = self.device.to_host(loss.detach(), torch.float32, copy=True)
-        self.comm.control.all_reduce(mean, op="avg")
+        mean_over_ranks(self, mean, self.comm, forwards_done)
         return mean
 
     def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
@@ -753,7 +770,8 @@ class Engine(DeepSpeedNames):
             try:
                 return eval_batch(self, inputs, labels, loss_fn)
             except BaseException as e:
-                if self.mesh.tp_size > 1 and not isinstance(e, CommError):  # [Note: a forward that fails]
+                # [Note: a forward that fails]; where its forward told the others, this rank stopped already
+                if self.mesh.tp_size > 1 and not isinstance(e, CommError) and stopped() is None:
                     self._stop_for(e)
                 raise
 

@@ -6,20 +6,45 @@
 backwards, inside one trace step. Stages 2-3 switch their chunks to `accumulate_full`: each micro-batch's gradient is
 added into the chunk's full-size gradient buffer, and the reduce-scatter runs once, after the last backward, instead
 of once per micro-batch. Stages 0-1 accumulate locally and reduce at the update anyway.
+
+[Note: a batch that raises on some data-parallel ranks]
+A micro-batch whose forward raises on one data-parallel rank (a bad batch, an out-of-memory error on one device)
+left its peers waiting: at stage 3 in the next gather, else in the gradient reduction or the loss's all-reduce, until
+comm_timeout (ten minutes by default); a loop that skipped the batch paired its next batch's collectives with the
+others' current ones, silently a batch apart under the collective schedule's checks. So each micro-batch's forward
+(its loss included) is agreed as `engine(...)`'s are ([Note: a forward that fails] in hetero/engine.py): ranks whose
+forwards all raised at the same point go on together, each having dropped the batch; a rank that raised alone stops
+every rank within about a second, with an error naming it (CollectiveMismatchError with the checks on,
+RankFailedError with them off). Through the pipeline stages the unit of agreement is the replica's whole batch: a
+stage that raises stops its pipeline ([Note: a stage that raises] in pipeline/runtime.py), then every rank of the
+replica agrees with its data-parallel peers, the other replicas' ranks of its stage, in the same way (at stages 0-2
+nothing crosses the replicas inside a batch, so replicas whose pipelines all stopped meet at the same point). At
+stage 3 the replicas gather inside the batch and cannot tell where the others stopped: each rank of a stopped
+replica posts its failure for good, which stops every rank of the job within a second, naming it (and the engine
+refuses further batches, as under tensor parallelism).
+A batch that raised and was agreed leaves nothing in the gradients: its earlier micro-batches' gradients were added
+already, and they are dropped with those of the accumulation's earlier batches (grad_accumulation_steps > 1), as a
+backward that raises drops them ([Note: a backward that fails] in engine.py); the accumulation starts again, the same
+on every rank. Where the ranks stop, gradients do not matter: resume from a checkpoint. The loss's all-reduce at a
+batch's end is preceded by a check, with the checks on, when none was posted since the forwards (`mean_over_ranks`):
+a rank that raised waits in its FORWARD_FAILED check, which the all-reduce would meet instead (both hung).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.comm.watch import post_failure
 from hetero.device import Device
-from hetero.errors import CommError, ConfigError
-from hetero.zero.protocol import BATCH_REDUCE
+from hetero.errors import CommError, ConfigError, add_note
+from hetero.zero.protocol import ALL_REDUCE, BATCH_REDUCE
 
 if TYPE_CHECKING:
+    from hetero.comm import Comm
     from hetero.engine import Engine
 
 
@@ -74,6 +99,7 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     accumulate = [zc for zc in engine.chunks if zc.spec.trainable and zc.grad_full is not None]
     # One trace step per batch, whatever the schedule's order; with grad_accumulation_steps 1 it runs on through the
     # update (`engine.step()` below ends it), so that prefetch and eviction see the update coming.
+    broken = False  # a collective failed: one still in flight (a gather issued ahead) would never complete
     with engine.trace_step(update_follows=True):
         for zc in accumulate:
             zc.accumulate_full = True
@@ -83,12 +109,17 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
                 try:
                     total = _run_micro_batches(engine, xs, ys, loss_fn, loss_scale, after_forward, after_backward)
                 except Exception as e:
-                    # Every stage stops with the one that raised ([Note: a stage that raises]): the gradients the
+                    # Every stage stops with the one that raised ([Note: a stage that raises]), every data-parallel
+                    # rank with it ([Note: a batch that raises on some data-parallel ranks]): the gradients the
                     # batch added are dropped, as engine.backward drops a failed backward's ([Note: a backward that
                     # fails]), or the next update would step on part of this batch's. A CommError passes at once.
-                    if not isinstance(e, CommError):
+                    if gathers is not None:
+                        gathers.abort_forward()  # a unit stopped in its forward (local): no hook of it ends it now
+                    broken = isinstance(e, CommError)
+                    if not broken:
                         engine.drop_accumulation(e)
                     raise
+            forwards_done = engine.check.seq
             if engine.tied is not None:  # before any data-parallel reduction ([Note: parameters tied across stages])
                 engine.tied.sum_grads(update_follows=engine.is_gradient_accumulation_boundary())
             for zc in accumulate:
@@ -97,7 +128,7 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
         finally:
             for zc in accumulate:
                 zc.accumulate_full = False
-            if gathers is not None:
+            if gathers is not None and not broken:
                 gathers.release_all()
             if engine.activations is not None:
                 engine.activations.step_end()  # offloaded inputs of blocks whose recomputation never ran
@@ -106,8 +137,17 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
     mesh = engine.mesh
     if mesh.pp_size > 1:
         mesh.pp.control.all_reduce(mean, op="sum")  # only the last stage's is not zero
-    engine.comm.control.all_reduce(mean, op="avg")
+    mean_over_ranks(engine, mean, engine.comm, forwards_done)
     return mean
+
+
+def mean_over_ranks(engine: Engine, mean: torch.Tensor, comm: Comm, forwards_done: int) -> None:
+    """Average a batch's loss over `comm`, the data-parallel group, in place. forwards_done: the collective schedule's
+    count when the batch's forwards ended; with the checks on and none posted since, one goes first ([Note: a batch
+    that raises on some data-parallel ranks])."""
+    if engine.check.enabled and engine.check.seq == forwards_done:
+        engine.check(ALL_REDUCE)
+    comm.control.all_reduce(mean, op="avg")
 
 
 def _run_micro_batches(
@@ -122,22 +162,67 @@ def _run_micro_batches(
     """Forward and backward of every micro-batch, through the pipeline when there is one; the summed loss (host)."""
     if engine.stages is not None:
         rt = engine.pipeline_runtime()
-        return rt.run(
-            xs, ys, loss_fn=loss_fn, loss_scale=loss_scale, after_forward=after_forward, after_backward=after_backward
-        )
+        with replicas_agree(engine):
+            return rt.run(
+                xs,
+                ys,
+                loss_fn=loss_fn,
+                loss_scale=loss_scale,
+                after_forward=after_forward,
+                after_backward=after_backward,
+            )
     total = torch.zeros((), dtype=torch.float32)
     for x, y in zip(xs, ys):
-        if loss_fn is None:
-            out = engine.module(x, labels=y)
-            loss = out.loss if hasattr(out, "loss") else out["loss"]
-        else:
-            loss = loss_fn(engine.module(x), y)
+        with engine.forward_agreed():  # [Note: a batch that raises on some data-parallel ranks]
+            if loss_fn is None:
+                out = engine.module(x, labels=y)
+                loss = out.loss if hasattr(out, "loss") else out["loss"]
+            else:
+                loss = loss_fn(engine.module(x), y)
         after_forward()
         (loss * loss_scale).backward()
         total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
         del loss
         after_backward()
     return total
+
+
+@contextlib.contextmanager
+def replicas_agree(engine: Engine) -> Iterator[None]:
+    """Around a batch through the pipeline stages: where it raises, this rank's data-parallel peers, the other
+    replicas of its stage, learn of it ([Note: a batch that raises on some data-parallel ranks])."""
+    mesh = engine.mesh
+    if mesh.dp_size == 1 or mesh.tp_size > 1:
+        # Every rank of engine.comm is a rank of this pipeline (Chimera's two replicas of a stage too), which stopped
+        # as one; a tensor-parallel rank stops the job (engine.train_batch).
+        yield
+        return
+    if engine.stage < 3:
+        with engine.forward_agreed():
+            yield
+        return
+    with replicas_stop(engine):
+        yield
+
+
+@contextlib.contextmanager
+def replicas_stop(engine: Engine) -> Iterator[None]:
+    """Around a batch through the pipeline stages at zero_stage 3 with data-parallel replicas: where it raises, every
+    rank of the job is told to stop ([Note: a batch that raises on some data-parallel ranks])."""
+    try:
+        yield
+    except Exception as e:
+        if not isinstance(e, CommError):
+            why = f"in a batch through the pipeline stages, which its replicas {engine.comm.global_ranks} gather in"
+            post_failure(e, why=why)
+            add_note(
+                e,
+                f"hetero: at zero_stage 3 this stage's data-parallel peers (global ranks {engine.comm.global_ranks}) "
+                "gather inside the batch, and where the others stopped is not known, so no replica can skip a batch "
+                "that raised: every rank of the job was told to stop, and this engine runs no further batch. Find "
+                "the cause (above, or on the rank named), then resume from the last checkpoint",
+            )
+        raise
 
 
 def to_device_tree(obj: Any, device: Device) -> Any:

@@ -22,17 +22,24 @@ only travel forward here, so the stages before the one that raised would not hea
 shared or the loss summed, the pipeline ranks agree on which of them raised (one small all-reduce, carrying the
 loss sum with it), and then every rank raises, its own error or a PipelineError naming the rank. Before, the
 others waited in their sends, the broadcast or the loss's all-reduce until comm_timeout (600 s by default), and
-the engine's transfers were broken for good after it.
+the engine's transfers were broken for good after it. The data-parallel replicas of a stage share nothing inside an
+evaluation below zero_stage 3: with labels the loss's average over them carries which replicas stopped, and every
+rank raises (a PipelineError naming them on the replicas that did not), all in step for the next batch; without
+labels nothing waits for the replica that raised. Before, the other replicas waited in that average until
+comm_timeout. At zero_stage 3 they gather inside the batch: a stopped replica stops the job, as in training
+([Note: a batch that raises on some data-parallel ranks] in batches.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.errors import CommError
 from hetero.parallel.pipeline.runtime import (
     DTYPES,
     HEADER,
@@ -52,7 +59,7 @@ if TYPE_CHECKING:
 
 def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callable | None = None) -> Any:
     """See `Engine.eval_batch`."""
-    from hetero.parallel.batches import split_batch, to_device_tree
+    from hetero.parallel.batches import mean_over_ranks, replicas_stop, split_batch, to_device_tree
 
     cfg = engine.config.parallel
     m = cfg.microbatches
@@ -67,16 +74,27 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
                 y = to_device_tree(y, engine.device)
                 loss = loss_of(engine(x, labels=y)) if loss_fn is None else loss_fn(engine(x), y)
                 total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
-        else:
-            xs = [engine.to_device(x) for x in split_batch(inputs, m)]
-            ys = [to_device_tree(y, engine.device) for y in split_batch(labels, m)]
-            total, outputs = _run(engine, xs, ys if labels is not None else None, loss_fn)
-            if labels is None:
-                with engine.device.compute_context():  # headers and buffers are device memory (NCCL's rule)
-                    return _share(outputs, engine.pipeline_runtime(), m)
+            mean = (total / m).to(torch.float32)
+            # A forward that raised was agreed as engine(...)'s are; one rank's waits in a check that the loss's
+            # all-reduce would meet ([Note: a batch that raises on some data-parallel ranks] in batches.py).
+            mean_over_ranks(engine, mean, mesh.dp, engine.check.seq)
+            return mean
+        xs = [engine.to_device(x) for x in split_batch(inputs, m)]
+        ys = [to_device_tree(y, engine.device) for y in split_batch(labels, m)]
+        replicas = mesh.dp_size > 1 and mesh.tp_size == 1
+        stop = replicas_stop(engine) if replicas and engine.stage == 3 else contextlib.nullcontext()
+        try:
+            with stop:
+                total, outputs = _run(engine, xs, ys if labels is not None else None, loss_fn)
+        except Exception as e:
+            if replicas and labels is not None and engine.stage < 3 and not isinstance(e, CommError):
+                _replicas_mean(mesh, total=None, failed=e)  # the other replicas wait in the loss's average
+            raise
+        if labels is None:
+            with engine.device.compute_context():  # headers and buffers are device memory (NCCL's rule)
+                return _share(outputs, engine.pipeline_runtime(), m)
     mean = (total / m).to(torch.float32)  # through the stages, already summed over the pipeline group
-    mesh.dp.control.all_reduce(mean, op="avg")
-    return mean
+    return _replicas_mean(mesh, total=mean, failed=None)
 
 
 @functools.lru_cache(maxsize=32)
@@ -127,7 +145,10 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
                 handle.wait()
         finally:
             if gathers is not None:
-                gathers.release_all()
+                if halt.error is not None:
+                    gathers.abort_forward()  # a unit stopped in its forward: no hook of it ends it now
+                if not isinstance(halt.error, CommError):  # after one, a gather in flight would never complete
+                    gathers.release_all()
         return _agree(rt, halt, total), outputs
 
 
@@ -181,6 +202,29 @@ def _agree(rt: PipelineRuntime, halt: Halt, total: torch.Tensor) -> torch.Tensor
         halt.heard(raised[0])
         halt.raise_if_stopped(rt.pp)
     return both[0].to(torch.float32)
+
+
+def _replicas_mean(mesh: Mesh, *, total: torch.Tensor | None, failed: Exception | None) -> torch.Tensor:
+    """The loss's mean over the data-parallel group, which carries whether each replica's pipeline stopped in this
+    batch (`failed`: this one's error, raised after); a PipelineError naming the replicas that did on every other
+    rank ([Note: evaluation through the stages])."""
+    dp = mesh.dp
+    both = torch.zeros(1 + dp.size, dtype=torch.float32)
+    if total is not None:
+        both[0] = total
+    if failed is not None:
+        both[1 + dp.rank] = 1
+    dp.control.all_reduce(both, op="sum")
+    if failed is not None:
+        raise failed
+    stopped = [dp.global_rank(r) for r in range(dp.size) if both[1 + r] > 0]
+    if stopped:
+        raise PipelineError(
+            f"eval_batch: the pipeline of global rank(s) {', '.join(map(str, stopped))} (data-parallel group "
+            f"{dp.global_ranks}) stopped in this batch: one of its stages raised (its error, on those ranks or their "
+            "pipeline peers, says which). No rank returns a loss for the batch; every rank may go on with the next"
+        )
+    return both[0] / dp.size
 
 
 def _share(outputs: dict[int, torch.Tensor], rt: PipelineRuntime, m: int) -> torch.Tensor:

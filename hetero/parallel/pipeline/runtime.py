@@ -21,8 +21,10 @@ it as dead or hung. Instead the rank keeps to its program without computing: eve
 marked stopped (code -2, with the pipeline rank that raised first) and no payload, and a rank that receives one stops
 computing too and passes the mark on. The programs complete as they would have (their exchanges are unchanged, which
 is what the replay proved free of deadlock), then the rank that raised raises its own error and every other rank a
-PipelineError naming it. Collectives inside a stage (tensor, ZeRO-3 gathers) are not covered: a rank whose tensor or
-data-parallel peers go on computing still waits for them until comm_timeout.
+PipelineError naming it. The marks cover the pipeline group only; the engine covers the rest: a tensor-parallel rank
+that raised posts its failure for good, which stops the peers waiting in its layer's collectives within a second
+([Note: a forward that fails] in engine.py), and the data-parallel replicas of a stage agree on a batch that raised
+on some of them ([Note: a batch that raises on some data-parallel ranks] in batches.py).
 """
 
 from __future__ import annotations
