@@ -52,12 +52,33 @@ CASES = {  # name: (call, zero stage, check_collectives, microbatches, grad_accu
     "train, micro-batches, stage 3, no checks": ("train_batch", 3, False, MICRO, 1),
     "train, one micro-batch, between updates": ("train_batch", 1, True, 1, 3),
     "eval with labels, micro-batches": ("eval_batch", 1, True, MICRO, 1),
+    "train, micro-batches, a backward raises": ("backward", 1, True, MICRO, 1),
 }
 
 
+class _FailingBackward(torch.autograd.Function):
+    """The identity whose backward raises (a check in the model's own backward, an out-of-memory error there)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory in this rank's backward")
+
+
+def _loss(failing: bool):
+    def loss_fn(out: object, labels: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+        return _FailingBackward.apply(loss) if failing else loss
+
+    return loss_fn
+
+
 def _one_rank_raises(rank: int, world: int, case: str) -> list[tuple[str, str, float]]:
-    """Rank 1's last micro-batch of batch 1 raises; every loop skips a batch that raised and goes on. Each error, with
-    the seconds from the start of batch 1."""
+    """Rank 1's last micro-batch of batch 1 raises (its forward, or its backward); every loop skips a batch that
+    raised and goes on. Each error, with the seconds from the start of batch 1."""
     call, stage, checks, micro, accum = CASES[case]
     torch.set_num_threads(1)
     model = parity.build()
@@ -77,10 +98,13 @@ def _one_rank_raises(rank: int, world: int, case: str) -> list[tuple[str, str, f
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
         if i == 1:
             start = time.monotonic()
-            if rank == 1:
+            if rank == 1 and call != "backward":
                 x = _poison(x, micro - 1)
         try:
-            getattr(engine, call)(x, y)
+            if call == "backward":  # rank 1's backward of batch 1 raises
+                engine.train_batch(x, y, loss_fn=_loss(i == 1 and rank == 1))
+            else:
+                getattr(engine, call)(x, y)
         except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
             errors.append(_outcome(e, start))
             if isinstance(e, CommError):

@@ -8,26 +8,26 @@ added into the chunk's full-size gradient buffer, and the reduce-scatter runs on
 of once per micro-batch. Stages 0-1 accumulate locally and reduce at the update anyway.
 
 [Note: a batch that raises on some data-parallel ranks]
-A micro-batch whose forward raises on one data-parallel rank (a bad batch, an out-of-memory error on one device)
-left its peers waiting: at stage 3 in the next gather, else in the gradient reduction or the loss's all-reduce, until
+A micro-batch whose forward raises on one data-parallel rank (a bad batch, an out-of-memory error on one device) left
+its peers waiting: at stage 3 in the next gather, else in the gradient reduction or the loss's all-reduce, until
 comm_timeout (ten minutes by default); a loop that skipped the batch paired its next batch's collectives with the
-others' current ones, silently a batch apart under the collective schedule's checks. So each micro-batch's forward
-(its loss included) is agreed as `engine(...)`'s are ([Note: a forward that fails] in hetero/engine.py): ranks whose
-forwards all raised at the same point go on together, each having dropped the batch; a rank that raised alone stops
-every rank within about a second, with an error naming it (CollectiveMismatchError with the checks on,
-RankFailedError with them off). Through the pipeline stages the unit of agreement is the replica's whole batch: a
-stage that raises stops its pipeline ([Note: a stage that raises] in pipeline/runtime.py), then every rank of the
-replica agrees with its data-parallel peers, the other replicas' ranks of its stage, in the same way (at stages 0-2
-nothing crosses the replicas inside a batch, so replicas whose pipelines all stopped meet at the same point). At
-stage 3 the replicas gather inside the batch and cannot tell where the others stopped: each rank of a stopped
-replica posts its failure for good, which stops every rank of the job within a second, naming it (and the engine
-refuses further batches, as under tensor parallelism).
+others' current ones, silently a batch apart under the collective schedule's checks. So each micro-batch (forward, loss
+and backward: a micro-batch's backward reduces nothing, the batch's end does) is agreed as a forward of `engine(...)` is
+([Note: a forward that fails] in hetero/engine.py): ranks that all raised at the same point go on together, each having
+dropped the batch; a rank that raised alone stops every rank within about a second, with an error naming it
+(CollectiveMismatchError with the checks on, RankFailedError with them off). Through the pipeline stages the unit of
+agreement is the replica's whole batch: a stage that raises stops its pipeline ([Note: a stage that raises] in
+pipeline/runtime.py), then every rank of the replica agrees with its data-parallel peers, the other replicas' ranks of
+its stage, in the same way (at stages 0-2 nothing crosses the replicas inside a batch, so replicas whose pipelines all
+stopped meet at the same point). At stage 3 the replicas gather inside the batch and cannot tell where the others
+stopped: each rank of a stopped replica posts its failure for good, which stops every rank of the job within a second,
+naming it (and the engine refuses further batches, as under tensor parallelism).
 A batch that raised and was agreed leaves nothing in the gradients: its earlier micro-batches' gradients were added
 already, and they are dropped with those of the accumulation's earlier batches (grad_accumulation_steps > 1), as a
-backward that raises drops them ([Note: a backward that fails] in engine.py); the accumulation starts again, the same
-on every rank. Where the ranks stop, gradients do not matter: resume from a checkpoint. The loss's all-reduce at a
-batch's end is preceded by a check, with the checks on, when none was posted since the forwards (`mean_over_ranks`):
-a rank that raised waits in its FORWARD_FAILED check, which the all-reduce would meet instead (both hung).
+backward that raises drops them ([Note: a backward that fails] in engine.py); the accumulation starts again, the same on
+every rank. Where the ranks stop, gradients do not matter: resume from a checkpoint. The loss's all-reduce at a batch's
+end is preceded by a check, with the checks on, when none was posted since the micro-batches (`mean_over_ranks`): a rank
+that raised waits in its FORWARD_FAILED check, which the all-reduce would meet instead (both hung).
 """
 
 from __future__ import annotations
@@ -173,14 +173,16 @@ def _run_micro_batches(
             )
     total = torch.zeros((), dtype=torch.float32)
     for x, y in zip(xs, ys):
-        with engine.forward_agreed():  # [Note: a batch that raises on some data-parallel ranks]
+        # Agreed as engine(...)'s forwards are, its backward with it ([Note: a batch that raises on some data-parallel
+        # ranks]).
+        with engine.forward_agreed():
             if loss_fn is None:
                 out = engine.module(x, labels=y)
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
             else:
                 loss = loss_fn(engine.module(x), y)
-        after_forward()
-        (loss * loss_scale).backward()
+            after_forward()
+            (loss * loss_scale).backward()
         total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
         del loss
         after_backward()
