@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -1185,7 +1185,7 @@ class Engine(DeepSpeedNames):
             return self.device.to_device(obj, self.dtype if cast else None)
         if isinstance(obj, (list, tuple)):
             return type(obj)(self.to_device(v) for v in obj)
-        if isinstance(obj, dict):
+        if isinstance(obj, Mapping):  # a tokenizer's BatchEncoding too (a UserDict, left on the host before)
             return {k: self.to_device(v) for k, v in obj.items()}
         return obj
 

@@ -33,7 +33,7 @@ that raised waits in its FORWARD_FAILED check, which the all-reduce would meet i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,12 +61,19 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     if isinstance(batch, (list, tuple)):
         cols = [split_batch(v, parts) for v in batch]
         return [type(batch)(c[i] for c in cols) for i in range(parts)]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a tokenizer's BatchEncoding too (a UserDict): plain dicts come out
         cols = {k: split_batch(v, parts) for k, v in batch.items()}
         return [{k: c[i] for k, c in cols.items()} for i in range(parts)]
     if batch is None:
         return [None] * parts
     raise ConfigError(f"train_batch: cannot split a {type(batch).__name__} into micro-batches; pass tensors")
+
+
+def call_model(model: Callable[..., Any], inputs: Any, **kwargs: Any) -> Any:
+    """The model on a micro-batch: a mapping (a tokenizer's `input_ids` and `attention_mask`) as keyword arguments,
+    as `model(**batch)` takes it; anything else as the one positional input (it was passed whole, positionally, and a
+    dict failed inside the embedding)."""
+    return model(**inputs, **kwargs) if isinstance(inputs, Mapping) else model(inputs, **kwargs)
 
 
 def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | None) -> torch.Tensor:
@@ -177,10 +184,10 @@ def _run_micro_batches(
         # ranks]).
         with engine.forward_agreed():
             if loss_fn is None:
-                out = engine.module(x, labels=y)
+                out = call_model(engine.module, x, labels=y)
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
             else:
-                loss = loss_fn(engine.module(x), y)
+                loss = loss_fn(call_model(engine.module, x), y)
             after_forward()
             (loss * loss_scale).backward()
         total += engine.device.to_host(loss.detach(), torch.float32, copy=True)

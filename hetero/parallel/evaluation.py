@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callable | None = None) -> Any:
     """See `Engine.eval_batch`."""
-    from hetero.parallel.batches import mean_over_ranks, replicas_stop, split_batch, to_device_tree
+    from hetero.parallel.batches import call_model, mean_over_ranks, replicas_stop, split_batch, to_device_tree
 
     cfg = engine.config.parallel
     m = cfg.microbatches
@@ -68,11 +68,12 @@ def eval_batch(engine: Engine, inputs: Any, labels: Any = None, loss_fn: Callabl
     with torch.no_grad(), _full_logits(engine.module, mesh if labels is None else None):
         if engine.stages is None:
             if labels is None:
-                return engine(engine.to_device(inputs))  # one forward: the model's own outputs
+                return call_model(engine, engine.to_device(inputs))  # one forward: the model's own outputs
             total = torch.zeros((), dtype=torch.float32)
             for x, y in zip(split_batch(inputs, m), split_batch(labels, m)):
                 y = to_device_tree(y, engine.device)
-                loss = loss_of(engine(x, labels=y)) if loss_fn is None else loss_fn(engine(x), y)
+                out = call_model(engine, x, labels=y) if loss_fn is None else call_model(engine, x)
+                loss = loss_of(out) if loss_fn is None else loss_fn(out, y)
                 total += engine.device.to_host(loss.detach(), torch.float32, copy=True)
             mean = (total / m).to(torch.float32)
             # A forward that raised was agreed as engine(...)'s are; one rank's waits in a check that the loss's
