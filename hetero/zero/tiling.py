@@ -115,7 +115,10 @@ class TileRunner:
         self.layers: dict[str, tuple[Tiled, str]] = {}  # tiled layer's name -> (its weight, its kind), module order
         # (layer, in its backward) -> before the layer gathers its tiles ([Note: tile gathers in turns]); set by
         # `Gathers.take_turns` at stage 3 over several ranks
-        self.turn: Callable[[str, bool], None] | None = None
+        self.turn: Callable[[str, bool], bool] | None = None
+        # The layer taking its turn gathers off the shared order (its turn went by): each of its gathers waits for
+        # its check ([Note: a gather off the turns waits for its check] in turns.py).
+        self._off_turn = False
         # Inside engine.backward: a tile's gradient goes into its chunk only then ([Note: backwards that are not the
         # training one]); set by `Engine.backward_open`.
         self.accumulating = False
@@ -155,8 +158,7 @@ class TileRunner:
     @in_normal_mode  # [Note: hetero's memory under inference mode]
     def take_turn(self, layer: str, *, backward: bool) -> None:
         """`layer`'s forward (or backward) is about to gather its tiles."""
-        if self.turn is not None:
-            self.turn(layer, backward)
+        self._off_turn = self.turn is not None and self.turn(layer, backward)
 
     @in_normal_mode  # [Note: hetero's memory under inference mode]
     def open(self, e: Entry) -> torch.Tensor:
@@ -165,6 +167,8 @@ class TileRunner:
         if zc.layout.params_sharded:
             if not zc.gathered:
                 self.check(GATHER, chunk=zc.spec.index, phase=BACKWARD if in_backward() else FORWARD)
+                if self._off_turn:
+                    self.check.comm.verify_checks()  # marks the failure, as a wait would
             zc.unshard()
             zc.full.set_state(e.slot, _T.COMPUTE)
         return zc.full.view(e.slot)

@@ -142,20 +142,21 @@ class TileTurns:
         self._give_back_kept()
 
     # ---- a tiled layer's turn (TileRunner) ----------------------------------------------------------------
-    def turn(self, layer: str, backward: bool) -> None:
+    def turn(self, layer: str, backward: bool) -> bool:
         """`layer` is about to gather its tiles, in its forward (or its backward): its turn, where its unit's pass
-        is open; the earlier layers' turns first."""
+        is open; the earlier layers' turns first. True where its turn went by: it gathers off the shared order."""
         unit = self._unit.get(layer)
         if unit is None:
-            return
+            return False
         key = (unit.index, backward)
         state = self._open.get(key)
         place = self._place[key].get(layer)
         if state is None or place is None:
-            return  # outside its unit's pass: it gathers where it runs, which every rank must do alike
+            return False  # outside its unit's pass: it gathers where it runs, which every rank must do alike
         phase = BACKWARD if in_backward() else FORWARD
         self._flush(unit, phase)  # a no-op after the pass's first tile
-        if place >= state[1]:
+        off = place < state[1]
+        if not off:
             self._give_back_kept()
             if place > state[1]:
                 for name in self._turns(key)[state[1] : place]:
@@ -166,6 +167,7 @@ class TileTurns:
             seen = self._seen.setdefault(unit.index, [])
             if layer not in seen:
                 seen.append(layer)
+        return off
 
     def _stand_in(self, tiles: list[Entry], phase: int, *, keep: bool = False) -> None:
         """Take part in a skipped layer's gathers, as `TileRunner.open` issues them, and drop what came (keep: leave
@@ -224,3 +226,13 @@ def _siblings(a: str, b: str) -> bool:
 # its turn keeps its tiles gathered until the next layer's turn or the pass's end, so when it runs it finds them and
 # gathers nothing: the collectives stay those of the order on every rank, for one more layer's tiles held a while.
 # In backward the same holds for the reversed order (w2's backward comes first there).
+
+# [Note: a gather off the turns waits for its check]
+# A check is posted and its collective issued at once, compared at the next wait ([Note: checks posted, verified at
+# the wait] in protocol.py): enough where a rank that took another path meets a gather of the same size, whose
+# result is never used. A tiled layer gathering after its turn went by is that other path where only some ranks do
+# it (a loop visiting the experts in an order of each rank's data, busiest first), and tiles have sizes of their
+# own: over gloo the two ranks' gathers of other sizes met and gloo aborted the process in native code, with no
+# message (tests/test_moe_routing.py). So such a gather waits for its check before it is issued, and every rank
+# stops with the error naming the turns; in step (a layer applied twice on every rank) it costs one rendezvous a
+# tile, and a sibling's kept tiles ([Note: siblings out of the order]) gather nothing and wait for nothing.
