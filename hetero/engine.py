@@ -58,7 +58,16 @@ from hetero.zero.optimizer import ZeroOptimizer
 from hetero.zero.outside_inference import in_callers_mode, outside_inference_mode
 from hetero.zero.precision import COMPUTE_DTYPES, LossScaler
 from hetero.zero.predict import Prediction
-from hetero.zero.protocol import CHECKPOINT, FORWARD_FAILED, READ_GRADS, Checker, Reducer, adopt_observed_order
+from hetero.zero.protocol import (
+    BACKWARD,
+    BACKWARD_FAILED,
+    CHECKPOINT,
+    FORWARD_FAILED,
+    READ_GRADS,
+    Checker,
+    Reducer,
+    adopt_observed_order,
+)
 from hetero.zero.segments import zero_mode
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
@@ -242,6 +251,7 @@ class Engine(DeepSpeedNames):
         # Without the checks, a forward that raises is agreed in the store ([Note: a forward that fails]).
         scoped = self.comm.size > 1 and not self.check.enabled and self.mesh.tp_size == 1
         self._forwards = ForwardScope(self.comm, lambda: check.seq) if scoped else None
+        self._backwards = ForwardScope(self.comm, lambda: check.seq, kind="backward") if scoped else None
         self.gathers = None
         if self.stage == 3:
             budget, host = self.manager.ledgers[Tier.DEVICE].budget, self.manager.ledgers[Tier.HOST].budget
@@ -596,16 +606,22 @@ class Engine(DeepSpeedNames):
             self.in_backward.begin(boundary=boundary)
         failed = None
         with self.device.compute_context(), self.backward_open(retain_graph=bool(retain_graph)):
+            if self._backwards is not None:
+                self._backwards.begin()
             try:
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             except CommError:
                 raise  # ranks out of step (a mismatch, a rank gone): nothing more may be sent
-            except Exception as e:  # [Note: a backward that fails]: ended as any backward, then its gradients dropped
+            except Exception as e:  # [Note: a backward that fails]: agreed, ended as any, its gradients dropped
                 if self.in_backward is not None:
                     self.in_backward.abort(e)  # no chunk steps after the failure (the error names those before)
                 failed = e
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
+        if failed is not None:
+            self._backward_failed(failed)  # raises where the ranks did not all raise at this point
+        elif self._backwards is not None:
+            self._backwards.end()
         try:
             self._end_backward(boundary, retain_graph=bool(retain_graph), failed=failed is not None)
         except Exception as ending:
@@ -617,6 +633,32 @@ class Engine(DeepSpeedNames):
         if failed is not None:
             self.drop_accumulation(failed)
             raise failed
+
+    def _backward_failed(self, failed: Exception) -> None:
+        """engine.backward raised on this rank: every data-parallel rank agrees that it raised at this point, before
+        the backward is ended (which sends collectives); where they do not, raises, and this rank sends nothing
+        more ([Note: a backward that fails])."""
+        if self.comm.size == 1:
+            return
+        if self.check.enabled:
+            self.check(BACKWARD_FAILED, phase=BACKWARD)
+            try:
+                self.check.verify(None)
+            except CommError as e:
+                raise e from failed
+        elif self._backwards is not None:
+            stops = self._backwards.agree(failed)
+            if stops:
+                post_failure(failed)
+                ranks = sorted({f.rank for f in stops})
+                add_note(
+                    failed,
+                    f"hetero: global rank(s) {', '.join(map(str, ranks))} of data-parallel group "
+                    f"{self.comm.global_ranks} did not raise at this point of engine.backward (check_collectives is "
+                    "off): a rank cannot skip a batch alone, because the others' collectives wait for it. Every rank "
+                    "stops, and this engine runs no further batch; resume from the last checkpoint",
+                )
+                raise failed
 
     def _end_backward(self, boundary: bool, *, retain_graph: bool, failed: bool) -> None:
         """After the autograd pass: the reductions completed, the parts that follow units and steps reset."""
@@ -657,10 +699,17 @@ class Engine(DeepSpeedNames):
         # PyTorch's weights three steps later). The backward is ended as any other (its reductions completed, in the
         # same order on every rank, gathers and activations released), then the accumulation's gradients are
         # dropped, the earlier micro-batches' with it, and the accumulation starts again: what the plain loop's
-        # zero_grad() does. A rank failing alone meets the others' next collective, which the collective schedule's
-        # check reports. hetero's own collective errors (a mismatch, a rank gone: CommError) pass at once, as
-        # before: ending the backward would send more collectives to ranks that are not coming (in the first try,
-        # every test of a rank diverging hung there). With update_in_backward, the backward that ends an
+        # zero_grad() does. Over several data-parallel ranks the ranks first agree that each raised at the same
+        # point (`_backward_failed`), as a failed forward's do ([Note: a forward that fails]): with the checks on, a
+        # BACKWARD_FAILED check; without them, a post for this backward and point of the collective schedule,
+        # agreed in the store ([Note: failures scoped to a point] in hetero/comm/watch.py). Ranks that all raised
+        # there end the backward together (the same collectives: decided from the reduce order and the schedule's
+        # count, shared state). A rank that raised alone used to end its backward anyway: the reductions it sent
+        # met its peers' update or next batch (gloo aborted a process on mismatched sizes, or the peers waited
+        # until comm_timeout); now every rank stops within about a second, naming it, and it sends nothing more.
+        # hetero's own collective errors (a mismatch, a rank gone: CommError) pass at once: ending the backward would
+        # send more collectives to ranks that are not coming (in the first try, every test of a rank diverging hung
+        # there). With update_in_backward, the backward that ends an
         # accumulation steps chunks as it goes: those stepped before the failure are not undone (the error says how
         # many, and to load the last checkpoint), no other steps, and the backward is ended and dropped as here. It
         # used to pass as it was, unended: a backward before the update left its part of the gradient for the next
@@ -1144,8 +1193,9 @@ class Engine(DeepSpeedNames):
         self.monitor.close()
         self.hooks.remove()
         self.check.close()
-        if self._forwards is not None:
-            self._forwards.close()
+        for scope in (self._forwards, self._backwards):
+            if scope is not None:
+                scope.close()
         if self.updater.delayed is not None:
             self.updater.delayed.close()
         if self.updater.overflow is not None:

@@ -2,35 +2,56 @@
 PyTorch loops do after `optimizer.zero_grad()` ([Note: a backward that fails] in hetero/engine.py). Before, the part
 of the gradient the failed backward had added stayed in the chunks and the next update stepped on it.
 
-Both ranks fail at the same micro-batch (a deterministic failure); the run must then match plain PyTorch's loop
+Where every rank fails at the same micro-batch (a deterministic failure), the run must match plain PyTorch's loop
 that drops the whole accumulation and starts it again, checked against the float64 run ([Note: tolerances from the
-arithmetic] in tests/tolerance.py).
+arithmetic] in tests/tolerance.py). Where one rank fails alone, every rank stops within seconds with an error naming
+it: before, the failed rank ended its backward with the reductions its peers had already run, paired with their
+update's or next batch's collectives (gloo aborted its process on the mismatched sizes), or, without the checks,
+its peers waited until comm_timeout.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 import hetero
+from hetero.errors import CommError
 
 try:
     from tests import parity, tolerance
-    from tests.dist import run_distributed
+    from tests.dist import ONE_RANK_FAULTS, ranks_apart, run_distributed
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
     import tolerance  # type: ignore[no-redef]
-    from dist import run_distributed  # type: ignore[no-redef]
+    from dist import ONE_RANK_FAULTS, ranks_apart, run_distributed  # type: ignore[no-redef]
 
 MICRO, ROWS = 8, 4
 FAILS = 3  # the micro-batch whose backward raises: the second of the second accumulation at 2 a step
+COMM_TIMEOUT = 60  # what a rank left waiting would wait; the runs' own timeouts end first
+STOP_S = 15.0  # every rank has stopped within this (watch.POLL_S and a loaded CI machine's slack)
 
 
 class _Boom(Exception):
     pass
 
 
+class _FailingBackward(torch.autograd.Function):
+    """The identity whose backward raises: a failure at the loss, before any gradient reaches the model."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise _Boom("out of memory at the loss (simulated)")
+
+
 def _arm(model: torch.nn.Module) -> dict:
+    """A backward hook on the first layer that raises while armed: late in backward, most reductions issued."""
     state = {"armed": False}
 
     def hook(module, grad_in, grad_out):
@@ -63,18 +84,29 @@ def _reference(dtype: torch.dtype, accum: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def _run(rank: int, world: int, stage: int, accum: int) -> dict[str, torch.Tensor]:
+def _run(
+    rank: int, world: int, stage: int, accum: int, checks: bool = True, in_backward: bool = False, at_loss: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every rank's backward of micro-batch FAILS raises (in the first layer's hook, or at the loss)."""
     torch.set_num_threads(1)
     model = parity.build()
     state = _arm(model)
-    config = {"zero_stage": stage, "chunk_size": parity.CHUNK, "grad_accumulation_steps": accum}
+    config = {
+        "zero_stage": stage,
+        "chunk_size": parity.CHUNK,
+        "grad_accumulation_steps": accum,
+        "check_collectives": checks,
+        "update_in_backward": in_backward,
+        "comm_timeout": COMM_TIMEOUT,
+    }
     engine = hetero.initialize(model, parity.make_optimizer(model), config)
     local = ROWS // world
     for i, (x, y) in enumerate(parity.batches(MICRO, ROWS)):
-        state["armed"] = i == FAILS
+        state["armed"] = i == FAILS and not at_loss
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        loss = engine(x, labels=y).loss
         try:
-            engine.backward(engine(x, labels=y).loss)
+            engine.backward(_FailingBackward.apply(loss) if i == FAILS and at_loss else loss)
         except _Boom:
             continue  # the loop skips the batch: no step() for it
         engine.step()
@@ -83,9 +115,103 @@ def _run(rank: int, world: int, stage: int, accum: int) -> dict[str, torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("stage,accum", [(0, 2), (1, 1), (3, 2)])
-def test_a_failed_backward_leaves_nothing_in_the_next_update_world2(stage, accum):
-    results = run_distributed(_run, 2, stage, accum, timeout=300)
+# stage, accum, check_collectives, update_in_backward, failing at the loss (with update_in_backward: before any chunk
+# steps; one that fails after some stepped is not undone, and its error says so)
+ALL_FAIL = [
+    (0, 2, True, False, False),
+    (1, 1, True, False, False),
+    (3, 2, True, False, False),
+    (2, 2, False, False, False),
+    (1, 1, False, True, True),
+    (3, 1, True, True, True),
+]
+
+
+@pytest.mark.parametrize("stage,accum,checks,in_backward,at_loss", ALL_FAIL)
+def test_a_failed_backward_leaves_nothing_in_the_next_update_world2(stage, accum, checks, in_backward, at_loss):
+    """Without the checks the ranks agree in the job's store that each raised at the same point
+    ([Note: failures scoped to a point] in hetero/comm/watch.py), and go on together."""
+    results = run_distributed(_run, 2, stage, accum, checks, in_backward, at_loss, timeout=COMM_TIMEOUT - 15)
     exact, plain = _reference(torch.float64, accum), _reference(torch.float32, accum)
     for got in results:
         tolerance.assert_weights(got, exact, plain, dtype=torch.float32)
+
+
+# ---- one rank's backward raises: every rank stops at once ----------------------------------------------------------
+ONE_FAILS = {  # name: (zero stage, check_collectives, grad_accumulation_steps, update_in_backward, the failing batch)
+    "stage 0, between updates": (0, True, 2, False, 2),
+    "stage 1, train_batch, no checks": (1, False, 1, False, 1),
+    "stage 1, train_batch": (1, True, 1, False, 1),
+    "stage 2, update in backward, no checks": (2, False, 2, True, 3),
+    "stage 3, no checks, between updates": (3, False, 2, False, 2),
+    "stage 3, update in backward": (3, True, 1, True, 1),
+}
+
+
+def _one_rank_fails(rank: int, world: int, case: str) -> list[tuple[str, str, float]]:
+    """Rank 1's backward of one batch raises in the first layer's hook; the loop skips a batch that raised and goes
+    on (engine.backward and step, or train_batch with one micro-batch, which calls engine.backward). Each error,
+    with the seconds from the start of the failing batch."""
+    stage, checks, accum, in_backward, fails = ONE_FAILS[case]
+    torch.set_num_threads(1)
+    model = parity.build()
+    state = _arm(model)
+    config = {
+        "zero_stage": stage,
+        "chunk_size": parity.CHUNK,
+        "comm_timeout": COMM_TIMEOUT,
+        "check_collectives": checks,
+        "grad_accumulation_steps": accum,
+        "update_in_backward": in_backward,
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    local = ROWS // world
+    errors: list[tuple[str, str, float]] = []
+    start = time.monotonic()
+    for i, (x, y) in enumerate(parity.batches(6, ROWS)):
+        x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        if i == fails:
+            start = time.monotonic()
+        state["armed"] = i == fails and rank == 1
+        try:
+            if "train_batch" in case:
+                engine.train_batch(x, y)
+            else:
+                engine.backward(engine(x, labels=y).loss)
+                engine.step()
+        except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+            errors.append(
+                (type(e).__name__, "\n".join([str(e), *getattr(e, "__notes__", [])]), time.monotonic() - start)
+            )
+            if isinstance(e, CommError):
+                break
+    engine.close()
+    return errors
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.parametrize("case", list(ONE_FAILS))
+def test_a_backward_failing_on_one_rank_stops_every_rank_at_once_world2(case):
+    """Before: the failed rank ended its backward (the reductions its peers had run already) and paired them with
+    its peers' update or next batch: gloo aborted a process ("Received data size doesn't match expected size"), or,
+    without the checks, rank 0 waited until comm_timeout. Now: with the checks the failed rank posts a check before
+    ending its backward, which meets rank 0's next collective; without them it posts its failure for that backward
+    and point, and rank 0 stops at its next wait."""
+    checks = ONE_FAILS[case][1]
+    r0, r1 = run_distributed(_one_rank_fails, 2, case, timeout=COMM_TIMEOUT - 15)
+    assert r0 and r1, (r0, r1)
+    kind, text, seconds = r0[0]
+    assert seconds < STOP_S, r0
+    if checks:
+        assert kind == "CollectiveMismatchError", r0
+        assert "rank 1: collective #" in text and "nothing: its backward raised, and it drops the accumulation" in text
+        assert "or a backward did" in text, r0
+        kind, text, seconds = r1[0]
+        assert kind == "CollectiveMismatchError" and seconds < STOP_S, r1  # raised from its own error
+    else:
+        assert kind == "RankFailedError" and "global rank 1 failed with _Boom" in text, r0
+        assert "in its backward" in text, r0
+        (kind, text, seconds), (then, refused, _) = r1
+        assert kind == "_Boom" and seconds < STOP_S, r1
+        assert "global rank(s) 0 of data-parallel group [0, 1] did not raise at this point of engine.backward" in text
+        assert then == "RankFailedError" and "refused" in refused, r1  # its next batch: it told every rank to stop

@@ -83,10 +83,12 @@ OPS = (
     "gather ahead",
     "read gradients (full_grads or clip_grad_norm_)",
     "checkpoint (save_checkpoint or load_checkpoint)",
-    "nothing: its forward raised, and it skips the batch",
+    "nothing: its forward raised, and it skips the batch (in train_batch, a micro-batch's forward or backward)",
+    "nothing: its backward raised, and it drops the accumulation",
 )
 GATHER, REDUCE, UPDATE, SUMMON, BATCH_REDUCE, ALL_REDUCE, GATHER_AHEAD, READ_GRADS, CHECKPOINT = range(1, 10)
 FORWARD_FAILED = 10  # [Note: a forward that fails] in hetero/engine.py
+BACKWARD_FAILED = 11  # engine.backward's: [Note: a backward that fails] in hetero/engine.py
 CALLS = (SUMMON, READ_GRADS, CHECKPOINT)  # the engine's collective methods a loop calls itself
 PHASES = ("?", "forward", "backward", "outside a step")
 FORWARD, BACKWARD, OUTSIDE = 1, 2, 3
@@ -167,12 +169,13 @@ class Checker:
             units = [(u, p) for u, p in zip(flat[::2], flat[1::2]) if u >= 0]
             names = ", ".join(f"{self._units[u].name or '(root)'!r} ({PHASES[p]})" for u, p in units)
             lines.append(f"  rank {self.comm.global_rank(r)} started, last: {names or 'no unit'}")
-        if FORWARD_FAILED in rows[:, 1].tolist():
+        if {FORWARD_FAILED, BACKWARD_FAILED} & set(rows[:, 1].tolist()):
             lines.append(
-                "A forward raised on some ranks and not on others (data only some ranks hold: token ids out of the "
-                "embedding's range, a shape error, an out-of-memory error on one device): a rank cannot skip a batch "
-                "alone, because the others' collectives wait for it. Check the batch before the forward on every "
-                "rank, or skip it on every rank together."
+                "A forward raised on some ranks and not on others, or a backward did, or ranks raised at different "
+                "points (data only some ranks hold: token ids out of the embedding's range, a shape error, an "
+                "out-of-memory error on one device): a rank cannot skip a batch alone, because the others' "
+                "collectives wait for it. Check the batch before the forward on every rank, or skip it on every rank "
+                "together."
             )
         elif any(op in CALLS for op in rows[:, 1].tolist()):
             lines.append(
