@@ -448,16 +448,17 @@ class Engine(DeepSpeedNames):
     forward = __call__
 
     @contextlib.contextmanager
-    def forward_agreed(self) -> Iterator[None]:
+    def forward_agreed(self, *, began: bool = False) -> Iterator[None]:
         """Around a forward that `engine(...)` does not make (a micro-batch of `train_batch`, a batch through the
-        pipeline stages): counted as `engine(...)`'s are, and if it raises, agreed over the data-parallel ranks as
-        theirs are ([Note: a forward that fails]); the batch, not this, ends the step it runs in."""
+        pipeline stages, train_batch's loss_fn): counted as `engine(...)`'s are, and if it raises, agreed over the
+        data-parallel ranks as theirs are ([Note: a forward that fails]); the batch, not this, ends the step it runs
+        in, unless `began` (the step began with this batch, and nothing else ends it)."""
         if self._forwards is not None:
             self._forwards.begin()
         try:
             yield
         except BaseException as e:
-            self._forward_failed(e, began=False)
+            self._forward_failed(e, began=began)
             raise
         if self._forwards is not None:
             self._forwards.end()
@@ -801,7 +802,13 @@ class Engine(DeepSpeedNames):
                 out = self(inputs, labels=labels)
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
             else:
-                loss = loss_fn(self(inputs), labels.to(self.device.torch_device))
+                began = not self._in_step
+                out = self(inputs)
+                # The loss is part of the forward: a loss_fn raising on one rank (a label out of range) left the
+                # others in the backward's reductions, which its next batch met (a batch apart, silently).
+                with self.forward_agreed(began=began):
+                    loss = loss_fn(out, labels.to(self.device.torch_device))
+                del out
             forwards_done = self.check.seq
             self.backward(loss)
             self.step()

@@ -215,3 +215,69 @@ def test_a_backward_failing_on_one_rank_stops_every_rank_at_once_world2(case):
         assert kind == "_Boom" and seconds < STOP_S, r1
         assert "global rank(s) 0 of data-parallel group [0, 1] did not raise at this point of engine.backward" in text
         assert then == "RankFailedError" and "refused" in refused, r1  # its next batch: it told every rank to stop
+
+
+# ---- train_batch's loss_fn raises (one micro-batch): agreed as the forward is ------------------------------------
+def _loss_fn_fails(rank: int, world: int, stage: int, checks: bool, failing: tuple[int, ...]) -> dict:
+    """train_batch with a loss_fn given, one micro-batch: the ranks in `failing` pass labels out of the vocabulary
+    to it in batch FAILS (cross_entropy raises IndexError); the loop skips a batch that raised and goes on. Each
+    error with the seconds from the start of that batch, and the weights at the end where no rank stopped."""
+    torch.set_num_threads(1)
+    model = parity.build()
+    config = {
+        "zero_stage": stage,
+        "chunk_size": parity.CHUNK,
+        "comm_timeout": COMM_TIMEOUT,
+        "check_collectives": checks,
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    local = ROWS // world
+    errors: list[tuple[str, str, float]] = []
+    start = time.monotonic()
+    for i, (x, y) in enumerate(parity.batches(MICRO, ROWS)):
+        x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        if i == FAILS:
+            start = time.monotonic()
+            y = y + 1000 if rank in failing else y
+        try:
+            engine.train_batch(x, y, loss_fn=lambda out, labels: model.loss_function(out.logits, labels))
+        except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+            errors.append(
+                (type(e).__name__, "\n".join([str(e), *getattr(e, "__notes__", [])]), time.monotonic() - start)
+            )
+            if isinstance(e, CommError):
+                break
+    stopped = any(kind != "IndexError" for kind, _, _ in errors)
+    weights = None if stopped else {k: v.float() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return {"errors": errors, "weights": weights}
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.parametrize("stage,checks", [(1, True), (2, False)])
+def test_a_loss_fn_failing_on_one_rank_stops_every_rank_at_once_world2(stage, checks):
+    """Before: train_batch with one micro-batch computed loss_fn outside any agreement: rank 1 skipped the batch
+    while rank 0 went into its backward's reductions, which rank 1's next batch met (with the checks too: the same
+    collectives, a batch apart), and rank 0 waited for the last ones until comm_timeout."""
+    r0, r1 = run_distributed(_loss_fn_fails, 2, stage, checks, (1,), timeout=COMM_TIMEOUT - 15)
+    (kind, text, seconds) = r0["errors"][0]
+    assert seconds < STOP_S, r0
+    if checks:
+        assert kind == "CollectiveMismatchError" and "nothing: its forward raised" in text, r0
+        assert r1["errors"][0][0] == "CollectiveMismatchError" and r1["errors"][0][2] < STOP_S, r1
+    else:
+        assert kind == "RankFailedError" and "global rank 1 failed with IndexError" in text, r0
+        (kind, text, seconds), (then, refused, _) = r1["errors"]
+        assert kind == "IndexError" and seconds < STOP_S and "did not raise at this point" in text, r1
+        assert then == "RankFailedError" and "refused" in refused, r1
+
+
+@pytest.mark.parametrize("stage,checks", [(1, False), (3, True)])
+def test_a_loss_fn_failing_on_every_rank_skips_the_batch_world2(stage, checks):
+    """Every rank's loss_fn raises in batch FAILS: all skip it together, with nothing of it in the weights (plain
+    PyTorch skipping that batch; with one micro-batch a step, the same as dropping its accumulation)."""
+    results = run_distributed(_loss_fn_fails, 2, stage, checks, (0, 1), timeout=COMM_TIMEOUT - 15)
+    exact, plain = _reference(torch.float64, 1), _reference(torch.float32, 1)
+    for got in results:
+        assert [kind for kind, _, _ in got["errors"]] == ["IndexError"], got["errors"]
+        tolerance.assert_weights(got["weights"], exact, plain, dtype=torch.float32)
