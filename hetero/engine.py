@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -500,24 +500,13 @@ class Engine(DeepSpeedNames):
         if self.mesh.tp_size > 1:
             self._stop_for(failed)
         elif self.comm.size > 1:
-            if self.check.enabled:
-                self.check(FORWARD_FAILED)
-                try:
-                    self.check.verify(None)
-                except CommError as e:
-                    raise e from failed
-            elif self._forwards is not None:
-                stops = self._forwards.agree(failed)
-                if stops:
-                    post_failure(failed)
-                    ranks = sorted({f.rank for f in stops})
-                    add_note(
-                        failed,
-                        f"hetero: global rank(s) {', '.join(map(str, ranks))} of data-parallel group "
-                        f"{self.comm.global_ranks} did not raise at this point (check_collectives is off): a rank "
-                        "cannot skip a batch alone, because the others' collectives wait for it. Every rank stops; "
-                        "check the batch before the forward on every rank, or skip it on every rank together",
-                    )
+            self._agree_failed(
+                failed,
+                lambda: self.check(FORWARD_FAILED),
+                self._forwards,
+                "",
+                "check the batch before the forward on every rank, or skip it on every rank together",
+            )
         if self.gathers is not None:
             self.gathers.abort_forward()
         if not began:
@@ -641,25 +630,39 @@ class Engine(DeepSpeedNames):
         more ([Note: a backward that fails])."""
         if self.comm.size == 1:
             return
+        stopped = self._agree_failed(
+            failed,
+            lambda: self.check(BACKWARD_FAILED, phase=BACKWARD),
+            self._backwards,
+            " of engine.backward",
+            "this engine runs no further batch; resume from the last checkpoint",
+        )
+        if stopped:
+            raise failed
+
+    def _agree_failed(self, failed: Exception, post: Callable[[], Any], scope: Any, where: str, then: str) -> bool:
+        """Every data-parallel rank agrees that `failed` raised at this point: a posted check (`post`) verified now,
+        or without the checks `scope`'s agreement in the job's store ([Note: failures scoped to a point]). Where the
+        ranks did not all raise here, this rank posts its failure for good and notes why; returns whether it did."""
         if self.check.enabled:
-            self.check(BACKWARD_FAILED, phase=BACKWARD)
+            post()
             try:
                 self.check.verify(None)
             except CommError as e:
                 raise e from failed
-        elif self._backwards is not None:
-            stops = self._backwards.agree(failed)
-            if stops:
-                post_failure(failed)
-                ranks = sorted({f.rank for f in stops})
-                add_note(
-                    failed,
-                    f"hetero: global rank(s) {', '.join(map(str, ranks))} of data-parallel group "
-                    f"{self.comm.global_ranks} did not raise at this point of engine.backward (check_collectives is "
-                    "off): a rank cannot skip a batch alone, because the others' collectives wait for it. Every rank "
-                    "stops, and this engine runs no further batch; resume from the last checkpoint",
-                )
-                raise failed
+            return False
+        stops = scope.agree(failed) if scope is not None else []
+        if not stops:
+            return False
+        post_failure(failed)
+        ranks = sorted({f.rank for f in stops})
+        add_note(
+            failed,
+            f"hetero: global rank(s) {', '.join(map(str, ranks))} of data-parallel group {self.comm.global_ranks} did "
+            f"not raise at this point{where} (check_collectives is off): a rank cannot skip a batch alone, because "
+            f"the others' collectives wait for it. Every rank stops; {then}",
+        )
+        return True
 
     def _end_backward(self, boundary: bool, *, retain_graph: bool, failed: bool) -> None:
         """After the autograd pass: the reductions completed, the parts that follow units and steps reset."""
