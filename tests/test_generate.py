@@ -177,7 +177,7 @@ def _tensor_job(rank: int, world: int) -> dict:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(200)
-def test_generate_under_tensor_parallelism_agrees_on_prompts_and_streams():
+def test_generate_under_tensor_parallelism_agrees_on_prompts_and_streams(cpu_device):  # model.generate: CPU ranks
     """[Note: one prompt and one stream per tensor group]: ranks seeded apart sampled other tokens, and ranks given
     other prompts generated from a mix of both, each with no error."""
     r0, r1 = run_distributed(_tensor_job, 2, timeout=170)

@@ -192,7 +192,7 @@ def test_qwen3_and_gemma3_train_on_a_2d_grid():
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(600)
-def test_qwen3_and_gemma3_train_and_padded_batches_match_on_8_ranks():
+def test_qwen3_and_gemma3_train_and_padded_batches_match_on_8_ranks(cpu_device):  # the padded cases: no engine
     """3D (q = 2) and 2.5D (q = 2, depth 2) on Qwen3 and Gemma 3; left-padded batches on a 3D grid (one and two rows
     per rank, positions given or counted from 0) give the plain model's loss and gradients for Llama and GPT-2 (whose
     position embedding reads the positions on the rows it embeds). Before, 3D refused a mask whose rows differ: it

@@ -198,7 +198,7 @@ def _exact(rank: int, world: int) -> None:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
-def test_training_with_dropout_equals_the_plain_model_drawing_each_ranks_part():
+def test_training_with_dropout_equals_the_plain_model_drawing_each_ranks_part(cpu_device):  # no engine: CPU ranks
     run_distributed(_exact, 2, timeout=100)
 
 
@@ -229,7 +229,7 @@ def _after_a_failure(rank: int, world: int) -> bool:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
-def test_a_forward_that_failed_inside_the_region_leaves_it():
+def test_a_forward_that_failed_inside_the_region_leaves_it(cpu_device):  # no engine: CPU tensors, CPU ranks
     assert run_distributed(_after_a_failure, 2, timeout=100) == [True, True]
 
 

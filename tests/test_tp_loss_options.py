@@ -70,7 +70,7 @@ def _one_d(rank: int, world: int) -> int:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(120)
-def test_vocab_parallel_cross_entropy_smoothing_and_weights():
+def test_vocab_parallel_cross_entropy_smoothing_and_weights(cpu_device):  # no engine: CPU tensors, CPU ranks
     assert run_distributed(_one_d, 2, timeout=100) == [len(OPTIONS)] * 2
 
 
@@ -97,5 +97,5 @@ def _grid(rank: int, world: int) -> int:
 
 @ranks_apart(NEEDS_DEGREES)
 @pytest.mark.timeout(150)
-def test_grid_cross_entropy_smoothing_and_weights():
+def test_grid_cross_entropy_smoothing_and_weights(cpu_device):  # no engine: CPU tensors, CPU ranks
     assert run_distributed(_grid, 4, timeout=130) == [6] * 4
