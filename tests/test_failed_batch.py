@@ -22,11 +22,13 @@ from hetero.errors import CommError
 try:
     from tests import parity, pipe_parity, tolerance
     from tests.dist import NEEDS_DEGREES, ONE_RANK_FAULTS, ranks_apart, run_distributed
+    from tests.test_failed_backward import _FailingBackward  # the identity whose backward raises
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
     import pipe_parity  # type: ignore[no-redef]
     import tolerance  # type: ignore[no-redef]
     from dist import NEEDS_DEGREES, ONE_RANK_FAULTS, ranks_apart, run_distributed  # type: ignore[no-redef]
+    from test_failed_backward import _FailingBackward  # type: ignore[no-redef]
 
 COMM_TIMEOUT = 60  # what a rank left waiting would wait; the runs' own timeouts end first
 STOP_S = 15.0  # every rank has stopped within this (POLL_S and a loaded CI machine's slack)
@@ -56,18 +58,6 @@ CASES = {  # name: (call, zero stage, check_collectives, microbatches, grad_accu
 }
 
 
-class _FailingBackward(torch.autograd.Function):
-    """The identity whose backward raises (a check in the model's own backward, an out-of-memory error there)."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("out of memory in this rank's backward")
-
-
 def _loss(failing: bool):
     def loss_fn(out: object, labels: torch.Tensor) -> torch.Tensor:
         loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
@@ -76,10 +66,8 @@ def _loss(failing: bool):
     return loss_fn
 
 
-def _one_rank_raises(rank: int, world: int, case: str) -> list[tuple[str, str, float]]:
-    """Rank 1's last micro-batch of batch 1 raises (its forward, or its backward); every loop skips a batch that
-    raised and goes on. Each error, with the seconds from the start of batch 1."""
-    call, stage, checks, micro, accum = CASES[case]
+def _engine(stage: int, checks: bool, micro: int, accum: int) -> hetero.Engine:
+    """The parity model on this rank's engine, data parallel over the world."""
     torch.set_num_threads(1)
     model = parity.build()
     config = {
@@ -90,7 +78,14 @@ def _one_rank_raises(rank: int, world: int, case: str) -> list[tuple[str, str, f
         "grad_accumulation_steps": accum,
         "parallel": {"microbatches": micro},
     }
-    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    return hetero.initialize(model, parity.make_optimizer(model), config)
+
+
+def _one_rank_raises(rank: int, world: int, case: str) -> list[tuple[str, str, float]]:
+    """Rank 1's last micro-batch of batch 1 raises (its forward, or its backward); every loop skips a batch that
+    raised and goes on. Each error, with the seconds from the start of batch 1."""
+    call, stage, checks, micro, accum = CASES[case]
+    engine = _engine(stage, checks, micro, accum)
     local = ROWS // world
     errors: list[tuple[str, str, float]] = []
     start = time.monotonic()
@@ -163,17 +158,7 @@ def _reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _every_rank_raises(rank: int, world: int, stage: int, checks: bool) -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
-    model = parity.build()
-    config = {
-        "zero_stage": stage,
-        "chunk_size": parity.CHUNK,
-        "comm_timeout": COMM_TIMEOUT,
-        "check_collectives": checks,
-        "grad_accumulation_steps": ACCUM,
-        "parallel": {"microbatches": MICRO},
-    }
-    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    engine = _engine(stage, checks, MICRO, ACCUM)
     local = ROWS // world
     for i, (x, y) in enumerate(parity.batches(BATCHES, ROWS)):
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
