@@ -15,9 +15,10 @@ The outcome is one value per meeting, set once by compare-and-set: "all in" (by 
 "these ranks stood still" (by the first rank to see it) or "this rank left with an error". Every rank follows that
 value, not its own observations, so all raise or all go on to the gather together: a decision no rank's timing can
 split (a rank frozen, then continued, raises too instead of entering a gather the others left).
-Keys are named by the group's members, a per-process count of meetings on that group and the meeting's name: every
-member holds the same meetings in the same order, so the names agree without a message. The last rank to leave
-deletes them; a meeting a rank died in leaves its few keys behind.
+Keys are named by the group's members, the meeting's name and a per-process count of the meetings of that name on
+that group: every member holds the same meetings in the same order, so the names agree without a message (counted by
+name, a roll call one rank held alone does not shift the numbers of the checkpoint meetings after it). The last rank
+to leave deletes them; a meeting a rank died in leaves its few keys behind.
 
 Why a thread, and not the writer's progress callbacks: those come once per chunk, and one chunk on a slow disk can
 take longer than any beat; a load's reads report nothing. A thread beats on its own clock and stops with its
@@ -25,6 +26,9 @@ process. What it cannot see is a main thread blocked forever in a system call (a
 answers): that rank looks alive, so the others wait, logging every comm_timeout which ranks they still wait for, unless
 the meeting has a limit (`checkpoint_patience`): a rank that has waited that long for its own part's end settles the
 outcome "these ranks were still at work", and every rank raises, the late ones as soon as their work returns.
+
+A meeting with no work in its block is a roll call: ranks not come have no key, and are named after the limit (or,
+silent, after comm_timeout) by the error the caller words (`absent`, [Note: a roll call before save_model]).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +54,19 @@ log = logging.getLogger("hetero.comm")
 _DONE = 1 << 40  # added to a rank's key when its work ends: a key at or past it is done (beats stay far below)
 _MAX_BEAT_S = 5.0  # a beat at most this long apart (comm_timeout / 5 when shorter)
 _MAX_POLL_S = 0.25  # how late, at most, a waiting rank sees the outcome once it is set
-# Meetings held so far by this process on each group (by its members' digest): the next one's number. Shared by every
-# Comm over the same members, as the store's keys are.
-_HELD: dict[str, int] = {}
+# Meetings held so far by this process on each group (by its members' digest) under each name: the next one's number.
+# Shared by every Comm over the same members, as the store's keys are.
+_HELD: dict[tuple[str, str], int] = {}
+
+
+@dataclass(frozen=True)
+class Absence:
+    """Ranks a meeting gave up on before they came, for `Meeting(absent=...)` to word the error every rank raises."""
+
+    ranks: list[int]  # global ranks not come (this rank among them when it came after the others had given up)
+    me: int  # this rank's global rank
+    by: int  # the global rank that gave up on them
+    waited_s: float  # how long that rank had waited after its own arrival
 
 
 class Meeting:
@@ -58,11 +74,23 @@ class Meeting:
     member of `comm` has left its own, tolerating members still working, and raises RankTimeoutError naming those
     whose heartbeat stood still for the group's timeout ([Note: patient meetings]). Every member enters the same
     meetings in the same order; `name` is the same on every rank, `what` says what this rank does, for messages.
-    A no-op for a group of one, or without a store."""
+    `absent`, given, words the error for ranks that had not come when the meeting gave up on them (past a rank's
+    `limit_s`, or silent for the group's timeout), in place of the checkpoint's wording. A no-op for a group of one,
+    or without a store."""
 
-    def __init__(self, comm: Comm, name: str, what: str, *, limit_s: float | None = None, store: Any = None) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        name: str,
+        what: str,
+        *,
+        limit_s: float | None = None,
+        absent: Callable[[Absence], str] | None = None,
+        store: Any = None,
+    ) -> None:
         self.what = what
         self.limit_s = limit_s  # a rank done waits this long at most for those still at work (None: while alive)
+        self.absent = absent  # words the error naming ranks not come (None: the checkpoint's wording)
         self.members = comm.global_ranks
         self.me = self.members[comm.rank]
         self.timeout_s = comm.rules.timeout_s  # None: the group waits forever, and so does the meeting
@@ -73,8 +101,8 @@ class Meeting:
         self.prefix = ""  # the meeting's keys start with it
         if self.store is not None:
             group = hashlib.sha1(",".join(map(str, self.members)).encode()).hexdigest()[:12]
-            number = _HELD.get(group, 0)
-            _HELD[group] = number + 1
+            number = _HELD.get((group, name), 0)
+            _HELD[group, name] = number + 1
             self.prefix = f"hetero/meeting/{group}/{number}/{name}/"
 
     def _key(self, rank: int | str) -> str:
@@ -147,20 +175,31 @@ class Meeting:
                     silent = [r for r in stalled if pending[r][0] == 0]
                     return self._settle({"stalled": stalled, "silent": silent, "by": self.me})
                 if self.limit_s is not None and now - start >= self.limit_s:
-                    return self._settle({"late": sorted(pending), "by": self.me})
+                    return self._settle({"late": sorted(pending), "by": self.me, "waited": self.limit_s})
                 next_scan = now + self.beat_s
+                if self.limit_s is not None:  # the limit is kept to the poll, not to the next beat
+                    next_scan = min(next_scan, start + self.limit_s)
                 if now >= next_log:
-                    log.warning(
-                        "global rank %d has waited %.0f s for global rank(s) %s to finish %s; their heartbeats "
-                        "advance, so they are alive (a rank blocked in a system call looks alive too)",
-                        self.me,
-                        now - start,
-                        ", ".join(map(str, sorted(pending))),
-                        self.what,
-                    )
+                    self._log_waiting(pending, now - start)
                     next_log = now + (self.timeout_s or 60.0)
             time.sleep(pause)
             pause = min(2 * pause, _MAX_POLL_S, self.beat_s / 2)
+
+    def _log_waiting(self, pending: dict[int, tuple[int, float]], waited_s: float) -> None:
+        """Say whom this rank still waits for: ranks whose heartbeat advances, and ranks not come (a roll call's)."""
+        beating = ", ".join(str(r) for r, (value, _) in sorted(pending.items()) if value)
+        absent = ", ".join(str(r) for r, (value, _) in sorted(pending.items()) if not value)
+        if beating:
+            log.warning(
+                "global rank %d has waited %.0f s for global rank(s) %s to finish %s; their heartbeats advance, so "
+                "they are alive (a rank blocked in a system call looks alive too)",
+                self.me,
+                waited_s,
+                beating,
+                self.what,
+            )
+        if absent:
+            log.warning("global rank %d has waited %.0f s for global rank(s) %s to come", self.me, waited_s, absent)
 
     def _scan(self, pending: dict[int, tuple[int, float]], now: float) -> list[int]:
         """Read the keys of the members not done: drop those done, and return those whose key stood still for the
@@ -189,6 +228,9 @@ class Meeting:
         if outcome.get("ok"):
             return
         group = f"group {self.members}"
+        absence = self._absence(outcome)
+        if absence is not None and self.absent is not None:
+            raise RankTimeoutError(self.absent(absence), missing_ranks=absence.ranks, timeout_s=absence.waited_s)
         if "left" in outcome:
             raise RankFailedError(
                 f"global rank {outcome['left']} left {group} with an error ({outcome['error']}) while global rank "
@@ -201,13 +243,13 @@ class Meeting:
             late = ", ".join(map(str, outcome["late"]))
             raise RankTimeoutError(
                 f"Global rank {self.me} was waiting for every rank of {group} to finish {self.what}. Global rank(s) "
-                f"{late} were still at it {self.limit_s:g} s (checkpoint_patience) after global rank {outcome['by']} "
-                "had finished its own, their heartbeats advancing: alive, but slow or blocked in a system call (a "
-                "stalled disk, an NFS server that does not answer). (Every rank raises this, the late ones when their "
-                "work returns.) Check those ranks' storage; if it is only slow, raise checkpoint_patience or set it to "
-                "None to wait as long as the ranks are alive.",
+                f"{late} were still at it {outcome['waited']:g} s (checkpoint_patience) after global rank "
+                f"{outcome['by']} had finished its own, their heartbeats advancing: alive, but slow or blocked in a "
+                "system call (a stalled disk, an NFS server that does not answer). (Every rank raises this, the late "
+                "ones when their work returns.) Check those ranks' storage; if it is only slow, raise "
+                "checkpoint_patience or set it to None to wait as long as the ranks are alive.",
                 missing_ranks=list(outcome["late"]),
-                timeout_s=self.limit_s or 0.0,
+                timeout_s=float(outcome["waited"]),
             )
         stalled, silent = outcome["stalled"], outcome["silent"]
         stopped = [r for r in stalled if r not in silent]
@@ -230,6 +272,14 @@ class Meeting:
             "their heartbeat advances."
         )
         raise RankTimeoutError(" ".join(lines), missing_ranks=list(stalled), timeout_s=self.timeout_s or 0.0)
+
+    def _absence(self, outcome: dict[str, Any]) -> Absence | None:
+        """The ranks not come, if that is why the meeting gave up: past the limit, or silent all of them."""
+        if "late" in outcome:
+            return Absence(list(outcome["late"]), self.me, outcome["by"], float(outcome["waited"]))
+        if "stalled" in outcome and outcome["stalled"] == outcome["silent"]:
+            return Absence(list(outcome["silent"]), self.me, outcome["by"], self.timeout_s or 0.0)
+        return None
 
     def _unreachable(self, err: BaseException) -> CommError:
         return CommError(
