@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hetero.device import Device
 from hetero.errors import ConfigError, TierOutOfMemoryError, add_note
+from hetero.kv_cache import cache_off_when_recomputing
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 
 log = logging.getLogger("hetero.activation")
@@ -100,19 +101,6 @@ def _called(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         return [(name, module)]
     return [block for child, m in module.named_children() for block in _called(f"{name}.{child}", m)]
-
-
-def _no_kv_cache(model: nn.Module) -> None:
-    """Turn off a Hugging Face model's key/value cache, as its own gradient checkpointing does. A checkpointed block
-    runs its forward twice; a cache passed in (transformers 4 makes one whenever `config.use_cache` is set) grows on
-    each run, so the recomputed keys are twice as long as those saved and backward fails."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) is True:
-        log.warning(
-            "activation checkpointing: setting the model's config.use_cache = False (a cache filled again "
-            "by each recomputation would not match the forward pass)"
-        )
-        config.use_cache = False
 
 
 def _offloadable(value: Any) -> bool:
@@ -188,9 +176,10 @@ class ActivationMemory:
         # block -> a context around its recomputation in backward (stage 3's tile turns over several ranks: a tiled
         # layer some ranks skip, [Note: tile gathers in turns]); None: nothing around it
         self.recomputing: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None
+        # before the blocks' forwards are replaced: it reads their signatures
+        self._cache_back = cache_off_when_recomputing(model, [name for name, _ in self.blocks])
         for _, module in self.blocks:
             module.forward = functools.partial(self._forward, module, module.forward)
-        _no_kv_cache(model)
         log.info("activation checkpointing on %d blocks (offload: %s)", len(self.blocks), offload)
 
     # ---- forward ------------------------------------------------------------------------------------------
@@ -402,8 +391,9 @@ class ActivationMemory:
         self._copies.clear()  # only sharing ends: a copy lives while its users do
 
     def remove(self) -> None:
-        """Restore the modules' own forward and stop the copy thread."""
+        """Restore the modules' own forward and KV cache, and stop the copy thread."""
         self._release(every=True)
+        self._cache_back()
         for _, module in self.blocks:
             module.__dict__.pop("forward", None)
         if self._copier is not None:
