@@ -67,12 +67,19 @@ class OffloadConfig:
     NVMe (in layout order, the order forward gathers them, each chunk whose shard still fits). DeepSpeed's
     offload_param.max_in_cpu, in bytes; 0: every shard on NVMe. [Note: parameter shards kept on the host] in
     hetero/zero/stages.py."""
+    params_host_elements: int | None = None
+    """The same in parameter elements, as DeepSpeed counts max_in_cpu: where set, params_host_bytes is this many
+    elements of the parameters' precision, derived again whenever the precision changes (HeteroTrainer takes it
+    from the TrainingArguments after the translation)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer"):
             check_choice(f"offload.{name}", getattr(self, name), _PLACEMENTS)
         n = parse_size(self.params_host_bytes, key="offload.params_host_bytes")
         object.__setattr__(self, "params_host_bytes", n)
+        if self.params_host_elements is not None:
+            check_int("offload.params_host_elements", self.params_host_elements, minimum=0)
+            n = n or self.params_host_elements
         if n and self.params != "nvme":
             raise ConfigError(
                 f"offload.params_host_bytes: keeps part of the parameter shards on the host when offload.params is "
@@ -232,6 +239,9 @@ class Config:
         if isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int) or self.zero_stage not in range(4):
             raise ConfigError(f"zero_stage: must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.offload.params_host_elements is not None:  # DeepSpeed's count: elements of the parameters' dtype
+            nbytes = self.offload.params_host_elements * (4 if self.precision == "fp32" else 2)
+            object.__setattr__(self, "offload", dataclasses.replace(self.offload, params_host_bytes=nbytes))
         check_int("grad_accumulation_steps", self.grad_accumulation_steps, minimum=1)
         if self.grad_clip_norm is not None:
             if isinstance(self.grad_clip_norm, bool) or not isinstance(self.grad_clip_norm, (int, float)):

@@ -15,6 +15,8 @@ loss_scale section with DeepSpeed's defaults where it gives none (hysteresis 2, 
 config scales the loss and skips steps as DeepSpeed does ([Note: the fp16 loss scale] in hetero/zero/precision.py).
 A config without gradient_clipping clips at 1.0, DeepSpeed's default since its 0.19.3 (and its documented one; the
 versions before did not clip), with a warning saying so; DeepSpeed clips only at a value > 0, so 0 or less is none.
+zero_optimization is read as DeepSpeed's own pydantic model reads it (hetero/config_deepspeed_zero.py,
+[Note: DeepSpeed's ZeRO section as its own model reads it]).
 """
 
 from __future__ import annotations
@@ -29,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from hetero.comm.launchers import LAUNCHERS
+from hetero.config_deepspeed_zero import ZERO_TUNING, translate_zero
 from hetero.errors import ConfigError
 
 log = logging.getLogger("hetero.config")
-
-_DEVICES = {"cpu": "host", "nvme": "nvme", "none": "device", None: "device"}
 
 # Keys hetero does not translate, and what to do instead.
 _HANDLED_ELSEWHERE = {
@@ -59,36 +60,6 @@ _HANDLED_ELSEWHERE = {
     "amp": "use precision 'bf16' or 'fp16'",
     "data_types": "gradients are accumulated in fp32",
 }
-_ZERO_TUNING = {
-    "overlap_comm": "hetero overlaps gradient reduce-scatters with backward by itself",
-    "contiguous_gradients": "gradients are contiguous in chunks already",
-    "reduce_bucket_size": "the chunk is the bucket: chunk_size",
-    "allgather_bucket_size": "the chunk is the bucket: chunk_size",
-    "reduce_scatter": "stages 2-3 reduce-scatter per chunk",
-    "allgather_partitions": "stages 1-2 all-gather per chunk",
-    "round_robin_gradients": "not needed: shards are equal by construction",
-    "sub_group_size": "the optimizer steps chunk by chunk already",
-    "stage3_prefetch_bucket_size": "prefetch_depth (in chunks, along the recorded access trace)",
-    "stage3_param_persistence_threshold": "not needed: small parameters share chunks",
-    "stage3_max_live_parameters": "memory.device_budget bounds what stays gathered",
-    "stage3_max_reuse_distance": "memory.device_budget and the access trace decide what stays gathered",
-    "stage3_gather_16bit_weights_on_model_save": "engine.full_state_dict() or python -m hetero.checkpoint consolidate",
-    "stage3_gather_fp16_weights_on_model_save": "engine.full_state_dict() or python -m hetero.checkpoint consolidate",
-    "elastic_checkpoint": "hetero checkpoints load into any data-parallel size",
-    "ignore_unused_parameters": "unused parameters are handled (they keep their state)",
-    "load_from_fp32_weights": "hetero checkpoints hold the fp32 master weights",
-    "memory_efficient_linear": "not needed",
-    "cpu_offload": "offload.optimizer = 'host'",
-    "cpu_offload_params": "offload.params = 'host'",
-    "zero_hpz_partition_size": "not available",
-    "zero_quantized_weights": "not available",
-    "zero_quantized_gradients": "not available",
-    "mics_shard_size": "not available",
-    "aio": "hetero sizes its NVMe I/O itself (O_DIRECT, its own thread pool)",
-}
-_DS_MAX_IN_CPU = 10**9  # DeepSpeed's default offload_param.max_in_cpu, in parameter elements
-_OFFLOAD_TUNING = ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read",
-                   "pipeline_write", "ratio")  # fmt: skip
 
 
 def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> dict[str, Any]:
@@ -107,7 +78,7 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
     notes: list[str] = []  # "key: what to do instead"
     for key, value in ds_config.items():
         if key == "zero_optimization":
-            _zero(value, out, notes)
+            translate_zero(value, out, notes)
         elif key in ("fp16", "bf16", "bfloat16"):
             _precision(key, value, out, notes)
         elif key == "gradient_accumulation_steps":
@@ -142,9 +113,6 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
         )
     if "precision" in out and isinstance(out["precision"], list):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16: enable one")
-    if "params_host_bytes" in out.get("offload", {}):  # DeepSpeed counts 16-bit elements (fp32 without fp16/bf16)
-        itemsize = 2 if out.get("precision") in ("fp16", "bf16") else 4
-        out["offload"]["params_host_bytes"] *= itemsize
     if notes:
         text = "; ".join(notes)
         if strict:
@@ -282,10 +250,22 @@ def _built_yourself(key: str, section: Mapping[str, Any]) -> str:
     )
     if torch_name is None:
         return f"DeepSpeed's {kind!r} optimizer: {_HANDLED_ELSEWHERE[key]}"
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm: DeepSpeed refuses it too; clip with gradient_clipping (hetero's "
+            "grad_clip_norm)"
+        )
     own = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
     args = "".join(f", {k}={v!r}" for k, v in params.items() if v != "auto" and k not in own)
+    if torch_name == "AdamW" and not params.get("torch_adam") and "weight_decay" not in params:
+        args += (
+            ", weight_decay=0.0"  # DeepSpeed's own Adams (FusedAdam, DeepSpeedCPUAdam) default to 0, torch's AdamW 0.01
+        )
     decoupled = " (DeepSpeed's 'Adam' decouples weight decay: torch's AdamW)" if adam and torch_name == "AdamW" else ""
-    return f"build torch.optim.{torch_name}(model.parameters(){args}){decoupled}{fill} and pass it to hetero.initialize"
+    text = f"build torch.optim.{torch_name}(model.parameters(){args}){decoupled}{fill} and pass it to hetero.initialize"
+    if torch_name in ("Adam", "AdamW") and params.get("bias_correction", True) is False:
+        text += "; bias_correction false has no torch equivalent (torch's Adam always corrects the moments' bias)"
+    return text
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -323,62 +303,6 @@ def _world_size() -> int:
     return 1
 
 
-def _zero(zero: Any, out: dict[str, Any], notes: list[str]) -> None:
-    if isinstance(zero, bool):
-        # DeepSpeed's older form, still in its getting-started ds_config.json: true is stage 1, false stage 0.
-        out["zero_stage"] = 1 if zero else 0
-        return
-    if not isinstance(zero, Mapping):
-        raise ConfigError(
-            f"zero_optimization: expected a mapping ({{'stage': 0-3, ...}}) or true/false, got {type(zero).__name__}"
-        )
-    for key, value in zero.items():
-        if key == "stage":
-            out["zero_stage"] = value
-        elif key in ("offload_optimizer", "offload_param"):
-            if value is None:  # DeepSpeed's "no offload" too
-                continue
-            if not isinstance(value, Mapping):  # was skipped without a word ("cpu": no offload); DeepSpeed refuses it
-                raise ConfigError(
-                    f'zero_optimization.{key}: expected a section such as {{"device": "cpu"}}, got {value!r}'
-                )
-            device = value.get("device")
-            if device not in _DEVICES:
-                raise ConfigError(
-                    f"zero_optimization.{key}.device: {device!r} is not a DeepSpeed offload device (cpu, nvme, none)"
-                )
-            target = "optimizer" if key == "offload_optimizer" else "params"
-            out.setdefault("offload", {})[target] = _DEVICES[device]
-            if device == "nvme":
-                nvme = value.get("nvme_path")
-                if nvme is None:
-                    raise ConfigError(f"zero_optimization.{key}: device 'nvme' needs nvme_path")
-                have = out.setdefault("memory", {}).get("nvme_dir")
-                if have is not None and have != nvme:
-                    notes.append(f"zero_optimization.{key}.nvme_path: hetero uses one nvme_dir ({have!r}) for both")
-                else:
-                    out["memory"]["nvme_dir"] = nvme
-            translated = ()
-            if key == "offload_param" and device == "nvme":
-                # DeepSpeed keeps up to max_in_cpu parameter elements (1e9 unless set) on the host: so does hetero,
-                # in bytes once the precision is known ([Note: parameter shards kept on the host]).
-                elements = value.get("max_in_cpu", _DS_MAX_IN_CPU)
-                if isinstance(elements, bool) or not isinstance(elements, (int, float)) or elements < 0:
-                    raise ConfigError(
-                        f"zero_optimization.offload_param.max_in_cpu: expected a number of parameter elements "
-                        f"(>= 0), got {elements!r}"
-                    )
-                out["offload"]["params_host_bytes"] = int(elements)  # elements here: scaled in from_deepspeed
-                translated = ("max_in_cpu",)
-            tuning = [k for k in value if k in _OFFLOAD_TUNING and k not in translated]
-            if tuning:
-                notes.append(f"zero_optimization.{key}.{'/'.join(tuning)}: hetero pins, buffers and pipelines itself")
-        elif key in _ZERO_TUNING:
-            notes.append(f"zero_optimization.{key}: {_ZERO_TUNING[key]}")
-        else:
-            notes.append(f"zero_optimization.{key}: no hetero equivalent")
-
-
 # ---- hints for config errors ---------------------------------------------------------------------------------
 _KEY_HINTS = {
     "zero_optimization": "hetero's keys are zero_stage, offload and memory",
@@ -392,6 +316,9 @@ _KEY_HINTS = {
     "stage": "hetero's key is zero_stage",
     "nvme_path": "hetero's key is memory.nvme_dir",
     "device": "hetero's keys are offload.params and offload.optimizer",
+    "cpu_offload": "hetero's key is offload.optimizer: 'host'",
+    "cpu_offload_param": "hetero's key is offload.params: 'host'",
+    "max_in_cpu": "hetero's key is offload.params_host_elements (or params_host_bytes)",
     "tensorboard": "hetero's key is log.tensorboard (a directory)",
     "wandb": "hetero's key is log.wandb (a project name)",
 }
@@ -400,8 +327,8 @@ _VALUE_HINTS = {"cpu": "host", "none": "device"}
 
 def key_hint(key: str) -> str:
     """A hint for an unknown config key that is DeepSpeed's ("" if it is not)."""
-    if key in _KEY_HINTS or key in _HANDLED_ELSEWHERE or key in _ZERO_TUNING:
-        what = _KEY_HINTS.get(key) or _HANDLED_ELSEWHERE.get(key) or _ZERO_TUNING[key]
+    if key in _KEY_HINTS or key in _HANDLED_ELSEWHERE or key in ZERO_TUNING:
+        what = _KEY_HINTS.get(key) or _HANDLED_ELSEWHERE.get(key) or ZERO_TUNING[key]
         return (
             f"; '{key}' is a DeepSpeed key: {what}. To translate a whole DeepSpeed config, use "
             "hetero.Config.from_deepspeed(ds_config)."

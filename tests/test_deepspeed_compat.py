@@ -4,6 +4,7 @@ config errors name the DeepSpeed equivalent; consolidate --hf writes Hugging Fac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -35,7 +36,6 @@ def _ds_config(nvme: str) -> dict:
             "stage": 3,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4},
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_size": 1e8},
-            "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1},
             "overlap_comm": True,
             "contiguous_gradients": True,
             "sub_group_size": 1e9,
@@ -46,6 +46,7 @@ def _ds_config(nvme: str) -> dict:
             "stage3_max_reuse_distance": 1e9,
             "stage3_gather_16bit_weights_on_model_save": True,
         },
+        "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1},  # beside zero_optimization
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 1.0,
         "steps_per_print": 2000,
@@ -362,3 +363,162 @@ def test_min_loss_scale_zero_halves_as_deepspeeds_scaler(monkeypatch):
             theirs.update_scale(overflow)
             assert ours.scale == theirs.cur_scale, (floor, i)
         assert ours.scale < 1
+
+
+# (zero_optimization.stage, the stage DeepSpeed 0.19.8 reads, None: refused). Its pydantic model reads "3", " 2 ",
+# "3.0", 3.0 and true as stages, drops "auto" for its default 0, and refuses the rest; "3" was refused here.
+STAGE_CASES = [(3, 3), ("3", 3), (" 2 ", 2), ("3.0", 3), ("+1", 1), (3.0, 3), (True, 1), (False, 0), ("auto", 0),
+               (4, None), (-1, None), (3.5, None), ("three", None), ("3.", None), ("1e0", None),
+               (None, None)]  # fmt: skip
+
+
+def _deepspeeds_zero(section: dict):
+    """DeepSpeed's own reading of a zero_optimization section (None: it refuses the section)."""
+    zero = pytest.importorskip("deepspeed.runtime.zero.config")
+    try:
+        return zero.DeepSpeedZeroConfig(**section)
+    except Exception:  # its ValidationError, or the AssertionError of a deprecated key beside its replacement
+        return None
+
+
+@pytest.mark.parametrize(("stage", "expected"), STAGE_CASES)
+def test_zero_stage_read_as_deepspeed_reads_it(stage, expected):
+    ds = {"zero_optimization": {"stage": stage}}
+    if expected is None:
+        with pytest.raises(ConfigError, match=r"zero_optimization.stage: expected .*DeepSpeed refuses"):
+            hetero.Config.from_deepspeed(ds)
+    else:
+        assert hetero.Config.from_deepspeed(ds).zero_stage == expected
+    theirs = _deepspeeds_zero({"stage": stage})
+    assert (None if theirs is None else int(theirs.stage)) == expected
+
+
+# (deprecated keys, (offload.optimizer, offload.params), None: refused) as DeepSpeed translates them: cpu_offload is
+# offload_optimizer on the host, cpu_offload_param offload_param; beside the section they replace, refused.
+DEPRECATED_CASES = [
+    ({"stage": 2, "cpu_offload": True}, ("host", "device")),
+    ({"stage": 2, "cpu_offload": "true"}, ("host", "device")),
+    ({"stage": 2, "cpu_offload": False}, ("device", "device")),
+    ({"stage": 3, "cpu_offload": 1, "cpu_offload_param": True, "cpu_offload_use_pin_memory": True}, ("host", "host")),
+    ({"stage": 3, "cpu_offload_param": True}, ("device", "host")),
+    ({"stage": 2, "cpu_offload": "auto"}, ("device", "device")),
+    ({"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}, None),
+    ({"stage": 3, "cpu_offload_param": False, "offload_param": {"device": "cpu"}}, None),
+    ({"stage": 2, "cpu_offload": "maybe"}, None),
+    ({"stage": 3, "cpu_offload_params": True}, None),  # not DeepSpeed's name (cpu_offload_param)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("section", "expected"), DEPRECATED_CASES)
+def test_deprecated_cpu_offload_keys_translate_as_deepspeed_does(section, expected):
+    # Before: cpu_offload was named with a hint and not translated (the optimizer stayed on the device), and
+    # cpu_offload_param was "no hetero equivalent".
+    if expected is None:
+        with pytest.raises(ConfigError, match=r"DeepSpeed refuses"):
+            hetero.Config.from_deepspeed({"zero_optimization": section})
+    else:
+        config = hetero.Config.from_deepspeed({"zero_optimization": section})
+        assert (config.offload.optimizer, config.offload.params) == expected
+    theirs = _deepspeeds_zero(section)
+    if expected is None:
+        assert theirs is None
+    else:
+        sections = (theirs.offload_optimizer, theirs.offload_param)
+        assert tuple("host" if s is not None and s.device == "cpu" else "device" for s in sections) == expected
+
+
+def test_a_misspelt_deprecated_key_names_deepspeeds():
+    with pytest.raises(ConfigError, match=r"cpu_offload_params: not a DeepSpeed 0.19.8 key \(did you mean 'cpu_of"):
+        hetero.Config.from_deepspeed({"zero_optimization": {"cpu_offload_params": True}})
+
+
+def _nvme_params(tmp_path, **offload) -> dict:
+    return {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), **offload}}
+
+
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": "auto"}}, {"fp16": {"enabled": "auto"}}, {}])
+def test_max_in_cpu_counts_elements_of_the_precision_the_parameters_get(precision, tmp_path):
+    # DeepSpeed's max_in_cpu counts parameter elements. With the precision left to the Trainer ("auto", or no block),
+    # the bytes were fixed at translation from fp32 (4 a element), so when HeteroTrainer then chose bf16 (2 a
+    # element, as it replaces the precision: dataclasses.replace) twice the elements stayed on the host.
+    config = hetero.Config.from_deepspeed({**precision, "zero_optimization": _nvme_params(tmp_path, max_in_cpu=1000)})
+    assert config.precision == "fp32" and config.offload.params_host_bytes == 1000 * 4
+    for name, itemsize in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
+        chosen = dataclasses.replace(config, precision=name)  # HeteroTrainer.engine_config's step
+        assert chosen.offload.params_host_bytes == 1000 * itemsize, name
+        assert hetero.Config.from_dict(chosen.to_dict()).offload.params_host_bytes == 1000 * itemsize
+    given = hetero.Config.from_deepspeed({"bf16": {"enabled": True}, "zero_optimization": _nvme_params(tmp_path)})
+    assert given.offload.params_host_bytes == 10**9 * 2  # DeepSpeed's default count, in bf16
+    # "auto" is DeepSpeed's default too (was a ConfigError), whole floats and integer text are counts; 1.5 is not
+    for value, elements in (("auto", 10**9), (1e6, 10**6), ("100", 100)):
+        got = hetero.Config.from_deepspeed({"zero_optimization": _nvme_params(tmp_path, max_in_cpu=value)})
+        assert got.offload.params_host_bytes == elements * 4, value
+    with pytest.raises(ConfigError, match=r"max_in_cpu: expected a number of parameter .*, got 1.5; DeepSpeed refuses"):
+        hetero.Config.from_deepspeed({"zero_optimization": _nvme_params(tmp_path, max_in_cpu=1.5)})
+
+
+def test_zero_keys_are_deepspeeds_own():
+    # The keys hetero accepts in zero_optimization and its offload sections are exactly DeepSpeed 0.19.8's (field
+    # names and their stage3_ aliases): any other is refused as DeepSpeed refuses it, where hetero warned at most.
+    zero = pytest.importorskip("deepspeed.runtime.zero.config")
+    from hetero.config_deepspeed_zero import ZERO_KEYS
+
+    fields = zero.DeepSpeedZeroConfig.model_fields
+    assert set(fields) | {f.alias for f in fields.values() if f.alias} == ZERO_KEYS
+    for key in ZERO_KEYS - {"stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param"}:
+        with pytest.raises(ConfigError, match=rf"zero_optimization.{key}: \w"):  # named, with what to do instead
+            hetero.Config.from_deepspeed({"zero_optimization": {key: 1}}, strict=True)
+    with pytest.raises(ConfigError, match=r"overlap_com: not a DeepSpeed 0.19.8 key \(did you mean 'overlap_comm'"):
+        hetero.Config.from_deepspeed({"zero_optimization": {"stage": 2, "overlap_com": True}})
+    with pytest.raises(ConfigError, match=r"zero_optimization.aio: .*top-level DeepSpeed section"):
+        hetero.Config.from_deepspeed({"zero_optimization": {"stage": 3, "aio": {"block_size": 1}}})
+    assert _deepspeeds_zero({"stage": 3, "aio": {"block_size": 1}}) is None and _deepspeeds_zero({"x": 1}) is None
+
+
+def test_offload_sections_keys_as_deepspeeds(tmp_path, caplog):
+    offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    from hetero.config_deepspeed_zero import translate_zero
+
+    for section, model in (("offload_param", offload.DeepSpeedZeroOffloadParamConfig),
+                           ("offload_optimizer", offload.DeepSpeedZeroOffloadOptimizerConfig)):  # fmt: skip
+        for key in set(model.model_fields) - {"device", "nvme_path"}:  # each accepted, and named
+            notes: list[str] = []
+            translate_zero({"stage": 3, section: {"device": "cpu", key: model.model_fields[key].default}}, {}, notes)
+            assert any(f"zero_optimization.{section}." in n and key in n for n in notes), (section, key)
+        with pytest.raises(ConfigError, match=rf"{section}.bufer_count: not a DeepSpeed 0.19.8 key \(did you mean"):
+            hetero.Config.from_deepspeed({"zero_optimization": {"stage": 3, section: {"bufer_count": 4}}})
+    # Was dropped without a word: a partial offload keeps part of the states on the device under DeepSpeed.
+    with pytest.raises(ConfigError, match=r"offload_optimizer.ratio: hetero offloads every optimizer state"):
+        hetero.Config.from_deepspeed(
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, strict=True
+        )
+    auto = {"stage": 3, "offload_param": {"device": "auto"}}  # DeepSpeed's default device, "none"
+    assert hetero.Config.from_deepspeed({"zero_optimization": auto}).offload.params == "device"
+    with pytest.raises(ConfigError, match=r"offload_param.device: 'CPU' is not a DeepSpeed offload device"):
+        hetero.Config.from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "CPU"}}})
+
+
+def test_deepspeeds_adam_defaults_in_what_to_build(caplog):
+    # DeepSpeed's Adam and AdamW (FusedAdam, DeepSpeedCPUAdam) decay by 0 unless told; torch's AdamW by 0.01, which
+    # the suggested AdamW(lr=...) left in place. With torch_adam DeepSpeed builds torch's own, with torch's default.
+    with caplog.at_level(logging.WARNING, logger="hetero.config"):
+        hetero.Config.from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        hetero.Config.from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
+    assert "torch.optim.AdamW(model.parameters(), lr=0.001, weight_decay=0.0) and pass" in caplog.text
+    assert "torch.optim.AdamW(model.parameters(), lr=0.001) and pass" in caplog.text
+    with pytest.raises(ConfigError, match=r"bias_correction false has no torch equivalent"):
+        hetero.Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, strict=True)
+    with pytest.raises(ConfigError, match=r"optimizer.params.max_grad_norm: DeepSpeed refuses it too; .*gradient_clip"):
+        hetero.Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}})
+
+
+def test_offload_param_below_stage_3_is_named_not_refused(tmp_path):
+    # DeepSpeed hands offload_param to stage 3's optimizer alone (runtime/engine.py) and trains without it below; the
+    # translation gave offload.params, which hetero's own check refused naming zero_stage and offload.params.
+    ds = {"zero_optimization": {"stage": 2, "cpu_offload_param": True, "offload_optimizer": {"device": "cpu"}}}
+    config = hetero.Config.from_deepspeed(ds)
+    assert (config.zero_stage, config.offload.params, config.offload.optimizer) == (2, "device", "host")
+    with pytest.raises(ConfigError, match=r"offload_param: device 'cpu' not translated: DeepSpeed offloads param"):
+        hetero.Config.from_deepspeed(ds, strict=True)
+    nvme = {"stage": 1, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 10}}
+    assert hetero.Config.from_deepspeed({"zero_optimization": nvme}).offload.params_host_bytes == 0
