@@ -48,9 +48,9 @@ class Converted:
         shape = self.parts[key][1]
         return self.read_elements(key, 0, math.prod(shape)).reshape(shape)
 
-    def read_elements(self, key: str, a: int, b: int) -> torch.Tensor:
+    def read_elements(self, key: str, a: int, b: int, into: memoryview | None = None) -> torch.Tensor:
         if key not in self.parts:
-            return self.source.read_elements(key, a, b)
+            return self.source.read_elements(key, a, b, into)
         out, at = [], 0
         for k in self.parts[key][0]:
             n = math.prod(self.source.shape(k))
@@ -58,7 +58,8 @@ class Converted:
             if lo < hi:
                 out.append(self.source.read_elements(k, lo - at, hi - at).reshape(-1))
             at += n
-        return out[0] if len(out) == 1 else torch.cat(out)
+        got = out[0] if len(out) == 1 else torch.cat(out)
+        return got if into is None else torch.frombuffer(into, dtype=torch.uint8).view(got.dtype).copy_(got)
 
 
 def converted(source: Any, model: nn.Module) -> Any:

@@ -6,7 +6,9 @@ first, as from_pretrained reads them; a Trainer's state files never), or a Huggi
 (`*.safetensors.index.json`, `pytorch_model.bin.index.json`). safetensors files are read one tensor at a time
 with positioned reads ([Note: reading .safetensors without a memory map]; no safetensors package needed); torch files
 are loaded with `weights_only=True` (never unpickling code) and memory-mapped where their format allows, so a
-tensor's pages are read when it is copied (and stay resident until the load ends: prefer .safetensors).
+tensor's pages are read when it is copied (a rank's share or tensor-parallel shard: the pages it touches), and stay
+resident until the load ends; torch's legacy format cannot be mapped and is loaded whole by every rank: prefer
+.safetensors, which each rank reads only its share of.
 
 Names are the model's own `state_dict` keys. Like `from_pretrained`, a model with a `base_model_prefix` (GPT-2's
 "transformer", Llama's "model") takes weights saved from its base model (keys without the prefix) and a base model
@@ -17,8 +19,8 @@ has and the files lack keep the model's own values when it was built normally, a
 model, which has no values. Shape mismatches are always errors: the model was built from another config. When most names
 fail to match, the error says why in terms of the names themselves: a prefix one side has and the other lacks
 (a `module.` wrapper, another head) or two different naming schemes (another architecture). Files hold whole
-tensors; a weight that tensor parallelism cut (1D or a grid) is matched by its whole shape, and each tensor rank keeps
-its own shard of what it reads (`own_part`).
+tensors; a weight that tensor parallelism cut (1D or a grid) is matched by its whole shape, and each tensor rank reads
+only its own shard of it (hetero/zero/shard_reads.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from torch import nn
 
 from hetero.errors import WeightsError
-from hetero.zero import hf_names
+from hetero.zero import hf_names, shard_reads
 
 log = logging.getLogger("hetero.zero")
 _SAFE = (".safetensors",)
@@ -134,11 +136,17 @@ class WeightSource:
         src = self._where[key]
         return src[key] if isinstance(src, dict) else src.read(key)
 
-    def read_elements(self, key: str, a: int, b: int) -> torch.Tensor:
+    def read_elements(self, key: str, a: int, b: int, into: memoryview | None = None) -> torch.Tensor:
         """Elements [a, b) of a tensor flattened, without reading the rest from a .safetensors file (a tile's rows,
-        [Note: initialising tiles] in materialize.py, or a rank's share: [Note: each rank reads its share])."""
+        [Note: initialising tiles] in materialize.py, or a rank's share: [Note: each rank reads its share]); written
+        into `into` (exactly their bytes) when given, which the result then views."""
         src = self._where[key]
-        return src[key].reshape(-1)[a:b] if isinstance(src, dict) else src.read_elements(key, a, b)
+        if not isinstance(src, dict):
+            return src.read_elements(key, a, b, into)
+        if not src[key].is_contiguous():
+            src[key] = src[key].contiguous()  # once: a run of a strided tensor would copy all of it each time
+        part = src[key].reshape(-1)[a:b]
+        return part if into is None else torch.frombuffer(into, dtype=torch.uint8).view(part.dtype).copy_(part)
 
     def close(self) -> None:
         self._stack.close()
@@ -205,8 +213,8 @@ class SafetensorsFile:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise _unreadable(self.path, ".safetensors", e) from None
 
-    def _pread(self, n: int, offset: int) -> bytearray:
-        buf = bytearray(n)
+    def _pread(self, n: int, offset: int, into: memoryview | None = None) -> bytearray | memoryview:
+        buf = bytearray(n) if into is None else into
         view = memoryview(buf)
         done = 0
         while done < n:
@@ -226,12 +234,12 @@ class SafetensorsFile:
         shape = self._entries[key][1]
         return self.read_elements(key, 0, math.prod(shape)).reshape(shape)
 
-    def read_elements(self, key: str, a: int, b: int) -> torch.Tensor:
+    def read_elements(self, key: str, a: int, b: int, into: memoryview | None = None) -> torch.Tensor:
         dtype, _, offset, _ = self._entries[key]
         if b <= a:
             return torch.empty(0, dtype=dtype)
         try:
-            data = self._pread((b - a) * dtype.itemsize, offset + a * dtype.itemsize)
+            data = self._pread((b - a) * dtype.itemsize, offset + a * dtype.itemsize, into)
         except (ValueError, OSError) as e:  # changed under us since its header was read
             raise _unreadable(self.path, ".safetensors", e) from None
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # shares data's memory
@@ -249,7 +257,12 @@ def _torch_load(f: Path) -> dict[str, Any]:
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            state = torch.load(str(f), map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
+            log.warning(
+                "weights: %s is in torch's legacy format, which cannot be memory-mapped: every rank loads all of it "
+                "into host memory. Convert it to .safetensors to read only each rank's share",
+                f,
+            )
+            state = torch.load(str(f), map_location="cpu", weights_only=True)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         if isinstance(e, pickle.UnpicklingError) and "weights only" in first.lower():
@@ -342,26 +355,14 @@ def read_part(source: Any, key: str | None, t: torch.Tensor, a: int, b: int) -> 
     [Note: each rank reads its share]
     At stage 3 a rank keeps only its range of each chunk, so it reads only the elements there: over N ranks the files
     are read about once in all, not once per rank (a model larger than the host does not fit the page cache either,
-    so each rank's whole read went to the disk). A tensor-parallel shard is not contiguous in the file: its whole
-    tensor is read and cut."""
+    so each rank's whole read went to the disk). A tensor-parallel shard is not contiguous in the file: it is read
+    as the runs it is made of ([Note: reading a tensor-parallel shard] in shard_reads.py), only those in [a, b)."""
     if key is None:
         return t.detach().reshape(-1)[a:b]
-    if getattr(t, "_hetero_tp", None) is not None:
-        return own_part(t, source.read(key)).reshape(-1)[a:b]
-    return source.read_elements(key, a, b)
-
-
-def own_part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `whole` as `t` holds it: its shard where tensor parallelism cut `t` (files hold whole
-    tensors: each tensor rank reads them and keeps its own slice), else `whole`."""
     cut = getattr(t, "_hetero_tp", None)
-    if cut is None:
-        return whole
-    if callable(getattr(cut, "shard_of", None)):  # a grid's BlockShard
-        return cut.shard_of(whole)
-    # 1D's TPShard (hetero/parallel/tensor.py): slice `rank` of `degree` in each of `parts` blocks along `dim`.
-    blocks = whole.chunk(cut.parts, cut.dim)
-    return torch.cat([b.chunk(cut.degree, cut.dim)[cut.rank] for b in blocks], cut.dim)
+    if cut is not None:
+        return shard_reads.read_shard(source, key, cut, a, b)
+    return source.read_elements(key, a, b)
 
 
 def _prefix_map(model: nn.Module, model_keys: list[str], file_keys: list[str]) -> tuple[Any, str]:
