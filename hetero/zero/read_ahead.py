@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hetero.memory import Tier
+
 if TYPE_CHECKING:
-    from hetero.memory import ChunkManager, Tier
+    from hetero.memory import ChunkManager
     from hetero.zero.zero_chunk import ZeroChunk
 
 LOOKAHEAD = 2  # chunks whose optimizer states are read ahead of the one stepping (NVMe offload), at most
@@ -43,3 +45,23 @@ def read_ahead(manager: ChunkManager, order: list[ZeroChunk], i: int, tier: Tier
     # Every gradient still to be used stays: evicting one for a read ahead would write it only to read it back.
     later = [zc.grad for zc in order[i + len(ahead) :]]
     manager.prefetch(wanted, tier, keep=wanted + later)
+
+
+# [Note: the first states read in backward]
+# With states on NVMe the exact update used to start its first read when it began: its first chunk waited a whole read
+# (and the second and third, read behind it, most of theirs) while the cores idled, since nothing else was left to
+# run. Those reads start with the backward before the update instead, under the same rules as the update's own
+# (chunk i and what LOOKAHEAD and AHEAD_BYTES allow after it), so that the disk works while backward computes; while
+# the trace replays, the prefetch evicts only what is used after those states, never what backward still needs. The
+# race's 22.6M Llama, world 2 (`benchmarks/step_time.py --with-nvme`), waited 0.06-0.08 s a step a rank for them.
+# Local reads only: which chunks are read, and when, decides no collective. Not with `update_in_backward`, which
+# reads its own first states as backward starts, nor the delayed update, which steps during the next forward.
+
+
+def states_in_backward(manager: ChunkManager, order: list[ZeroChunk]) -> None:
+    """The backward before an exact update begins: start reading the states of the first chunks (in `order`, as
+    they will step) whose states live on NVMe ([Note: the first states read in backward])."""
+    for i, zc in enumerate(order):
+        if zc.placement.optim is Tier.NVME:
+            read_ahead(manager, order, i, zc.placement.compute)
+            return
