@@ -68,6 +68,7 @@ from hetero.zero.protocol import (
     Reducer,
     adopt_observed_order,
 )
+from hetero.zero.read_ahead import states_in_backward
 from hetero.zero.segments import zero_mode
 from hetero.zero.stages import Placement, shard_homes
 from hetero.zero.tiling import Tiled, TileRunner, detach_tiled
@@ -594,6 +595,8 @@ class Engine(DeepSpeedNames):
         self.dense.begin(last_micro_batch=boundary)
         if self.in_backward is not None:
             self.in_backward.begin(boundary=boundary)
+        elif boundary and self.updater.delayed is None:  # the update after this backward reads its first states now
+            states_in_backward(self.updater.manager, self.updater.chunks)
         failed = None
         with self.device.compute_context(), self.backward_open(retain_graph=bool(retain_graph)):
             if self._backwards is not None:
