@@ -522,3 +522,15 @@ def test_offload_param_below_stage_3_is_named_not_refused(tmp_path):
         hetero.Config.from_deepspeed(ds, strict=True)
     nvme = {"stage": 1, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 10}}
     assert hetero.Config.from_deepspeed({"zero_optimization": nvme}).offload.params_host_bytes == 0
+
+
+def test_max_in_cpu_under_hetero_trainer_follows_the_trainers_precision(tmp_path):
+    # The path of the mistranslation: fp16/bf16 "auto" in the DeepSpeed config, bf16 from the TrainingArguments.
+    transformers = pytest.importorskip("transformers")
+    from hetero.integrations.transformers import HeteroTrainer
+
+    ds = {"bf16": {"enabled": "auto"}, "zero_optimization": _nvme_params(tmp_path, max_in_cpu=1000)}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[])
+    trainer = HeteroTrainer(model=torch.nn.Linear(4, 4), args=args, hetero_config=hetero.Config.from_deepspeed(ds))
+    config = trainer.engine_config()
+    assert (config.precision, config.offload.params_host_bytes) == ("bf16", 1000 * 2)  # was 4000: fp32's size
