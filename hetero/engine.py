@@ -520,18 +520,18 @@ class Engine(DeepSpeedNames):
         self.manager.step_end(keep=False)
         self._in_step = False
 
-    def _stop_for(self, failed: BaseException) -> None:
-        """A forward (or batch) raised on a rank of a tensor-parallel group: tell every rank to stop ([Note: a
-        forward that fails])."""
-        why = f"in a forward of tensor-parallel group {self.mesh.tp.global_ranks}, which its peers cannot skip with it"
+    def _stop_for(self, failed: BaseException, what: str = "a forward") -> None:
+        """A forward, a batch or a backward (`what`) raised on a rank of a tensor-parallel group: tell every rank to
+        stop ([Note: a forward that fails], [Note: a backward that fails])."""
+        why = f"in {what} of tensor-parallel group {self.mesh.tp.global_ranks}, which its peers cannot skip with it"
         post_failure(failed, why=why)
         add_note(
             failed,
             f"hetero: this rank's tensor-parallel peers (global ranks {self.mesh.tp.global_ranks}) wait inside "
-            "collectives it will not join, and a tensor-parallel group cannot skip a batch, not even when every rank "
-            "of it raises (hetero cannot tell that they raised at the same point, and collectives issued at "
-            "different points pair wrongly). Every rank of the job was told to stop, and this engine runs no "
-            "further batch: find the cause (above), then resume from the last checkpoint",
+            f"collectives it will not join ({what} raised here), and a tensor-parallel group cannot skip a batch, not "
+            "even when every rank of it raises (hetero cannot tell that they raised at the same point, and "
+            "collectives issued at different points pair wrongly). Every rank of the job was told to stop, and this "
+            "engine runs no further batch: find the cause (above), then resume from the last checkpoint",
         )
 
     def _refuse_if_stopped(self, what: str) -> None:
@@ -582,6 +582,7 @@ class Engine(DeepSpeedNames):
         as in plain PyTorch)."""
         if self.inference:
             raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients to compute")
+        self._refuse_if_stopped("engine.backward")
         self.events.emit("backward_begin")
         self.monitor.loss(loss)
         scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -631,6 +632,9 @@ class Engine(DeepSpeedNames):
         """engine.backward raised on this rank: every data-parallel rank agrees that it raised at this point, before
         the backward is ended (which sends collectives); where they do not, raises, and this rank sends nothing
         more ([Note: a backward that fails])."""
+        if self.mesh.tp_size > 1:  # its tensor peers wait in the block's backward collectives: none can skip it
+            self._stop_for(failed, "engine.backward")
+            raise failed
         if self.comm.size == 1:
             return
         stopped = self._agree_failed(
@@ -714,6 +718,14 @@ class Engine(DeepSpeedNames):
         # count, shared state). A rank that raised alone used to end its backward anyway: the reductions it sent
         # met its peers' update or next batch (gloo aborted a process on mismatched sizes, or the peers waited
         # until comm_timeout); now every rank stops within about a second, naming it, and it sends nothing more.
+        # A rank of a tensor-parallel group agrees with nobody: its peers wait inside the block's backward collectives
+        # (an all-reduce it never joins), and whether they all raised at the same point is not known (the schedule
+        # counts the data-parallel group's collectives only). It used to end its backward and go on to its next
+        # batch, its peers waiting until comm_timeout; now it posts its failure for good before sending anything
+        # more (`_stop_for`, as a failed forward does), every rank stops within about a second, naming it and its
+        # error, and its backward is left unended: part of its gradient stays in the chunks, so `step()`, another
+        # backward, forward or batch on it is refused (RankFailedError); `close()` still frees it. Resume from the
+        # last checkpoint.
         # hetero's own collective errors (a mismatch, a rank gone: CommError) pass at once: ending the backward would
         # send more collectives to ranks that are not coming (in the first try, every test of a rank diverging hung
         # there). With update_in_backward, the backward that ends an
@@ -740,6 +752,9 @@ class Engine(DeepSpeedNames):
         that call on overflow). tokens: this micro-batch's token count, for `metrics()["tokens_per_s"]`."""
         if self.inference:
             raise RuntimeError("this engine was made with optimizer=None (inference): there is no update to step")
+        # A rank that stopped (a tensor-parallel rank's failed backward) left part of a gradient in the chunks, and
+        # its update's collectives would pair with others its peers left waiting.
+        self._refuse_if_stopped("engine.step")
         boundary = self.is_gradient_accumulation_boundary()
         self._grads_final = False
         self.watch.step()
@@ -802,7 +817,7 @@ class Engine(DeepSpeedNames):
                 except BaseException as e:
                     # [Note: a forward that fails]; where its forward told the others, this rank stopped already
                     if self.mesh.tp_size > 1 and not isinstance(e, CommError) and stopped() is None:
-                        self._stop_for(e)
+                        self._stop_for(e, "train_batch")
                     raise
             if loss_fn is None:
                 out = self(inputs, labels=labels)
@@ -834,7 +849,7 @@ class Engine(DeepSpeedNames):
             except BaseException as e:
                 # [Note: a forward that fails]; where its forward told the others, this rank stopped already
                 if self.mesh.tp_size > 1 and not isinstance(e, CommError) and stopped() is None:
-                    self._stop_for(e)
+                    self._stop_for(e, "eval_batch")
                 raise
 
     # ---- the update ---------------------------------------------------------------------------------------

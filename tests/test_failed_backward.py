@@ -7,7 +7,9 @@ that drops the whole accumulation and starts it again, checked against the float
 arithmetic] in tests/tolerance.py). Where one rank fails alone, every rank stops within seconds with an error naming
 it: before, the failed rank ended its backward with the reductions its peers had already run, paired with their
 update's or next batch's collectives (gloo aborted its process on the mismatched sizes), or, without the checks,
-its peers waited until comm_timeout.
+its peers waited until comm_timeout. A backward that raises on one rank of a tensor-parallel group (1D, with data or
+pipeline parallelism) stops every rank within seconds too, naming it and its error; before, its tensor peers waited in
+the block's backward all-reduce until comm_timeout. Its update and next batch are refused.
 """
 
 from __future__ import annotations
@@ -281,3 +283,88 @@ def test_a_loss_fn_failing_on_every_rank_skips_the_batch_world2(stage, checks):
     for got in results:
         assert [kind for kind, _, _ in got["errors"]] == ["IndexError"], got["errors"]
         tolerance.assert_weights(got["weights"], exact, plain, dtype=torch.float32)
+
+
+# ---- tensor parallelism: one tensor rank's backward raises ---------------------------------------------------------
+TP_LAYOUTS = {  # name: (world size, zero stage, check_collectives, parallel)
+    "tp2": (2, 1, True, {"tensor": 2}),
+    "tp2, no checks": (2, 0, False, {"tensor": 2}),
+    "tp2-dp2": (4, 3, True, {"tensor": 2}),
+    "tp2-dp2, no checks": (4, 1, False, {"tensor": 2}),
+    # Global ranks 0 and 1 are the first stage (the embedding and layers.0); the backward raises inside train_batch.
+    "tp2-pp2": (4, 1, True, {"tensor": 2, "pipeline": 2, "microbatches": 2, "pipeline_split": ["layers.1"]}),
+}
+
+
+def _tensor_rank_fails(rank: int, world: int, layout: str) -> dict:
+    """Global rank 1's backward raises at the output of a tensor-parallel block's row-parallel layer (o_proj), before
+    the block's backward all-reduce (its column-parallel input's); its loop skips the batch and goes on."""
+    from hetero.models.gpt_pipe import TP_PLAN
+
+    try:
+        from tests import pipe_parity
+    except ImportError:  # tests/ itself on sys.path
+        import pipe_parity  # type: ignore[no-redef]
+
+    torch.set_num_threads(1)
+    _, stage, checks, parallel = TP_LAYOUTS[layout]
+    model = pipe_parity.build()
+    config = {"zero_stage": stage, "chunk_size": parity.CHUNK, "comm_timeout": COMM_TIMEOUT}
+    config["check_collectives"] = checks
+    engine = hetero.initialize(
+        model, parity.make_optimizer(model), {**config, "parallel": {**parallel, "tensor_plan": TP_PLAN}}
+    )
+    if rank == 1:
+        o_proj = next(m for n, m in model.named_modules() if n.endswith("attn.o_proj"))
+        o_proj.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    (x, y), *_ = parity.batches(1, ROWS, seq=16)
+    if "dp2" in layout:  # data-parallel groups [0, 2] and [1, 3]
+        local = ROWS // 2
+        x, y = x[(rank // 2) * local : (rank // 2 + 1) * local], y[(rank // 2) * local : (rank // 2 + 1) * local]
+    out: dict = {}
+    start = time.monotonic()
+    for attempt in ("first", "step", "next"):  # a loop that steps after a failed backward, then goes on
+        try:
+            if attempt == "step":
+                if rank != 1:
+                    continue
+                engine.step()
+            elif engine.stages is not None:
+                engine.train_batch(x, y)
+            else:
+                engine.backward(engine(x, labels=y).loss)
+                engine.step()
+        except Exception as e:  # noqa: BLE001 (the type is part of what is checked)
+            out[attempt] = (type(e).__name__, "\n".join([str(e), *getattr(e, "__notes__", [])]))
+            if attempt == "first" and rank != 1:
+                break  # a peer stops at its error
+    out["seconds"] = time.monotonic() - start
+    engine.close()
+    return out
+
+
+@ranks_apart(ONE_RANK_FAULTS)
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_a_backward_failing_on_one_tensor_rank_stops_every_rank_at_once(layout):
+    """Before, its tensor peers waited inside the block's backward all-reduce until comm_timeout, while the rank that
+    raised went on to its next batch."""
+    world = TP_LAYOUTS[layout][0]
+    results = run_distributed(_tensor_rank_fails, world, layout, timeout=COMM_TIMEOUT - 15)
+    where = "train_batch" if "pp2" in layout else "engine.backward"
+    for rank, r in enumerate(results):
+        assert r["seconds"] < STOP_S, (rank, r)
+        kind, text = r["first"]
+        if rank == 1:
+            assert kind == "_Boom" and "cannot skip a batch, not even when every rank" in text, text
+            assert f"({where} raised here)" in text, text
+            # Its update (part of a gradient in the chunks) and its next batch are refused: their collectives would
+            # pair with those its peers left waiting.
+            for attempt, what in (("step", "engine.step"), ("next", "train_batch" if "pp2" in layout else "a forward")):
+                kind, text = r[attempt]
+                assert kind == "RankFailedError" and f"{what} on global rank 1 refused" in text, text
+                assert "out of memory at the loss" in text, text
+        elif kind == "RankFailedError":
+            assert "global rank 1 failed with _Boom: out of memory at the loss (simulated)" in text, (rank, text)
+            assert f"in {where} of tensor-parallel group [0, 1]" in text, (rank, text)
+        else:  # the other stage of a pipeline: stopped by the stage that raised
+            assert "pp2" in layout and kind == "PipelineError" and "raised during this batch" in text, (rank, r)
