@@ -79,11 +79,12 @@ def test_bars_while_initialising_and_streaming(tmp_path, monkeypatch, capsys):
 # ---- launchers ------------------------------------------------------------------------------------------------
 def test_adopt_slurm_environment():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1"}
+    env["SLURM_STEP_NUM_TASKS"] = "4"  # srun's, for each task it starts
     assert adopt_launcher_env(env) == "SLURM"
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("3", "4", "1")
     # No rendezvous: every task stops, saying how to set it, rather than train alone.
     with pytest.raises(CommError, match="MASTER_ADDR and MASTER_PORT are not set.*scontrol"):
-        adopt_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
+        adopt_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"})
     assert adopt_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # one task: alone is right
     torchrun = {"WORLD_SIZE": "2", "RANK": "1", "SLURM_NTASKS": "8", "SLURM_PROCID": "5"}
     assert adopt_launcher_env(torchrun) is None and torchrun["RANK"] == "1"  # torchrun under srun wins
@@ -108,7 +109,7 @@ def test_srun_tasks_join_one_world():
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank))
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_NUM_TASKS="2")
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-c", _SRUN_TASK]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=cpu_ranks_env(env), stdout=subprocess.PIPE))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import errno
+import json
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -32,10 +34,19 @@ DEFAULT_TIMEOUT_S = 600.0  # a collective that does not complete in 10 minutes i
 # own), each rank claims its RANK with a token of its own process and compares the world size, and the last to arrive
 # posts the outcome every rank waits for. A second claim of a rank or another world size posts a refusal instead, so
 # that every rank still waiting raises the same CommError at once. Keys are per torchrun restart, and a process that
-# joins again (after `destroy_process_group`) holds its claim already.
+# joins again (after `destroy_process_group`) holds its claim already. Launch variables that every rank must share
+# (`SHARED_ENV`: HETERO_CPU_TRANSPORT, which decides how a gloo group's CPU data moves) are posted with each claim:
+# a rank launched with an invalid value refuses for every rank at once, and the last to arrive compares every rank's
+# values and refuses, naming each rank's, where they differ (one rank on gloo beside peers on cross-memory attach
+# made `Link.open` fall back to gloo for all without a word, and an invalid value raised on that rank alone after
+# the backend joined, leaving its peers waiting at their first collective for the whole timeout).
 # This process in its claims, made once: joining again, it holds its claim (a random tag: pids repeat in containers).
 _ME = f"host {socket.gethostname()} pid {os.getpid()} ({os.urandom(4).hex()})"
 _OK = "ok"
+# Launch variables every rank must set alike: name -> (the value when unset, the valid values), read with the backend
+# they matter for (`launch_settings`).
+SHARED_ENV = {"HETERO_CPU_TRANSPORT": ("cma", ("cma", "gloo"))}
+_STORE_GRACE_S = 5.0  # past the join timeout, for torch's own timeout error (raised at the timeout) to come first
 
 
 def _env_int(name: str, *, required: bool) -> int | None:
@@ -107,9 +118,9 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     td = datetime.timedelta(seconds=timeout_s)
     where = f"{os.environ['MASTER_ADDR']}:{port}"
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=td))
+        store = _rendezvous(rank, world_size, timeout_s, where)
         store.set_timeout(td)
-        _roll_call(store, rank, world_size, timeout_s, where)
+        _roll_call(store, rank, world_size, timeout_s, where, settings=launch_settings(backend))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     except (RuntimeError, ValueError) as err:
         if isinstance(err, CommError):
@@ -131,10 +142,64 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return Comm.world()
 
 
-def _roll_call(store: Any, rank: int, world_size: int, timeout_s: float, where: str, me: str = _ME) -> None:
-    """Every rank's RANK claimed once and its WORLD_SIZE rank 0's, or a CommError on every rank still waiting: see
-    [Note: the roll call at joining]. `me` names this process in the claim (its host, pid and a random tag)."""
+def launch_settings(backend: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """This rank's values of the launch variables every rank must share (`SHARED_ENV`) that matter to `backend`:
+    HETERO_CPU_TRANSPORT moves a gloo group's CPU data, and nothing of an NCCL group's."""
+    env = os.environ if environ is None else environ
+    if backend != "gloo":
+        return {}
+    return {name: env.get(name, "").strip().lower() or unset for name, (unset, _) in SHARED_ENV.items()}
+
+
+# [Note: a port held by something else]
+# A client of torch's TCPStore (every rank but 0, or every rank under torchrun's agent store) connects to
+# MASTER_ADDR:MASTER_PORT, then waits for the store's answer to a ping with no bound at all (torch 2.13: a blocking
+# `recv` in `TCPStore::ping`, whatever the store's timeout). A program that listens on the port and never speaks (a
+# stale debugger, a web server's half-open socket, any listener) held the rank in `init_process_group` for ever. So the
+# store is made in a thread of its own, and a join that outlives the join timeout (plus a grace, for torch's own timeout
+# error to come first) is a CommError naming the port; the thread stays blocked in `recv`, a daemon that holds nothing
+# of the job's, until the process ends.
+def _rendezvous(rank: int, world_size: int, timeout_s: float, where: str) -> Any:
+    """torch's env:// rendezvous store, or a CommError once it has taken longer than `timeout_s`: see
+    [Note: a port held by something else]."""
+    td = datetime.timedelta(seconds=timeout_s)
+    box: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            box["store"] = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=td))[0]
+        except Exception as err:  # handed to the joining thread, which raises it
+            box["error"] = err
+
+    thread = threading.Thread(target=make, name="hetero-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout_s + _STORE_GRACE_S)
+    if thread.is_alive():
+        raise CommError(
+            f"rank {rank} of {world_size} reached {where}, but what listens there never answered as torch's store "
+            f"within {timeout_s} s: MASTER_PORT is held by another program (not a torch store), or by a process that "
+            "hangs. Choose a free MASTER_PORT, the same on every rank, or stop the program holding it (on "
+            f"MASTER_ADDR's host, `ss -ltnp` shows it)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
+
+
+def _roll_call(
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    where: str,
+    me: str = _ME,
+    settings: dict[str, str] | None = None,
+) -> None:
+    """Every rank's RANK claimed once, its WORLD_SIZE rank 0's and its `settings` (`launch_settings`) valid and
+    every rank's, or a CommError on every rank still waiting: see [Note: the roll call at joining]. `me` names this
+    process in the claim (its host, pid and a random tag)."""
     key = f"hetero/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    settings = settings or {}
 
     def refuse(why: str) -> CommError:
         store.compare_set(f"{key}/outcome", "", why)  # the first refusal wins; after "ok" only this rank stops
@@ -170,7 +235,23 @@ def _roll_call(store: Any, rank: int, world_size: int, timeout_s: float, where: 
             f"rank {rank} was started twice at {where}: by {holder} and by {me}. Give every process its own RANK "
             "(torchrun does), and make sure no earlier job still uses this MASTER_ADDR:MASTER_PORT"
         )
+    store.set(f"{key}/settings{rank}", json.dumps(settings, sort_keys=True))
+    for name, value in settings.items():
+        valid = SHARED_ENV[name][1]
+        if value not in valid:
+            raise refuse(
+                f"{name}={value!r} on rank {rank} ({me}) is not one of {', '.join(map(repr, valid))}: launch every "
+                f"rank with the same valid {name} (or none: {SHARED_ENV[name][0]!r})"
+            )
     if store.add(f"{key}/arrived", 1) == world_size:
+        every = [json.loads(text(store.get(f"{key}/settings{r}"))) for r in range(world_size)]
+        differ = sorted({name for s in every for name in s if s.get(name) != every[0].get(name)})
+        if differ:
+            raise refuse(
+                "the ranks were launched with different settings, which every rank must share: "
+                + "; ".join(f"{name} is {_by_value([s.get(name, '(unset)') for s in every])}" for name in differ)
+                + f". Launch every rank with the same {', '.join(differ)}"
+            )
         store.compare_set(f"{key}/outcome", "", _OK)
     try:
         store.wait([f"{key}/outcome"])
@@ -183,6 +264,14 @@ def _roll_call(store: Any, rank: int, world_size: int, timeout_s: float, where: 
     outcome = text(store.get(f"{key}/outcome"))
     if outcome != _OK:
         raise CommError(f"rank {rank} of {world_size} cannot join: {outcome}")
+
+
+def _by_value(values: list[str]) -> str:
+    """Each rank's value of one variable, grouped: "'gloo' on rank 1 and 'cma' on ranks 0, 2"."""
+    ranks: dict[str, list[int]] = {}
+    for r, value in enumerate(values):
+        ranks.setdefault(value, []).append(r)
+    return " and ".join(f"{v!r} on rank{'s' if len(rs) > 1 else ''} {_listed(rs)}" for v, rs in ranks.items())
 
 
 def _listed(ranks: list[int], most: int = 16) -> str:

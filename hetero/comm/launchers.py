@@ -9,6 +9,11 @@ and SLURM_LOCALID (OpenMPI's OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK, likewis
 LOCAL_RANK, and the rendezvous is MASTER_ADDR:MASTER_PORT, which the job script sets (the first node of the
 allocation, any free port): without them every task stops with an error that says how to set them. One task
 (SLURM_NTASKS=1, e.g. `sbatch` running torchrun itself) is left alone.
+The batch script itself is no task of a step: `sbatch --ntasks=4` runs it once, on the first node, with SLURM_NTASKS=4
+and SLURM_PROCID=0 but none of the SLURM_STEP_* variables that `srun` sets for each task it starts. `python train.py`
+there, without `srun`, became rank 0 of 4 and waited out the whole join timeout (ten minutes by default) for ranks
+that nobody started; so it stops at once, saying to start the tasks with `srun` (or torchrun, or WORLD_SIZE=1 to
+train as one process on purpose). `salloc`'s shell looks the same, and is told the same.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ LAUNCHERS = {
     "SLURM": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
     "OpenMPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
 }
+# Set by srun for each task of a step, and never in the batch script's (or salloc's) own shell.
+_SLURM_STEP_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "SLURM_STEPID")
 _SCRIPT_HINT = {
     "SLURM": 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) MASTER_PORT=29500',
     "OpenMPI": "mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500 ...",
@@ -52,6 +59,14 @@ def adopt_launcher_env(environ: dict[str, str] | None = None) -> str | None:
             ) from None
         if size <= 1:
             return None
+        if name == "SLURM" and not any(env.get(v, "").strip() for v in _SLURM_STEP_VARS):
+            raise CommError(
+                f"SLURM allotted {size} tasks ({size_var}={size}), but this process is the job's batch script (or "
+                f"salloc's shell), not a task started by srun ({', '.join(_SLURM_STEP_VARS)} are not set): it would "
+                f"wait for {size - 1} ranks that nobody starts. Start the tasks with `srun python ...` in the job "
+                "script (with MASTER_ADDR and MASTER_PORT exported), or run torchrun under srun, one per node; to "
+                "train as one process on purpose, set WORLD_SIZE=1"
+            )
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v, "").strip()]
         if missing:
             raise CommError(
