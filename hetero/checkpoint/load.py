@@ -6,8 +6,10 @@ the element range each rank keeps (the whole chunk at stage 0, its shard otherwi
 segments cover it, whatever layout wrote them. So a different data-parallel world size, ZeRO stage, chunk size,
 offload placement or precision needs no special path: the fp32 master weights and optimizer states are exact, and
 parameters are re-derived from the master as the update's write-back does (cast to the compute dtype, then
-all-gathered or kept as a shard by stage). Only a gradient pending in the middle of accumulation is not resharded:
-it is rank-local (unreduced at stages 0-1), so it loads only into the same world size and stage.
+all-gathered or kept as a shard by stage). A saved segment that several ranks keep parts of is read whole and checked
+by one of them, the others reading only their part ([Note: one rank checks a shared segment] in plan.py). Only a
+gradient pending in the middle of accumulation is not resharded: it is rank-local (unreduced at stages 0-1), so it
+loads only into the same world size and stage.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +25,7 @@ import torch
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import agree, identity, same_checkpoint
-from hetero.checkpoint.plan import model_buffers
+from hetero.checkpoint.plan import Checkers, model_buffers
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
@@ -67,6 +70,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             keeps = bool(manifest["engine"].get("keeps_zero_grads", False))
             used = set(mine["used"]) if (pending and mine) else set()
             reading: list[tuple[int, Any, list]] = []  # trainable chunks whose reads are in flight, in chunk order
+            checkers = Checkers(engine)  # [Note: one rank checks a shared segment] in plan.py
 
             def finish() -> None:
                 shown.update()
@@ -95,6 +99,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                 # The parameter copies below run while the I/O threads read and checksum: torch's own worker threads
                 # would oversubscribe the cores (a 4 MB copy was measured taking 10 ms instead of 0.4 ms on 2 cores).
                 torch.set_num_threads(1)
+            parts = ThreadPoolExecutor(1, thread_name_prefix="hetero-ckpt-parts")  # see `_start_trainable`
             try:
                 # [Note: chunks ahead]
                 # While chunk i is finished (checksums, parameters from its master), the reads of
@@ -111,7 +116,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                     ledger = engine.manager.ledgers[zc.placement.compute]
                     while reading and zc.optim.tier is not zc.placement.compute and ledger.free < 2 * zc.optim.nbytes:
                         finish()  # no room to bring this chunk in beside those being read: let them go first
-                    reading.append((i, zc, _start_trainable(engine, zc, index, manifest)))
+                    reading.append((i, zc, _start_trainable(engine, zc, index, manifest, checkers, parts)))
                     while len(reading) > _AHEAD:
                         finish()
                 while reading:
@@ -123,6 +128,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
                     for f in futures:
                         f.exception()
                     engine.manager.unpin(zc.optim)
+                parts.shutdown()
             _fill_buffers(engine, index)
             if mine is not None:
                 _restore_rng(engine, index, mine, mine["file"])
@@ -265,9 +271,12 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
 
 
 # ---- filling chunks --------------------------------------------------------------------------------------------
-def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any]) -> list:
+def _start_trainable(
+    engine: Engine, zc: Any, index: mf.Index, manifest: dict[str, Any], checkers: Checkers, parts: ThreadPoolExecutor
+) -> list:
     """Make the chunk's optimizer buffer resident and pinned, zero what the checkpoint does not fill, and start
-    reading the rest; `_finish_trainable` completes it."""
+    reading the rest; `_finish_trainable` completes it. checkers, parts: who reads a shared segment whole, and the
+    thread reading the parts of those this rank does not ([Note: one rank checks a shared segment] in plan.py)."""
     m = engine.manager
     saved = manifest["model"]["params"]
     if engine.stage == 3:
@@ -276,23 +285,57 @@ def _start_trainable(engine: Engine, zc: Any, index: mf.Index, manifest: dict[st
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
     m.access(zc.optim, zc.placement.compute)
     m.pin(zc.optim)
-    requests = []
+    requests: list[tuple] = []  # read and checked by `Index`
+    parts_only: list[tuple] = []  # parts of segments another rank checks
     for j, kind in enumerate(kinds):
         view = zc.optim.view(zc.optim.slots[j])
         filled = lo  # every element not read from the checkpoint is zeroed: padding, fresh states
         for info, a, b in zc.spec.overlaps(lo, hi):
             target = view[a - lo : b - lo]
             sname = par.stored_name(info)
-            if saved[sname]["trainable"]:
-                requests.append((kind, sname, info.element(a), target))
-            elif kind == "master":  # unfrozen since the save: start from its saved values, fresh states
-                requests.append(("frozen", sname, info.element(a), target))
-            else:
+            if saved[sname]["trainable"] or kind == "master":  # unfrozen since the save: its saved values
+                wanted = (kind if saved[sname]["trainable"] else "frozen", sname, info.element(a), target)
+                _split(index, checkers, zc.comm, wanted, requests, parts_only)
+            else:  # unfrozen since the save: fresh states
                 target.zero_()
             view[filled - lo : a - lo].zero_()
             filled = b
         view[filled - lo :].zero_()
-    return index.fill_async(requests)
+    futures = index.fill_async(requests)
+    for fname in {seg.file for seg, _, _ in parts_only}:
+        index.reader(fname)  # opened here: the reader cache is not shared between threads
+    return futures + [parts.submit(_read_part, index, *p) for p in parts_only]
+
+
+def _split(index: mf.Index, checkers: Checkers, comm: Any, wanted: tuple, checked: list, parts_only: list) -> None:
+    """Route the read of elements [lo, lo + out.numel()) of (kind, name) into `out`: to `checked` (read and checked
+    whole by `Index`) for each segment this rank keeps whole or checks, to `parts_only` (seg, its first element wanted,
+    out's part) for each segment another rank checks ([Note: one rank checks a shared segment] in plan.py)."""
+    kind, name, lo, out = wanted
+    hi = lo + out.numel()
+    segs = [s for s in index.segments.get((kind, name), ()) if s.start < hi and s.end > lo]
+    if sum(min(s.end, hi) - max(s.start, lo) for s in segs) != hi - lo:
+        checked.append(wanted)  # not covered: `Index` says what is missing
+        return
+    for seg in segs:
+        a, b = max(seg.start, lo), min(seg.end, hi)
+        target = out[a - lo : b - lo]
+        if (a, b) == (seg.start, seg.end) or checkers.checks(seg, comm.rank, comm.size):
+            checked.append((kind, name, a, target))
+        else:
+            parts_only.append((seg, a, target))
+
+
+def _read_part(index: mf.Index, seg: mf.Segment, a: int, target: torch.Tensor) -> None:
+    """Elements [a, a + target.numel()) of a segment another rank checks, read by offset alone (no checksum here)."""
+    reader = index.reader(seg.file)
+    dtype = reader.entry(seg.key).dtype
+    if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+        reader.read_into(seg.key, target, start=a - seg.start)
+    else:
+        tmp = torch.empty(target.numel(), dtype=dtype)
+        reader.read_into(seg.key, tmp, start=a - seg.start)
+        target.copy_(tmp)
 
 
 def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:

@@ -5,6 +5,7 @@ reads ([Note: direct reads] in format.py)."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,3 +109,48 @@ def residue(it: Item) -> int | None:
         return None
     first = (it.chunk.slots[it.slot].offset if it.slot is not None else 0) + it.offset
     return first * it.chunk.dtype.itemsize % DIRECT_ALIGN
+
+
+# [Note: one rank checks a shared segment]
+# A saved segment is checked as a whole (its checksum covers all of it), so a rank that keeps only part of it read it
+# whole into scratch memory. In the layout that saved a checkpoint no segment is shared (each rank's file holds its
+# own shard), but loading into another one (another data-parallel world size, another chunk size) cuts segments
+# between ranks: each rank then read every segment it touched whole, up to the whole checkpoint per rank (a chunk
+# holding one large weight, loaded at world W, was read W times: a world-1 checkpoint of the test GPT with 64-wide
+# layers, 1.27 MB, loaded at world 2 stage 1, had each rank read 1.23-1.26 MB of it). Now the rank keeping the largest
+# part of a shared segment (one chosen by the segment's key among equal parts) reads it whole and checks it; the
+# others read only their part, by offset (there: 0.83 and 1.04 MB, 1.5 times the file in all instead of twice).
+# A checksum that fails is that rank's error, which the load's agreement after the reads makes every rank's ([Note:
+# a load every rank agrees on] in agree.py), so no rank trains on bytes no one checked. This relies on every rank
+# reading the same files, which a load requires already (one checkpoint at one path on a file system all mount).
+class Checkers:
+    """Which data-parallel rank reads whole and checks each saved segment of a trainable parameter that several ranks
+    keep a part of ([Note: one rank checks a shared segment]). The same answer on every rank: it follows from the
+    chunk layout alone."""
+
+    def __init__(self, engine: Engine) -> None:
+        # each trainable parameter's stored name -> (chunk, ParamInfo) of each place it lives in (tiles: several)
+        self.places: dict[str, list[tuple[Any, Any]]] = {}
+        for zc in engine.chunks:
+            if zc.optim is not None:
+                for info in zc.spec.params:
+                    self.places.setdefault(par.stored_name(info), []).append((zc, info))
+
+    def share(self, name: str, start: int, end: int, rank: int) -> int:
+        """How many of elements [start, end) of tensor `name` the data-parallel rank `rank` keeps."""
+        n = 0
+        for zc, info in self.places.get(name, ()):
+            lo, hi = zc.layout.kept_range(zc.spec.capacity, zc.comm.size, rank)
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a < b:
+                n += max(0, min(info.element(b), end) - max(info.element(a), start))
+        return n
+
+    def checks(self, seg: mf.Segment, rank: int, world: int) -> bool:
+        """Whether `rank` (of `world`) is the one that reads the saved segment `seg` whole and checks it."""
+        name = mf.split_key(seg.key)[2]
+        shares = [self.share(name, seg.start, seg.end, r) for r in range(world)]
+        tied = [r for r, n in enumerate(shares) if n == max(shares)]
+        # Equal shares (a weight cut evenly) are common: spread them by the key (the same on every rank), or one
+        # rank would read them all whole.
+        return tied[zlib.crc32(seg.key.encode()) % len(tied)] == rank
