@@ -23,6 +23,11 @@ class Rules:
     device_only: Callable[[torch.Tensor], str | None] | None = None  # why a data tensor is refused, or None
     separate_control: bool = False  # small host messages go through a gloo group of their own
     cma: bool = False  # CPU data within a host: [Note: collectives by cross-memory attach] (cma.py)
+    # Whether ranks issuing collectives of different sizes at the same point end the process natively (gloo's
+    # "Received data size doesn't match": SIGABRT), so that a check must be verified before its collective is issued
+    # where ranks may diverge ([Note: a check verified before a collective of another size] in
+    # hetero/zero/protocol.py). NCCL does not abort there; unknown backends are taken to.
+    sizes_abort: bool = True
 
 
 def _cuda_only(t: torch.Tensor) -> str | None:
@@ -32,7 +37,7 @@ def _cuda_only(t: torch.Tensor) -> str | None:
 def rules_for(backend: str, timeout_s: float | None) -> Rules:
     """NCCL's rules for an NCCL group; under the stand-in, the same rules for gloo."""
     if backend == "nccl":
-        return Rules(timeout_s=timeout_s, device_only=_cuda_only, separate_control=True)
+        return Rules(timeout_s=timeout_s, device_only=_cuda_only, separate_control=True, sizes_abort=False)
     if standin.active():
         return Rules(timeout_s=timeout_s, device_only=standin.collective_rule, separate_control=True)
     cma.transport()  # a bad HETERO_CPU_TRANSPORT fails here, at the edge; each rank's choice is agreed at `Link.open`

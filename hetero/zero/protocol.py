@@ -40,6 +40,23 @@ for; the error is raised there instead of at the issue, still naming every rank'
 carries the units its rank started last, so the error needs no further exchange: after a divergence the ranks'
 later operations no longer pair up, and a second collective to report it could itself hang. A rank that does not
 come still times out on the check's all-gather, named as before.
+
+[Note: a check verified before a collective of another size]
+Posted checks let a rank issue its collective before the ranks were found to agree on it. Where ranks that took
+other paths issue collectives of different sizes at the same point, gloo does not wait to be told: it ends the
+process natively ("Received data size doesn't match", SIGABRT) before any check is compared, on every rank the
+larger message reaches (a top-level module run by some ranks, its chunk 272 elements where the others' next one
+held 300). So on a group whose backend aborts so (`Rules.sizes_abort`: gloo, and the stand-in's gloo data group;
+NCCL does not), a check is verified where it is made, before its collective, unless every rank can tell that it
+is the check they all expect next: the one that followed the previous check the last time that check was made
+(`Checker._next_of`). Ranks that agree so far have posted the same checks, so they expect the same next one; a
+rank whose next check is not that one verifies it first, so of two ranks about to issue different collectives at
+least one compares the checks before issuing anything, raises the error naming both, and never issues its
+collective; the other issued the expected one and raises at its wait. Same operation and chunk means the same
+sizes: they follow from the layout, which every rank shares; a check with no chunk (an update, a checkpoint, a read
+of every chunk) is verified first always, once a call. After the first step the schedule repeats, so nearly every
+check is posted as before; the first step, and the first after a change of path (an evaluation), rendezvous at
+each collective.
 """
 
 from __future__ import annotations
@@ -53,6 +70,7 @@ import torch
 
 from hetero.comm import Comm
 from hetero.comm.handles import Handle
+from hetero.comm.rules import mark_failed
 from hetero.errors import CollectiveMismatchError
 from hetero.zero.units import Unit
 
@@ -114,6 +132,13 @@ class Checker:
         self.started: deque[tuple[int, int]] = deque(maxlen=_STARTED)
         self._posted: deque[_Posted] = deque()  # checks sent, not yet compared, in order
         self._verifying = False
+        # [Note: a check verified before a collective of another size]: whether a check whose collective the ranks
+        # do not all expect is verified before it is issued; the check that followed each check the last time
+        # (keyed by (operation, chunk, unit, phase)); and the last check made.
+        self._verify_first = self.enabled and comm.rules.sizes_abort
+        self._next_of: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
+        self._last: tuple[int, int, int, int] | None = None
+        self.verified_first = 0  # checks verified before their collective (each a rendezvous of the ranks)
         if self.enabled:
             for c in {id(c): c for c in (comm, comm.control)}.values():
                 c.guards.append(self)
@@ -128,6 +153,19 @@ class Checker:
         what = f"the collective schedule's check before {self._describe(op, chunk, unit, phase)}"
         work = self.comm.control.all_gather_async(rows, row, what=what)
         self._posted.append(_Posted(self.seq, row, rows, work))
+        if self._verify_first:
+            key = (op, chunk, unit, phase)
+            expected = chunk >= 0 and self._last is not None and self._next_of.get(self._last) == key
+            if self._last is not None:
+                self._next_of[self._last] = key
+            self._last = key
+            if not expected:
+                self.verified_first += 1
+                try:
+                    self.verify(self.seq)
+                except BaseException:
+                    mark_failed(what)  # [Note: memory a failed collective may still write] in hetero/comm/rules.py
+                    raise
 
     def close(self) -> None:
         """Stop guarding the groups (the engine's close). What is posted is dropped unverified: after an error a
