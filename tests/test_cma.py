@@ -454,3 +454,53 @@ def test_ranks_that_issue_different_collectives_all_raise_before_reading() -> No
         assert f"group rank {rank}: all_gather of {last if rank < 2 else last - 4000} bytes of float32" in size
         assert "all_reduce (sum) of" in got["dtype"] and "of int32" in got["dtype"], got
         assert "reduce_scatter (max)" in got["op"] and "reduce_scatter (sum)" in got["op"], got
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    """How many of the 4 KiB pages of [address, address + nbytes) are resident (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = nbytes // 4096
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec.raw)
+
+
+def _fresh_destinations(rank: int, world: int) -> dict[str, Any]:
+    import mmap
+
+    comm = Comm.world()
+    real, reads = cma_link._copy, []
+
+    def watched(pid: int, remote: int, local: int, nbytes: int, *, write: bool = False) -> None:
+        if not write and nbytes >= 1 << 16:  # a collective's payload, not a block's fields
+            lo, hi = local & ~4095, (local + nbytes + 4095) & ~4095
+            reads.append(_resident_pages(lo, hi - lo) == (hi - lo) // 4096)
+        real(pid, remote, local, nbytes, write=write)
+
+    def fresh(numel: int) -> torch.Tensor:  # anonymous pages no one has touched yet, as a pool's fresh buffer
+        return torch.frombuffer(mmap.mmap(-1, numel * 4), dtype=torch.float32)
+
+    cma_link._copy = watched
+    try:
+        out = fresh(world * N)
+        comm.all_gather(out, _data(rank, N, torch.float32))
+        assert torch.equal(out, torch.cat([_data(r, N, torch.float32) for r in range(world)]))
+        out = fresh(N)
+        comm.reduce_scatter(out, _data(rank, world * N, torch.float32, salt=1), "sum")
+        full = _reduce([_data(r, world * N, torch.float32, salt=1) for r in range(world)], "sum")
+        assert torch.equal(out, full[rank * N : (rank + 1) * N])
+    finally:
+        cma_link._copy = real
+    return {"reads": len(reads), "all_resident": all(reads)}
+
+
+@ranks_apart(ONLY_SEVERAL)
+@pytest.mark.timeout(120)
+def test_a_cross_memory_read_finds_its_destination_faulted_in() -> None:
+    """[Note: faulting a read's destination in first]: into fresh buffers, every payload read finds its destination's
+    pages resident already (touched from user space), instead of `process_vm_readv` faulting them in under the
+    memory-map lock; and the results are still the collectives' (the touch is overwritten whole)."""
+    reports = run_distributed(_fresh_destinations, 2, timeout=100)
+    assert all(r["reads"] >= 2 for r in reports), reports  # the gather's and the reduction's reads were seen
+    assert all(r["all_resident"] for r in reports), reports

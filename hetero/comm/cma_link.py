@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
-import functools
 import logging
 import os
 import platform
@@ -19,6 +17,9 @@ from typing import Any
 
 import torch
 
+from hetero.comm.cma_calls import copy as _copy
+from hetero.comm.cma_calls import fault_in as _fault_in
+from hetero.comm.cma_calls import libc as _libc
 from hetero.errors import CollectiveMismatchError
 
 logger = logging.getLogger("hetero.comm")
@@ -50,52 +51,6 @@ def _describe(code: int, nbytes: int) -> str:
 
 _LOOK_S = 0.05  # a waiting worker looks at its peers' blocks at least this often, poked or not
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF)
-
-
-class _IOVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-@functools.cache
-def _libc() -> Any:
-    """libc with `process_vm_readv` and `process_vm_writev` declared, or None where it has them not (not Linux)."""
-    try:
-        lib = ctypes.CDLL(None, use_errno=True)  # a ctypes call releases the interpreter while it copies
-        for fn in (lib.process_vm_readv, lib.process_vm_writev):
-            iov, n = ctypes.POINTER(_IOVec), ctypes.c_ulong
-            fn.argtypes = [ctypes.c_int, iov, n, iov, n, ctypes.c_ulong]  # pid, ours and count, its and count, flags
-            fn.restype = ctypes.c_ssize_t
-    except (OSError, AttributeError):
-        return None
-    return lib
-
-
-def _copy(pid: int, remote: int, local: int, nbytes: int, *, write: bool = False) -> None:
-    """Copy `nbytes` from address `remote` of process `pid` to our address `local` (`write`: from ours to its)."""
-    lib = _libc()
-    call = lib.process_vm_writev if write else lib.process_vm_readv
-    while nbytes:
-        lo, re = _IOVec(local, nbytes), _IOVec(remote, nbytes)
-        got = call(pid, ctypes.byref(lo), 1, ctypes.byref(re), 1, 0)
-        if got <= 0:
-            code = ctypes.get_errno() if got < 0 else errno.EIO
-            if code == errno.ESRCH or not _alive(pid):
-                # A process exiting loses its memory before its pid: a read then may fail with EFAULT or copy
-                # nothing. Worded so that `rules.peer_gone` recognises it: the caller then names the rank.
-                raise RuntimeError(f"connection closed: process {pid} is gone (cross-memory read)")
-            way = "write to" if write else "read from"
-            raise RuntimeError(f"cross-memory {way} process {pid} of {nbytes} bytes: {os.strerror(code)}")
-        nbytes, local, remote = nbytes - got, local + got, remote + got
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (not gone, not a zombie, not exiting)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X", "x")
 
 
 def _boot_id() -> str | None:
@@ -367,6 +322,7 @@ class Link:
     def _all_gather(self, seq: int, deadline: float, what: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         nbytes = inp.numel() * inp.element_size()
         self._post(seq, inp, _code("all_gather", "sum", inp.dtype))
+        _fault_in(out)
         for p, src in self._matched(seq, deadline, what).items():
             _copy(self.pids[p], src, out.data_ptr() + p * nbytes, nbytes)
         out.view(-1)[self.rank * inp.numel() : (self.rank + 1) * inp.numel()].copy_(inp.view(-1))
@@ -390,6 +346,7 @@ class Link:
         addrs = self._matched(seq, deadline, what)
 
         def fetch(p: int, into: torch.Tensor) -> None:
+            _fault_in(into)
             _copy(self.pids[p], addrs[p] + offset, into.data_ptr(), nbytes)
 
         combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
