@@ -12,12 +12,14 @@ comm_timeout: before the fix these runs hung until it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import hetero
 from hetero.errors import CommError
+from hetero.parallel.pipeline.runtime import PipelineError
 
 try:
     from tests import parity, pipe_parity, tolerance
@@ -136,11 +138,11 @@ def test_a_batch_failing_on_one_rank_stops_every_rank_at_once_world2(case):
 
 
 # ---- every rank raises: all skip the batch ----------------------------------------------------------------------
-def _reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _reference(dtype: torch.dtype, build: Callable[[], torch.nn.Module] = parity.build) -> dict[str, torch.Tensor]:
     """Plain PyTorch on the global batch: batch FAILS raises after its first micro-batch's backward; the loop drops
     the accumulation's gradients (that micro-batch's and the batch before it's: [Note: a batch that raises on some
     data-parallel ranks]) and starts the accumulation again with the next batch."""
-    model = parity.build().to(dtype)
+    model = build().to(dtype)
     opt = parity.make_optimizer(model)
     done = 0
     for i, (x, y) in enumerate(parity.batches(BATCHES, ROWS)):
@@ -219,22 +221,57 @@ def _replica_raises(rank: int, world: int, stage: int, call: str) -> dict:
 def test_a_stage_failing_on_one_replica_stops_every_rank_at_once_world4(stage):
     """Before, the healthy replica went on past the batch and waited in the data-parallel gradient reduction (at
     stage 3 in a gather) until comm_timeout, while the stopped one, skipping the batch, paired its next batch's
-    collectives with those. Below stage 3 the replicas agree as engine(...)'s forwards do: the checks find them
-    apart at the healthy replica's next one. At stage 3 the replica that stopped posts its failure for good."""
+    collectives with those. The replicas agree as engine(...)'s forwards do: the checks find them apart at the healthy
+    replica's next collective (at stage 3 a gather inside the batch, which stops its pipeline: its other stage, and
+    the stopped replica's rank of it waiting in the agreement, stop with it)."""
     results = run_distributed(_replica_raises, 4, stage, "train_batch", timeout=50)
     for r in results:
         assert r["errors"], r
         kind, text, seconds = r["errors"][0]
         assert seconds < STOP_S, r
-        if stage == 1:  # global ranks 1 and 3 hold the second replica
+        if stage == 1 or r["pp"] == 0:  # global ranks 1 and 3 hold the second replica
             assert kind == "CollectiveMismatchError" and "nothing: its forward raised" in text, r
-        elif r["dp"] == 1 and r["pp"] == 0:  # the rank that raised
-            assert kind == "IndexError" and "no replica can skip a batch that raised" in text, r
-            assert r["errors"][1][0] == "RankFailedError" and "refused" in r["errors"][1][1], r
-        elif kind == "RankFailedError":
-            assert "global rank 1 failed with IndexError" in text or "refused" in text, r
-        else:  # a pipeline peer of a rank that stopped
-            assert kind == "PipelineError" and "raised during this batch" in text, r
+        elif r["dp"] == 0:  # the healthy replica's second stage: its first stage's gather failed
+            assert kind == "PipelineCommError" and "raised during this batch" in text, r
+        else:  # the stopped replica's second stage, in the agreement with the healthy one's
+            assert kind == "RankFailedError" and "global rank 2 failed with PipelineCommError" in text, r
+
+
+def _every_replica_raises(rank: int, world: int, stage: int, microbatch: int) -> dict[str, torch.Tensor]:
+    """Pipeline 2 x data parallel 2: batch FAILS raises in `microbatch` on every replica's first stage; the loop
+    skips it."""
+    torch.set_num_threads(1)
+    model = pipe_parity.build()
+    config = {
+        "zero_stage": stage,
+        "chunk_size": parity.CHUNK,
+        "comm_timeout": COMM_TIMEOUT,
+        "grad_accumulation_steps": ACCUM,
+        "parallel": {"pipeline": 2, "microbatches": MICRO},
+    }
+    engine = hetero.initialize(model, parity.make_optimizer(model), config)
+    dp, local = engine.data_parallel_rank, ROWS // engine.data_parallel_size
+    for i, (x, y) in enumerate(parity.batches(BATCHES, ROWS)):
+        x, y = x[dp * local : (dp + 1) * local], y[dp * local : (dp + 1) * local]
+        if i == FAILS:
+            with pytest.raises(IndexError if engine.mesh.pp_rank == 0 else PipelineError):
+                engine.train_batch(_poison(x, microbatch), y)
+            continue  # the loop skips the batch
+        engine.train_batch(x, y)
+    out = {k: v.float() for k, v in engine.full_state_dict().items()}  # this stage's
+    engine.close()
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.parametrize("stage,microbatch", [(1, 1), (3, 0), (3, 1)])
+def test_a_stage_failing_on_every_replica_is_skipped_by_all_world4(stage, microbatch):
+    """Before, at stage 3 every replica that stopped posted its failure for good, and the job stopped."""
+    results = run_distributed(_every_replica_raises, 4, stage, microbatch, timeout=50)
+    exact, plain = _reference(torch.float64, pipe_parity.build), _reference(torch.float32, pipe_parity.build)
+    for got in results:
+        tolerance.assert_weights(got, {k: exact[k] for k in got}, plain, dtype=torch.float32)
+    assert set().union(*results) == set(exact), "the stages hold every weight"
 
 
 @ranks_apart(NEEDS_DEGREES)

@@ -19,9 +19,16 @@ dropped the batch; a rank that raised alone stops every rank within about a seco
 agreement is the replica's whole batch: a stage that raises stops its pipeline ([Note: a stage that raises] in
 pipeline/runtime.py), then every rank of the replica agrees with its data-parallel peers, the other replicas' ranks of
 its stage, in the same way (at stages 0-2 nothing crosses the replicas inside a batch, so replicas whose pipelines all
-stopped meet at the same point). At stage 3 the replicas gather inside the batch and cannot tell where the others
-stopped: each rank of a stopped replica posts its failure for good, which stops every rank of the job within a second,
-naming it (and the engine refuses further batches, as under tensor parallelism).
+stopped meet at the same point). At stage 3 the replicas gather inside the batch: with the checks on, replicas whose
+stages all raised at the same point stop at the same point of every stage's program (a stage stops where the marks
+reach it, a fixed action of its program) and skip the batch together; where one replica raised alone, the healthy
+replica's next gather meets the stopped one's check, both raise CollectiveMismatchError, and their pipelines stop
+marked "broken" (PipelineCommError on the other stages: a failed collective, so they agree with nobody and post their
+failure for good, which stops their own peers waiting in the agreement within a second). Before, every stopped
+replica posted for good, so a batch that raised on every replica at once stopped the job. With the checks off the
+replicas cannot tell where the others stopped (a pipeline peer waiting for a rank in its agreement sees that rank's
+post and stops): each rank of a stopped replica posts its failure for good, which stops every rank of the job within a
+second, naming it (and the engine refuses further batches, as under tensor parallelism).
 A batch that raised and was agreed leaves nothing in the gradients: its earlier micro-batches' gradients were added
 already, and they are dropped with those of the accumulation's earlier batches (grad_accumulation_steps > 1), as a
 backward that raises drops them ([Note: a backward that fails] in engine.py); the accumulation starts again, the same on
@@ -41,6 +48,7 @@ import torch
 from hetero.comm.watch import post_failure
 from hetero.device import Device
 from hetero.errors import CommError, ConfigError, add_note
+from hetero.parallel.pipeline.runtime import PipelineCommError
 from hetero.zero.protocol import ALL_REDUCE, BATCH_REDUCE
 
 if TYPE_CHECKING:
@@ -206,12 +214,17 @@ def replicas_agree(engine: Engine) -> Iterator[None]:
         # as one; a tensor-parallel rank stops the job (engine.train_batch).
         yield
         return
-    if engine.stage < 3:
-        with engine.forward_agreed():
+    if engine.stage == 3 and not engine.check.enabled:
+        with replicas_stop(engine):
             yield
         return
-    with replicas_stop(engine):
-        yield
+    try:
+        with engine.forward_agreed():
+            yield
+    except PipelineCommError as e:
+        # Its stage's data-parallel peers may be waiting in the agreement of a pipeline that stopped on its own error.
+        post_failure(e, why="its pipeline stopped in a failed collective")
+        raise
 
 
 @contextlib.contextmanager

@@ -21,10 +21,12 @@ it as dead or hung. Instead the rank keeps to its program without computing: eve
 marked stopped (code -2, with the pipeline rank that raised first) and no payload, and a rank that receives one stops
 computing too and passes the mark on. The programs complete as they would have (their exchanges are unchanged, which
 is what the replay proved free of deadlock), then the rank that raised raises its own error and every other rank a
-PipelineError naming it. The marks cover the pipeline group only; the engine covers the rest: a tensor-parallel rank
-that raised posts its failure for good, which stops the peers waiting in its layer's collectives within a second
-([Note: a forward that fails] in engine.py), and the data-parallel replicas of a stage agree on a batch that raised
-on some of them ([Note: a batch that raises on some data-parallel ranks] in batches.py).
+PipelineError naming it; where the rank that raised first failed in a collective (a CommError: a mismatch, a rank gone),
+the mark says so, and the others raise PipelineCommError, a CommError too: nothing more may be sent, so they agree with
+no data-parallel peer either. The marks cover the pipeline group only; the engine covers the rest: a tensor-parallel
+rank that raised posts its failure for good, which stops the peers waiting in its layer's collectives within a second
+([Note: a forward that fails] in engine.py), and the data-parallel replicas of a stage agree on a batch that raised on
+some of them ([Note: a batch that raises on some data-parallel ranks] in batches.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from hetero.comm import Comm
-from hetero.errors import HeteroError
+from hetero.errors import CommError, HeteroError
 from hetero.parallel.pipeline.schedule import Action, Exchange, Message, build, programs, stage
 from hetero.parallel.pipeline.split import StageChunk
 
@@ -59,25 +61,31 @@ class PipelineError(HeteroError, RuntimeError):
 STOPPED = -2  # a header's dtype code: no payload follows, its sender stopped ([Note: a stage that raises])
 
 
+class PipelineCommError(PipelineError, CommError):
+    """The stage that stopped this pipeline failed in a collective (a mismatch, a rank gone): nothing more may be sent,
+    so this rank agrees with nobody either ([Note: a stage that raises])."""
+
+
 class Halt:
     """Whether this rank stopped computing in a batch: its own error, or the pipeline rank that raised first."""
 
     def __init__(self) -> None:
         self.error: Exception | None = None  # this rank's own
         self.origin: int | None = None  # the pipeline rank that raised first, as far as this rank knows
+        self.broken = False  # that rank's error was a failed collective (CommError)
 
     def fail(self, error: Exception, rank: int) -> None:
-        self.error, self.origin = error, rank
+        self.error, self.origin, self.broken = error, rank, isinstance(error, CommError)
 
-    def heard(self, origin: int) -> None:
+    def heard(self, origin: int, broken: bool = False) -> None:
         if self.origin is None:
-            self.origin = origin
+            self.origin, self.broken = origin, broken
 
     def raise_if_stopped(self, pp: Comm) -> None:
         if self.error is not None:
             raise self.error
         if self.origin is not None:
-            raise PipelineError(
+            raise (PipelineCommError if self.broken else PipelineError)(
                 f"pipeline rank {self.origin} (global rank {pp.global_rank(self.origin)}) raised during this batch: "
                 "see its error. This rank stopped with it, its schedule's exchanges run through without computing "
                 "so that no stage waits for another until comm_timeout"
@@ -256,7 +264,8 @@ class PipelineRuntime:
         header = torch.zeros(HEADER, dtype=torch.int64)
         if t is None:
             origin = halt.origin if halt is not None and halt.origin is not None else self.pp.rank
-            header[:5] = torch.tensor([msg[1], msg[2], STOPPED, 0, origin])
+            broken = int(halt is not None and halt.broken)
+            header[:5] = torch.tensor([msg[1], msg[2], STOPPED, broken, origin])
             return header.to(self.device)
         if _sendable(t):
             header[:4] = torch.tensor([msg[1], msg[2], DTYPES.index(t.dtype), t.dim()])
@@ -302,7 +311,7 @@ class PipelineRuntime:
             values = header.tolist()  # one copy to the host per header
             mb, st, code, ndim = values[:4]
             if code == STOPPED and halt is not None:
-                halt.heard(values[4])
+                halt.heard(values[4], bool(ndim))
                 payloads.append(None)
                 continue
             if code < 0:
