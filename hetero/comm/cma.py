@@ -28,7 +28,8 @@ namespace, run on a CPU that keeps stores in order, and can each read every othe
 bytes) at the first operation that could use it. Nothing else is needed: no shared-memory files that a killed job
 would leave behind, and a peer that died shows at once (the read fails with ESRCH) instead of at the timeout. Under
 the stand-in gloo moves everything; so it does where `HETERO_CPU_TRANSPORT=gloo` on any rank, a setting agreed at the
-same probe (a rank launched unlike its peers makes them all use gloo, rather than leave them waiting on it). The
+same probe (a rank launched unlike its peers makes them all use gloo, rather than leave them waiting on it;
+`init_from_env` refuses such a launch first, at its roll call: this covers groups joined otherwise). The
 worker waits as long as the Comm's timeout, or the process group's own (`Comm.timeout_s`), as gloo would.
 """
 
