@@ -1,6 +1,13 @@
 """The estimator predicts what the engine holds: model-state bytes per tier equal to the engine's ledgers (it builds
 the engine's own chunk layout, so there is nothing to round: byte for byte, as the README claims), and activations
-within 25% of the bytes a real forward saves for backward.
+equal to what a real step on the CPU holds: the bytes its forward saves for backward, and the most its forward and
+backward hold at once, byte for byte in fp32 ([Note: a step's activation peak]).
+
+[Note: the CPU's LayerNorm statistics]
+The one term the meta count cannot match on the CPU: LayerNorm saves its per-row mean and rstd in float32 on meta (as
+CUDA does) and in the input's dtype on the CPU. In bf16 and fp16 the meta count of saved bytes is therefore larger
+than the CPU's by exactly 2 tensors x rows x (4 - 2) bytes per LayerNorm saved, and the step's peak by 0 up to that
+much for every LayerNorm (some of the statistics are alive at the peak, at most all); `_cpu_norm_stats` is that term.
 
 [Note: which measured figure]
 The estimate's model states are the engine's *resident* buffers (parameters or their shards, gradient accumulators,
@@ -20,6 +27,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -28,7 +36,7 @@ import hetero
 from hetero.device import allocated_bytes, gpu_count
 from hetero.models.gpt import GPT, GPTConfig
 from hetero.profiler import Machine, estimate
-from hetero.profiler.activations import SavedBytes, storage_key
+from hetero.profiler.activations import LiveBytes, SavedBytes, storage_key
 from tests.dist import NEEDS_DEGREES, ranks_apart, run_distributed
 from tests.parity import GPT_CFG, batches, make_optimizer
 
@@ -69,23 +77,30 @@ def _hf(name: str, meta: bool) -> torch.nn.Module:
 def _measure(
     model: torch.nn.Module, config: dict, rank: int = 0, world: int = 1, steps: int = 2, make_opt=make_optimizer
 ) -> dict:
-    """Train a few steps; the ledgers' current bytes after the last update, and the activation bytes saved during
-    the first forward (distinct storages, parameters left out: the same count the estimator makes on meta)."""
+    """Train a few steps; the ledgers' current bytes after the last update, the activation bytes saved during the
+    first forward (distinct storages, parameters left out: the same count the estimator makes on meta), and the most
+    bytes the first forward and backward held at once (every storage an operator made, and the batch)."""
     hf = not isinstance(model, GPT)
     engine = hetero.initialize(model, make_opt(model), config)
     params = {storage_key(p) for p in model.parameters()}
-    activations = 0
+    activations = peak = 0
     for step, (x, y) in enumerate(batches(steps, BATCH * world, seq=SEQ)):
-        x, y = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
-        labels = x if hf else y
+        # This rank's rows as tensors of their own, as its loader gives them (a slice keeps the whole batch's storage).
+        x, y = (t[rank * BATCH : (rank + 1) * BATCH].clone() for t in (x, y))
+        # A Hugging Face model shifts its labels itself: given its own copy of the ids, as the estimate assumes.
+        labels = x.clone() if hf else y
         if step == 0:
-            meter = SavedBytes(exclude=params)
-            with meter.active():
-                loss = engine(x, labels=labels).loss
+            meter, live = SavedBytes(exclude=params), _ActivationBytes("cpu")
+            with live:
+                with meter.active():
+                    out = engine(x, labels=labels)
+                engine.backward(out.loss)  # the output (logits) held through backward, as a training loop holds it
+            del out
             activations = meter.total
+            peak = live.peak + _input_bytes(x, labels)  # the batch, or the stand-in's copies of it (made unseen)
         else:
             loss = engine(x, labels=labels).loss
-        engine.backward(loss)
+            engine.backward(loss)
         engine.step()
     engine.manager.synchronize()
     stats = engine.memory_stats()
@@ -97,15 +112,82 @@ def _measure(
         "current": {t: stats[t]["current"] - ahead[t] for t in TIERS},
         "peak": {t: stats[t]["peak"] for t in TIERS},
         "activations": activations,
+        "step_peak": peak,
+        "norm_stats": _cpu_norm_stats(model, BATCH * SEQ, config.get("precision", "fp32")),
     }
+
+
+class _ActivationBytes(LiveBytes):
+    """`LiveBytes` less what the engine allocates for itself during a step, which is no activation: its buffers made
+    through its device (gradient sums, gathered chunks, staging: the estimate counts them as the model states'
+    transients), collectives' staging and, at stage 3 over several ranks, the int64 rows of its collective schedule's
+    checks (host messages). On the CPU device and under the stand-in these are CPU storages as activations are, so
+    they are told apart by who makes them: an operator called from those functions is not counted."""
+
+    ENGINE = {
+        "hetero/device.py": {"empty", "empty_bytes", "empty_host"},
+        "hetero/zero/protocol.py": {"__call__"},
+        "hetero/comm/collectives.py": None,  # any: a collective's staging (the stand-in's NCCL rules copy through it)
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        was = self.paused
+        self.paused = was or _called_from(self.ENGINE)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.paused = was
+
+
+def _called_from(functions: dict[str, set[str] | None]) -> bool:
+    """Whether one of `functions` (file: names) is on the stack, but for the batch moved to the device (an activation
+    the estimate counts, made by `to_device` through the device's `empty`)."""
+    frame, hit = sys._getframe(1), False
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename.replace(os.sep, "/")
+        if path.endswith("hetero/device.py") and code.co_name == "to_device":
+            return False
+        names = next((n for f, n in functions.items() if path.endswith(f)), ())
+        hit = hit or names is None or code.co_name in names  # None: any function of that file
+        frame = frame.f_back
+    return hit
+
+
+def _input_bytes(*tensors: torch.Tensor) -> int:
+    """The batch's bytes, each storage once: made before the step, so no operator's output, yet held through it."""
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _cpu_norm_stats(model: torch.nn.Module, rows: int, precision: str) -> int:
+    """How many bytes more the meta count holds than the CPU in LayerNorm statistics ([Note: the CPU's LayerNorm
+    statistics])."""
+    if precision not in ("bf16", "fp16"):
+        return 0
+    return sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules()) * 2 * rows * (4 - 2)
+
+
+def _check_activations(act, saved: int, peak: int, norm_stats: int, precision: str, label: str) -> None:
+    """Saved bytes: the estimate exceeds the CPU's by the LayerNorm term exactly; the step's peak by 0 up to it. fp16
+    scales the loss: one fp32 scalar (4 bytes) the engine holds that a plain step does not."""
+    assert act.forward_end - saved == norm_stats, f"{label} saved: estimated {act.forward_end} B, measured {saved} B"
+    scaled_loss = 4 if precision == "fp16" else 0
+    assert -scaled_loss <= act.bytes - peak <= norm_stats, f"{label} step: estimated {act.bytes} B, held {peak} B"
 
 
 def _check(est, measured: dict, label: str) -> None:
     for t in TIERS:
         got, want = est.model_state(t), measured["current"][t]
         assert got == want, f"{label} {t}: estimated {got} B, engine holds {want} B"
-    act, want = est.activations.bytes, measured["activations"]
-    assert want > 0 and abs(act - want) <= 0.25 * want, f"{label} activations: estimated {act} B, measured {want} B"
+    assert measured["activations"] > 0
+    args = measured["activations"], measured["step_peak"], measured["norm_stats"], est.precision
+    if est.tiled:
+        # Tiled layers write their weight gradients tile by tile into their chunks' buffers (tile_autograd.py),
+        # where the meta step makes each whole: the step's peak is a bound there; what forward saves is the same.
+        act = est.activations
+        assert act.forward_end - args[0] == args[2] and args[1] <= act.bytes, f"{label}: {act}, measured {args}"
+    else:
+        _check_activations(est.activations, *args, label)
     if est.offload_params != "nvme" and est.offload_optimizer != "nvme":
         for t in TIERS:
             # A bound only (see the note): the estimate's transient working set covers the measured peak.
@@ -186,8 +268,54 @@ def test_tiny_gpt_world2(tmp_path):
     assert results[0] == results[1]  # both ranks hold equal shards
 
 
+CHECKPOINTED = [
+    ("gpt", "fp32", True),
+    ("gpt", "bf16", True),
+    ("gpt", "fp32", ["layers.1"]),  # a selection: one block recomputed, the other saving as usual
+    ("llama", "fp32", True),
+    ("llama", "bf16", ["LlamaDecoderLayer"]),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,precision,selection", CHECKPOINTED, ids=str)
+def test_checkpointed_step_matches_the_engine(name, precision, selection):
+    """Under activation checkpointing ([Note: what checkpointing keeps], [Note: a step's activation peak]) what
+    forward leaves held and the most a step holds at once, estimated on meta, against the engine's checkpointed step
+    on the CPU: equal in fp32; in bf16 larger by 0 up to the LayerNorm term ([Note: the CPU's LayerNorm statistics])."""
+    config = {"activation_checkpointing": selection, "precision": precision}
+    meta = _gpt(meta=True) if name == "gpt" else _hf(name, meta=True)
+    est = estimate(meta, config, batch_size=BATCH, seq_len=SEQ, optimizer="adamw", machine=False)
+    model = _gpt(meta=False) if name == "gpt" else _hf(name, meta=False)
+    engine = hetero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    x, y = batches(1, BATCH, seq=SEQ)[0]
+    labels = y if name == "gpt" else x.clone()
+    live, meter = _ActivationBytes("cpu"), SavedBytes()
+    with live:
+        with meter.active():  # sees what is saved outside the blocks: which of the batch's tensors are
+            out = engine(x, labels=labels)
+        # Held after forward: all it made and keeps, less what nothing saved (the logits, the loss), and the batch's
+        # tensors that something saved (a Hugging Face model saves its shifted copy of the labels, not them).
+        held = live.current - sum(t.untyped_storage().nbytes() for t in (out.logits, out.loss))
+        engine.backward(out.loss)
+    # The stand-in computes on copies of the batch made where the count does not see them, nor sees them saved:
+    # there the batch's saved bytes are known only to be between none and all of it.
+    saved_batch = _input_bytes(*(t for t in (x, labels) if storage_key(t) in meter.order))
+    batch = _input_bytes(x, labels) if engine.device.separate_memory else saved_batch
+    engine.close()
+    act, peak = est.activations, live.peak + _input_bytes(x, labels)  # as in _measure
+    stats = _cpu_norm_stats(model, BATCH * SEQ, precision)
+    assert act.checkpointed and act.forward_end < act.saved  # forward keeps less, whatever the peak
+    assert act.forward_end - (held + saved_batch) >= 0 and act.forward_end - (held + batch) <= stats, (act, held)
+    assert 0 <= act.bytes - peak <= stats, (act, peak)
+
+
 def test_activations_match_the_cuda_allocator():
-    """On a GPU the measurement is the allocator's: bytes held after forward, less the logits nothing saved."""
+    """On a GPU the measurement is the allocator's: bytes held after forward, less the logits nothing saved. The
+    allocator rounds each storage up to a multiple of 512 bytes, and fp32 attention on CUDA runs the memory-efficient
+    kernel, whose log-sum-exp has its rows padded to a multiple of 32 ([Note: counting saved activations]): the
+    allocation exceeds the count by at most those, and by the loss it holds (one rounded scalar). Not run on this
+    project's CPU machines: written from those terms, to be confirmed on a GPU."""
     # Asked here, not in a skipif at import: the ranks of run_distributed import this module (to unpickle _world2,
     # _layouts) before tests/dist.py hides the GPUs from them, and a CUDA query then would show them cuda:0.
     if gpu_count() == 0:
@@ -205,8 +333,12 @@ def test_activations_match_the_cuda_allocator():
     del warm
     before = allocated_bytes(dev)
     out = model(x, labels=y)
-    held = allocated_bytes(dev) - before - out.logits.untyped_storage().nbytes()
-    assert abs(est.activations.bytes - held) <= 0.25 * held, (est.activations.bytes, held)
+    held = allocated_bytes(dev) - before - out.logits.untyped_storage().nbytes()  # logits: 32 KiB, no rounding
+    counted = est.activations.forward_end - _input_bytes(x, y)  # the batch was allocated before `before`
+    cfg = GPTConfig(**GPT_CFG)
+    padded_lse = cfg.n_layer * rows * cfg.n_head * (-seq % 32) * 4
+    slack = 511 * est.activations.storages + 512 + padded_lse
+    assert 0 <= held - counted <= slack, (held, counted, slack)
 
 
 def test_param_count_and_recommendation():
@@ -379,8 +511,7 @@ LAYOUTS = [
 def test_layouts_match_the_engine_ledgers():
     """Per-rank model-state bytes of pipeline (1F1B, Chimera, GPipe), tensor (1D, ZeRO-3 with host offload) layouts
     equal the engine's ledgers byte for byte; the activations a pipeline rank keeps (its schedule walked on meta)
-    are within 25% of what its runtime saw saved (fused attention differs from meta; see [Note: which measured
-    figure])."""
+    are what its runtime saw saved, but for the runtime's count of micro-batches' input slices."""
     from hetero.models.gpt_pipe import TP_PLAN
 
     configs = copy.deepcopy(LAYOUTS)
@@ -391,8 +522,13 @@ def test_layouts_match_the_engine_ledgers():
             want, got = r["current"], r["estimate"]["model_state"]
             assert got == want, (config, rank, got, want)
             if r["saved"]:
+                # The runtime's count takes each micro-batch's ids and labels as the storage they are slices of,
+                # the whole batch's (2 x microbatches rows): at most every micro-batch alive counts the other
+                # micro-batches' rows of both tensors once more. Everything else is counted as on meta.
+                mb = config["parallel"].get("microbatches", 1)
+                slices = 2 * mb * (2 * mb - 2) * SEQ * 8
                 act = r["estimate"]["activations"]
-                assert abs(act - r["saved"]) <= 0.25 * r["saved"], (config, rank, act, r["saved"])
+                assert 0 <= r["saved"] - act <= slices, (config, rank, act, r["saved"])
 
 
 def test_layout_arguments_and_tensor_modes():

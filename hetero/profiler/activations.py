@@ -8,8 +8,25 @@ device the same hooks run without allocating anything, so the estimate is this c
 and the measurement the same count over a real forward: the two differ only where a kernel saves different tensors
 on meta than on a real device. One does: scaled_dot_product_attention on meta takes the math path, which saves the
 [seq x seq] attention matrices, while CUDA and CPU run fused (flash) kernels that save only q, k, v, the output and
-a per-row log-sum-exp; so on meta it is replaced by a stand-in that saves exactly those. With activation
-checkpointing only the blocks' inputs stay saved, plus one block's activations while it is recomputed in backward.
+a per-row log-sum-exp; so on meta it is replaced by a stand-in that saves exactly those, its output laid out as
+theirs (`_fused_output`). Counted so, a Llama or GPT block in fp32 or bf16 saves on meta exactly the storages a CPU
+run saves (tests/test_estimator.py compares them byte for byte), with one exception the meta device cannot know:
+LayerNorm's per-row mean and rstd are float32 on meta and CUDA but in the input's dtype on the CPU (2 x rows x 2
+bytes fewer per bf16 LayerNorm there). What the count leaves out, and a device adds: the CUDA caching allocator
+rounds each storage up to 512 bytes (at most 511 x `ActivationEstimate.storages`), memory-efficient attention (fp32
+on CUDA) pads its log-sum-exp to 32 rows, and a kernel's scratch (cuBLAS workspace) is not an activation.
+
+[Note: what checkpointing keeps]
+Under activation checkpointing (torch's non-reentrant checkpoint) a block saves nothing of its own in forward: it
+keeps its tensor arguments (its hidden-state input, and what every block is given, such as rotary tables, once).
+Forward therefore ends holding what is saved outside the blocks ("before": the embeddings; "after": the final norm,
+the head and the loss) and the blocks' arguments. Backward runs the "after" nodes first, freeing what they saved,
+then recomputes the last block: its own saved storages are held at once, with "before" and the arguments of every
+block up to it; a block's arguments go when its backward is done. The peak of saved bytes is the larger of the
+forward's end and the largest of these recomputations; storages are counted once however many hold them (keys).
+Outside saves between two blocks are counted as "before" (held to the end of backward, an upper bound). With
+`activation_offload` the arguments move to the host: that is not subtracted here, so the device figure is an upper
+bound then.
 """
 
 from __future__ import annotations
@@ -25,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from hetero.activation import choose_blocks
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -42,14 +61,22 @@ class SavedBytes:
     total: int = 0
     by_owner: dict[str, int] = field(default_factory=dict)
     owner: str = ""  # who is saving now (set by module hooks)
+    # owner -> its distinct storages (key -> bytes), a storage saved by several owners under each: what one block
+    # saves again when it is recomputed, however much of it an earlier owner saved first
+    keys: dict[str, dict[int, int]] = field(default_factory=dict)
+    order: dict[int, int] = field(default_factory=dict)  # key -> how many storages were counted before it
     _seen: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> a tensor keeping the storage alive
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key not in self._seen and key not in self.exclude:
+        if key in self.exclude:
+            return t.detach()
+        n = t.untyped_storage().nbytes()
+        self.keys.setdefault(self.owner, {})[key] = n
+        if key not in self._seen:
             # Holding the tensor keeps its storage alive, so its key cannot be reused by another while we count.
             self._seen[key] = t
-            n = t.untyped_storage().nbytes()
+            self.order[key] = len(self.order)
             self.total += n
             self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + n
         return t.detach()  # what autograd keeps must not hold the tensor's grad_fn (a cycle for saved outputs)
@@ -81,14 +108,33 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 @dataclass(frozen=True)
 class ActivationEstimate:
-    bytes: int  # held at the end of forward (what backward starts from)
+    # The most activation bytes a step holds at once: the step's peak where the estimator ran forward and backward
+    # on meta ([Note: a step's activation peak] in step_peak.py), else `saved_peak`.
+    bytes: int
     saved: int  # saved for backward with no checkpointing
     checkpointed: bool
     note: str = ""
+    forward_end: int = 0  # saved and held when forward returns (what backward starts from)
+    saved_peak: int = 0  # the most saved for backward at once ([Note: what checkpointing keeps])
+    storages: int = 0  # distinct storages saved without checkpointing (each one allocation on a device)
+
+
+@dataclass
+class ModuleTrace:
+    """Filled by `meter_modules` when given: per labelled module, its tensor arguments by storage (the tensors kept,
+    so that their keys stay theirs while counted), and how many storages had been saved when it returned."""
+
+    args: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    ended_at: dict[str, int] = field(default_factory=dict)
 
 
 def meter_modules(
-    model: nn.Module, inputs: dict[str, Any], modules: dict[str, nn.Module], *, dtype: torch.dtype
+    model: nn.Module,
+    inputs: dict[str, Any],
+    modules: dict[str, nn.Module],
+    *,
+    dtype: torch.dtype,
+    trace: ModuleTrace | None = None,
 ) -> tuple[SavedBytes, dict[str, int]]:
     """One forward of `model` on `inputs` on the meta device: what it saves for backward, attributed to the labelled
     `modules` that were running (`by_owner`; "" for outside all of them), and the bytes of each module's first
@@ -106,14 +152,19 @@ def meter_modules(
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             if first is not None:
                 firsts[label] = first.untyped_storage().nbytes()
+            if trace is not None:
+                tensors = _tensors((args, tuple(kwargs.values())))
+                trace.args[label] = {storage_key(t): t for t in tensors if t.device.type == "meta"}
 
-        def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        def post(mod: nn.Module, args: tuple, out: Any, label: str = name) -> None:
             meter.owner = ""
+            if trace is not None:
+                trace.ended_at[label] = len(meter.order)
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
     try:
-        with torch.device("meta"), FusedAttention(), _autocast_off_on_meta(), meter.active():
+        with torch.device("meta"), FusedAttention(), autocast_off_on_meta(), meter.active():
             torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=inputs, tie_weights=True)
     finally:
         for h in handles:
@@ -122,7 +173,7 @@ def meter_modules(
 
 
 @contextlib.contextmanager
-def _autocast_off_on_meta() -> Iterator[None]:
+def autocast_off_on_meta() -> Iterator[None]:
     """`torch.autocast(device_type="meta", enabled=False)` as a no-op, which it is: torch takes no autocast on the meta
     device at all ("unsupported scalarType"), and transformers 4's rotary embeddings (Llama and its kin) switch it off
     around their float32 arithmetic, so their meta forward failed and the estimate counted no activations. An
@@ -146,18 +197,39 @@ def meta_activation_bytes(
     inputs: dict[str, Any],
     *,
     dtype: torch.dtype,
-    checkpointing: bool = False,
+    checkpointing: bool | list[str] | tuple[str, ...] = False,
 ) -> ActivationEstimate:
     """Bytes a forward of `model` on `inputs` saves for backward, counted on the meta device: nothing is allocated
-    (`meter_modules`)."""
-    blocks = repeated_blocks(model) if checkpointing else []
-    meter, firsts = meter_modules(model, inputs, {f"block{i}": b for i, b in enumerate(blocks)}, dtype=dtype)
+    (`meter_modules`). `checkpointing` is the config's `activation_checkpointing`: true, or a list of the blocks'
+    class names or name patterns, chosen as the engine chooses them ([Note: what checkpointing keeps])."""
+    blocks = [m for _, m in choose_blocks(model, checkpointing, strict=False)] if checkpointing else []
+    labels = [f"block{i}" for i in range(len(blocks))]
+    trace = ModuleTrace()
+    meter, _ = meter_modules(model, inputs, dict(zip(labels, blocks)), dtype=dtype, trace=trace)
+    storages = len(meter.order)
     if not blocks:
-        return ActivationEstimate(bytes=meter.total, saved=meter.total, checkpointed=False)
-    in_blocks = {k: v for k, v in meter.by_owner.items() if k}
-    outside = meter.by_owner.get("", 0)
-    held = outside + sum(firsts.values()) + max(in_blocks.values(), default=0)
-    return ActivationEstimate(bytes=held, saved=meter.total, checkpointed=True, note=f"{len(blocks)} blocks")
+        total = meter.total
+        return ActivationEstimate(total, total, False, forward_end=total, saved_peak=total, storages=storages)
+    outside = meter.keys.get("", {})
+    last_end = max(trace.ended_at.get(label, 0) for label in labels)
+    before = {k: n for k, n in outside.items() if meter.order[k] < last_end}
+    after = {k: n for k, n in outside.items() if meter.order[k] >= last_end}
+    args = [{k: t.untyped_storage().nbytes() for k, t in trace.args.get(label, {}).items()} for label in labels]
+    forward_end = _union(before, after, *args)
+    recomputed = [_union(before, *args[: i + 1], meter.keys.get(label, {})) for i, label in enumerate(labels)]
+    peak = max(forward_end, *recomputed)
+    note = f"{len(blocks)} blocks"
+    return ActivationEstimate(
+        peak, meter.total, True, note, forward_end=forward_end, saved_peak=peak, storages=storages
+    )
+
+
+def _union(*parts: dict[int, int]) -> int:
+    """Bytes of the distinct storages in `parts` (key -> bytes): one storage held by several counts once."""
+    merged: dict[int, int] = {}
+    for part in parts:
+        merged.update(part)
+    return sum(merged.values())
 
 
 @dataclass(frozen=True)
@@ -181,7 +253,7 @@ def unit_activations(
         meter = SavedBytes(exclude={storage_key(t) for t in params.values()})
         kwargs = {"labels": labels.to("meta")} if labels is not None and i == len(units) - 1 else {}
         inp = x.detach().requires_grad_(x.is_floating_point())
-        with torch.device("meta"), FusedAttention(), _autocast_off_on_meta(), meter.active():
+        with torch.device("meta"), FusedAttention(), autocast_off_on_meta(), meter.active():
             y = torch.func.functional_call(unit, {**params, **buffers}, args=(inp,), kwargs=kwargs)
         out.append(UnitActivation(saved=meter.total, input=inp.untyped_storage().nbytes()))
         x = y if isinstance(y, torch.Tensor) else getattr(y, "logits", y)
@@ -198,14 +270,27 @@ class _FlashStandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        out = _fused_output(q, v)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse, *extra)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise RuntimeError("the meta attention stand-in is for counting saved bytes only")
+        # What the fused backward kernels return (their scratch inside the kernel is not seen on any device).
+        q, k, v, *rest = ctx.saved_tensors
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *([None] * (len(rest) - 2)))
+
+
+def _fused_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The fused kernels' output: [batch, heads, seq, dv] laid out as [batch, seq, heads, dv] (CPU flash, CUDA flash
+    and memory-efficient attention all allocate it so), so that the usual `y.transpose(1, 2).reshape(b, t, -1)`
+    before the output projection is a view, and that projection saves this very storage. A contiguous stand-in made
+    the reshape a copy: one more [tokens x hidden] tensor saved per layer than any real run holds."""
+    if q.dim() != 4:
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    b, h, t, _ = q.shape
+    return q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
 
 
 class FusedAttention(TorchFunctionMode):
@@ -234,7 +319,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, device_type: str | None = None) -> None:
         super().__init__()
-        self.device_type = device_type  # count storages of this device type only (None: all but meta)
+        self.device_type = device_type  # count storages of this device type only (None: all but meta; "meta")
         self.current = 0
         self.peak = 0
         self.paused = False  # storages created while paused are not counted (e.g. an optimizer update's)
@@ -247,7 +332,8 @@ class LiveBytes(TorchDispatchMode):
             return out
         inputs = {storage_key(t) for t in _tensors((args, tuple(kwargs.values())))}
         for t in _tensors(out):
-            if t.device.type == "meta" or (self.device_type is not None and t.device.type != self.device_type):
+            kind = t.device.type
+            if (kind == "meta" and self.device_type != "meta") or (self.device_type not in (None, kind)):
                 continue
             storage = t.untyped_storage()
             key = storage_key(t)

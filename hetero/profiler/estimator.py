@@ -36,6 +36,7 @@ from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks, with_layout
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.placement import KINDS, MODEL_STATE_KINDS, TIERS, place, zeros
+from hetero.profiler.step_peak import meta_step_peak
 from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -385,17 +386,25 @@ def estimate(
 
 
 def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
-    return dict.fromkeys(("input_ids", "labels"), torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta"))
+    # Two tensors, not one: the embedding saves input_ids and the loss its targets, and a model that does not shift
+    # its labels itself is given labels of their own (a shifted copy), so one shared tensor undercounted them. (A
+    # Hugging Face model called with labels=input_ids holds batch x seq x 8 bytes fewer than this counts.)
+    return {k: torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
 
 
 def _activations(
     model: nn.Module, inputs: dict[str, Any] | None, *, batch_size: int, seq_len: int, dtype: torch.dtype, cfg: Config
 ) -> ActivationEstimate:
-    checkpointing = bool(getattr(cfg, "activation_checkpointing", False))
+    checkpointing = getattr(cfg, "activation_checkpointing", False)  # true, or the blocks' names, as the engine's
     inputs = inputs if inputs is not None else _lm_inputs(batch_size, seq_len)
     try:
-        return meta_activation_bytes(model, inputs, dtype=dtype, checkpointing=checkpointing)
+        act = meta_activation_bytes(model, inputs, dtype=dtype, checkpointing=checkpointing)
     except Exception as e:  # a forward that cannot run on meta tensors: say so, count nothing
         return ActivationEstimate(
-            bytes=0, saved=0, checkpointed=checkpointing, note=f"not counted: forward on meta failed: {e}"
+            bytes=0, saved=0, checkpointed=bool(checkpointing), note=f"not counted: forward on meta failed: {e}"
         )
+    try:  # the whole step: gradients, the logits held, recomputations ([Note: a step's activation peak])
+        peak = meta_step_peak(model, inputs, dtype=dtype, checkpointing=checkpointing)
+    except Exception as e:
+        return dataclasses.replace(act, note=f"{act.note}; saved bytes only: backward on meta failed: {e}".lstrip("; "))
+    return dataclasses.replace(act, bytes=max(peak, act.saved_peak))
