@@ -52,11 +52,14 @@ is the check they all expect next: the one that followed the previous check the 
 (`Checker._next_of`). Ranks that agree so far have posted the same checks, so they expect the same next one; a
 rank whose next check is not that one verifies it first, so of two ranks about to issue different collectives at
 least one compares the checks before issuing anything, raises the error naming both, and never issues its
-collective; the other issued the expected one and raises at its wait. Same operation and chunk means the same
-sizes: they follow from the layout, which every rank shares; a check with no chunk (an update, a checkpoint, a read
-of every chunk) is verified first always, once a call. After the first step the schedule repeats, so nearly every
-check is posted as before; the first step, and the first after a change of path (an evaluation), rendezvous at
-each collective.
+collective; the other issued the expected one and raises at its wait. This needs ranks making the same check to
+issue collectives of the same sizes after it, which holds: they follow from the chunk, or (an update, a read of
+every chunk) from the layout, which every rank shares, and objects of other sizes agree on their size first
+(`hetero/comm/objects.py`). After the first step the schedule repeats, so every check is posted as before; the
+first step, and the first after a change of path (an evaluation), rendezvous at each check. (Verifying the update's
+check first in every step as well, which a first version did, waits there for every collective queued before it:
+on two CPU ranks of host_overhead's Llama the step's median was 131 ms against 114 ms without, six runs each, on a
+shared machine; with the update predicted too, 119 ms against 119 ms.)
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class Checker:
         self._posted.append(_Posted(self.seq, row, rows, work))
         if self._verify_first:
             key = (op, chunk, unit, phase)
-            expected = chunk >= 0 and self._last is not None and self._next_of.get(self._last) == key
+            expected = self._last is not None and self._next_of.get(self._last) == key
             if self._last is not None:
                 self._next_of[self._last] = key
             self._last = key
