@@ -52,8 +52,10 @@ def read_ahead(manager: ChunkManager, order: list[ZeroChunk], i: int, tier: Tier
 # (and the second and third, read behind it, most of theirs) while the cores idled, since nothing else was left to
 # run. Those reads start with the backward before the update instead, under the same rules as the update's own
 # (chunk i and what LOOKAHEAD and AHEAD_BYTES allow after it), so that the disk works while backward computes; while
-# the trace replays, the prefetch evicts only what is used after those states, never what backward still needs. The
-# race's 22.6M Llama, world 2 (`benchmarks/step_time.py --with-nvme`), waited 0.06-0.08 s a step a rank for them.
+# the trace replays, the prefetch evicts only what is used after those states, never what backward still needs. One
+# rank of the race's 22.6M Llama (`benchmarks/step_time.py --with-nvme`) waited 1.39 s for states over six steps
+# before, 0.19 s after; two ranks 0.3 s a round a rank before, 0.17 s after, the step unchanged on the 2-core VM, whose
+# cores the ranks' compute fills either way (a rank waiting leaves its core to the other). On a GPU the wait is idle.
 # Local reads only: which chunks are read, and when, decides no collective. Not with `update_in_backward`, which
 # reads its own first states as backward starts, nor the delayed update, which steps during the next forward.
 
