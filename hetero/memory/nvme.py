@@ -30,7 +30,7 @@ from hetero.io.checksum import DEFAULT, checksum_fn
 from hetero.io.direct import ALIGN, align_up
 from hetero.memory.lanes import LanePool
 from hetero.memory.swap_blocks import BlockPipeline, Entry, Op
-from hetero.memory.swap_file import SwapFile, dir_prefix, remove_orphans
+from hetero.memory.swap_file import SwapFile, making_prefix, remove_orphans
 
 log = logging.getLogger("hetero.memory.nvme")
 
@@ -72,7 +72,8 @@ def _make_private_dir(directory: str | os.PathLike) -> str:
     # First, so that the default budget counts the space freed ([Note: swap directories left by a killed process]).
     remove_orphans(d)
     try:
-        return tempfile.mkdtemp(prefix=dir_prefix(), dir=d)  # mode 0700: swapped weights stay private
+        # Mode 0700: swapped weights stay private. Renamed once its file is locked (`publish`).
+        return tempfile.mkdtemp(prefix=making_prefix(), dir=d)
     except OSError as e:
         raise NvmeUnavailableError(f"cannot create a swap directory in {d!r} ({e}); {hint}") from e
 
@@ -157,6 +158,7 @@ class NvmeStore:
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+        self.directory = self._file.directory  # its name once its file is locked
         self.path, self.direct, self.mem_align = self._file.path, self._file.direct, self._file.mem_align
         try:
             checks = checksum if verify else None

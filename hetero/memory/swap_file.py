@@ -10,23 +10,22 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
-import threading
+import stat
 import time
 from bisect import bisect_left
-from types import FrameType
-from typing import Any
 
 from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
 from hetero.io.direct import fallocate, memory_file_system, open_direct, probe_mem_align, shared_file_system
+from hetero.memory.swap_sigterm import disown, own
 
 log = logging.getLogger("hetero.memory.nvme")
 
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 RESERVE_MAX = 2 << 30  # the most a growth reserves beyond what it needs ([Note: preallocating the swap file])
-PREFIX = "hetero-swap-"  # the name of every store's private directory starts so
-ORPHAN_AGE_S = 60.0  # [Note: swap directories left by a killed process]
+PREFIX = "hetero-swap-"  # the name of every store's private directory starts so, once its swap file is locked
+MAKING = "hetero-making-"  # ... and so before ([Note: swap directories left by a killed process])
+ORPHAN_AGE_S = 60.0  # how old a directory still being made must be to be taken for an orphan (same note)
 _HINTS = {  # what to do after a transfer failed with this errno (a full disk is NvmeSpaceError's)
     errno.EROFS: "the file system became read-only (a disk error remounts ext4 so: see dmesg); point nvme_dir at a "
     "writable drive and restart from the last checkpoint",
@@ -51,11 +50,19 @@ def free_bytes(fd: int) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
 def dir_prefix() -> str:
     """The start of the name of this machine's swap directories: PREFIX, the host name (no '-' in it), then '-'
     ([Note: swap directories left by a killed process])."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
-    return f"{PREFIX}{host}-"
+    return f"{PREFIX}{_host()}-"
+
+
+def making_prefix() -> str:
+    """The start of the name of this machine's swap directories until their file is locked: MAKING, host, '-'."""
+    return f"{MAKING}{_host()}-"
 
 
 def remove_orphans(parent: str) -> list[str]:
@@ -67,9 +74,14 @@ def remove_orphans(parent: str) -> list[str]:
     preallocated to the tier's high-water mark and beyond, stays: a crash loop filled the disk one swap file per
     kill. Each store holds an flock on its swap file for as long as the file is open (the kernel drops it when the
     process dies, however it dies; it holds across PID namespaces, where a PID recorded in a name would not), so a
-    directory whose file nobody locks is an orphan. Only directories of this user older than ORPHAN_AGE_S are
-    considered: a store just being made has not locked its file yet. Failures are ignored: this is housekeeping, and
-    the new store's own checks say what is wrong.
+    directory of this user whose file nobody locks is an orphan. A store is made under a name of its own (MAKING)
+    and renamed to its PREFIX name once it locks its file (`publish`), so an unlocked file under a PREFIX name is an
+    orphan at any age: a restart right after a SIGKILL (torchrun's elastic restart, a crash loop) removes the killed
+    run's file. Formerly every directory had to be older than ORPHAN_AGE_S, since a store being made has not locked
+    its file yet, and each quick restart added a swap file. Only directories still under a MAKING name (a store
+    being made now, or one killed while it was) and PREFIX ones without a file (as an earlier hetero made them)
+    wait for ORPHAN_AGE_S; they hold next to nothing. Failures are ignored: this is housekeeping, and the new
+    store's own checks say what is wrong.
     On a file system other machines mount too (NFS, Lustre, BeeGFS, ...: `shared_file_system`) a lock may stay on the
     machine that took it (NFS mounted `nolock`, Lustre `localflock`, BeeGFS's default), so another node's live swap
     directory looked like an orphan here, and removing it failed that node's next swap read (ESTALE): two jobs of one
@@ -77,9 +89,9 @@ def remove_orphans(parent: str) -> list[str]:
     this machine are considered (the name carries the host: `dir_prefix`); another machine's orphans wait for a store
     made there."""
     removed = []
-    mine = None if shared_file_system(parent) is None else dir_prefix()
+    prefixes = (PREFIX, MAKING) if shared_file_system(parent) is None else (dir_prefix(), making_prefix())
     try:
-        names = [n for n in os.listdir(parent) if n.startswith(mine or PREFIX)]
+        names = [n for n in os.listdir(parent) if n.startswith(prefixes)]
     except OSError:
         return removed
     now = time.time()
@@ -87,12 +99,18 @@ def remove_orphans(parent: str) -> list[str]:
         d = os.path.join(parent, name)
         try:
             st = os.lstat(d)
-            if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.geteuid():
-                continue
-            if now - st.st_mtime < ORPHAN_AGE_S:
-                continue
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        young = now - st.st_mtime < ORPHAN_AGE_S
+        if young and name.startswith(MAKING):  # perhaps being made now: its file is not locked yet
+            continue
+        try:
             fd = os.open(os.path.join(d, "swap"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:  # made, then killed before its file was: nothing holds it either
+            if young:  # or an earlier hetero's being made
+                continue
             fd = -1
         except OSError:
             continue
@@ -114,80 +132,6 @@ def remove_orphans(parent: str) -> list[str]:
             ", ".join(os.path.basename(d) for d in removed),
         )
     return removed
-
-
-# [Note: swap directories removed on SIGTERM]
-# Schedulers and launchers end jobs with SIGTERM (Slurm's scancel and time limit, Kubernetes, torchrun stopping the
-# other ranks once one failed), whose default action ends the process at once: no close(), no finalizer, and its swap
-# directory stayed until the next store in the same nvme_dir swept it, a minute later at the earliest. So while this
-# process holds a swap directory, SIGTERM goes through `_on_sigterm`, installed over the handler before it:
-#   - before it the default (SIG_DFL): the directories this process made are removed, the default is put back and the
-#     signal raised again, so the process still dies of SIGTERM (its exit status says so to the launcher);
-#   - before it a handler of the program's own: that one runs, nothing is removed. It decides whether the process
-#     ends (a handler that saves a checkpoint on preemption reads the NVMe tier after the signal); if it raises
-#     (SystemExit, KeyboardInterrupt) the store's finalizer removes the directory as the interpreter exits;
-#   - ignored (SIG_IGN), or set outside Python: left alone, nothing is installed.
-# Only the main thread can install a handler; a store made on another thread uses the one a main-thread store
-# installed, else its directory waits for the sweep ([Note: swap directories left by a killed process]), as before,
-# and a warning says so. The handler is put back when the last directory goes (on the main thread), so that a process
-# holding no swap file keeps the default: a Python handler runs only once the main thread is back in the
-# interpreter, so a rank blocked in a long C call (a collective) dies of SIGTERM only when the call returns.
-# Each directory is removed only by the process that made it: a child forked from a rank (os.fork) inherits the
-# handler, the registry and the store's finalizer, and when it ended (a SIGTERM, a normal exit, the store collected)
-# it deleted the rank's live swap file under it.
-_owned: tuple[tuple[str, int], ...] = ()  # (directory, pid that made it); replaced whole, read by the handler
-_owned_lock = threading.Lock()  # writers only: the handler reads `_owned` without it (it may interrupt a holder)
-_before: list[Any] = []  # the SIGTERM handler `_on_sigterm` replaced, while it is installed
-_warned = [False]  # the warning for a store off the main thread is given once
-
-
-def own(directory: str) -> None:
-    """This process made `directory`: removed on SIGTERM ([Note: swap directories removed on SIGTERM])."""
-    global _owned
-    with _owned_lock:
-        _owned = (*_owned, (directory, os.getpid()))
-    previous = signal.getsignal(signal.SIGTERM)
-    if _before or previous is signal.SIG_IGN or previous is None or previous is _on_sigterm:
-        return
-    if threading.current_thread() is not threading.main_thread():
-        if not _warned[0]:
-            _warned[0] = True
-            log.warning(
-                "NVMe swap directory %s was made off the main thread, where no SIGTERM handler can be installed: a "
-                "SIGTERM leaves it until the next store in the same nvme_dir removes it (after %.0f s). Create the "
-                "first engine with an NVMe tier on the main thread to have it removed at once",
-                directory,
-                ORPHAN_AGE_S,
-            )
-        return
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _before.append(previous)
-
-
-def disown(directory: str) -> None:
-    """`directory` is gone or going: the last one puts the handler before hetero's back (on the main thread)."""
-    global _owned
-    with _owned_lock:
-        _owned = tuple(o for o in _owned if o[0] != directory)
-        last = not any(pid == os.getpid() for _, pid in _owned)
-    if not (last and _before and threading.current_thread() is threading.main_thread()):
-        return
-    if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # else someone installed theirs over it: leave both
-        signal.signal(signal.SIGTERM, _before[0])
-        _before.clear()
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    previous = _before[0] if _before else signal.SIG_DFL
-    if callable(previous):
-        previous(signum, frame)  # the program's own: it decides, and the store stays usable
-        return
-    pid = os.getpid()
-    for directory, owner in _owned:
-        if owner == pid:
-            shutil.rmtree(directory, ignore_errors=True)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.raise_signal(signal.SIGTERM)  # dies of it, as without the handler
 
 
 class Slots:
@@ -274,6 +218,25 @@ def _open(path: str, direct: bool | None) -> tuple[int, bool, int]:
         raise NvmeUnavailableError(f"cannot create swap file {path!r} ({e})") from e
 
 
+def publish(directory: str) -> str:
+    """Rename a store's directory from its MAKING name to its PREFIX one, now that its file is locked; returns the
+    name it has ([Note: swap directories left by a killed process]). One that cannot be renamed keeps its name:
+    the sweep takes it only when old and unlocked."""
+    base = os.path.basename(directory)
+    if not base.startswith(MAKING):
+        return directory
+    final = os.path.join(os.path.dirname(directory), PREFIX + base[len(MAKING) :])
+    own(final)  # first: a SIGTERM during the rename finds it under one of the names
+    try:
+        os.rename(directory, final)
+    except OSError as e:
+        disown(final)
+        log.debug("cannot rename swap directory %s to %s (%s): it keeps its name", directory, final, e)
+        return directory
+    disown(directory)
+    return final
+
+
 class SwapFile:
     """The file `swap` in a store's private `directory` and its slots. Not thread-safe: the store serializes calls.
 
@@ -281,12 +244,10 @@ class SwapFile:
     """
 
     def __init__(self, directory: str, direct: bool | None) -> None:
-        self.directory = directory
-        self.path = os.path.join(directory, "swap")
         self.pid = os.getpid()  # the process that made it: the only one that removes it
         own(directory)  # [Note: swap directories removed on SIGTERM]
         try:
-            self.fd, self.direct, self.mem_align = _open(self.path, direct)
+            self.fd, self.direct, self.mem_align = _open(os.path.join(directory, "swap"), direct)
         except BaseException:
             disown(directory)
             raise
@@ -295,7 +256,9 @@ class SwapFile:
             # ([Note: swap directories left by a killed process]).
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:  # a file system without locks (ENOLCK): other stores cannot lock it either, and skip it
-            log.debug("cannot lock %s (%s): a killed run's copy of it will not be cleaned up", self.path, e)
+            log.debug("cannot lock %s (%s): a killed run's copy of it will not be cleaned up", directory, e)
+        self.directory = publish(directory)  # its name once locked; the open file goes with it
+        self.path = os.path.join(self.directory, "swap")
         self.slots = Slots()
         # [Note: preallocating the swap file], except where files are held in RAM (tmpfs): that would take memory early.
         self.prealloc = memory_file_system(directory) is None

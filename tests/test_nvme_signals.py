@@ -1,0 +1,169 @@
+"""The NVMe tier's swap directories when a scheduler ends the run: SIGTERM while the main thread is blocked in a C
+call (a collective waiting on a peer), followed by SIGKILL after the grace period, and the next start in the same
+nvme_dir right after a SIGKILL ([Note: swap directories removed on SIGTERM] in hetero/memory/swap_sigterm.py,
+[Note: swap directories left by a killed process] in hetero/memory/swap_file.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from hetero.memory import swap_file
+from hetero.memory.nvme import NvmeStore
+from hetero.memory.swap_file import ORPHAN_AGE_S, PREFIX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRACE_S = 5.0  # a scheduler's grace between SIGTERM and SIGKILL (Slurm's and Kubernetes' 30 s, scaled down)
+BLOCK_S = 20 * GRACE_S  # how long the main thread stays in its C call: well past the grace, so SIGKILL ends it
+START_S = 120.0  # the child's import of torch and its first store, on a loaded 2-core machine
+
+
+def _swap_dirs(parent) -> list[str]:
+    return sorted(n for n in os.listdir(parent) if n.startswith(PREFIX))
+
+
+def _start(code: str, parent, *args: str) -> tuple[subprocess.Popen, str]:
+    """A child running `code`; returns it and the first line it prints (its swap directory), once printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(parent), *args],
+        stdin=subprocess.PIPE,  # a child waiting on it lives until killed
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], START_S)
+    if not ready:
+        proc.kill()
+        raise AssertionError(f"the child printed nothing within {START_S} s: {proc.communicate()[1][-3000:]}")
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.wait(timeout=START_S)
+        raise AssertionError(f"the child ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+    return proc, line
+
+
+# A rank whose main thread waits in C++ for a peer that never comes (as gloo's and NCCL's collectives do): signals do
+# not interrupt that wait, so Python's handler runs only when it returns. The future is completed after BLOCK_S, so
+# that a child the test failed to kill still ends.
+_BLOCKED = """
+import sys, threading, torch
+from hetero.memory.nvme import NvmeStore
+s = NvmeStore(sys.argv[1], block_bytes=1 << 20)
+s.write(0, torch.arange(1 << 20, dtype=torch.float32)).result()
+peer = torch.futures.Future()
+threading.Timer(float(sys.argv[2]), lambda: peer.set_result(None)).start()
+print(s.directory, flush=True)
+peer.wait()
+"""
+
+
+def test_sigterm_removes_the_swap_directory_while_the_main_thread_is_blocked_in_a_c_call(tmp_path):
+    """Python runs a SIGTERM handler only on the main thread, between bytecodes: a rank blocked in a collective ran
+    it only once the collective returned, after the scheduler's SIGKILL, which left the swap file (tens of GB on a
+    real run). A watcher thread learns of the signal at once and removes the directory within the grace period."""
+    proc, directory = _start(_BLOCKED, tmp_path, str(BLOCK_S))
+    try:
+        assert os.path.isfile(os.path.join(directory, "swap"))
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(GRACE_S)
+        proc.kill()
+        proc.wait(timeout=START_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # SIGKILL ended it: the main thread was still blocked, its handler never ran (the premise of this test).
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr.read()[-3000:])
+    assert _swap_dirs(tmp_path) == [], "the swap directory outlived a SIGTERM and the grace period"
+
+
+_KILLED = """
+import sys, torch
+from hetero.memory.nvme import NvmeStore
+s = NvmeStore(sys.argv[1], block_bytes=1 << 20)
+s.write(0, torch.arange(1 << 20, dtype=torch.float32)).result()
+print(s.directory, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_next_start_right_after_a_sigkill_removes_the_killed_runs_swap_directory(tmp_path):
+    """A restart right after a SIGKILL (torchrun's elastic restart, a crash loop) kept the killed run's swap file:
+    only directories older than a minute were swept, so that a store being made (not yet locking its file) was
+    not taken for an orphan; each restart added a swap file. A store is made under a name of its own and renamed
+    once it locks its file, so an unlocked file under a store's name is an orphan at any age; one being made is
+    not touched, nor a live one."""
+    proc, dead = _start(_KILLED, tmp_path)
+    proc.kill()
+    proc.wait(timeout=START_S)
+    assert os.path.getsize(os.path.join(dead, "swap")) >= 4 << 20
+    # A store of another process caught between making its directory and locking its file: young, left alone.
+    making = os.path.join(tmp_path, swap_file.making_prefix() + "x")
+    os.mkdir(making)
+    open(os.path.join(making, "swap"), "wb").close()
+    live = NvmeStore(tmp_path)
+    try:
+        t = torch.randn(1000)
+        live.write(0, t).result()
+        assert os.path.basename(live.directory).startswith(swap_file.dir_prefix())
+        with NvmeStore(tmp_path) as fresh:
+            kept = sorted(os.path.basename(d) for d in (live.directory, fresh.directory))
+            assert _swap_dirs(tmp_path) == kept
+        assert os.path.isdir(making)
+        old = time.time() - 2 * ORPHAN_AGE_S
+        os.utime(making, (old, old))  # one killed before it locked its file: swept once old
+        with NvmeStore(tmp_path):
+            assert not os.path.exists(making)
+        out = torch.empty_like(t)
+        live.read(0, out).result()
+        assert torch.equal(out, t)
+    finally:
+        live.close()
+    assert _swap_dirs(tmp_path) == []
+
+
+# A program with a wakeup fd of its own (asyncio's event loop sets one): hetero keeps it, and puts nothing back
+# over it when the store closes; a program without one has none again once its last store is closed.
+_WAKEUP = """
+import json, signal, socket, sys
+from hetero.memory.nvme import NvmeStore
+def current():
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    return fd
+r, w = socket.socketpair()
+w.setblocking(False)
+signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+with NvmeStore(sys.argv[1]):
+    theirs_kept = current() == w.fileno()
+theirs_after = current() == w.fileno()
+signal.set_wakeup_fd(-1)
+with NvmeStore(sys.argv[1]):
+    ours = current() not in (-1, w.fileno())
+print(json.dumps({"theirs_kept": theirs_kept, "theirs_after": theirs_after, "ours": ours, "none_after": current()}))
+"""
+
+
+def test_a_programs_own_wakeup_fd_is_kept(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_WAKEUP), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=START_S,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"theirs_kept": True, "theirs_after": True, "ours": True, "none_after": -1}
+    assert _swap_dirs(tmp_path) == []
