@@ -17,6 +17,13 @@ state hashed from the same bytes, so:
 - what the region draws is a function of the shared stream's state at the entry, which `torch.utils.checkpoint`
   saves and restores, so a recomputation in backward draws the same masks (no state of hetero's to save with it);
 - a run is reproducible from the seed, and a checkpoint's saved RNG states cover it.
+A region inside which nothing drew (the model in eval mode, a dropout of p = 0) gives the shared CPU stream back as
+it found it, the entry's draw undone: the plain model's forward then draws nothing, and neither does this one, so
+what follows a forward draws what it draws without tensor parallelism. A sampling `generate` drew other tokens than
+the plain model's with the same seed (every forward moved the shared stream once per region, and the sampler draws
+from it); now it draws the same. Whether anything drew is read off this rank's own streams at the exit (their states
+against those just seeded): ranks of a group draw the same shapes there, so they all decide alike and stay
+bit-identical. The device's shared stream is always given back as it was (the entry's draw is the CPU's alone).
 Without sequence parallelism the region runs from a column-parallel layer's input (or its `heads` /
 `parallel_input` parent's) to the row-parallel layer's input; under Megatron-SP from `sequence_scatter` to
 `sequence_gather`, since everything between holds a part of the sequence (so under Ulysses and ring too, over the
@@ -40,10 +47,12 @@ follows the forward (a sampled token, the next batch's shuffle) draws the shared
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from hetero.comm import Comm
 from hetero.device import Device
@@ -70,7 +79,7 @@ class RegionRng:
 
     def __init__(self, comm: Comm) -> None:
         self.rank, self.size = comm.rank, comm.size
-        self._outside: tuple[torch.Tensor, Device | None, torch.Tensor | None] | None = None  # shared states, inside
+        self._outside: _Outside | None = None  # the shared streams' states, while inside
         self._devices: dict[torch.device, Device] = {}  # the device each region's tensors were on (CUDA only)
 
     @property
@@ -90,22 +99,26 @@ class RegionRng:
         """`enter_at` for a tensor on `device` (None: the CPU's generator alone)."""
         if self._outside is not None or self.size == 1:
             return
+        before = torch.get_rng_state()
         seed = rank_seed(shared_draw(), self.rank)
         dev = None if device is None else self._device(device)
-        self._outside = (torch.get_rng_state(), dev, None if dev is None else dev.rng_state())
+        outside = (before, torch.get_rng_state(), dev, None if dev is None else dev.rng_state())
         set_streams(seed, dev)
+        self._outside = _Outside(*outside, seeded=_states(dev))
 
     @torch.compiler.disable
     def leave(self, *_: Any) -> None:
-        """Back to the shared streams, where they were on entering (moved on by the entry's draw). Any arguments
-        (a module hook's) are ignored."""
-        if self._outside is None:
+        """Back to the shared streams, where they were on entering: moved on by the entry's draw where this rank's
+        streams drew inside, as found where they drew nothing ([Note: dropout under tensor parallelism]). Any
+        arguments (a module hook's) are ignored."""
+        out = self._outside
+        if out is None:
             return
-        cpu, dev, dev_state = self._outside
         self._outside = None
-        torch.set_rng_state(cpu)
-        if dev is not None:
-            dev.set_rng_state(dev_state)
+        drew = _states(out.dev) != out.seeded
+        torch.set_rng_state(out.moved if drew else out.before)
+        if out.dev is not None:
+            out.dev.set_rng_state(out.dev_state)
 
     def _device(self, device: torch.device) -> Device | None:
         if device.type != "cuda":  # the CPU's generator is swapped anyway; meta tensors draw nothing
@@ -113,6 +126,23 @@ class RegionRng:
         if device not in self._devices:
             self._devices[device] = Device(device)
         return self._devices[device]
+
+
+@dataclass(frozen=True)
+class _Outside:
+    """The shared streams while a region runs on this rank's, and this rank's as they were seeded."""
+
+    before: torch.Tensor  # the shared CPU state at the entry, before its draw
+    moved: torch.Tensor  # the shared CPU state after the entry's draw
+    dev: Device | None  # the device whose generator was swapped too (CUDA only)
+    dev_state: torch.Tensor | None  # its shared state at the entry
+    seeded: tuple[bytes, bytes]  # this rank's CPU and device states as seeded: unchanged at the exit, nothing drew
+
+
+def _states(dev: Device | None) -> tuple[bytes, bytes]:
+    """The bytes of the CPU's and `dev`'s generator states: host-side reads, no tensor operation (as shared_draw)."""
+    on_device = b"" if dev is None else dev.rng_state().numpy().tobytes()
+    return torch.get_rng_state().numpy().tobytes(), on_device
 
 
 def set_streams(seed: int, device: Device | None = None) -> None:
@@ -123,15 +153,24 @@ def set_streams(seed: int, device: Device | None = None) -> None:
         device.set_rng_state(torch.Generator(device=device.torch_device).manual_seed(seed).get_state())
 
 
+def inputs_device(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device whose generator a region entered with these inputs swaps: that of the first tensor on an
+    accelerator, searched inside containers too (a batch given as a dict or a tuple), else the first tensor's; None
+    without a tensor. The first top-level tensor alone missed a batch in a dict (the CUDA stream stayed shared: every
+    rank drew the same masks for its blocks) and took a host tensor ahead of the device's (a CPU mask)."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    x = next((t for t in tensors if t.device.type not in ("cpu", "meta")), tensors[0] if tensors else None)
+    return None if x is None else x.device
+
+
 def bracket(first: nn.Module, last: nn.Module, rng: RegionRng, *, enter: bool = True) -> None:
-    """Run from `first`'s call to `last`'s return on this rank's stream (the device's of `first`'s first tensor
-    input too), and back to the shared one when `last` returns or raises; `enter` False: only the way back, for a
+    """Run from `first`'s call to `last`'s return on this rank's stream (the device's of `first`'s inputs too:
+    `inputs_device`), and back to the shared one when `last` returns or raises; `enter` False: only the way back, for a
     region some module inside opens. A model (first = last = the model) or a pipeline stage's run of units."""
     if enter:
 
         def pre_hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-            rng.enter(None if x is None else x.device)
+            rng.enter(inputs_device(args, kwargs))
 
         first.register_forward_pre_hook(pre_hook, with_kwargs=True)
     last.register_forward_hook(rng.leave, always_call=True)

@@ -30,7 +30,12 @@ instead of data-parallel rank) computed every token from a mix of both with no e
 whole logits, and from then on each fed its own sequence. So there each generating module's `generate` first agrees
 over the group on its arguments and, where it samples, on a digest of the random streams it draws from (the CPU's
 and the compute device's): one small exchange per call. The logits are whole and the same on every rank, so a group
-that agrees at the start picks the same tokens throughout.
+that agrees at the start picks the same tokens throughout. They are the plain model's tokens for the same seed, at
+every tensor degree, greedy or sampled (temperature, top-k, top-p), up to the rounding of the sums' other order: a
+forward of the model in eval mode draws nothing from the shared stream the sampler draws from, as the plain model's
+([Note: dropout under tensor parallelism] in hetero/parallel/tp_rng.py; each forward used to move it, and a seeded
+sampling run drew other tokens than the plain one's). A model left in training mode drops other elements than the
+plain model (each rank draws its part's masks from its own stream), so its tokens differ, alike on every rank.
 """
 
 from __future__ import annotations
