@@ -6,6 +6,7 @@ nvme_dir right after a SIGKILL ([Note: swap directories removed on SIGTERM] in h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -97,7 +98,7 @@ sys.stdin.read()
 """
 
 
-def test_the_next_start_right_after_a_sigkill_removes_the_killed_runs_swap_directory(tmp_path):
+def test_the_next_start_right_after_a_sigkill_removes_the_killed_runs_swap_directory(tmp_path, caplog):
     """A restart right after a SIGKILL (torchrun's elastic restart, a crash loop) kept the killed run's swap file:
     only directories older than a minute were swept, so that a store being made (not yet locking its file) was
     not taken for an orphan; each restart added a swap file. A store is made under a name of its own and renamed
@@ -106,12 +107,16 @@ def test_the_next_start_right_after_a_sigkill_removes_the_killed_runs_swap_direc
     proc, dead = _start(_KILLED, tmp_path)
     proc.kill()
     proc.wait(timeout=START_S)
-    assert os.path.getsize(os.path.join(dead, "swap")) >= 4 << 20
+    on_disk = os.stat(os.path.join(dead, "swap")).st_blocks * 512
+    assert on_disk >= 4 << 20  # the 4 MiB written, and what the file preallocated beyond
     # A store of another process caught between making its directory and locking its file: young, left alone.
     making = os.path.join(tmp_path, swap_file.making_prefix() + "x")
     os.mkdir(making)
     open(os.path.join(making, "swap"), "wb").close()
-    live = NvmeStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="hetero.memory.nvme"):
+        live = NvmeStore(tmp_path)
+    assert f"removed 1 swap directories ({on_disk / (1 << 20):.1f} MiB on disk)" in caplog.text
+    assert os.path.basename(dead) in caplog.text
     try:
         t = torch.randn(1000)
         live.write(0, t).result()
@@ -167,3 +172,19 @@ def test_a_programs_own_wakeup_fd_is_kept(tmp_path):
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out == {"theirs_kept": True, "theirs_after": True, "ours": True, "none_after": -1}
     assert _swap_dirs(tmp_path) == []
+
+
+def test_a_directory_named_like_a_store_but_holding_other_things_is_not_swept(tmp_path):
+    """A program's own directory that happens to start with the prefix (examples/train_gpt.py makes its nvme_dir as
+    a `hetero-swap-` temporary directory, so a store whose nvme_dir is its parent saw it): it has no swap file of
+    its own, so it was taken for a store killed before making one, and removed with the live store inside it."""
+    theirs = os.path.join(tmp_path, PREFIX + "theirs")
+    os.mkdir(theirs)
+    with NvmeStore(theirs) as inside:
+        old = time.time() - 2 * ORPHAN_AGE_S
+        os.utime(theirs, (old, old))
+        empty = os.path.join(tmp_path, PREFIX + "empty")  # one killed before it made its file: swept
+        os.mkdir(empty)
+        os.utime(empty, (old, old))
+        with NvmeStore(tmp_path):
+            assert os.path.isfile(inside.path) and not os.path.exists(empty)

@@ -88,7 +88,7 @@ def remove_orphans(parent: str) -> list[str]:
     user, or nodes of one job started a minute apart, sharing a scratch directory. There only directories named for
     this machine are considered (the name carries the host: `dir_prefix`); another machine's orphans wait for a store
     made there."""
-    removed = []
+    removed, freed = [], 0
     prefixes = (PREFIX, MAKING) if shared_file_system(parent) is None else (dir_prefix(), making_prefix())
     try:
         names = [n for n in os.listdir(parent) if n.startswith(prefixes)]
@@ -117,7 +117,10 @@ def remove_orphans(parent: str) -> list[str]:
         try:
             if fd >= 0:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live store: BlockingIOError
-            shutil.rmtree(d, ignore_errors=True)
+                freed += os.fstat(fd).st_blocks * 512
+                shutil.rmtree(d, ignore_errors=True)
+            else:  # only an empty one: a directory of this name holding other things is not a store's
+                os.rmdir(d)
             removed.append(d)
         except OSError:
             continue
@@ -126,8 +129,10 @@ def remove_orphans(parent: str) -> list[str]:
                 os.close(fd)
     if removed:
         log.warning(
-            "removed %d swap directories left in %s by processes that ended without closing their store: %s",
+            "removed %d swap directories (%s on disk) left in %s by processes that ended without closing their store: "
+            "%s",
             len(removed),
+            f"{freed / (1 << 30):.1f} GiB" if freed >= 1 << 30 else f"{freed / (1 << 20):.1f} MiB",
             parent,
             ", ".join(os.path.basename(d) for d in removed),
         )
