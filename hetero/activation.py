@@ -113,7 +113,7 @@ class _HostCopy:
 
     def __init__(self, chunk: Chunk, owner: _Saved) -> None:
         self.chunk = chunk
-        self.owner = owner  # the call whose copy job (`owner.going`) fills the chunk
+        self.owner: _Saved | None = owner  # the call whose copy job (`owner.going`) fills the chunk; None once freed
         self.users = 1  # calls whose recomputation still needs it; the chunk is freed when none is left
         self.written: tuple[int, int] | None = None  # (version copied, version found): written before it landed
 
@@ -363,6 +363,10 @@ class ActivationMemory:
                 self.m.unpin(chunk)
                 chunk.set_state(chunk.slots[0], TensorState.FREE)
             self.m.free_chunk(chunk)
+            # The step's table of copies (`_copies`) keeps the copy until step_end; through its owner it kept the
+            # owner's inputs brought back to the device (`coming`) alive too, every recomputed block's until the
+            # batch's end. Nothing reads the owner of a freed copy.
+            copy.owner = None
         saved.host = []
 
     def step_end(self) -> None:

@@ -36,7 +36,7 @@ from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import describe, describe_ranks, layout_from, layout_ranks, with_layout
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.placement import KINDS, MODEL_STATE_KINDS, TIERS, place, zeros
-from hetero.profiler.step_peak import meta_step_peak
+from hetero.profiler.step_peak import Offload, meta_step_peak
 from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
@@ -303,13 +303,16 @@ def estimate(
         specs = build_layout(
             model, opt, chunk_numel=chunk_numel, world=zero_world, max_chunk_numel=cap_of(zero_world), tiling=cfg.tiling
         )
-        act = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+        act, host_acts = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
     else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
         check_pipeline_sequence(model, cfg.parallel)  # what initialize refuses is no layout to estimate
-        ckpt = bool(getattr(cfg, "activation_checkpointing", False))
+        ckpt = getattr(cfg, "activation_checkpointing", False)  # true, or the blocks' names, as the engine's
+        offload = bool(ckpt) and bool(getattr(cfg, "activation_offload", False))
         ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
                                          inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt,
-                                         cap=cap_of, tiling=cfg.tiling)  # fmt: skip
+                                         offload=offload, cap=cap_of, tiling=cfg.tiling)  # fmt: skip
+        ckpt = bool(ckpt)
+        host_acts = ranks[0][0].host_activations
         specs = ranks[0][1]
         act = ActivationEstimate(bytes=ranks[0][0].activations, saved=0, checkpointed=ckpt, note="")  # describe_ranks
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
@@ -318,10 +321,14 @@ def estimate(
     budget = cfg.memory.device_budget
     rules = dict(ahead=cfg.gather_ahead, host_budget=cfg.memory.host_budget, world=zero_world)
     rules["shards_via_host"] = cfg.offload.params != "device"
-    per_rank = [(sp, p.activations, gathered_bytes(p.model, sp, dtype, budget, **rules)) for p, sp in ranks]
-    per_rank = per_rank or [(specs, act.bytes, gathered_bytes(model, specs, dtype, budget, **rules))]
+    per_rank = [
+        (sp, p.activations, p.host_activations, gathered_bytes(p.model, sp, dtype, budget, **rules)) for p, sp in ranks
+    ]
+    per_rank = per_rank or [(specs, act.bytes, host_acts, gathered_bytes(model, specs, dtype, budget, **rules))]
 
-    def placed_rank(stage: int, params: str, optim: str, rank_specs: list, acts: int, gathered: int) -> tuple:
+    def placed_rank(
+        stage: int, params: str, optim: str, rank_specs: list, acts: int, host_acts: int, gathered: int
+    ) -> tuple:
         resident, transient = place(
             rank_specs,
             gathered=gathered,
@@ -336,6 +343,7 @@ def estimate(
         )
         resident["device"]["buffers"] += buffers
         transient["device"]["activations"] += acts
+        transient["host"]["activations"] += host_acts  # activation offload's copies of block inputs
         return resident, transient
 
     def placed(stage: int, params: str, optim: str) -> tuple[dict, dict]:  # the busiest pipeline rank's bytes
@@ -394,7 +402,8 @@ def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 def _activations(
     model: nn.Module, inputs: dict[str, Any] | None, *, batch_size: int, seq_len: int, dtype: torch.dtype, cfg: Config
-) -> ActivationEstimate:
+) -> tuple[ActivationEstimate, int]:
+    """The step's activations on the device, and the bytes activation offload holds on the host."""
     checkpointing = getattr(cfg, "activation_checkpointing", False)  # true, or the blocks' names, as the engine's
     inputs = inputs if inputs is not None else _lm_inputs(batch_size, seq_len)
     try:
@@ -402,9 +411,18 @@ def _activations(
     except Exception as e:  # a forward that cannot run on meta tensors: say so, count nothing
         return ActivationEstimate(
             bytes=0, saved=0, checkpointed=bool(checkpointing), note=f"not counted: forward on meta failed: {e}"
-        )
+        ), 0
+    offload = Offload() if checkpointing and getattr(cfg, "activation_offload", False) else None
     try:  # the whole step: gradients, the logits held, recomputations ([Note: a step's activation peak])
-        peak = meta_step_peak(model, inputs, dtype=dtype, checkpointing=checkpointing)
+        peak = meta_step_peak(model, inputs, dtype=dtype, checkpointing=checkpointing, offload=offload)
     except Exception as e:
-        return dataclasses.replace(act, note=f"{act.note}; saved bytes only: backward on meta failed: {e}".lstrip("; "))
-    return dataclasses.replace(act, bytes=max(peak, act.saved_peak))
+        note = f"{act.note}; saved bytes only: backward on meta failed: {e}".lstrip("; ")
+        if offload is not None:
+            note += "; activation_offload not counted: an upper bound for the device"
+        return dataclasses.replace(act, note=note), 0
+    if offload is None:
+        return dataclasses.replace(act, bytes=max(peak, act.saved_peak)), 0
+    # What forward saves counts the blocks' inputs on the device; offloaded, they are not ([Note: offloaded inputs
+    # on meta]): the step's peak is the figure, and the inputs' host copies are the host's.
+    note = f"{act.note}; block inputs offloaded: {format_size(offload.host_peak)} on the host".lstrip("; ")
+    return dataclasses.replace(act, bytes=peak, note=note), offload.host_peak

@@ -8,7 +8,9 @@ so the shards and the layers are the engine's; each pipeline rank's stages come 
 (`pipeline_split` "auto" balances the units' FLOPs on meta, where a real run times them); and each rank's parameters
 are laid out by `build_layout` over ZeRO's group (twice the data-parallel degree under Chimera, whose two replicas
 of a stage are one group). Activations: each unit's saved bytes for one micro-batch, counted on meta through the
-laid-out model; a rank's peak is its schedule walked (`walk`).
+laid-out model; a rank's peak is its own program run on meta as the runtime runs it, every micro-batch in flight,
+received tensors and sends held included (pipeline_peak.py, [Note: a pipeline rank's step on meta]), and where that
+cannot run, its schedule walked over the saved bytes (`walk`, which the planner uses).
 
 Models whose top-level children are not a chain of units (a Hugging Face causal LM: the blocks sit inside
 `model.layers`) are cut the way a pipelined transformer is: the embeddings join the first stage, the blocks are the
@@ -144,6 +146,7 @@ def describe_ranks(est: Any, layout: Layout, ranks: list, placed: list[tuple[dic
                 "units": part.units,
                 "model_state": {t: sum(res[t][k] for k in states) for t in res},
                 "activations": part.activations,
+                "host_activations": part.host_activations,  # activation offload's, at most at once
                 "device": sum(res["device"].values()) + sum(tra["device"].values()),
             }
         )
@@ -196,6 +199,7 @@ class RankPart:
     units: list[str]
     model: nn.Module  # the sharded meta copy the parameters belong to
     note: str = ""  # why no activations were counted, if none were
+    host_activations: int = 0  # activation offload's copies of block inputs on the host, at most at once
 
 
 def pipeline_units(model: nn.Module) -> tuple[list[Unit], bool]:
@@ -260,10 +264,12 @@ def rank_parts(
     world: int,
     inputs: dict[str, Any],
     dtype: torch.dtype,
-    checkpointing: bool,
+    checkpointing: bool | list[str] | tuple,
+    offload: bool = False,
 ) -> tuple[list[RankPart], torch.optim.Optimizer, int]:
     """What each pipeline rank holds under `layout` ([Note: a layout's bytes per rank]), the optimizer over the
-    sharded copy's parameters, and the size of ZeRO's group."""
+    sharded copy's parameters, and the size of ZeRO's group. checkpointing: true or the blocks' names, as the
+    config's; offload: activation_offload."""
     sharded, opt, _ = per_rank_model(model, optimizer, layout.config(), world)
     split = layout.sequence in ("ulysses", "ring")  # the sequence ranks are inside ZeRO's group
     zero_world = world // ((1 if split else layout.tensor) * layout.pipeline)
@@ -285,10 +291,41 @@ def rank_parts(
             if n in held and id(p) not in seen:
                 seen.add(id(p))
                 params.append((n, p))
-        peak = walk(stage_units, mine, layout, k, checkpointing)
+        peak, host, why = _rank_peak(sharded, units, stage_units, layout, k, inputs, dtype, checkpointing, offload)
         names = [u.name for s in mine for u in stage_units[s]]
-        parts.append(RankPart(k, params, peak, names, sharded, note))
+        parts.append(RankPart(k, params, peak, names, sharded, note or why, host))
     return parts, opt, zero_world * (2 if layout.chimera else 1)
+
+
+def _rank_peak(
+    model: nn.Module,
+    units: list[Unit],
+    stage_units: list[list[Unit]],
+    layout: Layout,
+    rank: int,
+    inputs: dict[str, Any],
+    dtype: torch.dtype,
+    checkpointing: bool | list[str] | tuple,
+    offload: bool,
+) -> tuple[int, int, str]:
+    """(device peak, host peak, note) of a pipeline rank: its program on meta, else its schedule walked over the
+    saved bytes (the note says why)."""
+    from hetero.profiler.pipeline_peak import rank_step_peak
+
+    engine_units = [n for n, _ in units_of(model)]
+    if len(engine_units) == len(units):  # the engine's cut names the units its own way (a Hugging Face decoder)
+        at = {id(u): i for i, u in enumerate(units)}
+        names = [[engine_units[at[id(u)]] for u in stage] for stage in stage_units]
+        try:
+            peak, host = rank_step_peak(model, names, rank, layout, inputs, dtype=dtype, checkpointing=checkpointing,
+                                        offload=offload)  # fmt: skip
+            return peak, host, ""
+        except Exception as e:  # counted as before: what the schedule keeps saved
+            why = f"saved bytes only: the schedule on meta failed: {e}"
+    else:
+        why = "saved bytes only: the engine's units differ from the estimate's"
+    mine = layout.stages_of(rank)
+    return walk(stage_units, mine, layout, rank, bool(checkpointing)), 0, why
 
 
 def walk(stage_units: list[list[Unit]], mine: list[int], layout: Layout, rank: int, checkpointing: bool) -> int:
@@ -354,7 +391,8 @@ def layout_ranks(
     chunk_numel: int | None,
     inputs: dict[str, Any],
     dtype: torch.dtype,
-    checkpointing: bool,
+    checkpointing: bool | list[str] | tuple,
+    offload: bool = False,
     cap: Callable[[int], int | None] | None = None,
     tiling: bool = True,
 ) -> tuple[list[tuple[RankPart, list]], int]:
@@ -363,7 +401,7 @@ def layout_ranks(
     from hetero.zero.layout import build_layout
 
     parts, opt, zero_world = rank_parts(
-        model, optimizer, layout, world=world, inputs=inputs, dtype=dtype, checkpointing=checkpointing
+        model, optimizer, layout, world=world, inputs=inputs, dtype=dtype, checkpointing=checkpointing, offload=offload
     )
     out = []
     for part in parts:
