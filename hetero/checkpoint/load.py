@@ -283,7 +283,7 @@ def _start_trainable(
         zc.reshard()  # a gathered copy would be stale once the shard is replaced
     lo, hi = zc.kept_range()
     kinds = ["master"] + [f"state.{n}" for n in engine.algorithm.state_names]
-    m.access(zc.optim, zc.placement.compute)
+    _access_whole(m, zc.optim, zc.placement.compute)  # every element is read from the checkpoint or zeroed below
     m.pin(zc.optim)
     requests: list[tuple] = []  # read and checked by `Index`
     parts_only: list[tuple] = []  # parts of segments another rank checks
@@ -360,23 +360,52 @@ def _fill_frozen(engine: Engine, zc: Any, index: mf.Index) -> None:
         zc.reshard()
         lo, hi = zc.kept_range()
         tier = Tier.DEVICE if zc.placement.params is Tier.DEVICE else Tier.HOST
-        buf = m.access(zc.shard, tier)
+        buf = _access_whole(m, zc.shard, tier)  # every element is read from the checkpoint or zeroed below
         chunk, base = zc.shard, lo
     else:
         lo, hi = 0, zc.spec.capacity
         buf = m.access(zc.full, Tier.DEVICE)
         chunk, base = zc.full, 0
     with m.pinned(chunk):
+        filled = lo  # the shard's elements no parameter covers (padding) are zeroed: fresh memory holds anything
         for info, a, b in zc.spec.overlaps(lo, hi):
             sname = par.stored_name(info)
             kind = "master" if saved[sname]["trainable"] else "frozen"
             index.fill(kind, sname, info.element(a), buf[a - base : b - base])
-    if engine.stage == 3:
-        slot = zc.shard.slots[0]
-        if slot.state is TensorState.FREE:
-            zc.shard.set_state(slot, TensorState.HOLD)
-        if zc.placement.params is Tier.NVME:
-            m.move(zc.shard, Tier.NVME)
+            if chunk is zc.shard:
+                buf[filled - base : a - base].zero_()
+            filled = b
+        if chunk is zc.shard:
+            buf[filled - base :].zero_()
+    if engine.stage == 3 and zc.placement.params is Tier.NVME:
+        m.move(zc.shard, Tier.NVME)
+
+
+# [Note: a load reads no stale copy]
+# A load writes every element of the chunks it fills: an optimizer chunk's master and states (read from the checkpoint
+# or zeroed), a stage-3 frozen shard (its parameters read, its padding zeroed). Accessed as they were, those whose home
+# is NVMe were first read back from their swap copies, only for every byte to be overwritten: a load of the model of
+# tests/test_checkpoint_nvme_reads.py read 384 KiB from NVMe at stage 1, world 1; now it reads none. So their slots
+# are made FREE first, as the update does for a shard its write-back overwrites whole (update.py, copy_up.py): the
+# manager gives a chunk whose slots are all FREE fresh memory where it is wanted, with no read, and the slots are HOLD
+# again from there (the chunk stays pinned until the reads into it are done). The stale swap copy is overwritten
+# when the chunk goes back (the access marked it written). Stage 3's trainable shards need nothing here: the
+# write-back from the loaded master marks them FREE already.
+def _access_whole(m: Any, chunk: Any, tier: Tier) -> torch.Tensor:
+    """`m.access(chunk, tier)` for a caller about to write every element of it: no read of a stale swap copy
+    ([Note: a load reads no stale copy]). Its slots are HOLD after, and as before if the access fails."""
+    held = [slot for slot in chunk.slots if slot.state is not TensorState.FREE]
+    for slot in held:
+        chunk.set_state(slot, TensorState.FREE)
+    try:
+        buf = m.access(chunk, tier)
+    except BaseException:
+        for slot in held:  # nothing was brought in: the copy where it was still holds their data
+            chunk.set_state(slot, TensorState.HOLD)
+        raise
+    for slot in chunk.slots:
+        chunk.set_state(slot, TensorState.HOLD)
+    return buf
 
 
 def _fill_grad(engine: Engine, zc: Any, index: mf.Index, own_file: str) -> None:
