@@ -281,7 +281,7 @@ def rank_parts(
         )
     starts = stage_starts(units, layout, inputs) + [len(units)]
     stage_units = [units[starts[s] : starts[s + 1]] for s in range(layout.stages)]
-    parts = []
+    parts, sent = [], None
     for k in range(layout.pipeline):
         mine = layout.stages_of(k)
         # The engine's names and order: the cut model's named_parameters, a tied parameter under this rank's name
@@ -291,7 +291,9 @@ def rank_parts(
             if n in held and id(p) not in seen:
                 seen.add(id(p))
                 params.append((n, p))
-        peak, host, why = _rank_peak(sharded, units, stage_units, layout, k, inputs, dtype, checkpointing, offload)
+        peak, host, why, sent = _rank_peak(
+            sharded, units, stage_units, layout, k, inputs, dtype, checkpointing, offload, sent
+        )
         names = [u.name for s in mine for u in stage_units[s]]
         parts.append(RankPart(k, params, peak, names, sharded, note or why, host))
     return parts, opt, zero_world * (2 if layout.chimera else 1)
@@ -307,25 +309,29 @@ def _rank_peak(
     dtype: torch.dtype,
     checkpointing: bool | list[str] | tuple,
     offload: bool,
-) -> tuple[int, int, str]:
-    """(device peak, host peak, note) of a pipeline rank: its program on meta, else its schedule walked over the
-    saved bytes (the note says why)."""
-    from hetero.profiler.pipeline_peak import rank_step_peak
+    sent: list | None,
+) -> tuple[int, int, str, list | None]:
+    """(device peak, host peak, note, the stages' outputs) of a pipeline rank: its program on meta, else its
+    schedule walked over the saved bytes (the note says why). `sent`: the stages' outputs, found by the first rank."""
+    from hetero.profiler.pipeline_peak import rank_step_peak, stage_outputs
 
     engine_units = [n for n, _ in units_of(model)]
     if len(engine_units) == len(units):  # the engine's cut names the units its own way (a Hugging Face decoder)
         at = {id(u): i for i, u in enumerate(units)}
         names = [[engine_units[at[id(u)]] for u in stage] for stage in stage_units]
         try:
+            if sent is None:
+                ids = inputs.get("input_ids", next(v for v in inputs.values() if isinstance(v, torch.Tensor)))
+                sent = stage_outputs(model, names, ids, dtype)
             peak, host = rank_step_peak(model, names, rank, layout, inputs, dtype=dtype, checkpointing=checkpointing,
-                                        offload=offload)  # fmt: skip
-            return peak, host, ""
+                                        offload=offload, sent=sent)  # fmt: skip
+            return peak, host, "", sent
         except Exception as e:  # counted as before: what the schedule keeps saved
             why = f"saved bytes only: the schedule on meta failed: {e}"
     else:
         why = "saved bytes only: the engine's units differ from the estimate's"
     mine = layout.stages_of(rank)
-    return walk(stage_units, mine, layout, rank, bool(checkpointing)), 0, why
+    return walk(stage_units, mine, layout, rank, bool(checkpointing)), 0, why, sent
 
 
 def walk(stage_units: list[list[Unit]], mine: list[int], layout: Layout, rank: int, checkpointing: bool) -> int:

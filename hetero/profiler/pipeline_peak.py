@@ -31,6 +31,29 @@ from hetero.profiler.activations import autocast_off_on_meta, meta_like
 from hetero.profiler.step_peak import Offload, checkpointed, on_meta, step_bytes
 
 
+def stage_outputs(
+    model: nn.Module, stage_units: list[list[str]], ids: torch.Tensor, dtype: torch.dtype
+) -> list[tuple[torch.Size, torch.dtype]]:
+    """Each stage's output for one micro-batch of `ids` (what it sends on, and the gradient it receives), on meta,
+    once for every rank. A cut of its own: a Hugging Face decoder's units share a cache of masks and rotary tables,
+    which a rank's step makes (and holds) as the engine's first forward does."""
+    chunks = _chunks(model, stage_units)
+    out: list[tuple[torch.Size, torch.dtype]] = []
+
+    def run() -> None:
+        x = ids
+        with torch.no_grad():
+            for s in range(len(stage_units) - 1):
+                x = chunks[s](x, None, batch=ids)
+                out.append((x.shape, x.dtype))
+
+    params = {f"model.{n}": meta_like(q, dtype) for n, q in model.named_parameters()}
+    buffers = {f"model.{n}": meta_like(b, dtype) for n, b in model.named_buffers()}
+    with autocast_off_on_meta(), on_meta():
+        torch.func.functional_call(_Program(model, run), {**params, **buffers}, args=(), tie_weights=True)
+    return out
+
+
 class _Program(nn.Module):
     """The rank's program as one call, so that every action runs on the replaced parameters."""
 
@@ -53,10 +76,11 @@ def rank_step_peak(
     dtype: torch.dtype,
     checkpointing: bool | list[str] | tuple = False,
     offload: bool = False,
+    sent: list[tuple[torch.Size, torch.dtype]],
 ) -> tuple[int, int]:
     """The most activation bytes pipeline rank `rank` of `layout` (a `parallel_layout.Layout`) holds at once on the
-    device, and on the host (activation offload's copies); `stage_units`: each stage's unit names ([Note: a pipeline
-    rank's step on meta]). Raises what the meta run raised."""
+    device, and on the host (activation offload's copies); `stage_units`: each stage's unit names; `sent`: each
+    stage's output (`stage_outputs`) ([Note: a pipeline rank's step on meta]). Raises what the meta run raised."""
     chunks = _chunks(model, stage_units)
     ids = inputs.get("input_ids", next(v for v in inputs.values() if isinstance(v, torch.Tensor)))
     labels = inputs.get("labels")
@@ -69,19 +93,7 @@ def rank_step_peak(
     host = Offload() if offload and chosen else None
     live = step_bytes()
 
-    def shapes() -> list[tuple[torch.Size, torch.dtype]]:
-        """Each stage's output (what it sends on, and the gradient it receives), for one micro-batch."""
-        # A cut of its own: a Hugging Face decoder's units share a cache of masks and rotary tables, which the step
-        # makes (and holds) as the engine's first forward does.
-        out, x, apart = [], xs[0], _chunks(model, stage_units)
-        with torch.no_grad():
-            for s in range(last):
-                x = apart[s](x, None, batch=xs[0])
-                out.append((x.shape, x.dtype))
-        return out
-
     def run() -> None:
-        sent = shapes()
         saved: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         inbox: dict[Any, torch.Tensor] = {}
         outbox: dict[Any, torch.Tensor] = {}
