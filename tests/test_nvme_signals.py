@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from hetero.memory import swap_file
@@ -53,26 +54,52 @@ def _start(code: str, parent, *args: str) -> tuple[subprocess.Popen, str]:
     return proc, line
 
 
-# A rank whose main thread waits in C++ for a peer that never comes (as gloo's and NCCL's collectives do): signals do
-# not interrupt that wait, so Python's handler runs only when it returns. The future is completed after BLOCK_S, so
-# that a child the test failed to kill still ends.
+# A rank whose main thread waits in C++ for a peer that never comes: on a c10d store key (what a rendezvous and a
+# gloo group's setup wait on) or on a future (what a collective's work object is). Signals do not interrupt either
+# wait, so Python's handler runs only when it returns, after BLOCK_S, so that a child the test failed to kill still
+# ends. The directory is printed once the script's frame is on the line of its wait, and a margin later (the few
+# bytecodes from there into the C call take microseconds): a SIGTERM sent before reached the interpreter in time.
 _BLOCKED = """
-import sys, threading, torch
+import datetime, sys, threading, time, torch
+import torch.distributed as dist
 from hetero.memory.nvme import NvmeStore
 s = NvmeStore(sys.argv[1], block_bytes=1 << 20)
 s.write(0, torch.arange(1 << 20, dtype=torch.float32)).result()
-peer = torch.futures.Future()
-threading.Timer(float(sys.argv[2]), lambda: peer.set_result(None)).start()
-print(s.directory, flush=True)
-peer.wait()
+block_s = float(sys.argv[2])
+main = threading.main_thread().ident
+def at(line):
+    f = sys._current_frames()[main]
+    while f.f_back is not None:  # the script's frame is the outermost
+        f = f.f_back
+    return f.f_lineno == line
+def ready(line):
+    while not at(line):
+        time.sleep(0.01)
+    time.sleep(0.5)
+    print(s.directory, flush=True)
+def blocked(line):
+    threading.Thread(target=ready, args=(line,), daemon=True).start()
+if sys.argv[3] == "store":
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    blocked(sys._getframe().f_lineno + 2)
+    try:
+        store.wait(["peer"], datetime.timedelta(seconds=block_s))
+    except dist.DistStoreError:
+        pass
+else:
+    peer = torch.futures.Future()
+    threading.Timer(block_s, lambda: peer.set_result(None)).start()
+    blocked(sys._getframe().f_lineno + 1)
+    peer.wait()
 """
 
 
-def test_sigterm_removes_the_swap_directory_while_the_main_thread_is_blocked_in_a_c_call(tmp_path):
+@pytest.mark.parametrize("wait", ["store", "future"])
+def test_sigterm_removes_the_swap_directory_while_the_main_thread_is_blocked_in_a_c_call(tmp_path, wait):
     """Python runs a SIGTERM handler only on the main thread, between bytecodes: a rank blocked in a collective ran
     it only once the collective returned, after the scheduler's SIGKILL, which left the swap file (tens of GB on a
     real run). A watcher thread learns of the signal at once and removes the directory within the grace period."""
-    proc, directory = _start(_BLOCKED, tmp_path, str(BLOCK_S))
+    proc, directory = _start(_BLOCKED, tmp_path, str(BLOCK_S), wait)
     try:
         assert os.path.isfile(os.path.join(directory, "swap"))
         proc.send_signal(signal.SIGTERM)
