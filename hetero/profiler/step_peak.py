@@ -185,9 +185,6 @@ class Offload:
         args = tuple(landed.get(i, a) for i, a in enumerate(moved.args))
         moved.back = args, {k: landed.get(k, a) for k, a in moved.kwargs.items()}
 
-    def step_end(self) -> None:
-        self._copies.clear()  # as the engine's: sharing ends with the step
-
 
 def meta_step_peak(
     model: nn.Module,
