@@ -24,9 +24,9 @@ the head and the loss) and the blocks' arguments. Backward runs the "after" node
 then recomputes the last block: its own saved storages are held at once, with "before" and the arguments of every
 block up to it; a block's arguments go when its backward is done. The peak of saved bytes is the larger of the
 forward's end and the largest of these recomputations; storages are counted once however many hold them (keys).
-Outside saves between two blocks are counted as "before" (held to the end of backward, an upper bound). With
-`activation_offload` the arguments move to the host: that is not subtracted here, so the device figure is an upper
-bound then.
+Outside saves between two blocks are counted as "before" (held to the end of backward, an upper bound). These are
+the saved bytes; with `activation_offload` the arguments move to the host, which a step's peak models
+(`step_peak.py`, [Note: offloaded inputs on meta]).
 """
 
 from __future__ import annotations
