@@ -178,7 +178,7 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
     with ExitStack() as stack:
         nvme_dir = args.nvme_dir
         if nvme_dir is None and "nvme" in (args.offload_params, args.offload_optimizer):
-            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hetero-swap-"))
+            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="train-gpt-nvme-"))
         config = build_config(args, nvme_dir)
         optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
         # The engine steps the schedule once per real update: not after an fp16 update skipped for overflow.
