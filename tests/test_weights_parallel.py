@@ -4,8 +4,10 @@ folder: they are copied and sliced, not computed."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +18,23 @@ from tests.dist import NEEDS_DEGREES, ranks_apart, run_distributed
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+
+
+@contextlib.contextmanager
+def _bytes_read() -> Iterator[list[int]]:
+    """Counts the bytes `os.preadv` reads inside the block (the weight loader's positioned reads): [total]."""
+    read, plain = [0], os.preadv
+
+    def counted(fd: int, buffers: list, offset: int) -> int:
+        n = plain(fd, buffers, offset)
+        read[0] += n
+        return n
+
+    os.preadv = counted
+    try:
+        yield read
+    finally:
+        os.preadv = plain
 
 
 def _config(tie: bool) -> transformers.LlamaConfig:
@@ -86,23 +105,12 @@ def test_tensor_parallel_ranks_load_their_shards_of_whole_files(tmp_path):
 
 
 def _rank_reads_its_share(rank: int, world: int, folder: str, stage: int) -> tuple[int, list[str]]:
-    read = [0]
-    plain = os.preadv
-
-    def counted(fd: int, buffers: list, offset: int) -> int:
-        n = plain(fd, buffers, offset)
-        read[0] += n
-        return n
-
     ref = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
     with hetero.lazy_init():
         model = transformers.LlamaForCausalLM(_config(False))
-    os.preadv = counted
-    try:
+    with _bytes_read() as read:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = hetero.initialize(model, opt, {"zero_stage": stage, "chunk_size": 3000}, weights=folder)
-    finally:
-        os.preadv = plain
     got = engine.full_state_dict()
     engine.close()
     return read[0], [k for k, v in ref.items() if not torch.equal(got[k], v)]
@@ -148,20 +156,9 @@ def _rank_reads_its_shards(
     ref = cls.from_pretrained(folder).state_dict()
     with hetero.lazy_init():
         model = cls(model_config)
-    read = [0]
-    plain = os.preadv
-
-    def counted(fd: int, buffers: list, offset: int) -> int:
-        n = plain(fd, buffers, offset)
-        read[0] += n
-        return n
-
-    os.preadv = counted
-    try:
+    with _bytes_read() as read:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = hetero.initialize(model, opt, config, weights=path or folder)
-    finally:
-        os.preadv = plain
     own = 0
     for p in model.parameters():  # a tied weight once, as the files hold it
         cut = getattr(p, "_hetero_tp", None)
@@ -268,24 +265,12 @@ def test_a_shard_range_reads_only_its_bytes(tmp_path, dim, parts):
     cuts = [TPShard(dim=dim, parts=parts, degree=2, rank=r, full_shape=(24, 36)) for r in range(2)]
     blocks = tuple((i, j) for i in range(2) for j in range(2))
     cuts += [BlockShard((24, 36), (0, 1), (2, 2), blocks, rank=r, fused=parts, fused_dim=dim) for r in range(4)]
-    read = [0]
-    plain = os.preadv
-
-    def counted(fd: int, buffers: list, offset: int) -> int:
-        n = plain(fd, buffers, offset)
-        read[0] += n
-        return n
-
     with weights.WeightSource([tmp_path / "w.safetensors"]) as source:
         for cut in cuts:
             want = (cut.shard_of(whole) if isinstance(cut, BlockShard) else _tp_slice(whole, cut)).reshape(-1)
             for a, b in ((0, want.numel()), (5, want.numel() - 7), (13, 14), (3, 3)):
-                read[0] = 0
-                os.preadv = counted
-                try:
+                with _bytes_read() as read:
                     got = weights.read_part(source, "w", _Cut(cut), a, b)
-                finally:
-                    os.preadv = plain
                 assert torch.equal(got, want[a:b]), (cut, a, b)
                 assert read[0] == (b - a) * whole.element_size(), (cut, a, b, read[0])
 
