@@ -266,7 +266,7 @@ class SwapFile:
         self.path = os.path.join(self.directory, "swap")
         self.slots = Slots()
         # [Note: preallocating the swap file], except where files are held in RAM (tmpfs): that would take memory early.
-        self.prealloc = memory_file_system(directory) is None
+        self.prealloc = memory_file_system(self.directory) is None  # the published name: the making one is gone
         self.reserved = 0  # bytes preallocated from the start of the file (at least `slots.end` while prealloc)
 
     @property
