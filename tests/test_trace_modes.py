@@ -76,7 +76,11 @@ def test_a_partial_step_forgets_only_the_trace_of_its_kind(make_manager):
         m.access(c)
         m.synchronize()
     m.step_end(keep=False)
-    assert _step(m, chunks, "eval") == 0
+    m.step_begin("eval")
+    # Its own trace replays. (Not "no demand load": which chunks the partial step left on the device depends on when
+    # its prefetches landed, and in 1-5% of runs the evaluation's first chunk was then loaded on demand.)
+    assert m.trace.replaying
+    m.step_end()
     m.step_begin("train")
     assert not m.trace.replaying  # nothing of its kind to replay
     m.step_end(keep=False)
