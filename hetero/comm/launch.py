@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -203,6 +204,8 @@ def _roll_call(
 
     def refuse(why: str) -> CommError:
         store.compare_set(f"{key}/outcome", "", why)  # the first refusal wins; after "ok" only this rank stops
+        if rank == 0:  # the store may live in this process: the others read the refusal before it goes
+            _linger(store, f"{key}/read", world_size - 1, min(timeout_s, 5.0))
         return CommError(why)
 
     def text(value: bytes) -> str:
@@ -263,7 +266,17 @@ def _roll_call(
         ) from err
     outcome = text(store.get(f"{key}/outcome"))
     if outcome != _OK:
+        store.add(f"{key}/read", 1)  # rank 0 may be waiting for this before it leaves (`_linger`)
         raise CommError(f"rank {rank} of {world_size} cannot join: {outcome}")
+
+
+def _linger(store: Any, key: str, count: int, limit_s: float) -> None:
+    """Wait until `count` ranks have added to `key` or `limit_s` passed. Rank 0, refusing the launch, hosts the
+    rendezvous store where no agent does: leaving at once reset the connections of ranks still to read why, who then
+    raised "Connection reset by peer" instead of the refusal."""
+    deadline = time.monotonic() + limit_s
+    while store.add(key, 0) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _by_value(values: list[str]) -> str:
