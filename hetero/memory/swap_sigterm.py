@@ -4,6 +4,8 @@ thread that learns of the signal at once, even while the main thread is blocked 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
@@ -32,10 +34,13 @@ log = logging.getLogger("hetero.memory.nvme")
 # GB, behind. So the directories are removed by a watcher thread too: the C-level handler, which runs at once on
 # whichever thread the kernel picked, writes the signal's number to the wakeup fd (`signal.set_wakeup_fd`), the
 # write end of a socket pair whose read end the watcher reads; on SIGTERM, when the process is going to die of it
-# (`_on_sigterm` installed over the default), the watcher removes this process's directories, and the handler on the
-# main thread does the rest when it runs (removes what is left, dies of the signal). The store stays usable until
-# then: its file is open, and reads and writes through an open descriptor do not need its name. The space comes back
-# when the process ends and the descriptor with it. A process has one wakeup fd: one set already (asyncio's event
+# (`_on_sigterm` installed over the default), the watcher removes this process's directories and ends the process of
+# SIGTERM, as the default action would have at once: without hetero's handler a SIGTERM ended a blocked rank there
+# and then, and with it the rank lived on until the scheduler's SIGKILL, a grace period later, or for good where
+# nothing sends one. It puts the default action back below Python (libc's `signal`: Python's may be called only on
+# the main thread) and raises the signal again, so the exit status still says SIGTERM. Whichever of the watcher and
+# the main thread's handler comes first, the directories go and the process dies of the signal.
+# A process has one wakeup fd: one set already (asyncio's event
 # loop sets one) is kept and no watcher is used, as before. A child forked from the process shares the socket pair,
 # so the child points its copy of the write end elsewhere (`_after_fork_in_child`): its SIGTERM woke the parent's
 # watcher, which removed the parent's live directories.
@@ -128,6 +133,22 @@ def _watcher(reader: socket.socket) -> None:
             return
         if signal.SIGTERM in got and _dying():
             _remove_mine()
+            _die_of_sigterm()
+
+
+def _die_of_sigterm() -> None:
+    """End the process of SIGTERM from the watcher thread ([Note: swap directories removed on SIGTERM]): the default
+    action put back in C, then the signal raised again. Where libc cannot be reached, the main thread's handler ends
+    it when its C call returns."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        c_signal = libc.signal
+    except (OSError, AttributeError):
+        return
+    c_signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    c_signal.restype = ctypes.c_void_p
+    c_signal(int(signal.SIGTERM), None)  # SIG_DFL is the null handler
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _watch() -> None:
