@@ -186,3 +186,100 @@ def test_use_cache_by_position_or_keyword(keyword_only, caplog):
     assert model.seen == [False, False, None, True]
     assert caplog.text.count("use_cache=True in a forward with autograd") == 1
     engine.close()
+
+
+def _first_step(model: torch.nn.Module, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and the first gradient (SGD at lr 1: before minus after) of one hetero step under checkpointing."""
+    engine = _engine(model)
+    before = engine.full_state_dict()
+    ids = _ids()
+    loss = engine(input_ids=ids, labels=ids, **kwargs).loss
+    engine.backward(loss)
+    engine.step()
+    grads = {k: before[k] - v for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return loss.detach(), grads
+
+
+@needs_transformers
+def test_explicit_cache_object_filled_as_under_transformers_checkpointing(cache_writes, caplog):
+    """A cache object given with use_cache=True reached the checkpointed layers whatever use_cache said: each wrote its
+    keys in forward and again in its recomputation (the cache held 2 x SEQ positions, where plain PyTorch under
+    transformers' own gradient checkpointing leaves it empty: its layers run without the cache, with a warning)."""
+    reference = _llama(use_cache=True)
+    reference.gradient_checkpointing_enable()
+    reference.train()
+    theirs = transformers.DynamicCache()
+    ids = _ids()
+    reference(input_ids=ids, labels=ids, past_key_values=theirs, use_cache=True).loss.backward()
+    cache_writes.clear()
+
+    ours = transformers.DynamicCache()
+    with caplog.at_level(logging.WARNING, logger="hetero.activation"):
+        loss, grads = _first_step(_llama(use_cache=True), past_key_values=ours, use_cache=True)
+    assert ours.get_seq_length() == theirs.get_seq_length() == 0
+    assert cache_writes == []
+    assert "LlamaDecoderLayer was given a KV cache (cache) in a forward with autograd" in caplog.text
+    # Training as without the cache object, exactly: the same kernels on the same inputs (an empty cache offsets no
+    # position and adds no keys).
+    plain_loss, plain_grads = _first_step(_llama(use_cache=True))
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grads, plain_grads, rtol=0, atol=0)
+    # Without autograd nothing recomputes: the given cache is filled, once.
+    model = _llama(use_cache=True)
+    engine = _engine(model)
+    given = transformers.DynamicCache()
+    with torch.no_grad():
+        engine(input_ids=ids, past_key_values=given, use_cache=True)
+    assert given.get_seq_length() == SEQ
+    engine.close()
+
+
+class _Cache:
+    """A cache object (hetero maps over lists and tuples of inputs, so a list would reach the model as a copy)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+
+class _CachedBlock(nn.Module):
+    """A layer that counts a write into the cache it is given (by position or by keyword), as a decoder layer
+    appends its keys; `_can_checkpoint_with_cache` marks one that only reads it."""
+
+    def __init__(self, reads_only: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self._can_checkpoint_with_cache = reads_only
+
+    def forward(self, x, layer_past=None):
+        if layer_past is not None:
+            layer_past.writes += 1
+        return self.linear(x)
+
+
+class _CachedToy(nn.Module):
+    def __init__(self, reads_only: bool) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(use_cache=True)
+        self.layers = nn.ModuleList([_CachedBlock(reads_only) for _ in range(2)])
+
+    def forward(self, x, cache=None, use_cache=None):
+        x = self.layers[0](x, cache)  # by position
+        return self.layers[1](x, layer_past=cache).sum()  # by keyword
+
+
+@pytest.mark.parametrize("reads_only", [False, True])
+def test_cache_object_by_position_or_keyword(reads_only):
+    model = _CachedToy(reads_only)
+    engine = hetero.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 0, "activation_checkpointing": True}
+    )
+    cache = _Cache()
+    engine.backward(engine(torch.ones(2, 4), cache))
+    engine.step()
+    # a writer runs without it under autograd; a reader keeps it (and here counts once per run: forward, recompute)
+    assert cache.writes == (4 if reads_only else 0)
+    with torch.no_grad():
+        engine(torch.ones(2, 4), cache)
+    assert cache.writes == (6 if reads_only else 2)
+    engine.close()
