@@ -27,6 +27,13 @@ forward's end and the largest of these recomputations; storages are counted once
 Outside saves between two blocks are counted as "before" (held to the end of backward, an upper bound). These are
 the saved bytes; with `activation_offload` the arguments move to the host, which a step's peak models
 (`step_peak.py`, [Note: offloaded inputs on meta]).
+
+[Note: branches on meta]
+A meta tensor has no values, so an `if` on one (its truth value) raises, and the estimate counted no activations.
+transformers 5 branches so in every decoder's forward without a cache or an attention mask, that is with
+`use_cache=False` as training configs set it: whether the position ids pack several sequences into a row
+(`find_packed_sequence_indices`, then a packed mask is built). The estimate's batch is one sequence per row, for
+which that test is true; every truth value asked of a meta tensor is answered true, what that batch answers there.
 """
 
 from __future__ import annotations
@@ -294,10 +301,13 @@ def _fused_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 class FusedAttention(TorchFunctionMode):
-    """Routes scaled_dot_product_attention to `_FlashStandIn` (see [Note: counting saved activations])."""
+    """Routes scaled_dot_product_attention to `_FlashStandIn` (see [Note: counting saved activations]); answers a
+    branch on a meta tensor ([Note: branches on meta]). Every count on meta runs under it."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.__bool__ and args[0].device.type == "meta":
+            return True
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
