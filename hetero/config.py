@@ -43,12 +43,19 @@ class MemoryConfig:
     """Directory for swap files; required when anything is placed on NVMe. A private subdirectory is made in it."""
     nvme_budget: int | None = None
     """Bytes of swap hetero may write; None: the free space of nvme_dir's file system."""
+    nvme_io_threads: int | None = None
+    """NVMe requests in flight, one I/O thread each; None: 8. DeepSpeed's aio queue_depth x intra_op_parallelism."""
+    nvme_block_bytes: int | None = None
+    """Bytes of each NVMe request, a multiple of 4096 (O_DIRECT's alignment); None: 8 MiB. DeepSpeed's block_size."""
 
     def __post_init__(self) -> None:
-        for name in ("device_budget", "host_budget", "nvme_budget"):
+        for name in ("device_budget", "host_budget", "nvme_budget", "nvme_block_bytes"):
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, parse_size(v, key=f"memory.{name}"))
+        for name, least in (("nvme_io_threads", 1), ("nvme_block_bytes", 4096)):
+            if (v := getattr(self, name)) is not None and (check_int(f"memory.{name}", v, minimum=least) or v % least):
+                raise ConfigError(f"memory.{name}: expected a multiple of {least} (O_DIRECT's alignment), got {v}")
         if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
             raise ConfigError(f"memory.nvme_dir: expected a directory path, got {type(self.nvme_dir).__name__}")
         if self.nvme_dir is not None:

@@ -5,8 +5,10 @@ DeepSpeed's JSON mixes what hetero configures (ZeRO stage, where optimizer state
 and fp16's loss scale, gradient accumulation and clipping, a metrics sink) with what a hetero user writes in Python
 (the optimizer and the LR scheduler are objects given to `hetero.initialize`, DeepSpeed's own scheduler classes
 included; batch sizes belong to the data loader, though the accumulation DeepSpeed derives from them is hetero's and
-translated) and with tuning knobs hetero decides itself (bucket sizes, prefetch sizes, AIO queue depths: hetero sizes
-chunks, prefetches along the recorded access trace and sizes its NVMe I/O by itself). `from_deepspeed` translates the
+translated) and with tuning knobs hetero decides itself (bucket sizes, prefetch sizes, swap buffers: hetero sizes
+chunks, prefetches along the recorded access trace and streams NVMe through its host tier). The aio section's queue
+depth and block size become the NVMe tier's own ([Note: DeepSpeed's aio section on hetero's NVMe tier] in
+hetero/config_deepspeed_aio.py). `from_deepspeed` translates the
 first kind and names every key of the other two with what to do instead, as a warning (or, with strict=True, as one
 ConfigError). A value of "auto" (Hugging Face's DeepSpeed integration fills those from TrainingArguments) is left to
 hetero's default, and HeteroTrainer fills the same fields from TrainingArguments; fp16's loss-scale settings beside
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.comm.launchers import LAUNCHERS
+from hetero.config_deepspeed_aio import translate_aio
 from hetero.config_deepspeed_zero import ZERO_TUNING, translate_zero
 from hetero.errors import ConfigError
 
@@ -49,7 +52,6 @@ _HANDLED_ELSEWHERE = {
     "steps_per_print": "log engine.metrics() at the interval you want",
     "wall_clock_breakdown": "see engine.metrics()['update_seconds'] and hetero.profile",
     "activation_checkpointing": "set activation_checkpointing (true, or module names) and activation_offload",
-    "aio": "hetero sizes its NVMe I/O itself (O_DIRECT, its own thread pool)",
     "flops_profiler": "use hetero.profile",
     "comms_logger": "not available",
     "zero_allow_untested_optimizer": "any elementwise torch optimizer is accepted",
@@ -79,6 +81,8 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
     for key, value in ds_config.items():
         if key == "zero_optimization":
             translate_zero(value, out, notes)
+        elif key == "aio":
+            translate_aio(value, out, notes)
         elif key in ("fp16", "bf16", "bfloat16"):
             _precision(key, value, out, notes)
         elif key == "gradient_accumulation_steps":
@@ -319,6 +323,7 @@ _KEY_HINTS = {
     "cpu_offload": "hetero's key is offload.optimizer: 'host'",
     "cpu_offload_param": "hetero's key is offload.params: 'host'",
     "max_in_cpu": "hetero's key is offload.params_host_elements (or params_host_bytes)",
+    "aio": "hetero's keys are memory.nvme_io_threads (queue_depth x intra_op_parallelism) and memory.nvme_block_bytes",
     "tensorboard": "hetero's key is log.tensorboard (a directory)",
     "wandb": "hetero's key is log.wandb (a project name)",
 }

@@ -80,12 +80,54 @@ _OFFLOAD_KEYS = {
     "offload_optimizer": {"buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "fast_init", "ratio",
                           "super_offload", "cpuadam_cores_perc"},
 }  # fmt: skip
-_OFFLOAD_UNTRANSLATED = {
-    "ratio": "hetero offloads every optimizer state (DeepSpeed's ratio < 1 keeps the rest on the device)",
-    "super_offload": "hetero's host optimizer runs torch's fused kernels on its own threads",
-    "cpuadam_cores_perc": "hetero's host optimizer runs torch's fused kernels on its own threads",
+# Their types and ranges as DeepSpeed's pydantic models check them (ge=0 ints, bools, floats in [0, 1]).
+_OFFLOAD_INTS = ("buffer_count", "buffer_size", "max_in_cpu")
+_OFFLOAD_FLOATS = ("ratio", "cpuadam_cores_perc")
+# What hetero does instead of each, said where it does something else than the value asks (None: nothing to say).
+_POOL = "it has no swap-buffer pool to size, so bound that tier with memory.host_budget instead"
+_OFFLOAD_NOTES = {
+    ("offload_param", "buffer_count"): "hetero reads parameter chunks from NVMe into its host tier, prefetch_depth "
+    f"chunks ahead along the recorded access trace: {_POOL}",
+    ("offload_param", "buffer_size"): "hetero reads parameter chunks from NVMe into its host tier, whole chunks at a "
+    f"time (chunk_size): {_POOL}",
+    ("offload_optimizer", "buffer_count"): "hetero streams the optimizer-state chunks from NVMe through its host tier "
+    f"as the update reaches them: {_POOL}",
 }
 _DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _offload_note(key: str, k: str, v: Any, value: Mapping[str, Any]) -> str | None:
+    """What hetero does instead of offload section `key`'s setting `k`=`v` (checked), or None where it does that."""
+    if (key, k) in _OFFLOAD_NOTES:
+        return _OFFLOAD_NOTES[key, k]
+    nvme = value.get("device") == "nvme"
+    if k == "pin_memory" and not v:
+        return (
+            "hetero pins its host buffers whenever CUDA is present (pageable ones would make every copy between "
+            "host and device wait); to bound the pinned memory under a tight memlock limit (ulimit -l), set "
+            "memory.host_budget"
+        )
+    if k in ("pipeline_read", "pipeline_write") and not v and nvme:
+        return (
+            "hetero always streams the optimizer states: the next chunks' NVMe reads and the last ones' writes "
+            "overlap the update's math (no switch turns that off)"
+        )
+    if k == "fast_init" and v:
+        return (
+            "DeepSpeed's fast_init batches how its own swapper builds the fp32 master from parameters on NVMe at "
+            "initialization; hetero builds its master chunks its own way, with no slower path to skip"
+        )
+    if k == "ratio" and v < 1:
+        return "hetero offloads every optimizer state (DeepSpeed's ratio < 1 keeps the rest on the device)"
+    if k == "super_offload" and v:
+        return "hetero's host optimizer runs torch's fused kernels on its own threads"
+    if k == "cpuadam_cores_perc" and ds_bool("", value.get("super_offload", False)):  # read only with super_offload
+        return "hetero's host optimizer runs torch's fused kernels on its own threads"
+    return None
+
+
+_DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)  # "0.5", "1e-1", not "nan"
 _INT_TEXT = re.compile(r"[+-]?[0-9]+(?:\.0+)?", re.ASCII)  # pydantic's integer text: "3", "+3", "3.00", not "3."
 _TRUE = ("true", "t", "yes", "y", "on", "1")
 _FALSE = ("false", "f", "no", "n", "off", "0")
@@ -101,6 +143,15 @@ def ds_int(key: str, value: Any, *, allowed: str) -> int:
     if isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
         return int(value.strip().split(".")[0])
     raise ConfigError(f"{key}: expected {allowed}, got {value!r}; DeepSpeed refuses this value too")
+
+
+def ds_fraction(key: str, value: Any) -> float:
+    """A float in [0, 1] as DeepSpeed's pydantic fields read one: a number or number text, not NaN or infinite."""
+    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        value = float(value)
+    if not isinstance(value, (bool, int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{key}: expected a fraction from 0 to 1, got {value!r}; DeepSpeed refuses this value too")
+    return float(value)
 
 
 def ds_bool(key: str, value: Any) -> bool:
@@ -199,19 +250,25 @@ def _offload(key: str, value: Any, out: dict[str, Any], notes: list[str]) -> Non
             notes.append(f"zero_optimization.{key}.nvme_path: hetero uses one nvme_dir ({have!r}) for both")
         else:
             out["memory"]["nvme_dir"] = nvme
-    translated = ()
+    # Every setting checked as DeepSpeed's model checks it, whatever the device (it validates them all).
+    checked = {}
+    for k, v in value.items():
+        name = f"zero_optimization.{key}.{k}"
+        if k in _OFFLOAD_INTS:
+            allowed = "a number of parameter elements (>= 0)" if k == "max_in_cpu" else "an integer >= 0"
+            checked[k] = ds_int(name, v, allowed=allowed)
+            if checked[k] < 0:
+                raise ConfigError(f"{name}: expected {allowed}, got {v!r}; DeepSpeed refuses this value too")
+        elif k in _OFFLOAD_FLOATS:
+            checked[k] = ds_fraction(name, v)
+        elif k not in ("device", "nvme_path"):
+            checked[k] = ds_bool(name, v)
     if key == "offload_param" and device == "nvme":
         # DeepSpeed keeps up to max_in_cpu parameter elements (1e9 unless set) on the host: so does hetero, counted
         # in elements of whatever precision the parameters end up with ([Note: parameter shards kept on the host]).
-        name, allowed = "zero_optimization.offload_param.max_in_cpu", "a number of parameter elements (>= 0)"
-        elements = ds_int(name, value.get("max_in_cpu", DS_MAX_IN_CPU), allowed=allowed)
-        if elements < 0:
-            raise ConfigError(f"{name}: expected {allowed}, got {elements!r}; DeepSpeed refuses this value too")
-        out["offload"]["params_host_elements"] = elements
-        translated = ("max_in_cpu",)
-    for k, why in _OFFLOAD_UNTRANSLATED.items():
-        if k in value:
+        out["offload"]["params_host_elements"] = checked.pop("max_in_cpu", DS_MAX_IN_CPU)
+    checked.pop("max_in_cpu", None)  # read only with device "nvme", by DeepSpeed too
+    for k, v in checked.items():
+        why = _offload_note(key, k, v, value)
+        if why is not None:
             notes.append(f"zero_optimization.{key}.{k}: {why}")
-    tuning = [k for k in value if k in _OFFLOAD_KEYS[key] and k not in translated and k not in _OFFLOAD_UNTRANSLATED]
-    if tuning:
-        notes.append(f"zero_optimization.{key}.{'/'.join(tuning)}: hetero pins, buffers and pipelines itself")

@@ -67,6 +67,7 @@ def test_docs_config_translates_and_trains(tmp_path, caplog):
     assert (config.offload.params, config.offload.optimizer) == ("nvme", "nvme")
     assert config.offload.params_host_bytes == 4 * 10**9  # DeepSpeed's max_in_cpu default, 1e9 fp32 elements
     assert config.memory.nvme_dir == str(tmp_path)
+    assert (config.memory.nvme_io_threads, config.memory.nvme_block_bytes) == (32, 262144)  # aio: the tier's own
     assert config.grad_accumulation_steps == 2 and config.grad_clip_norm == 1.0
     for named in ("optimizer", "scheduler", "train_micro_batch_size_per_gpu", "overlap_comm", "aio"):
         assert named in caplog.text  # what was not translated is named, with what to do instead
@@ -481,10 +482,13 @@ def test_offload_sections_keys_as_deepspeeds(tmp_path, caplog):
 
     for section, model in (("offload_param", offload.DeepSpeedZeroOffloadParamConfig),
                            ("offload_optimizer", offload.DeepSpeedZeroOffloadOptimizerConfig)):  # fmt: skip
-        for key in set(model.model_fields) - {"device", "nvme_path"}:  # each accepted, and named
+        for key in set(model.model_fields) - {"device", "nvme_path"}:  # each accepted; named where hetero differs
             notes: list[str] = []
-            translate_zero({"stage": 3, section: {"device": "cpu", key: model.model_fields[key].default}}, {}, notes)
-            assert any(f"zero_optimization.{section}." in n and key in n for n in notes), (section, key)
+            nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+            translate_zero({"stage": 3, section: {**nvme, key: model.model_fields[key].default}}, {}, notes)
+            named = any(f"zero_optimization.{section}.{key}:" in n for n in notes)
+            # At DeepSpeed's defaults hetero does otherwise only for its swap buffers and unpipelined NVMe states
+            assert named == (key in ("buffer_count", "buffer_size", "pipeline_read", "pipeline_write")), (section, key)
         with pytest.raises(ConfigError, match=rf"{section}.bufer_count: not a DeepSpeed 0.19.8 key \(did you mean"):
             hetero.Config.from_deepspeed({"zero_optimization": {"stage": 3, section: {"bufer_count": 4}}})
     # Was dropped without a word: a partial offload keeps part of the states on the device under DeepSpeed.

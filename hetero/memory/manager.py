@@ -67,7 +67,7 @@ from hetero.memory.policy import AccessTrace
 from hetero.memory.prefetch import Prefetcher
 from hetero.memory.room import RoomMaker
 from hetero.memory.states import ChunkState, TensorState
-from hetero.memory.storage import Storage
+from hetero.memory.storage import Storage, nvme_io
 from hetero.memory.tier import Tier
 
 log = logging.getLogger("hetero.memory")
@@ -135,7 +135,7 @@ class ChunkManager:
         cls, memory: MemoryConfig, *, device: Device | None = None, prefetch_depth: int = 2
     ) -> ChunkManager:
         where = {k: getattr(memory, k) for k in ("device_budget", "host_budget", "nvme_dir", "nvme_budget")}
-        return cls(device=device, prefetch_depth=prefetch_depth, **where)
+        return cls(device=device, prefetch_depth=prefetch_depth, nvme_options=nvme_io(memory), **where)
 
     @property
     def prefetch_depth(self) -> int:

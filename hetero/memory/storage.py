@@ -185,3 +185,10 @@ class Storage:
         out["nvme"]["staging"] = self.store.staging_bytes if self.store is not None else 0
         out["host"]["huge_pages"] = hugepages.report()  # [Note: huge host pages]: granted, or fallen back to 4 KiB
         return out
+
+
+def nvme_io(memory: Any) -> dict[str, int]:
+    """The NVMe store's I/O settings a MemoryConfig gives (memory.nvme_io_threads, nvme_block_bytes; unset: the
+    store's own)."""
+    io = {"io_threads": memory.nvme_io_threads, "block_bytes": memory.nvme_block_bytes}
+    return {k: v for k, v in io.items() if v is not None}
