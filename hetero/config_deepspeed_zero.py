@@ -11,7 +11,10 @@ cpu_offload_params) were a warning at most, and offload keys it did not know wer
 module reads the section with the same rules, refuses what DeepSpeed refuses with the closest key it accepts, and
 names each accepted key hetero does not translate. offload_param.max_in_cpu counts parameter elements: it becomes
 offload.params_host_elements, which the Config turns into bytes of the precision the parameters end up with (fixing
-the bytes here took fp32's 4 where fp16/bf16 was "auto" and HeteroTrainer then chose 2-byte parameters).
+the bytes here took fp32's 4 where fp16/bf16 was "auto" and HeteroTrainer then chose 2-byte parameters). Every other
+offload setting is checked as those models check it (integers >= 0, booleans, fractions from 0 to 1; they were not
+checked at all) and named with what hetero does instead only where hetero does otherwise: pin_memory true, ratio 1,
+pipelined NVMe states are what hetero does, and a warning about them said nothing a user could act on.
 """
 
 from __future__ import annotations
