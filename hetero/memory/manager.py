@@ -23,15 +23,14 @@ prefetch over its use is therefore `prefetch_depth - 1` accesses once the device
 
 [Note: reads chained behind write-backs]
 When the host is full of dirty chunks, the room a read from NVMe needs appears only once a write-back has finished,
-which is usually while the training thread is computing, not calling into the manager: a prefetch that waits for
-the next access to start would start late or not at all (and the access then reads inline). So a prefetch from NVMe
-to the host that finds no room may claim a write-back in flight of the same size and read into that chunk's host
-buffer as soon as its write is done, on the worker thread. The buffer changes hands without going back to the pool:
-the ledger keeps its bytes, now the incoming chunk's, so the budget holds throughout. If the write-back fails, its
-chunk keeps the buffer and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a
-write-back already queued on the NVMe store, whose threads need nothing from the workers ([Note: swap moves skip the
-workers] in moves.py), or for a job submitted before it, which the workers (taking jobs in order) run first: the wait
-cannot deadlock.
+which is usually while the training thread is computing, not calling into the manager: a prefetch that waits for the
+next access to start would start late or not at all (and the access then reads inline). So a prefetch from NVMe to the
+host that finds no room may claim a write-back in flight of the same size and read into that chunk's host buffer as soon
+as its write is done, on the worker thread. The buffer changes hands without going back to the pool: the ledger keeps
+its bytes, now the incoming chunk's, so the budget holds throughout. If the write-back fails, its chunk keeps the buffer
+and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a write-back already queued on
+the NVMe store, whose threads need nothing from the workers ([Note: swap moves skip the workers] in moves.py), or for a
+job submitted before it, which the workers (taking jobs in order) run first: the wait cannot deadlock.
 
 [Note: transient chunks]
 A transient chunk holds, on the device, a copy of data whose home is elsewhere (ZeRO-3's gathered parameters: the
@@ -345,6 +344,8 @@ class ChunkManager:
         """The step's accesses are over. keep=False: the step is not kept as the trace to replay, and the next one
         is recorded afresh (a caller that knows the steps change shape here: `AccessTrace.forget`)."""
         resumed = self.trace.step_end() if keep else self.trace.forget()
+        if not keep:
+            self._prefetcher.end_partial()  # [Note: a partial step takes its prefetches back] in prefetch.py
         if resumed is not None:  # a step set aside ([Note: a step within a step] in policy.py)
             self._last, self._last_tier = resumed
             self._prefetcher.ahead(protect=set())  # what it needs next, which the nested step may have evicted
