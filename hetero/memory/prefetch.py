@@ -9,11 +9,11 @@ the room is earmarked and the copy starts at the next access. Within a step that
 next access starts what was earmarked. A step that ends partial (`step_end(keep=False)`: a backward that raised) has no
 next access to even it out, and its trace is dropped: the chunks it prefetched for a future that is not coming stayed on
 the device or not by that race, marked owed a place (`choose_victim` evicts them last). In 1-5% of runs of
-`tests/test_trace_modes.py` (131 of 1,600 looped runs on a busy 2-core machine) the race had filled the device with them, so
-the evaluation after it could only start evicting for its first chunk at its `step_begin`, and loaded that chunk on
-demand. So where a partial step ends, the manager waits for every move in flight and this file takes back what was
-prefetched and not used since: each such chunk returns to the tier it came from (a read from NVMe is clean: it goes back
-without a write). The placement after a partial step is then the one its accesses and evictions made, whatever the
+`tests/test_trace_modes.py` (131 of 1,600 looped runs on a busy 2-core machine) the race had filled the device with
+them, so the evaluation after it could only start evicting for its first chunk at its `step_begin`, and loaded that
+chunk on demand. So where a partial step ends, the manager waits for every move in flight and this file takes back what
+was prefetched and not used since: each such chunk returns to the tier it came from (a read from NVMe is clean: it goes
+back without a write). The placement after a partial step is then the one its accesses and evictions made, whatever the
 threads' timing, and the next step begins with the room it would have after a complete one. Costs: at most the
 prefetches of one lead (a few chunks) copied back, on the rare partial step only; a normal step waits for nothing more.
 """
