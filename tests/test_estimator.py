@@ -606,12 +606,13 @@ def test_tensor_modes_table_against_the_implementations():
 def test_a_pipeline_layout_whose_forward_cannot_run_on_meta_says_so(monkeypatch):
     # torch < 2.5 cannot enter torch.autocast on the meta device (transformers 4's Llama rotary embedding does): the
     # whole-model estimate counted no activations and said so, a pipeline layout's died with the forward's error.
-    from hetero.profiler import parallel_layout
+    from hetero.profiler import parallel_layout, pipeline_peak
 
     def no_meta_forward(*args, **kwargs):
         raise RuntimeError("unsupported scalarType")
 
     monkeypatch.setattr(parallel_layout, "meter_modules", no_meta_forward)
+    monkeypatch.setattr(pipeline_peak, "rank_step_peak", no_meta_forward)  # the rank's program: the same forward
     pp = estimate(_gpt(meta=True), {}, world_size=2, batch_size=2, seq_len=16, machine=False, pipeline=2)
     assert len(pp.per_pipeline_rank) == 2 and pp.activations.bytes == 0
     assert pp.activations.note.startswith("not counted: forward on meta failed: unsupported scalarType")

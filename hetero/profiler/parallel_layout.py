@@ -15,7 +15,9 @@ cannot run, its schedule walked over the saved bytes (`walk`, which the planner 
 Models whose top-level children are not a chain of units (a Hugging Face causal LM: the blocks sit inside
 `model.layers`) are cut the way a pipelined transformer is: the embeddings join the first stage, the blocks are the
 units, the final norm and head join the last stage, and the activations outside the blocks (logits, loss) are the
-last stage's.
+last stage's. hetero's own GPT (the parameter-count model) is no chain either (its forward adds the position
+embedding beside the token one; initialize refuses to pipeline it): it is cut as `GPTPipe`, its pipelineable twin
+built of the same modules, which a pipelined run of it is; cut by its children, the program failed on meta.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from torch import nn
 
 from hetero.config import Config
 from hetero.errors import ConfigError
+from hetero.models.gpt import GPT
+from hetero.models.gpt_pipe import GPTPipe
 from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import balanced, units_of
 from hetero.profiler.activations import meter_modules, repeated_blocks
@@ -271,6 +275,8 @@ def rank_parts(
     sharded copy's parameters, and the size of ZeRO's group. checkpointing: true or the blocks' names, as the
     config's; offload: activation_offload."""
     sharded, opt, _ = per_rank_model(model, optimizer, layout.config(), world)
+    if isinstance(sharded, GPT):  # no chain of children: cut as its twin that is (see the note)
+        sharded = GPTPipe(gpt=sharded)
     split = layout.sequence in ("ulysses", "ring")  # the sequence ranks are inside ZeRO's group
     zero_world = world // ((1 if split else layout.tensor) * layout.pipeline)
     units, _ = pipeline_units(sharded)
@@ -313,7 +319,7 @@ def _rank_peak(
 ) -> tuple[int, int, str, list | None]:
     """(device peak, host peak, note, the stages' outputs) of a pipeline rank: its program on meta, else its
     schedule walked over the saved bytes (the note says why). `sent`: the stages' outputs, found by the first rank."""
-    from hetero.profiler.pipeline_peak import rank_step_peak, stage_outputs
+    from hetero.profiler.pipeline_peak import schedule_peak, stage_outputs
 
     engine_units = [n for n, _ in units_of(model)]
     if len(engine_units) == len(units):  # the engine's cut names the units its own way (a Hugging Face decoder)
@@ -323,8 +329,8 @@ def _rank_peak(
             if sent is None:
                 ids = inputs.get("input_ids", next(v for v in inputs.values() if isinstance(v, torch.Tensor)))
                 sent = stage_outputs(model, names, ids, dtype)
-            peak, host = rank_step_peak(model, names, rank, layout, inputs, dtype=dtype, checkpointing=checkpointing,
-                                        offload=offload, sent=sent)  # fmt: skip
+            peak, host = schedule_peak(model, names, rank, layout, inputs, dtype=dtype, checkpointing=checkpointing,
+                                       offload=offload, sent=sent)  # fmt: skip
             return peak, host, "", sent
         except Exception as e:  # counted as before: what the schedule keeps saved
             why = f"saved bytes only: the schedule on meta failed: {e}"
