@@ -8,9 +8,11 @@ import itertools
 import sys
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hetero.errors import WeightsError
 
@@ -29,11 +31,15 @@ def lazy_init() -> Iterator[None]:
         # tensors"); 2.13's imports there. Versions between were not tried: imported first, outside.
         importlib.import_module("torch._dynamo")
     hook = torch.nn.modules.module.register_module_parameter_registration_hook(_record)
+    _depth[0] += 1
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _Draws():
             yield
     finally:
         hook.remove()
+        _depth[0] -= 1
+        if not _depth[0]:
+            _owner.clear()  # needed only while modules are built: ids outlive their parameters
 
 
 # module -> {parameter name: (its id, when registered there)}, for models built under lazy_init: of the modules that
@@ -47,6 +53,66 @@ def _record(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     held = _registered.setdefault(module, {})
     if held.get(name, (None,))[0] != id(param):  # the same parameter registered again keeps its first time
         held[name] = (id(param), next(_clock))
+        if param is not None:
+            _owner.setdefault(id(param), (weakref.ref(module), name))
+
+
+# [Note: draws in constructors]
+# A module may draw its parameters' numbers in its constructor rather than in a reset_parameters (transformers'
+# Conv1D, GPT-2's layers: `nn.init.normal_(self.weight, std=0.02)` in `__init__`). Normal construction consumes the
+# random generator there; the replay of a Hugging Face model's construction ([Note: initialising on meta, chunk by
+# chunk] in hetero/zero/materialize.py) must draw as many numbers at the same point, or every later value (the whole
+# of GPT-2 after its first Conv1D) differs from normal construction's. Under lazy_init each random in-place call a
+# module's own `__init__` makes on a parameter it registered is recorded, to be drawn again on a scratch tensor in
+# its place (`construction_draws`). Under a bare torch.device("meta") there is no record.
+_RANDOM = frozenset(
+    {"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+     "xavier_normal_", "orthogonal_", "sparse_", "bernoulli_", "exponential_", "random_", "cauchy_", "log_normal_",
+     "geometric_"}
+)  # fmt: skip
+_owner: dict[int, tuple[weakref.ref, str]] = {}  # parameter id -> (its module, its name), while lazy_init is entered
+_depth = [0]  # lazy_init contexts entered (nested ones keep the record)
+# module -> [(function, parameter name, arguments after the tensor, keyword arguments)] of its constructor's draws
+_draws: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Draws(TorchFunctionMode):
+    """Records the random draws modules' constructors make on their own parameters (see the note above)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        # The drawn tensor comes first: positional, or by keyword (`nn.init` passes `tensor=`).
+        target = args[0] if args else kwargs.get("tensor")
+        if getattr(func, "__name__", "") in _RANDOM and isinstance(target, torch.Tensor):
+            owner = _owner.get(id(target))
+            module = owner[0]() if owner is not None else None
+            rest, named = args[1:], {k: v for k, v in kwargs.items() if k != "tensor" or args}
+            if (
+                module is not None
+                and getattr(module, owner[1], None) is target
+                and not any(isinstance(a, (torch.Tensor, torch.Generator)) for a in (*rest, *named.values()))
+                and _in_constructor_of(module)
+            ):
+                _draws.setdefault(module, []).append((func, owner[1], rest, named))
+        return func(*args, **kwargs)
+
+
+def _in_constructor_of(module: nn.Module, depth: int = 4) -> bool:
+    """Whether the call comes from `module.__init__` (not from an initialiser that transformers 4's post_init runs on
+    the meta device, which the replay runs itself)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def construction_draws(module: nn.Module) -> list[tuple[Any, str, tuple, dict]]:
+    """The random draws `module`'s constructor made on its parameters under lazy_init (see the note above)."""
+    return list(_draws.get(module, ()))
 
 
 def tie_makers(model: nn.Module) -> dict[int, nn.Module]:

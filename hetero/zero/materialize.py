@@ -39,23 +39,21 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from hetero.comm import Comm
 from hetero.device import Device
 from hetero.errors import WeightsError
-from hetero.lazy import refuse_meta_adapters, tie_makers
+from hetero.lazy import refuse_meta_adapters
 from hetero.memory import ChunkManager
 from hetero.progress import bar as make_bar
 from hetero.zero import weights
+from hetero.zero.init_replay import StandIn, count_writes, run_initialiser, scratch, tensors
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.staging import Staging
 from hetero.zero.twins import buffers_from_twins
@@ -66,7 +64,7 @@ log = logging.getLogger("hetero.zero")
 
 def is_lazy(model: nn.Module) -> bool:
     """True when some parameter or buffer of the model is on the meta device (no memory yet)."""
-    return any(t.is_meta for t in _tensors(model))
+    return any(t.is_meta for t in tensors(model))
 
 
 def load_values(
@@ -112,54 +110,6 @@ def load_values(
 
 
 # ---- initialising a meta model ------------------------------------------------------------------------------
-class _StandIn(TorchFunctionMode):
-    """Replaces tracked meta tensors by real ones in every torch function call (see the note above)."""
-
-    def __init__(self, real: Callable[[torch.Tensor], torch.Tensor | None], on_write: Callable[[int], None]) -> None:
-        super().__init__()
-        self._real = real  # tracked tensor -> its stand-in (None: not tracked)
-        self._on_write = on_write  # called with id() of a tracked tensor a function writes in place
-        self._aliases: dict[int, int] = {}  # id of a live `.data` alias -> id of the tensor it aliases
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if _writes(name):
-            # The written tensor comes first: positional, or by keyword (`nn.init` passes `tensor=`).
-            target = args[0] if args else next(iter(kwargs.values()), None)
-            if isinstance(target, torch.Tensor):
-                self._on_write(self._aliases.get(id(target), id(target)))
-        swapped, kwargs = tree_map(self._swap, (args, kwargs))
-        out = func(*swapped, **kwargs)
-        if name == "__get__" and getattr(func, "__self__", None) is _DATA and isinstance(args[0], torch.Tensor):
-            # `p.data.normal_()` (transformers 4's _init_weights) writes p through an alias: a write to the alias
-            # is a write to p. The entry goes with the alias (not kept alive: it may view a staging buffer).
-            self._aliases[id(out)] = self._aliases.get(id(args[0]), id(args[0]))
-            weakref.finalize(out, self._aliases.pop, id(out), None)
-        return out
-
-    def _swap(self, x: Any) -> Any:
-        # Tracked tensors are meta until their chunk loads; after that they view chunk memory that the initialiser
-        # must not touch (at stage 3 it has no bytes): `real` decides for both.
-        if isinstance(x, torch.Tensor):
-            real = self._real(x)
-            if real is not None:
-                return real
-        return x
-
-
-# The descriptor of `Tensor.data`: its getter reaches torch function modes as a method-wrapper bound to it.
-_DATA = next(vars(c)["data"] for c in torch.Tensor.__mro__ if "data" in vars(c))
-_NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})  # in-place by name, but they change no values
-
-
-def _writes(name: str) -> bool:
-    """Whether a torch function of this name writes its first argument in place (`normal_`, `copy_`, ...)."""
-    if name in _NOT_WRITES:
-        return False
-    return name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
-
-
 def _initialise(
     model: nn.Module, chunks: list[ZeroChunk], manager: ChunkManager, comm: Comm, bar: Callable[..., Any]
 ) -> None:
@@ -182,17 +132,19 @@ def _initialise(
 
     passes = [0]  # which initialiser pass runs (a Hugging Face model has one per PreTrainedModel)
     written_in: dict[int, int] = {}  # param id -> the pass that wrote it
+    # param id -> writes still to come in its pass: complete at its last ([Note: counting the writes first])
+    left = count_writes(model, set(where) | set(buffers)) or {}
 
     def real(t: torch.Tensor) -> torch.Tensor | None:
         if written_in.get(id(t), passes[0]) < passes[0]:
             # Tied at construction on meta, but a separate tensor when Hugging Face's later pass wrote it in normal
             # construction (tying came after, and kept the first): the numbers are drawn, then dropped.
-            return _scratch(t)
+            return scratch(t)
         hit = where.get(id(t))
         if hit is not None:
             zc, info = hit
             if zc.spec.index in loaded:
-                return _scratch(t)  # its shape can be read; a write is an error (on_write)
+                return scratch(t)  # its shape can be read; a write is an error (on_write)
             return staging.whole_view(info) if info.tiled else staging.view(zc, info)
         if id(t) in buffers:
             if id(t) not in real_buffers:
@@ -212,17 +164,20 @@ def _initialise(
         zc, info = hit
         if zc.spec.index in loaded:
             raise WeightsError(
-                f"the model's initialiser wrote parameter {info.name!r} after hetero had loaded its chunk: "
-                "initialise each parameter in one place (its module's reset_parameters), or build the model normally"
+                f"the model's initialiser wrote parameter {info.name!r} after hetero had loaded its chunk (more "
+                "often than its run on the meta device did): initialise each parameter in one place (its module's "
+                "reset_parameters) without reading values, or build the model normally"
             )
-        for zc_, _ in tiles.get(key, [(zc, info)]):
-            unwritten[zc_.spec.index].discard(key)
+        left[key] = left.get(key, 1) - 1
+        if left[key] <= 0:
+            for zc_, _ in tiles.get(key, [(zc, info)]):
+                unwritten[zc_.spec.index].discard(key)
         # Another chunk's parameter is being written: chunks whose parameters are all written are complete.
         for index in [i for i in staging.open if i != zc.spec.index and not unwritten[i]]:
             sums[index] = staging.load(by_index[index])
             loaded.add(index)
             shown.update()
-        for other in [k for k in staging.whole if k != key]:
+        for other in [k for k in staging.whole if k != key and left.get(k, 1) <= 0]:
             complete_tiles(other)
 
     def complete_tiles(key: int) -> None:
@@ -232,7 +187,9 @@ def _initialise(
             shown.update()
 
     try:
-        _run_initialiser(model, real, on_write, written_any, passes)
+        run_initialiser(model, real, on_write, written_any, passes)
+        for index in unwritten:  # the initialiser has ended: a tensor written fewer times than counted is complete
+            unwritten[index] -= set(written_in)
         for key in list(staging.whole):
             complete_tiles(key)
         for index in list(staging.open):
@@ -255,63 +212,6 @@ def _initialise(
         module, name, _ = buffers[key]
         setattr(module, name, value)  # a registered buffer's slot: persistence kept
     _check_same_everywhere(sums, comm)
-
-
-def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: list[int]) -> None:
-    """The initialisation order of a Hugging Face model's normal construction: each layer runs torch's default init
-    as it is built, and each PreTrainedModel (a causal LM wraps a base model: two) runs post_init's _init_weights
-    walk at the end of its own construction, over the modules not yet initialised. The default inits are
-    overwritten, so they only need to advance the random generator: they run on scratch tensors."""
-    if _is_hf(module):
-        for child in module.children():
-            _replay_hf(child, real, on_write, passes)
-        passes[0] += 1
-        for m in module.modules():
-            # transformers 4 skips each module post_init marked initialised (here: on meta, no values): unmarked
-            if getattr(m, "_is_hf_initialized", False):
-                m._is_hf_initialized = False
-        with _StandIn(real, on_write), torch.no_grad():
-            module.init_weights()  # what post_init runs: _init_weights per module, then tying
-        return
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        with _StandIn(_scratch, lambda key: None), torch.no_grad():
-            reset()
-    for child in module.children():
-        _replay_hf(child, real, on_write, passes)
-
-
-def _is_hf(model: nn.Module) -> bool:
-    return callable(getattr(model, "_init_weights", None)) and callable(getattr(model, "init_weights", None))
-
-
-def _scratch(t: torch.Tensor) -> torch.Tensor | None:
-    return torch.empty(t.shape, dtype=t.dtype) if t.is_meta or isinstance(t, nn.Parameter) else None
-
-
-def _run_initialiser(model: nn.Module, real: Callable, on_write: Callable, written: set, passes: list[int]) -> None:
-    """reset_parameters() of every module in module order, each a pass; a Hugging Face model replays its own."""
-    makers = tie_makers(model)
-
-    def visit(module: nn.Module) -> None:
-        if _is_hf(module):
-            _replay_hf(module, real, on_write, passes)
-            return
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            passes[0] += 1
-            # A weight tied to this module that another module made: that one's call writes it, this one's draws.
-            lose = {id(p) for p in module.parameters(recurse=False) if makers.get(id(p), module) is not module}
-            swap = (lambda t: _scratch(t) if id(t) in lose else real(t)) if lose else real
-            with _StandIn(swap, lambda key: None if key in lose else on_write(key)), torch.no_grad():
-                reset()
-        for child in module.children():
-            own = list(_tensors(child))
-            if own and all(id(t) in written for t in own):
-                continue  # an ancestor's reset_parameters covered this subtree (hetero's GPT does)
-            visit(child)
-
-    visit(model)
 
 
 _MODES = ("loaded its weights from files (weights=)", "built it on the meta device", "built it with real values")
@@ -343,11 +243,6 @@ def _check_same_everywhere(sums: torch.Tensor, comm: Comm) -> None:
             f"ranks initialised different values (chunks {bad[:8]}): a meta-device model is initialised on every "
             "rank from its own random generator, so seed every rank the same (torch.manual_seed) before building it"
         )
-
-
-def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
 
 
 # ---- streaming pretrained weights -------------------------------------------------------------------------------
@@ -426,7 +321,7 @@ def _initialise_buffers(model: nn.Module) -> None:
                 return None
             return real.setdefault(id(t), torch.zeros(t.shape, dtype=t.dtype))
 
-        with _StandIn(stand_in, lambda key: None), torch.no_grad():
+        with StandIn(stand_in, lambda key: None), torch.no_grad():
             if callable(hf_init):
                 hf_init(module)
             elif callable(getattr(module, "reset_parameters", None)) and not list(module.parameters()):
