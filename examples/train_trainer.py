@@ -39,6 +39,7 @@ from hetero.integrations.transformers import HeteroTrainer
 # reductions (the gradient mean over ranks, the clipping norm in float64 here, fused vs foreach AdamW), which perturbs
 # each update by a few fp32 ulps (~1e-7 relative); over a few dozen updates that stays far below 1e-4.
 RTOL = 1e-4
+EVAL_WINDOWS = 8  # the evaluation set: the windows right after the training ones
 
 
 class Windows(torch.utils.data.Dataset):
@@ -75,11 +76,24 @@ def build_model(args: argparse.Namespace) -> GPT2LMHeadModel:
     return model
 
 
-def train(args: argparse.Namespace, hetero: bool, output_dir: str, nvme_dir: str) -> list[dict]:
+def train_windows(args: argparse.Namespace, corpus_bytes: int) -> int:
+    """How many training windows: one per sample of the run, or as many as the corpus holds beside the evaluation's
+    (the Trainer then goes over them for several epochs until max_steps)."""
+    wanted = args.steps * args.batch_size * args.grad_accum * int(os.environ.get("WORLD_SIZE", "1"))
+    return min(wanted, corpus_bytes // args.block_size - EVAL_WINDOWS)
+
+
+def datasets(args: argparse.Namespace) -> tuple[Windows, Windows]:
+    """The training windows and, after them, the evaluation's."""
     text = load_corpus()
-    n_train = args.steps * args.batch_size * args.grad_accum * int(os.environ.get("WORLD_SIZE", "1"))
-    train_set = Windows(text, args.block_size, 0, n_train)
-    eval_set = Windows(text, args.block_size, n_train, 8)
+    # Windows past the corpus' end came out short or empty, and the collator failed on them ("stack expects each
+    # tensor to be equal size") once --steps x batch asked for more text than the corpus holds.
+    n_train = train_windows(args, len(encode(text)))
+    return Windows(text, args.block_size, 0, n_train), Windows(text, args.block_size, n_train, EVAL_WINDOWS)
+
+
+def train(args: argparse.Namespace, hetero: bool, output_dir: str, nvme_dir: str) -> list[dict]:
+    train_set, eval_set = datasets(args)
     targs = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -149,6 +163,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.resume is True and args.output_dir is None:
         ap.error("--resume without a checkpoint directory resumes the last one in --output-dir: give --output-dir")
+    corpus_bytes = len(encode(load_corpus()))
+    if train_windows(args, corpus_bytes) < 1:
+        ap.error(
+            f"--block-size {args.block_size}: the corpus ({corpus_bytes} bytes) holds too few windows for training "
+            f"and {EVAL_WINDOWS} for evaluation: give a smaller --block-size"
+        )
     transformers.logging.set_verbosity_error()
     rank = int(os.environ.get("RANK", "0"))
     with tempfile.TemporaryDirectory() as tmp:
