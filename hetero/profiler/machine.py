@@ -6,6 +6,7 @@ RAM through psutil, disk space through `shutil.disk_usage`) or given by the user
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 
@@ -46,6 +47,10 @@ class Machine:
         host_bytes = ram if gpus else ram - device_bytes
         nvme = 0
         if nvme_dir is not None:
+            if os.path.exists(nvme_dir) and not os.path.isdir(nvme_dir):  # its free space is its drive's, yet no run
+                raise ConfigError(  # could make swap files in it (the engine refuses it)
+                    f"nvme_dir {nvme_dir!r} is a file, not a directory; give a directory on the NVMe drive"
+                )
             try:
                 nvme = shutil.disk_usage(nvme_dir).free
             except OSError as e:

@@ -1,0 +1,24 @@
+"""What the estimate CLI refuses and how it says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(120)
+def test_an_nvme_dir_that_is_a_file_is_refused(tmp_path):
+    # Its free space was read from the drive it sits on and the estimate said the layout fits; the engine refuses it.
+    swap = tmp_path / "swap"
+    swap.write_text("")
+    tool = str(ROOT / "tools" / "estimate.py")
+    cmd = [sys.executable, tool, "--params", "1e6", "--offload-optimizer", "nvme", "--nvme-dir", str(swap)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is a file, not a directory; give a directory" in proc.stderr, proc.stderr
+    cmd[-1] = str(tmp_path)
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
