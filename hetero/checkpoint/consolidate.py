@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.part_writer import PartWriter
@@ -290,7 +291,7 @@ def _unshard(index: mf.Index, spec: dict[str, Any]) -> torch.Tensor:
 
 
 def verify(ckpt: str | os.PathLike) -> int:
-    """Read every tensor of a checkpoint and check its CRC32; returns the bytes checked."""
+    """Read every tensor of a checkpoint and check its checksum (and its blocks'); returns the bytes checked."""
     directory = mf.resolve(ckpt)
     manifest = mf.read_manifest(directory)
     mf.check_files(directory, manifest)
@@ -301,6 +302,7 @@ def verify(ckpt: str | os.PathLike) -> int:
         for segs in index.segments.values():
             for seg in segs:
                 t = index.reader(seg.file).read(seg.key, crc=seg.crc)
+                blocks.check_whole(index.reader(seg.file), seg, t)  # [Note: block checksums] in blocks.py
                 total += t.numel() * t.element_size()
                 shown.update()
     finally:

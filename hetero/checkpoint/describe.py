@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.plan import model_buffers
@@ -65,6 +66,7 @@ NOT_PER_RANK = (
     "size",
     "header_crc32",
     "tensors",
+    *blocks.FILE_KEYS,
     "model",
     "param_steps",
     "optim_scalars",

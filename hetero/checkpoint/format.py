@@ -1,13 +1,12 @@
 """Our own streaming reader and writer of the safetensors file format: no dependency, no pickle, nothing held whole.
 
-A safetensors file is: 8 bytes (little-endian u64) giving the header's length N, N bytes of JSON mapping each
-tensor's name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets into the data area that follows, plus an
-optional "__metadata__" of strings), then the raw little-endian bytes of every tensor back to back. Because the
-header comes first, a writer must know every tensor's name, dtype and shape before it writes a byte of data:
-`TensorWriter` takes that plan up front, writes the header, then takes the tensors in plan order, alone or as runs
-that it writes on I/O threads (see [Note: overlapped writes]). `TensorReader` parses the header and reads any
-tensor, or any element range of one, straight into a caller's buffer with `preadv` (O_DIRECT where the file's
-layout and the buffer allow, see [Note: direct reads]), so a reader never holds more than it asks for.
+A safetensors file is: 8 bytes (little-endian u64) giving the header's length N, N bytes of JSON mapping each tensor's
+name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets into the data area that follows, plus an optional
+"__metadata__" of strings), then the raw little-endian bytes of every tensor back to back. So a writer must know
+every tensor's name, dtype and shape before it writes a byte of data: `TensorWriter` takes that plan, writes the
+header, then the tensors in plan order, alone or as runs written on I/O threads ([Note: overlapped writes]).
+`TensorReader` parses the header and reads any tensor, or element range of one, straight into a caller's buffer
+with `preadv` (O_DIRECT where the layout and buffer allow, [Note: direct reads]): it never holds more than asked.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetero.checkpoint.blocks import digests
 from hetero.errors import CheckpointError
 from hetero.io import direct as direct_io
 from hetero.io.checksum import DEFAULT, LEGACY, checksum_fn
@@ -78,7 +78,7 @@ class TensorWriter:
     tensor, `submit` a run of them on the I/O threads.
 
     The file is fsync'd on `close`. `crcs` holds each tensor's checksum once written (the algorithm `checksum`, which
-    the header's metadata records: [Note: checksum algorithms]); `header_crc` the header's CRC32.
+    the header records: [Note: checksum algorithms]), `blocks` its blocks' or None ([Note: block checksums], blocks.py).
 
     [Note: aligned layout]
     The header is padded with spaces so that the data area starts at a multiple of `align` (8 by default, as the
@@ -105,10 +105,11 @@ class TensorWriter:
         metadata: Mapping[str, str] | None = None,
         align: int = _ALIGN,
         checksum: str = DEFAULT,
+        block_bytes: int | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self.checksum = checksum
-        self._checksum = checksum_fn(checksum)
+        self.checksum, self.block_bytes = checksum, block_bytes
+        checksum_fn(checksum)  # the package is there, or the error now
         header: dict[str, object] = {}
         self._order: list[Entry] = []
         self._gaps: dict[str, int] = {}  # padding bytes written just before a tensor ([Note: aligned layout])
@@ -140,8 +141,9 @@ class TensorWriter:
         self.header_bytes = struct.pack("<Q", len(raw)) + raw
         self.data_start = len(self.header_bytes)
         self.size = self.data_start + offset  # the file's final size in bytes
-        self.header_crc = zlib.crc32(self.header_bytes)
+        self.header_crc = zlib.crc32(self.header_bytes)  # the manifest records it; a load checks it first
         self.crcs: dict[str, int] = {}
+        self.blocks: dict[str, list[int] | None] = {}
         self._zeros = memoryview(bytes(align))
         self._next = 0
         self._pool: ThreadPoolExecutor | None = None  # made on the first `submit`
@@ -177,7 +179,7 @@ class TensorWriter:
         return future
 
     def _write_run(self, entries: list[Entry], views: list[memoryview]) -> None:
-        crcs = [self._checksum(v) for v in views]
+        sums = [digests(v, self.checksum, self.block_bytes) for v in views]
         if not entries:
             return
         start = self.data_start + entries[0].begin - self._gaps.get(entries[0].name, 0)
@@ -188,8 +190,8 @@ class TensorWriter:
             padded.append(v)
         end = start + write_full(self._fd, padded, start)
         direct_io.start_writeback(self._fd, start, end - start)
-        for e, c in zip(entries, crcs):
-            self.crcs[e.name] = c
+        for e, s in zip(entries, sums):
+            self.crcs[e.name], self.blocks[e.name] = s
 
     def _drain(self) -> None:
         """Wait for every submitted run; raises the first failure after all have finished."""
@@ -313,7 +315,7 @@ class TensorReader:
         nbytes = out.numel() * entry.dtype.itemsize
         if offset + nbytes > entry.end:
             raise ValueError(f"{self.path}: elements [{start}, {start + out.numel()}) exceed {name!r}")
-        self._read_spans([(offset, out)], [name])
+        self.read_spans([(offset, out)], [name])
         if crc is not None:
             if start != 0 or nbytes != entry.nbytes:
                 raise ValueError("a checksum covers a whole tensor: read all of it to check it")
@@ -333,11 +335,11 @@ class TensorReader:
             if out.dtype != e.dtype or not out.is_contiguous() or out.device.type != "cpu" or out.numel() != e.numel:
                 raise ValueError(f"read_many needs a contiguous CPU {e.dtype} tensor of {e.numel} elements")
             spans.append((e.begin, out))
-        self._read_spans(spans, [name for name, _, _ in items])
+        self.read_spans(spans, [name for name, _, _ in items])
         if check:
             self.check_many(items)
 
-    def _read_spans(self, spans: list[tuple[int, torch.Tensor]], names: list[str]) -> None:
+    def read_spans(self, spans: list[tuple[int, torch.Tensor]], names: list[str]) -> None:
         """Fill each (file offset, contiguous CPU tensor) of `spans`, which follow each other in the file with at most
         PAD_MAX bytes between two (padding, read into scratch memory).
 

@@ -7,7 +7,8 @@ segments cover it, whatever layout wrote them. So a different data-parallel worl
 offload placement or precision needs no special path: the fp32 master weights and optimizer states are exact, and
 parameters are re-derived from the master as the update's write-back does (cast to the compute dtype, then
 all-gathered or kept as a shard by stage). A saved segment that several ranks keep parts of is read whole and checked
-by one of them, the others reading only their part ([Note: one rank checks a shared segment] in plan.py). Only a
+by one of them, the others reading only their part ([Note: one rank checks a shared segment] in plan.py); one saved
+with block checksums is cut into its blocks first ([Note: block checksums] in blocks.py). Only a
 gradient pending in the middle of accumulation is not resharded: it is rank-local (unreduced at stages 0-1), so it
 loads only into the same world size and stage.
 """
@@ -25,7 +26,7 @@ import torch
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import agree, identity, same_checkpoint
-from hetero.checkpoint.plan import Checkers, model_buffers
+from hetero.checkpoint.plan import Checkers, model_buffers, read_part
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
@@ -295,7 +296,7 @@ def _start_trainable(
             sname = par.stored_name(info)
             if saved[sname]["trainable"] or kind == "master":  # unfrozen since the save: its saved values
                 wanted = (kind if saved[sname]["trainable"] else "frozen", sname, info.element(a), target)
-                _split(index, checkers, zc.comm, wanted, requests, parts_only)
+                checkers.split(index, zc.comm, wanted, requests, parts_only)
             else:  # unfrozen since the save: fresh states
                 target.zero_()
             view[filled - lo : a - lo].zero_()
@@ -304,38 +305,7 @@ def _start_trainable(
     futures = index.fill_async(requests)
     for fname in {seg.file for seg, _, _ in parts_only}:
         index.reader(fname)  # opened here: the reader cache is not shared between threads
-    return futures + [parts.submit(_read_part, index, *p) for p in parts_only]
-
-
-def _split(index: mf.Index, checkers: Checkers, comm: Any, wanted: tuple, checked: list, parts_only: list) -> None:
-    """Route the read of elements [lo, lo + out.numel()) of (kind, name) into `out`: to `checked` (read and checked
-    whole by `Index`) for each segment this rank keeps whole or checks, to `parts_only` (seg, its first element wanted,
-    out's part) for each segment another rank checks ([Note: one rank checks a shared segment] in plan.py)."""
-    kind, name, lo, out = wanted
-    hi = lo + out.numel()
-    segs = [s for s in index.segments.get((kind, name), ()) if s.start < hi and s.end > lo]
-    if sum(min(s.end, hi) - max(s.start, lo) for s in segs) != hi - lo:
-        checked.append(wanted)  # not covered: `Index` says what is missing
-        return
-    for seg in segs:
-        a, b = max(seg.start, lo), min(seg.end, hi)
-        target = out[a - lo : b - lo]
-        if (a, b) == (seg.start, seg.end) or checkers.checks(seg, comm.rank, comm.size):
-            checked.append((kind, name, a, target))
-        else:
-            parts_only.append((seg, a, target))
-
-
-def _read_part(index: mf.Index, seg: mf.Segment, a: int, target: torch.Tensor) -> None:
-    """Elements [a, a + target.numel()) of a segment another rank checks, read by offset alone (no checksum here)."""
-    reader = index.reader(seg.file)
-    dtype = reader.entry(seg.key).dtype
-    if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-        reader.read_into(seg.key, target, start=a - seg.start)
-    else:
-        tmp = torch.empty(target.numel(), dtype=dtype)
-        reader.read_into(seg.key, tmp, start=a - seg.start)
-        target.copy_(tmp)
+    return futures + [parts.submit(read_part, index, *p) for p in parts_only]
 
 
 def _finish_trainable(engine: Engine, zc: Any, futures: list) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hetero.checkpoint import blocks
 from hetero.checkpoint.format import PAD_MAX, TensorReader
 from hetero.errors import CheckpointError
 
@@ -260,6 +261,8 @@ class Segment:
     start: int  # first element of the flattened tensor
     end: int
     crc: int
+    blocks: tuple[int, ...] = ()  # the checksum of each block, for a segment longer than one ([Note: block checksums])
+    block_bytes: int = 0  # their size (blocks.py)
 
 
 class Index:
@@ -270,9 +273,12 @@ class Index:
         self.manifest = manifest
         self.segments: dict[tuple[str, str], list[Segment]] = defaultdict(list)
         for fname, info in manifest["files"].items():
+            size, sums = blocks.from_entry(info)  # none in files saved before block checksums
             for k, (numel, crc) in info.get("tensors", {}).items():
                 kind, start, name = split_key(k)
-                self.segments[(kind, name)].append(Segment(fname, k, start, start + numel, crc))
+                self.segments[(kind, name)].append(
+                    Segment(fname, k, start, start + numel, crc, tuple(sums.get(k, ())), size)
+                )
         for segs in self.segments.values():
             segs.sort(key=lambda s: s.start)
         self._readers: dict[str, TensorReader] = {}
@@ -289,8 +295,9 @@ class Index:
 
     def fill(self, kind: str, name: str, lo: int, out: torch.Tensor, *, grad_file: str | None = None) -> None:
         """Fill the flat CPU-or-device tensor `out` with elements [lo, lo + out.numel()) of tensor `name`'s `kind`,
-        from whatever segments cover them, checking each segment's CRC32 (a segment read only in part is read
-        whole into a scratch buffer first). grad_file: take only segments from that file (a rank's own)."""
+        from whatever segments cover them, checking each segment's checksum (of a segment read in part, the blocks
+        read, [Note: block checksums] in blocks.py; one saved without blocks is read whole into scratch memory
+        first). grad_file: take only segments from that file (a rank's own)."""
         hi = lo + out.numel()
         segs = [s for s in self.segments.get((kind, name), ()) if grad_file is None or s.file == grad_file]
         covered = 0
@@ -305,6 +312,8 @@ class Index:
             target = out[a - lo : b - lo]
             if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
                 reader.read_into(seg.key, target, crc=seg.crc)
+            elif seg.blocks and not whole:
+                blocks.read_checked(reader, seg, a, target)
             else:
                 tmp = torch.empty(seg.end - seg.start, dtype=dtype)
                 reader.read_into(seg.key, tmp, crc=seg.crc)

@@ -17,6 +17,8 @@ class PartWriter(TensorWriter):
     def write_parts(self, name: str, numel: int, parts: Iterable[torch.Tensor]) -> None:
         """Write the next planned tensor (`numel` elements) from consecutive flat CPU parts, each written before the
         next is asked for: a tensor need never be whole in memory (consolidation writes tiles this way)."""
+        if self.block_bytes:
+            raise ValueError("write_parts records no block checksums: make the writer without block_bytes")
         self._drain()  # runs submitted before are written first: offsets and checksums stay in plan order
         if (
             self._next >= len(self._order)
@@ -37,4 +39,4 @@ class PartWriter(TensorWriter):
             offset += write_full(self._fd, view, offset)
         if offset != end:
             raise ValueError(f"{self.path}: {name!r}: its parts hold {offset - self.data_start - entry.begin} bytes")
-        self.crcs[name] = crc.digest()
+        self.crcs[name], self.blocks[name] = crc.digest(), None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.format import DIRECT_ALIGN
@@ -123,6 +124,9 @@ def residue(it: Item) -> int | None:
 # A checksum that fails is that rank's error, which the load's agreement after the reads makes every rank's ([Note:
 # a load every rank agrees on] in agree.py), so no rank trains on bytes no one checked. This relies on every rank
 # reading the same files, which a load requires already (one checkpoint at one path on a file system all mount).
+# A segment saved with block checksums ([Note: block checksums] in blocks.py) is cut into its blocks first, and each
+# block is a segment here: a rank reads and checks the blocks inside its range, and only the block cut at each end of
+# it is read whole by one rank and in part by the other.
 class Checkers:
     """Which data-parallel rank reads whole and checks each saved segment of a trainable parameter that several ranks
     keep a part of ([Note: one rank checks a shared segment]). The same answer on every rank: it follows from the
@@ -146,11 +150,51 @@ class Checkers:
                 n += max(0, min(info.element(b), end) - max(info.element(a), start))
         return n
 
-    def checks(self, seg: mf.Segment, rank: int, world: int) -> bool:
-        """Whether `rank` (of `world`) is the one that reads the saved segment `seg` whole and checks it."""
-        name = mf.split_key(seg.key)[2]
-        shares = [self.share(name, seg.start, seg.end, r) for r in range(world)]
+    def checks(self, piece: str, name: str, start: int, end: int, rank: int, world: int) -> bool:
+        """Whether `rank` (of `world`) is the one that reads elements [start, end) of tensor `name` whole and
+        checks them: a saved segment, or a block of one ([Note: block checksums] in blocks.py), named `piece`."""
+        shares = [self.share(name, start, end, r) for r in range(world)]
         tied = [r for r, n in enumerate(shares) if n == max(shares)]
-        # Equal shares (a weight cut evenly) are common: spread them by the key (the same on every rank), or one
-        # rank would read them all whole.
-        return tied[zlib.crc32(seg.key.encode()) % len(tied)] == rank
+        # Equal shares (a weight cut evenly) are common: spread them by the piece's name (the same on every rank),
+        # or one rank would read them all whole.
+        return tied[zlib.crc32(piece.encode()) % len(tied)] == rank
+
+    def split(self, index: mf.Index, comm: Any, wanted: tuple, checked: list, parts_only: list) -> None:
+        """Route the read of `wanted`, (kind, name, lo, out): elements [lo, lo + out.numel()) of (kind, name) into
+        `out`. To `checked` (read and checked by `Index`) go the pieces with a checksum (segments, or their blocks:
+        [Note: block checksums] in blocks.py) that `comm`'s rank keeps whole or checks, adjacent ones as one request;
+        to `parts_only` (seg, its first element wanted, out's part) those another rank checks."""
+        kind, name, lo, out = wanted
+        hi = lo + out.numel()
+        segs = [s for s in index.segments.get((kind, name), ()) if s.start < hi and s.end > lo]
+        if sum(min(s.end, hi) - max(s.start, lo) for s in segs) != hi - lo:
+            checked.append(wanted)  # not covered: `Index` says what is missing
+            return
+        for seg in segs:
+            run = None  # [first, end) of the adjacent pieces read so far that this rank checks
+            for p, q, tag in blocks.pieces(seg, index.reader(seg.file).entry(seg.key).dtype.itemsize):
+                a, b = max(p, lo), min(q, hi)
+                if a >= b:
+                    continue
+                if (a, b) == (p, q) or self.checks(seg.key + tag, name, p, q, comm.rank, comm.size):
+                    run = (run[0] if run else a, b)
+                    continue
+                parts_only.append((seg, a, out[a - lo : b - lo]))
+                if run:
+                    checked.append((kind, name, run[0], out[run[0] - lo : run[1] - lo]))
+                    run = None
+            if run:
+                checked.append((kind, name, run[0], out[run[0] - lo : run[1] - lo]))
+
+
+def read_part(index: mf.Index, seg: mf.Segment, a: int, target: torch.Tensor) -> None:
+    """Elements [a, a + target.numel()) of a segment, in a piece another rank checks, read by offset alone (no
+    checksum here: [Note: one rank checks a shared segment])."""
+    reader = index.reader(seg.file)
+    dtype = reader.entry(seg.key).dtype
+    if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+        reader.read_into(seg.key, target, start=a - seg.start)
+    else:
+        tmp = torch.empty(target.numel(), dtype=dtype)
+        reader.read_into(seg.key, tmp, start=a - seg.start)
+        target.copy_(tmp)

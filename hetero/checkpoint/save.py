@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import SAVE, agree
@@ -198,7 +199,9 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
         if was_nvme:
             m.move(chunk, Tier.NVME)  # back home; clean, so no write
 
-    with TensorWriter(path, [(it.key, it.dtype, (it.numel,), residue(it)) for it in plan], align=DIRECT_ALIGN) as w:
+    planned = [(it.key, it.dtype, (it.numel,), residue(it)) for it in plan]
+    size = blocks.BLOCK_BYTES  # [Note: block checksums] in blocks.py
+    with TensorWriter(path, planned, align=DIRECT_ALIGN, block_bytes=size) as w:
         try:
             i = 0
             while i < len(plan):
@@ -243,6 +246,7 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
         "size": w.size,
         "header_crc32": w.header_crc,
         "tensors": {it.key: [it.numel, w.crcs[it.key]] for it in plan},
+        **blocks.file_entry(size, {k: v for k, v in w.blocks.items() if v is not None}),
     }
 
 
@@ -321,6 +325,7 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
     files: dict[str, Any] = {}
     for info in infos:
         files[info["file"]] = {k: info[k] for k in ("size", "header_crc32", "tensors")}
+        files[info["file"]].update({k: info[k] for k in blocks.FILE_KEYS if k in info})  # none without blocks
     files[mf.STATE_FILE] = {"size": len(data), "crc32": mf.write_durable(os.path.join(tmp, mf.STATE_FILE), data)}
     manifest = {
         "format": mf.FORMAT,
