@@ -259,8 +259,8 @@ def _stream_weights(
     meta = any(p.is_meta for p in model.parameters())
     with weights.open_source(path, model) as source:
         m = weights.match(model, source)
-        fatal = bool(m.shapes) or (strict and bool(m.unexpected)) or (meta and bool(m.missing)) or not m.chosen
-        if fatal:
+        fatal = bool(m.shapes or m.dtypes) or (strict and bool(m.unexpected)) or (meta and bool(m.missing))
+        if fatal or not m.chosen:
             raise WeightsError(weights.explain(m, model, path))
         if m.mapping:
             log.info("weights %s: %s", path, m.mapping)

@@ -16,8 +16,10 @@ takes weights saved from a head model (keys with it; the head's own tensors are 
 that the model does not have are a warning by default (`strict_weights=True`: an error), except those
 from_pretrained drops silently (old buffers: GPT-2's `attn.bias`, each layer's rotary `inv_freq`); tensors the model
 has and the files lack keep the model's own values when it was built normally, and are an error for a meta-device
-model, which has no values. Shape mismatches are always errors: the model was built from another config. When most names
-fail to match, the error says why in terms of the names themselves: a prefix one side has and the other lacks
+model, which has no values. Shape mismatches are always errors: the model was built from another config. Floating
+tensors are cast to the model's dtype (bf16 files into fp32 master weights), as from_pretrained casts them; an integer,
+boolean or 8-bit float tensor where the model has a floating one (quantized weights) is an error naming it. When
+most names fail to match, the error says why in terms of the names themselves: a prefix one side has and the other lacks
 (a `module.` wrapper, another head) or two different naming schemes (another architecture). Files hold whole
 tensors; a weight that tensor parallelism cut (1D or a grid) is matched by its whole shape, and each tensor rank reads
 only its own shard of it (hetero/zero/shard_reads.py).
@@ -28,8 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import os
 import pickle
 import re
 from collections.abc import Iterator
@@ -42,6 +42,7 @@ from torch import nn
 
 from hetero.errors import WeightsError
 from hetero.zero import hf_names, shard_reads
+from hetero.zero.safetensors_file import SafetensorsFile, unreadable
 
 log = logging.getLogger("hetero.zero")
 _SAFE = (".safetensors",)
@@ -132,6 +133,10 @@ class WeightSource:
         src = self._where[key]
         return tuple(src[key].shape) if isinstance(src, dict) else src.shape(key)
 
+    def dtype(self, key: str) -> torch.dtype:
+        src = self._where[key]
+        return src[key].dtype if isinstance(src, dict) else src.dtype(key)
+
     def read(self, key: str) -> torch.Tensor:
         src = self._where[key]
         return src[key] if isinstance(src, dict) else src.read(key)
@@ -159,97 +164,6 @@ class WeightSource:
         self.close()
 
 
-# [Note: reading .safetensors without a memory map]
-# safetensors' safe_open maps the whole file and copies each tensor out of the map: every page read stays in the
-# process's resident memory (RSS) until the file is closed, so loading a checkpoint bigger than the host raised the
-# RSS peak by the whole checkpoint (117 MiB for 97 MiB of shards under a 32 MiB host budget), whatever the budgets.
-# The format is simple (an 8-byte little-endian header length, a JSON header of dtype, shape and byte range per
-# tensor, the data), so each tensor, or a tile's rows of it, is read with positioned reads into memory of its own.
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
-
-
-class SafetensorsFile:
-    """One .safetensors file, read tensor by tensor with os.pread (see the note above)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
-        try:
-            self._entries = self._header()  # key -> (dtype, shape, absolute byte offset, byte size)
-        except Exception:
-            os.close(self._fd)
-            raise
-
-    def _header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-        size = os.fstat(self._fd).st_size
-        try:
-            if size < 8:
-                raise ValueError(f"{size} bytes: no header")
-            n = int.from_bytes(self._pread(8, 0), "little")
-            if n > size - 8:
-                raise ValueError(f"the header says {n} bytes, the file holds {size - 8} after its length")
-            header = json.loads(self._pread(n, 8))
-            entries = {}
-            for key, e in header.items():
-                if key == "__metadata__":
-                    continue
-                if e["dtype"] not in _DTYPES:
-                    raise WeightsError(
-                        f"weights: {str(self.path)!r} holds {key!r} in dtype {e['dtype']}, which torch "
-                        f"{torch.__version__} has no type for here; convert it to one of {', '.join(_DTYPES)}"
-                    )
-                dtype, shape, (a, b) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-                if b - a != math.prod(shape) * dtype.itemsize or 8 + n + b > size:
-                    raise ValueError(f"{key!r} holds bytes {a}..{b} of {size - 8 - n}, for {e['dtype']} {shape}")
-                entries[key] = (dtype, shape, 8 + n + a, b - a)
-            return entries
-        except WeightsError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise _unreadable(self.path, ".safetensors", e) from None
-
-    def _pread(self, n: int, offset: int, into: memoryview | None = None) -> bytearray | memoryview:
-        buf = bytearray(n) if into is None else into
-        view = memoryview(buf)
-        done = 0
-        while done < n:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got == 0:
-                raise ValueError(f"the file ends at byte {offset + done}, {n - done} bytes short")
-            done += got
-        return buf
-
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._entries[key][1]
-
-    def read(self, key: str) -> torch.Tensor:
-        shape = self._entries[key][1]
-        return self.read_elements(key, 0, math.prod(shape)).reshape(shape)
-
-    def read_elements(self, key: str, a: int, b: int, into: memoryview | None = None) -> torch.Tensor:
-        dtype, _, offset, _ = self._entries[key]
-        if b <= a:
-            return torch.empty(0, dtype=dtype)
-        try:
-            data = self._pread((b - a) * dtype.itemsize, offset + a * dtype.itemsize, into)
-        except (ValueError, OSError) as e:  # changed under us since its header was read
-            raise _unreadable(self.path, ".safetensors", e) from None
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # shares data's memory
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 def _torch_load(f: Path) -> dict[str, Any]:
     try:
         try:
@@ -270,22 +184,12 @@ def _torch_load(f: Path) -> dict[str, Any]:
                 f"weights: {str(f)!r} cannot be loaded safely (torch.load weights_only=True: {type(e).__name__}: "
                 f"{first}). It must hold a plain state_dict of tensors; convert it to .safetensors where it holds more"
             ) from None
-        raise _unreadable(f, "torch", e) from None  # no pickle refused: the bytes themselves are wrong
+        raise unreadable(f, "torch", e) from None  # no pickle refused: the bytes themselves are wrong
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]  # a training checkpoint's common layout
     if not isinstance(state, dict):
         raise WeightsError(f"weights: {str(f)!r} holds a {type(state).__name__}, not a state_dict")
     return state
-
-
-def _unreadable(f: Path, kind: str, e: Exception) -> WeightsError:
-    first = str(e).splitlines()[0] if str(e) else ""
-    if isinstance(e, PermissionError):
-        return WeightsError(f"weights: {str(f)!r} cannot be read ({first}): give this process read permission")
-    return WeightsError(
-        f"weights: {str(f)!r} is not a readable {kind} file ({type(e).__name__}: {first}): it is damaged or was not "
-        "fully written (an interrupted download or copy); fetch it again"
-    )
 
 
 @dataclass
@@ -296,6 +200,7 @@ class Match:
     missing: list[str] = field(default_factory=list)  # model keys the files lack (one name per tensor)
     unexpected: list[str] = field(default_factory=list)  # file keys the model does not have
     shapes: list[str] = field(default_factory=list)  # "name: file (..), model (..)"
+    dtypes: list[str] = field(default_factory=list)  # "name: file int8, model torch.float32" (see _dtype_refused)
     mapping: str = ""  # how names were mapped, for messages ("" when they matched as they are)
 
 
@@ -326,8 +231,31 @@ def match(model: nn.Module, source: Any) -> Match:
         expect, got = whole_shape(state[found[0]]), source.shape(src)
         if got != expect:
             out.shapes.append(f"{found[0]}: file {got}, model {expect}")
+        held, wanted = _file_dtype(source, src), state[found[0]].dtype
+        if _dtype_refused(held, wanted):
+            out.dtypes.append(f"{found[0]}: file {held}, model {wanted}")
     # A tied parameter's other names are neither missing nor unexpected when the files hold it under one of them.
     return out
+
+
+def _file_dtype(source: Any, key: str) -> torch.dtype:
+    """The dtype the files hold `key` in (a name transformers' conversions fuse: its first file tensor's)."""
+    parts = getattr(source, "parts", {})  # hf_names.Converted's model name -> (file keys, shape)
+    if key in parts:
+        key = parts[key][0][0]
+    return getattr(source, "source", source).dtype(key)
+
+
+def _dtype_refused(held: torch.dtype, wanted: torch.dtype) -> bool:
+    """Whether a file tensor of dtype `held` cannot be cast into a model tensor of dtype `wanted`. Floating weights are
+    cast as from_pretrained casts them (bf16 files into an fp32 model); integer, boolean and 8-bit float tensors in
+    place of floating ones are quantized weights or other data, whose cast would give wrong values silently (an int8
+    weight read as its integer codes, an fp8 weight without its scales)."""
+    if wanted.is_floating_point:
+        return not held.is_floating_point or held.itemsize < 2
+    if wanted == torch.bool:
+        return held != torch.bool
+    return held.is_floating_point or held == torch.bool  # an integer buffer (position ids) takes integers only
 
 
 def _ignored_unexpected(model: nn.Module) -> re.Pattern | None:
@@ -390,11 +318,19 @@ def explain(m: Match, model: nn.Module, path: Path) -> str:
         parts.append(f"{len(m.unexpected)} not in the model: {_list(m.unexpected)}")
     if m.shapes:
         parts.append(f"{len(m.shapes)} with other shapes: {_list(m.shapes)}")
+    if m.dtypes:
+        parts.append(f"{len(m.dtypes)} in dtypes the model cannot take: {_list(m.dtypes)}")
     cause = _cause(m, model)
     return f"weights {str(path)!r} do not fit {type(model).__name__}: " + "; ".join(parts) + f". {cause}"
 
 
 def _cause(m: Match, model: nn.Module) -> str:
+    if m.dtypes and not m.shapes and not m.missing:
+        return (
+            "Floating-point weights are cast to the model's dtypes, as from_pretrained casts them; integer, boolean "
+            "or 8-bit float tensors in their place are quantized weights (GPTQ, AWQ, bitsandbytes, fp8 with its "
+            "scales) or other data: dequantize them to fp16, bf16 or fp32 first, or check that the names are right"
+        )
     if m.shapes and not m.missing:
         return (
             "The names match but shapes do not: the model was built from another config than the weights (compare "
