@@ -16,13 +16,23 @@ deepspeed/runtime/fp16/loss_scaler.py), so that a translated DeepSpeed config sc
 - a static scale (DeepSpeed's loss_scale > 0): never changes, and an overflowing step is still skipped, as
   DeepSpeed's ZeRO optimizers check for overflow whatever their scaler.
 Two things of DeepSpeed's are not taken: at the minimum scale its run stops with an exception at the overflow that
-would halve it (raise_error_at_min_scale), where hetero keeps the minimum and goes on skipping such steps; and its
-ZeRO stage 0 fp16 optimizer (FP16_Optimizer) ignores hysteresis, where hetero applies it at every stage.
+would halve it (raise_error_at_min_scale), where hetero keeps the minimum and goes on skipping such steps, as
+torch's GradScaler goes on (see [Note: overflows the scale cannot cure]); and its ZeRO stage 0 fp16 optimizer
+(FP16_Optimizer) ignores hysteresis, where hetero applies it at every stage.
+
+[Note: overflows the scale cannot cure]
+A step that overflows at a scale that cannot fall (the minimum, or a static scale) says that the loss or the
+gradients are inf or nan whatever the scale: a nan loss from the first step on, a bad batch, a diverged run. The
+step is skipped all the same, as GradScaler skips every overflowing step (it has no minimum and halves on towards
+0), but a run that skipped every step said so only in an info line per step: 40 steps of a nan loss ended at scale
+1 with no update and no warning. The update warns (`LossScaler.log_skipped`) at the first such overflow and
+whenever their run in a row doubles, naming the scale and what to check.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +40,8 @@ import torch
 
 if TYPE_CHECKING:
     from hetero.config import LossScaleConfig
+
+log = logging.getLogger("hetero.zero")
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What a checkpoint restores: the running state. The settings are the config's, so a resumed run may change them.
@@ -55,6 +67,9 @@ class LossScaler:
 
     def __post_init__(self) -> None:
         self.hysteresis_left = self.hysteresis
+        # Overflows in a row at a scale that cannot fall (the minimum, or static): not a field, so neither saved nor
+        # compared; the update warns on it ([Note: overflows the scale cannot cure])
+        self.floor_overflows = 0
 
     @classmethod
     def configured(cls, config: LossScaleConfig) -> LossScaler:
@@ -75,6 +90,7 @@ class LossScaler:
         if overflow:
             self.skipped_steps += 1
             self.good_steps = 0
+            self.floor_overflows = self.floor_overflows + 1 if self.static or self.scale <= self.min_scale else 0
             if self.static:
                 return
             if self.hysteresis == 1 or self.hysteresis_left <= 1:
@@ -83,6 +99,7 @@ class LossScaler:
                 self.hysteresis_left -= 1
             return
         self.good_steps += 1
+        self.floor_overflows = 0
         if self.static:
             return
         if self.consecutive_hysteresis:
@@ -96,6 +113,28 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def log_skipped(self) -> None:
+        """After a step skipped for overflow (the scale settled): an info line, and a warning where a smaller scale
+        cannot cure it, at the first such overflow and whenever their run in a row has doubled since (1, 2, 4, ...
+        steps): [Note: overflows the scale cannot cure]."""
+        log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scale)
+        n = self.floor_overflows
+        if n == 0 or n & (n - 1):
+            return
+        where = (
+            f"the static loss scale {self.scale:g} (loss_scale.static)"
+            if self.static
+            else f"the minimum loss scale {self.min_scale:g} (loss_scale.min_scale)"
+        )
+        log.warning(
+            "hetero: fp16 gradients overflowed (inf or nan) at %s, %d step(s) in a row, every one skipped: a smaller "
+            "scale cannot cure this, so the loss or the gradients are inf or nan whatever the scale. Check the loss "
+            "and the batches of these steps (a nan or inf loss, a log of 0, a division by zero), lower the learning "
+            "rate, or train in bf16, whose range does not overflow",
+            where,
+            n,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The running state of a checkpoint; a field it lacks (an older checkpoint's) keeps its value here: the

@@ -185,7 +185,7 @@ class Updater:
             self.last_update_skipped = overflow
             if overflow:
                 self.skipped_steps += 1
-                log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
+                self.scaler.log_skipped()
                 self.zero_grads()
                 self.manager.step_end()
                 return None
@@ -276,7 +276,7 @@ class Updater:
             self._norm = pending.norm_before
             for zc, used in zip(self.chunks, pending.used_of):
                 uncount_step(zc, used)
-            log.info("fp16 gradients overflowed: step skipped, loss scale now %g", self.scaler.scale)
+            self.scaler.log_skipped()
 
     def finish(self, plan: Plan) -> None:
         """After every chunk stepped: the norm summed during the update, the step counted, the trace step ended."""
