@@ -303,3 +303,65 @@ def test_verify_checks_the_blocks(loads, tmp_path):
         f.write(mf.sealed(manifest))
     with pytest.raises(CheckpointError, match=f"{key}.* in block 1 "):
         verify(ckpt)
+
+
+# ---- frozen parameters at stage 3: each rank's shard of a frozen chunk, through `Index.fill` ---------------------
+TINY = 256  # bytes a block: the tiny model's frozen embedding (4 KiB in bf16) spans several
+
+
+def _frozen_engine(stage: int):
+    import hetero
+    from tests import parity
+
+    model = parity.build()
+    model.embed.weight.requires_grad_(False)  # tied to lm_head: both frozen, in a frozen chunk
+    opt = parity.make_optimizer(model)
+    return hetero.initialize(model, opt, {"zero_stage": stage, "precision": "bf16", "chunk_size": 3000})
+
+
+def _load_frozen(rank: int, world: int, ckpt: str) -> dict:
+    torch.set_num_threads(1)
+    e = _frozen_engine(3)
+    kept = []
+    for zc in e.chunks:
+        if zc.optim is None:
+            lo, hi = zc.kept_range()
+            kept += [(par.stored_name(i), i.element(a), i.element(b)) for i, a, b in zc.spec.overlaps(lo, hi)]
+    seen, undo = _spans_read()
+    try:
+        e.load_checkpoint(ckpt)
+    finally:
+        undo()
+    state = e.full_state_dict()
+    e.close()
+    return {"spans": seen, "kept": kept, "state": state}
+
+
+@ranks_apart(ONLY_SEVERAL)
+@pytest.mark.timeout(300)
+def test_frozen_shards_read_their_blocks(tmp_path):
+    saved, blocks.BLOCK_BYTES = blocks.BLOCK_BYTES, TINY
+    try:
+        e = _frozen_engine(1)
+        train(e, 0, 1, 0, N)
+        ckpt = mf.resolve(e.save_checkpoint(str(tmp_path / "ckpt")))
+        state = e.full_state_dict()
+        e.close()
+    finally:
+        blocks.BLOCK_BYTES = saved
+    results = run_distributed(_load_frozen, 2, ckpt, timeout=200)
+    for res in results:
+        assert all(torch.equal(state[k], res["state"][k]) for k in state)
+    with fmt.TensorReader(os.path.join(ckpt, mf.rank_file(0))) as r:
+        key = next(k for k in r.entries if k.startswith("frozen:") and "embed" in k)
+        entry, begin = r.entries[key], r.entries[key].begin
+        isz = entry.dtype.itemsize
+    assert entry.nbytes > 2 * TINY
+    name, shares, got = mf.split_key(key)[2], [], []
+    for res in results:
+        shares.append(sum((b - a) * isz for n, a, b in res["kept"] if n == name))
+        spans = [(max(o, begin), min(o + n, entry.end)) for _, o, n in res["spans"]]
+        got.append(_union([(a, b) for a, b in spans if a < b]))
+    assert sum(shares) == entry.nbytes and all(shares), shares  # the shards cut it
+    for rank in range(2):  # its shard and at most a block at each end, where it read the whole tensor before
+        assert shares[rank] <= got[rank] <= shares[rank] + 2 * TINY, (shares, got)
