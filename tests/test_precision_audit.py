@@ -120,6 +120,24 @@ def test_an_overflow_on_one_rank_skips_together_as_gradscaler(tmp_path, clip):
                                     _skipped(plain)], dtype=FP16)  # fmt: skip
 
 
+@ranks_apart(RANKS_DIFFER)
+@pytest.mark.timeout(400)
+def test_an_overflow_on_one_of_four_ranks_skips_together(tmp_path):
+    """World 4: the last micro-batch of an accumulation overflowing on rank 3 alone, then rank 0's, at stage 1 with
+    states on the host and stage 3 on the device: every rank skips those updates, with GradScaler's scale."""
+    boosts = frozenset({(1, 1, 3), (4, 1, 0), (5, 1, 2)})
+    plain = ref.reference(steps=STEPS, world=4, rows=ROWS, accum=2, boosts=boosts, growth_interval=2)
+    assert _skipped(plain) == (1, 4, 5)
+    exact = ref.reference(steps=STEPS, world=4, rows=ROWS, accum=2, precision="fp64", skipped=_skipped(plain))
+    configs = [cfg for cfg in _configs(None) if (cfg["zero_stage"], cfg["offload"]["optimizer"]) in {(1, "host"),
+               (3, "device")}]  # fmt: skip
+    runs = run_distributed(_each_config, 4, configs, str(tmp_path), boosts, None, timeout=360)
+    initial = parity.initial_state()
+    for i in range(len(configs)):
+        assert all(r[i]["log"] == plain["log"] for r in runs), [r[i]["log"] for r in runs]
+        _check(runs[0][i], plain, exact, initial)
+
+
 # (world, config, {step: the (tensor, data, pipeline) rank whose embedding gradient alone overflows})
 PARALLEL = [
     (2, {"parallel": {"tensor": 2}}, {1: (1, 0, 0), 3: (0, 0, 0)}),
