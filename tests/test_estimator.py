@@ -559,16 +559,6 @@ def test_layout_arguments_and_tensor_modes():
     assert both.layout["tensor_mode"] == "2d" and len(both.per_pipeline_rank) == 2
 
 
-@pytest.mark.parametrize("sequence", ["megatron", "ulysses"])
-def test_a_layout_initialize_refuses_is_refused(sequence):
-    """A pipeline of a Hugging Face decoder with a sequence split is refused by `initialize` (its masks and rotary
-    tables are made for the whole sequence); the estimator planned it as if it worked."""
-    meta = _hf("llama", meta=True)
-    with pytest.raises(hetero.ConfigError, match="pipeline of a Hugging Face model"):
-        estimate(meta, {}, world_size=4, machine=False, tensor=2, sequence=sequence, pipeline=2, microbatches=2)
-    assert estimate(meta, {}, world_size=4, machine=False, tensor=2, pipeline=2, microbatches=2).per_pipeline_rank
-
-
 def test_tensor_modes_table_against_the_implementations():
     """The planner's table of tensor modes (tensor_modes.py, from the papers) against hetero's implementations of
     them (applied on meta by parallel_shapes.per_rank_model): each mode's share of the blocks' weights on one rank

@@ -49,7 +49,7 @@ from torch.autograd import Function
 from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.plans import resolve_plan
-from hetero.parallel.sequence import SEQ_DIM, add_output_map, all_reduce_grads, replace_first_input
+from hetero.parallel.sequence import SEQ_DIM, add_output_map, all_reduce_grads, mark_region, replace_first_input
 from hetero.parallel.tensor import check_untouched
 from hetero.parallel.tp_ops import gather_seq_exact, scatter_seq
 from hetero.parallel.tp_rng import RegionRng
@@ -242,7 +242,9 @@ def apply_sequence_split(
                 return replace_first_input(name, args, kwargs, lambda x: rng.enter_at(keep_positions(x, comm, layout)))
 
             module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+            mark_region(module, "scatter", comm.size)  # each rank keeps 1/size of the positions (ring: 2 chunks)
         if "sequence_gather" in styles:
+            mark_region(module, "gather", comm.size)
             add_output_map(module, name, lambda x: join_positions(x, comm, layout))
             module.register_forward_hook(rng.leave, always_call=True)
     model.register_forward_pre_hook(rng.leave)  # a forward that raised inside the region left its stream on

@@ -47,8 +47,21 @@ def replace_first_input(
     )
 
 
+def mark_region(module: nn.Module, role: str, parts: int) -> None:
+    """Mark the module where a split region begins (`role` "scatter": its input is cut in `parts`) or ends
+    ("gather"), for whoever runs a laid-out model in pieces (a pipeline's units made after the layout, as the
+    estimator's: [Note: a split sequence through the stages] in pipeline/hf.py)."""
+    module._hetero_seq_region = (role, parts)
+
+
+def region_mark(module: nn.Module) -> tuple[str, int] | None:
+    """`mark_region`'s (role, parts) of this module, None where no region begins or ends."""
+    return getattr(module, "_hetero_seq_region", None)
+
+
 def add_sequence_scatter(module: nn.Module, name: str, comm: Comm) -> None:
     """Enter the region: the module's hidden-states input is cut to this rank's part of the sequence."""
+    mark_region(module, "scatter", comm.size)
 
     def pre_hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return replace_first_input(name, args, kwargs, lambda x: scatter_seq(x, comm, SEQ_DIM))
@@ -71,6 +84,7 @@ def add_output_map(module: nn.Module, name: str, fn: Callable[[torch.Tensor], to
 
 def add_sequence_gather(module: nn.Module, name: str, comm: Comm) -> None:
     """Leave the region: the module's output is gathered into the whole sequence on every rank."""
+    mark_region(module, "gather", comm.size)
     add_output_map(module, name, lambda x: gather_seq_exact(x, comm, SEQ_DIM))
 
 
@@ -89,14 +103,15 @@ def all_reduce_grads(params: list[nn.Parameter], comm: Comm) -> None:
             p._hetero_sp_reduced = True  # a tied or shared parameter is reduced once, not once per module
 
 
-def region_at(units: Sequence[str], plan: Mapping[str, str], first: str) -> bool:
-    """Whether a pipeline stage beginning at unit `first` (of the whole model's `units`, in order) takes its input
-    inside the region: a unit before it holds ``sequence_scatter`` (`plan`: the whole model's), and none before it
-    ``sequence_gather``."""
+def region_at(units: Sequence[Sequence[str]], plan: Mapping[str, str], start: int) -> bool:
+    """Whether pipeline unit `start` (an index into the whole model's `units`, in order, each given by the model's
+    FQNs it runs) takes its input inside the region: a unit before it holds ``sequence_scatter`` (`plan`: the whole
+    model's), and none before it ``sequence_gather``. A Hugging Face unit runs modules under other names than its
+    own ("embeddings" runs GPT-2's `transformer.drop`), so it is found by what it runs."""
 
     def holders(style: str) -> list[int]:
         names = [n for n, s in plan.items() if style in s.split("+")]
-        return [i for i, u in enumerate(units) if any(n == u or n.startswith(f"{u}.") for n in names)]
+        return [i for i, u in enumerate(units) if any(n == f or n.startswith(f"{f}.") for n in names for f in u)]
 
-    start, scatter, gather = units.index(first), holders("sequence_scatter"), holders("sequence_gather")
+    scatter, gather = holders("sequence_scatter"), holders("sequence_gather")
     return bool(scatter) and min(scatter) < start and all(start <= g for g in gather)

@@ -33,6 +33,7 @@ from hetero.errors import ConfigError
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.pipeline.balance import unit_costs
 from hetero.parallel.pipeline.chimera import replica_group
+from hetero.parallel.pipeline.hf import owned, split_sequence
 from hetero.parallel.pipeline.split import StageChunk, cut_stages, units_of
 from hetero.parallel.pipeline.tied import Ties, tie_groups
 
@@ -83,9 +84,8 @@ def setup_parallel(
             check_replicas(model, mesh.tp, every=world)
     whole_plan, units = plan, []  # the whole model's plan, and its pipeline units: where each stage sits in it
     if cfg.pipeline > 1:
-        check_pipeline_sequence(model, cfg)
         _check_chain(model)
-        units = [n for n, _ in units_of(model)]
+        units = [(n, owned(n, u)) for n, u in units_of(model)]
         costs = None
         if cfg.pipeline_split == "auto":
             costs, basis = unit_costs(model, units_of(model), given=cfg.pipeline_costs, world=world, device=device)
@@ -140,25 +140,15 @@ def setup_parallel(
     # A stage runs its units, never the model's hooks ([Note: dropout under tensor parallelism], [Note: dropout under
     # a grid]): a grid's stage runs inside its region; a 1D or sequence-split stage enters it where its input is inside.
     rng = RegionRng(mesh.grid.tp) if mesh.grid is not None else made
+    at = {n: i for i, (n, _) in enumerate(units)}
+    fqns = [parts for _, parts in units]
     for chunk in chunks:
         (first, unit), (_, last) = chunk.units[0], chunk.units[-1]
-        inside = mesh.grid is not None or (bool(cfg.sequence) and region_at(units, whole_plan, first))
+        inside = mesh.grid is not None or (bool(cfg.sequence) and region_at(fqns, whole_plan, at[first]))
         bracket(unit, last, rng, enter=inside)
+        for name, u in chunk.units if cfg.sequence else ():  # [Note: a split sequence through the stages]
+            split_sequence(u, cfg.tensor if region_at(fqns, whole_plan, at[name]) else 1)
     return mesh, chunks, zero, tied
-
-
-def check_pipeline_sequence(model: nn.Module, cfg: ParallelConfig) -> None:
-    """A pipeline of a Hugging Face decoder with any sequence split is refused: its layers' masks and rotary tables
-    are made for the whole sequence (the estimator asks too, so that it never plans a layout `initialize` refuses)."""
-    if cfg.pipeline > 1 and cfg.sequence:
-        from hetero.parallel.pipeline.hf import is_hf_decoder
-
-        if is_hf_decoder(model):
-            raise ConfigError(
-                f"parallel: sequence {cfg.sequence!r} with a pipeline of a Hugging Face model is not supported; "
-                "use the pipeline with tensor parallelism (any tensor_mode) and data parallelism, or sequence "
-                "parallelism without a pipeline"
-            )
 
 
 def _check_chain(model: nn.Module) -> None:

@@ -26,7 +26,6 @@ from torch import nn
 from hetero.config import Config, format_size
 from hetero.errors import ConfigError
 from hetero.parallel.mesh import check_degrees
-from hetero.parallel.setup import check_pipeline_sequence
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
 from hetero.profiler.auto_chunks import cap_for, tiled_counts
 from hetero.profiler.estimate_args import check_sizes, config_for
@@ -305,7 +304,6 @@ def estimate(
         )
         act, host_acts = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
     else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
-        check_pipeline_sequence(model, cfg.parallel)  # what initialize refuses is no layout to estimate
         ckpt = getattr(cfg, "activation_checkpointing", False)  # true, or the blocks' names, as the engine's
         offload = bool(ckpt) and bool(getattr(cfg, "activation_offload", False))
         ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,

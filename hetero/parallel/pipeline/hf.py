@@ -38,6 +38,19 @@ differs (ids alone on a later stage while the first has a mask: its layers would
 other loss) is caught at the first activation it receives: each carries in its header a digest of the mask and
 positions the sender used (`side_digest`), which the receiver compares with its own ([Note: transfers] in
 runtime.py). Without a dict nothing changes: the digest is 0, and a later stage may be given no inputs.
+
+[Note: a split sequence through the stages]
+Under a sequence split (Megatron-SP, Ulysses, ring: the same plan's region) the activations a stage receives inside
+the region are this rank's 1/t of the sequence, [batch, seq/t, hidden], while the layers' attention needs masks and
+rotary tables of the whole sequence: Megatron-SP gathers attention's input before the projections, Ulysses and ring
+slice the whole tables and mask to the rank's positions. A layer unit built them from its input's length, so every
+sequence split was refused with a pipeline of these models. Now a layer unit whose input is inside the region
+(`split_sequence`) builds them for t times its input's length, from the micro-batch's whole mask and positions,
+which every rank of the group holds (t is the group's size; ring's zig-zag too keeps 1/t per rank). The engine cuts
+the model before the layout, and the stage holding `sequence_scatter` is gone from the others, so setup.py tells each
+stage's units from the whole model's plan (`region_at`); the estimator lays the whole model out before cutting it,
+and its units read the region's marks on the modules (`_split_by_marks`). Llama's first decoder layer holds the
+scatter itself: its unit's input is whole, the layer's own pre-hook cuts it.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ import torch
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.parallel.sequence import region_mark
 
 
 @dataclass(frozen=True)
@@ -118,12 +132,27 @@ def hf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     embeds = {n: getattr(base, n) for n in family.embeds}
     layers, norm = getattr(base, family.layers), getattr(base, family.norm)
     first = Embeddings(ctx, embeds, [f"{prefix}{n}" for n, m in embeds.items() if _has_state(m)])
+    first.runs = [f"{prefix}{n}" for n in embeds]  # GPT-2's dropout too, which holds its sequence_scatter
     units: list[tuple[str, nn.Module]] = [("embeddings", first)]
     lname = names[id(layers)]
     units += [(f"{lname}.{i}", Layer(ctx, layer, f"{lname}.{i}", int(i))) for i, layer in layers.named_children()]
-    if bare:
-        return units + [("norm", Head(ctx, norm, None, [f"{prefix}{family.norm}"]))]
-    return units + [("head", Head(ctx, norm, head, [f"{prefix}{family.norm}", names[id(head)]]))]
+    last = Head(ctx, norm, head, [f"{prefix}{family.norm}"] + ([] if bare else [names[id(head)]]))
+    units.append(("norm" if bare else "head", last))
+    _split_by_marks(units)
+    return units
+
+
+def _split_by_marks(units: list[tuple[str, nn.Module]]) -> None:
+    """Units made of a model laid out already (the estimator's meta copy: it lays out the whole model, then cuts
+    it) learn from the region's marks which of them take a slice of the sequence; the engine cuts first and tells
+    its stages from the whole plan instead (setup.py). [Note: a split sequence through the stages]"""
+    parts = 1
+    for _, unit in units:
+        split_sequence(unit, parts)
+        for m in unit.modules():
+            mark = region_mark(m)
+            if mark is not None:
+                parts = mark[1] if mark[0] == "scatter" else 1
 
 
 def _check_family(model: nn.Module, base: nn.Module) -> None:
@@ -225,8 +254,12 @@ class _Context:
         window = self.family.masks == "window" and getattr(self.config, "sliding_window", None) is not None
         return "sliding_attention" if window else "full_attention"
 
-    def of(self, x: torch.Tensor, index: int) -> dict[str, Any]:
+    def of(self, x: torch.Tensor, index: int, parts: int = 1) -> dict[str, Any]:
+        """Layer `index`'s arguments besides `x`, whose sequence is one of `parts` equal slices of the micro-batch's
+        ([Note: a split sequence through the stages])."""
         mask, pos = self.side
+        if parts > 1:  # the whole sequence's shape, dtype and device: a view, nothing allocated
+            x = x[:, :1].expand(x.shape[0], x.shape[1] * parts, *x.shape[2:])
         key = (tuple(x.shape[:2]), x.dtype, x.device, mask, pos)
         if self._key is None or not _same(key, self._key):  # shared by micro-batches without a mask
             if mask is not None and mask.shape[0] != x.shape[0]:
@@ -287,6 +320,19 @@ def causal_mask(config: Any, x: torch.Tensor, mask: Any, pos: torch.Tensor, *, s
     return fn(**kw)
 
 
+def split_sequence(unit: nn.Module, parts: int) -> None:
+    """A decoder layer unit whose input holds one of `parts` slices of the sequence (inside a sequence split's
+    region): its masks and rotary tables stay the whole sequence's ([Note: a split sequence through the stages]);
+    another unit: nothing (the embeddings and head take their inputs whole, GPT-2's position ids from the ids)."""
+    if isinstance(unit, Layer):
+        unit.sequence_parts = parts
+
+
+def owned(name: str, unit: nn.Module) -> list[str]:
+    """The model's FQNs a pipeline unit runs: a Hugging Face unit's `runs`, another unit's own name."""
+    return list(unit.runs) if isinstance(unit, _Unit) else [name]
+
+
 def bind_microbatch(unit: nn.Module, batch: Any) -> None:
     """A Hugging Face unit: run the next units on this micro-batch's mask and positions ([Note: a padded batch
     through the stages]); another module: nothing."""
@@ -306,6 +352,7 @@ class _Unit(nn.Module):
         super().__init__()
         object.__setattr__(self, "ctx", ctx)  # shared by the model's units; not a submodule
         self.parts = parts  # the model's FQNs of the modules this unit owns: removed where it is not kept
+        self.runs = parts  # the model's FQNs of the modules it runs (besides `parts`, stateless ones): where plans sit
 
 
 class Embeddings(_Unit):
@@ -336,9 +383,10 @@ class Layer(_Unit):
         super().__init__(ctx, [name])
         self.layer = layer
         self.index = index  # the layer's place in the model: its type (full or sliding attention)
+        self.sequence_parts = 1  # its input holds 1/parts of the sequence: [Note: a split sequence through the stages]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.layer(x, **self.ctx.of(x, self.index))
+        out = self.layer(x, **self.ctx.of(x, self.index, self.sequence_parts))
         return out[0] if isinstance(out, tuple) else out  # transformers 4 returned (hidden_states, ...)
 
 
