@@ -27,6 +27,9 @@ takes the model's state, as DeepSpeed does under the Trainer:
   accumulation) and calls `engine.backward(loss, scale_wrt_gas=False)` then `engine.step()`. The Trainer marks the
   micro-batch that ends an accumulation (`accelerator.sync_gradients`, also at a shorter last accumulation of an
   epoch); the engine is told so (`set_gradient_accumulation_boundary`) and updates there.
+- `bf16_full_eval` / `fp16_full_eval` (the Trainer casts the wrapped model before an evaluation outside train()):
+  hetero computes in the precision it trains in, so they are taken only in that precision (bf16=True /
+  fp16=True), where the cast changes nothing; in another they are refused before the first update.
 - The LR scheduler is the Trainer's own (`lr_scheduler_type`, warmup), stepped by the Trainer after each update,
   except after an update skipped for fp16 overflow (accelerate's convention, and hetero's).
 - The gradient norm the Trainer logs is the engine's (computed in the update, before clipping); inf for an update
@@ -232,6 +235,15 @@ class HeteroTrainer(transformers.Trainer):
                 "parallel.pipeline at 1, or train such a layout with your own loop (examples/train_parallel.py)"
             )
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else cfg.precision
+        full_eval = "bf16" if args.bf16_full_eval else "fp16" if args.fp16_full_eval else None
+        if full_eval is not None and full_eval != precision:
+            # The Trainer casts the wrapped model to that dtype before an evaluation outside train() (evaluate() at
+            # the end, predict()); hetero's guard refused the cast there, after the whole run had trained
+            raise ConfigError(
+                f"{full_eval}_full_eval evaluates a model cast to {full_eval}, but hetero computes in one precision, "
+                f"the one it trains in ({precision} here): set {full_eval}=True to train and evaluate in {full_eval}, "
+                f"or leave {full_eval}_full_eval off to evaluate in {precision}"
+            )
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         wanted = {
             "grad_accumulation_steps": args.gradient_accumulation_steps,
