@@ -32,9 +32,12 @@ def timeline_png(prof: Any, path: Path) -> None:
     kinds = [k for k in _ORDER if k in kinds_seen] + sorted(kinds_seen - set(_ORDER))
     times = [t for t, _ in prof.samples]
     for ax, tier in zip(axes, tiers):
-        if times:
-            stacks = [[s[tier].get(k, 0) / _MIB for _, s in prof.samples] for k in kinds]
-            ax.stackplot(times, stacks, labels=kinds, step="post", alpha=0.8)
+        # The kinds this tier held, each in its colour on every panel (a legend of every kind listed absent ones)
+        held = [k for k in kinds if any(s[tier].get(k, 0) for _, s in prof.samples)]
+        if times and held:
+            stacks = [[s[tier].get(k, 0) / _MIB for _, s in prof.samples] for k in held]
+            colours = [f"C{kinds.index(k) % 10}" for k in held]
+            ax.stackplot(times, stacks, labels=held, colors=colours, step="post", alpha=0.8)
         series = prof.series[tier]
         if series:
             ax.plot(
@@ -69,7 +72,7 @@ def timeline_png(prof: Any, path: Path) -> None:
         _step_lines(ax, prof)
         ax.set_ylabel(f"{tier} (MiB)")
         ax.set_ylim(-top * 0.08, top * 1.1)
-        ax.legend(loc="upper left", fontsize=7, ncol=4)
+        _legend(ax)
     axes[-1].set_xlabel("seconds since the profile began (dashed: optimizer steps)")
     fig.suptitle("hetero memory timeline")
     fig.savefig(path)
@@ -86,10 +89,16 @@ def _rss_panel(prof: Any, ax: Any) -> None:
     _step_lines(ax, prof)
     ax.set_ylabel("process (MiB)")
     ax.set_ylim(0, max(n for _, n in prof.rss_series) / _MIB * 1.1)
-    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    _legend(ax)
 
 
 def _step_lines(ax: Any, prof: Any) -> None:
     """The optimizer steps, as dashed lines."""
     for t, _ in prof.steps:
         ax.axvline(t, color="grey", linestyle="--", linewidth=0.7)
+
+
+def _legend(ax: Any) -> None:
+    """The panel's legend beside it, right of the plot: drawn inside, it covered the recording's first moments (the
+    series and the moves' ticks there), whatever corner it took."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0, fontsize=7)
