@@ -1,6 +1,7 @@
 """A meta-device model's first values equal normal construction's bit for bit, for initialisers that write a tensor
 more than once (GPT-2's `_init_weights`, a `reset_parameters` scaling a weight after drawing another), draw in a
-module's constructor (transformers' Conv1D) or put a Hugging Face base model under an untied head. Values are
+module's constructor (transformers' Conv1D), put a Hugging Face base model under an untied head, or tie an inner
+model's weights to an outer one's (T5). Values are
 compared exactly: the same initialiser drawing the same numbers in the same order gives the same bits."""
 
 from __future__ import annotations
@@ -92,6 +93,17 @@ def test_gpt2_rewrites_and_constructor_draws_match_normal_construction(stage, ti
     # GPT-2's walk draws each c_proj.weight twice (Conv1D, then its attention or MLP module at a scaled std), and
     # each Conv1D draws its weight in its constructor.
     _assert_same(*_first_values(lambda: _gpt2(tie), stage))
+
+
+def _t5() -> nn.Module:
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_t5_shared_embedding_takes_the_outer_walks_values(stage):
+    # The encoder's and decoder's embeddings (their own walks) are tied to `shared` (the outer walk, which runs last).
+    _assert_same(*_first_values(_t5, stage))
 
 
 @pytest.mark.parametrize("stage", [0, 3])

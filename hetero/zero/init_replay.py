@@ -93,7 +93,31 @@ def is_hf(model: nn.Module) -> bool:
     return callable(getattr(model, "_init_weights", None)) and callable(getattr(model, "init_weights", None))
 
 
-def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: list[int], draw: Callable) -> None:
+def _tie_keepers(model: nn.Module) -> dict[int, nn.Module]:
+    """Tied parameter id -> the PreTrainedModel whose walk gives its values: the innermost one holding the tie's
+    source (transformers' `all_tied_weights_keys`, target -> source). In normal construction each name is a tensor
+    of its own until the outermost post_init ties them, keeping the source's values: Llama's head takes the base
+    model's embedding (written by the inner walk), T5's encoder and decoder embeddings take `shared`, which the
+    outer walk writes after theirs. On meta the names are one tensor from the start: the other walks' writes draw."""
+    keepers: dict[int, nn.Module] = {}
+    for source in set((getattr(model, "all_tied_weights_keys", None) or {}).values()):
+        keeper, at = model, model
+        for part in source.split(".")[:-1]:
+            at = getattr(at, part, None)
+            if at is None:
+                break
+            if is_hf(at):
+                keeper = at
+        try:
+            keepers[id(model.get_parameter(source))] = keeper
+        except AttributeError:  # not a parameter here (a tie pattern): the first write keeps its values, as before
+            continue
+    return keepers
+
+
+def _replay_hf(
+    module: nn.Module, real: Callable, on_write: Callable, passes: list[int], draw: Callable, keepers: dict
+) -> None:
     """The initialisation order of a Hugging Face model's normal construction: each layer runs torch's default init
     as it is built, and each PreTrainedModel (a causal LM wraps a base model: two) runs post_init's _init_weights
     walk at the end of its own construction, over the modules not yet initialised. The default inits are
@@ -107,9 +131,11 @@ def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: li
             if getattr(m, "_is_hf_initialized", False):
                 m._is_hf_initialized = False
         for child in module.children():
-            _replay_hf(child, real, on_write, passes, draw)
+            _replay_hf(child, real, on_write, passes, draw, keepers)
         passes[0] += 1
-        with StandIn(real, on_write), torch.no_grad():
+        other = {key for key, keeper in keepers.items() if keeper is not module}  # tied: another walk's values
+        swap = (lambda t: draw(t) if id(t) in other else real(t)) if other else real
+        with StandIn(swap, lambda key: None if key in other else on_write(key)), torch.no_grad():
             module.init_weights()  # what post_init runs: _init_weights per module, then tying
         return
     reset = getattr(module, "reset_parameters", None)
@@ -123,7 +149,7 @@ def _replay_hf(module: nn.Module, real: Callable, on_write: Callable, passes: li
                 with torch.no_grad():
                     func(into, *args, **kwargs)
     for child in module.children():
-        _replay_hf(child, real, on_write, passes, draw)
+        _replay_hf(child, real, on_write, passes, draw, keepers)
 
 
 def run_initialiser(
@@ -135,7 +161,7 @@ def run_initialiser(
 
     def visit(module: nn.Module) -> None:
         if is_hf(module):
-            _replay_hf(module, real, on_write, passes, draw)
+            _replay_hf(module, real, on_write, passes, draw, _tie_keepers(module))
             return
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
