@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             if prof.active:
                 prof.on_stop = None
                 prof.stop()
+        if not profiles:  # the script ended, or raised, before making an engine
+            with contextlib.suppress(OSError):
+                out.rmdir()  # made above; left empty
     if not profiles:
-        with contextlib.suppress(OSError):
-            out.rmdir()  # made above; left empty
         print("memprof: the script created no hetero engine; nothing was profiled", file=sys.stderr)
         return 1
     return 0
