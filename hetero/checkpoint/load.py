@@ -232,11 +232,17 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
             "the model before wrapping it"
         )
     me = par.coordinates(engine)
-    # Under pipeline (tensor) parallelism this rank holds one stage (one shard): only that part must match.
+    # Under pipeline (tensor) parallelism this rank holds one stage (one shard): only that part must match. Another
+    # cut of the same model (pipeline_split "auto" times the units: two runs can cut apart) saved some of this stage's
+    # names on other stages and theirs here; tensors are read by name, so only names the whole model lacks are extra.
+    whole = {n for chunk in engine.stages or () for n in chunk.model_params}
     unexpected = [
         n
         for n, p in saved.items()
-        if n not in mine and p.get("stage", 0) == me["pp"] and p.get("tp_rank") in (None, me["tp"])
+        if n not in mine
+        and p.get("stage", 0) == me["pp"]
+        and p.get("tp_rank") in (None, me["tp"])
+        and n.partition(par.TP_MARK)[0] not in whole
     ]
     missing = [n for n in mine if n not in saved]
     shapes = [

@@ -35,6 +35,8 @@ class StageChunk:
     index: int
     count: int
     units: list[tuple[str, nn.Module]]
+    # Every parameter name of the whole model before the cut: a checkpoint of another cut holds them on other stages.
+    model_params: frozenset[str] = frozenset()
 
     @property
     def first(self) -> bool:
@@ -183,6 +185,7 @@ def cut_stages(
 
     mine = [rank, ranks - 1 - rank] if bidirectional else [i for i in range(count) if i % ranks == rank]
     ties = find_ties(groups, holders, rank)
+    every = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))  # tied names too
     kept = {id(m) for i in mine for _, m in groups[i]}
     for name, unit in units:
         if id(unit) not in kept:
@@ -190,7 +193,7 @@ def cut_stages(
                 parent_name, _, leaf = part.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
-    return [StageChunk(i, count, groups[i]) for i in mine], ties
+    return [StageChunk(i, count, groups[i], every) for i in mine], ties
 
 
 def _numel(m: nn.Module) -> int:
