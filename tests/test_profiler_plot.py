@@ -35,3 +35,15 @@ def test_legends_cover_no_panel(tmp_path, monkeypatch):
     # states here, and nothing else).
     labels = {ax.get_ylabel(): [t.get_text() for t in ax.get_legend().get_texts()] for ax in panels}
     assert "optim" in labels["nvme (MiB)"] and "param" not in labels["nvme (MiB)"], labels
+
+
+@pytest.mark.timeout(240)
+def test_writing_the_outputs_shows_progress(tmp_path, monkeypatch, capsys):
+    # Writing a long recording takes a while after its last step (the plot most): silent before, now a bar where
+    # bars are shown (hetero/progress.py: a terminal, or HETERO_PROGRESS=1).
+    monkeypatch.setenv("HETERO_PROGRESS", "1")
+    engine = _engine(tmp_path)
+    with Profile(engine, tmp_path / "prof"):
+        _train(engine, 1)
+    engine.close()
+    assert "hetero.profile: writing" in capsys.readouterr().err

@@ -217,12 +217,18 @@ class Profile:
     def write(self) -> None:
         from hetero.profiler.summary import summary_data, summary_text
         from hetero.profiler.trace import chrome_trace
+        from hetero.progress import bar
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        # A long recording takes a while to write (a minute for hundreds of steps, the plot most): a bar says so
+        shown = bar(3 + self.plot, "hetero.profile: writing", unit="file", rank=self.rank,
+                    config=getattr(getattr(self.engine, "config", None), "progress", True))  # fmt: skip
         data = summary_data(self)
         (self.out_dir / "summary.json").write_text(json.dumps(data, indent=1))
         (self.out_dir / "summary.txt").write_text(summary_text(data))
+        shown.update(2)
         (self.out_dir / "trace.json").write_text(json.dumps(chrome_trace(self)))
+        shown.update()
         if self.plot:
             try:
                 from hetero.profiler.plot import timeline_png
@@ -230,6 +236,7 @@ class Profile:
                 log.warning("matplotlib is not installed: timeline.png not written (pip install matplotlib)")
             else:
                 timeline_png(self, self.out_dir / "timeline.png")
+        shown.close()
 
     # ---- ledgers and the manager ---------------------------------------------------------------------------
     def _on_ledger(self, tier: Tier, used: int) -> None:
