@@ -1,7 +1,8 @@
 """A meta-device model's first values equal normal construction's bit for bit, for initialisers that write a tensor
 more than once (GPT-2's `_init_weights`, a `reset_parameters` scaling a weight after drawing another), draw in a
 module's constructor (transformers' Conv1D), put a Hugging Face base model under an untied head, or tie an inner
-model's weights to an outer one's (T5). Values are
+model's weights to an outer one's (T5), or leave some tensors to torch's default inits (a model's own
+`_init_weights`). Values are
 compared exactly: the same initialiser drawing the same numbers in the same order gives the same bits."""
 
 from __future__ import annotations
@@ -104,6 +105,38 @@ def _t5() -> nn.Module:
 def test_t5_shared_embedding_takes_the_outer_walks_values(stage):
     # The encoder's and decoder's embeddings (their own walks) are tied to `shared` (the outer walk, which runs last).
     _assert_same(*_first_values(_t5, stage))
+
+
+class _TinyConfig(transformers.PretrainedConfig):
+    model_type = "hetero_tiny"
+
+    def __init__(self, vocab: int = 64, dim: int = 32, **kw) -> None:
+        self.vocab, self.dim = vocab, dim
+        super().__init__(**kw)
+
+
+class _Tiny(transformers.PreTrainedModel):
+    """A model of the user's own whose _init_weights has no LayerNorm branch (nor a bias one): those keep torch's
+    default init, as in normal construction."""
+
+    config_class = _TinyConfig
+
+    def __init__(self, config: _TinyConfig) -> None:
+        super().__init__(config)
+        self.emb = nn.Embedding(config.vocab, config.dim)
+        self.norm = nn.LayerNorm(config.dim)
+        self.fc = nn.Linear(config.dim, config.dim)
+        self.out = nn.Linear(config.dim, config.vocab, bias=False)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_users_init_weights_leaves_default_inits_in_place(stage):
+    _assert_same(*_first_values(lambda: _Tiny(_TinyConfig()), stage))
 
 
 @pytest.mark.parametrize("stage", [0, 3])

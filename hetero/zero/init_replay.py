@@ -11,7 +11,9 @@ refused (GPT-2 could not be initialised on meta at all). So the initialiser firs
 every operation is free, draws nothing and writes nothing, to count each tracked tensor's writes in the pass that
 keeps it; the real run completes a tensor at its last counted write. The random state is restored after the count
 (it draws nothing on meta, but an initialiser may draw on the CPU for something else). An initialiser that cannot
-run on meta (it reads a value: `.item()`) is counted as one write per tensor, as before.
+run on meta (it reads a value: `.item()`) is counted as one write per tensor, as before. The count also finds the
+tensors of a Hugging Face model that no `_init_weights` walk writes (a model's own `_init_weights` without a
+LayerNorm branch): normal construction leaves torch's default init there, so the replay's default init writes them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -115,13 +118,29 @@ def _tie_keepers(model: nn.Module) -> dict[int, nn.Module]:
     return keepers
 
 
+@dataclass
+class _Defaults:
+    """Torch's default inits in a Hugging Face replay (see `_replay_hf`)."""
+
+    kept: set[int] = field(default_factory=set)  # tensors no _init_weights walk writes: their default init stays
+    seen: Callable[[int], None] = lambda key: None  # told of each default init's write (the count on meta)
+
+
 def _replay_hf(
-    module: nn.Module, real: Callable, on_write: Callable, passes: list[int], draw: Callable, keepers: dict
+    module: nn.Module,
+    real: Callable,
+    on_write: Callable,
+    passes: list[int],
+    draw: Callable,
+    keepers: dict,
+    defaults: _Defaults,
 ) -> None:
     """The initialisation order of a Hugging Face model's normal construction: each layer runs torch's default init
     as it is built, and each PreTrainedModel (a causal LM wraps a base model: two) runs post_init's _init_weights
     walk at the end of its own construction, over the modules not yet initialised. The default inits are
-    overwritten, so they only need to advance the random generator: they run on scratch tensors (`draw`)."""
+    overwritten, so they only need to advance the random generator: they run on scratch tensors (`draw`), except
+    for tensors no walk writes (a model's own _init_weights without a LayerNorm branch), which keep them as in
+    normal construction."""
     if is_hf(module):
         # transformers 4 marks each module initialised during construction on meta (no values there): unmarked,
         # before the inner models' walks, which mark theirs as normal construction does, so that this model's walk
@@ -131,7 +150,7 @@ def _replay_hf(
             if getattr(m, "_is_hf_initialized", False):
                 m._is_hf_initialized = False
         for child in module.children():
-            _replay_hf(child, real, on_write, passes, draw, keepers)
+            _replay_hf(child, real, on_write, passes, draw, keepers, defaults)
         passes[0] += 1
         other = {key for key, keeper in keepers.items() if keeper is not module}  # tied: another walk's values
         swap = (lambda t: draw(t) if id(t) in other else real(t)) if other else real
@@ -140,7 +159,14 @@ def _replay_hf(
         return
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
-        with StandIn(draw, lambda key: None), torch.no_grad():
+        kept = defaults.kept
+
+        def write(key: int) -> None:
+            defaults.seen(key)
+            if key in kept:
+                on_write(key)
+
+        with StandIn(lambda t: real(t) if id(t) in kept else draw(t), write), torch.no_grad():
             reset()
     else:
         for func, name, args, kwargs in construction_draws(module):  # [Note: draws in constructors] in lazy.py
@@ -149,19 +175,26 @@ def _replay_hf(
                 with torch.no_grad():
                     func(into, *args, **kwargs)
     for child in module.children():
-        _replay_hf(child, real, on_write, passes, draw, keepers)
+        _replay_hf(child, real, on_write, passes, draw, keepers, defaults)
 
 
 def run_initialiser(
-    model: nn.Module, real: Callable, on_write: Callable, written: set, passes: list[int], draw: Callable = scratch
+    model: nn.Module,
+    real: Callable,
+    on_write: Callable,
+    written: set,
+    passes: list[int],
+    draw: Callable = scratch,
+    defaults: _Defaults | None = None,
 ) -> None:
     """reset_parameters() of every module in module order, each a pass; a Hugging Face model replays its own.
-    draw: the stand-in of a tensor whose numbers are drawn and dropped."""
+    draw: the stand-in of a tensor whose numbers are drawn and dropped. defaults: see `_replay_hf`."""
+    defaults = defaults if defaults is not None else _Defaults()
     makers = tie_makers(model)
 
     def visit(module: nn.Module) -> None:
         if is_hf(module):
-            _replay_hf(module, real, on_write, passes, draw, _tie_keepers(module))
+            _replay_hf(module, real, on_write, passes, draw, _tie_keepers(module), defaults)
             return
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
@@ -180,13 +213,19 @@ def run_initialiser(
     visit(model)
 
 
-def count_writes(model: nn.Module, tracked: set[int]) -> dict[int, int] | None:
+def count_writes(model: nn.Module, tracked: set[int]) -> tuple[dict[int, int], _Defaults]:
     """Tracked tensor id -> how many times the initialiser writes it in the pass that keeps its values, from a run on
-    the meta device ([Note: counting the writes first]); None when the initialiser cannot run there."""
+    the meta device ([Note: counting the writes first]), and the default inits that stay (see `_replay_hf`); no
+    counts, and no default init kept, when the initialiser cannot run there."""
     counts: dict[int, int] = {}
     first_pass: dict[int, int] = {}
     written: set[int] = set()
     passes = [0]
+    by_default: dict[int, int] = {}
+
+    def seen(key: int) -> None:
+        if key in tracked:
+            by_default[key] = by_default.get(key, 0) + 1
 
     def on_write(key: int) -> None:
         if key not in tracked:
@@ -197,8 +236,10 @@ def count_writes(model: nn.Module, tracked: set[int]) -> dict[int, int] | None:
 
     try:
         with torch.random.fork_rng(devices=[]):
-            run_initialiser(model, lambda t: None, on_write, written, passes, draw=lambda t: None)
+            none = lambda t: None  # noqa: E731 - meta tensors stay meta
+            run_initialiser(model, none, on_write, written, passes, draw=none, defaults=_Defaults(seen=seen))
     except Exception as e:  # noqa: BLE001 - any failure on meta only means the writes cannot be counted
         log.debug("the initialiser cannot run on the meta device to count its writes (%s): one write each", e)
-        return None
-    return counts
+        return {}, _Defaults()
+    kept = set(by_default) - written  # drawn by default inits only: normal construction keeps those
+    return {**counts, **{k: by_default[k] for k in kept}}, _Defaults(kept=kept)

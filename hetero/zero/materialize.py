@@ -133,7 +133,7 @@ def _initialise(
     passes = [0]  # which initialiser pass runs (a Hugging Face model has one per PreTrainedModel)
     written_in: dict[int, int] = {}  # param id -> the pass that wrote it
     # param id -> writes still to come in its pass: complete at its last ([Note: counting the writes first])
-    left = count_writes(model, set(where) | set(buffers)) or {}
+    left, defaults = count_writes(model, set(where) | set(buffers))
 
     def real(t: torch.Tensor) -> torch.Tensor | None:
         if written_in.get(id(t), passes[0]) < passes[0]:
@@ -187,7 +187,7 @@ def _initialise(
             shown.update()
 
     try:
-        run_initialiser(model, real, on_write, written_any, passes)
+        run_initialiser(model, real, on_write, written_any, passes, defaults=defaults)
         for index in unwritten:  # the initialiser has ended: a tensor written fewer times than counted is complete
             unwritten[index] -= set(written_in)
         for key in list(staging.whole):
