@@ -199,10 +199,20 @@ class HeteroTrainer(transformers.Trainer):
         self.engine: hetero.Engine | None = None
         self._engine_module: EngineModule | None = None
         super().__init__(*args, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_deepspeed_enabled:
+            # A user moving a DeepSpeed run over keeps its JSON: say where each of its parts goes under the Trainer
+            # (from_deepspeed's own notes on the optimizer and scheduler sections speak of hetero.initialize).
             raise ConfigError(
-                "HeteroTrainer trains through hetero: leave TrainingArguments' deepspeed and fsdp unset (translate a "
-                "DeepSpeed config with hetero.Config.from_deepspeed and pass it as hetero_config)"
+                "HeteroTrainer trains through hetero, not DeepSpeed: leave TrainingArguments' deepspeed unset and pass "
+                "the same config as hetero_config=hetero.Config.from_deepspeed(<the JSON's path or dict>). Its "
+                '"auto" values come from the TrainingArguments as under DeepSpeed (batch sizes, '
+                "gradient_accumulation_steps, max_grad_norm, bf16/fp16), and its optimizer and scheduler sections are "
+                "the TrainingArguments' optim, learning_rate, weight_decay, lr_scheduler_type and warmup_steps"
+            )
+        if self.is_fsdp_enabled:
+            raise ConfigError(
+                "HeteroTrainer trains through hetero, not FSDP: leave TrainingArguments' fsdp unset (hetero shards "
+                'the model itself: hetero_config={"zero_stage": 3} is what FSDP\'s full sharding does)'
             )
         if self.args.n_gpu > 1:
             # One process on a machine with several GPUs: the Trainer would run nn.DataParallel, with batches of
