@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hetero
+from tests.dist import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,3 +154,15 @@ def test_a_weight_written_again_after_another_chunk_keeps_the_last_write(stage):
     engine.close()
     for k, v in normal.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def _rank_gpt2(rank: int, world: int) -> list[str]:
+    got, ref = _first_values(lambda: _gpt2(False), 3)
+    return [k for k, v in ref["state"].items() if not torch.equal(got[k], v)]
+
+
+@pytest.mark.timeout(240)
+def test_gpt2_over_two_ranks_matches_normal_construction():
+    # Each rank runs the initialiser and keeps its shards; the checksum all-reduce compares ranks.
+    for differing in run_distributed(_rank_gpt2, 2, timeout=200):
+        assert differing == []
