@@ -1,6 +1,7 @@
 """Run a training script under hetero's memory profiler, without editing it.
 
     python tools/memprof.py [--out DIR] [--steps N] [--exit] -- python examples/train_gpt.py --steps 50
+    python tools/memprof.py --steps 3 -- python -m mypackage.train --config run.yaml     # a module, as python -m
 
 The script runs in this process (runpy, with its own sys.argv). Every engine `hetero.initialize` creates is wrapped
 in `hetero.profile` from its creation; recording stops after N optimizer steps of that engine (or when the engine is
@@ -37,7 +38,7 @@ class _Stop(SystemExit):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(
-        usage="memprof.py [-h] [--out DIR] [--steps N] [--exit] -- python SCRIPT [ARGS...]",
+        usage="memprof.py [-h] [--out DIR] [--steps N] [--exit] -- python (SCRIPT | -m MODULE) [ARGS...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
