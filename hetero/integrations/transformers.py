@@ -382,7 +382,9 @@ class HeteroTrainer(transformers.Trainer):
         if not os.path.isdir(root):
             raise ConfigError(
                 f"{checkpoint} holds no hetero checkpoint ({HETERO_DIR}/): it was not saved by HeteroTrainer (or "
-                "with save_only_model=True), so the optimizer states cannot be resumed from it"
+                "with save_only_model=True), so the optimizer states cannot be resumed from it. To start from its "
+                "weights with fresh optimizer states, load the model with from_pretrained(checkpoint) and train "
+                "without resume_from_checkpoint; to resume later runs, save them without save_only_model"
             )
         self.engine.load_checkpoint(root, lr_scheduler=self._scheduler())
 
