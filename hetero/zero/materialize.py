@@ -8,17 +8,18 @@ number generator exactly as normal construction does: a Hugging Face `PreTrained
 `_init_weights(module)` walk of `post_init`, then weight tying; also inside the user's module); otherwise
 `reset_parameters()` of every module in module order, skipping a subtree an ancestor's `reset_parameters()` already
 initialised (hetero's GPT initialises its whole tree from the root); a tensor keeps the values of the first call that
-wrote it (a parent's write, which normal construction runs last), later calls only drawing their numbers; a weight tied
-at construction those of the module that made it (`hetero.lazy.tie_makers`). While it runs, a `TorchFunctionMode` stands
-a real tensor in for each meta parameter the moment a function touches it: a view into a staging buffer of the
-parameter's chunk, a host chunk of the manager (so the host ledger counts it). Once every parameter of a chunk has been
-written and the initialiser writes a parameter of another chunk, the chunk is complete: `ZeroChunk.load` takes this
-rank's share (the shard at stage 3) and the staging buffer is freed. Host memory therefore holds the rank's share plus
-the chunks being written (one per optimizer param group: groups fill separate chunks). Every rank computes the same
-values from the same seed, so nothing is broadcast; a checksum all-reduce at the end catches ranks that were seeded
-differently. A write to a parameter whose chunk was already loaded, or a parameter the initialiser never wrote, is an
-error that names it. Buffers are small and kept whole: the initialiser's writes to meta buffers go to real CPU tensors
-that replace them.
+wrote it (a parent's write, which normal construction runs last), later calls only drawing their numbers, and within one
+call the last write; a weight tied at construction those of the module that made it (`hetero.lazy.tie_makers`; for
+Hugging Face models the walk of the model holding the tie's source). The walks are in hetero/zero/init_replay.py. While
+it runs, a `TorchFunctionMode` stands a real tensor in for each meta parameter the moment a function touches it: a view
+into a staging buffer of the parameter's chunk, a host chunk of the manager (so the host ledger counts it). Once every
+parameter of a chunk has had its last write (counted on meta first: [Note: counting the writes first]) and the
+initialiser writes a parameter of another chunk, the chunk is complete: `ZeroChunk.load` takes this rank's share (the
+shard at stage 3) and the staging buffer is freed. Host memory therefore holds the rank's share plus the chunks being
+written (one per optimizer param group: groups fill separate chunks). Every rank computes the same values from the same
+seed, so nothing is broadcast; a checksum all-reduce at the end catches ranks that were seeded differently. A write to a
+parameter whose chunk was already loaded, or a parameter the initialiser never wrote, is an error that names it. Buffers
+are small and kept whole: the initialiser's writes to meta buffers go to real CPU tensors that replace them.
 
 [Note: streaming pretrained weights]
 With `weights=` (a .safetensors or .bin file, a directory of them, or Hugging Face's sharded index), tensors are read
