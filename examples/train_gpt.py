@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 import hetero
 from hetero.config import format_size, parse_size
+from hetero.errors import CheckpointError, CommError, NvmeSpaceError, NvmeUnavailableError, TierOutOfMemoryError
 from hetero.models import GPT, GPTConfig, generate_greedy
 
 BLOCK_SIZE = 128
@@ -47,6 +50,13 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
 
 
@@ -91,7 +101,7 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
     )
     ap.add_argument("--host-budget", type=size, default="128MiB", help="bytes of chunks in host memory")
     ap.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer update")
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient norm clip; 0 disables")
+    ap.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global gradient norm clip; 0 disables")
     ap.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-tokens", type=non_negative_int, default=200, help="bytes to generate greedily at the end")
@@ -104,8 +114,9 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
     ap.add_argument(
         "--delayed-update-warmup",
         type=non_negative_int,
-        default=40,
-        help="with --delayed-param-update: exact updates before the delay starts (0: delayed from the first)",
+        default=None,
+        help="with --delayed-param-update: exact updates before the delay starts (default 40; 0: delayed from the "
+        "first)",
     )
     ap.add_argument(
         "--delayed-update-prediction",
@@ -114,6 +125,42 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
         "gives, not the stale ones (keeps Adam stable under the delay)",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end instead of a report")
+
+
+def check_training_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flag combinations that would be ignored silently."""
+    if not args.delayed_param_update:
+        given = {"--delayed-update-warmup": args.delayed_update_warmup is not None,
+                 "--delayed-update-prediction": args.delayed_update_prediction}  # fmt: skip
+        for flag in (flag for flag, on in given.items() if on):
+            ap.error(f"{flag} applies to --delayed-param-update only: add --delayed-param-update or drop {flag}")
+
+
+# Errors a user's flags, launch or machine cause (a bad config value, a missing or full NVMe directory, budgets too
+# small, a broken launch, an unreadable checkpoint): their messages say what was wrong and what to do, so the
+# examples print them without a traceback. Any other exception is a bug and keeps its traceback.
+USER_ERRORS = (
+    hetero.ConfigError,
+    NvmeUnavailableError,
+    NvmeSpaceError,
+    TierOutOfMemoryError,
+    CommError,
+    CheckpointError,
+    FileNotFoundError,
+)
+
+
+def run_cli(main: Callable[[], object]) -> None:
+    """Run an example's main: a user error ends it with its message and status 2, Ctrl-C with status 130; the
+    engine's cleanup (swap files, temporary directories) has run by then, as the exception unwound through it."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def resolve_precision(precision: str) -> str:
@@ -134,7 +181,8 @@ def build_config(args: argparse.Namespace, nvme_dir: str | None) -> dict[str, An
         "delayed_param_update": getattr(args, "delayed_param_update", False),
     }
     if config["delayed_param_update"]:
-        config["delayed_param_update_warmup"] = getattr(args, "delayed_update_warmup", 40)
+        warmup = getattr(args, "delayed_update_warmup", None)
+        config["delayed_param_update_warmup"] = 40 if warmup is None else warmup
         config["delayed_param_update_prediction"] = getattr(args, "delayed_update_prediction", False)
     return config
 
@@ -247,9 +295,12 @@ def report(result: dict[str, Any], *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, default=str))
         return
+    world = result["world_size"]
+    # Under torchrun the loss is rank 0's micro-batches' and the table rank 0's tiers; tokens/s counts every rank.
+    whose = f" (loss and memory of rank 0 of {world})" if world > 1 else ""
     print(
         f"\n{result['steps']} updates in {result['seconds']:.1f} s ({result['tokens_per_second']:,.0f} tokens/s), "
-        f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}\n"
+        f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}{whose}\n"
     )
     print(memory_report(result["memory"]))
     print(f"\nsample (greedy):\n{result['sample']}")
@@ -259,10 +310,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_training_args(ap, steps=1000, batch_size=8, lr=3e-3)
     args = ap.parse_args()
+    check_training_args(ap, args)
     torch.manual_seed(args.seed)  # reproducible initial weights (hetero then gives every rank rank 0's)
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, n_layer=4, n_head=4, n_embd=128, block_size=BLOCK_SIZE))
     report(train(args, model, block_size=BLOCK_SIZE), as_json=args.json)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

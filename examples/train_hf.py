@@ -19,7 +19,7 @@ from corpus import VOCAB_SIZE
 from torch import nn
 
 # train_gpt.py, next to this file (on sys.path when run as a script), holds the shared loop and report.
-from train_gpt import add_training_args, report, train
+from train_gpt import add_training_args, check_training_args, report, run_cli, train
 
 BLOCK_SIZE = 128
 
@@ -56,10 +56,11 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
     add_training_args(ap, steps=1000, batch_size=8, lr=3e-3)
     args = ap.parse_args()
+    check_training_args(ap, args)
     torch.manual_seed(args.seed)  # reproducible initial weights (hetero then gives every rank rank 0's)
     model = build_model(args.model)
     report(train(args, model, block_size=BLOCK_SIZE, hf_labels=True), as_json=args.json)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -32,7 +32,7 @@ from corpus import VOCAB_SIZE, batches, decode, load_corpus
 from tqdm import tqdm
 
 # train_gpt.py, next to this file (on sys.path when run as a script): the flag types it checks
-from train_gpt import non_negative_int, positive_int
+from train_gpt import non_negative_int, positive_int, run_cli
 
 import hetero
 from hetero.models.gpt import GPTConfig
@@ -73,16 +73,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="rank 0 prints one JSON object at the end")
     args = ap.parse_args(argv)
+    # Checked here, before the processes join and build the model: train_batch would refuse it at the first batch.
+    if args.batch_size % args.microbatches:
+        ap.error(f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size}")
 
     torch.manual_seed(args.seed)  # every rank builds the same model; each keeps its own stage and shards
-    cfg = GPTConfig(
-        vocab_size=VOCAB_SIZE,
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_embd=args.embd,
-        block_size=args.block_size,
-        tie_weights=False,  # the embedding and the head live on different pipeline stages
-    )
+    try:
+        cfg = GPTConfig(
+            vocab_size=VOCAB_SIZE,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_embd=args.embd,
+            block_size=args.block_size,
+            tie_weights=False,  # the embedding and the head live on different pipeline stages
+        )
+    except ValueError as e:  # the model's own shape checks (--embd must divide by --heads)
+        ap.error(f"{e} (--embd, --heads)")
     model = GPTPipe(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     parallel: dict[str, Any] = {
@@ -135,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "final_loss": losses[-1],
         "steps": args.steps,
         "seconds": seconds,
+        # every data-parallel group trains on its own rows; the tensor and pipeline ranks of a group share them
+        "tokens_per_second": args.steps * args.batch_size * mesh.dp_size * args.block_size / seconds,
         "world_size": mesh.world.size,
         "mesh": {"tensor": mesh.tp_size, "data": mesh.dp_size, "pipeline": mesh.pp_size},
         "layout": repr(mesh),
@@ -148,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps(result))
         else:
             print(
-                f"\n{args.steps} batches in {seconds:.1f} s on {mesh!r}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                f"held-out {eval_loss:.3f}"
+                f"\n{args.steps} batches in {seconds:.1f} s ({result['tokens_per_second']:,.0f} tokens/s) on {mesh!r}: "
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, held-out {eval_loss:.3f}"
             )
             print(f"greedy continuation of the first prompt: {text!r}")
     return result
@@ -172,4 +180,4 @@ def generate(engine: hetero.Engine, prompts: torch.Tensor, tokens: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         rec.add_argument(flag, help=f"{what} (default: an 8-GPU H100 node's with --device-memory, else measured)")
     args = ap.parse_args(argv)
-    for flag in ("batch_size", "seq_len", "gpus", "global_batch", "top"):
+    for flag in ("batch_size", "seq_len", "gpus", "global_batch", "top", "ranks_per_node", "max_tensor"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             ap.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {value}")

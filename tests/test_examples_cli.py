@@ -1,0 +1,130 @@
+"""The examples and tools as a user meets them: bad flags are usage errors naming the flag, user errors (a missing
+NVMe directory, a layout the launch cannot hold) end with their message and no traceback, and Ctrl-C stops a run
+cleanly, its swap files removed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))  # the examples import their neighbours (corpus.py) as a script does
+
+import train_gpt  # noqa: E402
+
+
+def run_script(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / script), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flag", ["--ranks-per-node", "--max-tensor"])
+def test_estimate_refuses_a_zero_count(flag, capsys):
+    """--ranks-per-node 0 divided by zero (a traceback); --max-tensor 0 tried no layout and said nothing fits."""
+    estimate = load_tool("estimate")
+    argv = ["--params", "1e9", flag, "0", "--recommend", "--device-memory", "80GiB", "--host-memory", "1TiB"]
+    with pytest.raises(SystemExit) as exit_info:
+        estimate.main(argv)
+    assert exit_info.value.code == 2
+    assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--delayed-update-prediction"], ["--delayed-update-warmup", "0"]])
+def test_delayed_update_flags_need_the_delayed_update(flag, capsys):
+    """They were ignored without --delayed-param-update: the run trained the exact update the user did not ask for."""
+    ap = argparse.ArgumentParser()
+    train_gpt.add_training_args(ap, steps=1, batch_size=1, lr=1e-3)
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt.check_training_args(ap, ap.parse_args(flag))
+    assert exit_info.value.code == 2
+    assert f"{flag[0]} applies to --delayed-param-update only" in capsys.readouterr().err
+    train_gpt.check_training_args(ap, ap.parse_args([*flag, "--delayed-param-update"]))  # accepted with it
+
+
+def test_negative_grad_clip_is_a_usage_error(capsys):
+    ap = argparse.ArgumentParser()
+    train_gpt.add_training_args(ap, steps=1, batch_size=1, lr=1e-3)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--grad-clip", "-1"])
+    assert "--grad-clip: expected a number >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--microbatches", "3"], "--microbatches 3 must divide --batch-size 8"),
+        (["--embd", "64", "--heads", "3"], "n_embd = 64 must be divisible by n_head = 3 (--embd, --heads)"),
+    ],
+)
+def test_train_parallel_checks_shapes_before_joining(flags, message, capsys):
+    """Both failed with a traceback: the micro-batches at the first train_batch, after the engine was built."""
+    import train_parallel
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_parallel.main(["--steps", "1", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("script", "flags", "message"),
+    [
+        ("examples/train_gpt.py", ["--nvme-dir", "{tmp}/missing"], "error: NVMe directory '{tmp}/missing' does not"),
+        ("examples/train_parallel.py", ["--tensor", "2"], "error: parallel: tensor (2) x pipeline (1) = 2 must divide"),
+    ],
+)
+def test_user_errors_end_without_a_traceback(tmp_path, script, flags, message):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    proc = run_script(script, "--steps", "1", *flags)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith(message.format(tmp=tmp_path)), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_training_cleanly(tmp_path):
+    """Ctrl-C mid-run: a one-line message and status 130, not a traceback from inside the backward; the swap files
+    are gone (the engine closed as the interrupt unwound)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "100000", "--nvme-dir", str(nvme)]
+    # SIGINT at its default, as under a terminal (a background job of a shell would have it ignored)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(nvme.iterdir()) and time.monotonic() < deadline:  # the engine made its swap directory
+            time.sleep(0.05)
+        assert any(nvme.iterdir()), "the engine never made its swap directory"
+        time.sleep(1.0)  # into the training loop
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.rstrip().endswith("interrupted (Ctrl-C)") and "Traceback" not in err, err[-3000:]
+    assert os.listdir(nvme) == []
