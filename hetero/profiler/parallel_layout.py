@@ -206,6 +206,13 @@ class RankPart:
     host_activations: int = 0  # activation offload's copies of block inputs on the host, at most at once
 
 
+def as_chain(model: nn.Module) -> nn.Module:
+    """The model as a pipeline cuts it: hetero's GPT, no chain of children, as `GPTPipe`, its twin that is (see the
+    module's docstring); any other model as it is. The planner and the estimator cut through this one function, so
+    that their bytes agree."""
+    return GPTPipe(gpt=model) if isinstance(model, GPT) else model
+
+
 def pipeline_units(model: nn.Module) -> tuple[list[Unit], bool]:
     """The model's pipeline units and whether they run as a chain (the engine's own `units_of`), else the cut of a
     transformer whose blocks sit deeper (see the note)."""
@@ -275,8 +282,7 @@ def rank_parts(
     sharded copy's parameters, and the size of ZeRO's group. checkpointing: true or the blocks' names, as the
     config's; offload: activation_offload."""
     sharded, opt, _ = per_rank_model(model, optimizer, layout.config(), world)
-    if isinstance(sharded, GPT):  # no chain of children: cut as its twin that is (see the note)
-        sharded = GPTPipe(gpt=sharded)
+    sharded = as_chain(sharded)
     split = layout.sequence in ("ulysses", "ring")  # the sequence ranks are inside ZeRO's group
     zero_world = world // ((1 if split else layout.tensor) * layout.pipeline)
     units, _ = pipeline_units(sharded)

@@ -30,6 +30,7 @@ from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import (
     Layout,
     ParamView,
+    as_chain,
     measure_units,
     optimizer_view,
     pipeline_units,
@@ -193,7 +194,7 @@ def plan(
 
     @functools.cache
     def units_for(t: int, mode: str, sequence: str | None, rows: int | None = None) -> tuple[Any, list]:
-        sharded = sharded_for(t, mode, sequence)[0]
+        sharded = as_chain(sharded_for(t, mode, sequence)[0])  # cut as the estimator cuts it
         rows = rows if rows is not None else _batch_parts(mode, t)
         units, _ = pipeline_units(sharded)
         ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
@@ -329,7 +330,7 @@ def _grid(
             forms: tuple[str | None, ...] = (None, *SEQUENCE_FORMS) if t > 1 and mode == "1d" else (None,)
             for sequence in forms:
                 for p in _divisors(world // t):
-                    if p > shape.layers or (p > 1 and sequence in ("ulysses", "ring")):  # the config refuses these
+                    if p > shape.layers:
                         continue
                     for sched in schedules if p > 1 else ("1f1b",):
                         if sched == "chimera" and p % 2:
