@@ -31,7 +31,8 @@ except ImportError:
 
 # corpus.py, next to this file (on sys.path when run as a script), reads the shipped byte-level corpus.
 from corpus import VOCAB_SIZE, encode, load_corpus
-from train_gpt import non_negative_int, positive_int
+from train_gpt import memory_report, non_negative_int, positive_int, run_cli
+from transformers.trainer_utils import get_last_checkpoint
 
 from hetero.integrations.transformers import HeteroTrainer
 
@@ -163,6 +164,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.resume is True and args.output_dir is None:
         ap.error("--resume without a checkpoint directory resumes the last one in --output-dir: give --output-dir")
+    # Checked before the runs: the Trainer's own refusals come as tracebacks, after the model is built.
+    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
+        ap.error(
+            f"--resume {args.resume}: no such checkpoint directory; give one of the checkpoint-N directories a run "
+            "with --save-steps wrote, or --resume alone for the last one in --output-dir"
+        )
+    if args.resume is True and (not os.path.isdir(args.output_dir) or get_last_checkpoint(args.output_dir) is None):
+        ap.error(f"--resume: {args.output_dir} holds no checkpoint-N directory; train with --save-steps first")
+    if args.compare and args.resume:
+        ap.error("--compare trains both Trainers from the start: drop --resume (or --compare)")
     corpus_bytes = len(encode(load_corpus()))
     if train_windows(args, corpus_bytes) < 1:
         ap.error(
@@ -200,8 +211,10 @@ def main() -> None:
             if plain is not None:
                 print(f"largest relative difference {result['max_rel_diff']:.2e} (tolerance {RTOL:g}): "
                       f"{'match' if ok else 'MISMATCH'}")  # fmt: skip
+            if result["memory"] is not None:
+                print(f"\nhetero's tiers (rank 0):\n{memory_report(result['memory'])}")
     sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

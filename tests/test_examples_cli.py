@@ -128,3 +128,26 @@ def test_ctrl_c_stops_training_cleanly(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert err.rstrip().endswith("interrupted (Ctrl-C)") and "Traceback" not in err, err[-3000:]
     assert os.listdir(nvme) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--resume", "{tmp}/checkpoint-99"], "--resume {tmp}/checkpoint-99: no such checkpoint directory"),
+        (["--resume", "--output-dir", "{tmp}"], "--resume: {tmp} holds no checkpoint-N directory"),
+        (["--resume", "--output-dir", "{tmp}/absent"], "--resume: {tmp}/absent holds no checkpoint-N directory"),
+        (["--compare", "--resume", "{tmp}"], "--compare trains both Trainers from the start"),
+    ],
+)
+def test_train_trainer_resume_of_nothing_is_a_usage_error(tmp_path, monkeypatch, capsys, flags, message):
+    """A missing checkpoint was the Trainer's ValueError (or FileNotFoundError) with a traceback, after the models
+    were built; --compare with --resume resumed the plain Trainer from hetero's checkpoint."""
+    pytest.importorskip("transformers", minversion="5.0")
+    pytest.importorskip("accelerate")
+    import train_trainer
+
+    monkeypatch.setattr(sys, "argv", ["train_trainer.py", *(f.format(tmp=tmp_path) for f in flags)])
+    with pytest.raises(SystemExit) as exit_info:
+        train_trainer.main()
+    assert exit_info.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
