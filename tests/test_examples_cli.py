@@ -151,3 +151,39 @@ def test_train_trainer_resume_of_nothing_is_a_usage_error(tmp_path, monkeypatch,
         train_trainer.main()
     assert exit_info.value.code == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("spec", "torch_args"),
+    [
+        (None, ["torch==2.13.0"]),
+        (
+            "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+            ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"],
+        ),
+    ],
+)
+def test_quickstart_passes_torch_spec_as_pip_words(tmp_path, spec, torch_args):
+    """TORCH_SPEC with an --index-url (PyTorch's selector gives one for the CPU and CUDA builds) went to pip as one
+    argument, which pip refused as an invalid requirement. Run in a copy of the layout, with a python3 whose venv
+    makes a .venv/bin/python that only records its arguments."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "quickstart.sh").write_text((ROOT / "tools" / "quickstart.sh").read_text())
+    log = tmp_path / "calls.txt"
+    recorder = f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a" >> {log}; done\necho --- >> {log}\n'
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nmkdir -p .venv/bin\nprintf '%s' '{recorder}' > .venv/bin/python\n"
+                    "chmod +x .venv/bin/python\n")  # fmt: skip
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    env.pop("TORCH_SPEC", None)
+    if spec is not None:
+        env["TORCH_SPEC"] = spec
+    proc = subprocess.run(["bash", str(tmp_path / "tools" / "quickstart.sh"), "--steps", "2"], env=env,
+                          capture_output=True, text=True, timeout=20)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
+    assert ["-m", "pip", "install", "-q", *torch_args] in calls
+    assert calls[-1] == ["examples/train_gpt.py", "--steps", "2"]
