@@ -79,22 +79,36 @@ _draws: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class _Draws(TorchFunctionMode):
     """Records the random draws modules' constructors make on their own parameters (see the note above)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._aliases: dict[int, int] = {}  # id of a live `.data` alias -> id of its parameter
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
         # The drawn tensor comes first: positional, or by keyword (`nn.init` passes `tensor=`).
         target = args[0] if args else kwargs.get("tensor")
-        if getattr(func, "__name__", "") in _RANDOM and isinstance(target, torch.Tensor):
-            owner = _owner.get(id(target))
+        if name in _RANDOM and isinstance(target, torch.Tensor):
+            key = self._aliases.get(id(target), id(target))  # `self.weight.data.normal_()` draws the parameter
+            owner = _owner.get(key)
             module = owner[0]() if owner is not None else None
             rest, named = args[1:], {k: v for k, v in kwargs.items() if k != "tensor" or args}
             if (
                 module is not None
-                and getattr(module, owner[1], None) is target
+                and id(getattr(module, owner[1], None)) == key
                 and not any(isinstance(a, (torch.Tensor, torch.Generator)) for a in (*rest, *named.values()))
                 and _in_constructor_of(module)
             ):
                 _draws.setdefault(module, []).append((func, owner[1], rest, named))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if name == "__get__" and getattr(func, "__self__", None) is _DATA and id(target) in _owner:
+            self._aliases[id(out)] = id(target)
+            weakref.finalize(out, self._aliases.pop, id(out), None)
+        return out
+
+
+# The descriptor of `Tensor.data`: its getter reaches torch function modes as a method-wrapper bound to it.
+_DATA = next(vars(c)["data"] for c in torch.Tensor.__mro__ if "data" in vars(c))
 
 
 def _in_constructor_of(module: nn.Module, depth: int = 4) -> bool:

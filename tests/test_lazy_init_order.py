@@ -135,6 +135,34 @@ class _Tiny(transformers.PreTrainedModel):
             nn.init.normal_(module.weight, std=0.02)
 
 
+class _Proj(nn.Module):
+    """Draws its weight in its constructor, through `.data`, and has no reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(32, 32))
+        self.weight.data.normal_(0, 0.02)
+
+
+class _WithProj(transformers.PreTrainedModel):
+    config_class = _TinyConfig
+
+    def __init__(self, config: _TinyConfig) -> None:
+        super().__init__(config)
+        self.proj = _Proj()  # its draw moves the generator before the others' defaults and the walk
+        self.out = nn.Linear(config.dim, config.vocab)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding, _Proj)):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_constructors_draw_through_data_is_drawn_again(stage):
+    _assert_same(*_first_values(lambda: _WithProj(_TinyConfig()), stage))
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_users_init_weights_leaves_default_inits_in_place(stage):
     _assert_same(*_first_values(lambda: _Tiny(_TinyConfig()), stage))
