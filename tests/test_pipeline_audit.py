@@ -276,3 +276,42 @@ def test_a_checkpoint_resumes_under_another_cut_of_the_same_stages(tmp_path):
     results = run_distributed(_resume_cut, 2, model, saving, loading, str(tmp_path / "ckpt"), timeout=240)
     for r in results:
         assert r["resumed"] == [r["after"]] * len(loading), r
+
+
+# ---- what a stage holds --------------------------------------------------------------------------------------------
+def _held(rank: int, world: int, schedule: str, counts: list[int]) -> dict:
+    """The most bytes each stage's train_batch and eval_batch created and held at once, per micro-batch count, one
+    row per micro-batch (so that what is in flight is the same at every count); the batch itself is made before."""
+    from hetero.profiler.activations import LiveBytes
+
+    torch.set_num_threads(1)
+    out: dict = {"train": {}, "eval": {}}
+    for m in counts:
+        net = build(n_layer=2, n_embd=64, block_size=32)
+        config = {**_p(0, pipeline=2, schedule=schedule, microbatches=m), "chunk_size": parity.CHUNK}
+        engine = hetero.initialize(net, parity.make_optimizer(net), config)
+        for phase in ("warm-up", "train", "eval"):  # the first batch makes the optimizer's states
+            x, y = parity.batches(1, m, seq=32)[0]
+            live = LiveBytes("cpu")
+            with live:
+                (engine.eval_batch if phase == "eval" else engine.train_batch)(x, y)
+            if phase != "warm-up":
+                out[phase][m] = live.peak
+        engine.close()
+    return out
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_what_a_stage_holds_does_not_grow_with_the_micro_batches(schedule):
+    """1F1B keeps at most p micro-batches forwarded and not yet backwarded on the first stage, and evaluation keeps
+    none: at a given micro-batch size what a stage holds must not grow with their number. It did: every send's tensor
+    (each micro-batch's output, each input gradient sent back) was held until the batch's end, which on the first
+    stage at 8 micro-batches of one row was every one of the 8 outputs (in evaluation, all of what it held)."""
+    counts = [2, 8]
+    results = run_distributed(_held, 2, schedule, counts, timeout=240)
+    for rank, r in enumerate(results):
+        for phase in ("train", "eval"):
+            few, many = (r[phase][m] for m in counts)
+            assert many == few, f"pipeline rank {rank} {phase}: {few} B at {counts[0]} micro-batches, {many} B at 8"

@@ -49,6 +49,7 @@ from hetero.parallel.pipeline.runtime import (
     PipelineRuntime,
     check_loss,
     loss_of,
+    settle,
 )
 from hetero.parallel.pipeline.schedule import Exchange, Item, forward_only, program, split_until_free, stage
 
@@ -131,6 +132,7 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
             for item in prog:
                 if isinstance(item, Exchange):
                     try:
+                        settle(sends)  # [Note: sends waited at the next exchange]
                         sends += rt.exchange(item, outbox, inbox, halt, side)
                     except Exception:
                         halt.raise_if_stopped(rt.pp)  # the error that stopped this rank is the one to see
@@ -142,8 +144,7 @@ def _run(engine: Engine, xs: list[Any], ys: list[Any] | None, loss_fn: Callable 
                     total += _forward(engine, rt, item, xs, ys, loss_fn, inbox, outbox, outputs)
                 except Exception as e:
                     halt.fail(e, rt.pp.rank)
-            for handle, _ in sends:
-                handle.wait()
+            settle(sends)
         finally:
             if gathers is not None:
                 if halt.error is not None:

@@ -5,7 +5,7 @@ What a pipeline rank holds at once is not one micro-batch's step (step_peak.py) 
 `pipeline` micro-batches forwarded and not yet backwarded on stage 0, GPipe all of them, and the runtime
 (parallel/pipeline/runtime.py) holds more than the graphs: each micro-batch's received input and its output until
 its backward, the gradient received for the output, and everything it sends (outputs forward, input gradients
-back, with their headers) until the batch's sends are waited at its end. So the rank's own program (the runtime's
+back, with their headers) until its next exchange waits for them. So the rank's own program (the runtime's
 `programs`, exchanges included) is run on meta, action by action, through the engine's own cut of the model
 (`units_of`, `StageChunk`), with the parameters as meta tensors of the compute dtype, each parameter's gradient
 dropped once accumulated (a model state, counted apart), blocks checkpointed (and their inputs offloaded) as the
@@ -18,11 +18,11 @@ given the whole batch) is counted as held throughout. Not counted: the runtime's
 Run action by action, the program costs a forward and a backward on meta per micro-batch: an estimate of 64
 micro-batches took seconds per rank, and the planner asks many. Past its warm-up a schedule repeats, and each further
 micro-batch (each further p, where the schedule takes them in multiples of the pipeline) adds the same bytes to the
-peak: its ids and labels, held throughout, and what it sends, held to the batch's end; what is in flight stays the
-same. So `schedule_peak` runs the program for three counts past the warm-up, (virtual + 1) x pipeline and one and
-two steps more, and where the two steps add the same bytes (on the device and on the host) extends that line to the
-batch's count; where they do not, or the batch is not much longer, it runs the whole batch. tests/
-test_estimator_pipeline_speed.py finds the line equal to the whole run, byte for byte, for every schedule.
+peak: its ids and labels, held throughout; what is in flight stays the same, and so does what it sends, held to
+the next exchange. So `schedule_peak` runs the program for three counts past the warm-up, (virtual + 1) x pipeline
+and one and two steps more, and where the two steps add the same bytes (on the device and on the host) extends that
+line to the batch's count; where they do not, or the batch is not much longer, it runs the whole batch.
+tests/test_estimator_pipeline_speed.py finds the line equal to the whole run, byte for byte, for every schedule.
 """
 
 from __future__ import annotations
@@ -133,11 +133,12 @@ def rank_step_peak(
         saved: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         inbox: dict[Any, torch.Tensor] = {}
         outbox: dict[Any, torch.Tensor] = {}
-        sending: list[torch.Tensor] = []  # the sends' payloads and headers, held to the batch's end
+        sending: list[torch.Tensor] = []  # the sends' payloads and headers, held to the next exchange
         with live:
             live.current = live.peak = sum(t.untyped_storage().nbytes() for t in [*xs, *ys] if t is not None)
             for item in program:
                 if isinstance(item, S.Exchange):
+                    sending.clear()  # the earlier exchanges' sends, waited ([Note: sends waited at the next exchange])
                     for _ in item.sends:
                         sending.append(torch.zeros(HEADER, dtype=torch.int64))
                     sending += [outbox.pop(msg).contiguous() for _, msg in item.sends]

@@ -9,10 +9,20 @@ allocate without knowing the model; each header is checked, so ranks that disagr
 of computing with the wrong tensor. Every transfer carries a tag unique to its message, which gloo matches by; NCCL
 matches by order, which `schedule.programs` proves consistent on both sides of every link and free of deadlock even
 when every send waits for its receive (it replays them, splitting exchanges where needed: [Note: split exchanges]).
-Receives are waited before the step that needs them, sends at the end of the batch. An activation's header also
+Receives are waited before the step that needs them, sends at the next exchange ([Note: sends waited at the next
+exchange]). An activation's header also
 carries a digest of what the stages read from their own copies of the micro-batch rather than receive (a Hugging
 Face model's attention mask and positions: [Note: a padded batch through the stages] in hf.py), which the receiver
 compares with its own; a mismatch stops it as an error of its own would.
+
+[Note: sends waited at the next exchange]
+A send's tensor must stay alive until the send completes. Waited at the end of the batch, every output a stage sent
+and every input gradient it sent back were held to the end: on the first stage of 1F1B, all m micro-batches' outputs
+beside the p in flight the schedule promises (and in evaluation, where nothing else is kept, every micro-batch's
+output), growing with the batch. So each exchange first waits for the sends of the ones before it (`settle`) and
+drops them. That is no new wait: `schedule.programs` replays every program with each group of transfers complete,
+its sends included, before the rank's next group is posted ([Note: steps and exchanges]), and found it free of
+deadlock so; by the next exchange the receiver has posted the matching receive in all but that worst case.
 
 [Note: a stage that raises]
 A forward or backward that raises (a user's loss_fn, a hook, a shape error) would leave the stages after it waiting
@@ -145,7 +155,7 @@ class PipelineRuntime:
         saved: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (chunk, micro-batch) -> (input, output)
         inbox: dict[Message, torch.Tensor] = {}  # received, not yet used
         outbox: dict[Message, torch.Tensor] = {}  # computed, to go out at the next exchange
-        sends: list[Any] = []  # handles and the tensors they read, waited at the end of the batch
+        sends: list[Any] = []  # handles and the tensors they read, waited at the next exchange
         total = torch.zeros((), dtype=torch.float32)
         stats = self.stats = RunStats()
         alive: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per (chunk, micro-batch), when measuring
@@ -156,6 +166,7 @@ class PipelineRuntime:
             if isinstance(item, Exchange):
                 start = time.perf_counter()
                 try:
+                    settle(sends)
                     sends += self.exchange(item, outbox, inbox, halt, side)
                 except Exception:
                     halt.raise_if_stopped(self.pp)  # the error that stopped this rank is the one to see
@@ -175,8 +186,7 @@ class PipelineRuntime:
                 continue
             if self.measure:
                 stats.actions.append((repr(a), start - t0, time.perf_counter() - t0))
-        for handle, _ in sends:
-            handle.wait()
+        settle(sends)
         halt.raise_if_stopped(self.pp)
         assert not inbox and not outbox, "the program left messages unused"  # check_rendezvous rules this out
         stats.wall_s = time.perf_counter() - t0
@@ -379,6 +389,14 @@ class PipelineRuntime:
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def settle(sends: list[tuple[Any, Any]]) -> None:
+    """Wait for earlier exchanges' sends and drop them with the tensors they read ([Note: sends waited at the next
+    exchange])."""
+    for handle, _ in sends:
+        handle.wait()
+    sends.clear()
 
 
 class _Null:

@@ -13,7 +13,7 @@ A rank's actions are cut into steps: one action each, except the interleaved sch
 forward and the backward after it form one step (Megatron's). A rank's `program` is its steps with one `Exchange`
 between consecutive steps: the sends of the step just computed and the receives of the step about to run, posted
 together as one group (NCCL: one batched group; gloo: tagged sends and receives started together). The runtime
-waits for the receives before the step and for the sends at the end of the batch.
+waits for the receives before the step and for the sends at the next exchange (runtime.py).
 
 Why groups of this shape: on NCCL a rank's transfers share one stream and a large send does not finish until its
 receive is posted, so "send mine, then receive yours" on both sides of a link deadlocks (1F1B's steady state sends
