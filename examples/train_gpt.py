@@ -73,38 +73,68 @@ def size(text: str) -> str:
 def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float) -> None:
     """The flags both examples share; defaults are chosen per model by the caller."""
     ap.add_argument(
-        "--steps", type=positive_int, default=steps, help="optimizer updates (each of --grad-accum micro-batches)"
+        "--steps",
+        type=positive_int,
+        default=steps,
+        help="optimizer updates, each of --grad-accum micro-batches (default %(default)s)",
     )
-    ap.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per micro-batch per rank")
-    ap.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
+    ap.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=batch_size,
+        help="sequences per micro-batch per rank (default %(default)s)",
+    )
+    ap.add_argument(
+        "--zero-stage",
+        type=int,
+        default=3,
+        choices=(0, 1, 2, 3),
+        help="what is sharded over the ranks: 1 optimizer states, 2 and gradients, 3 and parameters (default 3)",
+    )
     ap.add_argument(
         "--precision",
         default="auto",
         choices=("auto", "fp32", "bf16", "fp16"),
-        help="auto: bf16 on a GPU that supports it, else fp32",
+        help="auto (the default): bf16 on a GPU that supports it, else fp32",
     )
     ap.add_argument(
         "--offload-optimizer",
         default="nvme",
         choices=("device", "host", "nvme"),
-        help="where optimizer states live between updates",
+        help="where optimizer states live between updates (default %(default)s)",
     )
     ap.add_argument(
         "--offload-params",
         default="device",
         choices=("device", "host", "nvme"),
-        help="where parameter chunks live between uses",
+        help="where parameter chunks live between uses (default %(default)s)",
     )
     ap.add_argument("--nvme-dir", default=None, help="directory for swap files (default: a temporary directory)")
     ap.add_argument(
-        "--device-budget", type=size, default="6MiB", help="bytes of chunks on the compute device, e.g. 6MiB"
+        "--device-budget", type=size, default="6MiB", help="bytes of chunks on the compute device (default %(default)s)"
     )
-    ap.add_argument("--host-budget", type=size, default="128MiB", help="bytes of chunks in host memory")
-    ap.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer update")
-    ap.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="global gradient norm clip; 0 disables")
-    ap.add_argument("--lr", type=float, default=lr, help="peak learning rate (linear warmup, cosine decay)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sample-tokens", type=non_negative_int, default=200, help="bytes to generate greedily at the end")
+    ap.add_argument(
+        "--host-budget", type=size, default="128MiB", help="bytes of chunks in host memory (default %(default)s)"
+    )
+    ap.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer update (default %(default)s)"
+    )
+    ap.add_argument(
+        "--grad-clip",
+        type=non_negative_float,
+        default=1.0,
+        help="global gradient norm clip; 0 disables (default %(default)s)",
+    )
+    ap.add_argument(
+        "--lr", type=float, default=lr, help="peak learning rate, linear warmup then cosine decay (default %(default)s)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches (default 0)")
+    ap.add_argument(
+        "--sample-tokens",
+        type=non_negative_int,
+        default=200,
+        help="bytes to generate greedily at the end (default %(default)s)",
+    )
     ap.add_argument(
         "--delayed-param-update",
         action="store_true",

@@ -53,7 +53,9 @@ def build_model(kind: str) -> nn.Module:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
+    ap.add_argument(
+        "--model", default="gpt2", choices=("gpt2", "llama"), help="a 2-layer GPT-2 or Llama (default %(default)s)"
+    )
     add_training_args(ap, steps=1000, batch_size=8, lr=3e-3)
     args = ap.parse_args()
     check_training_args(ap, args)

@@ -41,8 +41,10 @@ from hetero.models.gpt_pipe import TP_PLAN, GPTPipe
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tensor", type=positive_int, default=1, help="tensor-parallel degree")
-    ap.add_argument("--tensor-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"), help="how layers are cut")
+    ap.add_argument("--tensor", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    ap.add_argument(
+        "--tensor-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"), help="how layers are cut (default 1d)"
+    )
     ap.add_argument("--tensor-depth", type=positive_int, default=None, help="depth of --tensor-mode 2.5d")
     ap.add_argument(
         "--sequence",
@@ -53,24 +55,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="sequence parallelism: megatron (the default when given alone) inside the tensor group; ulysses or ring "
         "over the --tensor ranks, layers whole",
     )
-    ap.add_argument("--pipeline", type=positive_int, default=1, help="pipeline stages")
-    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"))
+    ap.add_argument("--pipeline", type=positive_int, default=1, help="pipeline stages (default 1)")
+    ap.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b", "interleaved_1f1b", "chimera"),
+        help="pipeline schedule (default %(default)s)",
+    )
     ap.add_argument(
         "--virtual-stages", type=positive_int, default=None, help="model chunks per rank (interleaved only)"
     )
-    ap.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per batch")
-    ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
-    ap.add_argument("--offload-optimizer", default="device", choices=("device", "host"))
+    ap.add_argument(
+        "--microbatches", type=positive_int, default=4, help="micro-batches per batch (default %(default)s)"
+    )
+    ap.add_argument(
+        "--zero-stage",
+        type=int,
+        default=1,
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage over the data-parallel ranks (default %(default)s)",
+    )
+    ap.add_argument(
+        "--offload-optimizer",
+        default="device",
+        choices=("device", "host"),
+        help="where optimizer states live between updates (default %(default)s)",
+    )
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
-    ap.add_argument("--generate", type=non_negative_int, default=24, help="tokens to generate greedily after training")
-    ap.add_argument("--steps", type=positive_int, default=200)
-    ap.add_argument("--batch-size", type=positive_int, default=8, help="sequences per data-parallel rank per batch")
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--embd", type=positive_int, default=128)
-    ap.add_argument("--heads", type=positive_int, default=4)
-    ap.add_argument("--block-size", type=positive_int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--generate",
+        type=non_negative_int,
+        default=24,
+        help="tokens to generate greedily after training (default %(default)s)",
+    )
+    ap.add_argument("--steps", type=positive_int, default=200, help="batches to train on (default %(default)s)")
+    ap.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        help="sequences per data-parallel rank per batch (default %(default)s)",
+    )
+    ap.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default %(default)s)")
+    ap.add_argument("--embd", type=positive_int, default=128, help="model width (default %(default)s)")
+    ap.add_argument(
+        "--heads", type=positive_int, default=4, help="attention heads; must divide --embd (default %(default)s)"
+    )
+    ap.add_argument("--block-size", type=positive_int, default=64, help="tokens per sequence (default %(default)s)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate, constant (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches (default 0)")
     ap.add_argument("--json", action="store_true", help="rank 0 prints one JSON object at the end")
     args = ap.parse_args(argv)
     # Checked here, before the processes join and build the model: train_batch would refuse it at the first batch.
