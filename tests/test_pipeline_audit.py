@@ -70,6 +70,9 @@ def train(rank: int, world: int, spec: dict) -> dict[str, Any]:
     losses, in_flight = [], 0
     for x, y in parity.batches(spec["steps"], rows):
         losses.append(float(engine.train_batch(x[mine], y[mine])))
+        if spec.get("eval_between"):  # inside an accumulation too: a forward only, no gradient touched
+            ex, ey = parity.batches(1, rows, seed=5)[0]
+            engine.eval_batch(ex[mine], ey[mine])
         in_flight = max(in_flight, engine.pipeline_runtime().stats.peak_in_flight)
     x, y = parity.batches(1, rows, seed=7)[0]
     evaluated = float(engine.eval_batch(x[mine], y[mine]))
@@ -146,6 +149,7 @@ WORLD2 = {
         },
         steps=4,
         rows=4,
+        eval_between=True,  # eval_batch between the accumulation's batches leaves its gradients alone
     ),
     "chimera-m2": dict(config=_p(1, pipeline=2, schedule="chimera", microbatches=2), steps=3, rows=4),
     "interleaved-v3": dict(
@@ -315,3 +319,55 @@ def test_what_a_stage_holds_does_not_grow_with_the_micro_batches(schedule):
         for phase in ("train", "eval"):
             few, many = (r[phase][m] for m in counts)
             assert many == few, f"pipeline rank {rank} {phase}: {few} B at {counts[0]} micro-batches, {many} B at 8"
+
+
+# ---- a rank that dies --------------------------------------------------------------------------------------------
+DEATH_TIMEOUT = 20  # comm_timeout: the survivors must stop by then (plus the diagnosis' grace), naming the dead rank
+
+
+def _a_rank_dies(rank: int, world: int, victim: int, root: str) -> None:
+    """Pipeline `world` under 1F1B: after one good batch, pipeline rank `victim` ends its process in the middle of the
+    next (its second forward); every other rank writes what train_batch raised and how long it took."""
+    import os
+    import time
+
+    torch.set_num_threads(1)
+    engine = _engine({}, {**_p(1, pipeline=world, microbatches=4), "comm_timeout": DEATH_TIMEOUT})
+    data = parity.batches(2, 4)
+    _batches(engine, data[:1])
+    if rank == victim:
+        calls = [0]
+
+        def die(*_: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(7)
+
+        engine.stages[0].units[0][1].register_forward_hook(die)
+    start = time.monotonic()
+    try:
+        _batches(engine, data[1:])
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 (what it raised is what is checked)
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"rank-{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
+
+
+@ranks_apart("one rank fails, hangs, dies or runs late: another must see it")
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world, victim", [(2, 1), (4, 2)])
+def test_a_stage_whose_process_dies_stops_every_other_stage_naming_it(tmp_path, world, victim):
+    """A stage's process ending mid-batch (killed, out of memory): every other pipeline rank raises, within
+    comm_timeout and the diagnosis' grace, an error naming the dead rank; none waits on."""
+    from tests.dist import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=f"rank {victim}"):
+        run_distributed(_a_rank_dies, world, victim, str(tmp_path), timeout=150, report_grace=2 * DEATH_TIMEOUT + 30)
+    for rank in range(world):
+        if rank == victim:
+            continue
+        seconds, outcome = (tmp_path / f"rank-{rank}.txt").read_text().split("\n", 1)
+        assert outcome.startswith("RankTimeoutError"), (rank, outcome)
+        assert f"Global rank(s) {victim}" in outcome or f", {victim} did not arrive" in outcome, (rank, outcome)
+        assert float(seconds) <= DEATH_TIMEOUT + 15, (rank, seconds, outcome)
