@@ -100,7 +100,7 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
             if _enabled(key, value):
                 out.setdefault("log", {})["wandb"] = value.get("project", "deepspeed")
         elif key in ("optimizer", "scheduler") and isinstance(value, Mapping):
-            notes.append(f"{key}: {_built_yourself(key, value)}")
+            notes.append(f"{key}: {_built_yourself(key, value)}{_UNDER_TRAINER}")
         elif key in _HANDLED_ELSEWHERE:
             notes.append(f"{key}: {_HANDLED_ELSEWHERE[key]}")
         else:
@@ -228,6 +228,11 @@ def _floor(min_loss_scale: Any) -> Any:
     return math.ulp(0.0) if number and min_loss_scale <= 0 else min_loss_scale
 
 
+# HeteroTrainer builds both from TrainingArguments, so there the advice to pass objects to hetero.initialize misleads.
+_UNDER_TRAINER = (
+    " (under HeteroTrainer: set TrainingArguments' optim, learning_rate, weight_decay, adam_beta1/adam_beta2, "
+    "lr_scheduler_type and warmup_steps instead)"
+)
 _DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # run under hetero by tests/test_deepspeed_compat.py
 _TORCH_OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}  # DeepSpeed reads the type in any case
 

@@ -260,6 +260,7 @@ def test_optimizer_and_scheduler_sections_name_what_to_build(caplog):
     assert "torch.optim.AdamW(model.parameters(), lr=0.0003, weight_decay=0.01) (DeepSpeed's 'Adam'" in caplog.text
     assert "deepspeed.runtime.lr_schedules.WarmupDecayLR(optimizer, warmup_num_steps=10)" in caplog.text
     assert "fill total_num_steps" in caplog.text and "transformers" not in caplog.text
+    assert caplog.text.count("under HeteroTrainer: set TrainingArguments' optim") == 2  # both, for Trainer users
     plain = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}}
     with pytest.raises(ConfigError, match=r"torch\.optim\.Adam\(model\.parameters\(\), lr=0\.001\) and pass"):
         hetero.Config.from_deepspeed(plain, strict=True)
