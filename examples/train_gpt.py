@@ -70,8 +70,38 @@ def size(text: str) -> str:
     return text
 
 
+class UsageError(Exception):
+    """An input the example cannot use; its message says which and what to do."""
+
+
+def read_text(path: str | None, *, block_size: int) -> str:
+    """The training text: `path` (--data), or the corpus shipped in examples/data; long enough for one sequence and
+    its last label."""
+    name = f"--data {path}" if path is not None else "the shipped corpus"
+    try:
+        text = load_corpus(path)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file") from None
+    n = len(encode(text))
+    if n <= block_size:
+        raise UsageError(
+            f"{name}: {n} bytes is too short for one sequence of {block_size} bytes and its label; give a longer text"
+        )
+    return text
+
+
+def add_data_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--data",
+        metavar="FILE",
+        default=None,
+        help="a UTF-8 text file to train on, read as bytes (default: the corpus in examples/data)",
+    )
+
+
 def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float) -> None:
     """The flags both examples share; defaults are chosen per model by the caller."""
+    add_data_arg(ap)
     ap.add_argument(
         "--steps",
         type=positive_int,
@@ -170,6 +200,7 @@ def check_training_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -
 # small, a broken launch, an unreadable checkpoint): their messages say what was wrong and what to do, so the
 # examples print them without a traceback. Any other exception is a bug and keeps its traceback.
 USER_ERRORS = (
+    UsageError,
     hetero.ConfigError,
     NvmeUnavailableError,
     NvmeSpaceError,
@@ -253,6 +284,7 @@ def memory_report(stats: dict[str, Any]) -> str:
 
 def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_labels: bool = False) -> dict[str, Any]:
     """Train `model` with hetero as `args` say; return the results (loss, time, memory stats, a sample)."""
+    text = read_text(getattr(args, "data", None), block_size=block_size)  # before the engine: a bad file fails fast
     with ExitStack() as stack:
         nvme_dir = args.nvme_dir
         if nvme_dir is None and "nvme" in (args.offload_params, args.offload_optimizer):
@@ -269,7 +301,7 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
         # hetero joined torchrun's process group (if any): each rank trains on its own slice of the global batch.
         rank, world = engine.data_parallel_rank, engine.data_parallel_size
         data = batches(
-            load_corpus(),
+            text,
             block_size=block_size,
             batch_size=args.batch_size,
             seed=args.seed,

@@ -28,11 +28,11 @@ import time
 from typing import Any
 
 import torch
-from corpus import VOCAB_SIZE, batches, decode, load_corpus
+from corpus import VOCAB_SIZE, batches, decode
 from tqdm import tqdm
 
 # train_gpt.py, next to this file (on sys.path when run as a script): the flag types it checks
-from train_gpt import non_negative_int, positive_int, run_cli
+from train_gpt import add_data_arg, non_negative_int, positive_int, read_text, run_cli
 
 import hetero
 from hetero.models.gpt import GPTConfig
@@ -104,11 +104,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--lr", type=float, default=3e-3, help="learning rate, constant (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches (default 0)")
     ap.add_argument("--json", action="store_true", help="rank 0 prints one JSON object at the end")
+    add_data_arg(ap)
     args = ap.parse_args(argv)
     # Checked here, before the processes join and build the model: train_batch would refuse it at the first batch.
     if args.batch_size % args.microbatches:
         ap.error(f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size}")
 
+    text = read_text(args.data, block_size=args.block_size)  # before the processes join: a bad file fails fast
     torch.manual_seed(args.seed)  # every rank builds the same model; each keeps its own stage and shards
     try:
         cfg = GPTConfig(
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = hetero.initialize(model, optimizer, config)  # joins torchrun's process group, builds the mesh
     mesh = engine.mesh
     data = batches(
-        load_corpus(),
+        text,
         block_size=args.block_size,
         batch_size=args.batch_size,
         seed=args.seed,

@@ -187,3 +187,27 @@ def test_quickstart_passes_torch_spec_as_pip_words(tmp_path, spec, torch_args):
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
     assert ["-m", "pip", "install", "-q", *torch_args] in calls
     assert calls[-1] == ["examples/train_gpt.py", "--steps", "2"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"short", "--data {path}: 5 bytes is too short for one sequence of 128 bytes and its label"),
+        (b"\xff\xfe" * 200, "--data {path}: not UTF-8 text (invalid start byte at byte 0)"),
+        (None, "corpus file {path} not found"),
+    ],
+)
+def test_data_file_errors(tmp_path, capsys, content, message):
+    """--data names the text to train on (the corpus' own error told the user to pass a path, and no flag took one);
+    a file too short for one sequence, not UTF-8, or missing ends with its message and status 2, before the engine
+    is built."""
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt.run_cli(lambda: train_gpt.read_text(str(path), block_size=128))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message.format(path=path)) and "Traceback" not in err
+    path.write_text("x" * 129)
+    assert train_gpt.read_text(str(path), block_size=128) == "x" * 129
