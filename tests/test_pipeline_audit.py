@@ -282,6 +282,34 @@ def test_a_checkpoint_resumes_under_another_cut_of_the_same_stages(tmp_path):
         assert r["resumed"] == [r["after"]] * len(loading), r
 
 
+def _resume_mid_accumulation(rank: int, world: int, config: dict, root: str) -> dict:
+    torch.set_num_threads(1)
+    data = parity.batches(3, 4)
+    a = _engine({"n_layer": 3}, config)  # stages of other chunk sizes
+    _batches(a, data[:1])  # one batch of an accumulation of two: its gradients pending
+    a.save_checkpoint(root)
+    after = _batches(a, data[1:])
+    a.close()
+    b = _engine({"n_layer": 3}, config)
+    b.load_checkpoint(root)
+    resumed = _batches(b, data[1:])
+    b.close()
+    return {"after": after, "resumed": resumed}
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_saved_mid_accumulation_resumes_in_its_pipeline(tmp_path, stage):
+    """A checkpoint saved between the batches of an accumulation holds each rank's pending gradients, which load
+    into the layout that saved it. Under a pipeline that was refused on every stage but the first, its chunks
+    compared with rank 0's (another stage's). Now the resumed losses are the uninterrupted run's, bit for bit."""
+    config = {**_p(stage, pipeline=2, microbatches=2), "grad_accumulation_steps": 2}
+    results = run_distributed(_resume_mid_accumulation, 2, config, str(tmp_path / "ckpt"), timeout=240)
+    for r in results:
+        assert r["resumed"] == r["after"], r
+
+
 # ---- what a stage holds --------------------------------------------------------------------------------------------
 def _held(rank: int, world: int, schedule: str, counts: list[int]) -> dict:
     """The most bytes each stage's train_batch and eval_batch created and held at once, per micro-batch count, one

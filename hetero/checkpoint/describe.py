@@ -29,6 +29,8 @@ def rank_info(engine: Engine, fname: str) -> dict[str, Any]:
         "global_rank": par.world(engine).global_rank(par.world(engine).rank),
         "data_parallel_rank": engine.comm.rank,
         "coordinates": par.coordinates(engine),
+        # This rank's chunk layout: pipeline stages (and tensor shards) differ from rank 0's in the layout's "chunks".
+        "chunks": [zc.spec.capacity for zc in engine.chunks],
         "rng": {
             "python": [py[0], list(py[1]), py[2]],
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],

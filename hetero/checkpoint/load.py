@@ -186,7 +186,11 @@ def _open(engine: Engine, path: str | os.PathLike, *, scheduler: Any) -> tuple[s
     layout = manifest["layout"]
     chunks = [zc.spec.capacity for zc in engine.chunks]
     same = layout["world_size"] == engine.comm.size and layout["zero_stage"] == engine.stage
-    if manifest["engine"]["pending_grads"] and not (same and layout["chunks"] == chunks):
+    # Compared with this rank's own chunks where the checkpoint has them: rank 0's (the layout's) are another
+    # pipeline stage's, so a mid-accumulation checkpoint of a pipeline was refused in the layout that saved it.
+    entry = par.find_mine(engine, manifest) if same else None
+    saved_chunks = entry["chunks"] if entry is not None and "chunks" in entry else layout["chunks"]
+    if manifest["engine"]["pending_grads"] and not (same and saved_chunks == chunks):
         raise CheckpointError(
             f"{directory} was saved in the middle of gradient accumulation (micro-step "
             f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
