@@ -248,6 +248,42 @@ def test_profile_on_two_ranks(tmp_path):
         assert (res["rank"], res["world"], res["pids"]) == (rank, 2, {rank})
         assert res["tp"] == (rank, 2, 1) and f"(rank {rank} of 2)" in res["tp_text"], res
         assert all(ours == theirs > 0 for ours, theirs in res["peaks"].values()), res
+    # The ranks' traces merged into one, each rank's times shifted by its start on the shared clock.
+    prof = tmp_path / "prof"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "merge_traces.py"), str(prof)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    each = [json.loads((prof / f"rank{r}" / "trace.json").read_text()) for r in range(2)]
+    merged = json.loads((prof / "trace.json").read_text())
+    assert len(merged["traceEvents"]) == sum(len(t["traceEvents"]) for t in each)
+    starts = [t["otherData"]["start_unix_s"] for t in each]
+    assert merged["otherData"]["ranks"] == [0, 1] and merged["otherData"]["start_unix_s"] == min(starts)
+    for r, t in enumerate(each):
+        shift = (starts[r] - min(starts)) * 1e6
+        theirs = [e["ts"] for e in t["traceEvents"] if "ts" in e]
+        ours = [e["ts"] for e in merged["traceEvents"] if "ts" in e and e["pid"] == r]
+        assert ours == pytest.approx([ts + shift for ts in theirs], abs=0.002)
+
+
+def test_merging_traces_needs_their_start_times(tmp_path):
+    from hetero.profiler.trace import merge
+
+    def trace(rank, start):
+        other = {"producer": "hetero.profile", "rank": rank, "start_unix_s": start}
+        return {"traceEvents": [{"ph": "M", "name": "process_name", "pid": rank},
+                                {"ph": "X", "name": "forward", "ts": 10.0, "dur": 5.0, "pid": rank}],
+                "otherData": other}  # fmt: skip
+
+    merged = merge([trace(1, 100.5), trace(0, 100.0)])
+    assert [e["ts"] for e in merged["traceEvents"] if "ts" in e] == [500010.0, 10.0]
+    assert merged["otherData"]["ranks"] == [0, 1]
+    old = trace(0, 100.0)
+    del old["otherData"]["start_unix_s"]
+    with pytest.raises(ValueError, match="older hetero"):
+        merge([old])
+    tool = str(ROOT / "tools" / "merge_traces.py")
+    proc = subprocess.run([sys.executable, tool, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "no rank*/trace.json" in proc.stderr
 
 
 @pytest.mark.timeout(300)

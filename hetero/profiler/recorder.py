@@ -110,6 +110,7 @@ class Profile:
         self.finished = False
         # Recorded data; times are seconds since start.
         self.t0 = 0.0
+        self.t0_unix = 0.0  # the start on the system clock, which ranks share: their traces line up by it
         self.series: dict[str, list[tuple[float, int]]] = {t.label: [] for t in Tier}  # exact ledger totals
         self.samples: list[tuple[float, dict[str, dict[str, int]]]] = []  # by-kind breakdown per tier
         self.moves: list[MoveRecord] = []
@@ -163,6 +164,7 @@ class Profile:
         self.manager.synchronize()
         self.manager.reset_peaks()
         self.t0 = time.perf_counter()
+        self.t0_unix = time.time()
         self._counters0 = Counter(self.manager.counters)
         self._steps0 = self.engine.global_steps
         self._params = {storage_key(p) for p in self.engine.module.parameters()}

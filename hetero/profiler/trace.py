@@ -68,7 +68,33 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
         events.append({"ph": "C", "name": "activations held", "ts": _us(t), "pid": pid, "args": {"bytes": held}})
     for t, rss in prof.rss_series:
         events.append({"ph": "C", "name": "process RSS", "ts": _us(t), "pid": pid, "args": {"bytes": rss}})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "hetero.profile"}}
+    other = {"producer": "hetero.profile", "rank": pid, "start_unix_s": prof.t0_unix}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def merge(traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """One trace of several ranks' (`chrome_trace`'s, read back), each rank's times shifted to the earliest start
+    on the system clock (`otherData.start_unix_s`), so that their steps and collectives line up in one view. The
+    ranks of one node share that clock; across nodes it is as close as their clocks are kept (NTP: milliseconds).
+    Each rank is its own process already (pid: the global rank)."""
+    starts = []
+    for i, t in enumerate(traces):
+        start = t.get("otherData", {}).get("start_unix_s")
+        if not isinstance(start, (int, float)) or start <= 0:
+            raise ValueError(
+                f"trace {i} has no start time (otherData.start_unix_s): it was written by an older hetero; "
+                "record the ranks again to merge them"
+            )
+        starts.append(float(start))
+    first = min(starts)
+    events: list[dict[str, Any]] = []
+    for t, start in zip(traces, starts, strict=True):
+        shift = _us(start - first)
+        for e in t["traceEvents"]:
+            events.append({**e, "ts": round(e["ts"] + shift, 3)} if "ts" in e else e)
+    ranks = sorted(t.get("otherData", {}).get("rank", i) for i, t in enumerate(traces))
+    other = {"producer": "hetero.profile", "ranks": ranks, "start_unix_s": first}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
 def _span(name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict[str, Any]:
