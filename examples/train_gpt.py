@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -184,6 +185,28 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
         help="with --delayed-param-update: run forward and backward on a prediction of the weights the pending update "
         "gives, not the stale ones (keeps Adam stable under the delay)",
     )
+    ap.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        default=None,
+        help="save a checkpoint (weights, optimizer, schedule, update count) under DIR every --save-every updates "
+        "and at the end (default: none)",
+    )
+    ap.add_argument(
+        "--save-every",
+        type=non_negative_int,
+        default=0,
+        help="with --save-dir: updates between checkpoints (0: at the end)",
+    )
+    ap.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CKPT",
+        help="continue up to --steps from --save-dir's latest checkpoint, or from CKPT (a checkpoint directory, "
+        "e.g. DIR/step-00000200, or another run's DIR)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end instead of a report")
 
 
@@ -194,6 +217,15 @@ def check_training_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -
                  "--delayed-update-prediction": args.delayed_update_prediction}  # fmt: skip
         for flag in (flag for flag, on in given.items() if on):
             ap.error(f"{flag} applies to --delayed-param-update only: add --delayed-param-update or drop {flag}")
+    if args.save_every and args.save_dir is None:
+        ap.error("--save-every needs --save-dir DIR, the checkpoints' directory")
+    if args.resume is True and args.save_dir is None:
+        ap.error("--resume without CKPT resumes the latest checkpoint in --save-dir: give --save-dir DIR (or CKPT)")
+    resume_from = args.save_dir if args.resume is True else args.resume
+    if resume_from is not None and not os.path.isdir(resume_from):
+        ap.error(
+            f"--resume: {resume_from} does not exist; give the --save-dir of an earlier run, or one of its checkpoints"
+        )
 
 
 # Errors a user's flags, launch or machine cause (a bad config value, a missing or full NVMe directory, budgets too
@@ -310,10 +342,15 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
             hf_labels=hf_labels,
         )
 
+        start = resume(engine, args, data) if getattr(args, "resume", None) else 0
+        save_dir, save_every = getattr(args, "save_dir", None), getattr(args, "save_every", 0)
         losses: list[float] = []
-        bar = tqdm(range(args.steps), desc="train", disable=rank != 0 or args.json, dynamic_ncols=True)
+        quiet = rank != 0 or args.json
+        bar = tqdm(
+            range(start, args.steps), desc="train", initial=start, total=args.steps, disable=quiet, dynamic_ncols=True
+        )
         t0 = time.perf_counter()
-        for _ in bar:
+        for step in bar:
             total = 0.0
             for _ in range(args.grad_accum):
                 out = engine(**next(data))  # hetero moves the batch to its device (cuda:LOCAL_RANK or the CPU)
@@ -322,6 +359,9 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
                 total += out.loss.item()
             losses.append(total / args.grad_accum)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            if save_dir is not None and (step + 1 == args.steps or save_every and (step + 1) % save_every == 0):
+                # Atomic: a run stopped during the save (Ctrl-C, a crash) leaves the previous checkpoint the latest.
+                engine.save_checkpoint(save_dir, client_state={"step": step + 1})
         seconds = time.perf_counter() - t0
 
         # With delayed_param_update the last update is still pending: apply it before the model is used.
@@ -333,12 +373,13 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
         engine.module.train()
         stats = engine.memory_stats()
 
-    tokens = args.steps * args.grad_accum * args.batch_size * world * block_size
+    tokens = len(losses) * args.grad_accum * args.batch_size * world * block_size
     return {
         "final_loss": losses[-1],
         "first_loss": losses[0],
         "losses": losses,
-        "steps": args.steps,
+        "steps": len(losses),
+        "first_step": start,
         "seconds": seconds,
         "init_seconds": init_seconds,
         "tokens_per_second": tokens / seconds,
@@ -348,6 +389,21 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
         "memory": stats,
         "sample": decode(ids[0]),
     }
+
+
+def resume(engine: hetero.Engine, args: argparse.Namespace, data: Iterator[dict[str, torch.Tensor]]) -> int:
+    """Load --resume's checkpoint (--save-dir's latest, or the one named) and skip the batches it trained on; return
+    its update count."""
+    path = args.save_dir if args.resume is True else args.resume
+    state = engine.load_checkpoint(path)  # a corrupt one: CheckpointError, naming the file
+    start = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(start, int):
+        raise UsageError(f"--resume: the checkpoint in {path} was not saved by this example (no update count)")
+    if start >= args.steps:
+        raise UsageError(f"--resume: {path} holds update {start} already; give --steps above {start}")
+    for _ in range(start * args.grad_accum):  # the stream depends on the seed alone: the run goes on as unbroken
+        next(data)
+    return start
 
 
 def report(result: dict[str, Any], *, as_json: bool) -> None:

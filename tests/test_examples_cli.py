@@ -211,3 +211,58 @@ def test_data_file_errors(tmp_path, capsys, content, message):
     assert err.startswith("error: " + message.format(path=path)) and "Traceback" not in err
     path.write_text("x" * 129)
     assert train_gpt.read_text(str(path), block_size=128) == "x" * 129
+
+
+def tiny_run(tmp_path: Path, *flags: str) -> dict:
+    """train_gpt.train in this process on a 1-layer GPT: a few updates in a second or two."""
+    from hetero.models import GPT, GPTConfig
+
+    ap = argparse.ArgumentParser()
+    train_gpt.add_training_args(ap, steps=4, batch_size=2, lr=1e-3)
+    args = ap.parse_args(["--sample-tokens", "1", "--offload-optimizer", "host", "--json", *flags])
+    train_gpt.check_training_args(ap, args)
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_embd=16, block_size=16))
+    return train_gpt.train(args, model, block_size=16)
+
+
+def test_resume_goes_on_as_the_unbroken_run(tmp_path):
+    """--resume CKPT loads weights, optimizer and schedule and skips the batches trained on: the resumed updates'
+    losses are the unbroken run's. Exact: the same fp32 arithmetic on the same batches in the same process."""
+    ckpt = tmp_path / "ckpt"
+    whole = tiny_run(tmp_path, "--save-dir", str(ckpt), "--save-every", "2")
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000002", "step-00000004"]
+    resumed = tiny_run(tmp_path, "--resume", str(ckpt / "step-00000002"))
+    assert resumed["first_step"] == 2 and resumed["steps"] == 2
+    assert resumed["losses"] == whole["losses"][2:]
+
+
+def test_resume_of_a_corrupt_checkpoint_names_the_file(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    tiny_run(tmp_path, "--steps", "1", "--save-dir", str(ckpt))
+    (shard,) = (ckpt / "step-00000001").glob("rank-*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt.run_cli(lambda: tiny_run(tmp_path, "--steps", "2", "--save-dir", str(ckpt), "--resume"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {shard}: truncated") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--save-every", "5"], "--save-every needs --save-dir DIR"),
+        (["--resume"], "--resume without CKPT resumes the latest checkpoint in --save-dir"),
+        (["--resume", "{tmp}/absent"], "--resume: {tmp}/absent does not exist"),
+        (["--save-dir", "{tmp}/absent", "--resume"], "--resume: {tmp}/absent does not exist"),
+    ],
+)
+def test_checkpoint_flags_are_checked(tmp_path, capsys, flags, message):
+    ap = argparse.ArgumentParser()
+    train_gpt.add_training_args(ap, steps=1, batch_size=1, lr=1e-3)
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt.check_training_args(ap, ap.parse_args([f.format(tmp=tmp_path) for f in flags]))
+    assert exit_info.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
