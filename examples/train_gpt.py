@@ -8,6 +8,7 @@ memory, the bytes moved between tiers, and a greedy text sample.
     python examples/train_gpt.py                                  # optimizer states in a temporary NVMe directory
     python examples/train_gpt.py --offload-optimizer host --zero-stage 2
     python examples/train_gpt.py --nvme-dir /mnt/nvme --device-budget 64MiB --json
+    python examples/train_gpt.py --data my.txt --save-dir ckpt --save-every 100    # then --resume to go on
     torchrun --nproc_per_node=2 examples/train_gpt.py             # each rank trains on its slice of the batch
 
 `train()` is shared with examples/train_hf.py, which trains a Hugging Face model the same way.
