@@ -417,8 +417,9 @@ def report(result: dict[str, Any], *, as_json: bool) -> None:
     world = result["world_size"]
     # Under torchrun the loss is rank 0's micro-batches' and the table rank 0's tiers; tokens/s counts every rank.
     whose = f" (loss and memory of rank 0 of {world})" if world > 1 else ""
+    updates = f"{result['steps']} update{'s' if result['steps'] != 1 else ''}"
     print(
-        f"\n{result['steps']} updates in {result['seconds']:.1f} s ({result['tokens_per_second']:,.0f} tokens/s), "
+        f"\n{updates} in {result['seconds']:.1f} s ({result['tokens_per_second']:,.0f} tokens/s), "
         f"loss {result['first_loss']:.3f} -> {result['final_loss']:.3f}{whose}\n"
     )
     print(memory_report(result["memory"]))
