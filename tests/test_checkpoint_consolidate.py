@@ -69,3 +69,9 @@ def test_hf_gpt2_consolidates_for_from_pretrained(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["consolidate", "--help"])
     assert "needs the whole state in memory" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "follows 'latest'" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as usage:  # a shard size without --hf shards nothing: said, not ignored
+        main(["consolidate", ckpt, str(tmp_path / "one.safetensors"), "--max-shard-size", "1MB"])
+    assert usage.value.code == 2 and "--max-shard-size shards a --hf output" in capsys.readouterr().err

@@ -38,15 +38,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument(
         "--max-shard-size",
-        default=HF_SHARD_SIZE,
+        default=None,
         help=f"with --hf: the largest shard, in bytes or like '2GB' (default {HF_SHARD_SIZE})",
     )
-    v = sub.add_parser("verify", help="read every tensor of a checkpoint and check its checksum")
-    v.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    v = sub.add_parser(
+        "verify",
+        help="read every tensor of a checkpoint and check its checksums",
+        description="Read every tensor of a checkpoint and check its checksums (each block's too, where saved); "
+        "exits 1 naming the first file and byte range that fail.",
+    )
+    v.add_argument(
+        "ckpt_dir", metavar="CKPT_DIR", help="a checkpoint root (follows 'latest') or a checkpoint directory"
+    )
     args = parser.parse_args(argv)
+    if args.command == "consolidate" and args.max_shard_size is not None and not args.hf:
+        parser.error("--max-shard-size shards a --hf output; add --hf, or leave it out for one file")
     try:
         if args.command == "consolidate":
-            kw = {"hf": True, "max_shard_size": args.max_shard_size} if args.hf else {}
+            shard = HF_SHARD_SIZE if args.max_shard_size is None else args.max_shard_size
+            kw = {"hf": True, "max_shard_size": shard} if args.hf else {}
             for path in consolidate(args.ckpt_dir, args.out, dtype=args.dtype, **kw):
                 print(f"wrote {path}")
         else:
