@@ -399,3 +399,49 @@ def test_a_stage_whose_process_dies_stops_every_other_stage_naming_it(tmp_path, 
         assert outcome.startswith("RankTimeoutError"), (rank, outcome)
         assert f"Global rank(s) {victim}" in outcome or f", {victim} did not arrive" in outcome, (rank, outcome)
         assert float(seconds) <= DEATH_TIMEOUT + 15, (rank, seconds, outcome)
+
+
+# ---- a stage without parameters ------------------------------------------------------------------------------------
+def _sequential() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4), torch.nn.ReLU())
+
+
+def test_balanced_stages_avoid_units_without_parameters():
+    """'params' and 'auto' never leave a stage only parameterless units where another cut gives each some."""
+    from hetero.parallel.pipeline.split import balanced, boundaries, units_of
+
+    # a costly unit without parameters (timed by "auto") would be a stage of its own: it goes with a neighbour
+    assert balanced([1.0, 10.0, 1.0, 1.0], 3) == [0, 1, 2]
+    assert balanced([1.0, 10.0, 1.0, 1.0], 3, empty=[False, True, False, False]) in ([0, 2, 3], [0, 1, 3])
+    units = units_of(_sequential())
+    assert boundaries(units, 2, "auto", [1.0, 1.0, 1.0, 5.0]) == [0, 2]  # the ReLU goes with the last Linear
+    with pytest.raises(hetero.ConfigError, match="stage 1 would hold only the units '3', without parameters"):
+        boundaries(units, 2, ["3"])
+    with pytest.raises(hetero.ConfigError, match="lower pipeline"):
+        boundaries(units, 3, "params")
+
+
+def _parameterless_stage(rank: int, world: int) -> str:
+    torch.set_num_threads(1)
+    net = _sequential()
+    config = {"parallel": {"pipeline": 2, "microbatches": 2, "pipeline_split": ["3"]}, "comm_timeout": 20}
+    try:
+        engine = hetero.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), config)
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        engine.train_batch(x, y, loss_fn=torch.nn.functional.mse_loss)
+    except Exception as e:  # noqa: BLE001 (what it raised is what is checked)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(200)
+def test_a_stage_without_parameters_is_refused_on_every_rank():
+    """An nn.Sequential cut so that the last stage holds only its ReLU: the stage's rank alone raised in initialize
+    (a ValueError: "the model has no parameters to place"), while the other went on into the first batch and failed
+    there on a closed connection (or waited comm_timeout). Now every rank raises the same ConfigError, naming the stage
+    and its units."""
+    results = run_distributed(_parameterless_stage, 2, timeout=150)
+    for r in results:
+        assert r.startswith("ConfigError: parallel.pipeline_split: stage 1 would hold only the units '3'"), results

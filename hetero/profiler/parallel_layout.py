@@ -371,11 +371,15 @@ def stage_starts(units: list[Unit], layout: Layout, inputs: dict[str, Any]) -> l
         if missing:
             raise ConfigError(f"pipeline_split: {missing} are not units of this model ({', '.join(names)})")
         return [0] + [names.index(n) for n in layout.split]
+    empty = [
+        not any(p.numel() for _, p in u.params) for u in units
+    ]  # as the engine's cut ([Note: stages hold parameters])
     if layout.split == "auto":
         # The engine times the units; on meta their FLOPs stand in: 6 x parameters x tokens for the matrices.
         tokens = next((v.numel() for v in inputs.values() if isinstance(v, torch.Tensor)), 1)
-        return balanced([max(1.0, 6.0 * tokens * sum(p.numel() for _, p in u.params)) for u in units], layout.stages)
-    return balanced([float(sum(p.numel() for _, p in u.params)) for u in units], layout.stages)
+        flops = [max(1.0, 6.0 * tokens * sum(p.numel() for _, p in u.params)) for u in units]
+        return balanced(flops, layout.stages, empty=empty)
+    return balanced([float(sum(p.numel() for _, p in u.params)) for u in units], layout.stages, empty=empty)
 
 
 class ParamView:

@@ -93,14 +93,20 @@ def boundaries(
             f"parallel: {stages} pipeline stages need at least {stages} units, the model has {len(units)} "
             f"({', '.join(names)}); lower pipeline / virtual_stages, or pipeline a model with more top-level blocks"
         )
+    empty = [
+        _numel(m) == 0 for _, m in units
+    ]  # a stage of these alone holds nothing to place: [Note: stages hold parameters]
     if split in ("auto", "params"):
         if split == "auto" and costs is not None:
             if len(costs) != len(units):
                 raise ConfigError(
                     f"parallel.pipeline_costs: {len(costs)} costs for {len(units)} units ({', '.join(names)})"
                 )
-            return balanced(list(costs), stages)
-        return balanced([_numel(m) for _, m in units], stages)
+            starts = balanced(list(costs), stages, empty=empty)
+        else:
+            starts = balanced([_numel(m) for _, m in units], stages, empty=empty)
+        _check_parameters(names, empty, starts, split)
+        return starts
     starts = [0]
     for fqn in split:
         if fqn not in names:
@@ -116,17 +122,44 @@ def boundaries(
                 "begin in model order, the first unit excluded"
             )
         starts.append(i)
+    _check_parameters(names, empty, starts, split)
     return starts
 
 
-def balanced(sizes: list[float], k: int) -> list[int]:
+# [Note: stages hold parameters]
+# ZeRO places each rank's parameters in chunks and has nothing to do for a rank with none: a stage of parameterless
+# units alone (an nn.Sequential's activations) failed on that rank only, in initialize, while the other ranks went on
+# into the first batch and stopped there on a closed connection. Every rank computes every stage's units, so the cut
+# is refused alike on every rank before anything else runs; "auto" and "params" avoid such stages where they can.
+def _check_parameters(names: list[str], empty: list[bool], starts: list[int], split: Sequence[str] | str) -> None:
+    bounds = [*starts, len(names)]
+    for s in range(len(starts)):
+        if all(empty[bounds[s] : bounds[s + 1]]):
+            units = ", ".join(repr(n) for n in names[bounds[s] : bounds[s + 1]])
+            how = (
+                "begin the stages at other units (pipeline_split: a list of the units where stages begin)"
+                if not isinstance(split, str)
+                else "no cut of these units gives every stage parameters: lower pipeline / virtual_stages"
+            )
+            raise ConfigError(
+                f"parallel.pipeline_split: stage {s} would hold only the units {units}, without parameters; every "
+                f"pipeline stage must hold some ([Note: stages hold parameters] in split.py): {how}"
+            )
+
+
+def balanced(sizes: list[float], k: int, empty: list[bool] | None = None) -> list[int]:
     """Starts of k non-empty runs of `sizes` minimising the largest run's sum, then (among cuts with the same
     largest run) the sum of the runs' squares, so that the runs besides the largest are balanced too (dynamic
-    programming)."""
+    programming). `empty`: units a run must not consist of alone, where a cut can avoid it."""
     n = len(sizes)
     prefix = [0.0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
+    full = [0]  # units up to i that are not `empty`
+    for e in empty or [False] * n:
+        full.append(full[-1] + (not e))
+    if full[-1] < k:  # no cut avoids them (or none given): every run counts as holding something
+        full = list(range(n + 1))
     inf = (float("inf"), float("inf"))
     # best[j][i]: (largest run, sum of squares) of the best cut of the first i units into j runs
     best: list[list[tuple[float, float]]] = [[inf] * (n + 1) for _ in range(k + 1)]
@@ -135,6 +168,8 @@ def balanced(sizes: list[float], k: int) -> list[int]:
     for j in range(1, k + 1):
         for i in range(j, n + 1):
             for a in range(j - 1, i):
+                if full[i] == full[a]:
+                    continue  # a run of `empty` units alone
                 run = prefix[i] - prefix[a]
                 cost = (max(best[j - 1][a][0], run), best[j - 1][a][1] + run * run)
                 if cost < best[j][i]:
