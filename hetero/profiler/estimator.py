@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hetero.config import Config, format_size
+from hetero.config_values import check_int
 from hetero.errors import ConfigError
 from hetero.parallel.mesh import check_degrees
 from hetero.profiler.activations import ActivationEstimate, meta_activation_bytes
@@ -288,7 +289,9 @@ def estimate(
         machine = Machine.detect(nvme_dir=cfg.memory.nvme_dir)
     elif machine is False:
         machine = None
-    if ranks_per_node is None:
+    if ranks_per_node is not None:
+        check_int("ranks_per_node", ranks_per_node, minimum=1, hint="(ranks sharing a node's host memory and NVMe)")
+    else:
         gpus = machine.gpus if machine is not None else 0
         ranks_per_node = min(world_size, gpus) if gpus else world_size
     chunk_numel = None if cfg.chunk_size == "auto" else cfg.chunk_size
