@@ -85,7 +85,7 @@ from hetero.zero import released
 from hetero.zero.gathers import Gathers
 from hetero.zero.outside_inference import in_normal_mode, outside_inference_mode
 from hetero.zero.protocol import in_backward
-from hetero.zero.units import Entry, Unit
+from hetero.zero.units import Entry, Unit, module_units
 
 
 class _OnBackward(torch.autograd.Function):
@@ -185,6 +185,7 @@ class Hooks:
             return
         root_of = {id(u.module): u for u in units}
         unit_of = {id(e.info.param): u for u in units for e in u.entries}
+        around = module_units(model, units)
         # [Note: a parameter read outside its module]: the model's forwards in progress, and the reader they enable.
         forwards = [0]
         self.handles.append(model.register_forward_pre_hook(lambda *_: _count(forwards, 1), prepend=True))
@@ -196,7 +197,9 @@ class Hooks:
             unit = root_of.get(id(m))
             if unit is None and not own:
                 continue
-            owner = unit if unit is not None else unit_of[id(own[0].info.param)]
+            # The unit around it (`module_units`), not the last unit holding its first parameter: a weight tied across
+            # blocks is in both blocks' units.
+            owner = unit or around.get(id(m)) or unit_of[id(own[0].info.param)]
             # Its parameters are pinned with its unit's ([Note: one forward hook per unit]) if they are all the unit's.
             covered = {id(e) for e in own} <= {id(e) for e in owner.entries}
             pre = _pre_forward(unit, owner, own, gathers, covered)

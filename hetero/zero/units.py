@@ -73,6 +73,32 @@ def unit_parameters(
     return [u for u in units.values() if u[2]]
 
 
+def module_units(model: nn.Module, units: list[Unit]) -> dict[int, Unit]:
+    """id(module) -> the unit around it, walked as `unit_parameters` walks: the block it is in, or the module's own
+    unit. A module whose parameter is tied to another unit's (a weight shared by two blocks) is still its block's:
+    the first owner of that parameter would make it look called outside its unit, and its backward's use held by a
+    unit whose backward had already ended."""
+    blocks = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m.children()}
+    by_module = {id(u.module): u for u in units}  # a block without parameters is no unit: None below it
+    out: dict[int, Unit] = {}
+    visited: set[int] = set()
+
+    def visit(module: nn.Module, block: Unit | None) -> None:
+        if id(module) in visited:
+            return
+        visited.add(id(module))
+        if block is None and id(module) in blocks:
+            block = by_module.get(id(module))
+        unit = block if block is not None else by_module.get(id(module))
+        if unit is not None:
+            out[id(module)] = unit
+        for child in module.children():
+            visit(child, block)
+
+    visit(model, None)
+    return out
+
+
 def find_units(model: nn.Module, entries: dict[int, Entry]) -> list[Unit]:
     """The units of a model, in module order; every parameter of `entries` is used by at least one. A weight split
     into tiles (marked by `tiling.detach_tiled`) is no entry, its layer gathers its tiles, but it makes a unit as the
