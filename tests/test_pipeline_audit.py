@@ -304,7 +304,8 @@ def test_a_checkpoint_saved_mid_accumulation_resumes_in_its_pipeline(tmp_path, s
     """A checkpoint saved between the batches of an accumulation holds each rank's pending gradients, which load
     into the layout that saved it. Under a pipeline that was refused on every stage but the first, its chunks
     compared with rank 0's (another stage's). Now the resumed losses are the uninterrupted run's, bit for bit."""
-    config = {**_p(stage, pipeline=2, microbatches=2), "grad_accumulation_steps": 2}
+    # A cut given: "auto" times the units, and a checkpoint with pending gradients loads into the same cut only
+    config = {**_p(stage, pipeline=2, microbatches=2, pipeline_split=["layers.1"]), "grad_accumulation_steps": 2}
     results = run_distributed(_resume_mid_accumulation, 2, config, str(tmp_path / "ckpt"), timeout=240)
     for r in results:
         assert r["resumed"] == r["after"], r
@@ -320,7 +321,9 @@ def _held(rank: int, world: int, schedule: str, counts: list[int]) -> dict:
     out: dict = {"train": {}, "eval": {}}
     for m in counts:
         net = build(n_layer=2, n_embd=64, block_size=32)
-        config = {**_p(0, pipeline=2, schedule=schedule, microbatches=m), "chunk_size": parity.CHUNK}
+        # the same cut at every count ("auto" times the units, which can cut them apart)
+        parallel = dict(pipeline=2, schedule=schedule, microbatches=m, pipeline_split=["layers.1"])
+        config = {**_p(0, **parallel), "chunk_size": parity.CHUNK}
         engine = hetero.initialize(net, parity.make_optimizer(net), config)
         for phase in ("warm-up", "train", "eval"):  # the first batch makes the optimizer's states
             x, y = parity.batches(1, m, seq=32)[0]
