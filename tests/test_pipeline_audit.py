@@ -402,6 +402,12 @@ def test_a_stage_whose_process_dies_stops_every_other_stage_naming_it(tmp_path, 
         assert outcome.startswith("RankTimeoutError"), (rank, outcome)
         assert f"Global rank(s) {victim}" in outcome or f", {victim} did not arrive" in outcome, (rank, outcome)
         assert float(seconds) <= DEATH_TIMEOUT + 15, (rank, seconds, outcome)
+        # A transfer's peer waiting on its own transfer is no divergence, and a rank no party to it is not "missing"
+        # ([Note: diagnosing a transfer] in hetero/comm/watch.py).
+        if "did not arrive" in outcome:
+            assert "different sequences of collectives" not in outcome, (rank, outcome)
+            named = outcome.split("did not arrive")[0].rsplit("Global rank(s)", 1)[-1]
+            assert [int(r) for r in named.replace(",", " ").split()] == [victim], (rank, outcome)
 
 
 # ---- a stage without parameters ------------------------------------------------------------------------------------

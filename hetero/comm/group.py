@@ -172,11 +172,12 @@ class Comm(Collectives, PointToPoint):
                     "Put bulk data on the device first; send small host-side values through comm.control"
                 )
 
-    def _wait_transfer(self, work: Any, what: str) -> None:
-        """`_wait` for a send or receive: in one piece, as gloo breaks the pair of one whose wait expired."""
-        self._wait(work, what, look=False)
+    def _wait_transfer(self, work: Any, what: str, *, peers: list[int] | None = None) -> None:
+        """`_wait` for a send or receive: in one piece, as gloo breaks the pair of one whose wait expired; a timeout
+        asks only `peers` (global ranks) about it ([Note: diagnosing a transfer] in watch.py)."""
+        self._wait(work, what, look=False, peers=peers)
 
-    def _wait(self, work: Any, what: str, *, look: bool = True) -> None:
+    def _wait(self, work: Any, what: str, *, look: bool = True, peers: list[int] | None = None) -> None:
         """Wait for a backend's work, bounded by the group's timeout; see [Note: naming the rank that did not
         arrive]. NCCL's work is left to the device stream (and NCCL's watchdog)."""
         if work is None:
@@ -199,12 +200,12 @@ class Comm(Collectives, PointToPoint):
             mark_failed(what)
             if not (timed_out(err) or peer_gone(err)):
                 raise
-            raise self.timeout_error(what, err) from err
+            raise self.timeout_error(what, err, peers=peers) from err
         if ok is False:
             mark_failed(what)
-            raise self.timeout_error(what, RuntimeError("the wait gave up"))
+            raise self.timeout_error(what, RuntimeError("the wait gave up"), peers=peers)
 
-    def timeout_error(self, what: str, err: BaseException) -> Exception:
+    def timeout_error(self, what: str, err: BaseException, *, peers: list[int] | None = None) -> Exception:
         """The error for `what` not completing in time on this group, naming the ranks that did not arrive."""
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -212,7 +213,9 @@ class Comm(Collectives, PointToPoint):
             store = None
         desc = f"{what} on group {self._global_ranks}"
         me = self._global_ranks[self.rank]
-        return diagnose(store, me=me, members=self._global_ranks, what=desc, timeout_s=self.timeout_s(), err=err)
+        return diagnose(
+            store, me=me, members=self._global_ranks, what=desc, timeout_s=self.timeout_s(), err=err, peers=peers
+        )
 
     def _run(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """A blocking operation: started asynchronously, then waited for with the group's timeout (after the checks

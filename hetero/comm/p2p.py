@@ -3,6 +3,7 @@ runs together (the pipeline's exchanges)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +35,8 @@ class PointToPoint:
         self._check_data("send", t)
         buf = t.contiguous()
         work = dist.isend(buf, dst=self._global_ranks[dst], group=self.group, tag=tag)
-        timed = Timed(work, self._wait_transfer, f"send of {t.numel()} {t.dtype} elements to group rank {dst}")
+        waiter = functools.partial(self._wait_transfer, peers=[self._global_ranks[dst]])
+        timed = Timed(work, waiter, f"send of {t.numel()} {t.dtype} elements to group rank {dst}")
         # A contiguous copy must outlive the transfer: the handle holds it until wait().
         return timed if buf is t else CopyBack(timed, buf, None)
 
@@ -43,12 +45,13 @@ class PointToPoint:
         self._check_p2p(src, "src")
         self._check_data("recv", t)
         what = f"receive of {t.numel()} {t.dtype} elements from group rank {src}"
+        waiter = functools.partial(self._wait_transfer, peers=[self._global_ranks[src]])
         if t.is_contiguous():
             work = dist.irecv(t, src=self._global_ranks[src], group=self.group, tag=tag)
-            return Timed(work, self._wait_transfer, what)
+            return Timed(work, waiter, what)
         buf = _contiguous_like(t)
         work = dist.irecv(buf, src=self._global_ranks[src], group=self.group, tag=tag)
-        return CopyBack(Timed(work, self._wait_transfer, what), buf, t)
+        return CopyBack(Timed(work, waiter, what), buf, t)
 
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[Handle]:
         """Start sends and receives together: ``ops`` are ("send" | "recv", contiguous tensor, group rank, tag).
@@ -67,7 +70,8 @@ class PointToPoint:
         if not p2p:
             return []
         what = f"point-to-point group of {len(p2p)} transfers with group ranks {sorted({op[2] for op in ops})}"
-        works = [Timed(w, self._wait_transfer, what) for w in dist.batch_isend_irecv(p2p)]
+        waiter = functools.partial(self._wait_transfer, peers=sorted({self._global_ranks[op[2]] for op in ops}))
+        works = [Timed(w, waiter, what) for w in dist.batch_isend_irecv(p2p)]
         if len(works) == len(p2p):
             return works
         whole = AllOf(works)  # a coalesced group returns fewer handles than operations

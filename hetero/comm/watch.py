@@ -350,8 +350,26 @@ def _float(text: str) -> float:
         return float("-inf")  # not a post of this format: as old as can be
 
 
-def diagnose(store: Any, *, me: int, members: list[int], what: str, timeout_s: float, err: BaseException) -> Exception:
-    """The error to raise after `what` timed out on global rank `me` in a group of global `members`."""
+# [Note: diagnosing a transfer]
+# A collective's ranks all take part, so one waiting in another operation ran another sequence of collectives. A
+# point-to-point transfer (the pipeline's) takes two, and in a chain of stages a rank waits on its peer while the peer
+# waits on its own: when stage 2 of 4 died, stage 0 (receiving from 1) called stages 1 and 3 "a different operation",
+# a divergence that was none, and stages 1 and 3 named stage 0, which was no party to their transfers and had not yet
+# reported, as not arrived beside the dead one. So for a transfer, only its peers are asked about: a peer that did
+# not report is the one that did not arrive; a peer waiting on its own transfer is said to be (where that leads); and
+# only when every peer reported are the group's other silent ranks named, since the chain of waits leads there.
+def diagnose(
+    store: Any,
+    *,
+    me: int,
+    members: list[int],
+    what: str,
+    timeout_s: float,
+    err: BaseException,
+    peers: list[int] | None = None,
+) -> Exception:
+    """The error to raise after `what` timed out on global rank `me` in a group of global `members`. `peers`: the
+    global ranks a point-to-point transfer waits on ([Note: diagnosing a transfer]), None for a collective."""
     posted: dict[int, str] = {}
     since = time.time() - timeout_s - _SKEW_S  # when this wait began (the others' began near it)
     if store is not None:
@@ -379,6 +397,10 @@ def diagnose(store: Any, *, me: int, members: list[int], what: str, timeout_s: f
             store = None
     missing = [r for r in members if r != me and r not in posted]
     elsewhere = {r: w for r, w in posted.items() if w != what}
+    if peers is not None:  # [Note: diagnosing a transfer]
+        missing = [r for r in missing if r in peers] or missing
+        elsewhere = {}
+        waiting = {r: w for r, w in posted.items() if r in peers}
     gone = "timed out" not in str(err).lower() and "timeout" not in str(err).lower()
     if gone:
         lines = [f"{what} failed on global rank {me}: a peer closed its connection."]
@@ -389,6 +411,8 @@ def diagnose(store: Any, *, me: int, members: list[int], what: str, timeout_s: f
             f"Global rank(s) {', '.join(map(str, missing))} did not arrive: dead, hung, or busy outside hetero's "
             "collectives. Check their logs and exit codes (a crash or an out-of-memory kill shows there)."
         )
+    for r, w in sorted(waiting.items()) if peers is not None else ():
+        lines.append(f"Global rank {r}, this transfer's peer, is itself waiting: {w}.")
     for r, w in sorted(elsewhere.items()):
         lines.append(
             f"Global rank {r} is waiting in a different operation: {w}. The ranks ran different sequences of "
@@ -396,7 +420,7 @@ def diagnose(store: Any, *, me: int, members: list[int], what: str, timeout_s: f
         )
     if store is None:
         lines.append("The rendezvous store was unreachable, so the others could not be asked (is rank 0 alive?).")
-    if not missing and not elsewhere and store is not None:
+    if not missing and not elsewhere and peers is None and store is not None:
         lines.append("Every rank reports this same operation: the backend itself did not complete it.")
     lines.append(f"({type(err).__name__}: {err})")
     return RankTimeoutError(" ".join(lines), missing_ranks=missing or None, timeout_s=timeout_s)
