@@ -14,7 +14,7 @@ Scenarios (`Net(kind)`):
 - bn: BatchNorm1d, whose running statistics forward updates (buffers, each rank's own, as DDP without
   broadcast_buffers keeps them; under activation checkpointing updated again by the recomputation, as
   torch.utils.checkpoint does, which the reference then uses);
-- twice: the model's forward called twice before one backward (two losses summed).
+- twice: the model's forward (moe's) called twice before one backward (two losses summed), other experts each time.
 A block skipped by some ranks cannot be gathered at stage 3 ([Note: units]): every rank stops with the check's
 error, which names the way out; stages 1-2 train like plain PyTorch.
 """
@@ -37,6 +37,7 @@ except ImportError:  # tests/ itself on sys.path
     from dist import RANKS_DIFFER, ranks_apart, run_distributed  # type: ignore[no-redef]
 
 DTYPE = torch.float32
+HF = ("mixtral", "qwen2_moe")
 VOCAB, DIM, EXPERTS, SEQ, ROWS, STEPS = 32, 16, 4, 6, 2, 3
 CHUNK = 512  # a 16x16 linear and its bias fill about half a chunk: blocks span a few chunks each
 
@@ -57,7 +58,7 @@ class Block(nn.Module):
         self.kind = kind
         self.norm = nn.LayerNorm(DIM)
         self.lin = nn.Linear(DIM, DIM)
-        if kind == "moe":
+        if kind in ("moe", "twice"):
             self.router = nn.Linear(DIM, EXPERTS, bias=False)
             self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
         if kind == "bn":
@@ -69,7 +70,7 @@ class Block(nn.Module):
             return x + self.lin(F.gelu(self.lin(h)))  # one module, so one weight, called twice
         if self.kind == "bn":
             return x + self.bn(self.lin(h).transpose(1, 2)).transpose(1, 2)
-        if self.kind != "moe":
+        if self.kind not in ("moe", "twice"):
             return x + self.lin(h)
         gate = self.router(h).softmax(-1)
         route = ids % EXPERTS  # steered by the ids (see `batches`), so the ranks' experts differ
@@ -91,6 +92,10 @@ class Net(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
         if kind in ("tied", "shared"):  # a weight owned by two modules of two blocks
             self.blocks[2].lin.weight = self.blocks[0].lin.weight
+        if kind == "samemod":  # one module in two blocks, and a top-level one tied to a block's weight
+            self.blocks[2].lin = self.blocks[0].lin
+            self.proj = nn.Linear(DIM, DIM)
+            self.proj.weight = self.blocks[1].lin.weight
         if kind == "frozen":  # a frozen bias beside its trainable weight
             self.blocks[1].lin.bias.requires_grad_(False)
 
@@ -103,17 +108,66 @@ class Net(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(blk, x, ids, use_reentrant=False)
             else:
                 x = blk(x, ids)
+        if self.kind == "samemod":
+            x = x + self.proj(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-def build(kind: str) -> Net:
+class HFLoss(nn.Module):
+    """A transformers MoE causal LM called as `Net` is: (ids, labels) -> loss."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.recompute = False  # never: the configs checkpoint these models through hetero only
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=labels).loss
+
+
+def _hf(kind: str) -> HFLoss:
+    """Tiny Mixtral or Qwen2-MoE (fused 3D expert weights, Qwen2-MoE's shared expert beside them), its routers
+    steered by hand as tests/test_moe_routing.py does: a token's group (id mod 4) is written large into its
+    embedding and router row e reads group e, so each rank's tokens (see `batches`) go to their own experts."""
+    import transformers
+
+    common = {"vocab_size": VOCAB, "hidden_size": DIM, "num_hidden_layers": 2, "num_attention_heads": 2}
+    common |= {"num_key_value_heads": 1, "num_experts_per_tok": 1, "tie_word_embeddings": False}
+    common |= {"experts_implementation": "eager"}  # grouped_mm refuses float64, which the reference needs
+    if kind == "mixtral":
+        lm = transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**common, intermediate_size=2 * DIM, num_local_experts=EXPERTS)
+        )
+    else:
+        cfg = transformers.Qwen2MoeConfig(
+            **common, intermediate_size=2 * DIM, moe_intermediate_size=DIM, shared_expert_intermediate_size=DIM
+        )
+        cfg.num_experts = EXPERTS
+        lm = transformers.Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():
+        embed = lm.get_input_embeddings().weight
+        embed[:, :EXPERTS] = 0
+        embed[torch.arange(VOCAB), torch.arange(VOCAB) % EXPERTS] = 4.0
+        for layer in lm.model.layers:
+            layer.mlp.gate.weight.zero_()
+            layer.mlp.gate.weight[torch.arange(EXPERTS), torch.arange(EXPERTS)] = 3.0
+    return HFLoss(lm)
+
+
+def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return Net(kind)
+    return _hf(kind) if kind in HF else Net(kind)
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with eps 1e-3. Adam's step g / (|g| + eps) moves by at most lr * dg / eps for a change dg of the
+    gradient: at the default 1e-8 a gradient element that cancels to ~4e-8 (experts 2's w2 over 4 ranks, forward
+    twice), which fp32 rounds differently by a few ulps of its terms (~1e-9: a parameter viewing a chunk's memory
+    takes another kernel path than a tensor of its own), moved its weight by 5e-6, 25 times plain fp32's own
+    distance there, which had landed near float64 by chance. At 1e-3 that is at most 1e-8, the weights' own
+    rounding, while an expert wrongly stepped with a zero gradient still moves by about lr / 2 (and decays)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-3)
 
 
 def batches(steps: int, world: int, calls: int = 1) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
@@ -128,9 +182,9 @@ def batches(steps: int, world: int, calls: int = 1) -> list[list[list[tuple[torc
         per_rank = []
         for r in range(world):
             per_call = []
-            for _ in range(calls):
+            for c in range(calls):  # a second call of the step: the next experts
                 base = torch.randint(0, VOCAB // 4, (ROWS, SEQ + 1), generator=g) * 4
-                x = (base + r + i + torch.randint(0, 2, (ROWS, SEQ + 1), generator=g)) % VOCAB
+                x = (base + r + i + c + torch.randint(0, 2, (ROWS, SEQ + 1), generator=g)) % VOCAB
                 per_call.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
             per_rank.append(per_call)
         out.append(per_rank)
@@ -251,7 +305,7 @@ def _check_one(results: list[dict], kind: str, world: int, name: str, ref: tuple
             assert all(torch.equal(buffers[n], b) for n, b in exact_own[r].items() if not b.is_floating_point())
 
 
-KINDS = ("moe", "skip", "reused", "tied", "shared", "frozen", "bn", "twice")
+KINDS = ("moe", "skip", "reused", "tied", "shared", "samemod", "frozen", "bn", "twice")
 CONFIGS = {f"stage {s}": {"zero_stage": s, "chunk_size": CHUNK} for s in (1, 2, 3)}
 STAGE3 = {  # stage 3's other paths: gathers issued at each use only, blocks recomputed in backward
     "stage 3, no gather ahead": {"zero_stage": 3, "chunk_size": CHUNK, "gather_ahead": False},
@@ -298,6 +352,15 @@ def test_four_ranks():
     kinds = ("moe", "skip", "shared", "frozen", "bn", "twice")
     results = run_distributed(_all, 4, kinds, CONFIGS, timeout=500)
     _check_all(results, kinds, 4, CONFIGS)
+
+
+@ranks_apart(RANKS_DIFFER)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", HF)
+def test_transformers_moe_with_accumulation(kind):
+    pytest.importorskip("transformers")
+    results = run_distributed(_all, 2, (kind,), CONFIGS, 2, timeout=500)
+    _check_all(results, (kind,), 2, CONFIGS, 2)
 
 
 @ranks_apart(RANKS_DIFFER)
