@@ -260,7 +260,7 @@ class Engine(DeepSpeedNames):
             self.gathers = Gathers(
                 self.units, self.chunks, self.check, keep=rules.keep, may_pin_whole=rules.whole, ahead=rules.ahead
             )
-        self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (first) unit
+        self._unit_of = {id(e.info.param): u for u in self.units for e in u.entries}  # a parameter's (last) unit
         # Forwards gather across ranks: Hugging Face's generate runs until every rank has ended ([Note: generating in
         # step] in hetero/zero/generate.py).
         in_step = self.stage == 3 and self.comm.size > 1 and self.mesh.pp_size == 1 and world.is_job
