@@ -22,6 +22,7 @@ from hetero.errors import CheckpointError
 from hetero.io.checksum import checksum_fn
 from tests.dist import ONLY_SEVERAL, ranks_apart, run_distributed
 from tests.test_checkpoint import N, _cfg, make_engine, train
+from tests.test_checkpoint_reads import _kept
 
 SMALL = 1024  # bytes a block in these tests: the tiny model's segments (a few KiB) then span several blocks
 
@@ -136,15 +137,6 @@ def test_a_manifest_whose_block_list_does_not_fit_is_refused(tmp_path):
 
 # ---- a world-1 checkpoint loaded at world 2 -------------------------------------------------------------------
 STAGES = (1, 3)
-
-
-def _kept(engine) -> list[tuple[str, int, int]]:
-    out = []
-    for zc in engine.chunks:
-        if zc.optim is not None:
-            lo, hi = zc.kept_range()
-            out += [(par.stored_name(i), i.element(a), i.element(b)) for i, a, b in zc.spec.overlaps(lo, hi)]
-    return out
 
 
 def _load(rank: int, world: int, root: str, ckpt: str, stage: int) -> dict:

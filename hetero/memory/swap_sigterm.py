@@ -5,7 +5,6 @@ thread that learns of the signal at once, even while the main thread is blocked 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import shutil
@@ -141,8 +140,7 @@ def _die_of_sigterm() -> None:
     action put back in C, then the signal raised again. Where libc cannot be reached, the main thread's handler ends
     it when its C call returns."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        c_signal = libc.signal
+        c_signal = ctypes.CDLL(None).signal  # the process's own symbols, libc's among them
     except (OSError, AttributeError):
         return
     c_signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
