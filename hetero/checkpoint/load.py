@@ -134,7 +134,12 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             if mine is not None:
                 _restore_rng(engine, index, mine, mine["file"])
             else:
-                log.warning("%s has no rank %d: its random state is left as it is", directory, engine.comm.rank)
+                log.warning(
+                    "%s has no rank %d: its random state is left as it is",
+                    directory,
+                    engine.comm.rank,
+                    extra={"all_ranks": True},
+                )
         except Exception as e:  # agreed below: no rank gathers parameters beside one that stopped
             error = e
         finally:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hetero import logs
 from hetero.comm import leaving, watch
 from hetero.comm.collectives import Collectives
 from hetero.comm.p2p import PointToPoint
@@ -76,6 +77,7 @@ class Comm(Collectives, PointToPoint):
             raise CommError("this process is not a member of the process group it was given")
         self.size = dist.get_world_size(group)
         self._global_ranks = list(dist.get_process_group_ranks(group))
+        logs.set_world_rank(self._global_ranks[self.rank])  # hetero's log lines speak for it: [Note: one rank speaks]
         self._backend = str(dist.get_backend(group))
         self.rules = rules if rules is not None else world_rules(self._backend)
         if self.rules.separate_control and self.size > 1:

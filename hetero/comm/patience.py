@@ -197,9 +197,16 @@ class Meeting:
                 waited_s,
                 beating,
                 self.what,
+                extra={"all_ranks": True},
             )
         if absent:
-            log.warning("global rank %d has waited %.0f s for global rank(s) %s to come", self.me, waited_s, absent)
+            log.warning(
+                "global rank %d has waited %.0f s for global rank(s) %s to come",
+                self.me,
+                waited_s,
+                absent,
+                extra={"all_ranks": True},
+            )
 
     def _scan(self, pending: dict[int, tuple[int, float]], now: float) -> list[int]:
         """Read the keys of the members not done: drop those done, and return those whose key stood still for the

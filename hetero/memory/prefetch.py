@@ -113,7 +113,11 @@ class Prefetcher:
         try:
             self.mover.synchronize()
         except Exception as e:  # a caller ending a failed step: its error is the one to raise
-            log.warning("ending a partial step: a move in flight failed (%s); its chunk stays where it was", e)
+            log.warning(
+                "ending a partial step: a move in flight failed (%s); its chunk stays where it was",
+                e,
+                extra={"all_ranks": True},
+            )
         self.withdraw()
 
     def withdraw(self) -> None:
@@ -136,6 +140,11 @@ class Prefetcher:
             except TierOutOfMemoryError:
                 continue  # its old tier filled up since: it stays, an ordinary victim now
             except Exception as e:  # the caller is ending a failed step: its error, not this one, is the story
-                log.warning("taking back the prefetch of %s failed (%s); it stays where it is", chunk.describe(), e)
+                log.warning(
+                    "taking back the prefetch of %s failed (%s); it stays where it is",
+                    chunk.describe(),
+                    e,
+                    extra={"all_ranks": True},
+                )
                 continue
             self.counters["prefetches_withdrawn"] += 1

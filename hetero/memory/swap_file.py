@@ -135,6 +135,7 @@ def remove_orphans(parent: str) -> list[str]:
             f"{freed / (1 << 30):.1f} GiB" if freed >= 1 << 30 else f"{freed / (1 << 20):.1f} MiB",
             parent,
             ", ".join(os.path.basename(d) for d in removed),
+            extra={"all_ranks": True},  # this node's disk: rank 0 may sit on another
         )
     return removed
 
@@ -216,7 +217,7 @@ def _open(path: str, direct: bool | None) -> tuple[int, bool, int]:
             "I/O or put nvme_dir on a file system that supports it (ext4, xfs on a local NVMe drive)"
         )
     if direct is None:
-        log.info("O_DIRECT unavailable for %s (%s); using buffered I/O", path, reason)
+        log.info("O_DIRECT unavailable for %s (%s); using buffered I/O", path, reason, extra={"all_ranks": True})
     try:
         return os.open(path, flags, 0o600), False, 1
     except OSError as e:

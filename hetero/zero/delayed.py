@@ -290,7 +290,11 @@ class DelayedUpdate:
         try:
             self.complete()
         except Exception as e:  # a close after an error: free what is held, as before
-            log.warning("engine.close(): applying the pending update (delayed_param_update) failed: %r", e)
+            log.warning(
+                "engine.close(): applying the pending update (delayed_param_update) failed: %r",
+                e,
+                extra={"all_ranks": True},
+            )
 
     # ---- one chunk ----------------------------------------------------------------------------------------
     def _submit(self, i: int) -> None:
