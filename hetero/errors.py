@@ -84,9 +84,33 @@ class ReleasedParameterError(HeteroError, RuntimeError):
     """A ZeRO-3 parameter's values were read while only a shard of them is on this rank."""
 
 
+# What to do after a collective failed (ranks disagreed, one timed out or died): said by every such error.
+RESTART = (
+    "This process group cannot be used again in this process: collectives issued before the failure may still be "
+    "queued in it, and any later one would pair with them (gloo ends the process natively on that). Restart every "
+    "rank of the job (all its processes, not only this one; in a notebook, the kernel of every rank) and resume from "
+    "the last checkpoint: a failed collective writes nothing to disk, and a save it interrupted was not committed, so "
+    "the last committed checkpoint is intact."
+)
+
+
 class CollectiveMismatchError(CommError):
     """The ranks of a group were about to run different collectives (different chunks, units or operations): the
-    program took a different path on some rank, which would hang or corrupt the exchange."""
+    program took a different path on some rank, which would hang or corrupt the exchange. The group is unusable
+    after it (`RESTART`, said by the message)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if RESTART in message else f"{message}\n{RESTART}")
+
+
+class GroupUnusableError(CommError):
+    """A collective, a transfer or a new engine was asked of a process group on which an earlier collective of this
+    process failed ([Note: a group no collective may use after a failure] in hetero/comm/rules.py): raised before
+    anything is issued, where issuing it could end the process natively."""
+
+    def __init__(self, message: str, *, failed: str) -> None:
+        super().__init__(message)
+        self.failed = failed  # the operation whose wait failed first on that group
 
 
 class BatchMismatchError(HeteroError, ValueError):

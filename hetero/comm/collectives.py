@@ -407,6 +407,7 @@ class Collectives:
             raise ValueError(f"timeout = {timeout} must be positive seconds (or None for the group's own)")
         if self._local:
             return
+        self.refuse_if_failed("barrier")
         if self.control is not self:  # a barrier moves no data: the control group's
             self.control.barrier(timeout)
             return
@@ -423,7 +424,7 @@ class Collectives:
                 if work is not None and work.wait(timeout=td) is False:
                     raise RuntimeError(f"barrier not completed within {timeout} s")
         except RuntimeError as err:
-            raise self._timeout_error(err, timeout) from err
+            raise self.failed_wait("barrier", self._timeout_error(err, timeout)) from err
 
     def _timeout_error(self, err: BaseException, timeout: float) -> RankTimeoutError:
         me = self._global_ranks[self.rank]

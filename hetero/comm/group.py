@@ -37,9 +37,9 @@ from hetero import logs
 from hetero.comm import leaving, watch
 from hetero.comm.collectives import Collectives
 from hetero.comm.p2p import PointToPoint
-from hetero.comm.rules import CONTROL_OF, Rules, mark_failed, peer_gone, timed_out, world_rules
+from hetero.comm.rules import CONTROL_OF, Rules, group_failed, mark_failed, peer_gone, timed_out, world_rules
 from hetero.comm.watch import diagnose
-from hetero.errors import CommError, RankFailedError
+from hetero.errors import RESTART, CommError, GroupUnusableError, RankFailedError, add_note
 
 logger = logging.getLogger("hetero.comm")
 
@@ -161,8 +161,24 @@ class Comm(Collectives, PointToPoint):
         t = self.rules.timeout_s
         return None if t is None else datetime.timedelta(seconds=t)
 
+    def refuse_if_failed(self, op: str) -> None:
+        """Raise before `op` is issued where a wait on this group (or its control group) failed earlier in this
+        process: [Note: a group no collective may use after a failure] in rules.py."""
+        if self._local:
+            return
+        failed = group_failed(self.group) or group_failed(self.control.group)
+        if failed is not None:
+            raise GroupUnusableError(
+                f"{op} on group {self._global_ranks} (global rank {self._global_ranks[self.rank]}) was refused: "
+                f"{failed} failed on this group earlier in this process (the ranks disagreed, or one timed out or "
+                f"died; that error was raised then). {RESTART}",
+                failed=failed,
+            )
+
     def _check_data(self, op: str, *tensors: torch.Tensor) -> None:
-        """NCCL's rule (and the stand-in's): data operations take device memory only."""
+        """A group that failed takes nothing more; NCCL's rule (and the stand-in's): data operations take device
+        memory only."""
+        self.refuse_if_failed(op)
         rule = self.rules.device_only
         if rule is None or self._local:
             return
@@ -195,17 +211,23 @@ class Comm(Collectives, PointToPoint):
             ok = watch.wait(
                 work, timeout_s=self.rules.timeout_s, members=self._global_ranks, me=me, what=what, look=look
             )
-        except RankFailedError:
-            mark_failed(what)
+        except RankFailedError as err:
+            self.failed_wait(what, err)
             raise
         except RuntimeError as err:
-            mark_failed(what)
+            self.failed_wait(what, err)
             if not (timed_out(err) or peer_gone(err)):
                 raise
-            raise self.timeout_error(what, err, peers=peers) from err
+            raise self.failed_wait(what, self.timeout_error(what, err, peers=peers)) from err
         if ok is False:
-            mark_failed(what)
-            raise self.timeout_error(what, RuntimeError("the wait gave up"), peers=peers)
+            raise self.failed_wait(what, self.timeout_error(what, RuntimeError("the wait gave up"), peers=peers))
+
+    def failed_wait(self, what: str, error: BaseException) -> BaseException:
+        """`what` failed on this group: the group takes nothing more, and `error` says so (returned, to raise)."""
+        mark_failed(what, self.group, self.control.group)  # [Note: a group no collective may use after a failure]
+        if RESTART not in str(error) and RESTART not in getattr(error, "__notes__", ()):
+            add_note(error, RESTART)
+        return error
 
     def timeout_error(self, what: str, err: BaseException, *, peers: list[int] | None = None) -> Exception:
         """The error for `what` not completing in time on this group, naming the ranks that did not arrive."""
@@ -237,8 +259,8 @@ class Comm(Collectives, PointToPoint):
             try:
                 for g, upto in marks:
                     g.verify(upto)
-            except BaseException:
-                mark_failed("the collective schedule's checks")  # [Note: memory a failed collective may still write]
+            except BaseException as err:
+                self.failed_wait("the collective schedule's checks", err)  # queued collectives may still write
                 raise
 
         return verify
@@ -248,8 +270,8 @@ class Comm(Collectives, PointToPoint):
         try:
             for g in self.guards:
                 g.verify(None)
-        except BaseException:
-            mark_failed("the collective schedule's checks")  # collectives issued before it may still be queued
+        except BaseException as err:
+            self.failed_wait("the collective schedule's checks", err)  # collectives issued before it may be queued
             raise
 
     def _check_peer(self, r: int, name: str, *, allow_self: bool) -> None:
@@ -280,6 +302,7 @@ class Comm(Collectives, PointToPoint):
             raise ValueError(f"ranks_list must cover every rank of the group; missing {absent}")
         if self.size == 1:
             return self
+        self.refuse_if_failed("split")
         parts = [sorted(self._global_ranks[r] for r in ranks) for ranks in ranks_list]
         me = self._global_ranks[self.rank]
         mine: dist.ProcessGroup | None = None

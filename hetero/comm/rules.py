@@ -74,11 +74,32 @@ def set_world_rules(rules: Rules) -> None:
 # (`Storage.free_buffer`). The group is unusable after such an error anyway.
 FAILED: list[str] = []
 
+# [Note: a group no collective may use after a failure]
+# The collectives queued with a failed one stay queued, and the ranks no longer agree on where in their sequence they
+# are, so a later collective on the group pairs with one of them: gloo ends the process natively when their sizes
+# differ ("Received data size doesn't match", SIGABRT, no Python error), else mixes the data. A notebook or a retry
+# loop that caught the error and built a new engine died so (the new engine's first collective met a gather one rank
+# had issued before the mismatch). So each group whose wait failed is recorded here with what failed, and every later
+# operation a `Comm` issues on it raises `GroupUnusableError` before anything is issued (`Comm.refuse_if_failed`),
+# saying to restart every rank. The record is per group, not per process: a pipeline stage whose data-parallel
+# gather failed still sends its stopped marks to the other stages through the pipeline's own group ([Note: a stage
+# that raises] in hetero/parallel/pipeline/runtime.py), and a group made afterwards starts with nothing queued.
+BROKEN: dict[Any, str] = {}
 
-def mark_failed(what: str) -> None:
-    """A wait on `what` failed: collectives of this process may still write into their outputs."""
+
+def mark_failed(what: str, *groups: Any) -> None:
+    """A wait on `what` failed: collectives of this process may still write into their outputs, and `groups` (process
+    groups) take no further operation ([Note: a group no collective may use after a failure])."""
     if not FAILED:
         FAILED.append(what)
+    for g in groups:
+        if g is not None:
+            BROKEN.setdefault(g, what)
+
+
+def group_failed(group: Any) -> str | None:
+    """What failed first on `group` in this process, or None while it is usable."""
+    return BROKEN.get(group) if group is not None else None
 
 
 def collective_failed() -> str | None:

@@ -167,7 +167,8 @@ class Checker:
                 try:
                     self.verify(self.seq)
                 except BaseException:
-                    mark_failed(what)  # [Note: memory a failed collective may still write] in hetero/comm/rules.py
+                    # [Note: memory a failed collective may still write] in hetero/comm/rules.py; the groups too
+                    mark_failed(what, self.comm.group, self.comm.control.group)
                     raise
 
     def close(self) -> None:
