@@ -97,6 +97,7 @@ def initialize(
     device: torch.device | str | None = None,
     weights: str | os.PathLike | None = None,
     strict_weights: bool = False,
+    pipeline_cut_from: str | os.PathLike | None = None,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
@@ -106,6 +107,8 @@ def initialize(
     CPU. The model may be on the meta device (`hetero.lazy_init()`): it is initialised straight into chunks. weights:
     a .safetensors or .bin file, a directory of them or a Hugging Face index, streamed into the chunks instead
     (hetero/zero/weights.py); strict_weights makes keys the model does not have an error rather than a warning.
+    pipeline_cut_from: the checkpoint this run will resume from (`engine.load_checkpoint` it after): pipeline_split
+    "auto" cuts the stages where it was cut instead of timing them ([Note: the cut a checkpoint records]).
     optimizer None: an inference engine (forward only, no gradients). lr_scheduler: a scheduler built on `optimizer`;
     the engine steps it once per real update (see `Engine.step`) and saves it in checkpoints.
     """
@@ -119,6 +122,7 @@ def initialize(
         device=device,
         weights=weights,
         strict_weights=strict_weights,
+        pipeline_cut_from=pipeline_cut_from,
     )
 
 
@@ -134,6 +138,7 @@ class Engine(DeepSpeedNames):
         device: torch.device | str | None = None,
         weights: str | os.PathLike | None = None,
         strict_weights: bool = False,
+        pipeline_cut_from: str | os.PathLike | None = None,
     ) -> None:
         self.config = config
         self.inference = optimizer is None  # forward only: every chunk frozen, no gradients, no update
@@ -160,8 +165,13 @@ class Engine(DeepSpeedNames):
         if config.activation_checkpointing and config.parallel.pipeline > 1:
             choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block
         # Tensor and pipeline degrees split the world; the model is cut to this rank's stages and sharded in place.
+        saved_cut = None
+        if pipeline_cut_from is not None and config.parallel.pipeline > 1:
+            from hetero.checkpoint.describe import read_cut
+
+            saved_cut = read_cut(pipeline_cut_from)  # every rank reads it; setup_parallel agrees on it
         self.mesh, self.stages, self.comm, tied = setup_parallel(
-            model, optimizer, config.parallel, world, self.device
+            model, optimizer, config.parallel, world, self.device, saved_cut
         )  # comm: the group ZeRO shards and reduces over (data-parallel; with Chimera, both replicas' ranks)
         # The tensor (or sequence) group's ranks agree on each batch before a layer runs ([Note: a batch agreed over
         # the model-parallel group]); the values too while the collective schedule is checked.

@@ -3,6 +3,8 @@ the model and its small state (random states, mid-accumulation bookkeeping), a H
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -12,9 +14,13 @@ from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.plan import model_buffers
+from hetero.errors import CheckpointError
+from hetero.parallel.pipeline.split import Cut
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
+
+log = logging.getLogger("hetero.checkpoint")
 
 
 def rank_info(engine: Engine, fname: str) -> dict[str, Any]:
@@ -107,7 +113,48 @@ def layout(engine: Engine) -> dict[str, Any]:
         "tensor_mode": par.tensor_mode(engine),
         "chunks": [zc.spec.capacity for zc in engine.chunks],
         "ranks": par.world(engine).size,  # every rank of the job: one file each
+        # Where the pipeline's stages begin and why (None without one): [Note: the cut a checkpoint records]
+        "pipeline_cut": engine.stages[0].cut.record() if engine.stages and engine.stages[0].cut else None,
     }
+
+
+def read_cut(path: str | os.PathLike) -> dict[str, Any]:
+    """The pipeline cut the checkpoint `path` (a root or a checkpoint directory) records, for `hetero.initialize(...,
+    pipeline_cut_from=path)`: {"source", "cut" (None if it records none), "error" (why it cannot be read, or None)};
+    the error is returned, not raised, so that every rank learns of it before any raises."""
+    try:
+        directory = mf.resolve(path)
+        return {"source": directory, "cut": mf.read_manifest(directory)["layout"].get("pipeline_cut"), "error": None}
+    except Exception as e:  # noqa: BLE001 (said on every rank by the caller)
+        return {"source": os.fspath(path), "cut": None, "error": f"{type(e).__name__}: {e}"}
+
+
+def check_cut(engine: Engine, manifest: dict[str, Any], directory: str) -> None:
+    """A checkpoint of another pipeline cut: refused with pending gradients, else loaded with a warning; both name
+    the saved cut and the `pipeline_split` that reproduces it ([Note: the cut a checkpoint records])."""
+    record = manifest["layout"].get("pipeline_cut")
+    mine = engine.stages[0].cut if engine.stages else None
+    if record is None or mine is None or list(record["split"]) == list(mine.split):
+        return
+    saved = Cut.of(record)
+    what = f"{directory} was saved on the pipeline cut where {saved.describe()}; this engine's {mine.describe()}"
+    fix = (
+        f'parallel.pipeline_split: {list(saved.split)!r}, or pipeline_split "auto" with hetero.initialize(..., '
+        f"pipeline_cut_from={directory!r})"
+    )
+    if manifest["engine"]["pending_grads"]:
+        raise CheckpointError(
+            f"{what}. It was saved in the middle of gradient accumulation (micro-step "
+            f"{manifest['engine']['micro_steps']}): its pending gradients are each stage's own and load only into "
+            f"the saved cut. Initialize the engine with {fix}, then load it; or load a checkpoint saved at an "
+            "accumulation boundary"
+        )
+    log.warning(
+        "%s. Weights and optimizer states load by name, so training goes on on this cut; a bit-exact resume needs "
+        "the saved one (the gradient norm sums its squares stage by stage, grouped by the cut): initialize with %s",
+        what,
+        fix,
+    )
 
 
 def model_table(engine: Engine) -> dict[str, Any]:

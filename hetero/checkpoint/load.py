@@ -26,6 +26,7 @@ import torch
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import agree, identity, same_checkpoint
+from hetero.checkpoint.describe import check_cut
 from hetero.checkpoint.plan import Checkers, model_buffers, read_part
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError
@@ -180,6 +181,7 @@ def _open(engine: Engine, path: str | os.PathLike, *, scheduler: Any) -> tuple[s
         raise
     extra = _read_state(directory)
     _check_compatible(engine, manifest, directory)
+    check_cut(engine, manifest, directory)  # before the chunk sizes: a cut of its own names what to set
     groups = len(engine.optimizer.param_groups)
     if len(extra["param_groups"]) != groups:
         raise CheckpointError(

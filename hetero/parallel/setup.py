@@ -31,7 +31,7 @@ from hetero.config import ParallelConfig
 from hetero.device import Device
 from hetero.errors import ConfigError
 from hetero.parallel.mesh import Mesh
-from hetero.parallel.pipeline.balance import unit_costs
+from hetero.parallel.pipeline.balance import choose_cut
 from hetero.parallel.pipeline.chimera import replica_group
 from hetero.parallel.pipeline.hf import owned, split_sequence
 from hetero.parallel.pipeline.split import StageChunk, cut_stages, units_of
@@ -41,12 +41,18 @@ log = logging.getLogger("hetero.parallel")
 
 
 def setup_parallel(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: ParallelConfig, world: Comm, device: Device
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    cfg: ParallelConfig,
+    world: Comm,
+    device: Device,
+    saved_cut: dict[str, Any] | None = None,
 ) -> tuple[Mesh, list[StageChunk] | None, Comm, tuple[Ties, dict] | None]:
     """The mesh over `world`, this rank's pipeline chunks (None without a pipeline), the group ZeRO shards over
     (the data-parallel group; with Chimera, that of both replicas of this rank's stages) and the parameters tied
     across pipeline ranks with their groups (None when there are none: pipeline/tied.py); the model is cut and
-    tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has."""
+    tensor-sharded in place, and the optimizer's groups keep only the parameters this rank still has. saved_cut: the
+    pipeline cut a checkpoint records (`checkpoint.describe.read_cut`), which "auto" follows."""
     split = cfg.split_sequence  # Ulysses / ring: the `tensor` ranks split the sequence, inside ZeRO's group
     mesh = Mesh.build(
         world,
@@ -86,19 +92,29 @@ def setup_parallel(
     if cfg.pipeline > 1:
         _check_chain(model)
         units = [(n, owned(n, u)) for n, u in units_of(model)]
-        costs = None
-        if cfg.pipeline_split == "auto":
-            costs, basis = unit_costs(model, units_of(model), given=cfg.pipeline_costs, world=world, device=device)
-            log.info("pipeline stages balanced by %s%s", basis, f": {[f'{c:.3g}' for c in costs]}" if costs else "")
+        split_at, costs, basis, source = choose_cut(
+            model,
+            units_of(model),
+            split=cfg.pipeline_split,
+            given=cfg.pipeline_costs,
+            stages=cfg.pipeline * cfg.virtual_stages,
+            world=world,
+            device=device,
+            saved=saved_cut,
+        )
         chunks, ties = cut_stages(
             model,
             rank=mesh.pp_rank,
             ranks=cfg.pipeline,
             virtual=cfg.virtual_stages,
-            split=cfg.pipeline_split,
+            split=split_at,
             costs=costs,
             bidirectional=chimera,
+            basis=basis,
+            source=source,
         )
+        if chunks[0].cut is not None:  # which cut, and why: timed, saved or given
+            log.info("pipeline cut: %s", chunks[0].cut.describe())
         if ties.sets:  # every rank makes every tie group, also those it is not in
             tied = ties, tie_groups(ties, mesh, world)
         kept = {id(p) for p in model.parameters()}

@@ -15,7 +15,8 @@ context, capped), or one row of features when it begins with a linear layer; a m
 `pipeline_costs`, else its units are balanced by parameters (logged). Every rank must cut alike while timings differ
 from rank to rank, so the timings are averaged over the world and rank 0's result is broadcast: the split comes
 from state every rank shares. The random state is restored after the warm-up, so dropout draws what it would have
-without it.
+without it. A run that resumes a checkpoint (`hetero.initialize(..., pipeline_cut_from=CKPT)`) cuts where that
+checkpoint's run cut instead of timing again: [Note: the cut a checkpoint records] in split.py.
 """
 
 from __future__ import annotations
@@ -31,12 +32,88 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.device import Device
+from hetero.errors import ConfigError
 from hetero.parallel.pipeline.runtime import PipelineError
+from hetero.parallel.pipeline.split import Cut, boundaries
 
 log = logging.getLogger("hetero.parallel")
 
 _REPEATS = 3  # timed forward+backward passes per unit, after one to warm up
 _SEQ_CAP = 256  # tokens in the timing sample at most
+
+
+def choose_cut(
+    model: nn.Module,
+    units: Sequence[tuple[str, nn.Module]],
+    *,
+    split: Sequence[str] | str,
+    given: Mapping[str, float] | Sequence[float] | None,
+    stages: int,
+    world: Comm,
+    device: Device,
+    saved: dict[str, Any] | None = None,
+) -> tuple[Sequence[str] | str, list[float] | None, str | None, str | None]:
+    """(split, costs, basis, source) for `split.cut_stages`: with "auto", the cut `saved` records (what
+    `checkpoint.describe.read_cut` read from the checkpoint `pipeline_cut_from` names) where there is one, else the
+    units' costs (`unit_costs`); a given split as it is, checked against a saved cut ([Note: the cut a checkpoint
+    records] in split.py). Every rank calls it and gets the same answer."""
+    names = [n for n, _ in units]
+    if saved is not None:
+        # Every rank read the checkpoint itself: one that could not, or read another cut, stops them all alike.
+        views = world.all_gather_object((saved.get("error"), saved.get("cut")))
+        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(views) if e is not None]
+        if failed:
+            raise ConfigError(f"pipeline_cut_from {saved['source']!r} cannot be read: {'; '.join(failed)}")
+        if any(c != views[0][1] for _, c in views):
+            raise ConfigError(
+                f"pipeline_cut_from {saved['source']!r}: the ranks read different cuts from it; every rank must see "
+                "the same checkpoint at the same path"
+            )
+        record = saved.get("cut")
+        if record is None:
+            log.warning(
+                "%s records no pipeline cut (saved without a pipeline, or by an older hetero): the stages are cut "
+                "as pipeline_split %r cuts them",
+                saved["source"],
+                split,
+            )
+        else:
+            cut = Cut.of(record, saved["source"])
+            _check_saved(cut, names, stages, split, units)
+            if split == "auto":
+                return cut.split, list(cut.costs) if cut.costs is not None else None, cut.basis, cut.source
+    if split != "auto":
+        return split, None, None, None
+    costs, basis = unit_costs(model, units, given=given, world=world, device=device)
+    if costs is None:
+        log.info("pipeline stages balanced by parameters: %s", basis)
+        return split, None, "params", None
+    return split, costs, basis, None
+
+
+def _check_saved(
+    cut: Cut, names: list[str], stages: int, split: Sequence[str] | str, units: Sequence[tuple[str, nn.Module]]
+) -> None:
+    """Refuse a saved cut this run cannot train on, naming it and what to set."""
+    where = f"pipeline_cut_from {cut.source!r}: its {len(cut.split) + 1} {cut.describe()}"
+    if list(cut.units) != names:
+        raise ConfigError(
+            f"{where}, over the units {', '.join(cut.units)}; this model's units are {', '.join(names)}: it is another "
+            "model. Build the model the checkpoint was saved from, or drop pipeline_cut_from"
+        )
+    if len(cut.split) + 1 != stages:
+        raise ConfigError(
+            f"{where}; this run has {stages} stages (parallel.pipeline x virtual_stages): set them as the run that "
+            "saved it did (a checkpoint loads only into the same pipeline degree), or drop pipeline_cut_from"
+        )
+    if split == "auto":
+        return
+    mine = list(split) if not isinstance(split, str) else [names[i] for i in boundaries(units, stages, split)[1:]]
+    if mine != list(cut.split):
+        raise ConfigError(
+            f"{where}; parallel.pipeline_split {split!r} begins them at {', '.join(mine)}. Set pipeline_split "
+            f'to {list(cut.split)!r} or "auto" to train on the saved cut, or drop pipeline_cut_from to train on yours'
+        )
 
 
 def given_costs(names: Sequence[str], costs: Mapping[str, float] | Sequence[float]) -> list[float]:

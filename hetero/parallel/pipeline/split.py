@@ -28,6 +28,56 @@ from hetero.parallel.pipeline.hf import bind_microbatch, hf_units, is_hf_decoder
 from hetero.parallel.pipeline.tied import Ties, find_ties
 
 
+# [Note: the cut a checkpoint records]
+# "auto" times the units, and timings vary from run to run: about 1 run in 12 of a 6-block GPTPipe over 4 stages cut
+# apart from the run before. Weights and optimizer states load into another cut by name, but a checkpoint saved
+# mid-accumulation holds each rank's pending gradients of its own stage's parameters, and the cut decides which ranks
+# add which squares in the gradient norm (and so its rounding): a bit-exact resume needs the saved cut. So every
+# checkpoint records its cut (the layout's "pipeline_cut": the units, where stages begin, how the cut was found and
+# the costs it balanced), `hetero.initialize(..., pipeline_cut_from=CKPT)` cuts "auto" there instead of timing (a
+# cut can only change before the model is split), and a load into another cut names the saved one and the
+# `pipeline_split` that reproduces it: an error mid-accumulation, a warning at a step boundary.
+@dataclass(frozen=True)
+class Cut:
+    """Where the pipeline's virtual stages begin, and why ([Note: the cut a checkpoint records])."""
+
+    units: tuple[str, ...]  # every unit of the whole model, in order
+    split: tuple[str, ...]  # the units where stages 1.. begin: a `pipeline_split` that gives this cut
+    basis: str  # "timed" | "flops" | "given" (pipeline_costs) | "params" | "split" (pipeline_split's FQNs)
+    costs: tuple[float, ...] | None = None  # what "auto" balanced, one per unit
+    source: str | None = None  # the checkpoint this cut was read from (not recorded)
+
+    def record(self) -> dict[str, Any]:
+        """The cut as a checkpoint's layout holds it (JSON)."""
+        costs = list(self.costs) if self.costs is not None else None
+        return {"units": list(self.units), "split": list(self.split), "basis": self.basis, "costs": costs}
+
+    @classmethod
+    def of(cls, record: dict[str, Any], source: str | None = None) -> Cut:
+        costs = record.get("costs")
+        return cls(
+            tuple(record["units"]),
+            tuple(record["split"]),
+            str(record.get("basis", "split")),
+            tuple(float(c) for c in costs) if costs is not None else None,
+            source,
+        )
+
+    def describe(self) -> str:
+        """Where the stages begin and why, for log lines and errors."""
+        why = {
+            "timed": "balanced by the units' times in a warm-up",
+            "flops": "balanced by the units' FLOPs",
+            "given": "balanced by parallel.pipeline_costs",
+            "params": "balanced by parameter counts",
+            "split": "given by parallel.pipeline_split",
+        }.get(self.basis, self.basis)
+        if self.source is not None:
+            why = f"saved in {self.source}, {why} there"
+        costs = f"; costs {[float(f'{c:.3g}') for c in self.costs]}" if self.costs is not None else ""
+        return f"stages begin at {', '.join([self.units[0], *self.split])} ({why}{costs})"
+
+
 @dataclass(eq=False)
 class StageChunk:
     """One model chunk: a run of units, virtual stage `index` of `count`."""
@@ -37,6 +87,7 @@ class StageChunk:
     units: list[tuple[str, nn.Module]]
     # Every parameter name of the whole model before the cut: a checkpoint of another cut holds them on other stages.
     model_params: frozenset[str] = frozenset()
+    cut: Cut | None = None  # the whole pipeline's cut, the same on every rank
 
     @property
     def first(self) -> bool:
@@ -208,11 +259,18 @@ def cut_stages(
     split: Sequence[str] | str,
     costs: Sequence[float] | None = None,
     bidirectional: bool = False,
+    basis: str | None = None,
+    source: str | None = None,
 ) -> tuple[list[StageChunk], Ties]:
-    """`keep_stages`, and the parameters this rank shares with other pipeline ranks (tied.py)."""
+    """`keep_stages`, and the parameters this rank shares with other pipeline ranks (tied.py). basis: how `costs`
+    were found (balance.py), and source: the checkpoint a split was read from, for the chunks' `cut`."""
     units = units_of(model)
     count = ranks * virtual
     starts = boundaries(units, count, split, costs) + [len(units)]
+    names = tuple(n for n, _ in units)
+    if basis is None:
+        basis = "split" if not isinstance(split, str) else "given" if split == "auto" and costs else "params"
+    cut = Cut(names, tuple(names[i] for i in starts[1:-1]), basis, _floats(costs), source)
     groups = [units[starts[i] : starts[i + 1]] for i in range(count)]
 
     def holders(s: int) -> list[int]:  # the pipeline ranks that hold stage s
@@ -228,7 +286,11 @@ def cut_stages(
                 parent_name, _, leaf = part.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
-    return [StageChunk(i, count, groups[i], every) for i in mine], ties
+    return [StageChunk(i, count, groups[i], every, cut) for i in mine], ties
+
+
+def _floats(costs: Sequence[float] | None) -> tuple[float, ...] | None:
+    return tuple(float(c) for c in costs) if costs is not None else None
 
 
 def _numel(m: nn.Module) -> int:
