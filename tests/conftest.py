@@ -1,9 +1,10 @@
 import os
+from concurrent.futures import Executor, Future
 
 import pytest
 import torch
 
-from hetero.memory import ChunkManager
+from hetero.memory import ChunkManager, moves
 
 
 @pytest.fixture(autouse=True)
@@ -90,3 +91,46 @@ def pytest_runtest_logreport(report):
     if path and report.failed and os.environ.get("PYTEST_XDIST_WORKER") is None:
         with open(path, "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+class _Copies(Executor):
+    """The move workers, on the driving thread: `at_once`, or held until it waits for a move. Where a test's count
+    depends on whether a copy landed before the manager looked again, forcing one ordering makes it exact."""
+
+    def __init__(self) -> None:
+        self.at_once = False
+        self.held: list[tuple[Future, object, tuple]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: Future = Future()
+        self.held.append((future, fn, args))
+        if self.at_once:
+            self.release()
+        return future
+
+    def release(self) -> None:
+        while self.held:
+            future, fn, args = self.held.pop(0)
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """Every manager made in the test copies on the driving thread through one `_Copies` (see there)."""
+    made = _Copies()
+    monkeypatch.setattr(moves, "ThreadPoolExecutor", lambda *a, **k: made)
+    real_wait = moves.wait
+
+    def wait(futures, *a, **k):  # the driving thread waits for a move: what is held runs now, in order
+        made.release()
+        return real_wait(futures, *a, **k)
+
+    monkeypatch.setattr(moves, "wait", wait)
+    yield made
+    # A test that failed with copies held: run them, or closing its managers (after this teardown: the real `wait`
+    # back) would wait for them for ever.
+    made.at_once = True
+    made.release()

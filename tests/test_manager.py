@@ -44,7 +44,9 @@ def _check_ledgers(m):
             c.nbytes
             for c in m.chunks
             if (c.tier == tier and c.payload is not None and c.state is ChunkState.RESIDENT)
-            or (c.move is not None and (c.move.src == tier or c.move.dst == tier) and tier is not Tier.NVME)
+            or (c.move is not None and c.move.dst == tier)
+            # a move's source buffer handed to a chained copy is counted once, as the copy's destination
+            or (c.move is not None and c.move.src == tier and not c.move.handed_off)
             or (c.move is not None and c.move.staging is not None and tier is Tier.HOST)
         )
         ledger = m.ledgers[tier]

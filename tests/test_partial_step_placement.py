@@ -1,57 +1,19 @@
 """Where a partial step (`step_end(keep=False)`) leaves the chunks does not depend on when its copies landed
 ([Note: a partial step takes its prefetches back] in hetero/memory/prefetch.py).
 
-The move workers are replaced by `_Copies`, which runs their jobs on the driving thread, either at once (every
-eviction is done before room-making looks again, so a prefetch starts in the same access: the ordering that came in
-1-5% of runs) or held until the driving thread waits for a move (room-making never sees its evictions done: the usual
-ordering). Either is forced, not hoped for. (Swap moves skip the workers: with NVMe the store's threads copy.)"""
-
-from concurrent.futures import Executor, Future
+The move workers are replaced by the `copies` fixture (tests/conftest.py), which runs their jobs on the driving
+thread, either at once (every eviction is done before room-making looks again, so a prefetch starts in the same
+access: the ordering that came in 1-5% of runs) or held until the driving thread waits for a move (room-making never
+sees its evictions done: the usual ordering). Either is forced, not hoped for. (Swap moves skip the workers: with
+NVMe the store's threads copy.)"""
 
 import pytest
 import torch
 
-from hetero.memory import TensorState, Tier, moves
+from hetero.memory import TensorState, Tier
 
 NUMEL = 1024
 LAYERS = 8
-
-
-class _Copies(Executor):
-    """The move workers, on the driving thread: `at_once`, or held until it waits for a move."""
-
-    def __init__(self) -> None:
-        self.at_once = False
-        self.held: list[tuple[Future, object, tuple]] = []
-
-    def submit(self, fn, /, *args, **kwargs):
-        future: Future = Future()
-        self.held.append((future, fn, args))
-        if self.at_once:
-            self.release()
-        return future
-
-    def release(self) -> None:
-        while self.held:
-            future, fn, args = self.held.pop(0)
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:
-                future.set_exception(e)
-
-
-@pytest.fixture
-def copies(monkeypatch):
-    made = _Copies()
-    monkeypatch.setattr(moves, "ThreadPoolExecutor", lambda *a, **k: made)
-    real_wait = moves.wait
-
-    def wait(futures, *a, **k):  # the driving thread waits for a move: what is held runs now, in order
-        made.release()
-        return real_wait(futures, *a, **k)
-
-    monkeypatch.setattr(moves, "wait", wait)
-    return made
 
 
 def _layers(m, tier):

@@ -295,3 +295,89 @@ def test_prefetch_leaves_a_chunk_held_where_it_is(make_manager, monkeypatch, hel
     else:
         landed.set_result(None)
     assert torch.equal(m.access(a, Tier.DEVICE), torch.full((NUMEL,), 42.0))
+
+
+def _full_device_with_an_eviction_in_flight(make_manager, copies):
+    """A device of two chunks, both dirty; `a`'s eviction held on the driving thread (`copies`), then a prefetch of
+    `wanted` from the host."""
+    m = make_manager(device_budget=2 * NUMEL * 4)
+    wanted, ws, wbits = _filled(m, seed=1)  # on the host
+    a, sa, abits = _filled(m, tier=Tier.DEVICE, seed=2)
+    b, _, _ = _filled(m, tier=Tier.DEVICE, seed=3)
+    copies.at_once = False
+    m.move(a, Tier.HOST, wait=False)  # its copy is held: its device buffer is still being read
+    m.prefetch([wanted], Tier.DEVICE)
+    return m, (wanted, ws, wbits), (a, sa, abits), b
+
+
+def _device_held(m) -> int:
+    """Device bytes the chunks hold, counted as `_host_held` counts the host's."""
+    held = 0
+    for c in m.chunks:
+        if c.move is None:
+            held += c.nbytes if c.tier is Tier.DEVICE and c.state is ChunkState.RESIDENT else 0
+        elif c.move.dst is Tier.DEVICE or (c.move.src is Tier.DEVICE and not c.move.handed_off):
+            held += c.nbytes
+    return held
+
+
+def test_prefetch_into_a_full_device_chains_behind_an_eviction(make_manager, copies):
+    """[Note: reads chained behind write-backs], device side: a prefetch from the host that finds the device full
+    while an eviction of a chunk of its size is in flight copies into that chunk's device buffer as soon as the
+    eviction is done, on the worker, instead of waiting for a later access to look again (with the eviction slower
+    than the compute between two accesses, the chunk was loaded on demand: `test_a_pipelined_batch_records_its_update`
+    in tests/test_trace_modes.py counted 3 such loads a step, now 2)."""
+    m, (wanted, ws, wbits), (a, sa, abits), b = _full_device_with_an_eviction_in_flight(make_manager, copies)
+    assert wanted.moving and m.counters["chained_reads"] == 1
+    assert b.tier is Tier.DEVICE and not b.moving  # nothing else was evicted for it
+    ledger = m.ledgers[Tier.DEVICE]
+    assert ledger.current == _device_held(m) and ledger.used <= ledger.budget
+    m.access(wanted, Tier.DEVICE)  # a hit: the eviction's copy runs first, then the chained copy
+    assert m.counters["prefetch_hits"] == 1 and m.counters.get("prefetch_misses", 0) == 0
+    assert torch.equal(wanted.view(ws), wbits)
+    m.synchronize()
+    assert a.tier is Tier.HOST and torch.equal(a.view(sa), abits)  # the eviction read its bytes before the copy
+    assert ledger.current == _device_held(m) == 2 * NUMEL * 4 and ledger.peak <= ledger.budget
+
+
+def test_a_failed_eviction_fails_its_chained_copy_and_keeps_its_buffer(make_manager, copies, monkeypatch):
+    m, (wanted, ws, wbits), (a, sa, abits), b = _full_device_with_an_eviction_in_flight(make_manager, copies)
+    assert wanted.moving and m.counters["chained_reads"] == 1
+    real = m.device.copy
+    failed = []
+
+    def copy(dst, src, **kwargs):
+        if not failed:  # the first copy run is the eviction's
+            failed.append(True)
+            raise RuntimeError("injected copy failure")
+        real(dst, src, **kwargs)
+
+    monkeypatch.setattr(m.device, "copy", copy)
+    with pytest.raises(RuntimeError, match="injected") as raised:
+        m.synchronize()
+    assert any("another move failed too" in n for n in raised.value.__notes__)
+    monkeypatch.setattr(m.device, "copy", real)
+    assert a.tier is Tier.DEVICE and torch.equal(a.view(sa), abits)  # the donor keeps its buffer and data
+    assert wanted.tier is Tier.HOST and torch.equal(wanted.view(ws), wbits)
+    assert m.ledgers[Tier.DEVICE].current == _device_held(m) == 2 * NUMEL * 4
+    m.access(wanted, Tier.DEVICE)  # and it can still come up, into memory of its own (b or a goes down)
+    assert torch.equal(wanted.view(ws), wbits)
+
+
+def test_a_transient_chunk_neither_lends_nor_takes_a_device_buffer(make_manager, copies):
+    """A transient chunk's device storage is its own ([Note: transient chunks] in manager.py): views outside hetero
+    hold it, so its buffer is never handed to another chunk, and it never takes one."""
+    m = make_manager(device_budget=2 * NUMEL * 4)
+    wanted, _, _ = _filled(m, seed=1)
+    t = m.new_chunk(dtype=torch.float32, capacity=NUMEL, transient=True)
+    st = t.add_tensor("gathered", (NUMEL,))
+    m.access(t, Tier.DEVICE)
+    t.view(st).fill_(1.0)
+    t.set_state(st, TensorState.HOLD)
+    _filled(m, tier=Tier.DEVICE, seed=3)
+    copies.at_once = False
+    m.move(t, Tier.HOST, wait=False)
+    m.prefetch([wanted], Tier.DEVICE)
+    assert m.counters.get("chained_reads", 0) == 0
+    m.synchronize()
+    assert torch.equal(t.view(st) if t.tier is Tier.HOST else t.payload, torch.ones(NUMEL))

@@ -7,12 +7,12 @@ move is started or seen finished, so no lock guards it. It is a small front over
 `room.py` (making room: eviction) and `prefetch.py` (moving ahead of use); the notes below say how they meet.
 
 [Note: making room]
-A move reserves its bytes on the destination tier when it starts and gives back the source's bytes when it
-finishes; a ledger therefore never undercounts, and a tier never exceeds its budget, even with many moves in
-flight. To make room on a tier the manager, in this order: reaps moves that have finished; frees cached
-buffers; waits for moves already leaving the tier; evicts a victim (the furthest next use by the trace, else the
-least recently used) one tier down, where a chunk whose tensors are all FREE is simply released. Prefetch makes room
-the same way but never blocks: it starts evictions and tries again at the next access (see `policy.py`).
+A move reserves its bytes on the destination tier when it starts and gives back the source's bytes when it finishes; a
+ledger therefore never undercounts, and a tier never exceeds its budget, even with many moves in flight. To make room on
+a tier the manager in turn reaps moves that have finished; frees cached buffers; waits for moves already leaving the
+tier; evicts a victim (the furthest next use by the trace, else the least recently used) one tier down, where a chunk
+whose tensors are all FREE is simply released. Prefetch makes room the same way but never blocks: it starts evictions
+and tries again at the next access, or chains behind one ([Note: reads chained behind write-backs]).
 
 [Note: prefetch needs room first]
 A prefetch cannot start its copy until the chunks it displaces have left (the ledger, like the memory, must not
@@ -22,15 +22,15 @@ evictions, earmarking the bytes on their way out so that two prefetches do not c
 prefetch over its use is therefore `prefetch_depth - 1` accesses once the device is full.
 
 [Note: reads chained behind write-backs]
-When the host is full of dirty chunks, the room a read from NVMe needs appears only once a write-back has finished,
-which is usually while the training thread is computing, not calling into the manager: a prefetch that waits for the
-next access to start would start late or not at all (and the access then reads inline). So a prefetch from NVMe to the
-host that finds no room may claim a write-back in flight of the same size and read into that chunk's host buffer as soon
-as its write is done, on the worker thread. The buffer changes hands without going back to the pool: the ledger keeps
-its bytes, now the incoming chunk's, so the budget holds throughout. If the write-back fails, its chunk keeps the buffer
-and the chained read fails too (the chunk stays on NVMe). A chained job waits only for a write-back already queued on
-the NVMe store, whose threads need nothing from the workers ([Note: swap moves skip the workers] in moves.py), or for a
-job submitted before it, which the workers (taking jobs in order) run first: the wait cannot deadlock.
+When a tier is full, the room a move up needs appears only once a move out of it ends, usually while the training thread
+computes, not while it calls into the manager: a prefetch waiting for the next access would start late or not at all. So
+a prefetch that finds no room may claim a same-size move out of the tier in flight and copy into that chunk's buffer
+once it is done, on the worker thread: a read from NVMe into a write-back's host buffer, or a copy from the host into an
+eviction's device buffer (never a transient chunk's: its storage is its own). The buffer changes hands without going
+back to the pool: the ledger keeps its bytes, now the incoming chunk's, so the budget holds. A donor whose move fails
+keeps the buffer, and the chained copy fails too. A chained job waits only for a write-back queued on the NVMe store,
+whose threads need nothing from the workers ([Note: swap moves skip the workers] in moves.py), or for a job submitted
+before it, which the workers (taking jobs in order) run first: it cannot deadlock.
 
 [Note: transient chunks]
 A transient chunk holds, on the device, a copy of data whose home is elsewhere (ZeRO-3's gathered parameters: the

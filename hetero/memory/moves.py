@@ -177,19 +177,25 @@ class Mover:
         return True
 
     def chain_read(self, chunk: Chunk, tier: Tier) -> bool:
-        """Read chunk from NVMe into the host buffer of a write-back in flight; see [Note: reads chained behind
-        write-backs]. True if started."""
-        if tier is not Tier.HOST or chunk.tier is not Tier.NVME or chunk.state is not ChunkState.RESIDENT:
+        """Move chunk up into `tier`, into the buffer of a move out of `tier` in flight: a read from NVMe into a
+        write-back's host buffer, or a copy from the host into an eviction's device buffer. See [Note: reads chained
+        behind write-backs]. True if started."""
+        if chunk.state is not ChunkState.RESIDENT or chunk.tier is None or chunk.tier <= tier:
             return False
+        if tier is Tier.HOST:
+            if chunk.tier is not Tier.NVME:
+                return False
+        elif chunk.tier is not Tier.HOST or chunk.transient:
+            return False  # NVMe -> device needs a staging hop; a transient chunk's device storage is its own
         donor = next(
             (
                 c
                 for c in self.moving.values()
-                if c.move.src is Tier.HOST
-                and c.move.dst is Tier.NVME
+                if c.move.src is tier
                 and not c.move.handed_off
                 and c.move.staging is None
                 and c.nbytes == chunk.nbytes
+                and not (tier is Tier.DEVICE and c.transient)  # its device storage is its own (`kept`): never lent
                 and not c.move.future.done()  # a finished one gives its buffer back at the next poll: use that
             ),
             None,
@@ -199,10 +205,15 @@ class Mover:
         donor.move.handed_off = True
         after = donor.move.future
         buf = donor.payload.view(torch.uint8).view(chunk.dtype)
-        future = self.workers.submit(self._chained_read_job, after, chunk.id, buf[chunk.stored_from :])
-        skipped = chunk.stored_from * chunk.dtype.itemsize
+        if tier is Tier.HOST:
+            future = self.workers.submit(self._chained_read_job, after, chunk.id, buf[chunk.stored_from :])
+            skipped = chunk.stored_from * chunk.dtype.itemsize
+        else:  # after compute queued so far, as any copy into device memory ([Note: copies off the compute stream])
+            marker = self.device.compute_marker()
+            future = self.workers.submit(self._chained_copy_job, after, buf, chunk.payload, marker)
+            skipped = 0
         chunk.move = Move(
-            src=Tier.NVME, dst=tier, future=future, new_payload=buf, prefetch=True, after=after, skipped=skipped
+            src=chunk.tier, dst=tier, future=future, new_payload=buf, prefetch=True, after=after, skipped=skipped
         )
         chunk.transition(ChunkState.MOVING)
         self.moving[chunk.id] = chunk
@@ -281,6 +292,16 @@ class Mover:
         after.result()
         start = time.perf_counter()
         self.storage.store.read(key, dst_buf).result()
+        return start, time.perf_counter()
+
+    def _chained_copy_job(
+        self, after: Future, dst_buf: torch.Tensor, src_buf: torch.Tensor, marker: Any
+    ) -> tuple[float, float]:
+        """Runs on a worker thread: wait for the donor's eviction (raising its error: its bytes are still being read
+        from this buffer until then), then copy the host payload into its device buffer."""
+        after.result()
+        start = time.perf_counter()
+        self.device.copy(dst_buf, src_buf, after=marker)
         return start, time.perf_counter()
 
     # ---- finishing ----------------------------------------------------------------------------------------
