@@ -166,14 +166,23 @@ class Comm(Collectives, PointToPoint):
         process: [Note: a group no collective may use after a failure] in rules.py."""
         if self._local:
             return
-        failed = group_failed(self.group) or group_failed(self.control.group)
-        if failed is not None:
-            raise GroupUnusableError(
-                f"{op} on group {self._global_ranks} (global rank {self._global_ranks[self.rank]}) was refused: "
-                f"{failed} failed on this group earlier in this process (the ranks disagreed, or one timed out or "
-                f"died; that error was raised then). {RESTART}",
-                failed=failed,
+        found = group_failed(self.group) or group_failed(self.control.group)
+        if found is None:
+            return
+        failed, error = found
+        refused = f"{op} on group {self._global_ranks} (global rank {self._global_ranks[self.rank]}) was refused"
+        if isinstance(error, RankFailedError):  # the rank and its cause, as the failed wait said
+            raise RankFailedError(
+                f"{refused}: global rank {error.failed_rank} failed with {error.cause}, and {failed} stopped for it "
+                f"earlier in this process. {RESTART}",
+                failed_rank=error.failed_rank,
+                cause=error.cause,
             )
+        raise GroupUnusableError(
+            f"{refused}: {failed} failed on this group earlier in this process (the ranks disagreed, or one timed out "
+            f"or died; that error was raised then). {RESTART}",
+            failed=failed,
+        )
 
     def _check_data(self, op: str, *tensors: torch.Tensor) -> None:
         """A group that failed takes nothing more; NCCL's rule (and the stand-in's): data operations take device
@@ -215,8 +224,8 @@ class Comm(Collectives, PointToPoint):
             self.failed_wait(what, err)
             raise
         except RuntimeError as err:
-            self.failed_wait(what, err)
             if not (timed_out(err) or peer_gone(err)):
+                self.failed_wait(what, err)
                 raise
             raise self.failed_wait(what, self.timeout_error(what, err, peers=peers)) from err
         if ok is False:
@@ -224,7 +233,8 @@ class Comm(Collectives, PointToPoint):
 
     def failed_wait(self, what: str, error: BaseException) -> BaseException:
         """`what` failed on this group: the group takes nothing more, and `error` says so (returned, to raise)."""
-        mark_failed(what, self.group, self.control.group)  # [Note: a group no collective may use after a failure]
+        # Recorded for the group: [Note: a group no collective may use after a failure] in rules.py
+        mark_failed(what, self.group, self.control.group, error=error)
         if RESTART not in str(error) and RESTART not in getattr(error, "__notes__", ()):
             add_note(error, RESTART)
         return error

@@ -81,24 +81,25 @@ FAILED: list[str] = []
 # loop that caught the error and built a new engine died so (the new engine's first collective met a gather one rank
 # had issued before the mismatch). So each group whose wait failed is recorded here with what failed, and every later
 # operation a `Comm` issues on it raises `GroupUnusableError` before anything is issued (`Comm.refuse_if_failed`),
-# saying to restart every rank. The record is per group, not per process: a pipeline stage whose data-parallel
-# gather failed still sends its stopped marks to the other stages through the pipeline's own group ([Note: a stage
-# that raises] in hetero/parallel/pipeline/runtime.py), and a group made afterwards starts with nothing queued.
-BROKEN: dict[Any, str] = {}
+# saying to restart every rank; where another rank's own failure broke it, `RankFailedError` again, naming that rank.
+# The record is per group, not per process: a pipeline stage whose data-parallel gather failed still sends its
+# stopped marks to the other stages through the pipeline's own group ([Note: a stage that raises] in
+# hetero/parallel/pipeline/runtime.py), and a group made afterwards starts with nothing queued.
+BROKEN: dict[Any, tuple[str, BaseException | None]] = {}  # process group -> what failed first on it, and its error
 
 
-def mark_failed(what: str, *groups: Any) -> None:
-    """A wait on `what` failed: collectives of this process may still write into their outputs, and `groups` (process
-    groups) take no further operation ([Note: a group no collective may use after a failure])."""
+def mark_failed(what: str, *groups: Any, error: BaseException | None = None) -> None:
+    """A wait on `what` failed (with `error`): collectives of this process may still write into their outputs, and
+    `groups` (process groups) take no further operation ([Note: a group no collective may use after a failure])."""
     if not FAILED:
         FAILED.append(what)
     for g in groups:
         if g is not None:
-            BROKEN.setdefault(g, what)
+            BROKEN.setdefault(g, (what, error))
 
 
-def group_failed(group: Any) -> str | None:
-    """What failed first on `group` in this process, or None while it is usable."""
+def group_failed(group: Any) -> tuple[str, BaseException | None] | None:
+    """What failed first on `group` in this process and its error, or None while the group is usable."""
     return BROKEN.get(group) if group is not None else None
 
 
