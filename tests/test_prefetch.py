@@ -30,13 +30,14 @@ def _filled(m, *, tier=Tier.HOST, seed=0):
     return c, s, values
 
 
-def _host_held(m) -> int:
-    """Host bytes the chunks hold, counted independently: a buffer handed from a write-back to a read counts once."""
+def _held(m, tier=Tier.HOST) -> int:
+    """Bytes of `tier` the chunks hold, counted independently: a buffer handed from a move out of the tier to a
+    chained copy into it counts once."""
     held = 0
     for c in m.chunks:
         if c.move is None:
-            held += c.nbytes if c.tier is Tier.HOST and c.state is ChunkState.RESIDENT else 0
-        elif c.move.dst is Tier.HOST or (c.move.src is Tier.HOST and not c.move.handed_off):
+            held += c.nbytes if c.tier is tier and c.state is ChunkState.RESIDENT else 0
+        elif c.move.dst is tier or (c.move.src is tier and not c.move.handed_off):
             held += c.nbytes
     return held
 
@@ -85,17 +86,17 @@ def test_prefetch_into_a_full_host_chains_behind_a_write_back(make_manager):
     assert wanted.moving and m.counters["chained_reads"] == 1
     assert b.tier is Tier.HOST and not b.moving  # nothing else was evicted for it
     ledger = m.ledgers[Tier.HOST]
-    assert ledger.current == _host_held(m) and ledger.used <= ledger.budget
+    assert ledger.current == _held(m) and ledger.used <= ledger.budget
     gated.gate.set()
     m.access(wanted, Tier.HOST)  # a hit: waits for the chained read, issues no read of its own
     assert m.counters["prefetch_hits"] == 1 and m.counters.get("prefetch_misses", 0) == 0
     assert torch.equal(wanted.view(ws), wbits)
     m.synchronize()
-    assert a.tier is Tier.NVME and ledger.current == _host_held(m) == 2 * NUMEL * 4
+    assert a.tier is Tier.NVME and ledger.current == _held(m) == 2 * NUMEL * 4
     m.storage.store = gated.store
     m.access(a, Tier.HOST)  # the write-back that gave its buffer away wrote the right bytes
     assert torch.equal(a.view(sa), abits)
-    assert ledger.peak <= ledger.budget and ledger.current == _host_held(m)
+    assert ledger.peak <= ledger.budget and ledger.current == _held(m)
 
 
 def test_a_failed_write_back_fails_its_chained_read_and_keeps_its_buffer(make_manager):
@@ -109,7 +110,7 @@ def test_a_failed_write_back_fails_its_chained_read_and_keeps_its_buffer(make_ma
     m.storage.store = gated.store
     assert a.tier is Tier.HOST and torch.equal(a.view(sa), abits)  # the donor keeps its buffer and data
     assert wanted.tier is Tier.NVME and wanted.payload is None
-    assert m.ledgers[Tier.HOST].current == _host_held(m) == 2 * NUMEL * 4
+    assert m.ledgers[Tier.HOST].current == _held(m) == 2 * NUMEL * 4
     m.access(wanted, Tier.HOST)  # and it can still be read, into memory of its own
     assert torch.equal(wanted.view(ws), wbits)
 
@@ -310,17 +311,6 @@ def _full_device_with_an_eviction_in_flight(make_manager, copies):
     return m, (wanted, ws, wbits), (a, sa, abits), b
 
 
-def _device_held(m) -> int:
-    """Device bytes the chunks hold, counted as `_host_held` counts the host's."""
-    held = 0
-    for c in m.chunks:
-        if c.move is None:
-            held += c.nbytes if c.tier is Tier.DEVICE and c.state is ChunkState.RESIDENT else 0
-        elif c.move.dst is Tier.DEVICE or (c.move.src is Tier.DEVICE and not c.move.handed_off):
-            held += c.nbytes
-    return held
-
-
 def test_prefetch_into_a_full_device_chains_behind_an_eviction(make_manager, copies):
     """[Note: reads chained behind write-backs], device side: a prefetch from the host that finds the device full
     while an eviction of a chunk of its size is in flight copies into that chunk's device buffer as soon as the
@@ -331,13 +321,13 @@ def test_prefetch_into_a_full_device_chains_behind_an_eviction(make_manager, cop
     assert wanted.moving and m.counters["chained_reads"] == 1
     assert b.tier is Tier.DEVICE and not b.moving  # nothing else was evicted for it
     ledger = m.ledgers[Tier.DEVICE]
-    assert ledger.current == _device_held(m) and ledger.used <= ledger.budget
+    assert ledger.current == _held(m, Tier.DEVICE) and ledger.used <= ledger.budget
     m.access(wanted, Tier.DEVICE)  # a hit: the eviction's copy runs first, then the chained copy
     assert m.counters["prefetch_hits"] == 1 and m.counters.get("prefetch_misses", 0) == 0
     assert torch.equal(wanted.view(ws), wbits)
     m.synchronize()
     assert a.tier is Tier.HOST and torch.equal(a.view(sa), abits)  # the eviction read its bytes before the copy
-    assert ledger.current == _device_held(m) == 2 * NUMEL * 4 and ledger.peak <= ledger.budget
+    assert ledger.current == _held(m, Tier.DEVICE) == 2 * NUMEL * 4 and ledger.peak <= ledger.budget
 
 
 def test_a_failed_eviction_fails_its_chained_copy_and_keeps_its_buffer(make_manager, copies, monkeypatch):
@@ -359,7 +349,7 @@ def test_a_failed_eviction_fails_its_chained_copy_and_keeps_its_buffer(make_mana
     monkeypatch.setattr(m.device, "copy", real)
     assert a.tier is Tier.DEVICE and torch.equal(a.view(sa), abits)  # the donor keeps its buffer and data
     assert wanted.tier is Tier.HOST and torch.equal(wanted.view(ws), wbits)
-    assert m.ledgers[Tier.DEVICE].current == _device_held(m) == 2 * NUMEL * 4
+    assert m.ledgers[Tier.DEVICE].current == _held(m, Tier.DEVICE) == 2 * NUMEL * 4
     m.access(wanted, Tier.DEVICE)  # and it can still come up, into memory of its own (b or a goes down)
     assert torch.equal(wanted.view(ws), wbits)
 
