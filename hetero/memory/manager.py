@@ -418,7 +418,7 @@ class ChunkManager:
         try:
             self._mover.synchronize()  # every move ends, failed or not, before it raises
         except Exception as e:
-            log.warning("closing the manager: a move failed (%s); its chunk is freed too", e, extra={"all_ranks": True})
+            log.warning("closing the manager: a move in flight failed (%s); chunk freed", e, extra={"all_ranks": True})
         finally:
             for chunk in self._chunks.values():
                 if chunk.move is None:  # still moving (an interrupted wait): a worker may write its buffers yet
