@@ -227,9 +227,9 @@ def test_tensor_ranks_read_only_their_shards(tmp_path, layout):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("legacy", [False, True])
 def test_torch_files_give_each_tensor_rank_its_shards(tmp_path, legacy):
-    """A .bin file cannot be read in part: torch.load maps it (its zip format; a tensor's pages are read when a run of
-    it is copied) or, in the legacy format, loads it whole on every rank. Each rank still keeps its shards, the same
-    values as from_pretrained's."""
+    """torch's zip format is read as .safetensors are ([Note: reading torch's zip format without torch.load]): each
+    tensor rank reads its shards, plus the zip's magic and each storage's local header; the legacy format is loaded
+    whole by torch.load on every rank. Each rank keeps its shards, the same values as from_pretrained's."""
     torch.manual_seed(6)
     folder = str(tmp_path / "llama")
     model = transformers.LlamaForCausalLM(_config(False))
@@ -238,7 +238,10 @@ def test_torch_files_give_each_tensor_rank_its_shards(tmp_path, legacy):
     torch.save(model.state_dict(), path, _use_new_zipfile_serialization=not legacy)
     config = {"zero_stage": 2, "parallel": {"tensor": 2}}
     results = run_distributed(_rank_reads_its_shards, 2, folder, "llama", config, path, timeout=200)
-    assert [(n, wrong) for n, _, wrong in results] == [(0, [])] * 2  # nothing read through safetensors' reads
+    assert [wrong for _, _, wrong in results] == [[]] * 2
+    # The 4 bytes that tell a zip file, and each storage's local header (one storage per tensor here).
+    headers = 4 + (0 if legacy else 30 * len(model.state_dict()))
+    assert [n for n, _, _ in results] == [headers + (0 if legacy else own) for _, own, _ in results]
 
 
 class _Cut:

@@ -25,45 +25,26 @@ _DTYPES = {
 }  # fmt: skip
 
 
-class SafetensorsFile:
-    """One .safetensors file, read tensor by tensor with os.pread (see the note above)."""
+Entries = dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]  # key -> (dtype, shape, byte offset, byte size)
+
+
+class PositionedFile:
+    """A file holding each tensor contiguously at a byte range, read tensor by tensor (or element range by element
+    range) with positioned reads; a subclass reads its format's index of those ranges (`_index`)."""
+
+    kind = ""  # the format, for messages
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
         try:
-            self._entries = self._header()  # key -> (dtype, shape, absolute byte offset, byte size)
+            self._entries = self._index()
         except Exception:
             os.close(self._fd)
             raise
 
-    def _header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-        size = os.fstat(self._fd).st_size
-        try:
-            if size < 8:
-                raise ValueError(f"{size} bytes: no header")
-            n = int.from_bytes(self._pread(8, 0), "little")
-            if n > size - 8:
-                raise ValueError(f"the header says {n} bytes, the file holds {size - 8} after its length")
-            header = json.loads(self._pread(n, 8))
-            entries = {}
-            for key, e in header.items():
-                if key == "__metadata__":
-                    continue
-                if e["dtype"] not in _DTYPES:
-                    raise WeightsError(
-                        f"weights: {str(self.path)!r} holds {key!r} in dtype {e['dtype']}, which torch "
-                        f"{torch.__version__} has no type for here; convert it to one of {', '.join(_DTYPES)}"
-                    )
-                dtype, shape, (a, b) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-                if b - a != math.prod(shape) * dtype.itemsize or 8 + n + b > size:
-                    raise ValueError(f"{key!r} holds bytes {a}..{b} of {size - 8 - n}, for {e['dtype']} {shape}")
-                entries[key] = (dtype, shape, 8 + n + a, b - a)
-            return entries
-        except WeightsError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise unreadable(self.path, ".safetensors", e) from None
+    def _index(self) -> Entries:
+        raise NotImplementedError
 
     def _pread(self, n: int, offset: int, into: memoryview | None = None) -> bytearray | memoryview:
         buf = bytearray(n) if into is None else into
@@ -95,14 +76,48 @@ class SafetensorsFile:
             return torch.empty(0, dtype=dtype)
         try:
             data = self._pread((b - a) * dtype.itemsize, offset + a * dtype.itemsize, into)
-        except (ValueError, OSError) as e:  # changed under us since its header was read
-            raise unreadable(self.path, ".safetensors", e) from None
+        except (ValueError, OSError) as e:  # changed under us since its index was read
+            raise unreadable(self.path, self.kind, e) from None
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # shares data's memory
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class SafetensorsFile(PositionedFile):
+    """One .safetensors file, read tensor by tensor with os.pread (see the note above)."""
+
+    kind = ".safetensors"
+
+    def _index(self) -> Entries:
+        size = os.fstat(self._fd).st_size
+        try:
+            if size < 8:
+                raise ValueError(f"{size} bytes: no header")
+            n = int.from_bytes(self._pread(8, 0), "little")
+            if n > size - 8:
+                raise ValueError(f"the header says {n} bytes, the file holds {size - 8} after its length")
+            header = json.loads(self._pread(n, 8))
+            entries = {}
+            for key, e in header.items():
+                if key == "__metadata__":
+                    continue
+                if e["dtype"] not in _DTYPES:
+                    raise WeightsError(
+                        f"weights: {str(self.path)!r} holds {key!r} in dtype {e['dtype']}, which torch "
+                        f"{torch.__version__} has no type for here; convert it to one of {', '.join(_DTYPES)}"
+                    )
+                dtype, shape, (a, b) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+                if b - a != math.prod(shape) * dtype.itemsize or 8 + n + b > size:
+                    raise ValueError(f"{key!r} holds bytes {a}..{b} of {size - 8 - n}, for {e['dtype']} {shape}")
+                entries[key] = (dtype, shape, 8 + n + a, b - a)
+            return entries
+        except WeightsError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise unreadable(self.path, ".safetensors", e) from None
 
 
 def unreadable(f: Path, kind: str, e: Exception) -> WeightsError:

@@ -4,11 +4,11 @@
 `weights=` names a .safetensors or .bin (.pt, .pth) file, a directory of either (Hugging Face's own file names
 first, as from_pretrained reads them; a Trainer's state files never), or a Hugging Face sharded index
 (`*.safetensors.index.json`, `pytorch_model.bin.index.json`). safetensors files are read one tensor at a time
-with positioned reads ([Note: reading .safetensors without a memory map]; no safetensors package needed); torch files
-are loaded with `weights_only=True` (never unpickling code) and memory-mapped where their format allows, so a
-tensor's pages are read when it is copied (a rank's share or tensor-parallel shard: the pages it touches), and stay
-resident until the load ends; torch's legacy format cannot be mapped and is loaded whole by every rank: prefer
-.safetensors, which each rank reads only its share of.
+with positioned reads ([Note: reading .safetensors without a memory map]; no safetensors package needed), and so are
+torch.save's zip files (.bin since torch 1.6: [Note: reading torch's zip format without torch.load]). Other torch
+files (the legacy format, compressed members) are loaded by torch.load with `weights_only=True` (never unpickling
+code), memory-mapped where their format allows, so the pages a rank touches stay resident until the load ends; the
+legacy format cannot be mapped and is loaded whole by every rank.
 
 Names are the model's own `state_dict` keys. Like `from_pretrained`, a model with a `base_model_prefix` (GPT-2's
 "transformer", Llama's "model") takes weights saved from its base model (keys without the prefix) and a base model
@@ -43,6 +43,7 @@ from torch import nn
 from hetero.errors import WeightsError
 from hetero.zero import hf_names, shard_reads
 from hetero.zero.safetensors_file import SafetensorsFile, unreadable
+from hetero.zero.torch_zip_file import NotServed, TorchZipFile
 
 log = logging.getLogger("hetero.zero")
 _SAFE = (".safetensors",)
@@ -106,7 +107,7 @@ class WeightSource:
 
     def __init__(self, files: list[Path]) -> None:
         self._stack = contextlib.ExitStack()
-        self._where: dict[str, Any] = {}  # key -> its SafetensorsFile, or the loaded (memory-mapped) dict
+        self._where: dict[str, Any] = {}  # key -> its file (PositionedFile), or the dict torch.load gave
         try:
             for f in files:
                 self._open(f)
@@ -121,7 +122,15 @@ class WeightSource:
             for k in handle.names():
                 self._where[k] = handle
             return
-        state = _torch_load(f)
+        try:
+            handle = TorchZipFile(f)  # [Note: reading torch's zip format without torch.load]
+        except NotServed as why:
+            state = _torch_load(f, why)
+        else:
+            self._stack.callback(handle.close)
+            for k in handle.names():
+                self._where[k] = handle
+            return
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 self._where[k] = state
@@ -164,19 +173,27 @@ class WeightSource:
         self.close()
 
 
-def _torch_load(f: Path) -> dict[str, Any]:
+def _torch_load(f: Path, why: NotServed) -> dict[str, Any]:
+    """A torch file TorchZipFile does not read (`why`), loaded by torch.load: memory-mapped where it can be."""
     try:
-        try:
-            state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            log.warning(
-                "weights: %s is in torch's legacy format, which cannot be memory-mapped: every rank loads all of it "
-                "into host memory. Convert it to .safetensors to read only each rank's share",
-                f,
-            )
+        mapped = why.mappable
+        if mapped:
+            try:
+                state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                mapped = False  # torch's legacy format
+        if not mapped:
             state = torch.load(str(f), map_location="cpu", weights_only=True)
+        log.warning(
+            "weights: %s is loaded by torch.load, %s: %s",
+            f,
+            "memory-mapped (the pages each rank touches stay resident until the load ends)"
+            if mapped
+            else "whole into host memory on every rank (convert it to .safetensors to read only each rank's share)",
+            why,
+        )
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         if isinstance(e, pickle.UnpicklingError) and "weights only" in first.lower():
