@@ -1,18 +1,20 @@
 """One torch.save file (torch's zip format), read tensor by tensor with positioned reads, as .safetensors files are.
 
 [Note: reading torch's zip format without torch.load]
-`torch.load(mmap=True)` maps the file and every page a rank touches stays resident until the load ends (initialising
-a 136 MiB Llama from a .bin grew the RSS peak by 161 MiB, against 30 MiB from safetensors), and a rank cannot read
-only its share of a tensor without mapping it. torch.save's format since torch 1.6 is a zip archive of uncompressed
-members: `<archive>/data.pkl`, a pickle of the state_dict in which each tensor is a call to `_rebuild_tensor_v2` with
-a storage (a persistent id naming member `<archive>/data/<key>`, its dtype and size), an element offset, a shape and
-strides, and `<archive>/byteorder`. So the pickle is read with an unpickler that builds no tensor and knows only what
-a state_dict holds (the rebuild calls, storage types, dtypes, OrderedDict): any other global is refused, as
-`weights_only=True` refuses it; each storage member's data starts after its zip local header; and each tensor, or an
-element range of it, is read with positioned reads (`PositionedFile`, shared with .safetensors). What this reader
-does not serve goes back to torch.load, memory-mapped, with a line saying why (`NotServed`): the legacy format (not a
-zip), compressed members, another byte order, or globals torch allows that are not a plain tensor (a sparse or
-quantized tensor, a user's `add_safe_globals`). A non-contiguous tensor is read as the storage span it covers.
+`torch.load(mmap=True)` maps the file and every page a rank touches stays resident until the load ends: initialising
+a 136 MiB Llama from a .bin under 32/16 MiB budgets grew the RSS peak by 161 MiB (29 MiB read this way, as from
+sharded safetensors; benchmarks/init_weights_rss.py), and at stage 3 two ranks held 117 and 82 MiB of its pages.
+torch.save's format since torch 1.6 is a zip archive of uncompressed members: `<archive>/data.pkl`, a pickle of the
+state_dict in which each tensor is a call to `_rebuild_tensor_v2` (or v3) with a storage (a persistent id naming
+member `<archive>/data/<key>`, its dtype and size), an element offset, a shape and strides; and `<archive>/byteorder`.
+So the pickle is read with an unpickler that builds no tensor and knows only what a state_dict holds (the rebuild
+calls, storage types, dtypes, OrderedDict): any other global is refused, as `weights_only=True` refuses it; each
+storage member's data starts after its zip local header; and each tensor, or an element range of it, is read with
+positioned reads (`PositionedFile`, shared with .safetensors). What this reader does not serve goes back to
+torch.load with a line saying why (`NotServed`): the legacy format (not a zip) and compressed members loaded whole
+(mapped, a compressed member's bytes would be taken for its values), another byte order, or globals torch allows
+that are not a plain tensor (a sparse or quantized tensor, a user's `add_safe_globals`), memory-mapped. A
+non-contiguous tensor is read as the storage span it covers.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class WeightSource:
         return src[key] if isinstance(src, dict) else src.read(key)
 
     def read_elements(self, key: str, a: int, b: int, into: memoryview | None = None) -> torch.Tensor:
-        """Elements [a, b) of a tensor flattened, without reading the rest from a .safetensors file (a tile's rows,
+        """Elements [a, b) of a tensor flattened, without reading the rest from a PositionedFile (a tile's rows,
         [Note: initialising tiles] in materialize.py, or a rank's share: [Note: each rank reads its share]); written
         into `into` (exactly their bytes) when given, which the result then views."""
         src = self._where[key]
