@@ -305,12 +305,12 @@ def estimate(
         specs = build_layout(
             model, opt, chunk_numel=chunk_numel, world=zero_world, max_chunk_numel=cap_of(zero_world), tiling=cfg.tiling
         )
-        act, host_acts = _activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
+        act, host_acts = step_activations(model, inputs, batch_size=batch_size, seq_len=seq, dtype=dtype, cfg=cfg)
     else:  # with a pipeline: each pipeline rank of the layout ([Note: a layout's bytes per rank])
         ckpt = getattr(cfg, "activation_checkpointing", False)  # true, or the blocks' names, as the engine's
         offload = bool(ckpt) and bool(getattr(cfg, "activation_offload", False))
         ranks, zero_world = layout_ranks(model, opt, layout, world=world_size, chunk_numel=chunk_numel, dtype=dtype,
-                                         inputs=inputs or _lm_inputs(batch_size, seq), checkpointing=ckpt,
+                                         inputs=inputs or lm_inputs(batch_size, seq), checkpointing=ckpt,
                                          offload=offload, cap=cap_of, tiling=cfg.tiling)  # fmt: skip
         ckpt = bool(ckpt)
         host_acts = ranks[0][0].host_activations
@@ -394,19 +394,20 @@ def estimate(
     return est
 
 
-def _lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+def lm_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     # Two tensors, not one: the embedding saves input_ids and the loss its targets, and a model that does not shift
     # its labels itself is given labels of their own (a shifted copy), so one shared tensor undercounted them. (A
     # Hugging Face model called with labels=input_ids holds batch x seq x 8 bytes fewer than this counts.)
     return {k: torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
 
 
-def _activations(
+def step_activations(
     model: nn.Module, inputs: dict[str, Any] | None, *, batch_size: int, seq_len: int, dtype: torch.dtype, cfg: Config
 ) -> tuple[ActivationEstimate, int]:
-    """The step's activations on the device, and the bytes activation offload holds on the host."""
+    """The step's activations on the device, and the bytes activation offload holds on the host (the planner's
+    figure too: `planner.py`)."""
     checkpointing = getattr(cfg, "activation_checkpointing", False)  # true, or the blocks' names, as the engine's
-    inputs = inputs if inputs is not None else _lm_inputs(batch_size, seq_len)
+    inputs = inputs if inputs is not None else lm_inputs(batch_size, seq_len)
     try:
         act = meta_activation_bytes(model, inputs, dtype=dtype, checkpointing=checkpointing)
     except Exception as e:  # a forward that cannot run on meta tensors: say so, count nothing

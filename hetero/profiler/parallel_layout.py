@@ -258,7 +258,7 @@ def measure_units(model: nn.Module, units: list[Unit], inputs: dict[str, Any], d
         meter, firsts = meter_modules(
             model, inputs, {u.name: modules[u.name] for u in units if u.name in modules}, dtype=dtype
         )
-    except Exception as e:  # the whole-model estimate says the same (estimator._activations)
+    except Exception as e:  # the whole-model estimate says the same (estimator.step_activations)
         return f"not counted: forward on meta failed: {e}"
     for u in units:
         u.saved = meter.by_owner.get(u.name, 0)
@@ -303,7 +303,7 @@ def rank_parts(
             if n in held and id(p) not in seen:
                 seen.add(id(p))
                 params.append((n, p))
-        peak, host, why, sent = _rank_peak(
+        peak, host, why, sent = rank_peak(
             sharded, units, stage_units, layout, k, inputs, dtype, checkpointing, offload, sent
         )
         names = [u.name for s in mine for u in stage_units[s]]
@@ -311,7 +311,7 @@ def rank_parts(
     return parts, opt, zero_world * (2 if layout.chimera else 1)
 
 
-def _rank_peak(
+def rank_peak(
     model: nn.Module,
     units: list[Unit],
     stage_units: list[list[Unit]],

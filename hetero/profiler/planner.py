@@ -6,13 +6,28 @@ stage, offload placement) is checked against the machine with the estimator's ar
 once per tensor layout and pipeline degree and reused by the options that share them. The step time comes from the
 cost model of `cost_model.py` ([Note: the planner's cost model]); `benchmarks/planner_ranking.py` measures a
 handful of layouts on a machine and reports the rank correlation of predicted against measured step times.
+
+[Note: the planner's activation figure]
+What decides whether a layout fits is the estimator's activation figure: the step's peak on meta, temporaries of
+forward and backward, the logits and, with a pipeline, every micro-batch in flight and every tensor sent or received
+(`estimator.step_activations`, `parallel_layout.rank_peak`); the planner calls those same functions, so an option
+so checked has `hetero.estimate`'s activations for its config, byte for byte. What forward saves, walked over the
+schedule (`parallel_layout.walk`), costs a meta forward per tensor layout and rows; the step's peak costs a meta
+step per tensor layout and rows without a pipeline (the placements and micro-batch counts share it) and each
+pipeline rank's program per pipeline layout ([Note: micro-batches past the warm-up]): some 20 times the walk's time
+over a whole grid. So by default (`figure="confirm"`) the walk ranks every layout and the layouts of the first
+`confirm` fitting options are checked again with the step's peak, until those all have been: the walk is below the
+peak without checkpointing (a layout it passes may not fit), and with it may be above (a layout it refuses may fit:
+then missed, never wrongly passed). `figure="step"` checks every layout with the peak; `"saved"` with the walk only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +39,6 @@ from hetero.config_values import check_int
 from hetero.errors import ConfigError
 from hetero.profiler import estimator as E
 from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
-from hetero.profiler.estimate_args import NVME_PLACEHOLDER
 from hetero.profiler.machine import Machine
 from hetero.profiler.meta_models import as_model, as_optimizer, default_seq_len
 from hetero.profiler.parallel_layout import (
@@ -34,11 +48,13 @@ from hetero.profiler.parallel_layout import (
     measure_units,
     optimizer_view,
     pipeline_units,
+    rank_peak,
     stage_starts,
     walk,
 )
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.placement import TIERS, place
+from hetero.profiler.plan_config import option_config
 from hetero.profiler.rates import Rates
 from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, q_and_depth
 from hetero.progress import bar as make_bar
@@ -47,6 +63,13 @@ from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "chimera", "gpipe")
+# The activation figures an option can be checked with ([Note: the planner's activation figure]).
+FIGURES = {
+    "step": "the estimator's step peak on meta (hetero.estimate's figure), every layout",
+    "saved": "the saved bytes walked over the schedule, every layout (cheaper; hetero.estimate's figure decides)",
+    "confirm": "ranked with the saved bytes walked over the schedule, the first {confirm} fitting layouts confirmed "
+    "with the estimator's step peak (hetero.estimate's figure)",
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,8 @@ class Option:
     seconds: float  # predicted step time
     terms: dict[str, float]  # the cost model's terms ([Note: the planner's cost model])
     config: dict[str, Any]  # hetero.initialize's config for this option
+    activations: int = 0  # the busiest pipeline rank's activation bytes on the device, by `figure`
+    figure: str = "step"  # where `activations` comes from: "step" (the estimator's) or "saved"
 
     def label(self) -> str:
         lay = self.layout
@@ -80,6 +105,9 @@ class Plan:
     rates: Rates
     options: list[Option] = field(default_factory=list)  # fitting ones first, fastest first
     considered: int = 0
+    figure: str = "confirm"  # how the options' activations were counted (FIGURES)
+    confirm: int = 15  # under "confirm": the fitting options checked with the estimator's figure
+    seconds: float = 0.0  # how long planning took
 
     @property
     def best(self) -> Option | None:
@@ -93,6 +121,8 @@ class Plan:
             "machine": dataclasses.asdict(self.machine),
             "rates": self.rates.to_dict(),
             "considered": self.considered,
+            "activations": self.figure,
+            "planning_seconds": self.seconds,
             "options": [dataclasses.asdict(o) for o in self.options],
             "best": None if self.best is None else dataclasses.asdict(self.best),
         }
@@ -103,6 +133,7 @@ class Plan:
             f"{self.considered} layouts considered, {sum(o.fits for o in self.options)} fit",
             f"machine: {self.machine.describe()}",
             f"rates: {self.rates.describe()}",
+            f"activations: {FIGURES[self.figure].format(confirm=self.confirm)}",
             "cost model: compute / (1 - bubble) + tensor + pipeline + data + offload communication (hetero/profiler/"
             "cost_model.py, [Note: the planner's cost model])",
             "",
@@ -112,18 +143,13 @@ class Plan:
             terms = " ".join(f"{k} {v:.3g}" for k, v in o.terms.items() if v)
             lines.append(f"{i:>3}. {o.seconds:9.3f} s  {o.label()}")
             need = ", ".join(f"{t} {format_size(o.needed[t])}" for t in ("device", "host", "nvme"))
+            need += f" (activations {format_size(o.activations)}, {o.figure} figure)"
             lines.append(f"       {need}; {terms}")
         if not fitting:
             lines.append("nothing fits this machine: more ranks, more host memory or NVMe space")
         if self.best is not None:
-            lines += ["", "config to paste (hetero.initialize):", _pretty(self.best.config)]
+            lines += ["", "config to paste (hetero.initialize):", json.dumps(self.best.config, indent=2)]
         return "\n".join(lines)
-
-
-def _pretty(config: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(config, indent=2)
 
 
 def plan(
@@ -143,6 +169,8 @@ def plan(
     chunk_size: int | str = "auto",
     nvme_dir: str | None = None,
     tensor_plan: Any = "auto",
+    figure: str = "confirm",
+    confirm: int = 15,
 ) -> Plan:
     """Every layout of `world_size` ranks, checked against `machine` and ranked by `rates` (see the note).
 
@@ -153,7 +181,10 @@ def plan(
     tried (default: those this hetero's config accepts, `available_modes()`; others are ranked from their papers'
     figures, and their config is for the keys of hetero's tensor-mode work). nvme_dir: written into the configs
     that offload to NVMe (default a placeholder to replace). tensor_plan: as parallel.tensor_plan (default "auto":
-    the known model families'); a layout the plan cannot shard is left out.
+    the known model families'); a layout the plan cannot shard is left out. figure: the activation figure each
+    layout is checked with: "step", the estimator's; "saved", cheaper and lower; "confirm" (default): "saved" for
+    all, then the estimator's for the layouts of the first `confirm` fitting options, until those all have it
+    ([Note: the planner's activation figure]).
     """
     tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
     tensor_modes = (tensor_modes,) if isinstance(tensor_modes, str) else tuple(tensor_modes)  # "2d": one mode
@@ -162,6 +193,9 @@ def plan(
         raise ConfigError(
             f"tensor_modes: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, TENSOR_MODES))}"
         )
+    if figure not in FIGURES:
+        raise ConfigError(f"figure: unknown {figure!r}; choose from {', '.join(map(repr, FIGURES))}")
+    check_int("confirm", confirm, minimum=1, hint="(fitting options confirmed with the estimator's figure)")
     check_int("world_size", world_size, minimum=1, hint="(ranks in all)")
     if global_batch is not None:
         check_int("global_batch", global_batch, minimum=1, hint="(sequences per step, over every rank)")
@@ -183,7 +217,9 @@ def plan(
     shape = shape_of(model)
     prefetch = Config().prefetch_depth
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
-    out = Plan(world_size, batch, seq, machine, rates)
+    out = Plan(world_size, batch, seq, machine, rates, figure=figure, confirm=confirm)
+    started = time.perf_counter()
+    ckpt_cfg = Config.from_dict({"activation_checkpointing": checkpointing})
 
     @functools.cache
     def sharded_for(t: int, mode: str, sequence: str | None) -> tuple[nn.Module, Any, int]:
@@ -197,8 +233,7 @@ def plan(
         sharded = as_chain(sharded_for(t, mode, sequence)[0])  # cut as the estimator cuts it
         rows = rows if rows is not None else _batch_parts(mode, t)
         units, _ = pipeline_units(sharded)
-        ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
-        measure_units(sharded, units, {"input_ids": ids, "labels": ids}, dtype)
+        measure_units(sharded, units, E.lm_inputs(rows, seq), dtype)  # the estimator's inputs
         return sharded, units
 
     @functools.cache
@@ -222,8 +257,9 @@ def plan(
             result.append((k, mine, stage_units, specs, E.gathered_bytes(sharded, specs, dtype, None), zero_world))
         return result
 
-    def rank_layout(t: int, mode: str, sequence: str | None, p: int, sched: str, m: int) -> None:
-        """Every placement of one layout: its bytes checked against the machine, its step time predicted."""
+    def rank_layout(t: int, mode: str, sequence: str | None, p: int, sched: str, m: int, fig: str) -> None:
+        """Every placement of one layout: its bytes checked against the machine (activations by `fig`), its step
+        time predicted."""
         data = world_size // (t * p)
         if batch % (data * m):
             return
@@ -238,9 +274,7 @@ def plan(
             return  # a degree the model's shapes do not divide by
         if ranks is None:
             return
-        _, units_rows = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
-        by_name = {u.name: u for u in units_rows}
-        acts = [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
+        acts = rank_activations(t, mode, sequence, p, sched, m, virtual, rows, ranks, fig)
         idle = idle_fraction(sched, p, m, virtual)
         lay = {"tensor": t, "tensor_mode": mode, "tensor_depth": _depth_of(mode, t), "sequence": sequence,
                "pipeline": p, "schedule": sched if p > 1 else "1f1b", "microbatches": m, "data": data, "rows": rows,
@@ -254,6 +288,7 @@ def plan(
             needed = {tier: -1 for tier in TIERS}
             psi = max(sum(sp.capacity for sp in rk[3]) for rk in ranks)
             n_chunks = max(len(rk[3]) for rk in ranks)
+            busiest = 0
             for (_, _, _, specs, gathered, _), act in zip(ranks, acts):
                 resident, transient = place(specs, gathered=gathered, stage=stage, world=zero_world, dtype=dtype,
                                             n_states=n_states, params=params_at, optim=optim_at,
@@ -262,13 +297,54 @@ def plan(
                 transient["device"]["activations"] += act
                 per = {tier: sum(resident[tier].values()) + sum(transient[tier].values()) for tier in TIERS}
                 if per["device"] > needed["device"]:
+                    busiest = act
                     needed = {tier: per[tier] * (1 if tier == "device" else ranks_per_node) for tier in TIERS}
             fits = all(needed[tier] <= int(_cap(machine, tier) * E.USABLE[tier]) for tier in TIERS)
             terms = step_cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
                           gpus, ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
-            config = _config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
+            config = option_config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
             out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
-                                      sum(terms.values()), terms, config))  # fmt: skip
+                                      sum(terms.values()), terms, config, busiest, fig))  # fmt: skip
+
+    @functools.cache
+    def step_peak(t: int, mode: str, sequence: str | None, rows: int) -> int:
+        """Without a pipeline: the estimator's own figure for one micro-batch of `rows` (every placement and
+        micro-batch count of this tensor layout shares it)."""
+        model_t = sharded_for(t, mode, sequence)[0]
+        act, _ = E.step_activations(model_t, None, batch_size=rows, seq_len=seq, dtype=dtype, cfg=ckpt_cfg)
+        return act.bytes
+
+    sent_for: dict[tuple, Any] = {}  # the stages' outputs by cut and rows, found by a layout's first rank
+
+    def rank_activations(
+        t: int,
+        mode: str,
+        sequence: str | None,
+        p: int,
+        sched: str,
+        m: int,
+        virtual: int,
+        rows: int,
+        ranks: list,
+        fig: str,
+    ) -> list[int]:
+        """Each pipeline rank's activation bytes by `fig` ([Note: the planner's activation figure])."""
+        if fig == "step" and p == 1:
+            return [step_peak(t, mode, sequence, rows)]
+        sharded, units_rows = units_for(t, mode, sequence, rows)  # the units' activations at this micro-batch's rows
+        by_name = {u.name: u for u in units_rows}
+        if fig == "saved":
+            return [_activations(rk, p, sched, m, virtual, checkpointing, by_name) for rk in ranks]
+        stage_units = [[by_name[u.name] for u in su] for su in ranks[0][2]]
+        lay = Layout(tensor=t, tensor_mode=mode, sequence=sequence, pipeline=p, schedule=sched, microbatches=m,
+                     virtual=virtual)  # fmt: skip
+        key = (t, mode, sequence, p, sched == "chimera", virtual, rows)
+        inputs, acts = E.lm_inputs(rows, seq), []
+        for k in range(p):  # as the estimator's `rank_parts` asks it
+            peak, _, _, sent_for[key] = rank_peak(sharded, units_rows, stage_units, lay, k, inputs, dtype,
+                                                  checkpointing, False, sent_for.get(key))  # fmt: skip
+            acts.append(peak)
+        return acts
 
     # A 70B model's layouts take a minute or more to rank: a bar where someone watches (hetero/progress.py).
     grid = list(_grid(shape, world_size, gpus, max_tensor, tensor_modes, schedules))
@@ -276,13 +352,32 @@ def plan(
     progress = make_bar(len(grid), "hetero: ranking layouts", unit="layout", rank=int(os.environ.get("RANK", "0")))
     try:
         for cell in grid:
-            rank_layout(*cell)
+            rank_layout(*cell, "saved" if figure == "confirm" else figure)
             progress.update()
     finally:
         progress.close()
-    # Equal times: the option needing less device memory first (room for a larger batch).
-    out.options.sort(key=lambda o: (not o.fits, round(o.seconds, 9), o.needed["device"]))
+    out.options.sort(key=_order)
+    while figure == "confirm":  # each pass confirms layouts for good: it ends
+        cells = {_cell(o) for o in out.options[:confirm] if o.fits and o.figure == "saved"}
+        if not cells:
+            break
+        out.options = [o for o in out.options if _cell(o) not in cells]
+        for cell in cells:
+            rank_layout(*cell, "step")
+        out.considered = len(out.options)
+        out.options.sort(key=_order)
+    out.seconds = time.perf_counter() - started
     return out
+
+
+def _order(o: Option) -> tuple:  # equal times: less device memory first (room for a larger batch)
+    return not o.fits, round(o.seconds, 9), o.needed["device"]
+
+
+def _cell(o: Option) -> tuple:
+    """The grid cell (`_grid`) an option's layout came from."""
+    lay = o.layout
+    return lay["tensor"], lay["tensor_mode"], lay["sequence"], lay["pipeline"], lay["schedule"], lay["microbatches"]
 
 
 def _batch_parts(mode: str, t: int) -> int:
@@ -352,35 +447,3 @@ def _activations(
 
 def _cap(machine: Machine, tier: str) -> int:
     return {"device": machine.device_bytes, "host": machine.host_bytes, "nvme": machine.nvme_bytes}[tier]
-
-
-def _config(
-    lay: dict[str, Any],
-    stage: int,
-    params_at: str,
-    optim_at: str,
-    precision: str,
-    checkpointing: bool,
-    nvme_dir: str | None,
-) -> dict[str, Any]:
-    parallel: dict[str, Any] = {"microbatches": lay["microbatches"]}
-    if lay["tensor"] > 1:
-        parallel.update(tensor=lay["tensor"], sequence=lay["sequence"] or False)
-        if lay["tensor_mode"] != "1d":
-            parallel["tensor_mode"] = lay["tensor_mode"]
-        if lay["tensor_depth"] is not None:
-            parallel["tensor_depth"] = lay["tensor_depth"]
-    if lay["pipeline"] > 1:
-        parallel.update(pipeline=lay["pipeline"], schedule=lay["schedule"], pipeline_split="auto")
-        if lay["virtual_stages"] > 1:
-            parallel["virtual_stages"] = lay["virtual_stages"]
-    config = {
-        "zero_stage": stage,
-        "precision": precision,
-        "offload": {"params": params_at, "optimizer": optim_at},
-        "activation_checkpointing": checkpointing,
-        "parallel": parallel,
-    }
-    if "nvme" in (params_at, optim_at):
-        config["memory"] = {"nvme_dir": nvme_dir or NVME_PLACEHOLDER}
-    return config
