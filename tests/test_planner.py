@@ -120,8 +120,12 @@ def test_estimate_tool_takes_the_layout_flags_and_recommends(capsys):
                       "--tensor-modes", "1d", "--top", "3", *machine]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "config to paste" in text and " 1. " in text and " 4. " not in text
+    assert "the first 15 fitting layouts confirmed" in text  # --figure's default, said
     pasted = json.loads(text[text.index("config to paste") :].split("\n", 1)[1])
     hetero.Config.from_dict(pasted)
+    assert tool.main([*flags[:2], "--world-size", "4", "--recommend", "--global-batch", "8", "--seq-len", "64",
+                      "--tensor-modes", "1d", "--top", "3", "--figure", "step", *machine]) == 0  # fmt: skip
+    assert "the estimator's step peak on meta (hetero.estimate's figure), every layout" in capsys.readouterr().out
 
 
 def test_plan_shows_its_progress_and_refuses_unknown_modes(monkeypatch, capsys):

@@ -115,3 +115,20 @@ def test_the_plan_says_which_figure_it_used():
     assert "saved bytes walked over the schedule, every layout" in plan(model, 2, figure="saved", **kw).table()
     with pytest.raises(hetero.ConfigError, match=r"figure: unknown 'peak'; choose from 'step', 'saved', 'confirm'"):
         plan(model, 2, figure="peak", **kw)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("figure", ["saved", "step"])
+def test_a_forward_that_fails_on_meta_is_said_not_counted(figure, caplog):
+    """A sequence past the model's context fails its forward on meta, so no activation is counted: every option's
+    device figure leaves them out. The plan says so (its notes, the table, the JSON, one warning) instead of ranking
+    on zeros in silence."""
+    kw = dict(ARGS, seq_len=2 * SEQ, global_batch=4, schedules=("1f1b",), max_tensor=1)
+    with caplog.at_level("WARNING", logger="hetero.profiler"):
+        result = plan(_meta(), 1, machine=NODE, figure=figure, **kw)
+    assert result.options and all(o.activations == 0 for o in result.options)
+    assert len(result.notes) == 1 and "forward on meta failed" in result.notes[0], result.notes
+    assert f"note: {result.notes[0]}" in result.table() and result.to_dict()["notes"] == result.notes
+    assert caplog.text.count("forward on meta failed") == 1
+    fine = plan(_meta(), 1, machine=NODE, figure=figure, **{**kw, "seq_len": SEQ})
+    assert fine.notes == [] and all(o.activations > 0 for o in fine.options)

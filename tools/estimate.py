@@ -68,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--recommend", action="store_true", help="list the layouts that fit, fastest predicted first")
     rec.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 2 per rank)")
     rec.add_argument("--top", type=int, default=15, help="layouts to print")
+    rec.add_argument(
+        "--figure",
+        choices=("confirm", "step", "saved"),
+        default="confirm",
+        help="activation figure layouts are checked with: 'step' hetero.estimate's for every layout (20-40x slower), "
+        "'saved' the saved bytes only (cheaper, lower), 'confirm' (default) saved, then step for the first --confirm",
+    )
+    rec.add_argument("--confirm", type=int, default=15, help="with --figure confirm: fitting layouts checked by step")
     rec.add_argument("--max-tensor", type=int, help="largest tensor degree to try (default: GPUs per node)")
     rec.add_argument(
         "--tensor-modes",
@@ -196,6 +204,8 @@ def _recommend(args: argparse.Namespace, model: object, config: dict, machine: M
             max_tensor=args.max_tensor,
             tensor_modes=tuple(args.tensor_modes.split(",")) if args.tensor_modes else None,
             nvme_dir=args.nvme_dir,
+            figure=args.figure,
+            confirm=args.confirm,
         )
     except hetero.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

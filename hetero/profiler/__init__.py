@@ -3,7 +3,8 @@ every byte live, when, and what moved?)."""
 
 from hetero.profiler.estimator import Candidate, Estimate, estimate
 from hetero.profiler.machine import Machine
-from hetero.profiler.planner import Option, Plan, plan
+from hetero.profiler.plan_result import Option, Plan
+from hetero.profiler.planner import plan
 from hetero.profiler.rates import Rates
 from hetero.profiler.recorder import Profile, profile
 

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from hetero.config import Config, format_size
+from hetero.config import Config
 from hetero.config_values import check_int
 from hetero.errors import ConfigError
 from hetero.profiler import estimator as E
@@ -55,6 +54,7 @@ from hetero.profiler.parallel_layout import (
 from hetero.profiler.parallel_shapes import per_rank_model
 from hetero.profiler.placement import TIERS, place
 from hetero.profiler.plan_config import option_config
+from hetero.profiler.plan_result import FIGURES, Option, Plan
 from hetero.profiler.rates import Rates
 from hetero.profiler.tensor_modes import SEQUENCE_FORMS, TENSOR_MODES, q_and_depth
 from hetero.progress import bar as make_bar
@@ -62,94 +62,9 @@ from hetero.zero.layout import build_layout
 from hetero.zero.optim import algorithm_of
 from hetero.zero.precision import COMPUTE_DTYPES
 
+log = logging.getLogger("hetero.profiler")
+
 SCHEDULES = ("1f1b", "interleaved_1f1b", "chimera", "gpipe")
-# The activation figures an option can be checked with ([Note: the planner's activation figure]).
-FIGURES = {
-    "step": "the estimator's step peak on meta (hetero.estimate's figure), every layout",
-    "saved": "the saved bytes walked over the schedule, every layout (cheaper; hetero.estimate's figure decides)",
-    "confirm": "ranked with the saved bytes walked over the schedule, the first {confirm} fitting layouts confirmed "
-    "with the estimator's step peak (hetero.estimate's figure)",
-}
-
-
-@dataclass(frozen=True)
-class Option:
-    layout: dict[str, Any]  # tensor, tensor_mode, sequence, pipeline, schedule, microbatches, data, rows
-    zero_stage: int
-    offload: dict[str, str]
-    needed: dict[str, int]  # per tier: device per rank, host and NVMe per node (the busiest pipeline rank)
-    fits: bool
-    seconds: float  # predicted step time
-    terms: dict[str, float]  # the cost model's terms ([Note: the planner's cost model])
-    config: dict[str, Any]  # hetero.initialize's config for this option
-    activations: int = 0  # the busiest pipeline rank's activation bytes on the device, by `figure`
-    figure: str = "step"  # where `activations` comes from: "step" (the estimator's) or "saved"
-
-    def label(self) -> str:
-        lay = self.layout
-        seq = f"+{lay['sequence']}" if lay["sequence"] else ""
-        pipe = f"pp{lay['pipeline']} {lay['schedule']}" if lay["pipeline"] > 1 else "pp1"
-        return (
-            f"tp{lay['tensor']} {lay['tensor_mode']}{seq} x {pipe} x dp{lay['data']}, m={lay['microbatches']} "
-            f"x {lay['rows']} rows, ZeRO-{self.zero_stage} params={self.offload['params']} "
-            f"optimizer={self.offload['optimizer']}"
-        )
-
-
-@dataclass
-class Plan:
-    world_size: int
-    global_batch: int
-    seq_len: int
-    machine: Machine
-    rates: Rates
-    options: list[Option] = field(default_factory=list)  # fitting ones first, fastest first
-    considered: int = 0
-    figure: str = "confirm"  # how the options' activations were counted (FIGURES)
-    confirm: int = 15  # under "confirm": the fitting options checked with the estimator's figure
-    seconds: float = 0.0  # how long planning took
-
-    @property
-    def best(self) -> Option | None:
-        return next((o for o in self.options if o.fits), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "global_batch": self.global_batch,
-            "seq_len": self.seq_len,
-            "machine": dataclasses.asdict(self.machine),
-            "rates": self.rates.to_dict(),
-            "considered": self.considered,
-            "activations": self.figure,
-            "planning_seconds": self.seconds,
-            "options": [dataclasses.asdict(o) for o in self.options],
-            "best": None if self.best is None else dataclasses.asdict(self.best),
-        }
-
-    def table(self, top: int = 15) -> str:
-        lines = [
-            f"hetero plan: world {self.world_size}, global batch {self.global_batch} x {self.seq_len} tokens; "
-            f"{self.considered} layouts considered, {sum(o.fits for o in self.options)} fit",
-            f"machine: {self.machine.describe()}",
-            f"rates: {self.rates.describe()}",
-            f"activations: {FIGURES[self.figure].format(confirm=self.confirm)}",
-            "cost model: compute / (1 - bubble) + tensor + pipeline + data + offload communication (hetero/profiler/"
-            "cost_model.py, [Note: the planner's cost model])",
-            "",
-        ]
-        fitting = [o for o in self.options if o.fits][:top]
-        for i, o in enumerate(fitting, 1):
-            terms = " ".join(f"{k} {v:.3g}" for k, v in o.terms.items() if v)
-            lines.append(f"{i:>3}. {o.seconds:9.3f} s  {o.label()}")
-            need = ", ".join(f"{t} {format_size(o.needed[t])}" for t in ("device", "host", "nvme"))
-            need += f" (activations {format_size(o.activations)}, {o.figure} figure)"
-            lines.append(f"       {need}; {terms}")
-        if not fitting:
-            lines.append("nothing fits this machine: more ranks, more host memory or NVMe space")
-        if self.best is not None:
-            lines += ["", "config to paste (hetero.initialize):", json.dumps(self.best.config, indent=2)]
-        return "\n".join(lines)
 
 
 def plan(
@@ -229,11 +144,17 @@ def plan(
         return per_rank_model(model, opt, lay.config(), world_size)
 
     @functools.cache
+    def noted(why: str) -> None:  # a forward that failed on meta counts no activation: the plan must say so
+        why = why and f"activations {why}; the device figures leave them out (see hetero.estimate for this model)"
+        if why and why not in out.notes:
+            out.notes.append(why)
+            log.warning("hetero.plan: %s", why)
+
     def units_for(t: int, mode: str, sequence: str | None, rows: int | None = None) -> tuple[Any, list]:
         sharded = as_chain(sharded_for(t, mode, sequence)[0])  # cut as the estimator cuts it
         rows = rows if rows is not None else _batch_parts(mode, t)
         units, _ = pipeline_units(sharded)
-        measure_units(sharded, units, E.lm_inputs(rows, seq), dtype)  # the estimator's inputs
+        noted(measure_units(sharded, units, E.lm_inputs(rows, seq), dtype))  # the estimator's inputs
         return sharded, units
 
     @functools.cache
@@ -312,6 +233,7 @@ def plan(
         micro-batch count of this tensor layout shares it)."""
         model_t = sharded_for(t, mode, sequence)[0]
         act, _ = E.step_activations(model_t, None, batch_size=rows, seq_len=seq, dtype=dtype, cfg=ckpt_cfg)
+        noted(act.note if act.note.startswith("not counted") else "")
         return act.bytes
 
     sent_for: dict[tuple, Any] = {}  # the stages' outputs by cut and rows, found by a layout's first rank
