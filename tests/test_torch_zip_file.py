@@ -230,17 +230,10 @@ def test_what_it_does_not_serve_goes_to_torch_load(tmp_path, caplog, case):
 
 # ---- at stage 3, each rank reads its share of a .bin ---------------------------------------------------------
 def _llama_config():
-    transformers = pytest.importorskip("transformers")
-    return transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    pytest.importorskip("transformers")
+    from tests.test_weights_parallel import _config  # the tensor ranks' tiny Llama, untied
+
+    return _config(tie=False)
 
 
 def _rank_reads(rank: int, world: int, path: str, stage: int) -> tuple[int, list[str]]:
