@@ -380,7 +380,7 @@ def test_activation_checkpointing_attribute_is_honoured():
     from hetero.profiler import estimator as mod
 
     cfg = hetero.Config()
-    acts, host = mod._activations(meta, None, batch_size=4, seq_len=16, dtype=torch.float32, cfg=Ckpt(cfg))
+    acts, host = mod.step_activations(meta, None, batch_size=4, seq_len=16, dtype=torch.float32, cfg=Ckpt(cfg))
     assert acts.checkpointed and 0 < acts.bytes < plain.activations.bytes and host == 0
 
 

@@ -25,7 +25,8 @@ def _meta(**overrides) -> torch.nn.Module:
 def test_plan_covers_the_layouts_and_ranks_them():
     # Six blocks: a pipeline cuts hetero's GPT as GPTPipe (embeddings, blocks, head: 8 units), and interleaving at
     # pipeline 4 needs 8 stages.
-    p = plan(_meta(n_layer=6), 4, machine=NODE, rates=Rates.node(), global_batch=8, seq_len=16, tensor_modes=("1d",))
+    p = plan(_meta(n_layer=6), 4, machine=NODE, rates=Rates.node(), global_batch=8, seq_len=16, tensor_modes=("1d",),
+             figure="saved")  # the figure's own tests: tests/test_planner_exact.py  # fmt: skip
     assert p.considered == len(p.options) > 100
     layouts = {(o.layout["tensor"], o.layout["pipeline"], o.layout["schedule"]) for o in p.options}
     for want in [(1, 1, "1f1b"), (2, 1, "1f1b"), (4, 1, "1f1b"), (1, 2, "chimera"), (1, 4, "interleaved_1f1b"),
@@ -76,12 +77,13 @@ def test_plan_bytes_are_the_estimators(monkeypatch):
 def test_plan_respects_the_machine_and_the_modes():
     model = _meta()
     tiny = Machine(device_bytes="64KiB", host_bytes="1MiB", nvme_bytes=0, gpus=4)
-    none = plan(model, 4, machine=tiny, rates=Rates.node(), global_batch=8, seq_len=16, tensor_modes=("1d",))
+    none = plan(model, 4, machine=tiny, rates=Rates.node(), global_batch=8, seq_len=16, tensor_modes=("1d",),
+                figure="saved")  # fmt: skip
     assert none.best is None and "nothing fits" in none.table()
     assert all(o.offload["optimizer"] != "nvme" for o in none.options)  # no NVMe: not considered
     assert available_modes()[0] == "1d"
     modes = plan(_meta(n_head=8), 8, machine=NODE, rates=Rates.node(), global_batch=8, seq_len=16,
-                 tensor_modes=("1d", "2d", "2.5d", "3d"))  # fmt: skip
+                 tensor_modes=("1d", "2d", "2.5d", "3d"), figure="saved")  # fmt: skip
     seen = {(o.layout["tensor"], o.layout["tensor_mode"]) for o in modes.options}
     assert {(4, "2d"), (8, "2.5d"), (8, "3d"), (8, "1d")} <= seen and (2, "2d") not in seen
     # the papers' tables: at t = 8, 3D moves less per layer than 1D, and 1D's is 2 (t - 1) / t
@@ -117,15 +119,15 @@ def test_estimate_tool_takes_the_layout_flags_and_recommends(capsys):
     assert got == json.loads(json.dumps(want.to_dict()))
     assert got["layout"]["pipeline"] == 2 and got["layout"]["sequence"] == "megatron"
     assert tool.main([*flags[:2], "--world-size", "4", "--recommend", "--global-batch", "8", "--seq-len", "64",
-                      "--tensor-modes", "1d", "--top", "3", *machine]) == 0  # fmt: skip
+                      "--tensor-modes", "1d", "--top", "3", "--confirm", "1", *machine]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "config to paste" in text and " 1. " in text and " 4. " not in text
-    assert "the first 15 fitting layouts confirmed" in text  # --figure's default, said
+    assert "the first 1 fitting layouts confirmed" in text  # --figure's default, with --confirm's count
     pasted = json.loads(text[text.index("config to paste") :].split("\n", 1)[1])
     hetero.Config.from_dict(pasted)
     assert tool.main([*flags[:2], "--world-size", "4", "--recommend", "--global-batch", "8", "--seq-len", "64",
-                      "--tensor-modes", "1d", "--top", "3", "--figure", "step", *machine]) == 0  # fmt: skip
-    assert "the estimator's step peak on meta (hetero.estimate's figure), every layout" in capsys.readouterr().out
+                      "--tensor-modes", "1d", "--top", "3", "--figure", "saved", *machine]) == 0  # fmt: skip
+    assert "the saved bytes walked over the schedule, every layout" in capsys.readouterr().out
 
 
 def test_plan_shows_its_progress_and_refuses_unknown_modes(monkeypatch, capsys):
@@ -133,7 +135,7 @@ def test_plan_shows_its_progress_and_refuses_unknown_modes(monkeypatch, capsys):
     hetero/progress.py). A tensor mode it does not know is a ConfigError naming the valid ones, not a KeyError."""
     from hetero.profiler import planner
 
-    args = dict(machine=NODE, rates=Rates.node(), global_batch=4, seq_len=16, tensor_modes=("1d",))
+    args = dict(machine=NODE, rates=Rates.node(), global_batch=4, seq_len=16, tensor_modes=("1d",), figure="saved")
     bars = []
 
     class Recording:

@@ -70,7 +70,7 @@ def test_every_options_activations_are_the_estimators(checkpointing):
     and 3, tensor 2, pipeline 2 under two schedules, both together), above the saved-bytes walk's."""
     model = _meta()
     kw = dict(
-        ARGS, global_batch=8, checkpointing=checkpointing, schedules=("1f1b", "gpipe"), machine=NODE, max_tensor=2
+        ARGS, global_batch=4, checkpointing=checkpointing, schedules=("1f1b", "gpipe"), machine=NODE, max_tensor=2
     )
     step = plan(model, 4, figure="step", **kw)
     saved = {o.label(): o for o in plan(model, 4, figure="saved", **kw).options}
