@@ -180,13 +180,13 @@ class Mover:
         """Move chunk up into `tier`, into the buffer of a move out of `tier` in flight: a read from NVMe into a
         write-back's host buffer, or a copy from the host into an eviction's device buffer. See [Note: reads chained
         behind write-backs]. True if started."""
-        if chunk.state is not ChunkState.RESIDENT or chunk.tier is None or chunk.tier <= tier:
+        if chunk.state is not ChunkState.RESIDENT:
             return False
         if tier is Tier.HOST:
             if chunk.tier is not Tier.NVME:
                 return False
-        elif chunk.tier is not Tier.HOST or chunk.transient:
-            return False  # NVMe -> device needs a staging hop; a transient chunk's device storage is its own
+        elif tier is not Tier.DEVICE or chunk.tier is not Tier.HOST or chunk.transient:
+            return False  # only up; NVMe -> device needs a staging hop; a transient chunk's device storage is its own
         donor = next(
             (
                 c
