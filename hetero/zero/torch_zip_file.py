@@ -7,14 +7,16 @@ sharded safetensors; benchmarks/init_weights_rss.py), and at stage 3 two ranks h
 torch.save's format since torch 1.6 is a zip archive of uncompressed members: `<archive>/data.pkl`, a pickle of the
 state_dict in which each tensor is a call to `_rebuild_tensor_v2` (or v3) with a storage (a persistent id naming
 member `<archive>/data/<key>`, its dtype and size), an element offset, a shape and strides; and `<archive>/byteorder`.
-So the pickle is read with an unpickler that builds no tensor and knows only what a state_dict holds (the rebuild
-calls, storage types, dtypes, OrderedDict): any other global is refused, as `weights_only=True` refuses it; each
-storage member's data starts after its zip local header; and each tensor, or an element range of it, is read with
-positioned reads (`PositionedFile`, shared with .safetensors). What this reader does not serve goes back to
-torch.load with a line saying why (`NotServed`): the legacy format (not a zip) and compressed members loaded whole
-(mapped, a compressed member's bytes would be taken for its values), another byte order, or globals torch allows
-that are not a plain tensor (a sparse or quantized tensor, a user's `add_safe_globals`), memory-mapped. A
-non-contiguous tensor is read as the storage span it covers.
+So the pickle is read with an unpickler that builds no tensor and knows only what a state_dict holds (the rebuild calls,
+storage types, dtypes, OrderedDict): any other global is refused, as `weights_only=True` refuses it; each storage
+member's data starts after its zip local header (whose extra fields, torch's 64-byte alignment padding and a zip64 field
+past 4 GiB, are not its central directory entry's); and each tensor, or an element range of it, is read with positioned
+reads (`PositionedFile`, shared with .safetensors). What this reader does not serve goes back to torch.load with a line
+saying why (`NotServed`): the legacy format (not a zip) and compressed members loaded whole (mapped, a compressed
+member's bytes would be taken for its values), another byte order, a zip64 end record with extensible data (which
+zipfile cannot find), or globals torch allows that are not a plain tensor (a sparse or quantized tensor, a user's
+`add_safe_globals`), memory-mapped. A non-contiguous tensor is read as the storage span it covers. Damaged zip64 end
+records and extra fields are named (`_end_records`, `_zip64_checked`), not passed over as zipfile does.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -39,6 +41,10 @@ from hetero.zero.safetensors_file import Entries, PositionedFile, unreadable
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, (version .. sizes), name length, extra field length
 _ZIP_MAGIC = b"PK\x03\x04"
+_END = struct.Struct("<4s4x2H2LH")  # signature, (disks), entries (this disk, all), directory size, offset, comment
+_LOCATOR = struct.Struct("<4sLQL")  # signature, disk holding the zip64 end record, its offset, number of disks
+_END64 = struct.Struct("<4sQ20x3Q")  # signature, size of what follows, (versions, disks, ...), entries, directory
+_MAX16, _MAX32 = 0xFFFF, 0xFFFFFFFF  # a field too small for its value: the value is in a zip64 record (APPNOTE 4.4.1.4)
 
 
 class NotServed(Exception):
@@ -180,14 +186,19 @@ class TorchZipFile(PositionedFile):
         if bytes(self._pread(min(4, self._size()), 0)) != _ZIP_MAGIC:
             raise NotServed("it is in torch's legacy format (before torch 1.6), not a zip archive", mappable=False)
         try:
-            with open(self.path, "rb") as f, zipfile.ZipFile(f) as z:
-                members = {i.filename: i for i in z.infolist()}
-                prefix = z.infolist()[0].filename.split("/", 1)[0]
-                order = z.read(f"{prefix}/byteorder").decode() if f"{prefix}/byteorder" in members else "little"
-                if order != sys.byteorder:
-                    raise NotServed(f"its tensors are stored {order}-endian, this machine is {sys.byteorder}-endian")
-                reader = _IndexUnpickler(z.read(f"{prefix}/data.pkl"), self.path)
-                state = reader.load()
+            with open(self.path, "rb") as f:
+                count = _end_records(f, self._size())  # before zipfile, which passes over a damaged zip64 record
+                with zipfile.ZipFile(f) as z:
+                    members = {i.filename: _zip64_checked(i) for i in z.infolist()}
+                    if count is not None and count != len(z.infolist()):
+                        raise ValueError(f"its end records count {count} members, its central directory {len(members)}")
+                    prefix = z.infolist()[0].filename.split("/", 1)[0]
+                    order = z.read(f"{prefix}/byteorder").decode() if f"{prefix}/byteorder" in members else "little"
+                    if order != sys.byteorder:
+                        mine = sys.byteorder
+                        raise NotServed(f"its tensors are stored {order}-endian, this machine is {mine}-endian")
+                    reader = _IndexUnpickler(z.read(f"{prefix}/data.pkl"), self.path)
+                    state = reader.load()
             if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
                 state = state["state_dict"]  # a training checkpoint's common layout
             if not isinstance(state, dict):
@@ -212,6 +223,8 @@ class TorchZipFile(PositionedFile):
         start = info.header_offset + _LOCAL_HEADER.size + n + m
         if signature != _ZIP_MAGIC or start + info.file_size > self._size():
             raise ValueError(f"member {name}'s local header at byte {info.header_offset} is damaged or cut short")
+        if info.compress_size != info.file_size:
+            raise ValueError(f"member {name} is stored, yet its sizes differ: {info.compress_size}, {info.file_size}")
         if info.file_size != storage.numel * storage.dtype.itemsize:
             raise ValueError(f"member {name} holds {info.file_size} bytes, for {storage.numel} x {storage.dtype}")
         return start
@@ -246,6 +259,62 @@ class TorchZipFile(PositionedFile):
             self._last = (key, self.read(key))
         part = self._last[1].reshape(-1)[a:b]
         return part if into is None else torch.frombuffer(into, dtype=torch.uint8).view(part.dtype).copy_(part)
+
+
+def _end_records(f: BinaryIO, size: int) -> int | None:
+    """The member count the end records give (None where none is sure), after checking the zip64 end records.
+
+    A file over 4 GiB keeps its central directory's size and offset in a zip64 end record, found through the locator
+    just before the end record (APPNOTE 4.3.14-4.3.16). zipfile reads the zip64 record from the 56 bytes before the
+    locator and, where there is none, silently keeps the end record's 0xFFFFFFFF marks as the directory's size and
+    offset, to fail later with "Bad offset for central directory": these checks say what is wrong instead."""
+    tail = min(size, _END.size + _MAX16)  # the end record and the longest comment after it
+    f.seek(size - tail)
+    data = f.read(tail)
+    at = data.rfind(b"PK\x05\x06")
+    if at < 0 or at + _END.size > len(data) or at + _END.size + _END.unpack_from(data, at)[-1] != len(data):
+        return None  # no end record (its comment, if any, ends the file): zipfile says it is not a zip file
+    _, _, total, dir_size, dir_offset, _ = _END.unpack_from(data, at)
+    locator = size - tail + at - _LOCATOR.size
+    if locator < 0 or _read(f, locator, _LOCATOR.size)[:4] != b"PK\x06\x07":
+        if _MAX32 in (dir_size, dir_offset):
+            raise ValueError(
+                "its end of central directory record keeps the directory's size and offset in zip64 records "
+                f"(0xFFFFFFFF in its own), but no zip64 locator precedes it at byte {locator}"
+            )
+        return None if total == _MAX16 else total  # a true 65535 members or a count zipfile does not need
+    _, disk, record, disks = _LOCATOR.unpack(_read(f, locator, _LOCATOR.size))
+    if disk != 0 or disks > 1:
+        raise ValueError(f"its zip64 locator names disk {disk} of {disks}: it is one part of a split archive")
+    here = locator - _END64.size  # where zipfile reads the zip64 record
+    if here >= 0 and _read(f, here, 4) == b"PK\x06\x06":
+        _, length, total, dir_size, _ = _END64.unpack(_read(f, here, _END64.size))
+        if length != _END64.size - 12 or dir_size > here:
+            raise ValueError(f"its zip64 end record at byte {here} is damaged (length {length}, directory {dir_size})")
+        return total
+    if 0 <= record < here and _read(f, record, 4) == b"PK\x06\x06":
+        length = _END64.unpack(_read(f, record, _END64.size))[1]
+        if record + 12 + length == locator:  # miniz (torch.load) reads it through the locator, zipfile cannot
+            extensible = length + 12 - _END64.size
+            raise NotServed(f"its zip64 end record carries {extensible} bytes of extensible data, which zipfile misses")
+    raise ValueError(f"no zip64 end record at byte {record}, where its zip64 locator (byte {locator}) places it")
+
+
+def _read(f: BinaryIO, offset: int, n: int) -> bytes:
+    f.seek(offset)
+    return f.read(n)  # short at the file's end: the signature checks above then fail
+
+
+def _zip64_checked(info: zipfile.ZipInfo) -> zipfile.ZipInfo:
+    """zipfile takes each 0xFFFFFFFF size or offset's value from the zip64 extra field, or keeps the mark without it."""
+    marks = ("size", info.file_size), ("compressed size", info.compress_size), ("offset", info.header_offset)
+    if any(v == _MAX32 for _, v in marks):
+        missing = " and ".join(what for what, v in marks if v == _MAX32)
+        raise ValueError(
+            f"member {info.filename} keeps its {missing} in a zip64 extra field (0xFFFFFFFF in its central directory "
+            "entry), but it has none"
+        )
+    return info
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
