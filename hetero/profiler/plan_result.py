@@ -22,7 +22,9 @@ FIGURES = {
 
 @dataclass(frozen=True)
 class Option:
-    layout: dict[str, Any]  # tensor, tensor_mode, sequence, pipeline, schedule, microbatches, data, rows
+    # tensor, tensor_mode, sequence, pipeline, schedule, microbatches, data, rows, virtual_stages, and pipeline_split:
+    # the FQNs where the stages of the cut its figures are for begin (None without a pipeline)
+    layout: dict[str, Any]
     zero_stage: int
     offload: dict[str, str]
     needed: dict[str, int]  # per tier: device per rank, host and NVMe per node (the busiest pipeline rank)
@@ -36,12 +38,19 @@ class Option:
     def label(self) -> str:
         lay = self.layout
         seq = f"+{lay['sequence']}" if lay["sequence"] else ""
-        pipe = f"pp{lay['pipeline']} {lay['schedule']}" if lay["pipeline"] > 1 else "pp1"
+        cut = _cut(lay.get("pipeline_split"))
+        pipe = f"pp{lay['pipeline']} {lay['schedule']}{cut}" if lay["pipeline"] > 1 else "pp1"
         return (
             f"tp{lay['tensor']} {lay['tensor_mode']}{seq} x {pipe} x dp{lay['data']}, m={lay['microbatches']} "
             f"x {lay['rows']} rows, ZeRO-{self.zero_stage} params={self.offload['params']} "
             f"optimizer={self.offload['optimizer']}"
         )
+
+
+def _cut(split: list[str] | None, room: int = 40) -> str:
+    """Where the stages begin (" cut at layers.2,layers.4"), if it is short enough for a table's line."""
+    text = ",".join(split or [])
+    return f" cut at {text}" if text and len(text) <= room else ""
 
 
 @dataclass

@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 from hetero.config import Config
 from hetero.config_values import check_int
 from hetero.errors import ConfigError
+from hetero.parallel.pipeline.split import boundaries, units_of
 from hetero.profiler import estimator as E
 from hetero.profiler.cost_model import Shape, idle_fraction, shape_of, step_cost
 from hetero.profiler.machine import Machine
@@ -86,6 +88,7 @@ def plan(
     tensor_plan: Any = "auto",
     figure: str = "confirm",
     confirm: int = 15,
+    pipeline_split: str | Sequence[str] | None = None,
 ) -> Plan:
     """Every layout of `world_size` ranks, checked against `machine` and ranked by `rates` (see the note).
 
@@ -99,7 +102,11 @@ def plan(
     the known model families'); a layout the plan cannot shard is left out. figure: the activation figure each
     layout is checked with: "step", the estimator's; "saved", cheaper and lower; "confirm" (default): "saved" for
     all, then the estimator's for the layouts of the first `confirm` fitting options, until those all have it
-    ([Note: the planner's activation figure]).
+    ([Note: the planner's activation figure]). pipeline_split: what a pipeline option's config says
+    ([Note: the cut a plan pastes]): None (default), the FQNs where the stages of the cut its figures were computed
+    for begin, balanced by parameter counts; a list of FQNs (as parallel.pipeline_split), that cut, planned and
+    pasted, for the layouts of its stage count only; "auto" or "params", kept in the configs as asked (a run then
+    cuts as the engine does, possibly elsewhere than the figures' cut, which each option's layout still names).
     """
     tensor_modes = tensor_modes if tensor_modes is not None else available_modes()
     tensor_modes = (tensor_modes,) if isinstance(tensor_modes, str) else tuple(tensor_modes)  # "2d": one mode
@@ -112,6 +119,7 @@ def plan(
         raise ConfigError(f"figure: unknown {figure!r}; choose from {', '.join(map(repr, FIGURES))}")
     check_int("confirm", confirm, minimum=1, hint="(fitting options confirmed with the estimator's figure)")
     check_int("world_size", world_size, minimum=1, hint="(ranks in all)")
+    split = _check_split(pipeline_split)
     if global_batch is not None:
         check_int("global_batch", global_batch, minimum=1, hint="(sequences per step, over every rank)")
     if seq_len is not None:
@@ -120,6 +128,8 @@ def plan(
         raise ConfigError(f"precision: unknown {precision!r}; choose from {', '.join(map(repr, COMPUTE_DTYPES))}")
     model = as_model(model_or_config)
     opt = as_optimizer(optimizer, model)
+    if split is not None and not isinstance(split, str):  # the engine's own checks, on the whole model
+        boundaries(units_of(as_chain(model)), len(split) + 1, split)
     machine = machine if machine is not None else Machine.detect()
     rates = rates if rates is not None else Rates.measure()
     seq = seq_len if seq_len is not None else default_seq_len(model)
@@ -133,6 +143,14 @@ def plan(
     prefetch = Config().prefetch_depth
     buffers = sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in model.buffers())
     out = Plan(world_size, batch, seq, machine, rates, figure=figure, confirm=confirm)
+    if split is not None:  # [Note: the cut a plan pastes]
+        out.notes.append(
+            f"pipeline_split {split!r} kept in the configs as asked: a run cuts as the engine does, maybe elsewhere "
+            "than the cut each option's figures are for (its layout's pipeline_split; plan without pipeline_split to "
+            "paste that cut)"
+            if isinstance(split, str)
+            else f"pipeline_split {list(split)}: only pipeline layouts of {len(split) + 1} stages are planned"
+        )
     started = time.perf_counter()
     ckpt_cfg = Config.from_dict({"activation_checkpointing": checkpointing})
 
@@ -158,14 +176,24 @@ def plan(
         return sharded, units
 
     @functools.cache
-    def ranks_for(t: int, mode: str, sequence: str | None, p: int, chimera: bool, virtual: int) -> list | None:
+    def ranks_for(t: int, mode: str, sequence: str | None, p: int, chimera: bool, virtual: int) -> tuple | None:
+        """Each pipeline rank's part (k, its stages, every stage's units, chunk specs, gathered bytes, ZeRO's group
+        size), and the FQNs where stages 1.. begin (None for p = 1, or where the engine names the units otherwise)."""
         sharded, units = units_for(t, mode, sequence)
         _, opt_t, zero_t = sharded_for(t, mode, sequence)
         lay = Layout(tensor=t, tensor_mode=mode, sequence=sequence, pipeline=p, virtual=virtual,
                      schedule="chimera" if chimera else "1f1b", split="params")  # fmt: skip
-        if len(units) < lay.stages:
-            return None
-        starts = stage_starts(units, lay, {}) + [len(units)]
+        if len(units) < lay.stages or (isinstance(split, tuple) and p > 1 and len(split) != lay.stages - 1):
+            return None  # a given split names the cut of one stage count
+        engine = [n for n, _ in units_of(sharded)] if p > 1 else []
+        if len(engine) != len(units):  # the engine cuts this model elsewhere: its FQNs cannot name the cut
+            engine = []
+        if isinstance(split, tuple) and p > 1:  # the user's cut, by the engine's own function where it can
+            given = dataclasses.replace(lay, split=split)
+            starts = boundaries(units_of(sharded), lay.stages, split) if engine else stage_starts(units, given, {})
+        else:
+            starts = stage_starts(units, lay, {})
+        starts = [*starts, len(units)]
         stage_units = [units[starts[s] : starts[s + 1]] for s in range(lay.stages)]
         zero_world = zero_t // p * (2 if chimera else 1)
         result = []
@@ -176,7 +204,8 @@ def plan(
             specs = build_layout(ParamView(params, sharded), optimizer_view(opt_t, params),  # type: ignore[arg-type]
                                  chunk_numel=chunk_numel, world=zero_world)  # fmt: skip
             result.append((k, mine, stage_units, specs, E.gathered_bytes(sharded, specs, dtype, None), zero_world))
-        return result
+        given_cut = split if isinstance(split, tuple) and p > 1 else None
+        return result, (tuple(engine[i] for i in starts[1:-1]) if engine else given_cut)
 
     def rank_layout(t: int, mode: str, sequence: str | None, p: int, sched: str, m: int, fig: str) -> None:
         """Every placement of one layout: its bytes checked against the machine (activations by `fig`), its step
@@ -190,16 +219,17 @@ def plan(
         chimera = sched == "chimera" and p > 1
         virtual = 2 if sched == "interleaved_1f1b" and p > 1 else 1
         try:
-            ranks = ranks_for(t, mode, sequence, p, chimera, virtual)
+            found = ranks_for(t, mode, sequence, p, chimera, virtual)
         except (ConfigError, ValueError):
             return  # a degree the model's shapes do not divide by
-        if ranks is None:
+        if found is None:
             return
+        ranks, cut = found
         acts = rank_activations(t, mode, sequence, p, sched, m, virtual, rows, ranks, fig)
         idle = idle_fraction(sched, p, m, virtual)
         lay = {"tensor": t, "tensor_mode": mode, "tensor_depth": _depth_of(mode, t), "sequence": sequence,
                "pipeline": p, "schedule": sched if p > 1 else "1f1b", "microbatches": m, "data": data, "rows": rows,
-               "virtual_stages": virtual}  # fmt: skip
+               "virtual_stages": virtual, "pipeline_split": list(cut) if cut is not None else None}  # fmt: skip
         zero_world = ranks[0][5]
         for stage, params_at, optim_at in E.CANDIDATES:
             if "nvme" in (params_at, optim_at) and machine.nvme_bytes == 0:
@@ -224,6 +254,8 @@ def plan(
             terms = step_cost(shape, lay, stage, params_at, optim_at, (psi, n_chunks), zero_world, idle, rates, dtype,
                           gpus, ranks_per_node, seq, batch, world_size, checkpointing)  # fmt: skip
             config = option_config(lay, stage, params_at, optim_at, precision, checkpointing, nvme_dir)
+            if p > 1:  # [Note: the cut a plan pastes]
+                config["parallel"]["pipeline_split"] = _pasted(split, cut, out.notes)
             out.options.append(Option(lay, stage, {"params": params_at, "optimizer": optim_at}, needed, fits,
                                       sum(terms.values()), terms, config, busiest, fig))  # fmt: skip
 
@@ -290,6 +322,47 @@ def plan(
         out.options.sort(key=_order)
     out.seconds = time.perf_counter() - started
     return out
+
+
+def _check_split(split: str | Sequence[str] | None) -> str | tuple[str, ...] | None:
+    """plan()'s pipeline_split, checked as the config checks it (a list: its FQNs against the model, later)."""
+    if split is None:
+        return None
+    if isinstance(split, str):
+        return Config.from_dict({"parallel": {"pipeline_split": split}}).parallel.pipeline_split  # type: ignore
+    if not split or not all(isinstance(s, str) for s in split):
+        raise ConfigError(
+            f'pipeline_split: expected None, "auto", "params" or a non-empty list of the FQNs where stages 1.. '
+            f"begin, got {split!r}"
+        )
+    return tuple(split)
+
+
+# [Note: the cut a plan pastes]
+# A pipeline rank's bytes depend on which units its stages hold (with checkpointing, which stage keeps which saved
+# inputs), so an option's figures hold for one cut: the planner's, balanced by parameter counts on the meta copy. A
+# pasted pipeline_split "auto" let the run time its units instead and cut elsewhere (a large head is slow, an
+# embedding fast: on meta, the engine's FLOP count put a 4-block GPT's head alone on the last stage, where the plan
+# had counted it with two blocks), with other bytes per rank than the plan promised. So by default the config names
+# the cut itself, as the FQNs where stages 1.. begin under the engine's own unit names (`units_of`), which a run
+# takes as given. A user who passes pipeline_split "auto" (or "params") to plan() asks for that in the config: it
+# is kept, a note says the figures may not be the run's, and each option's layout still names the cut they are
+# for. A list is planned as given, by the engine's `boundaries`, for the layouts of its stage count.
+def _pasted(split: str | tuple[str, ...] | None, cut: tuple[str, ...] | None, notes: list[str]) -> str | list[str]:
+    """A pipeline option's parallel.pipeline_split ([Note: the cut a plan pastes])."""
+    if isinstance(split, str):
+        return split
+    if isinstance(split, tuple):
+        return list(split)
+    if cut is not None:
+        return list(cut)
+    why = (
+        'pipeline options paste pipeline_split "auto": the engine cuts this model into other units than the '
+        "planner's, whose FQNs cannot name the cut the figures are for (a run may cut elsewhere)"
+    )
+    if why not in notes:
+        notes.append(why)
+    return "auto"
 
 
 def _order(o: Option) -> tuple:  # equal times: less device memory first (room for a larger batch)
