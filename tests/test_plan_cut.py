@@ -127,3 +127,37 @@ def test_plan_keeps_an_explicit_split(monkeypatch):
                        ("timed", "expected \"auto\", \"params\""), ([], "non-empty list")):  # fmt: skip
         with pytest.raises(ConfigError, match=match):
             plan(model, 4, global_batch=8, pipeline_split=bad, **ARGS)
+
+
+def test_the_estimate_tool_passes_its_pipeline_split_flag(monkeypatch):
+    """tools/estimate.py --recommend --pipeline-split: "auto" stays "auto" in the pasted configs (the run balances),
+    a comma-separated list reaches the plan as FQNs, no flag leaves the plan's default (the measured cut)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "estimate.py"
+    spec = importlib.util.spec_from_file_location("estimate_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    calls = []
+
+    def recording_plan(*args, **kwargs):
+        calls.append(kwargs["pipeline_split"])
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(hetero, "plan", recording_plan)
+    common = [
+        "--params",
+        "5e7",
+        "--world-size",
+        "4",
+        "--recommend",
+        "--device-memory",
+        "80GiB",
+        "--host-memory",
+        "1TiB",
+    ]
+    assert tool.main([*common, "--pipeline-split", "auto"]) == 2
+    assert tool.main([*common, "--pipeline-split", "h.2, h.4"]) == 2
+    assert tool.main(common) == 2
+    assert calls == ["auto", ["h.2", "h.4"], None]

@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--confirm", type=int, default=15, help="with --figure confirm: fitting layouts checked by step")
     rec.add_argument("--max-tensor", type=int, help="largest tensor degree to try (default: GPUs per node)")
     rec.add_argument(
+        "--pipeline-split",
+        help="the pipeline cut the pasted configs give: 'auto' or 'params' (the engine balances at run time), or the "
+        "FQNs where stages begin, comma-separated (default: the cut each layout was measured with)",
+    )
+    rec.add_argument(
         "--tensor-modes",
         help="tensor modes to try, e.g. 1d,2d,2.5d,3d (default: those hetero's config runs; others from their papers)",
     )
@@ -172,6 +177,13 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _split(flag: str | None) -> str | list[str] | None:
+    """--pipeline-split as hetero.plan takes it: None, "auto"/"params", or a list of FQNs."""
+    if flag is None or flag in ("auto", "params"):
+        return flag
+    return [name.strip() for name in flag.split(",") if name.strip()]
+
+
 def _recommend(args: argparse.Namespace, model: object, config: dict, machine: Machine | bool) -> int:
     from hetero.profiler import Rates
 
@@ -206,6 +218,7 @@ def _recommend(args: argparse.Namespace, model: object, config: dict, machine: M
             nvme_dir=args.nvme_dir,
             figure=args.figure,
             confirm=args.confirm,
+            pipeline_split=_split(args.pipeline_split),
         )
     except hetero.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
