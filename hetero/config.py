@@ -23,7 +23,7 @@ from hetero.config_deepspeed import from_deepspeed, key_hint
 from hetero.config_parallel import TENSOR_MODES as TENSOR_MODES
 from hetero.config_parallel import ParallelConfig as ParallelConfig
 from hetero.config_parallel import grid_shape as grid_shape
-from hetero.config_values import check_choice, check_int
+from hetero.config_values import check_choice, check_chunk_size, check_int, check_zero_stage, not_a_mapping
 from hetero.config_values import format_size as format_size
 from hetero.config_values import parse_size as parse_size
 from hetero.errors import ConfigError
@@ -245,8 +245,7 @@ class Config:
     environment variable HETERO_PROGRESS=0 turns them off too (hetero/progress.py)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int) or self.zero_stage not in range(4):
-            raise ConfigError(f"zero_stage: must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+        check_zero_stage(self.zero_stage)
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.offload.params_host_elements is not None:  # DeepSpeed's count: elements of the parameters' dtype
             nbytes = self.offload.params_host_elements * (4 if self.precision == "fp32" else 2)
@@ -257,8 +256,7 @@ class Config:
                 raise ConfigError(f"grad_clip_norm: expected None or a positive number, got {self.grad_clip_norm!r}")
             if not self.grad_clip_norm > 0:
                 raise ConfigError(f"grad_clip_norm: must be > 0 (or None to disable), got {self.grad_clip_norm!r}")
-        if self.chunk_size != "auto":
-            check_int("chunk_size", self.chunk_size, minimum=1, hint='or "auto"')
+        check_chunk_size(self.chunk_size)
         check_int("prefetch_depth", self.prefetch_depth, minimum=0)
         _check_activation(self.activation_checkpointing, self.activation_offload)
         if isinstance(self.comm_timeout, bool) or not isinstance(self.comm_timeout, (int, float)):
@@ -389,14 +387,14 @@ _NESTED: dict[tuple[type, str], type] = {
 
 
 def _build(cls: type, d: Mapping[str, Any], *, prefix: str) -> Any:
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {type(d).__name__}")
     names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(d, Mapping):
+        raise not_a_mapping(prefix.rstrip(".") or "config", d, names)
     kwargs: dict[str, Any] = {}
     for key, value in d.items():
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else "."
             raise ConfigError(
                 f"unknown config key '{prefix}{key}'{hint}{key_hint(str(key))} Valid keys here: {', '.join(names)}"
             )

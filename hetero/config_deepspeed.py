@@ -340,7 +340,7 @@ def key_hint(key: str) -> str:
     if key in _KEY_HINTS or key in _HANDLED_ELSEWHERE or key in ZERO_TUNING:
         what = _KEY_HINTS.get(key) or _HANDLED_ELSEWHERE.get(key) or ZERO_TUNING[key]
         return (
-            f"; '{key}' is a DeepSpeed key: {what}. To translate a whole DeepSpeed config, use "
+            f" '{key}' is a DeepSpeed key: {what}. To translate a whole DeepSpeed config, use "
             "hetero.Config.from_deepspeed(ds_config)."
         )
     return ""

@@ -75,3 +75,59 @@ def check_int(key: str, value: object, *, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         extra = f" {hint}" if hint else ""
         raise ConfigError(f"{key}: expected an integer >= {minimum}{extra}, got {value!r}")
+
+
+def check_zero_stage(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in range(4):
+        raise ConfigError(f"zero_stage: must be one of 0, 1, 2, 3, got {value!r}{_as_integer(value)}")
+
+
+def check_chunk_size(value: object) -> None:
+    """chunk_size counts elements: a size in bytes ("1MiB") is the usual mistake, so the error says what that many
+    bytes would be in fp32 elements."""
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        hint = _as_integer(value)
+        if not hint and isinstance(value, str):
+            try:
+                nbytes = parse_size(value)
+            except ConfigError:
+                nbytes = 0
+            if nbytes >= 4:
+                hint = f" ({value!r} is a size in bytes: at fp32, 4 bytes an element, that is chunk_size {nbytes // 4})"
+        raise ConfigError(
+            f'chunk_size: expected an integer >= 1, a number of elements per chunk (not bytes), or "auto", got '
+            f"{value!r}{hint}"
+        )
+
+
+def _as_integer(value: object) -> str:
+    """A hint for an integer given as a string ("3") or a float (3.0): "" when `value` is no such thing."""
+    if isinstance(value, float) and value.is_integer():
+        return f" (an integer: {int(value)}, not {value!r})"
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value):
+        return f" (a string: give the integer {int(value)}, without quotes)"
+    return ""
+
+
+# What a section looks like, for a section given as something other than a mapping ({"offload": "nvme"}).
+_SECTION_EXAMPLES = {
+    "offload": '{"optimizer": "nvme"} or {"params": "nvme", "optimizer": "nvme"}',
+    "memory": '{"device_budget": "40GiB", "nvme_dir": "/mnt/nvme"}',
+    "parallel": '{"tensor": 2, "pipeline": 2}',
+    "log": '{"tensorboard": "runs/"}',
+    "loss_scale": '{"initial_scale": 65536}',
+}
+
+
+def not_a_mapping(section: str, value: object, names: list[str]) -> ConfigError:
+    """The error for a config (section) that is not a mapping: the form it takes, with an example where there is
+    one."""
+    example = _SECTION_EXAMPLES.get(section)
+    form = f", e.g. {example}" if example else ""
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ConfigError(
+        f"{section}: expected a mapping of its keys ({', '.join(names)}){form}; got the {type(value).__name__} {shown}"
+    )
