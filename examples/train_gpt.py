@@ -9,6 +9,7 @@ memory, the bytes moved between tiers, and a greedy text sample.
     python examples/train_gpt.py --offload-optimizer host --zero-stage 2
     python examples/train_gpt.py --nvme-dir /mnt/nvme --device-budget 64MiB --json
     python examples/train_gpt.py --data my.txt --save-dir ckpt --save-every 100    # then --resume to go on
+    python examples/train_gpt.py --save-dir ckpt --save-every 100 --keep-last 3    # the 3 newest stay on disk
     torchrun --nproc_per_node=2 examples/train_gpt.py             # each rank trains on its slice of the batch
 
 `train()` is shared with examples/train_hf.py, which trains a Hugging Face model the same way.
@@ -20,11 +21,14 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -33,9 +37,11 @@ from torch import nn
 from tqdm import tqdm
 
 import hetero
+from hetero.checkpoint import keep_last
 from hetero.config import format_size, parse_size
 from hetero.errors import CheckpointError, CommError, NvmeSpaceError, NvmeUnavailableError, TierOutOfMemoryError
 from hetero.models import GPT, GPTConfig, generate_greedy
+from hetero.profiler.recorder import check_writable
 
 BLOCK_SIZE = 128
 PROMPT = "Once upon a time"
@@ -84,7 +90,9 @@ def read_text(path: str | None, *, block_size: int) -> str:
         text = load_corpus(path)
     except UnicodeDecodeError as e:
         raise UsageError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file") from None
-    n = len(encode(text))
+    n = len(text.encode("utf-8"))  # counted here: torch.frombuffer refuses an empty buffer
+    if n == 0:
+        raise UsageError(f"{name}: the file is empty; give a text of at least {block_size + 1} bytes")
     if n <= block_size:
         raise UsageError(
             f"{name}: {n} bytes is too short for one sequence of {block_size} bytes and its label; give a longer text"
@@ -200,6 +208,14 @@ def add_training_args(ap: argparse.ArgumentParser, *, steps: int, batch_size: in
         help="with --save-dir: updates between checkpoints (0: at the end)",
     )
     ap.add_argument(
+        "--keep-last",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --save-dir: after each save, delete all but the N newest checkpoints (the latest always stays; "
+        "default: keep all)",
+    )
+    ap.add_argument(
         "--resume",
         nargs="?",
         const=True,
@@ -218,8 +234,9 @@ def check_training_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -
                  "--delayed-update-prediction": args.delayed_update_prediction}  # fmt: skip
         for flag in (flag for flag, on in given.items() if on):
             ap.error(f"{flag} applies to --delayed-param-update only: add --delayed-param-update or drop {flag}")
-    if args.save_every and args.save_dir is None:
-        ap.error("--save-every needs --save-dir DIR, the checkpoints' directory")
+    for flag, given in (("--save-every", args.save_every), ("--keep-last", args.keep_last)):
+        if given and args.save_dir is None:
+            ap.error(f"{flag} needs --save-dir DIR, the checkpoints' directory")
     if args.resume is True and args.save_dir is None:
         ap.error("--resume without CKPT resumes the latest checkpoint in --save-dir: give --save-dir DIR (or CKPT)")
     resume_from = args.save_dir if args.resume is True else args.resume
@@ -244,14 +261,33 @@ USER_ERRORS = (
 )
 
 
+class Terminated(BaseException):
+    """SIGTERM (kill, a timeout, a scheduler's preemption), raised in the main thread so that the run unwinds as
+    from Ctrl-C: the engine closes and the temporary NVMe directory goes, which SIGTERM's default action left."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, cleanup or not
+    raise Terminated
+
+
 def run_cli(main: Callable[[], object]) -> None:
-    """Run an example's main: a user error ends it with its message and status 2, Ctrl-C with status 130; the
-    engine's cleanup (swap files, temporary directories) has run by then, as the exception unwound through it."""
+    """Run an example's main: a user error ends it with its message and status 2, Ctrl-C with status 130, SIGTERM
+    with that signal; the engine's cleanup (swap files, temporary directories) has run by then, as the exception
+    unwound through it."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # one ignored or handled by a launcher stays so
+        # Installed before the engine: hetero's own handler, put over it, calls it ([Note: swap directories removed
+        # on SIGTERM] in hetero/memory/swap_sigterm.py).
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         main()
     except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
+    except Terminated:
+        print("\nterminated (SIGTERM)", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)  # dies of it: the launcher reads the signal in the exit status
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -318,6 +354,9 @@ def memory_report(stats: dict[str, Any]) -> str:
 def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_labels: bool = False) -> dict[str, Any]:
     """Train `model` with hetero as `args` say; return the results (loss, time, memory stats, a sample)."""
     text = read_text(getattr(args, "data", None), block_size=block_size)  # before the engine: a bad file fails fast
+    save_dir, save_every = getattr(args, "save_dir", None), getattr(args, "save_every", 0)
+    if save_dir is not None:  # made and written to now: a directory that cannot take checkpoints fails before training
+        check_writable(Path(save_dir), what="--save-dir")
     with ExitStack() as stack:
         nvme_dir = args.nvme_dir
         if nvme_dir is None and "nvme" in (args.offload_params, args.offload_optimizer):
@@ -344,9 +383,10 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
         )
 
         start = resume(engine, args, data) if getattr(args, "resume", None) else 0
-        save_dir, save_every = getattr(args, "save_dir", None), getattr(args, "save_every", 0)
+        keep = getattr(args, "keep_last", None)
         losses: list[float] = []
-        quiet = rank != 0 or args.json
+        # disable=None: shown on a terminal only, as hetero's own bars; a log or pipe gets no carriage-return lines.
+        quiet = True if rank != 0 or args.json else None
         bar = tqdm(
             range(start, args.steps), desc="train", initial=start, total=args.steps, disable=quiet, dynamic_ncols=True
         )
@@ -363,6 +403,8 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
             if save_dir is not None and (step + 1 == args.steps or save_every and (step + 1) % save_every == 0):
                 # Atomic: a run stopped during the save (Ctrl-C, a crash) leaves the previous checkpoint the latest.
                 engine.save_checkpoint(save_dir, client_state={"step": step + 1})
+                if keep is not None and rank == 0:  # one rank: the directory is every rank's
+                    keep_last(save_dir, keep)
         seconds = time.perf_counter() - t0
 
         # With delayed_param_update the last update is still pending: apply it before the model is used.
