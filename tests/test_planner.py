@@ -104,9 +104,12 @@ def _tool():
     return module
 
 
-def test_estimate_tool_takes_the_layout_flags_and_recommends(capsys):
+def test_estimate_tool_takes_the_layout_flags_and_recommends(capsys, monkeypatch):
     """tools/estimate.py: --tensor, --tensor-mode, --pipeline, --microbatches and --sequence (bare: Megatron's) give
     hetero.estimate's bytes for that layout; --recommend prints the ranked table and a config that pastes."""
+    from hetero.profiler import planner
+
+    monkeypatch.setattr(planner, "SEQUENCE_FORMS", ())  # --recommend's flags are the test, not the sequence forms
     tool = _tool()
     machine = ["--device-memory", "80GiB", "--host-memory", "1TiB", "--nvme-space", "4TiB"]
     flags = ["--params", "5e7", "--world-size", "8", "--tensor", "2", "--tensor-mode", "1d", "--pipeline", "2",

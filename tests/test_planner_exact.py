@@ -11,7 +11,7 @@ import torch
 
 import hetero
 from hetero.models.gpt import GPT, GPTConfig
-from hetero.profiler import Machine, Rates, estimate, plan
+from hetero.profiler import Machine, Rates, estimate, plan, planner
 from tests.parity import GPT_CFG
 
 NODE = Machine(device_bytes="80GiB", host_bytes="1TiB", nvme_bytes="4TiB", gpus=8)
@@ -29,9 +29,10 @@ def _estimate(model: torch.nn.Module, o, world: int, machine: Machine) -> hetero
 
 
 @pytest.mark.timeout(600)
-def test_a_layout_only_the_saved_bytes_fit_is_not_recommended():
+def test_a_layout_only_the_saved_bytes_fit_is_not_recommended(monkeypatch):
     """The device holds more than what the recommended layout's forward saves but less than its step's peak: the
     saved-bytes planner recommends it, the estimator says it does not fit, and the planner now passes it over."""
+    monkeypatch.setattr(planner, "SEQUENCE_FORMS", ())  # the sequence forms' meta steps are the slowest to count
     model, world = _meta(), 2
     kw = dict(ARGS, global_batch=4, schedules=("1f1b",))
     old = plan(model, world, machine=NODE, figure="saved", **kw).best
@@ -65,9 +66,10 @@ LAYOUTS = [  # tensor, pipeline, schedule, ZeRO stage
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_every_options_activations_are_the_estimators(checkpointing):
+def test_every_options_activations_are_the_estimators(checkpointing, monkeypatch):
     """With figure="step" each option's activations and device bytes are the estimator's for its config (ZeRO 1
     and 3, tensor 2, pipeline 2 under two schedules, both together), above the saved-bytes walk's."""
+    monkeypatch.setattr(planner, "SEQUENCE_FORMS", ())  # layouts without a sequence form only: half the meta steps
     model = _meta()
     kw = dict(
         ARGS, global_batch=4, checkpointing=checkpointing, schedules=("1f1b", "gpipe"), machine=NODE, max_tensor=2

@@ -168,6 +168,7 @@ def plan(
             out.notes.append(why)
             log.warning("hetero.plan: %s", why)
 
+    @functools.cache  # one meta forward per tensor layout and rows, shared by its pipelines and placements
     def units_for(t: int, mode: str, sequence: str | None, rows: int | None = None) -> tuple[Any, list]:
         sharded = as_chain(sharded_for(t, mode, sequence)[0])  # cut as the estimator cuts it
         rows = rows if rows is not None else _batch_parts(mode, t)
