@@ -21,14 +21,12 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -40,6 +38,7 @@ import hetero
 from hetero.checkpoint import keep_last
 from hetero.config import format_size, parse_size
 from hetero.errors import CheckpointError, CommError, NvmeSpaceError, NvmeUnavailableError, TierOutOfMemoryError
+from hetero.memory import swap_sigterm
 from hetero.models import GPT, GPTConfig, generate_greedy
 from hetero.profiler.recorder import check_writable
 
@@ -261,33 +260,15 @@ USER_ERRORS = (
 )
 
 
-class Terminated(BaseException):
-    """SIGTERM (kill, a timeout, a scheduler's preemption), raised in the main thread so that the run unwinds as
-    from Ctrl-C: the engine closes and the temporary NVMe directory goes, which SIGTERM's default action left."""
-
-
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, cleanup or not
-    raise Terminated
-
-
 def run_cli(main: Callable[[], object]) -> None:
-    """Run an example's main: a user error ends it with its message and status 2, Ctrl-C with status 130, SIGTERM
-    with that signal; the engine's cleanup (swap files, temporary directories) has run by then, as the exception
-    unwound through it."""
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # one ignored or handled by a launcher stays so
-        # Installed before the engine: hetero's own handler, put over it, calls it ([Note: swap directories removed
-        # on SIGTERM] in hetero/memory/swap_sigterm.py).
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    """Run an example's main: a user error ends it with its message and status 2, Ctrl-C with status 130; the
+    engine's cleanup (swap files, temporary directories) has run by then, as the exception unwound through it.
+    SIGTERM ends it at once, its swap files and temporary NVMe directory removed first (see `train`)."""
     try:
         main()
     except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
-    except Terminated:
-        print("\nterminated (SIGTERM)", file=sys.stderr, flush=True)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.raise_signal(signal.SIGTERM)  # dies of it: the launcher reads the signal in the exit status
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -360,7 +341,13 @@ def train(args: argparse.Namespace, model: nn.Module, *, block_size: int, hf_lab
     with ExitStack() as stack:
         nvme_dir = args.nvme_dir
         if nvme_dir is None and "nvme" in (args.offload_params, args.offload_optimizer):
-            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="train-gpt-nvme-"))
+            temporary = tempfile.TemporaryDirectory(prefix="train-gpt-nvme-")
+            stack.callback(swap_sigterm.disown, temporary.name)  # last: after the directory's removal
+            nvme_dir = stack.enter_context(temporary)
+            # SIGTERM (kill, a timeout, a scheduler's preemption) ends the process without the unwinding that removes
+            # this directory on Ctrl-C: hetero removes it then with its own swap directories, even while the main
+            # thread is blocked in a C call ([Note: swap directories removed on SIGTERM] in memory/swap_sigterm.py).
+            swap_sigterm.own(nvme_dir)
         config = build_config(args, nvme_dir)
         optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
         # The engine steps the schedule once per real update: not after an fp16 update skipped for overflow.

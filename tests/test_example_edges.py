@@ -92,7 +92,8 @@ def test_no_progress_bar_off_a_terminal(capsys):
 @pytest.mark.timeout(150)
 def test_sigterm_removes_the_temporary_nvme_directory(tmp_path):
     """SIGTERM mid-run (a timeout, kill, a scheduler's preemption) left the empty train-gpt-nvme-* directory behind
-    (hetero removed only its swap directory inside); now the run unwinds as from Ctrl-C and still dies of SIGTERM."""
+    (hetero removed only its swap directory inside); now hetero removes it too, and the process still dies of
+    SIGTERM."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "100000"]
@@ -122,4 +123,4 @@ def test_sigterm_removes_the_temporary_nvme_directory(tmp_path):
             proc.wait()
     assert proc.returncode == -signal.SIGTERM, err[-3000:]
     assert not (tmp / made[0]).exists(), "the temporary NVMe directory was left behind"
-    assert err.rstrip().endswith("terminated (SIGTERM)") and "Traceback" not in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
