@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from hetero.memory.chunk_budgets import budget_costs
+
 logger = logging.getLogger("hetero.memory.chunk_size")
 
 
@@ -368,42 +370,8 @@ def search_tiled(
     return chosen
 
 
-def budget_cap(
-    *,
-    device_budget: int | None,
-    host_budget: int | None,
-    stage: int,
-    param_bytes: int,
-    n_states: int,
-    params_tier: str,
-    optim_tier: str,
-    prefetch_depth: int,
-    world: int,
-    spare: float = 0.5,
-) -> int | None:
-    """The largest chunk capacity (elements) whose working set fits the budgets with room to spare (`spare` of each
-    budget is left for everything else: activations, units gathered whole, other buffers). None: no budget limits it.
-
-    Device, stage 3: the chunks gathered in use, arriving (`prefetch_depth`) and leaving, in the compute dtype, and
-    the per-micro-batch fp32 gradient buffers of the reduce-scatters in flight (two, the one being filled and the one
-    just issued); stage 2 only the latter; stages 0-1 keep every parameter on the device anyway. Host: with optimizer
-    states on NVMe, the update's chunk stepping and the two read ahead (gradient, master and states of a shard); with
-    parameters on NVMe, the shards read up for gathers."""
-    caps: list[int] = []
-    if device_budget is not None:
-        per = 0.0
-        if stage == 3:
-            per += (prefetch_depth + 2) * param_bytes
-        if stage >= 2:
-            per += 4 * 4
-        if per:
-            caps.append(int(spare * device_budget / per))
-    if host_budget is not None:
-        per = 0.0
-        if optim_tier == "nvme":
-            per += 3 * (4 + 4 * (1 + n_states)) / world
-        if params_tier == "nvme":
-            per += (prefetch_depth + 2) * param_bytes / world
-        if per:
-            caps.append(int(spare * host_budget / per))
+def budget_cap(**sizing: Any) -> int | None:
+    """The largest chunk capacity (elements) whose working set fits the budgets with room to spare: `budget_costs`,
+    whose keywords it takes. None: no budget limits it."""
+    caps = [int(value / cost) for value, cost in budget_costs(**sizing).values()]
     return min(caps) if caps else None

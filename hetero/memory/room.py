@@ -186,9 +186,17 @@ class RoomMaker:
         if len(holders) > 8:
             lines.append(f"  ... and {len(holders) - 8} more chunks")
         # What could not make room: chunks that cannot move, and those this very request keeps where they are.
-        stuck = sum(c.nbytes for c in holders if (not c.movable or c.id in protect) and c not in asking)
-        enough = nbytes + stuck
-        advice = [f"raise {_RAISE[tier]} to at least {format_size(enough)} (the request and what could not move)"]
+        stuck = [c for c in holders if (not c.movable or c.id in protect) and c not in asking]
+        # And what the step needs beside this moment ([Note: the budget that would have been enough]).
+        kept = {c.kind for c in holders if c.computing and not c.transient}
+        counted = {c.id for c in (*stuck, *asking)}
+        coming = [c for c in self.chunks.values() if c.kind in kept and not c.transient and c.id not in counted]
+        largest = max([nbytes, *(c.nbytes for c in holders)])
+        enough = max(nbytes + sum(c.nbytes for c in (*stuck, *coming)), 2 * largest)
+        advice = [
+            f"raise {_RAISE[tier]} to at least {format_size(enough)} (the request, what could not move and what the "
+            "step computes on beside it)"
+        ]
         if tier is Tier.DEVICE:
             advice.append("offload more to 'host'/'nvme'")
         if tier is Tier.HOST and self.storage.store is None:
@@ -202,6 +210,24 @@ class RoomMaker:
             f"{format_size(ledger.used)} held of a {format_size(ledger.budget)} budget"
             f"{'; ' + extra if extra else ''}. Nothing more can be evicted. Held by:\n"
             + ("\n".join(lines) if lines else "  (no chunks: cached buffers only)")
-            + f"\nA budget of {format_size(enough)} would have been enough. To fix: {', '.join(advice)}."
+            + f"\nA budget of {format_size(enough)} would have been enough at these chunk sizes (the largest "
+            f'{format_size(largest)}; where chunk_size "auto" sized them from this budget, a larger one may give '
+            f"larger chunks, as large as ZeRO-3 holds within it). To fix: {', '.join(advice)}."
         )
         return TierOutOfMemoryError(msg, tier=tier.label, needed=nbytes, held=ledger.used, budget=ledger.budget)
+
+
+# [Note: the budget that would have been enough]
+# The error is raised at the first moment the tier runs out, so "this request and what could not move" is what that
+# moment needs, not the step: at 1 KiB the example's first request (a 4 KiB shard) failed with nothing held, and at
+# the 4 KiB that figure named, a later moment (a layer's weight tile while its bias's chunk was computed on) needed
+# 8 KiB. So the figure counts besides:
+#   - two of the largest chunks: a step computes on a chunk while the next comes in (a module's weight and bias in
+#     two chunks, a shard and its gathered chunk); the least `memory/auto.py` keeps its target above;
+#   - where chunks that stay allocated (not transient) are computed on, every chunk of their kind: such chunks are
+#     computed on from the forward to the backward (stages 0-2 keep all parameters on the device), so the rest of
+#     the forward brings the others. The first request of a step, with nothing computed on yet, cannot tell.
+# With chunk_size "auto" the budget sizes the chunks too: a larger budget gives larger ones, at most what
+# `chunk_size.budget_cap` lets its working set take of half of it. Under ZeRO-3 that keeps two of them within a
+# quarter of the new budget, so the figure holds (tests/test_budget_hints.py); below the 1024-element floor the size
+# does not change at all. Stages 0-2 hold every parameter on the device, whose padding may grow with the chunks.

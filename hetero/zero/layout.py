@@ -34,11 +34,12 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from hetero.memory.chunk_budgets import budget_costs, small_chunks
 from hetero.memory.chunk_size import budget_cap, pack_tiled, search_tiled
 from hetero.zero.tileable import tile_rows
 
@@ -208,19 +209,43 @@ def config_cap(
     config: Config, *, device_budget: int | None, host_budget: int | None, n_states: int, world: int
 ) -> int | None:
     """The largest automatic chunk capacity these budgets hold with room to spare (`chunk_size.budget_cap`)."""
+    return budget_cap(
+        **_sizing(config, device_budget=device_budget, host_budget=host_budget, n_states=n_states, world=world)
+    )
+
+
+def _sizing(config: Config, **given: int | None) -> dict[str, Any]:
+    """The keywords of `chunk_size.budget_costs` the config gives, with the `given` budgets and sizes."""
     from hetero.zero.precision import COMPUTE_DTYPES
 
-    return budget_cap(
-        device_budget=device_budget,
-        host_budget=host_budget,
+    return dict(
         stage=config.zero_stage,
         param_bytes=COMPUTE_DTYPES[config.precision].itemsize,
-        n_states=n_states,
         params_tier=config.offload.params,
         optim_tier=config.offload.optimizer,
         prefetch_depth=config.prefetch_depth,
-        world=world,
+        **given,
     )
+
+
+def warn_small_chunks(
+    config: Config, specs: list[ChunkSpec], manager: ChunkManager, *, n_states: int, world: int
+) -> None:
+    """Log once, at initialize, where the budgets forced the automatic chunk size below the size at which per-chunk
+    costs stop mattering ([Note: chunks too small for their fixed costs]): the size, the budget that forced it and
+    the one that lifts it."""
+    from hetero.memory import Tier
+
+    if config.chunk_size != "auto" or not specs:
+        return
+    budgets = {k: manager.ledgers[t].budget for k, t in (("device_budget", Tier.DEVICE), ("host_budget", Tier.HOST))}
+    sizing = _sizing(config, **budgets, n_states=n_states, world=world)
+    total = sum(p.numel for spec in specs for p in spec.params)
+    natural = max(AUTO_ALIGN, min(1 << 20, total // 8))  # the least `_auto_chunk_numel` picks with no budget
+    costs = budget_costs(**sizing)
+    message = small_chunks(specs[0].chunk_numel, natural_numel=natural, itemsize=sizing["param_bytes"], costs=costs)
+    if message:
+        log.warning("%s", message)
 
 
 def chunk_cap(
