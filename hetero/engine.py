@@ -442,6 +442,7 @@ class Engine(DeepSpeedNames):
             with self.device.compute_context(), saving, no_grad, in_callers_mode(inference):
                 out = self.module(*args, **kwargs)
         except BaseException as e:  # [Note: a forward that fails]; an interrupt too (an evaluation stopped by hand)
+            self.watch.forward_raised(training=training)  # [Note: a step without its backward]: no step() for it
             self._forward_failed(e, began=not within)
             raise
         if self._forwards is not None:
@@ -623,6 +624,7 @@ class Engine(DeepSpeedNames):
             for zc in self.trainable:
                 zc.host_sum.flush()  # stages 0-1: the gradients of chunks not complete (unused parameters) go down
         if failed is not None:
+            self.watch.backward_dropped()  # no step() for it ([Note: a step without its backward])
             self._backward_failed(failed)  # raises where the ranks did not all raise at this point
         elif self._backwards is not None:
             self._backwards.end()
@@ -744,6 +746,7 @@ class Engine(DeepSpeedNames):
         # used to pass as it was, unended: a backward before the update left its part of the gradient for the next
         # one, and after a failed update's backward neither the next step nor a checkpoint's load went on.
         dropped = self.accumulated
+        self.watch.backward_dropped()
         self.settle_update()  # a pending delayed update still reads the gradient buffers
         self.updater.zero_grads()
         self.accumulated = 0
@@ -765,6 +768,9 @@ class Engine(DeepSpeedNames):
         # A rank that stopped (a tensor-parallel rank's failed backward) left part of a gradient in the chunks, and
         # its update's collectives would pair with others its peers left waiting.
         self._refuse_if_stopped("engine.step")
+        # Before anything is counted, and before the update's first collective: [Note: a step without its backward]
+        # in hetero/zero/loop_watch.py.
+        self.watch.before_step()
         boundary = self.is_gradient_accumulation_boundary()
         self._grads_final = False
         self.watch.step()
@@ -888,6 +894,8 @@ class Engine(DeepSpeedNames):
                 yield
         finally:
             self._set_backward_open(False)
+        self.watch.backward_ended()  # engine.backward unmarks one that raised inside ([Note: a step without its
+        # backward] in hetero/zero/loop_watch.py)
 
     def _check_no_new_parameters(self) -> None:
         # A module added or replaced after initialize (a new head, resize_token_embeddings, peft's get_peft_model on
@@ -1106,6 +1114,7 @@ class Engine(DeepSpeedNames):
         self.settle_update()
         loaded = load_checkpoint(self, path, **kwargs)
         self.watch.stepped_scheduler()  # restored with the checkpoint, where it was given
+        self.watch.loaded()  # the next step() needs a backward of its own
         self.loop_writes.note()
         return loaded
 

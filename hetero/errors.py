@@ -80,6 +80,11 @@ class WeightsError(HeteroError, ValueError):
     files that do not match the model."""
 
 
+class StepOrderError(HeteroError, RuntimeError):
+    """The training loop called the engine out of order: `engine.step()` with no `engine.backward(loss)` since the
+    last `step()` (or since `initialize` / `load_checkpoint`). Raised before anything is counted or updated."""
+
+
 class ReleasedParameterError(HeteroError, RuntimeError):
     """A ZeRO-3 parameter's values were read while only a shard of them is on this rank."""
 
