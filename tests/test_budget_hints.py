@@ -80,6 +80,17 @@ def _sizing(*, device_budget: int) -> dict[str, object]:
     )
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_figure_counts_the_parameters_stages_0_to_2_keep_on_the_device(stage):
+    """Stages 0-2 compute on every parameter chunk from the forward to the backward: a failure in the middle of the
+    forward (12 KiB: the embeddings held, a layer's weight asked) names a budget for all of them, and the gradient
+    buffers of the backward beside them, not one chunk more than the moment's."""
+    with pytest.raises(TierOutOfMemoryError) as info:
+        _step(12 << 10, 1024, zero_stage=stage)
+    assert "(being computed on)" in str(info.value), str(info.value)  # a failure mid-forward, not the first request
+    _step(_figure(info.value), 1024, zero_stage=stage)
+
+
 def _warned(budget: int | None, chunk_size: int | str, caplog: pytest.LogCaptureFixture) -> list[str]:
     """The small-chunk warnings of what the engine calls at initialize (`layout.warn_small_chunks`), for the tiny GPT
     under `budget` bytes of device memory (None: the default budgets)."""

@@ -192,7 +192,7 @@ class RoomMaker:
         counted = {c.id for c in (*stuck, *asking)}
         coming = [c for c in self.chunks.values() if c.kind in kept and not c.transient and c.id not in counted]
         largest = max([nbytes, *(c.nbytes for c in holders)])
-        enough = max(nbytes + sum(c.nbytes for c in (*stuck, *coming)), 2 * largest)
+        enough = max(nbytes + sum(c.nbytes for c in (*stuck, *coming)) + (2 * largest if kept else 0), 2 * largest)
         advice = [
             f"raise {_RAISE[tier]} to at least {format_size(enough)} (the request, what could not move and what the "
             "step computes on beside it)"
@@ -224,10 +224,12 @@ class RoomMaker:
 # 8 KiB. So the figure counts besides:
 #   - two of the largest chunks: a step computes on a chunk while the next comes in (a module's weight and bias in
 #     two chunks, a shard and its gathered chunk); the least `memory/auto.py` keeps its target above;
-#   - where chunks that stay allocated (not transient) are computed on, every chunk of their kind: such chunks are
-#     computed on from the forward to the backward (stages 0-2 keep all parameters on the device), so the rest of
-#     the forward brings the others. The first request of a step, with nothing computed on yet, cannot tell.
+#   - where chunks that stay allocated (not transient) are computed on, every chunk of their kind and two of the
+#     largest chunks besides: such chunks are computed on from the forward to the backward (stages 0-2 keep all
+#     parameters on the device), so the rest of the forward brings the others, and the backward its gradient
+#     buffers beside them. The first request of a step, with nothing computed on yet, cannot tell.
 # With chunk_size "auto" the budget sizes the chunks too: a larger budget gives larger ones, at most what
 # `chunk_size.budget_cap` lets its working set take of half of it. Under ZeRO-3 that keeps two of them within a
 # quarter of the new budget, so the figure holds (tests/test_budget_hints.py); below the 1024-element floor the size
-# does not change at all. Stages 0-2 hold every parameter on the device, whose padding may grow with the chunks.
+# does not change at all. Stages 0-2 hold every parameter on the device, whose padding may grow with the chunks
+# (stage 2's automatic size follows the device budget): there the figure holds at the chunk size it names.
