@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hetero.checkpoint.consolidate import DTYPES, HF_SHARD_SIZE, consolidate, verify
+from hetero.checkpoint.manifest import resolve
 from hetero.errors import CheckpointError, ConfigError
 
 
@@ -60,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             for path in consolidate(args.ckpt_dir, args.out, dtype=args.dtype, **kw):
                 print(f"wrote {path}")
         else:
-            n = verify(args.ckpt_dir)
-            print(f"ok: {n} bytes of tensors checked")
+            # A root's `latest` (or a Trainer folder) leads to one checkpoint: say which one was checked.
+            directory = resolve(args.ckpt_dir)
+            via = "" if os.path.samefile(directory, args.ckpt_dir) else f" (from {args.ckpt_dir})"
+            print(f"ok: {directory}{via}: {verify(directory)} bytes of tensors checked")
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

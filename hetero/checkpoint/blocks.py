@@ -22,11 +22,12 @@ the manifest grows by about 21 bytes a MiB (2 MB for a 100 GB checkpoint), which
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-from hetero.errors import CheckpointError
+from hetero.checkpoint.earlier import damaged
 from hetero.io.checksum import Running, checksum_fn
 from hetero.io.direct import as_bytes
 
@@ -60,15 +61,17 @@ def from_entry(info: dict) -> tuple[int, dict[str, list[int]]]:
     return int(blocked.get("bytes", 0)), blocked.get("sums", {})
 
 
-def pieces(seg: Any, itemsize: int) -> list[tuple[int, int, str]]:
-    """The parts of a saved segment (an `manifest.Segment`) that each have a checksum, as element ranges of the
-    flattened tensor with a name (its blocks, or the segment whole for one saved without blocks)."""
+def pieces(seg: Any, itemsize: int, directory: str) -> list[tuple[int, int, str]]:
+    """The parts of a saved segment (an `manifest.Segment` of the checkpoint `directory`) that each have a checksum,
+    as element ranges of the flattened tensor with a name (its blocks, or the segment whole for one saved without
+    blocks)."""
     if not seg.blocks:
         return [(seg.start, seg.end, "")]
     if seg.block_bytes <= 0 or seg.block_bytes % itemsize:
-        raise CheckpointError(
-            f"{seg.file}: the manifest gives {seg.key!r} blocks of {seg.block_bytes} bytes, not a multiple of its "
-            f"{itemsize}-byte elements: the checkpoint is corrupt. Load an earlier checkpoint"
+        raise damaged(
+            os.path.join(directory, seg.file),
+            f"the manifest gives {seg.key!r} blocks of {seg.block_bytes} bytes, not a multiple of its {itemsize}-byte "
+            "elements: the checkpoint is corrupt",
         )
     per = seg.block_bytes // itemsize
     return [(b, min(b + per, seg.end), f"#{i}") for i, b in enumerate(range(seg.start, seg.end, per))]
@@ -120,9 +123,10 @@ def check_whole(reader: Any, seg: Any, t: torch.Tensor) -> None:
 def _check_count(reader: Any, seg: Any, nbytes: int) -> None:
     size = seg.block_bytes
     if size <= 0 or size % reader.entry(seg.key).dtype.itemsize or len(seg.blocks) != -(-nbytes // size):
-        raise CheckpointError(
-            f"{reader.path}: the manifest lists {len(seg.blocks)} checksums of {size}-byte blocks for {seg.key!r} "
-            f"({nbytes} bytes): the checkpoint is corrupt. Load an earlier checkpoint"
+        raise damaged(
+            reader.path,
+            f"the manifest lists {len(seg.blocks)} checksums of {size}-byte blocks for {seg.key!r} ({nbytes} bytes): "
+            "the checkpoint is corrupt",
         )
 
 
@@ -133,8 +137,8 @@ def _check(reader: Any, seg: Any, first: int, view: memoryview) -> None:
         k = (first + off) // size
         if fn(view[off : off + size]) != seg.blocks[k]:
             at = reader.entry(seg.key).begin + first + off
-            raise CheckpointError(
-                f"{reader.path}: tensor {seg.key!r} fails its {reader.checksum.upper()} check in block {k} (file bytes "
-                f"{at}-{at + min(size, len(view) - off)}): the file is corrupt. Load an earlier checkpoint (every "
-                "checkpoint directory under the root holds a complete one)"
+            raise damaged(
+                reader.path,
+                f"tensor {seg.key!r} fails its {reader.checksum.upper()} check in block {k} (file bytes {at}-"
+                f"{at + min(size, len(view) - off)}): the file is corrupt",
             )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.checkpoint.blocks import digests
+from hetero.checkpoint.earlier import damaged
 from hetero.errors import CheckpointError
 from hetero.io import direct as direct_io
 from hetero.io.checksum import DEFAULT, LEGACY, checksum_fn
@@ -419,10 +420,8 @@ class TensorReader:
         """Check the checksums of tensors read by `read_many(..., check=False)`."""
         for name, out, crc in items:
             if self._checksum(as_bytes(out)) != crc:
-                raise CheckpointError(
-                    f"{self.path}: tensor {name!r} fails its {self.checksum.upper()} check: the file is corrupt. Load "
-                    "an earlier checkpoint (every checkpoint directory under the root holds a complete one)"
-                )
+                what = f"tensor {name!r} fails its {self.checksum.upper()} check: the file is corrupt"
+                raise damaged(self.path, what)
 
     def read(self, name: str, *, crc: int | None = None) -> torch.Tensor:
         entry = self.entry(name)

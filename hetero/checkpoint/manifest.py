@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import blocks
+from hetero.checkpoint.earlier import damaged
 from hetero.checkpoint.format import PAD_MAX, TensorReader
 from hetero.errors import CheckpointError
 
@@ -209,15 +210,16 @@ def read_manifest(directory: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {directory} is not a complete checkpoint") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}): the manifest is corrupt") from None
+        raise damaged(path, f"not valid JSON ({e}): the manifest is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a hetero checkpoint manifest")
     seal = manifest.pop(_SEAL, None)  # none in manifests written before it: read unchecked
     # (a key of another name there is the seal's own name with a flipped byte)
     if (seal is None and set(manifest) - _KEYS) or (seal is not None and zlib.crc32(_canonical(manifest)) != seal):
-        raise CheckpointError(
-            f"{path}: fails its CRC32 check: the manifest is corrupt (or was edited), and the step counts, random "
-            "states and checksums it holds cannot be trusted; load an earlier checkpoint"
+        raise damaged(
+            path,
+            "fails its CRC32 check: the manifest is corrupt (or was edited), and the step counts, random states and "
+            "checksums it holds cannot be trusted",
         )
     if manifest.get("version", 0) > VERSION:
         raise CheckpointError(
@@ -236,21 +238,19 @@ def check_files(directory: str, manifest: dict[str, Any], names: list[str] | Non
         try:
             size = os.path.getsize(path)
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: missing; the checkpoint is incomplete. Load an earlier one") from None
+            raise damaged(path, "missing; the checkpoint is incomplete") from None
         if size != info["size"]:
             what = "truncated" if size < info["size"] else "longer than written"
-            raise CheckpointError(
-                f"{path}: {what} ({size} bytes, the manifest says {info['size']}); load an earlier checkpoint"
-            )
+            raise damaged(path, f"{what} ({size} bytes, the manifest says {info['size']})")
         if "crc32" in info and file_crc(path) != info["crc32"]:
-            raise CheckpointError(f"{path}: fails its CRC32 check: the file is corrupt; load an earlier checkpoint")
+            raise damaged(path, "fails its CRC32 check: the file is corrupt")
         if "header_crc32" in info:
             with open(path, "rb") as f:
                 head = f.read(8)
                 n = int.from_bytes(head, "little") if len(head) == 8 else -1
                 raw = head + f.read(n) if 0 <= n <= size else b""
             if zlib.crc32(raw) != info["header_crc32"]:
-                raise CheckpointError(f"{path}: its header fails its CRC32 check: the file is corrupt")
+                raise damaged(path, "its header fails its CRC32 check: the file is corrupt")
 
 
 # ---- the index of segments -------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ class Checkers:
             return
         for seg in segs:
             run = None  # [first, end) of the adjacent pieces read so far that this rank checks
-            for p, q, tag in blocks.pieces(seg, index.reader(seg.file).entry(seg.key).dtype.itemsize):
+            for p, q, tag in blocks.pieces(seg, index.reader(seg.file).entry(seg.key).dtype.itemsize, index.directory):
                 a, b = max(p, lo), min(q, hi)
                 if a >= b:
                     continue

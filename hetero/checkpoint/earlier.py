@@ -1,0 +1,79 @@
+"""Which checkpoint to load instead of a damaged one, named in the error that refuses it.
+
+A damaged checkpoint (a truncated file, a failed checksum, a corrupt manifest) was refused with "load an earlier
+checkpoint", leaving the user to find one that loads and the call that loads it. `damaged` ends every such error
+with the newest checkpoint saved before it beside it (in the same root; for HeteroTrainer's checkpoint-N/hetero/,
+the newest checkpoint-M folder before it) that looks intact, and how to load it. The look is cheap, as an error
+path should be: the manifest parses and passes its own checksum, and every file it lists has the size it records;
+no tensor is read (`python -m hetero.checkpoint verify` reads every byte).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from hetero.errors import CheckpointError
+
+
+def damaged(path: str, what: str) -> CheckpointError:
+    """The error for the damaged file `path` of a checkpoint directory: `what` is wrong with it, then `instead`."""
+    return CheckpointError(f"{path}: {what}. {instead(os.path.dirname(path))}")
+
+
+def instead(directory: str) -> str:
+    """What to load in place of the damaged checkpoint `directory`: the newest intact one saved before it, and how."""
+    # manifest.py (and format.py and blocks.py, which it imports) raise through this module: imported at an error.
+    from hetero.checkpoint import manifest as mf
+
+    directory = os.path.normpath(directory)
+    root, tag = os.path.split(directory)
+    root = root or os.curdir
+    tag = mf.stale_tag(tag) or tag  # a set-aside copy read in place of its tag ([Note: checkpoint layout])
+    if os.path.basename(root) == mf.NESTED:  # HeteroTrainer's checkpoint-N/hetero/<tag>: the folders beside N
+        folder = os.path.dirname(root)
+        out, name = os.path.split(folder)
+        for other in reversed(_before(mf.trainer_checkpoints(out or os.curdir), name)):
+            try:
+                found = mf.resolve(os.path.join(out, other, mf.NESTED))
+            except CheckpointError:
+                continue
+            if intact(found):
+                return (
+                    f"Load an earlier checkpoint: the newest intact one before {name} is {os.path.join(out, other)}: "
+                    f"trainer.train(resume_from_checkpoint={os.path.join(out, other)!r})"
+                )
+        return f"Load an earlier checkpoint: no folder before {name} in {out or os.curdir} holds an intact one"
+    for other in reversed(_before(mf.complete_tags(root), tag)):
+        if intact(os.path.join(root, other)):
+            return (
+                f"Load an earlier checkpoint: the newest intact one before {tag} is {os.path.join(root, other)}: "
+                f"engine.load_checkpoint({root!r}, tag={other!r}) (examples/train_gpt.py: --resume "
+                f"{os.path.join(root, other)})"
+            )
+    return (
+        f"Load an earlier checkpoint: {root} holds no intact one saved before {tag}; restore one from a copy, or "
+        "train from the start"
+    )
+
+
+def intact(directory: str) -> bool:
+    """Whether the checkpoint `directory` looks whole, cheaply: its manifest parses and passes its own checksum, and
+    every file it lists has the size it records. The tensors are not read."""
+    from hetero.checkpoint import manifest as mf  # as in `instead`
+
+    try:
+        files = mf.read_manifest(directory)["files"]
+        return all(os.path.getsize(os.path.join(directory, f)) == info["size"] for f, info in files.items())
+    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _before(names: list[str], name: str) -> list[str]:
+    """The `names` that come before `name` in step order (step-10 after step-9), in that order."""
+    return sorted((n for n in names if _order(n) < _order(name)), key=_order)
+
+
+def _order(name: str) -> list[str | int]:
+    # re.split with a group alternates text and digits, text first: two keys compare text with text, int with int.
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
