@@ -100,6 +100,15 @@ def test_a_damaged_checkpoint_names_the_newest_intact_one_before_it(root, how, s
     missing = [part for part in _advice(root, TAGS[1]) if part not in message]
     assert not missing, f"{missing} not in {message!r}"
     assert _load(root, TAGS[1]) == {"step": 4}  # the call the error gives loads
+    # ... and says why the damaged one must go first: a resumed run saving at its step would be refused.
+    assert f"move {os.path.join(root, TAGS[2])} aside first" in message
+    e = make_engine(0, _cfg(1))
+    try:
+        e.load_checkpoint(root, TAGS[1])
+        with pytest.raises(CheckpointError, match="exists already and is the latest"):
+            e.save_checkpoint(root, tag=TAGS[2])
+    finally:
+        e.close()
 
 
 @pytest.mark.parametrize("how", ["truncate", "truncate-manifest", "flip-manifest"])

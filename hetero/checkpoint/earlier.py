@@ -49,11 +49,26 @@ def instead(directory: str) -> str:
             return (
                 f"Load an earlier checkpoint: the newest intact one before {tag} is {os.path.join(root, other)}: "
                 f"engine.load_checkpoint({root!r}, tag={other!r}) (examples/train_gpt.py: --resume "
-                f"{os.path.join(root, other)})"
+                f"{os.path.join(root, other)}){_aside(root, tag, directory)}"
             )
     return (
         f"Load an earlier checkpoint: {root} holds no intact one saved before {tag}; restore one from a copy, or "
         "train from the start"
+    )
+
+
+def _aside(root: str, tag: str, directory: str) -> str:
+    """While `latest` names the damaged tag, a save under that tag is refused (save.py): a resumed run reaching the
+    same step would stop at its save. Said here, where the user decides what to load."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            named = f.read().strip()
+    except OSError:
+        return ""
+    return (
+        f"; move {directory} aside first: while `latest` names it, a save under {tag} is refused"
+        if named == tag
+        else ""
     )
 
 
