@@ -26,9 +26,13 @@ the message says which order it saw (a forward whose backward has not run; a for
 whose batch the loop skips, `step()` included; nothing since the last step). A backward is that of
 `engine.backward` or of `train_batch` (pipeline schedules included), ended without raising. An update skipped for fp16
 overflow followed its backward, so it is legal. The decision reads this rank's own calls only, no collective: ranks
-running one loop decide alike, and a rank that skipped its backward raises before its update's first collective
-(its peers, waiting in the backward's or update's collectives for it, stop with RankFailedError naming it once its
-script ends on the error, or with the collective timeout where the loop catches it and goes on).
+running one loop decide alike, and a rank that skipped its backward raises before its update's first collective.
+Its peers wait in their backward's collectives for it: when its script ends on the error, they stop within about a
+second with RankFailedError naming it and the error ([Note: a rank's failure told to the others] in
+hetero/comm/watch.py). A loop that catches the error on that rank alone and goes on is out of step with the others:
+its next backward joins the collectives they wait in, a batch apart (measured with 2 ranks at stages 1 and 3: no
+error until a collective it never joins timed out, RankTimeoutError after comm_timeout), so a loop that catches
+StepOrderError must stop every rank, not only the one that raised.
 """
 
 from __future__ import annotations
