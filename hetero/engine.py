@@ -48,7 +48,7 @@ from hetero.zero.grad_views import full_grads
 from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads, take_over, watch_structure
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
-from hetero.zero.layout import build_layout, chunk_cap
+from hetero.zero.layout import build_layout, chunk_cap, warn_small_chunks
 from hetero.zero.loop_clip import route as route_clips
 from hetero.zero.loop_watch import LoopWatch
 from hetero.zero.loop_writes import LoopWrites
@@ -196,6 +196,7 @@ class Engine(DeepSpeedNames):
         specs = build_layout(
             model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap, tiling=config.tiling
         )
+        warn_small_chunks(config, specs, self.manager, n_states=len(self.algorithm.state_names), world=self.comm.size)
         self.chunks: list[ZeroChunk] = []
         self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives (a whole one)
         tiled: dict[int, Tiled] = {}  # param id -> its tiles, for a parameter split over chunks ([Note: tiles])

@@ -17,7 +17,6 @@ from hetero.config import parse_size
 from hetero.errors import TierOutOfMemoryError
 from hetero.memory.chunk_budgets import SMALL_NUMEL, budget_costs, small_chunks
 from hetero.memory.chunk_size import budget_cap
-from hetero.zero.layout import warn_small_chunks
 
 try:
     from tests import parity
@@ -92,21 +91,16 @@ def test_the_figure_counts_the_parameters_stages_0_to_2_keep_on_the_device(stage
 
 
 def _warned(budget: int | None, chunk_size: int | str, caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The small-chunk warnings of what the engine calls at initialize (`layout.warn_small_chunks`), for the tiny GPT
-    under `budget` bytes of device memory (None: the default budgets)."""
+    """The small-chunk warnings `hetero.initialize` logs (`layout.warn_small_chunks`) for the tiny GPT under `budget`
+    bytes of device memory (None: the default budgets)."""
     model = parity.build()
     memory = {"host_budget": 64 << 20} if budget is None else {"device_budget": budget, "host_budget": 64 << 20}
-    engine = hetero.initialize(
-        model, parity.make_optimizer(model), {**BASE, "chunk_size": chunk_size, "memory": memory}
-    )
     caplog.clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="hetero"):
-            specs = [zc.spec for zc in engine.chunks]
-            n_states = len(engine.algorithm.state_names)
-            warn_small_chunks(engine.config, specs, engine.manager, n_states=n_states, world=engine.comm.size)
-    finally:
-        engine.close()
+    with caplog.at_level(logging.WARNING, logger="hetero"):
+        engine = hetero.initialize(
+            model, parity.make_optimizer(model), {**BASE, "chunk_size": chunk_size, "memory": memory}
+        )
+    engine.close()
     return [r.getMessage() for r in caplog.records if 'chunk_size "auto" chose chunks of' in r.getMessage()]
 
 
