@@ -11,6 +11,7 @@ from hetero.errors import (
     NvmeError,
     NvmeSpaceError,
     NvmeUnavailableError,
+    StepOrderError,
     TierOutOfMemoryError,
     WeightsError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "NvmeUnavailableError",
     "OffloadConfig",
     "ParallelConfig",
+    "StepOrderError",
     "TierOutOfMemoryError",
     "parse_size",
     "CheckpointError",
