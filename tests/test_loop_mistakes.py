@@ -371,7 +371,11 @@ def test_a_deepspeed_style_tag_given_as_client_state_is_refused(tmp_path):
 def test_deepspeeds_engine_names_answer_with_hetero_figures():
     model, opt, engine = _engine(2, grad_accumulation_steps=2, precision="fp16")
     x, y = _batch()
-    for _ in range(4):
+    assert engine.was_step_applied() is False  # as DeepSpeed's: no update applied yet
+    engine.backward(engine(x, labels=y).loss)
+    engine.step()  # half an accumulation: still none
+    assert engine.was_step_applied() is False
+    for _ in range(3):
         engine.backward(engine(x, labels=y).loss)
         engine.step()
     assert engine.get_lr() == [g["lr"] for g in opt.param_groups] == [3e-3, 3e-3]

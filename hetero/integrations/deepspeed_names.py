@@ -21,6 +21,7 @@ class DeepSpeedNames:
     stage: int
     last_grad_norm: float | None
     last_update_skipped: bool
+    global_steps: int
 
     def get_lr(self) -> list[float]:
         """Each param group's learning rate, as the next update uses it."""
@@ -31,8 +32,9 @@ class DeepSpeedNames:
         return self.last_grad_norm
 
     def was_step_applied(self) -> bool:
-        """False when the last update was skipped (fp16 overflow)."""
-        return not self.last_update_skipped
+        """Whether the last update was applied: False before the first one (as DeepSpeed's) and when it was skipped
+        (fp16 overflow)."""
+        return self.global_steps > 0 and not self.last_update_skipped
 
     def gradient_accumulation_steps(self) -> int:
         return int(self.config.grad_accumulation_steps)
