@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-memory", help="memory of one GPU of the target machine, e.g. 80GiB")
     ap.add_argument("--host-memory", help="host RAM of one node of the target machine, e.g. 1TiB")
     ap.add_argument("--nvme-space", help="free NVMe space of one node, e.g. 4TiB")
-    ap.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target machine (with --device-memory)")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=8,
+        help="GPUs per node of the target machine, with --device-memory (default 8: a node, whatever --world-size "
+        "uses of it)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     rec = ap.add_argument_group("--recommend: rank every layout that fits (hetero.plan)")
     rec.add_argument("--recommend", action="store_true", help="list the layouts that fit, fastest predicted first")
