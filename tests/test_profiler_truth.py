@@ -195,7 +195,7 @@ def test_summary_text_says_what_the_json_says(tmp_path):
     engine, prof = _finished_profile(tmp_path, params="nvme", host_budget=200_000)
     data = summary_data(prof)
     text = summary_text(data)
-    assert f"{data['optimizer_steps']} optimizer steps, {data['micro_steps']} micro-batches" in text
+    assert f"{data['optimizer_steps']} optimizer steps, {data['micro_batches']} micro-batches" in text
     pf = data["prefetch"]
     assert f"prefetch: {pf['hits']} hits, {pf['misses']} misses" in text
     assert f"{pf['started']} prefetches started" in text

@@ -73,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     profiles: list[Profile] = []
     original = hetero.engine.initialize
 
-    def on_stop(prof: Profile) -> None:
+    def wrote(prof: Profile) -> None:
         # tqdm.write: on a line of its own, above any progress bar the script is drawing
         tqdm.write(f"memprof: wrote {prof.out_dir}/summary.txt, timeline.png, trace.json", file=sys.stderr)
+
+    def on_stop(prof: Profile) -> None:
+        wrote(prof)
         if args.exit and all(p.finished for p in profiles):
             raise _Stop(0)
 
@@ -105,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         hetero.initialize = hetero.engine.initialize = original
         for prof in profiles:  # the script ended (or failed) before N steps: write what was recorded
             if prof.active:
-                prof.on_stop = None
+                prof.on_stop = None  # no _Stop raised here: the script has ended already
                 prof.stop()
+                wrote(prof)  # as at the N-th step: where to look
         if not profiles:  # the script ended, or raised, before making an engine
             with contextlib.suppress(OSError):
                 out.rmdir()  # made above; left empty

@@ -33,6 +33,7 @@ from hetero.memory import Tier
 from hetero.memory.manager import MoveEvent
 from hetero.profiler.activations import storage_key
 from hetero.profiler.kinds import by_kind, holds
+from hetero.profiler.micro_batches import MicroBatches
 from hetero.profiler.rss import RssSampler
 
 log = logging.getLogger("hetero.profiler")
@@ -122,7 +123,7 @@ class Profile:
         self.activation_series: list[tuple[float, int]] = []  # saved-for-backward bytes held
         self.counters: dict[str, int] = {}  # the manager's counters over the window
         self.stats: dict[str, Any] = {}  # engine.memory_stats() at the end
-        self.micro_steps = 0
+        self.batches = MicroBatches(engine)  # engine.step() calls, the micro-batches they stepped on
         self.duration = 0.0  # seconds recorded
         self._undo: list[Callable[[], None]] = []
         self._stack: list[ModuleSpan] = []  # forward spans open now
@@ -176,6 +177,7 @@ class Profile:
         self._undo.append(self.manager.events.subscribe("move", self._on_move))
         self._undo.append(self.manager.events.subscribe("done", self._after_manager))
         self._hook_modules(self.engine.module)
+        self._undo += self.batches.subscribe(self.engine.events)  # before _micro_step, which may stop: counted first
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._undo.append(lambda: hooks.__exit__(None, None, None))
@@ -392,7 +394,6 @@ class Profile:
                 self._stop_after_step = True
 
     def _micro_step(self) -> None:
-        self.micro_steps += 1
         if self._stop_after_step:
             self._stop_in_engine()
 

@@ -66,7 +66,8 @@ def summary_data(prof: Any) -> dict[str, Any]:
     }
     return {
         "seconds": prof.duration,
-        "micro_steps": prof.micro_steps,
+        "micro_steps": prof.batches.steps,  # engine.step() calls: one per train_batch
+        "micro_batches": prof.batches.count,  # [Note: counting micro-batches] in hetero/profiler/micro_batches.py
         "optimizer_steps": len(prof.steps),
         "rank": prof.rank,  # the global rank: of the job's ranks, not of the data-parallel group
         "world_size": job_of(prof.engine).size,
@@ -97,7 +98,8 @@ def summary_data(prof: Any) -> dict[str, Any]:
 
 def summary_text(d: dict[str, Any]) -> str:
     lines = [
-        f"hetero memory profile: {d['optimizer_steps']} optimizer steps, {d['micro_steps']} micro-batches, "
+        f"hetero memory profile: {counted(d['optimizer_steps'], 'optimizer step')}, "
+        f"{counted(d['micro_batches'], 'micro-batch', 'micro-batches')}, "
         f"{d['seconds']:.3f} s recorded (rank {d['rank']} of {d['world_size']})",
         "",
         "peak per tier (the tier ledgers' peaks over the recording, as engine.memory_stats() reports them):",
@@ -170,6 +172,11 @@ def summary_text(d: dict[str, Any]) -> str:
         extra = f", allocated {format_size(a['allocated_per_call'])}" if a["allocated_per_call"] else ""
         lines.append(f"  {format_size(a['saved_per_call']):>12}  {name} ({int(a['calls'])} calls{extra})")
     return "\n".join(lines) + "\n"
+
+
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """`1 optimizer step`, `2 optimizer steps`."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _signed(n: int) -> str:

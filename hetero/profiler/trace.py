@@ -69,6 +69,8 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
     for t, rss in prof.rss_series:
         events.append({"ph": "C", "name": "process RSS", "ts": _us(t), "pid": pid, "args": {"bytes": rss}})
     other = {"producer": "hetero.profile", "rank": pid, "start_unix_s": prof.t0_unix}
+    # The summary's counts ([Note: counting micro-batches] in hetero/profiler/micro_batches.py)
+    other.update({"optimizer_steps": len(prof.steps), "micro_batches": prof.batches.count})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
