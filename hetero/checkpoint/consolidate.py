@@ -273,21 +273,13 @@ def _assemble_part(index: mf.Index, spec: dict[str, Any], a: int, b: int, scratc
 
 
 def _unshard(index: mf.Index, spec: dict[str, Any]) -> torch.Tensor:
-    from hetero.parallel.grid.shard import BlockShard
-    from hetero.parallel.tensor import TPShard, unshard
-
     cut = spec["tp"]
-    shards = []
-    for name, shape in cut["shards"]:
+    shards = {}
+    for r, (name, shape) in zip(par.stored_ranks(cut), cut["shards"]):
         t = torch.empty(shape, dtype=spec["dtype"])
         index.fill(spec["kind"], name, 0, t.view(-1))
-        shards.append(t)
-    if "indices" in cut:  # a grid layout: blocks by their stored ranks
-        return BlockShard.from_dict(cut).join(dict(zip(par.stored_ranks(cut), shards)))
-    info = TPShard(
-        dim=cut["dim"], parts=cut["parts"], degree=cut["degree"], rank=0, full_shape=tuple(cut["full_shape"])
-    )
-    return unshard(shards, info)
+        shards[r] = t
+    return par.join_shards(cut, shards)
 
 
 def verify(ckpt: str | os.PathLike) -> int:

@@ -176,15 +176,8 @@ def model_table(engine: Engine) -> dict[str, Any]:
                 "stage": stage,
                 "tp_rank": cut.stored_rank if cut is not None else None,
             }
-            if cut is not None and hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
-                cuts[info.name] = cut.to_dict()
-            elif cut is not None:
-                cuts[info.name] = {
-                    "dim": cut.dim,
-                    "parts": cut.parts,
-                    "degree": cut.degree,
-                    "full_shape": list(cut.full_shape),
-                }
+            if cut is not None:
+                cuts[info.name] = par.describe_cut(cut)
     buffers = {
         n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for n, t in model_buffers(engine).items()

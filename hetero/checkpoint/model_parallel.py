@@ -17,17 +17,21 @@ Each rank describes its own part of the model (stored names, shapes, stage, tens
 rank 0 merges these into the manifest's model table, so nothing needs a whole model on one rank. Consequences:
  - loading into the same tensor and pipeline degrees needs nothing new: a rank reads its stored names, by element
    range, from whatever files hold them, so the data-parallel degree, ZeRO stage and offload may change;
- - consolidation reads every tensor rank's shard of a parameter and joins them with `unshard`, giving the full
-   state_dict of the unwrapped model;
+ - consolidation reads every tensor rank's shard of a parameter and joins them with `join_shards`, giving the
+   full state_dict of the unwrapped model (`engine.full_state_dict()` joins the shards it gathers through the same
+   function, hetero/parallel/full_state.py);
  - other tensor or pipeline degrees are refused with a clear error (re-cutting shards is not done at load):
    consolidate, then load the full state_dict into the new layout before wrapping it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from hetero.comm import Comm
     from hetero.engine import Engine
 
@@ -64,6 +68,34 @@ def stored_ranks(cut: dict[str, Any]) -> list[int]:
 def shard_names(name: str, cut: dict[str, Any]) -> list[str]:
     """The stored names of the shards of parameter `name`, in tensor rank order."""
     return [f"{name}{TP_MARK}{r}" for r in stored_ranks(cut)]
+
+
+def describe_cut(cut: Any) -> dict[str, Any]:
+    """A parameter's tensor-parallel cut as a manifest's model table records it (JSON-able, the same for every
+    tensor rank): what `join_shards` reads."""
+    if hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
+        return cut.to_dict()
+    if all(hasattr(cut, a) for a in ("dim", "parts", "degree", "full_shape")):  # a 1D cut (TPShard)
+        return {"dim": cut.dim, "parts": cut.parts, "degree": cut.degree, "full_shape": list(cut.full_shape)}
+    raise TypeError(f"a tensor-parallel cut of an unknown kind ({type(cut).__name__}): its shards cannot be joined")
+
+
+def join_shards(cut: dict[str, Any], shards: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """The whole tensor from its shards, by stored tensor rank (`stored_ranks(cut)`: every tensor rank in 1D, one
+    per distinct block in a grid layout); `cut` as `describe_cut` gives it. Consolidation and
+    `engine.full_state_dict()` both join through here."""
+    from hetero.parallel.grid.shard import BlockShard
+    from hetero.parallel.tensor import TPShard, unshard
+
+    wanted = stored_ranks(cut)
+    if not set(wanted) <= shards.keys():
+        raise ValueError(f"joining {cut['full_shape']} needs the shards of tensor ranks {wanted}, got {sorted(shards)}")
+    if "indices" in cut:  # a grid layout: blocks by their stored ranks
+        return BlockShard.from_dict(cut).join({r: shards[r] for r in wanted})
+    info = TPShard(
+        dim=cut["dim"], parts=cut["parts"], degree=cut["degree"], rank=0, full_shape=tuple(cut["full_shape"])
+    )
+    return unshard([shards[r] for r in wanted], info)
 
 
 def world(engine: Engine) -> Comm:

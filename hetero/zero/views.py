@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from hetero.zero.protocol import SUMMON, Checker
 from hetero.zero.tiling import Tiled, assembled
 from hetero.zero.units import Entry
 from hetero.zero.zero_chunk import ZeroChunk
+
+if TYPE_CHECKING:
+    from hetero.parallel.mesh import Mesh
 
 
 class ParameterViews:
@@ -35,8 +39,12 @@ class ParameterViews:
         dtype: torch.dtype,
         tiled: dict[int, Tiled],
         manager: ChunkManager,
+        mesh: Mesh | None = None,
     ) -> None:
         self.module, self.chunks, self.entries = module, chunks, entries
+        # The tensor and pipeline groups `full_state_dict` joins the whole model over (hetero/parallel/full_state.py);
+        # None, or degrees of 1: this rank's values are the whole model.
+        self.mesh = mesh
         self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
         self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
         self.open = 0  # `gathered` blocks open now
@@ -46,8 +54,20 @@ class ParameterViews:
         self.on_enter: Callable[[], None] | None = None
         self.on_modified: Callable[[], None] | None = None
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """See `Engine.full_state_dict`."""
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """See `Engine.full_state_dict`: this rank's values (`local_state_dict`), joined over the tensor and pipeline
+        groups into the whole model's, which every rank then holds on the CPU; rank0_only: global rank 0 alone gets
+        it, the others an empty dict (`gather_full_state`)."""
+        state = self.local_state_dict()
+        if self.mesh is None:
+            return {} if rank0_only and self.comm.rank != 0 else state
+        from hetero.parallel.full_state import gather_full_state  # hetero.parallel is above hetero.zero
+
+        return gather_full_state(state, self.module, self.mesh, rank0_only=rank0_only)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's module's state_dict with full chunk values: its pipeline stage's keys only, a
+        tensor-parallel parameter as this rank's shard."""
         values: dict[int, torch.Tensor] = {}
         for zc in self.chunks:
             with self.summoned([zc]):
