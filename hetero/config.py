@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hetero.config_deepspeed import from_deepspeed, key_hint
+from hetero.config_deepspeed import key_hint, translate_deepspeed
 
 # Re-exported: users and the rest of hetero import every config name from hetero.config.
 from hetero.config_parallel import TENSOR_MODES as TENSOR_MODES
@@ -369,7 +369,8 @@ class Config:
         translation (the optimizer, the scheduler, batch sizes, tuning knobs) is named in a warning with what to do
         instead; strict=True makes that a ConfigError. See [Note: translating a DeepSpeed config] in
         hetero/config_deepspeed.py."""
-        return cls.from_dict(from_deepspeed(ds_config, strict=strict))
+        translated, origin = translate_deepspeed(ds_config, strict=strict)
+        return origin.attach(cls.from_dict(translated))  # [Note: a config's DeepSpeed origin]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

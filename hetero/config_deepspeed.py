@@ -11,7 +11,10 @@ depth and block size become the NVMe tier's own ([Note: DeepSpeed's aio section 
 hetero/config_deepspeed_aio.py). `from_deepspeed` translates the
 first kind and names every key of the other two with what to do instead, as a warning (or, with strict=True, as one
 ConfigError). A value of "auto" (Hugging Face's DeepSpeed integration fills those from TrainingArguments) is left to
-hetero's default, and HeteroTrainer fills the same fields from TrainingArguments; fp16's loss-scale settings beside
+hetero's default, and HeteroTrainer fills the same fields from TrainingArguments (outside it, `hetero.initialize`
+names each "auto" nothing filled: [Note: a config's DeepSpeed origin] in hetero/config_deepspeed_origin.py). A section
+switched off ("amp": {"enabled": false}, "sparse_gradients": false) asks for nothing and is not named. fp16's
+loss-scale settings beside
 an "auto" fp16 are translated all the same, for when TrainingArguments choose fp16. The fp16 section becomes the
 loss_scale section with DeepSpeed's defaults where it gives none (hysteresis 2, a window of 1000), so a translated
 config scales the loss and skips steps as DeepSpeed does ([Note: the fp16 loss scale] in hetero/zero/precision.py).
@@ -34,6 +37,7 @@ from typing import Any
 
 from hetero.comm.launchers import LAUNCHERS
 from hetero.config_deepspeed_aio import translate_aio
+from hetero.config_deepspeed_origin import DeepSpeedOrigin, given_keys
 from hetero.config_deepspeed_zero import ZERO_TUNING, translate_zero
 from hetero.errors import ConfigError
 
@@ -66,6 +70,14 @@ _HANDLED_ELSEWHERE = {
 
 def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False) -> dict[str, Any]:
     """The hetero config dict equivalent to a DeepSpeed config (a dict or a .json path); see the note above."""
+    return translate_deepspeed(ds_config, strict=strict)[0]
+
+
+def translate_deepspeed(
+    ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False
+) -> tuple[dict[str, Any], DeepSpeedOrigin]:
+    """`from_deepspeed`'s dict, and what a Trainer fills or checks of the JSON ([Note: a config's DeepSpeed
+    origin] in hetero/config_deepspeed_origin.py)."""
     if isinstance(ds_config, (str, os.PathLike)):
         path = Path(ds_config)
         if not path.is_file():
@@ -101,6 +113,8 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
                 out.setdefault("log", {})["wandb"] = value.get("project", "deepspeed")
         elif key in ("optimizer", "scheduler") and isinstance(value, Mapping):
             notes.append(f"{key}: {_built_yourself(key, value)}{_UNDER_TRAINER}")
+        elif _disabled(key, value):
+            pass  # "amp": {"enabled": false}, "sparse_gradients": false: a section switched off asks for nothing
         elif key in _HANDLED_ELSEWHERE:
             notes.append(f"{key}: {_HANDLED_ELSEWHERE[key]}")
         else:
@@ -118,11 +132,39 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, strict: 
     if "precision" in out and isinstance(out["precision"], list):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16: enable one")
     if notes:
-        text = "; ".join(notes)
+        text = "".join(f"\n  {note}" for note in notes)  # one key a line: a realistic config names dozens
         if strict:
-            raise ConfigError(f"from_deepspeed: these DeepSpeed settings were not translated: {text}")
-        log.warning("from_deepspeed: not translated (what to do instead): %s", text)
-    return out
+            raise ConfigError(f"from_deepspeed: these DeepSpeed settings were not translated:{text}")
+        log.warning("from_deepspeed: not translated (what to do instead):%s", text)
+    return out, _origin(ds_config, out)
+
+
+def _disabled(key: str, value: Any) -> bool:
+    """A section or flag DeepSpeed reads as off: false, or a section whose "enabled" is false."""
+    if isinstance(value, Mapping):
+        return "enabled" in value and _enabled(key, value) is False
+    return value is False or (isinstance(value, str) and value.strip().lower() in _FALSE)
+
+
+def _origin(ds_config: Mapping[str, Any], out: dict[str, Any]) -> DeepSpeedOrigin:
+    """Which of the settings a Trainer fills were "auto" (and what they became), and which were given."""
+    auto: dict[str, str] = {}
+    given = given_keys(ds_config)
+    precision = out.get("precision", "fp32")
+    for key in ("fp16", "bf16", "bfloat16"):
+        section = ds_config.get(key)
+        if isinstance(section, Mapping) and "enabled" in section:
+            name = f"{'fp16' if key == 'fp16' else 'bf16'}.enabled"
+            enabled = _enabled(key, section)
+            if enabled == "auto":
+                auto[f"{key}.enabled"] = f"precision {precision!r}"
+            else:
+                given[name] = enabled
+    if ds_config.get("gradient_accumulation_steps") == "auto" and "grad_accumulation_steps" not in out:
+        auto["gradient_accumulation_steps"] = "grad_accumulation_steps 1 (an update every micro-batch)"
+    if ds_config.get("gradient_clipping") == "auto":
+        auto["gradient_clipping"] = "grad_clip_norm None (no clipping)"
+    return DeepSpeedOrigin(auto=auto, given=given)
 
 
 # [Note: a DeepSpeed flag]

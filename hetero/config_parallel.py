@@ -93,11 +93,13 @@ class ParallelConfig:
             if not all(isinstance(s, str) for s in self.pipeline_split):
                 raise ConfigError(f"parallel.pipeline_split: expected a list of FQNs, got {self.pipeline_split!r}")
             object.__setattr__(self, "pipeline_split", tuple(self.pipeline_split))
+        if isinstance(self.schedule, str) and self.schedule.lower() in SCHEDULES:
+            object.__setattr__(self, "schedule", self.schedule.lower())  # "1F1B", "GPipe": the papers' spellings
         if self.schedule not in SCHEDULES:
-            close = difflib.get_close_matches(str(self.schedule), SCHEDULES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = difflib.get_close_matches(str(self.schedule).lower(), SCHEDULES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
-                f"parallel.schedule: {self.schedule!r} is not a schedule{hint} Choose one of {', '.join(SCHEDULES)}"
+                f"parallel.schedule: {self.schedule!r} is not a schedule{hint}. Choose one of {', '.join(SCHEDULES)}"
             )
         self._check_costs()
         interleaved = self.schedule == "interleaved_1f1b"

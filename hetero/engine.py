@@ -26,11 +26,18 @@ from hetero.comm import Comm, collective_failed, init_from_env
 from hetero.comm.scoped import ForwardScope
 from hetero.comm.watch import post_failure, stopped
 from hetero.config import Config
+from hetero.config_deepspeed_origin import warn_unfilled_auto
 from hetero.config_ranks import agree_config
 from hetero.device import make_device
 from hetero.errors import CommError, ConfigError, HeteroError, RankFailedError, add_note
 from hetero.events import Events
-from hetero.integrations.deepspeed_names import DeepSpeedNames, refuse_deepspeed_kwargs
+from hetero.integrations.deepspeed_names import (
+    ENGINE_ALONE,
+    MISSING,
+    DeepSpeedNames,
+    check_initialize_args,
+    refuse_deepspeed_kwargs,
+)
 from hetero.memory import ChunkManager, Tier
 from hetero.memory.auto import AutoPlacement
 from hetero.metrics import Monitor
@@ -89,7 +96,7 @@ _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | None = MISSING,  # type: ignore[assignment]
     config: Config | dict[str, Any] | str | os.PathLike | None = None,
     lr_scheduler: Any = None,
     *,
@@ -98,6 +105,7 @@ def initialize(
     weights: str | os.PathLike | None = None,
     strict_weights: bool = False,
     pipeline_cut_from: str | os.PathLike | None = None,
+    **deepspeed_kwargs: Any,
 ) -> Engine:
     """Wrap a model and its optimizer; returns the engine to train with.
 
@@ -112,11 +120,14 @@ def initialize(
     optimizer None: an inference engine (forward only, no gradients). lr_scheduler: a scheduler built on `optimizer`;
     the engine steps it once per real update (see `Engine.step`) and saves it in checkpoints.
     """
+    check_initialize_args(optimizer, deepspeed_kwargs)  # DeepSpeed's calling style, named
     check_model(model)  # [Note: a model already wrapped for data parallelism]
+    config = Config.from_any(config)
+    warn_unfilled_auto(config)  # [Note: a config's DeepSpeed origin]
     return Engine(
         model,
         optimizer,
-        Config.from_any(config),
+        config,
         lr_scheduler=lr_scheduler,
         comm=comm,
         device=device,
@@ -557,6 +568,11 @@ class Engine(DeepSpeedNames):
             failed_rank=own.origin,
             cause=own.cause,
         )
+
+    def __iter__(self) -> Any:
+        # `engine, optimizer, _, _ = hetero.initialize(...)` (DeepSpeed's four-tuple) met "cannot unpack
+        # non-iterable Engine object"; nothing iterates an engine otherwise.
+        raise TypeError(ENGINE_ALONE)
 
     def train(self, mode: bool = True) -> Engine:
         """The model's `train(mode)`; returns the engine, as `nn.Module.train` returns the module."""
@@ -1092,7 +1108,7 @@ class Engine(DeepSpeedNames):
                 f"save_checkpoint's second argument is client_state (your own state, saved with the checkpoint and "
                 f"returned by load_checkpoint); got {client_state!r}, a tag? Pass tag={client_state!r}"
             )
-        refuse_deepspeed_kwargs("save_checkpoint", kwargs)
+        kwargs = refuse_deepspeed_kwargs("save_checkpoint", kwargs)
         # Every rank saves: one alone would meet the others' next collective ([Note: every rank in step]).
         self.check(CHECKPOINT)
         self._no_update_in_flight("save_checkpoint")
@@ -1107,7 +1123,7 @@ class Engine(DeepSpeedNames):
         `hetero.checkpoint.load`."""
         from hetero.checkpoint import load_checkpoint
 
-        refuse_deepspeed_kwargs("load_checkpoint", kwargs)
+        kwargs = refuse_deepspeed_kwargs("load_checkpoint", kwargs)
         if tag is not None:
             path = os.path.join(os.fspath(path), str(tag))
         self.check(CHECKPOINT)

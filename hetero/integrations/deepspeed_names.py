@@ -1,14 +1,19 @@
 """The names a training loop written for DeepSpeed's engine calls, answered by hetero's engine.
 
 A loop ported from DeepSpeed logs `engine.get_lr()` and `engine.get_global_grad_norm()`, checks
-`engine.was_step_applied()` after an fp16 step, and asks `engine.gradient_accumulation_steps()` or
-`engine.zero_optimization_stage()`; with these it runs unchanged (its `initialize` call and config aside:
-`hetero.Config.from_deepspeed`). Each is hetero's own figure under DeepSpeed's name and meaning.
+`engine.was_step_applied()` after an fp16 step, asks `engine.gradient_accumulation_steps()` or
+`engine.zero_optimization_stage()`, and saves with `engine.save_16bit_model(dir)`; with these it runs unchanged (its
+`initialize` call and config aside: `hetero.Config.from_deepspeed`, and `check_initialize_args` below names
+deepspeed.initialize's calling style). Each is hetero's own figure under DeepSpeed's name and meaning.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from hetero.errors import HeteroError
 
@@ -22,6 +27,40 @@ class DeepSpeedNames:
     last_grad_norm: float | None
     last_update_skipped: bool
     global_steps: int
+    mesh: Any
+    comm: Any
+
+    full_state_dict: Callable[[], dict[str, torch.Tensor]]
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (LOCAL_RANK, set by torchrun and DeepSpeed's launcher; 0 unset)."""
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's: the model's full state_dict in the compute dtype (the training precision), written by rank 0
+        with torch.save to save_dir/save_filename; every rank calls it (it gathers). Returns True."""
+        if exclude_frozen_parameters:
+            raise TypeError(
+                "save_16bit_model: exclude_frozen_parameters=True is not available (hetero saves every parameter); "
+                "drop the frozen ones from engine.full_state_dict() and torch.save the rest"
+            )
+        if self.mesh.pp_size * self.mesh.tp_size > 1:
+            raise HeteroError(
+                "save_16bit_model: with pipeline or tensor parallelism each rank holds part of the model; save a "
+                "checkpoint (engine.save_checkpoint) and write the full weights with "
+                "python -m hetero.checkpoint consolidate <checkpoint> model.safetensors --dtype bf16"
+            )
+        state = self.full_state_dict()
+        if self.comm.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(os.fspath(save_dir), save_filename))
+        return True
 
     def get_lr(self) -> list[float]:
         """Each param group's learning rate, as the next update uses it."""
@@ -98,11 +137,74 @@ _DEEPSPEED_KWARGS = {
 }
 
 
-def refuse_deepspeed_kwargs(method: str, kwargs: dict[str, Any]) -> None:
-    """Raise a TypeError naming each of DeepSpeed's keywords of `method` in kwargs, with hetero's way instead."""
+# Their DeepSpeed defaults, which are what hetero does: a script that spells them out is taken as it is.
+_DEEPSPEED_DEFAULTS = {
+    "load_module_strict": True,
+    "load_optimizer_states": True,
+    "load_lr_scheduler_states": True,
+    "load_module_only": False,
+    "custom_load_fn": None,
+    "save_latest": True,
+    "exclude_frozen_parameters": False,
+}
+
+
+def refuse_deepspeed_kwargs(method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs less DeepSpeed's keywords of `method` given at their defaults (hetero's behaviour); a TypeError naming
+    each one given otherwise, with hetero's way instead."""
     known = _DEEPSPEED_KWARGS[method]
-    found = [k for k in kwargs if k in known]
+    found = [k for k in kwargs if k in known and kwargs[k] is not _DEEPSPEED_DEFAULTS[k]]
     if found:
         raise TypeError(
-            f"{method}: " + "; ".join(f"{k} is DeepSpeed's keyword: {known[k]}" for k in found) + ". Leave it out"
+            f"{method}: "
+            + "; ".join(f"{k}={kwargs[k]!r} (DeepSpeed's keyword) is not available: {known[k]}" for k in found)
+            + ". Leave it out, or give DeepSpeed's default, which is what hetero does ("
+            + ", ".join(f"{k}={_DEEPSPEED_DEFAULTS[k]!r}" for k in found)
+            + ")"
+        )
+    return {k: v for k, v in kwargs.items() if k not in known}
+
+
+# ---- DeepSpeed's deepspeed.initialize calling style ---------------------------------------------------------
+MISSING: Any = object()  # hetero.initialize's optimizer when none was given (None is an inference engine)
+ENGINE_ALONE = (
+    "hetero.initialize returns the engine alone (DeepSpeed's returns engine, optimizer, dataloader, lr_scheduler): "
+    "write engine = hetero.initialize(model, optimizer, config, lr_scheduler) and keep your own optimizer, loader "
+    "and scheduler objects"
+)
+_BUILT_OPTIMIZER = (
+    "hetero.initialize takes a built torch optimizer as its second argument, not the model's parameters: "
+    "engine = hetero.initialize(model, torch.optim.AdamW(model.parameters(), lr=...), config) (for a DeepSpeed "
+    "JSON, Config.from_deepspeed's warning prints the torch.optim line for its optimizer section; None makes an "
+    "inference engine). "
+)
+# deepspeed.initialize's keywords that hetero.initialize has none of, with what to do instead
+_INITIALIZE_KWARGS = {
+    "model_parameters": "build the optimizer on them yourself and pass it as optimizer",
+    "training_data": "hetero does not load data: build your DataLoader and feed the engine its micro-batches",
+    "collate_fn": "hetero does not load data: give it to your DataLoader",
+    "mpu": "set the config's parallel section (tensor, pipeline) instead",
+    "dist_init_required": "hetero joins the world from torchrun's environment, or takes comm=",
+    "config_params": "pass the config as config= (a hetero.Config, or Config.from_deepspeed(...) of the JSON)",
+    "args": "pass the config as config= (a hetero.Config, or Config.from_deepspeed(...) of the JSON)",
+}
+
+
+def check_initialize_args(optimizer: Any, kwargs: dict[str, Any]) -> None:
+    """A TypeError for deepspeed.initialize's calling style: its keywords, and parameters where hetero takes the
+    optimizer (a generator or a list of param-group dicts met `object has no attribute 'param_groups'`)."""
+    if kwargs:
+        named = "; ".join(
+            f"{k}: {_INITIALIZE_KWARGS[k]}" if k in _INITIALIZE_KWARGS else f"{k}: not one of hetero.initialize's"
+            for k in kwargs
+        )
+        raise TypeError(f"hetero.initialize got keyword arguments it does not take ({named}). " + _BUILT_OPTIMIZER
+                        + ENGINE_ALONE)  # fmt: skip
+    if optimizer is MISSING:
+        raise TypeError("hetero.initialize: no optimizer given. " + _BUILT_OPTIMIZER + ENGINE_ALONE)
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise TypeError(
+            f"hetero.initialize: the optimizer is a {type(optimizer).__name__}, not a torch optimizer. "
+            + _BUILT_OPTIMIZER
+            + ENGINE_ALONE
         )

@@ -61,6 +61,7 @@ from torch import nn
 import hetero
 from hetero.checkpoint.manifest import NESTED
 from hetero.config import Config
+from hetero.config_deepspeed_origin import check_trainer_args, deepspeed_origin
 from hetero.errors import ConfigError
 from hetero.integrations.roll_call import roll_call
 from hetero.zero.optim import step_scheduler
@@ -260,13 +261,17 @@ class HeteroTrainer(transformers.Trainer):
             "grad_clip_norm": clip,
             "precision": precision,
         }
+        # A config from a DeepSpeed JSON: its given values are checked against the TrainingArguments as Hugging
+        # Face's DeepSpeed integration checks them (micro-batch size and precision included), its "auto" ones filled
+        # ([Note: a config's DeepSpeed origin]); the values it translated to are not hetero_config's own choices.
+        check_trainer_args(cfg, args)
         for key, value in wanted.items():
             mine = getattr(cfg, key)
-            if mine != getattr(default, key) and mine != value:
+            if deepspeed_origin(cfg) is None and mine != getattr(default, key) and mine != value:
                 raise ConfigError(
                     f"hetero_config.{key} = {mine!r} but the TrainingArguments give {value!r}: the Trainer drives "
                     f"{key}; set it in TrainingArguments (gradient_accumulation_steps, max_grad_norm, bf16/fp16) "
-                    "and leave it out of hetero_config"
+                    "and leave it out of hetero_config (or make the two agree)"
                 )
         try:
             return dataclasses.replace(cfg, **wanted)
