@@ -60,16 +60,11 @@ def instead(directory: str) -> str:
 def _aside(root: str, tag: str, directory: str) -> str:
     """While `latest` names the damaged tag, a save under that tag is refused (save.py): a resumed run reaching the
     same step would stop at its save. Said here, where the user decides what to load."""
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            named = f.read().strip()
-    except OSError:
+    from hetero.checkpoint import manifest as mf  # as in `instead`
+
+    if mf.latest_tag(root) != tag:
         return ""
-    return (
-        f"; move {directory} aside first: while `latest` names it, a save under {tag} is refused"
-        if named == tag
-        else ""
-    )
+    return f"; move {directory} aside first: while `latest` names it, a save under {tag} is refused"
 
 
 def intact(directory: str) -> bool:

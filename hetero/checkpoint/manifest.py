@@ -104,6 +104,15 @@ def file_crc(path: str) -> int:
 
 
 # ---- finding and checking a checkpoint -------------------------------------------------------------------------
+def latest_tag(root: str) -> str | None:
+    """The tag ROOT/latest names, or None where there is no readable pointer."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def resolve(path: str | os.PathLike) -> str:
     """The checkpoint directory `path` names: a tag directory itself, a root whose `latest` names one, or a folder
     (HeteroTrainer's checkpoint-N/) whose NESTED subfolder is either."""

@@ -38,7 +38,7 @@ def keep_last(root: str | os.PathLike, n: int) -> list[str]:
     if not os.path.isdir(root):
         raise CheckpointError(f"keep_last: {root} is not a directory; pass the root that save_checkpoint wrote to")
     ordered = sorted((_order(t), t) for t in mf.complete_tags(root) if _order(t) is not None)
-    keep = {t for _, t in ordered[-n:]} | {_latest(root)}
+    keep = {t for _, t in ordered[-n:]} | {mf.latest_tag(root)}
     removed = []
     for _, tag in ordered:
         if tag in keep:
@@ -57,11 +57,3 @@ def keep_last(root: str | os.PathLike, n: int) -> list[str]:
 def _order(tag: str) -> tuple[int, int] | None:
     m = _DEFAULT_TAG.fullmatch(tag)
     return None if m is None else (int(m.group(1)), int(m.group(2) or 0))
-
-
-def _latest(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, mf.LATEST)) as f:
-            return f.read().strip()
-    except OSError:
-        return None

@@ -275,7 +275,7 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
     _settle_stale(root)  # what a save killed between its renames left: before the tag is looked at
     _drop_unfinished(root)
     final = os.path.join(root, tag)
-    if os.path.exists(final) and _latest(root) == tag and not replace:
+    if os.path.exists(final) and mf.latest_tag(root) == tag and not replace:
         raise CheckpointError(
             f"{final} exists already and is the latest: pass another tag, or replace=True to save over it (it stays "
             "until the new one is complete), or remove it first"
@@ -376,14 +376,6 @@ def _settle_stale(root: str, tag: str | None = None) -> None:
             os.rename(aside, final)
         elif os.path.isfile(os.path.join(final, mf.MANIFEST)):
             shutil.rmtree(aside, ignore_errors=True)
-
-
-def _latest(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, mf.LATEST)) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _test_pause(point: str) -> None:
