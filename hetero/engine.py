@@ -390,6 +390,7 @@ class Engine(DeepSpeedNames):
             dtype=self.dtype,
             tiled=self.tiles.tiled,
             manager=self.manager,
+            mesh=self.mesh,
         )
         # Stages 0-2: the loop's in-place writes into parameters reach the masters ([Note: the loop's writes into
         # parameters] in hetero/zero/loop_writes.py); taken in as a gathered block opens, noted after one that wrote.
@@ -1009,11 +1010,14 @@ class Engine(DeepSpeedNames):
         return _REDUCES_IN_FLIGHT if roomy else 0
 
     # ---- views of the model (hetero/zero/views.py) ----------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with full values (CPU copies, compute dtype), gathered chunk by chunk; the keys
-        are the model's own, tied parameters under each of their names. Every rank calls it (it gathers)."""
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict with full values (CPU copies, compute dtype): chunks gathered one by one,
+        tensor-parallel shards joined, every pipeline stage's keys collected (hetero/parallel/full_state.py); the keys
+        are the model's own as before initialize, tied parameters under each of their names. Every rank calls it (it
+        gathers) and every rank then holds the whole model on the CPU; rank0_only: global rank 0 alone gets it, the
+        others an empty dict. This rank's own part (shards, its stage): `engine.views.local_state_dict()`."""
         self.settle_update()
-        return self.views.full_state_dict()
+        return self.views.full_state_dict(rank0_only=rank0_only)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The gradients the next update steps on, by parameter name (trainable ones): of the accumulated loss,

@@ -43,21 +43,16 @@ class DeepSpeedNames:
         save_filename: str = "pytorch_model.bin",
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """DeepSpeed's: the model's full state_dict in the compute dtype (the training precision), written by rank 0
-        with torch.save to save_dir/save_filename; every rank calls it (it gathers). Returns True."""
+        """DeepSpeed's: the whole model's state_dict in the compute dtype (the training precision), written by global
+        rank 0 with torch.save to save_dir/save_filename, under any layout; every rank calls it (it gathers). Returns
+        True."""
         if exclude_frozen_parameters:
             raise TypeError(
                 "save_16bit_model: exclude_frozen_parameters=True is not available (hetero saves every parameter); "
                 "drop the frozen ones from engine.full_state_dict() and torch.save the rest"
             )
-        if self.mesh.pp_size * self.mesh.tp_size > 1:
-            raise HeteroError(
-                "save_16bit_model: with pipeline or tensor parallelism each rank holds part of the model; save a "
-                "checkpoint (engine.save_checkpoint) and write the full weights with "
-                "python -m hetero.checkpoint consolidate <checkpoint> model.safetensors --dtype bf16"
-            )
-        state = self.full_state_dict()
-        if self.comm.rank == 0:
+        state = self.full_state_dict(rank0_only=True)  # the whole model, tensor and pipeline parts joined
+        if self.mesh.world.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(os.fspath(save_dir), save_filename))
         return True
