@@ -154,7 +154,11 @@ def _resumed(family: str, config: dict, root: str, state: dict, rank: int) -> di
     loaded = {k: v.float() for k, v in engine.views.local_state_dict().items()}
     equal = loaded.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in loaded.items())
     loss = _extra_batch(engine, family)
-    out = {"loaded_equal": equal, "loss": loss, "state": {k: v.float() for k, v in engine.views.local_state_dict().items()}}
+    out = {
+        "loaded_equal": equal,
+        "loss": loss,
+        "state": {k: v.float() for k, v in engine.views.local_state_dict().items()},
+    }
     engine.close()
     return out
 
