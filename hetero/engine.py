@@ -1015,9 +1015,16 @@ class Engine(DeepSpeedNames):
         tensor-parallel shards joined, every pipeline stage's keys collected (hetero/parallel/full_state.py); the keys
         are the model's own as before initialize, tied parameters under each of their names. Every rank calls it (it
         gathers) and every rank then holds the whole model on the CPU; rank0_only: global rank 0 alone gets it, the
-        others an empty dict. This rank's own part (shards, its stage): `engine.views.local_state_dict()`."""
+        others an empty dict. This rank's own part (shards, its stage): `local_state_dict()`."""
         self.settle_update()
         return self.views.full_state_dict(rank0_only=rank0_only)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own part of the state_dict (its tensor shards, its pipeline stage's keys) with full values over
+        the ZeRO group (CPU copies, compute dtype), a pending delayed update applied first. Every rank calls it (it
+        gathers over the ZeRO group)."""
+        self.settle_update()
+        return self.views.local_state_dict()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The gradients the next update steps on, by parameter name (trainable ones): of the accumulated loss,

@@ -151,13 +151,13 @@ def _resumed(family: str, config: dict, root: str, state: dict, rank: int) -> di
     model = build(family, seed=7)
     engine = hetero.initialize(model, optimizer(model), config)
     engine.load_checkpoint(root)
-    loaded = {k: v.float() for k, v in engine.views.local_state_dict().items()}
+    loaded = {k: v.float() for k, v in engine.local_state_dict().items()}
     equal = loaded.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in loaded.items())
     loss = _extra_batch(engine, family)
     out = {
         "loaded_equal": equal,
         "loss": loss,
-        "state": {k: v.float() for k, v in engine.views.local_state_dict().items()},
+        "state": {k: v.float() for k, v in engine.local_state_dict().items()},
     }
     engine.close()
     return out
@@ -208,7 +208,7 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     if save_to is not None:
         engine.save_checkpoint(save_to)
     mesh = engine.mesh
-    state = {k: v.float() for k, v in engine.views.local_state_dict().items()}  # collective at stage 3: every rank
+    state = {k: v.float() for k, v in engine.local_state_dict().items()}  # collective at stage 3: every rank
     out = {
         "losses": losses,
         "state": state if mesh.dp_rank == 0 else None,
@@ -227,7 +227,7 @@ def run(rank: int, world: int, family: str, config: dict) -> dict[str, Any]:
     }
     if resume:
         loss = _extra_batch(engine, family)
-        final = {k: v.float() for k, v in engine.views.local_state_dict().items()}
+        final = {k: v.float() for k, v in engine.local_state_dict().items()}
         engine.close()
         again = _resumed(family, config, save_to, state, rank)
         out["resume"] = {

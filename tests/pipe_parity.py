@@ -98,7 +98,7 @@ def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROW
         float(engine.eval_batch(x[mine], y[mine], loss_fn=cross_entropy)) if engine.mesh.tp_size == 1 else None
     )
     mesh = engine.mesh
-    state = {k: v.float() for k, v in engine.views.local_state_dict().items()}  # collective at stage 3: every rank
+    state = {k: v.float() for k, v in engine.local_state_dict().items()}  # collective at stage 3: every rank
     if mesh.dp_rank != 0:
         state = None
     shards = {n: p._hetero_tp for n, p in model.named_parameters() if hasattr(p, "_hetero_tp")}

@@ -157,7 +157,7 @@ def run_hetero(
         engine.comm.control.all_reduce(total, op="avg")
         losses.append(total.item())
         log.append((engine.was_step_applied(), engine.scaler.scale if engine.scaler is not None else 1.0))
-    state = {k: v.float() for k, v in engine.views.local_state_dict().items()}
+    state = {k: v.float() for k, v in engine.local_state_dict().items()}
     out = {"log": log, "losses": losses, "norms": norms, "state": state, "skipped": engine.skipped_steps}
     engine.close()
     return out
@@ -191,7 +191,7 @@ def run_parallel(
     for step[0], (x, y) in enumerate(parity.batches(steps, rows)):
         losses.append(float(engine.train_batch(x[dpr * local : (dpr + 1) * local], y[dpr * local : (dpr + 1) * local])))
         log.append((engine.was_step_applied(), engine.scaler.scale))
-    state = {k: v.float() for k, v in engine.views.local_state_dict().items()}
+    state = {k: v.float() for k, v in engine.local_state_dict().items()}
     shards = {n: p._hetero_tp for n, p in model.named_parameters() if hasattr(p, "_hetero_tp")}
     coords = (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank)
     out = {"log": log, "losses": losses, "state": state if mesh.dp_rank == 0 else None, "coords": coords}

@@ -47,7 +47,7 @@ def _train(engine: hetero.Engine, start: int, stop: int) -> list[float]:
 
 def _local_state(engine: hetero.Engine) -> dict[str, torch.Tensor]:
     """This rank's parameters (its stage's, its tensor shards) as plain fp32 copies."""
-    return {k: v.float().clone() for k, v in engine.views.local_state_dict().items()}
+    return {k: v.float().clone() for k, v in engine.local_state_dict().items()}
 
 
 def _resume(rank: int, world: int, config: dict, root: str, other: dict | None = None) -> dict:

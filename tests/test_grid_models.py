@@ -74,7 +74,7 @@ def _train(family: str, config: dict, rank: int) -> dict:
     dp, dpr = engine.data_parallel_size, engine.data_parallel_rank
     mine = slice(dpr * grid_parity.ROWS // dp, (dpr + 1) * grid_parity.ROWS // dp)
     losses = [float(engine.train_batch(x[mine], y[mine])) for x, y in grid_parity.batches(family)]
-    state = {k: v.float() for k, v in engine.views.local_state_dict().items()}  # collective: every rank
+    state = {k: v.float() for k, v in engine.local_state_dict().items()}  # collective: every rank
     out = {"losses": losses, "grad_norm": engine.last_grad_norm, "state": state if dpr == 0 else None}
     out["tp_rank"] = engine.mesh.tp_rank
     out["cuts"] = {

@@ -151,7 +151,7 @@ def _train_padded(family: str, config: dict, positions: bool) -> dict:
     evaluated = float(engine.eval_batch(batch, labels))
     out = engine.eval_batch(batch)
     logits = getattr(out, "logits", out).double()
-    state = {k: v.double() for k, v in engine.views.local_state_dict().items()}
+    state = {k: v.double() for k, v in engine.local_state_dict().items()}
     mesh = engine.mesh
     shards = {n: p._hetero_tp for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_hetero_tp")}
     engine.close()

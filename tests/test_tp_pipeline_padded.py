@@ -152,7 +152,7 @@ def _train(case: Case) -> dict[str, Any]:
     for step in range(STEPS):
         losses.append(float(engine.train_batch(*padded(step, case.positions))))
         norms.append(engine.last_grad_norm)
-        states.append({k: v.double() for k, v in engine.views.local_state_dict().items()})  # collective at stage 3
+        states.append({k: v.double() for k, v in engine.local_state_dict().items()})  # collective at stage 3
     batch, labels = padded(STEPS, case.positions)
     evaluated = float(engine.eval_batch(batch, labels))
     logits = engine.eval_batch(batch)  # the whole logits on every rank (gathered over the tensor ranks)

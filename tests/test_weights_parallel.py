@@ -73,7 +73,7 @@ def _rank_loads_its_shards(rank: int, world: int, folders: dict[bool, str]) -> l
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = hetero.initialize(model, opt, TP, weights=folder, strict_weights=True)
         cuts = {n: getattr(p, "_hetero_tp", None) for n, p in model.named_parameters(remove_duplicate=False)}
-        got = engine.views.local_state_dict()
+        got = engine.local_state_dict()
         shards = engine.mesh.tp.all_gather_object(got)
         assert sum(c is not None for c in cuts.values()) >= 4 * _config(tie).num_hidden_layers  # the layers are cut
         for name, want in ref.items():
@@ -111,7 +111,7 @@ def _rank_reads_its_share(rank: int, world: int, folder: str, stage: int) -> tup
     with _bytes_read() as read:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = hetero.initialize(model, opt, {"zero_stage": stage, "chunk_size": 3000}, weights=folder)
-    got = engine.views.local_state_dict()
+    got = engine.local_state_dict()
     engine.close()
     return read[0], [k for k, v in ref.items() if not torch.equal(got[k], v)]
 
@@ -168,7 +168,7 @@ def _rank_reads_its_shards(
             local = cut.local_shape() if callable(getattr(cut, "local_shape", None)) else None
             own += (math.prod(local) if local else math.prod(cut.full_shape) // cut.degree) * 4  # saved in fp32
     cuts = {n: getattr(p, "_hetero_tp", None) for n, p in model.named_parameters(remove_duplicate=False)}
-    got = engine.views.local_state_dict()
+    got = engine.local_state_dict()
     shards = engine.mesh.tp.all_gather_object(got)
     engine.close()
     wrong = []
