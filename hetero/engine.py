@@ -801,7 +801,8 @@ class Engine(DeepSpeedNames):
             with standin.watching(self.device):
                 self.watch.before_update()
                 self.loop_writes.adopt()
-                self.optimizer.step()
+                with self.optimizer.stepping():  # [Note: the update is engine.step()'s]
+                    self.optimizer.step()
                 self.loop_writes.note()
                 self.accumulated = 0
                 if self.lr_scheduler is not None and not self.updater.last_update_skipped:

@@ -136,6 +136,24 @@ def test_accumulation_steps_once_per_micro_batch_and_updates_at_the_boundary():
     engine.close()
 
 
+def test_engine_optimizer_step_called_by_the_loop_is_refused_and_changes_nothing():
+    """[Note: the update is engine.step()'s]: `engine.backward(loss); engine.optimizer.step()` used to update on
+    every call, with grad_accumulation_steps 2 as well, and never step the scheduler given to initialize."""
+    engine, sched = _engine(3, grad_accumulation_steps=2)
+    engine.backward(_loss(engine))
+    before = _state(engine, sched)
+    with pytest.raises(hetero.HeteroError, match=r"engine\.optimizer\.step\(\) was called directly.*Call engine\.step"):
+        engine.optimizer.step()
+    after = _state(engine, sched)
+    assert after["steps"] == before["steps"] == 0 and after["lr"] == before["lr"] == [LR]
+    assert all(torch.equal(before["weights"][k], after["weights"][k]) for k in before["weights"])
+    engine.step()  # the loop as it should be: the backward above still counts
+    engine.backward(_loss(engine, 1))
+    engine.step()
+    assert engine.global_steps == 1 and sched.get_last_lr() == [LR / 2]
+    engine.close()
+
+
 @pytest.mark.parametrize(
     "config",
     [

@@ -110,7 +110,7 @@ class LoopWatch:
         self._warned = True
         warnings.warn(
             f"{self._pairs} forward/backward pairs ran without engine.step() while grad_accumulation_steps is "
-            f"{self.gas}: the engine counts micro-batches by its step() calls and updates at every {self.gas}th, so "
+            f"{self.gas}: the engine counts micro-batches by its step() calls and updates at {_every(self.gas)}, so "
             f"a loop that calls step() once per {self.gas} micro-batches (DDP's accumulation) updates every "
             f"{self.gas * self.gas}. Call engine.step() after every engine.backward(), or set "
             "grad_accumulation_steps 1 and divide the loss yourself (engine.no_sync() keeps DDP's loop as it is). "

@@ -17,10 +17,20 @@ buffer stands for one step: what the update asks of it), and the 0-d states of t
 step makes it. The user's `optimizer.state` is then emptied: it is a full copy on every rank, which ZeRO exists not
 to hold. A state that does not fit its parameter (another shape, a missing moment) is a ConfigError, before
 anything is built (`check_states` in optim.py).
+
+[Note: the update is engine.step()'s]
+`engine.optimizer.step()` called by a loop (a DeepSpeed or plain-PyTorch habit: `engine.backward(loss)` then
+`engine.optimizer.step()`) ran the update and nothing around it: measured, the LR scheduler given to `initialize`
+never stepped (StepLR(gamma=0.5) left the rate at its first value), `grad_accumulation_steps` was ignored (an update
+on every call), and the step-order check and the loop's parameter writes were skipped. So only the engine's own
+`step()` runs it (inside `stepping()`, which keeps the call going through `optimizer.step`, where a scheduler built on
+this object counts it); a direct call is refused, naming `engine.step()`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +49,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(user.param_groups, user.defaults)
         self._built = True
         self._updater = updater  # runs the update; shares these param groups
+        self._engine_stepping = False  # [Note: the update is engine.step()'s]
         updater.param_groups = self.param_groups
         take_states(updater, user)  # [Note: a plain optimizer's states taken over]
 
@@ -46,7 +57,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("hetero's optimizer takes no closure: call engine.backward(loss) and engine.step()")
+        if not self._engine_stepping:
+            raise HeteroError(
+                "engine.optimizer.step() was called directly: it would run the update without what engine.step() "
+                "does around it (the grad_accumulation_steps count, the LR scheduler given to hetero.initialize, "
+                "the check that a backward came first, the writes a loop made to the parameters). Call "
+                "engine.step() after every engine.backward(loss) instead: it updates at the accumulation boundary"
+            )
         self._updater.step()
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The engine's own update: `step()` runs inside ([Note: the update is engine.step()'s])."""
+        self._engine_stepping = True
+        try:
+            yield
+        finally:
+            self._engine_stepping = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._updater.zero_grads(set_to_none)  # False: the gradients stay, as zeros ([Note: zero gradients kept])
