@@ -76,6 +76,36 @@ def test_bars_while_initialising_and_streaming(tmp_path, monkeypatch, capsys):
     assert "hetero: initialising" in err and "hetero: loading weights" in err
 
 
+def test_long_work_in_a_log_writes_a_line_every_interval(monkeypatch, capsys):
+    """[Note: progress in a log]: standard error a file (capsys: no terminal), no HETERO_PROGRESS: no bar is drawn,
+    but work that outlasts LOG_EVERY_S writes a plain line per interval and one at its end; short work, other ranks,
+    HETERO_PROGRESS=0 and the config switch write nothing."""
+    monkeypatch.delenv("HETERO_PROGRESS", raising=False)
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+
+    def run(seconds_each: float, **kw) -> str:
+        shown = progress.bar(8, "hetero: ranking layouts", unit="layout", **kw)
+        for _ in range(8):
+            clock[0] += seconds_each
+            shown.update()
+        shown.close()
+        return capsys.readouterr().err
+
+    err = run(10.0)  # 80 s in all: a line at 30 s and at 60 s, and the end
+    lines = err.splitlines()
+    assert len(lines) == 3, err
+    assert lines[0] == "hetero: ranking layouts: 3/8 layouts (38%), 30s so far, about 50s left"
+    assert lines[1].startswith("hetero: ranking layouts: 6/8 layouts (75%), 1m00s so far")
+    assert lines[2] == "hetero: ranking layouts: 8/8 layouts (100%), done in 1m20s"
+    assert run(1.0) == ""  # 8 s: nothing
+    assert run(10.0, rank=1) == "" and run(10.0, config=False) == ""
+    monkeypatch.setenv("HETERO_PROGRESS", "0")
+    assert run(10.0) == ""
+    monkeypatch.setenv("HETERO_PROGRESS", "1")  # bars drawn instead: no log lines
+    assert "so far" not in run(10.0)
+
+
 # ---- launchers ------------------------------------------------------------------------------------------------
 def test_adopt_slurm_environment():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1"}
