@@ -189,6 +189,8 @@ class RoomMaker:
         stuck = [c for c in holders if (not c.movable or c.id in protect) and c not in asking]
         # And what the step needs beside this moment ([Note: the budget that would have been enough]).
         kept = {c.kind for c in holders if c.computing and not c.transient}
+        if tier is Tier.DEVICE and asking and asking[0].kind == "param" and not asking[0].transient:
+            kept.add("param")  # the first request of a step: [Note: the budget that would have been enough]
         counted = {c.id for c in (*stuck, *asking)}
         coming = [c for c in self.chunks.values() if c.kind in kept and not c.transient and c.id not in counted]
         largest = max([nbytes, *(c.nbytes for c in holders)])
@@ -227,7 +229,9 @@ class RoomMaker:
 #   - where chunks that stay allocated (not transient) are computed on, every chunk of their kind and two of the
 #     largest chunks besides: such chunks are computed on from the forward to the backward (stages 0-2 keep all
 #     parameters on the device), so the rest of the forward brings the others, and the backward its gradient
-#     buffers beside them. The first request of a step, with nothing computed on yet, cannot tell.
+#     buffers beside them. At the first request of a step nothing is computed on yet: there a parameter chunk that
+#     stays allocated, asked for on the device, is the first of those (stages 0-2; ZeRO-3's shards kept on the
+#     device), so its kind counts as well (at 1 KiB, stages 0-2 named 8 KiB before, where the step needed 120 KiB).
 # With chunk_size "auto" the budget sizes the chunks too: a larger budget gives larger ones, at most what
 # `chunk_size.budget_cap` lets its working set take of half of it. Under ZeRO-3 that keeps two of them within a
 # quarter of the new budget, so the figure holds (tests/test_budget_hints.py); below the 1024-element floor the size
