@@ -5,13 +5,14 @@ Every global rank writes its own file, as without parallelism; what changes is h
 it. A tensor-parallel shard (a parameter carrying `_hetero_tp`) is stored under "NAME@tpR": tensor rank R's shard,
 with the shard's own (local) shape, split by element range over the data-parallel ranks exactly as a whole
 parameter is. In a grid layout (2D, 2.5D, 3D) a shard is a block (`BlockShard`); a block that several tensor
-ranks hold alike (2.5D's depth layers) is stored once, under and by the lowest of them. A parameter replicated over
-the tensor ranks (a norm's weight, a row-parallel bias) is the same on each of them, so only tensor rank 0 saves
-it, under its plain name; pipeline stages hold disjoint parameters, so their names never collide. A parameter tied
-across stages (an embedding tied to the head, [Note: parameters tied across stages]) is held by each of its stages,
-each storing it under the name its cut model gives it (GPT-2's `lm_head.weight` on the last stage), with the same
-values (its gradient is summed over the tie). Module buffers are saved by data-parallel rank 0 at tensor
-rank 0 of every stage.
+ranks hold alike (2.5D's depth layers; in 1D, a key/value head held whole by several ranks,
+[Note: key/value heads replicated over tensor ranks]) is stored once, under and by the lowest of them, and joined
+once. A parameter replicated over the tensor ranks (a norm's weight, a row-parallel bias) is the same on each of
+them, so only tensor rank 0 saves it, under its plain name; pipeline stages hold disjoint parameters, so their names
+never collide. A parameter tied across stages (an embedding tied to the head, [Note: parameters tied across stages])
+is held by each of its stages, each storing it under the name its cut model gives it (GPT-2's `lm_head.weight` on
+the last stage), with the same values (its gradient is summed over the tie). Module buffers are saved by
+data-parallel rank 0 at tensor rank 0 of every stage.
 
 Each rank describes its own part of the model (stored names, shapes, stage, tensor-parallel cut, state_dict keys);
 rank 0 merges these into the manifest's model table, so nothing needs a whole model on one rank. Consequences:

@@ -5,8 +5,9 @@ group): its stage's keys only, a tensor-parallel parameter as this rank's shard.
 model of that, each over a group whose order every rank knows without asking the others:
 
  1. over the tensor group, in tensor rank order: every stored rank's shards (`model_parallel.saves`' rule: a block
-    that several ranks hold alike, 2.5D's depth layers, comes from the lowest of them), joined by the checkpoint's
-    own merge (`model_parallel.join_shards`), so the values equal `consolidate`'s bit for bit;
+    that several ranks hold alike, 2.5D's depth layers or a key/value head held whole by several ranks, comes from
+    the lowest of them), joined by the checkpoint's own merge (`model_parallel.join_shards`), so the values equal
+    `consolidate`'s bit for bit;
  2. over the pipeline group, in stage order: every stage's joined dict; a key met on two stages (a parameter tied
     across stages, each stage holding it under the name its cut model gives it) is taken from the first.
 

@@ -16,7 +16,10 @@ Styles:
   the input enters the tensor-parallel region once, in a pre-hook (f; under sequence parallelism the all-gather
   along the sequence), instead of once per child.
 - ``heads``: an attention module; its head counts are divided by the degree (checked), and it is a
-  ``parallel_input`` (under sequence parallelism attention must see the whole sequence).
+  ``parallel_input`` (under sequence parallelism attention must see the whole sequence). With fewer key/value heads
+  than ranks (kv dividing the degree), each rank holds one whole key/value head instead: its ``colwise`` layers
+  with kv x head_dim outputs (k and v projections) are cut by head, each head held by degree / kv ranks
+  ([Note: key/value heads replicated over tensor ranks] in kv_replicas.py).
 - ``norm``: a LayerNorm/RMSNorm inside the sequence-parallel region (its gradients are all-reduced under SP).
 - ``head_norm``: a norm inside an attention module applied to each head on its own (Qwen3's and Gemma 3's q_norm and
   k_norm): whole on every rank but fed only this rank's heads, so its gradient is summed over the tensor group.

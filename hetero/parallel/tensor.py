@@ -8,7 +8,9 @@ that adds the communication (FSDP2 does the same), so hooks, names and the modul
 Invariants the engine relies on: a parameter without ``_hetero_tp`` is replicated over the tensor group and its
 gradient is complete and identical on every tensor rank when backward ends (under sequence parallelism a hook sums
 the parts, see ``sequence.py``). The global gradient norm is therefore the sum over tensor ranks of (sharded
-parameters' squares + replicated parameters' squares / degree).
+parameters' squares + replicated parameters' squares / degree). A key/value head that several tensor ranks hold
+whole (fewer key/value heads than ranks, kv_replicas.py) is a shard those ranks hold alike: its cut's `replicas`
+counts them, and its gradient is summed over them in backward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.errors import ConfigError
+from hetero.parallel.kv_replicas import ReplicaGroups, head_counts, kv_layout, kv_projections, shard_kv_projection
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import (
@@ -107,6 +110,8 @@ class _Region:
         self.comm = comm
         self.sequence = sequence  # Megatron-SP: column-parallel inputs arrive sharded along the sequence
         self.rng = RegionRng(comm)  # this rank's stream inside the region ([Note: dropout under tensor parallelism])
+        self.kv: dict[str, Any] = {}  # key/value projections holding whole heads replicated over ranks -> KVReplicas
+        self.kv_groups = ReplicaGroups(comm)  # the ranks that share a key/value head, by replica count
 
     def enter(self, x: torch.Tensor, *, sequence: bool, head: bool = False) -> torch.Tensor:
         """f (or the all-gather along the sequence under SP), unless a parent module brought ``x`` in already:
@@ -235,30 +240,6 @@ def linear_dims(module: nn.Module, name: str, style: str) -> tuple[int, int]:
     raise ConfigError(f"{name} is a {type(module).__name__}: style {style!r} needs an nn.Linear or a Conv1D")
 
 
-_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_kv_heads")
-_WIDTH_ATTRS = ("split_size", "embed_dim")  # GPT-2 splits c_attn's output and sizes views with these
-
-
-def head_counts(module: nn.Module, name: str, degree: int) -> dict[str, int]:
-    """The per-instance attributes to divide by the degree; raises if a head count does not divide."""
-    own = {a: getattr(module, a) for a in _HEAD_ATTRS + _WIDTH_ATTRS if type(getattr(module, a, None)) is int}
-    config = getattr(module, "config", None)
-    # Llama's attention reads its head counts from the shared config (and shapes from the weights): check only.
-    read = {a: getattr(config, a) for a in _HEAD_ATTRS if type(getattr(config, a, None)) is int}
-    if not any(a in own or a in read for a in _HEAD_ATTRS):
-        raise ConfigError(
-            f"{name} ({type(module).__name__}) has no head count ({', '.join(_HEAD_ATTRS)}) on itself or its config: "
-            "style 'heads' belongs on an attention module"
-        )
-    for a, v in {**read, **own}.items():
-        if v % degree:
-            raise ConfigError(
-                f"{name}: {a} = {v} does not divide by the tensor-parallel degree {degree}; every rank must hold "
-                f"whole heads, so choose a degree that divides the number of attention heads and key/value heads"
-            )
-    return {a: v // degree for a, v in own.items()}
-
-
 def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
     """Raise before anything changes if a style cannot apply to a module at this degree."""
     what = f"{name} ({part})"
@@ -271,7 +252,7 @@ def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
         if not isinstance(module, kind):
             raise ConfigError(f"{name} is a {type(module).__name__}: style {part!r} needs an {kind.__name__}")
         _check_divides(module.weight, 0, 1, degree, what)
-    elif part == "heads":
+    elif part == "heads" and kv_layout(module, name, degree) is None:  # replicated key/value heads: kv_replicas.py
         head_counts(module, name, degree)
 
 
@@ -301,9 +282,12 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
     if part in ("colwise", "colwise_qkv", "vocab_head"):
         out_dim, _ = (0, 1) if part == "vocab_head" else linear_dims(module, name, part)
         parts = 3 if part == "colwise_qkv" else 1
-        _shard(module.weight, out_dim, parts, comm, f"{name}.weight")
-        if getattr(module, "bias", None) is not None:
-            _shard(module.bias, 0, parts, comm, f"{name}.bias")
+        if name in region.kv:  # [Note: key/value heads replicated over tensor ranks]
+            shard_kv_projection(module, name, out_dim, region.kv[name], region.kv_groups)
+        else:
+            _shard(module.weight, out_dim, parts, comm, f"{name}.weight")
+            if getattr(module, "bias", None) is not None:
+                _shard(module.bias, 0, parts, comm, f"{name}.bias")
         _swap_class(module, _VocabHead if part == "vocab_head" else _Colwise, region, name)
         _set_features(module, out=module.weight.shape[out_dim])
     elif part == "rowwise":
@@ -320,7 +304,8 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         # The layer's own forward looks up this rank's rows: its padding row is a row of the shard, if any.
         module.padding_idx = local_padding_idx(module.padding_idx, module.num_embeddings, comm.rank)
     elif part == "heads":
-        for attr, value in head_counts(module, name, degree).items():
+        layout = kv_layout(module, name, degree)
+        for attr, value in (layout.local_counts(module) if layout else head_counts(module, name, degree)).items():
             setattr(module, attr, value)
         _apply("parallel_input", module, name, region)  # attention reads the sequence length from its input
     elif part == "parallel_input":
@@ -397,9 +382,11 @@ def check_tensor_plan(
     layers, and a stage whose layers pass would go on to wait for one that raised."""
     resolved = resolve_plan(model, plan, strict=strict)
     modules = dict(model.named_modules())
+    kv = kv_projections(resolved, modules, degree)  # replicated key/value heads: the layers that hold them
     for name, style in resolved.items():
         for part in style.split("+"):
-            _check(part, modules[name], name, degree)
+            if not (part == "colwise" and name in kv):  # a whole head each: no divisibility by the degree
+                _check(part, modules[name], name, degree)
     _check_inside(resolved, modules)
     styles = {part for style in resolved.values() for part in style.split("+")}
     if missing := [s for s in ("sequence_scatter", "sequence_gather") if sequence and strict and s not in styles]:
@@ -437,6 +424,7 @@ def apply_tensor_parallel(
     if not replicas_checked:
         check_replicas(model, comm)
     region = _Region(comm, sequence)
+    region.kv = kv_projections(resolved, modules, comm.size)
     for name, style in resolved.items():
         for part in style.split("+"):
             _apply(part, modules[name], name, region)

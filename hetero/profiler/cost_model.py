@@ -7,12 +7,14 @@ tokens make the global batch. Whether it fits is the estimator's arithmetic for 
 own chunk layout, [Note: a layout's bytes per rank]). Its step time, with the machine's `Rates`, is
 
   compute   6 N + 12 L s h FLOPs per token (the matrices, forward and backward, plus attention's scores; 8/6 of
-            it with activation checkpointing), over all ranks at the device's rate;
+            it with activation checkpointing), over all ranks at the device's rate; N counts a key/value head held by
+            t / kv tensor ranks that many times, as they all compute it (`replicated_kv_params`);
   bubble    the compute stretched by 1 / (1 - idle), idle the schedule's idle fraction simulated with the backward
             taking twice the forward (`schedule.simulate_programs`);
   tensor    per block and micro-batch, 4 linear layers each moving the mode's share of their activation
             (`tensor_modes.py`), over the node's links (across nodes when t exceeds the node), plus a latency per
-            collective; not overlapped;
+            collective; not overlapped; with key/value heads replicated, two more per block and micro-batch: the
+            all-reduces of k's and v's weight gradients over each head's t / kv ranks;
   pipeline  per micro-batch, one activation forward and one gradient back per rank, plus latencies;
   data      ZeRO's collectives over the d (2d under Chimera) replicas: stage 0 all-reduces fp32 gradients, stages 1-2
             reduce-scatter them and all-gather the updated parameters, stage 3 reduce-scatters once and gathers the
@@ -50,6 +52,7 @@ class Shape:
     heads: int
     kv_heads: int
     vocab: int
+    head_dim: int = 0  # 0: hidden / heads
 
 
 def shape_of(model: nn.Module) -> Shape:
@@ -59,14 +62,36 @@ def shape_of(model: nn.Module) -> Shape:
         return next((int(v) for n in names if isinstance(v := getattr(cfg, n, None), int)), default)
 
     heads = get("num_attention_heads", "n_head", default=1)
+    hidden = get("hidden_size", "n_embd", default=1)
     return Shape(
         params=sum(p.numel() for p in model.parameters()),
         layers=get("num_hidden_layers", "n_layer", default=1),
-        hidden=get("hidden_size", "n_embd", default=1),
+        hidden=hidden,
         heads=heads,
         kv_heads=get("num_key_value_heads", default=heads),
         vocab=get("vocab_size", default=1),
+        head_dim=get("head_dim", default=hidden // heads),
     )
+
+
+def kv_replicas(shape: Shape, lay: dict[str, Any]) -> int:
+    """Tensor ranks holding each key/value head in layout `lay`: t / kv where 1D tensor parallelism (with or without
+    Megatron-SP) has fewer key/value heads than ranks ([Note: key/value heads replicated over tensor ranks] in
+    hetero/parallel/kv_replicas.py), else 1 (the grid modes and the sequence splits cut heads evenly or refuse)."""
+    t, kv = lay["tensor"], shape.kv_heads
+    one_d = lay.get("tensor_mode", "1d") == "1d" and lay.get("sequence") in (None, "megatron")
+    return t // kv if one_d and 0 < kv < t and t % kv == 0 else 1
+
+
+def replicated_kv_params(shape: Shape, replicas: int) -> int:
+    """Parameters held more than once over the tensor ranks when each key/value head is held by `replicas` of them:
+    k_proj's and v_proj's rows of each head count `replicas` - 1 more times (N in the compute term counts every
+    copy: each rank computes with its own)."""
+    return shape.layers * 2 * shape.kv_heads * (replicas - 1) * _head_dim(shape) * shape.hidden
+
+
+def _head_dim(shape: Shape) -> int:
+    return shape.head_dim or shape.hidden // max(shape.heads, 1)
 
 
 @functools.cache
@@ -99,7 +124,9 @@ def step_cost(
     psi, n_chunks = chunks
     t, p, m, rows = lay["tensor"], lay["pipeline"], lay["microbatches"], lay["rows"]
     tokens = batch * seq
-    flops = (6 * shape.params + 12 * shape.layers * seq * shape.hidden) * tokens * (8 / 6 if checkpointing else 1)
+    kv = kv_replicas(shape, lay)
+    params = shape.params + replicated_kv_params(shape, kv)
+    flops = (6 * params + 12 * shape.layers * seq * shape.hidden) * tokens * (8 / 6 if checkpointing else 1)
     compute = flops / (world * r.device_flops)
     bubble = compute * idle / (1 - idle) if idle < 1 else float("inf")
     size = dtype.itemsize
@@ -110,6 +137,9 @@ def step_cost(
     if t > 1:
         factor = SEQUENCE_FORMS[lay["sequence"]][2](t) if lay["sequence"] else TENSOR_MODES[lay["tensor_mode"]].comm(t)
         tensor = m * blocks * 4 * (factor * x / link + r.latency)  # 4 linear layers, one collective each
+        if kv > 1:  # k's and v's weight gradients summed over each head's replicas (an all-reduce each)
+            head = _head_dim(shape) * shape.hidden * size
+            tensor += m * blocks * 2 * (2 * (kv - 1) / kv * head / link + r.latency)
     pipe = 0.0
     if p > 1:
         per = x / t if lay["sequence"] == "megatron" else x

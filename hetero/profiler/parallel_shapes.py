@@ -4,8 +4,10 @@ group ZeRO shards over.
 
 The layout is applied for real, by the same functions the engine calls, with `ShapeComm` groups in place of process
 groups: the parameters get the shapes tensor rank 0 would hold, and a forward on the meta device runs the layout's
-layers (gathers included), so the activations the estimator counts are this rank's. Nothing of the user's model is
-copied or changed: its parameters are replaced by meta tensors in the copy.
+layers (gathers included), so the activations the estimator counts are this rank's: a key/value head that several
+tensor ranks hold whole (fewer key/value heads than ranks) counts whole on each, as the engine holds it
+([Note: key/value heads replicated over tensor ranks]). Nothing of the user's model is copied or changed: its
+parameters are replaced by meta tensors in the copy.
 """
 
 from __future__ import annotations
