@@ -29,7 +29,7 @@ from hetero.config import Config
 from hetero.config_deepspeed_origin import warn_unfilled_auto
 from hetero.config_ranks import agree_config
 from hetero.device import make_device
-from hetero.errors import CommError, ConfigError, HeteroError, RankFailedError, add_note
+from hetero.errors import CheckpointError, CommError, ConfigError, HeteroError, RankFailedError, add_note
 from hetero.events import Events
 from hetero.integrations.deepspeed_names import (
     ENGINE_ALONE,
@@ -410,6 +410,7 @@ class Engine(DeepSpeedNames):
                 self.activations.recomputing = self.gathers.turns.recomputing
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
+        self.pending_save: Any = None  # an async_save not yet committed (hetero/checkpoint/background.py)
         self._unhold = hold(model)  # another initialize of this model is refused until close
         # An inference engine's parameters take no gradient: frozen while it holds them, so that a loss of another
         # model backpropagated through this one (a reward or perceptual model judging it) computes its inputs'
@@ -811,6 +812,8 @@ class Engine(DeepSpeedNames):
                 self.monitor.update()
             self.events.emit("update_end")
         self.events.emit("micro_step")
+        if boundary and self.pending_save is not None:  # [Note: a save written while training goes on]
+            self.pending_save.poll()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the micro-batch being computed is the last of its accumulation: the next `step()` updates."""
@@ -851,7 +854,9 @@ class Engine(DeepSpeedNames):
                     return train_batch(self, inputs, labels, loss_fn)
                 except BaseException as e:
                     # [Note: a forward that fails]; where its forward told the others, this rank stopped already
-                    if self.mesh.tp_size > 1 and not isinstance(e, CommError) and stopped() is None:
+                    # A failed async_save raised at its update boundary, on every rank alike: training may go on.
+                    agreed = (CommError, CheckpointError)
+                    if self.mesh.tp_size > 1 and not isinstance(e, agreed) and stopped() is None:
                         self._stop_for(e, "train_batch")
                     raise
             if loss_fn is None:
@@ -1111,7 +1116,8 @@ class Engine(DeepSpeedNames):
     # ---- checkpoints (hetero/checkpoint) -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, **kwargs: Any) -> str:
         """Save a checkpoint under the root directory `path` (every rank calls it); returns its directory.
-        Keyword-only extras: lr_scheduler=, tag=, replace=. See `hetero.checkpoint.save`."""
+        Keyword-only extras: lr_scheduler=, tag=, replace=, async_save= (return once the state is copied to host
+        memory; committed at a later update or `wait_checkpoint()`). See `hetero.checkpoint.save`."""
         from hetero.checkpoint import save_checkpoint
 
         if isinstance(client_state, (str, int)) and "tag" not in kwargs:
@@ -1139,6 +1145,7 @@ class Engine(DeepSpeedNames):
         if tag is not None:
             path = os.path.join(os.fspath(path), str(tag))
         self.check(CHECKPOINT)
+        self.wait_checkpoint()
         self._no_update_in_flight("load_checkpoint")
         self.settle_update()
         loaded = load_checkpoint(self, path, **kwargs)
@@ -1146,6 +1153,15 @@ class Engine(DeepSpeedNames):
         self.watch.loaded()  # the next step() needs a backward of its own
         self.loop_writes.note()
         return loaded
+
+    def wait_checkpoint(self) -> str | None:
+        """Every rank: block until the pending `async_save` is committed; its directory (None if none was pending)."""
+        return self.pending_save.wait() if self.pending_save is not None else None
+
+    @property
+    def checkpoint_pending(self) -> bool:
+        """Whether an `async_save` is still being written, not yet committed."""
+        return self.pending_save is not None
 
     def _no_update_in_flight(self, what: str) -> None:
         # update_in_backward: between that backward and step() the parameters are new but the update is not yet
@@ -1264,6 +1280,8 @@ class Engine(DeepSpeedNames):
         """Remove the hooks, free every chunk and delete swap files. The model's parameters are left empty."""
         if self._closed:
             return
+        if self.pending_save is not None:  # committed first (a failed one raises here; close again to close)
+            self.pending_save.close()
         self.events.emit("close")
         self._closed = True
         self.monitor.close()

@@ -16,7 +16,7 @@ one exists only as a .tmp-* directory, which no reader opens; after it, `latest`
 A checkpoint already under the tag (replace=True, or one `latest` never moved to) stays in place until the new one
 is complete: it is renamed to ROOT/.stale-<tag>-<nonce>/ just before the new one takes its name, and deleted once
 `latest` has moved. A kill between those two renames leaves <tag> missing: readers then take the set-aside one
-(`manifest.resolve`), and the next save puts it back (`_settle_stale`) before anything else. The next save also
+(`manifest.resolve`), and the next save puts it back (`settle_stale`) before anything else. The next save also
 deletes the .tmp-* directories of saves killed midway (`_drop_unfinished`), so kills do not fill the disk.
 """
 
@@ -60,11 +60,18 @@ def save_checkpoint(
     lr_scheduler: Any = None,
     tag: str | None = None,
     replace: bool = False,
+    async_save: bool = False,
 ) -> str:
     """Save everything a bit-exact resume needs under the root directory `path`; returns the checkpoint's directory.
     lr_scheduler: default, the one given to `hetero.initialize`. replace: save over the checkpoint of the same tag
     even when it is the latest (refused by default, since it discards that checkpoint); the old one stands until
-    the new one is committed ([Note: an atomic save])."""
+    the new one is committed ([Note: an atomic save]). async_save: return once this rank's state is copied to host
+    memory, the files written while training goes on and committed at a later update boundary or
+    `engine.wait_checkpoint()` ([Note: a save written while training goes on] in background.py)."""
+    from hetero.checkpoint import background  # it builds on this module's steps
+
+    if engine.pending_save is not None:  # one save at a time: the one still being written is committed first
+        engine.pending_save.wait()
     if lr_scheduler is None:
         lr_scheduler = getattr(engine, "lr_scheduler", None)
     comm = par.world(engine)  # every rank of the job; engine.comm is the data-parallel group
@@ -73,20 +80,32 @@ def save_checkpoint(
     # Every rank's plan, or what stopped it, and its tag: no rank may wait for one that failed here, nor commit
     # under a tag the others do not share (a tag from a clock or a host name differs between ranks).
     error: Exception | None = None
+    fits = True  # whether host memory takes an async save's copy: agreed below, as the choice changes collectives
     try:
         _check_tag(tag)
         plan = plan_items(engine)
         writer_size = file_size(plan)
+        fits = not async_save or background.host_room(sum(it.numel * it.dtype.itemsize for it in plan))
     except Exception as e:
         error, writer_size = e, -1
-    planned = agree(comm, error, f"planning checkpoint {tag!r} under {root}", value=(writer_size, tag), advice=SAVE)
-    tags = [t for _, t in planned]
+    what = f"planning checkpoint {tag!r} under {root}"
+    planned = agree(comm, error, what, value=(writer_size, tag, fits), advice=SAVE)
+    tags = [t for _, t, _ in planned]
     if any(t != tag for t in tags):
         named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
         raise CheckpointError(f"the ranks name this checkpoint differently ({named}): pass the same tag on every rank")
-    sizes = [size for size, _ in planned]
+    sizes = [size for size, _, _ in planned]
+    short = [r for r, (_, _, f) in enumerate(planned) if not f]
+    if async_save and short:
+        log.warning(
+            "checkpoint %r is saved synchronously on every rank: rank(s) %s lack the host memory to copy their part "
+            "for a save in the background (async_save=True)",
+            tag,
+            short,
+        )
     # 1. checks, then the temporary directory, decided on rank 0 for everyone
     outcome: tuple[str, str] = ("", "")
+    state_bytes = b""  # rank 0's state.pt
     if comm.rank == 0:
         try:
             state_bytes = _small_state(engine, client_state, lr_scheduler)
@@ -99,6 +118,8 @@ def save_checkpoint(
         raise CheckpointError(value)
     tmp = os.path.join(root, os.path.basename(value))  # rank 0's directory, as this rank sees the root
     _check_shared(comm, root, tmp)
+    if async_save and not short:
+        return background.start(engine, comm, root, tag, tmp, plan, state_bytes)
     # 2. every rank writes its shard, however long that takes it ([Note: patient meetings] in hetero/comm/patience.py)
     fname = mf.rank_file(comm.global_rank(comm.rank))
     mine = os.path.join(tmp, fname)
@@ -108,29 +129,34 @@ def save_checkpoint(
             try:
                 info = _write_rank(engine, mine, plan)
                 info.update(rank_info(engine, fname))
-                _test_pause("shard-written")
+                pause_for_test("shard-written")
             except Exception as e:  # reported to every rank below, so none waits for a rank that failed
                 info = {"error": f"rank {comm.rank} could not write {mine}: {type(e).__name__}: {e}"}
         infos = comm.all_gather_object(info)
     except BaseException as e:  # a rank dead or hung: nothing is committed
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            _settle_stale(root, tag)
+            settle_stale(root, tag)
         if isinstance(e, RankTimeoutError):
             note = f" Checkpoint {tag!r} was not committed: the checkpoints under {root} are as they were."
             raise RankTimeoutError(str(e) + note, missing_ranks=e.missing_ranks, timeout_s=e.timeout_s) from e
         raise
+    return finish(comm, root, tag, tmp, infos, state_bytes, lambda infos: manifest_head(engine, tag, infos))
+
+
+def finish(comm: Any, root: str, tag: str, tmp: str, infos: list[dict[str, Any]], state: bytes, head: Any) -> str:
+    """3. Every rank's file written (`infos`, gathered; an "error" where a rank failed): rank 0 commits, `head(infos)`
+    giving the manifest's description of the engine, or drops the temporary directory; every rank learns which."""
     errors = [i["error"] for i in infos if "error" in i]
-    # 3. rank 0 commits
     outcome = ("ok", "")
     if comm.rank == 0:
         try:
             if errors:
                 raise CheckpointError("; ".join(errors) + ". Nothing was committed: the previous checkpoint stands")
-            _commit(engine, root, tag, tmp, infos, state_bytes)
+            _commit(root, tag, tmp, infos, state, head(infos))
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            _settle_stale(root, tag)
+            settle_stale(root, tag)
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
@@ -199,9 +225,7 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
         if was_nvme:
             m.move(chunk, Tier.NVME)  # back home; clean, so no write
 
-    planned = [(it.key, it.dtype, (it.numel,), residue(it)) for it in plan]
-    size = blocks.BLOCK_BYTES  # [Note: block checksums] in blocks.py
-    with TensorWriter(path, planned, align=DIRECT_ALIGN, block_bytes=size) as w:
+    with open_writer(path, planned_of(plan)) as w:  # block checksums: [Note: block checksums] in blocks.py
         try:
             i = 0
             while i < len(plan):
@@ -241,12 +265,26 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
                 future.exception()
                 if chunk is not None:
                     m.unpin(chunk)
+    return file_entry(w, [(it.key, it.numel) for it in plan])
+
+
+def planned_of(plan: list[Item]) -> list[tuple]:
+    """The writer's plan: each tensor's key, dtype, shape and residue ([Note: aligned layout] in format.py)."""
+    return [(it.key, it.dtype, (it.numel,), residue(it)) for it in plan]
+
+
+def open_writer(path: str, planned: list[tuple]) -> TensorWriter:
+    return TensorWriter(path, planned, align=DIRECT_ALIGN, block_bytes=blocks.BLOCK_BYTES)
+
+
+def file_entry(w: TensorWriter, numels: list[tuple[str, int]]) -> dict[str, Any]:
+    """A written rank file's entry for the manifest: size, checksums (of the header, each tensor, their blocks)."""
     return {
-        "file": os.path.basename(path),
+        "file": os.path.basename(w.path),
         "size": w.size,
         "header_crc32": w.header_crc,
-        "tensors": {it.key: [it.numel, w.crcs[it.key]] for it in plan},
-        **blocks.file_entry(size, {k: v for k, v in w.blocks.items() if v is not None}),
+        "tensors": {key: [numel, w.crcs[key]] for key, numel in numels},
+        **blocks.file_entry(w.block_bytes, {k: v for k, v in w.blocks.items() if v is not None}),
     }
 
 
@@ -272,7 +310,7 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
         raise CheckpointError(f"cannot create the checkpoint directory {root}: {why}") from None
     if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"{root} is not a writable directory: choose another path or fix its permissions")
-    _settle_stale(root)  # what a save killed between its renames left: before the tag is looked at
+    settle_stale(root)  # what a save killed between its renames left: before the tag is looked at
     _drop_unfinished(root)
     final = os.path.join(root, tag)
     if os.path.exists(final) and mf.latest_tag(root) == tag and not replace:
@@ -321,20 +359,29 @@ def _small_state(engine: Engine, client_state: Any, lr_scheduler: Any) -> bytes:
     return buf.getvalue()
 
 
-def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str, Any]], data: bytes) -> None:
+def manifest_head(engine: Engine, tag: str, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the manifest says of the engine and its model, from every rank's `rank_info` (taken with the state
+    saved: an async save takes it at the call, [Note: a save written while training goes on])."""
+    return {
+        "format": mf.FORMAT,
+        "version": mf.VERSION,
+        "tag": tag,
+        "created": 0.0,  # set at the commit
+        "engine": engine_state(engine, infos),
+        "layout": layout(engine),
+        "model": par.merge_tables([i["model"] for i in infos]),
+    }
+
+
+def _commit(root: str, tag: str, tmp: str, infos: list[dict[str, Any]], data: bytes, head: dict[str, Any]) -> None:
     files: dict[str, Any] = {}
     for info in infos:
         files[info["file"]] = {k: info[k] for k in ("size", "header_crc32", "tensors")}
         files[info["file"]].update({k: info[k] for k in blocks.FILE_KEYS if k in info})  # none without blocks
     files[mf.STATE_FILE] = {"size": len(data), "crc32": mf.write_durable(os.path.join(tmp, mf.STATE_FILE), data)}
     manifest = {
-        "format": mf.FORMAT,
-        "version": mf.VERSION,
-        "tag": tag,
+        **head,
         "created": time.time(),
-        "engine": engine_state(engine, infos),
-        "layout": layout(engine),
-        "model": par.merge_tables([i["model"] for i in infos]),
         "ranks": [{k: v for k, v in i.items() if k not in NOT_PER_RANK} for i in infos],
         "files": files,
     }
@@ -345,12 +392,12 @@ def _commit(engine: Engine, root: str, tag: str, tmp: str, infos: list[dict[str,
         # Set aside only now, the new checkpoint complete beside it: the old one stays readable under its tag for
         # the whole write, and a kill between these two renames leaves it whole under its new name.
         os.rename(final, os.path.join(root, f"{mf.STALE}{tag}-{secrets.token_hex(4)}"))
-        _test_pause("set-aside")
+        pause_for_test("set-aside")
     os.rename(tmp, final)
     mf.fsync_dir(root)
-    _test_pause("before-latest")
+    pause_for_test("before-latest")
     mf.replace_atomic(os.path.join(root, mf.LATEST), (tag + "\n").encode())
-    _settle_stale(root, tag)
+    settle_stale(root, tag)
 
 
 def _drop_unfinished(root: str) -> None:
@@ -363,7 +410,7 @@ def _drop_unfinished(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _settle_stale(root: str, tag: str | None = None) -> None:
+def settle_stale(root: str, tag: str | None = None) -> None:
     """Put back a checkpoint set aside (`_commit`) whose tag is missing, a save having failed or been killed
     between the renames: nothing saved before stays hidden by a save that did not happen. Delete one whose tag
     holds a complete checkpoint again: the new one took its place. tag: only that tag's; default, every one."""
@@ -378,7 +425,7 @@ def _settle_stale(root: str, tag: str | None = None) -> None:
             shutil.rmtree(aside, ignore_errors=True)
 
 
-def _test_pause(point: str) -> None:
+def pause_for_test(point: str) -> None:
     """Test hook: with HETERO_CHECKPOINT_TEST_PAUSE="<point>:<marker>", create the marker and wait here to be
     killed. Never set outside tests."""
     spec = os.environ.get(_PAUSE_ENV)

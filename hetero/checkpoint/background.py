@@ -1,0 +1,237 @@
+"""`engine.save_checkpoint(..., async_save=True)`: the state copied to host memory at the call, its files written on a
+thread while training goes on, the commit at a point every rank reaches in the same order.
+
+[Note: a save written while training goes on]
+A synchronous save ([Note: an atomic save] in save.py) holds every rank until its file is written and fsynced and
+rank 0 has committed: minutes of idle accelerators for a large model saved often. An async save splits it:
+1. At the call, on the training thread: the same planning, checks and temporary directory as a synchronous save
+   (so the same errors, on every rank together), then the capture: every tensor the synchronous save would write
+   at this moment (master weights, optimizer states, pending gradients, buffers, random states), copied into host
+   memory the save owns (a chunk on NVMe is read back and returned, as the synchronous save does), and the small
+   state (counters, random states, client_state, scheduler) taken now. Whether host memory can take the copy is
+   each rank's question but the answer is every rank's: the plan's agreement carries it, and all ranks fall back to
+   the synchronous save if one must, since the two run different collectives.
+2. A thread writes the copies into this rank's file with the synchronous save's writer and fsyncs it. It never
+   touches the chunk manager (single-threaded by design: no lock guards it) nor a chunk, and issues no collective:
+   a group's collectives are ordered on the training thread, and one issued from a second thread would pair with
+   the wrong call on another rank.
+3. The commit runs on the training thread. At the end of each `engine.step()` that updated, while a save is pending,
+   every rank joins one small gather of the ranks' states (writing, written, failed): all written, rank 0 commits
+   there as the synchronous save does; one failed, every rank raises the same CheckpointError there (the temporary
+   directory dropped, `latest` untouched); else training goes on. The decision follows from the gathered states,
+   never from one rank's timing, so all ranks take it at the same step. `engine.wait_checkpoint()`, the next save,
+   `load_checkpoint` and `close` wait for this rank's thread (in a patient meeting, [Note: patient meetings] in
+   hetero/comm/patience.py: a slower rank is waited for while it is alive), then gather and commit the same way.
+A process killed while the thread writes leaves the new checkpoint a .tmp-* directory, which no reader opens and the
+next save deletes: `latest` names the previous complete checkpoint throughout.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import threading
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from hetero.checkpoint import manifest as mf
+from hetero.checkpoint.agree import SAVE, agree
+from hetero.checkpoint.describe import rank_info
+from hetero.checkpoint.plan import Item
+from hetero.checkpoint.save import (
+    file_entry,
+    finish,
+    manifest_head,
+    open_writer,
+    pause_for_test,
+    planned_of,
+    settle_stale,
+)
+from hetero.comm.patience import Meeting
+from hetero.comm.watch import stopped
+from hetero.memory import Tier
+
+if TYPE_CHECKING:
+    from hetero.comm import Comm
+    from hetero.engine import Engine
+
+log = logging.getLogger("hetero.checkpoint")
+
+# Host memory an async save may take: its bytes times this, plus a reserve for the training that goes on meanwhile
+# (the host tier's staging, the allocator's slack). Short of it, the save is synchronous (agreed by every rank).
+_HOST_MARGIN = 1.1
+_HOST_RESERVE = 1 << 30
+_IN_FLIGHT = 2  # runs handed to the writer's threads at once: a run's copy is freed once it is written
+WRITING, WRITTEN, FAILED, CANCELLED = 0, 1, 2, 3  # a rank's write, as the ranks gather it
+
+
+def host_room(nbytes: int) -> bool:
+    """Whether this host's available memory takes a capture of `nbytes` with room to spare."""
+    return psutil.virtual_memory().available >= nbytes * _HOST_MARGIN + _HOST_RESERVE
+
+
+def start(engine: Engine, comm: Comm, root: str, tag: str, tmp: str, plan: list[Item], state: bytes) -> str:
+    """Capture this rank's part (step 1 of the note above), agree that every rank did, start the writing thread;
+    returns the directory the checkpoint will be committed to. `state`: rank 0's state.pt bytes, taken already."""
+    fname = mf.rank_file(comm.global_rank(comm.rank))
+    error: Exception | None = None
+    runs: list[list[tuple[str, torch.Tensor]]] = []
+    info: dict[str, Any] | None = None
+    try:
+        runs = capture(engine, plan)
+        info = rank_info(engine, fname)
+    except Exception as e:  # every rank learns of it below: none may start a save another abandoned
+        error = e
+    try:
+        infos = agree(comm, error, f"copying checkpoint {tag!r} to host memory", value=info, advice=SAVE)
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            settle_stale(root, tag)
+        raise
+    head = manifest_head(engine, tag, infos) if comm.rank == 0 else None  # the engine as it is now, not at the commit
+    pending = PendingSave(engine, comm, root, tag, tmp, os.path.join(tmp, fname), plan, runs, info or {}, state, head)
+    engine.pending_save = pending
+    pending.thread.start()
+    return os.path.join(root, tag)
+
+
+def capture(engine: Engine, plan: list[Item]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Copies of the plan's tensors in host memory, one run per chunk, in the plan's order. A chunk is made resident
+    (read back from NVMe and returned there, as `save._write_rank` does) and pinned while it is copied."""
+    m = engine.manager
+    runs: list[list[tuple[str, torch.Tensor]]] = []
+    i = 0
+    while i < len(plan):
+        chunk = plan[i].chunk
+        if chunk is None:  # a buffer or a random state: copied too, as the training goes on changing buffers
+            runs.append([(plan[i].key, engine.device.to_host(plan[i].tensor.reshape(-1), copy=True))])
+            i += 1
+            continue
+        j = i
+        while j < len(plan) and plan[j].chunk is chunk:
+            j += 1
+        was_nvme = chunk.tier is Tier.NVME or (chunk.move is not None and chunk.move.dst is Tier.NVME)
+        tier = chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) and not was_nvme else Tier.HOST
+        m.access(chunk, tier, write=False)  # only read: a clean swap copy stays valid
+        with m.pinned(chunk):
+            views = []
+            for it in plan[i:j]:
+                view = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
+                views.append(view.narrow(0, it.offset, it.numel))
+            if views[0].device.type == "cpu":
+                copies = [v.clone() for v in views]
+            else:  # queued together, one wait for the device
+                copies = engine.device.to_host_all(views)
+        if was_nvme:
+            m.move(chunk, Tier.NVME)  # back home; clean, so no write
+        runs.append([(it.key, c) for it, c in zip(plan[i:j], copies)])
+        i = j
+    return runs
+
+
+class _Cancelled(Exception):
+    """Another rank's write failed: this one stops."""
+
+
+class PendingSave:
+    """One async save between its call and its commit: the thread writing this rank's file, and what the commit
+    needs (step 3 of [Note: a save written while training goes on])."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        comm: Comm,
+        root: str,
+        tag: str,
+        tmp: str,
+        path: str,
+        plan: list[Item],
+        runs: list[list[tuple[str, torch.Tensor]]],
+        info: dict[str, Any],
+        state: bytes,
+        head: dict[str, Any] | None,
+    ) -> None:
+        self.engine = engine
+        self.comm = comm  # every rank of the job (`model_parallel.world`)
+        self.root, self.tag, self.tmp, self.path = root, tag, tmp, path
+        self.info = info  # this rank's small state, taken at the call
+        self.state, self.head = state, head  # rank 0's state.pt and manifest head, taken at the call
+        # The thread's inputs: no Item (they hold chunks, which the thread must not reach).
+        self.planned, self.numels = planned_of(plan), [(it.key, it.numel) for it in plan]
+        self.runs: list[list[tuple[str, torch.Tensor]] | None] = list(runs)
+        self.status = WRITING  # set by the thread, last, once its file is written and fsynced or it failed
+        self.error = ""  # what failed, said to every rank
+        self.entry: dict[str, Any] = {}  # the file's manifest entry, once written
+        self.cancel = threading.Event()  # another rank failed: stop writing
+        self.rank = comm.global_rank(comm.rank)
+        self.thread = threading.Thread(target=self._write, name="hetero-ckpt-async", daemon=True)
+
+    def _write(self) -> None:
+        """The thread: write and fsync this rank's file from the copies, a run at a time."""
+        try:
+            with open_writer(self.path, self.planned) as w:
+                in_flight: collections.deque = collections.deque()
+                for k, run in enumerate(self.runs):
+                    if self.cancel.is_set():
+                        raise _Cancelled  # the writer's exit waits for what it was given, then closes the file
+                    in_flight.append(w.submit(run))
+                    self.runs[k] = None  # the writer holds the run until written: its memory goes then
+                    while len(in_flight) > _IN_FLIGHT:
+                        in_flight.popleft().result()
+            self.entry = file_entry(w, self.numels)
+            pause_for_test("async-written")
+            self.status = WRITTEN
+        except _Cancelled:
+            self.status = CANCELLED
+        except BaseException as e:  # said to every rank at the next boundary
+            self.error = f"rank {self.rank} could not write {self.path}: {type(e).__name__}: {e}"
+            self.status = FAILED
+        finally:
+            self.runs = []
+
+    def poll(self) -> None:
+        """At an update boundary, on every rank: the ranks' states gathered; all written, commit; one failed, every
+        rank raises the same CheckpointError; else nothing (the write goes on)."""
+        states = self.comm.all_gather_object(self.status)
+        if all(s == WRITTEN for s in states):
+            self._finish()
+        elif FAILED in states:
+            self.cancel.set()
+            self._finish()
+
+    def wait(self) -> str:
+        """Block until this rank's file is written (and every rank's), then commit; returns the directory."""
+        what = f"writing its part of checkpoint {self.tag!r} under {self.root} (async_save)"
+        patience = self.engine.config.checkpoint_patience
+        with Meeting(self.comm, "checkpoint-async-write", what, limit_s=patience):
+            self.thread.join()
+        return self._finish()
+
+    def close(self) -> None:
+        """At `engine.close()`: commit as `wait` does; a job stopped by a failure runs no collective, and drops it."""
+        if stopped() is None:
+            self.wait()
+            return
+        self.cancel.set()
+        self.thread.join()
+        self.engine.pending_save = None
+        log.warning(
+            "checkpoint %r under %s was not committed: the job stopped while it was written", self.tag, self.root
+        )
+
+    def _finish(self) -> str:
+        self.engine.pending_save = None  # over, committed or not
+        self.thread.join()  # done or cancelled: at most a run's write away
+        if self.status == WRITTEN:
+            mine: dict[str, Any] = {**self.entry, **self.info}  # the synchronous save's order of keys
+        elif self.status == FAILED:
+            mine = {"error": self.error}
+        else:  # cancelled: another rank failed, and its error is the one said
+            mine = {"cancelled": True}
+        infos = self.comm.all_gather_object(mine)
+        return finish(self.comm, self.root, self.tag, self.tmp, infos, self.state, lambda _: self.head)
