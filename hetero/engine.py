@@ -45,7 +45,7 @@ from hetero.parallel.agree import BatchAgreement
 from hetero.parallel.batches import mean_over_ranks, train_batch
 from hetero.parallel.pipeline.runtime import PipelineRuntime
 from hetero.parallel.pipeline.tied import TiedGrads
-from hetero.parallel.setup import setup_parallel
+from hetero.parallel.setup import by_hand_tensor_parallel, setup_parallel
 from hetero.zero import backwards
 from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
@@ -172,6 +172,14 @@ class Engine(DeepSpeedNames):
         else:
             world = comm.with_timeout(config.comm_timeout)
         agree_config(config, world)  # before any group is made from it: [Note: one config for every rank]
+        if config.grad_clip_norm and config.parallel.tensor == 1 and by_hand_tensor_parallel(model):
+            raise ConfigError(
+                "grad_clip_norm with a model made tensor-parallel by hand (apply_tensor_parallel before "
+                'hetero.initialize, no "parallel" config section): each tensor rank would clip by the norm of '
+                "its own shards and their replicated weights drift apart. Give the degree in the config's "
+                '"parallel" section instead (the engine then sums the norm over the tensor ranks), or leave '
+                "grad_clip_norm unset"
+            )
         self.device = make_device(device)
         if config.activation_checkpointing and config.parallel.pipeline > 1:
             choose_blocks(model, config.activation_checkpointing)  # on the whole model: a stage may hold no block

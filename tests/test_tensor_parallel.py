@@ -228,6 +228,21 @@ def test_llama_kv_heads_not_divisible():
         apply_tensor_parallel(transformers.LlamaForCausalLM(cfg), "auto", types.SimpleNamespace(size=2, rank=0))
 
 
+def test_clipping_a_model_cut_by_hand_is_refused():
+    """By hand (no "parallel" section) the engine cannot know the tensor ranks to sum the norm over: each clipped by
+    its own shards' norm and the replicated weights drifted apart (measured: 8.6e-4 between tensor ranks)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    apply_tensor_parallel(model, "auto", types.SimpleNamespace(size=2, rank=0))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match=r"grad_clip_norm with a model made tensor-parallel by hand.*\"parallel\""):
+        hetero.initialize(model, opt, {"grad_clip_norm": 1.0})
+
+
 def _engine(rank: int, world: int) -> None:
     tensor = Comm.world()
     data = tensor.split([[0], [1]])  # a data-parallel group of one per tensor rank

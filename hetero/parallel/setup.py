@@ -167,6 +167,11 @@ def setup_parallel(
     return mesh, chunks, zero, tied
 
 
+def by_hand_tensor_parallel(model: nn.Module) -> bool:
+    """Whether `apply_tensor_parallel` already cut some parameter of the model (by hand, before initialize)."""
+    return any(getattr(p, "_hetero_tp", None) is not None for p in model.parameters())
+
+
 def _check_chain(model: nn.Module) -> None:
     """hetero's own GPT is no chain of children (its forward adds the position embedding beside the token one, which
     a cut fed the token embedding's output: initialize failed in the balancer, or with a split given, in the first
