@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 _Q_ATTRS = ("num_heads", "n_head", "num_attention_heads")
 _KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _HEAD_ATTRS = _Q_ATTRS + _KV_ATTRS
+HEAD_ATTRS = _HEAD_ATTRS  # what plan_checks.py looks for
 _WIDTH_ATTRS = ("split_size", "embed_dim")  # GPT-2 splits c_attn's output and sizes views with these
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.kv_replicas import ReplicaGroups, head_counts, kv_layout, kv_projections, shard_kv_projection
+from hetero.parallel.plan_checks import check_styles_given
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import (
@@ -388,6 +389,7 @@ def check_tensor_plan(
             if not (part == "colwise" and name in kv):  # a whole head each: no divisibility by the degree
                 _check(part, modules[name], name, degree)
     _check_inside(resolved, modules)
+    check_styles_given(resolved, modules, sequence=sequence)  # [Note: styles a plan cannot leave out]
     styles = {part for style in resolved.values() for part in style.split("+")}
     if missing := [s for s in ("sequence_scatter", "sequence_gather") if sequence and strict and s not in styles]:
         # Without both the region is never entered or never left: the model returned t times the sequence's logits
