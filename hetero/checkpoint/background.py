@@ -41,7 +41,7 @@ import torch
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint.agree import SAVE, agree
 from hetero.checkpoint.describe import rank_info
-from hetero.checkpoint.plan import Item
+from hetero.checkpoint.plan import Item, chunk_runs, item_views, read_tier
 from hetero.checkpoint.save import (
     file_entry,
     finish,
@@ -105,32 +105,21 @@ def capture(engine: Engine, plan: list[Item]) -> list[list[tuple[str, torch.Tens
     (read back from NVMe and returned there, as `save._write_rank` does) and pinned while it is copied."""
     m = engine.manager
     runs: list[list[tuple[str, torch.Tensor]]] = []
-    i = 0
-    while i < len(plan):
-        chunk = plan[i].chunk
+    for chunk, items in chunk_runs(plan):
         if chunk is None:  # a buffer or a random state: copied too, as the training goes on changing buffers
-            runs.append([(plan[i].key, engine.device.to_host(plan[i].tensor.reshape(-1), copy=True))])
-            i += 1
+            runs.append([(items[0].key, engine.device.to_host(items[0].tensor.reshape(-1), copy=True))])
             continue
-        j = i
-        while j < len(plan) and plan[j].chunk is chunk:
-            j += 1
-        was_nvme = chunk.tier is Tier.NVME or (chunk.move is not None and chunk.move.dst is Tier.NVME)
-        tier = chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) and not was_nvme else Tier.HOST
+        tier, was_nvme = read_tier(chunk)
         m.access(chunk, tier, write=False)  # only read: a clean swap copy stays valid
         with m.pinned(chunk):
-            views = []
-            for it in plan[i:j]:
-                view = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
-                views.append(view.narrow(0, it.offset, it.numel))
+            keys, views = zip(*item_views(chunk, items))
             if views[0].device.type == "cpu":
                 copies = [v.clone() for v in views]
             else:  # queued together, one wait for the device
-                copies = engine.device.to_host_all(views)
+                copies = engine.device.to_host_all(list(views))
         if was_nvme:
             m.move(chunk, Tier.NVME)  # back home; clean, so no write
-        runs.append([(it.key, c) for it, c in zip(plan[i:j], copies)])
-        i = j
+        runs.append(list(zip(keys, copies)))
     return runs
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +15,7 @@ from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.format import DIRECT_ALIGN
+from hetero.memory import Tier
 
 if TYPE_CHECKING:
     from hetero.engine import Engine
@@ -82,6 +84,35 @@ def plan_items(engine: Engine) -> list[Item]:
         if it.tensor is not None:
             it.numel = it.tensor.numel()
     return items
+
+
+def chunk_runs(plan: list[Item]) -> Iterator[tuple[Any, list[Item]]]:
+    """The plan's items in runs: those of one chunk together (chunk, items), a buffer or random state alone
+    (None, [item])."""
+    i = 0
+    while i < len(plan):
+        chunk = plan[i].chunk
+        j = i + 1
+        while chunk is not None and j < len(plan) and plan[j].chunk is chunk:
+            j += 1
+        yield chunk, plan[i:j]
+        i = j
+
+
+def read_tier(chunk: Any) -> tuple[Tier, bool]:
+    """Where a save reads a chunk (where it is; the host for one on NVMe, or on its way there), and whether it came
+    from NVMe (then it goes back, clean: no write)."""
+    was_nvme = chunk.tier is Tier.NVME or (chunk.move is not None and chunk.move.dst is Tier.NVME)
+    return (chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) and not was_nvme else Tier.HOST), was_nvme
+
+
+def item_views(chunk: Any, items: list[Item]) -> list[tuple[str, torch.Tensor]]:
+    """Each item's key and its view of the chunk's data (on the tier it was brought to)."""
+    out = []
+    for it in items:
+        data = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
+        out.append((it.key, data.narrow(0, it.offset, it.numel)))
+    return out
 
 
 def model_buffers(engine: Engine) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import SAVE, agree
 from hetero.checkpoint.describe import NOT_PER_RANK, engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
-from hetero.checkpoint.plan import Item, file_size, plan_items, residue
+from hetero.checkpoint.plan import Item, chunk_runs, file_size, item_views, plan_items, read_tier, residue
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError, RankTimeoutError
 from hetero.memory import Tier
@@ -227,36 +227,24 @@ def _write_rank(engine: Engine, path: str, plan: list[Item]) -> dict[str, Any]:
 
     with open_writer(path, planned_of(plan)) as w:  # block checksums: [Note: block checksums] in blocks.py
         try:
-            i = 0
-            while i < len(plan):
-                chunk = plan[i].chunk
+            for chunk, items in chunk_runs(plan):
                 if chunk is None:
-                    in_flight.append((None, False, w.submit([(plan[i].key, plan[i].tensor.reshape(-1))])))
-                    i += 1
+                    in_flight.append((None, False, w.submit([(items[0].key, items[0].tensor.reshape(-1))])))
                     continue
-                j = i
-                while j < len(plan) and plan[j].chunk is chunk:
-                    j += 1
-                was_nvme = chunk.tier is Tier.NVME or (chunk.move is not None and chunk.move.dst is Tier.NVME)
-                tier = chunk.tier if chunk.tier in (Tier.DEVICE, Tier.HOST) and not was_nvme else Tier.HOST
+                tier, was_nvme = read_tier(chunk)
                 if was_nvme and m.ledgers[Tier.HOST].free < chunk.nbytes:
                     while in_flight:  # no room for a second chunk on the host: let the ones written go first
                         retire()
                 m.access(chunk, tier, write=False)  # only read: a clean swap copy stays valid
                 m.pin(chunk)
                 try:
-                    run = []
-                    for it in plan[i:j]:
-                        view = chunk.payload if it.slot is None else chunk.view(chunk.slots[it.slot])
-                        run.append((it.key, view.narrow(0, it.offset, it.numel)))
-                    future = w.submit(run)
+                    future = w.submit(item_views(chunk, items))
                 except BaseException:
                     m.unpin(chunk)
                     raise
                 in_flight.append((chunk, was_nvme, future))
                 while len(in_flight) > 2:
                     retire()
-                i = j
             while in_flight:
                 retire()
         finally:
