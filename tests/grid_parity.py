@@ -16,9 +16,11 @@ import hetero
 
 try:
     from tests import pipe_parity, tolerance
+    from tests.plain_loop import train_plain
 except ImportError:  # tests/ itself on sys.path
     import pipe_parity  # type: ignore[no-redef]
     import tolerance  # type: ignore[no-redef]
+    from plain_loop import train_plain  # type: ignore[no-redef]
 
 VOCAB, SEQ, STEPS, ROWS = 64, 8, 3, 8
 LR = 1e-3  # see test_tensor_parallel: Adam turns rounding on near-zero gradients into lr-sized steps
@@ -94,15 +96,7 @@ def reference(family: str, clip: float | None = None, dtype: torch.dtype = torch
     if key not in _REFERENCES:
         model = build(family).to(dtype)
         opt = optimizer(model)
-        losses, norm = [], float("nan")
-        for x, y in batches(family):
-            loss = model(x, labels=y).loss
-            loss.backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        _REFERENCES[key] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+        _REFERENCES[key] = train_plain(model, opt, batches(family), clip)
         x, y = eval_data(family)
         with torch.no_grad():
             _EVALS[key] = {"loss": model(x, labels=y).loss.item(), "logits": model(x).logits}

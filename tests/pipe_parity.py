@@ -15,9 +15,11 @@ from hetero.parallel.tensor import unshard
 
 try:
     from tests import parity, tolerance
+    from tests.plain_loop import train_plain
 except ImportError:  # tests/ itself on sys.path
     import parity  # type: ignore[no-redef]
     import tolerance  # type: ignore[no-redef]
+    from plain_loop import train_plain  # type: ignore[no-redef]
 
 CFG = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False, tie_weights=False)
 STEPS, ROWS = 4, 4
@@ -59,18 +61,11 @@ def reference(
 def _reference(steps: int, rows: int, clip: float | None, dtype: torch.dtype) -> tuple[list[float], dict, float, dict]:
     model = build().to(dtype)
     opt = parity.make_optimizer(model)
-    losses, norm = [], float("nan")
-    for x, y in parity.batches(steps, rows):
-        loss = model(x, labels=y).loss
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, weights, norm = train_plain(model, opt, parity.batches(steps, rows), clip)
     x, y = eval_data(rows)
     with torch.no_grad():
         evals = {"loss": model(x, labels=y).loss.item(), "logits": model(x).logits}
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm, evals
+    return losses, weights, norm, evals
 
 
 def run(rank: int, world: int, config: dict, steps: int = STEPS, rows: int = ROWS) -> dict[str, Any]:

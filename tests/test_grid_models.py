@@ -17,6 +17,7 @@ from hetero.errors import ConfigError
 from hetero.parallel.grid import Grid, apply_grid_parallel
 from hetero.parallel.plans import auto_plan
 from tests.dist import NEEDS_DEGREES, ranks_apart
+from tests.plain_loop import train_plain
 
 try:
     from tests import grid_parity, tolerance
@@ -56,15 +57,7 @@ def reference(family: str, clip: float | None, dtype: torch.dtype) -> tuple[list
     """Plain PyTorch on the whole batches: losses, final weights, the last step's gradient norm."""
     model = build(family).to(dtype)
     opt = grid_parity.optimizer(model)
-    losses, norm = [], float("nan")
-    for x, y in grid_parity.batches(family):
-        loss = model(x, labels=y).loss
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+    return train_plain(model, opt, grid_parity.batches(family), clip)
 
 
 def _train(family: str, config: dict, rank: int) -> dict:

@@ -28,6 +28,7 @@ from hetero.errors import ConfigError
 from hetero.parallel import apply_tensor_parallel, unshard
 from hetero.parallel.plans import auto_plan
 from tests.dist import NEEDS_DEGREES, ranks_apart
+from tests.plain_loop import train_plain
 
 try:
     from tests import tolerance
@@ -80,15 +81,7 @@ def reference(kv: int, dtype: torch.dtype, *, clip: float | None = None, steps: 
     if key not in _REFERENCES:
         model = build(kv).to(dtype)
         opt = optimizer(model)
-        losses, norm = [], float("nan")
-        for x, y in batches(steps):
-            loss = model(x, labels=y).loss
-            loss.backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf")))
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        _REFERENCES[key] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
+        _REFERENCES[key] = train_plain(model, opt, batches(steps), clip)
     return _REFERENCES[key]
 
 
