@@ -400,6 +400,8 @@ class Engine(DeepSpeedNames):
             manager=self.manager,
             mesh=self.mesh,
         )
+        if self.stages:  # full_state_dict in the model's key order ([Note: the whole model's order])
+            self.views.order = self.stages[0].model_keys
         # Stages 0-2: the loop's in-place writes into parameters reach the masters ([Note: the loop's writes into
         # parameters] in hetero/zero/loop_writes.py); taken in as a gathered block opens, noted after one that wrote.
         self.loop_writes = LoopWrites(self.trainable, self.device, self.dtype, delayed=config.delayed_param_update)

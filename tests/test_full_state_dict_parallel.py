@@ -54,6 +54,12 @@ def _consolidated(root: str) -> dict[str, torch.Tensor]:
 ONE_D = {"zero_stage": 1, "parallel": {"tensor": 2}}
 GRID_2D = {"zero_stage": 3, "parallel": {"tensor": 4, "tensor_mode": "2d"}}
 PP2_DP2 = {"zero_stage": 3, "parallel": {"pipeline": 2, "microbatches": 2, "schedule": "1f1b"}}
+# Rank 0 holds virtual stages 0 and 2, rank 1 stages 1 and 3: stage order is not the model's ([Note: the whole
+# model's order]).
+INTERLEAVED = {
+    "zero_stage": 3,
+    "parallel": {"pipeline": 2, "virtual_stages": 2, "microbatches": 2, "schedule": "interleaved_1f1b"},
+}
 TP2_PP2 = {
     "zero_stage": 3,
     "parallel": {"tensor": 2, "tensor_plan": TP_PLAN, "pipeline": 2, "microbatches": 2, "schedule": "1f1b"},
@@ -64,8 +70,14 @@ TP2_PP2 = {
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "family, config, world",
-    [("llama", ONE_D, 2), ("gpt2", GRID_2D, 4), ("gpt_pipe_tied", PP2_DP2, 4), ("gpt_pipe", TP2_PP2, 4)],
-    ids=["llama-tp2-zero1", "gpt2-2d-zero3", "tied-pp2-dp2-zero3", "tp2-pp2-zero3"],
+    [
+        ("llama", ONE_D, 2),
+        ("gpt2", GRID_2D, 4),
+        ("gpt_pipe_tied", PP2_DP2, 4),
+        ("gpt_pipe", TP2_PP2, 4),
+        ("gpt_pipe", INTERLEAVED, 2),
+    ],
+    ids=["llama-tp2-zero1", "gpt2-2d-zero3", "tied-pp2-dp2-zero3", "tp2-pp2-zero3", "interleaved-pp2-zero3"],
 )
 def test_every_rank_gets_the_whole_model(tmp_path, family, config, world):
     """Also: rank0_only gives global rank 0 the same dict and every other rank an empty one."""
@@ -73,6 +85,7 @@ def test_every_rank_gets_the_whole_model(tmp_path, family, config, world):
     results = run_distributed(_save_and_gather, world, family, config, root, timeout=160)
     plain = grid_parity.build(family).state_dict()  # the model before initialize: its keys, in order, and shapes
     whole = _consolidated(root)
+    assert list(whole) == list(plain), "consolidate's file is not in the model's key order"
     for res in results:
         full = res["full"]
         assert list(full) == list(plain), (res["world_rank"], sorted(set(plain) ^ set(full)))

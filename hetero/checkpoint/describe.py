@@ -197,6 +197,8 @@ def model_table(engine: Engine) -> dict[str, Any]:
         "state_dict": keys,
         "tp": cuts,
         "hf_config": hf_config(engine.module),
+        # The whole model's keys in its order, under a pipeline ([Note: the whole model's order]): for merge_tables.
+        "order": list(engine.stages[0].model_keys) if engine.stages else [],
     }
 
 

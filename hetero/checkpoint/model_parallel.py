@@ -133,7 +133,9 @@ def saves_replicated(engine: Engine) -> bool:
 
 def merge_tables(tables: list[dict[str, Any]]) -> dict[str, Any]:
     """The model table of the whole layout from each rank's (in global rank order): parameters and buffers by
-    stored name, state_dict keys in order of first appearance, the tensor-parallel cuts by parameter name."""
+    stored name, state_dict keys in the model's order (a table's "order", the whole model's keys before a pipeline
+    cut: [Note: the whole model's order]; else, for checkpoints that record none, in order of first appearance), the
+    tensor-parallel cuts by parameter name."""
     merged: dict[str, Any] = {"params": {}, "buffers": {}, "state_dict": [], "tp": {}, "hf_config": None}
     seen: set[str] = set()
     for t in tables:
@@ -146,6 +148,8 @@ def merge_tables(tables: list[dict[str, Any]]) -> dict[str, Any]:
                 merged["state_dict"].append(entry)
         if merged["hf_config"] is None:
             merged["hf_config"] = t.get("hf_config")
+    order = {k: i for i, k in enumerate(next((t["order"] for t in tables if t.get("order")), ()))}
+    merged["state_dict"].sort(key=lambda entry: order.get(entry[0], len(order)))  # stable: unknown keys keep theirs
     return merged
 
 

@@ -9,13 +9,24 @@ model of that, each over a group whose order every rank knows without asking the
     the lowest of them), joined by the checkpoint's own merge (`model_parallel.join_shards`), so the values equal
     `consolidate`'s bit for bit;
  2. over the pipeline group, in stage order: every stage's joined dict; a key met on two stages (a parameter tied
-    across stages, each stage holding it under the name its cut model gives it) is taken from the first.
+    across stages, each stage holding it under the name its cut model gives it) is taken from the first; the result
+    is then put in the model's own order ([Note: the whole model's order]).
 
 Data-parallel ranks hold the same values, so each repeats this with its own groups and needs nothing more.
+
+[Note: the whole model's order]
+Stage order is the model's order only when each rank holds one run of neighbouring units. An interleaved rank holds
+virtual stages r, r + p, ... and a Chimera rank stages r and p - 1 - r, so joining in rank order put rank 0's later
+blocks before rank 1's earlier ones (layers.1 before layers.0 at pipeline 2, 2 virtual stages): a dict whose keys
+differ in order from `model.state_dict()`'s, which `load_state_dict` accepts but `save_pretrained`'s shards, a
+diff of two dicts' key lists and anything zipping keys with another model's do not. So the cut records the whole
+model's keys in order before it drops other stages' units (`StageChunk.model_keys`), the same list on every rank,
+and the joined dict is put in that order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,19 +40,27 @@ if TYPE_CHECKING:
 
 
 def gather_full_state(
-    local: dict[str, torch.Tensor], module: nn.Module, mesh: Mesh, *, rank0_only: bool = False
+    local: dict[str, torch.Tensor],
+    module: nn.Module,
+    mesh: Mesh,
+    *,
+    rank0_only: bool = False,
+    order: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
     """The whole model's state_dict from this rank's `local` one (keys of `module`'s state_dict, full chunk values);
     every rank of the job must call it. Memory: every rank ends up holding the whole model on the CPU (in the compute
     dtype), and for a moment its tensor group's shards besides. rank0_only: global rank 0 alone gets the tensors, the
     others an empty dict (as torch's `StateDictOptions(full_state_dict=True, cpu_offload=True)`): ranks off rank 0's
     data-parallel coordinate then skip both gathers, and those off its tensor coordinate the pipeline one, so only the
-    ranks of rank 0's pipeline group hold the whole model for a moment."""
+    ranks of rank 0's pipeline group hold the whole model for a moment. order: the whole model's keys in its order
+    ([Note: the whole model's order]); keys not in it follow in stage order."""
     state = local
     if mesh.tp_size > 1 and not (rank0_only and mesh.dp_rank != 0):
         state = _join_tensor_shards(state, module, mesh)
     if mesh.pp_size > 1 and not (rank0_only and (mesh.dp_rank != 0 or mesh.tp_rank != 0)):
         state = _join_stages(state, mesh)
+        if order:
+            state = {**{k: state[k] for k in order if k in state}, **state}
     if rank0_only and mesh.world.rank != 0:
         return {}
     return state

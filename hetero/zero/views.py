@@ -45,6 +45,7 @@ class ParameterViews:
         # The tensor and pipeline groups `full_state_dict` joins the whole model over (hetero/parallel/full_state.py);
         # None, or degrees of 1: this rank's values are the whole model.
         self.mesh = mesh
+        self.order: tuple[str, ...] = ()  # the whole model's keys in its order, under a pipeline (the engine sets it)
         self.tiled, self.manager = tiled, manager  # weights split over chunks ([Note: tiles]): assembled on demand
         self.check, self.comm, self.device, self.dtype = check, comm, device, dtype
         self.open = 0  # `gathered` blocks open now
@@ -63,7 +64,7 @@ class ParameterViews:
             return {} if rank0_only and self.comm.rank != 0 else state
         from hetero.parallel.full_state import gather_full_state  # hetero.parallel is above hetero.zero
 
-        return gather_full_state(state, self.module, self.mesh, rank0_only=rank0_only)
+        return gather_full_state(state, self.module, self.mesh, rank0_only=rank0_only, order=self.order)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's module's state_dict with full chunk values: its pipeline stage's keys only, a

@@ -88,6 +88,9 @@ class StageChunk:
     # Every parameter name of the whole model before the cut: a checkpoint of another cut holds them on other stages.
     model_params: frozenset[str] = frozenset()
     cut: Cut | None = None  # the whole pipeline's cut, the same on every rank
+    # The whole model's state_dict keys in its own order, before the cut: an interleaved or Chimera rank holds stages
+    # that are not neighbours, so the stages' keys in rank order are not the model's ([Note: the whole model's order]).
+    model_keys: tuple[str, ...] = ()
 
     @property
     def first(self) -> bool:
@@ -279,6 +282,7 @@ def cut_stages(
     mine = [rank, ranks - 1 - rank] if bidirectional else [i for i in range(count) if i % ranks == rank]
     ties = find_ties(groups, holders, rank)
     every = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))  # tied names too
+    order = tuple(model.state_dict(keep_vars=True))  # keep_vars: names only, no copies (and meta tensors pass)
     kept = {id(m) for i in mine for _, m in groups[i]}
     for name, unit in units:
         if id(unit) not in kept:
@@ -286,7 +290,7 @@ def cut_stages(
                 parent_name, _, leaf = part.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
-    return [StageChunk(i, count, groups[i], every, cut) for i in mine], ties
+    return [StageChunk(i, count, groups[i], every, cut, order) for i in mine], ties
 
 
 def _floats(costs: Sequence[float] | None) -> tuple[float, ...] | None:
