@@ -264,7 +264,10 @@ def _tp(tensor: int, stage: int, **extra: Any) -> dict:
 
 
 ENGINE = {
-    2: [(1, _tp(2, s)) for s in range(4)],  # one key/value head on both ranks
+    2: [
+        *[(1, _tp(2, s)) for s in range(4)],  # one key/value head on both ranks
+        (1, {"zero_stage": 3, "parallel": {"tensor": 2, "sequence": "megatron"}}),  # and the sequence split between
+    ],
     4: [
         *[(1, _tp(2, s)) for s in range(4)],  # tensor 2 x data 2
         (2, _tp(4, 0, _estimate=True)),  # two heads, each on two ranks
