@@ -32,6 +32,20 @@ buffers, a shared norm's chunk) need more than the target leaves, the request ra
 tiny model under a budget of 400 of its 16 KiB chunks had a target of 6 beside what CUDA counted as not model data
 (the allocated bytes the chunks do not hold, and the margin), and a layer's backward needed 7 at once; on the CPU a
 budget of 16 chunks beside 4 rows' activations did the same.
+
+[Note: a target the tiers below cannot hold]
+Every chunk the device does not hold lives on the host (or NVMe). Where the tiers below cannot hold all that the
+device sheds for the activations, lowering the target only moved the failure: with `"optimizer": "auto"` at stage 0,
+a 640 KiB model under 640 KiB of device budget and 64 KiB of host built and ran its forward and backward, and the
+first update failed halfway (some chunks stepped, others not) when an optimizer chunk coming up to the device had to
+swap with one going down into a full host tier. So the target never drops below what the tiers below cannot hold
+(what all tiers hold now less the host's and NVMe's budgets), and a request whose victim the tiers below refuse (a
+chunk on its way up still holds its room below) raises the target towards the whole budget instead of failing
+(room.py; a prefetch does not). The device then holds more than its target beside
+the activations: where that passes the whole device budget, a warning names the host or device budget that keeps
+within it. Only where the chunks themselves exceed the device's and the lower tiers' budgets together does a step
+fail, at the build or in the first forward or backward (the first request that finds no room), before any weight
+changes, with a host budget that holds them (room.py's [Note: the budget that would have been enough]).
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hetero.config import format_size
 from hetero.device import Device
 from hetero.memory.manager import ChunkManager
 from hetero.memory.tier import Tier
@@ -86,7 +101,9 @@ class AutoPlacement:
         self._saved_bytes = 0  # CPU: bytes of those storages
         self._chunk_ptrs: dict[int, weakref.ref] = {}  # storage pointer -> chunk memory, refreshed at each access
         chunk_bytes = [c.nbytes for c in manager.chunks]
-        self.floor = 2 * max(chunk_bytes, default=0)  # the least device budget a step can run with
+        self.largest = max(chunk_bytes, default=0)
+        self.floor = 2 * self.largest  # the least device budget a step can run with
+        self.warned = False  # the warning that what the device keeps leaves the activations too little room: once
         self.ledger.ceiling = self.budget  # a unit needing more than the target raises it: see the Note
         manager.events.subscribe("access", self._before_access)
         manager.events.subscribe("step_begin", self._step_begin)
@@ -171,13 +188,46 @@ class AutoPlacement:
             if self.steps > 1:  # after the warm-up: make room ahead of what the next accesses will need
                 expect = max(expect, max(self.profile[pos : pos + self.horizon]))
         target = self.budget - expect - self.margin
-        if target < self.floor:
-            if self.floor < self.budget:
-                log.debug("auto placement: %d B of activations leave less than two chunks of room", expect)
-            target = min(self.floor, self.budget)
+        # Never below two chunks, nor below what the tiers below cannot hold ([Note: a target the tiers below cannot
+        # hold]).
+        kept = self.kept_on_device()
+        floor = max(self.floor, kept)
+        if target < floor:
+            if floor < self.budget:
+                log.debug("auto placement: %d B of activations leave less than %d B of room for chunks", expect, floor)
+            if kept > self.floor and kept + expect + self.margin > self.budget and not self.warned:
+                self._warn(kept, expect)
+            target = min(floor, self.budget)
         if target != self.ledger.budget:
             self.m.set_budget(Tier.DEVICE, target)
         self.worst = max(self.worst, self.ledger.used + now)
+
+    def kept_on_device(self) -> int:
+        """Bytes of chunks the device must hold now whatever the activations: what the tiers below cannot ([Note: a
+        target the tiers below cannot hold])."""
+        ledgers = self.m.ledgers
+        held = sum(ledgers[t].current for t in Tier)
+        return max(0, held - ledgers[Tier.HOST].budget - ledgers[Tier.NVME].budget)
+
+    def _warn(self, kept: int, expect: int) -> None:
+        self.warned = True
+        host = self.m.ledgers[Tier.HOST].budget
+        short = kept + expect + self.margin - self.budget
+        log.warning(
+            'offload "auto": the host tier%s holds at most %s of chunks, so the device keeps %s of them beside '
+            "%s of this step's activations, more than memory.device_budget = %s. The step runs over the device budget"
+            " by %s; to stay within it, raise memory.host_budget to at least %s or memory.device_budget to at least"
+            " %s%s",
+            " and NVMe" if self.m.store is not None else "",
+            format_size(host + self.m.ledgers[Tier.NVME].budget),
+            format_size(kept),
+            format_size(expect),
+            format_size(self.budget),
+            format_size(short),
+            format_size(host + short),
+            format_size(self.budget + short),
+            "" if self.m.store is not None else ", or set memory.nvme_dir to spill to NVMe",
+        )
 
     def stats(self) -> dict[str, int]:
         """For memory_stats(): the whole device budget, the chunks' share now, and what was measured."""
