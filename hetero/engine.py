@@ -216,6 +216,9 @@ class Engine(DeepSpeedNames):
             model, optimizer, chunk_numel=chunk_numel, world=self.comm.size, max_chunk_numel=cap, tiling=config.tiling
         )
         warn_small_chunks(config, specs, self.manager, n_states=len(self.algorithm.state_names), world=self.comm.size)
+        # Out-of-memory advice names the size "auto" chose ([Note: a figure at the chunk size it was counted at]).
+        if chunk_numel is None:
+            self.manager.storage.auto_chunk_numel = max((s.chunk_numel for s in specs), default=None)
         self.chunks: list[ZeroChunk] = []
         self._entries: dict[int, Entry] = {}  # param id -> where the parameter lives (a whole one)
         tiled: dict[int, Tiled] = {}  # param id -> its tiles, for a parameter split over chunks ([Note: tiles])

@@ -94,13 +94,30 @@ def test_the_figure_counts_the_parameters_stages_0_to_2_keep_on_the_device(stage
 def test_the_figure_at_the_first_request_counts_the_parameters_the_step_keeps(stage, chunk_size):
     """1 KiB: the step's first request (the first parameter chunk) fails with nothing computed on yet. The figure
     named 8 KiB there (that chunk twice), where stages 0-2 keep every parameter chunk on the device through the
-    step: it must run as the budget, as the mid-forward one above does. (Stage 2 under "auto" is left out: its
-    automatic chunk size follows the device budget, so the figure holds at the size it names, not at the larger
-    chunks the larger budget brings; [Note: the budget that would have been enough].)"""
+    step: it must run as the budget, as the mid-forward one above does. (Stage 2 under "auto", whose automatic chunk
+    size follows the device budget: the next test.)"""
     with pytest.raises(TierOutOfMemoryError) as info:
         _step(1 << 10, chunk_size, zero_stage=stage)
     assert "being computed on" not in str(info.value), str(info.value)  # the first request
     _step(_figure(info.value), chunk_size, zero_stage=stage)
+
+
+@pytest.mark.parametrize("first", [1 << 10, 4 << 10, 12 << 10])
+def test_under_automatic_chunks_the_figure_runs_with_the_chunk_size_it_names(first):
+    """Stage 2, chunk_size "auto": the chunks grow with the budget, so a figure counted at this budget's chunks fell
+    short at the next one's (120 KiB named, failing; then 160 KiB). The message names the size "auto" chose, and the
+    figure with that size set runs at the first try ([Note: a figure at the chunk size it was counted at])."""
+    with pytest.raises(TierOutOfMemoryError) as info:
+        _step(first, "auto", zero_stage=2)
+    chosen = re.search(r"set chunk_size: (\d+) with the larger budget", str(info.value))
+    assert chosen, str(info.value)
+    _step(_figure(info.value), int(chosen.group(1)), zero_stage=2)
+
+
+def test_a_chunk_size_the_user_set_is_not_named_again():
+    with pytest.raises(TierOutOfMemoryError) as info:
+        _step(1 << 10, 1024, zero_stage=2)
+    assert "set chunk_size" not in str(info.value), str(info.value)
 
 
 def _warned(budget: int | None, chunk_size: int | str, caplog: pytest.LogCaptureFixture) -> list[str]:

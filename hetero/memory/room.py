@@ -228,10 +228,20 @@ class RoomMaker:
             f"{'; ' + extra if extra else ''}. Nothing more can be evicted. Held by:\n"
             + ("\n".join(lines) if lines else "  (no chunks: cached buffers only)")
             + f"\nA budget of {format_size(enough)} would have been enough at these chunk sizes (the largest "
-            f'{format_size(largest)}; where chunk_size "auto" sized them from this budget, a larger one may give '
-            f"larger chunks, as large as ZeRO-3 holds within it). To fix: {', '.join(advice)}."
+            f"{format_size(largest)}{self._pinned()}). To fix: {', '.join(advice)}."
         )
         return TierOutOfMemoryError(msg, tier=tier.label, needed=nbytes, held=ledger.used, budget=ledger.budget)
+
+    def _pinned(self) -> str:
+        """Where chunk_size "auto" sized the chunks from this budget: the size to keep with the figure ([Note: a
+        figure at the chunk size it was counted at])."""
+        chosen = self.storage.auto_chunk_numel
+        if chosen is None:
+            return ""
+        return (
+            f'; chunk_size "auto" chose {chosen} elements from this budget and would choose larger chunks from a '
+            f"larger one, so set chunk_size: {chosen} with the larger budget for the figure to hold"
+        )
 
 
 # [Note: the host's figure]
@@ -242,6 +252,14 @@ class RoomMaker:
 # its way through; under automatic placement the device keeps what the host cannot beyond that ([Note: a target the
 # tiers below cannot hold]), so the figure runs (tests/test_auto_budgets_host.py). Every tier's figure is at least
 # what it holds and the request.
+
+
+# [Note: a figure at the chunk size it was counted at]
+# The figure counts the chunks as they are. Under chunk_size "auto" their size follows the budgets (at most what the
+# budgets hold with room to spare), so the larger budget brought larger chunks, and the figure, right for the old
+# ones, fell short again: stage 2 at 1, 4 and 12 KiB named 120 KiB, which failed at its larger chunks, and then 160 KiB.
+# The size "auto" chose is kept on the storage (the engine sets it) and the message says to set it with the figure,
+# which then runs at the first try (tests/test_budget_hints.py).
 
 
 # [Note: the budget that would have been enough]

@@ -42,6 +42,9 @@ class Storage:
         self.store = None  # the NVMe swap store, when nvme_dir is given
         # Whether a backend may still write into chunk memory (the engine gives hetero.comm.collective_failed).
         self.backend_may_write: Callable[[], object] = lambda: None
+        # The chunk size (elements) chunk_size "auto" chose from these budgets, None when the user set one: the
+        # out-of-memory advice names it to keep ([Note: a figure at the chunk size it was counted at] in room.py).
+        self.auto_chunk_numel: int | None = None
         if nvme_dir is not None:
             from hetero.memory.nvme import NvmeStore
 
