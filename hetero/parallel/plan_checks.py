@@ -20,7 +20,9 @@ from collections.abc import Mapping
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.parallel.fused_qkv import check_fused
 from hetero.parallel.kv_replicas import HEAD_ATTRS
+from hetero.parallel.plan_shapes import check_chain, fixed_line, pattern
 
 
 def _parts(resolved: Mapping[str, str], name: str) -> set[str]:
@@ -36,8 +38,31 @@ def _head_count(module: nn.Module) -> str | None:
     return None
 
 
-def check_styles_given(resolved: Mapping[str, str], modules: Mapping[str, nn.Module], *, sequence: bool) -> None:
-    """Raise where the plan leaves out a style it cannot do without ([Note: styles a plan cannot leave out])."""
+def check_cuts_fit(resolved: Mapping[str, str], modules: Mapping[str, nn.Module], degree: int) -> None:
+    """Raise, naming every layer and the plan lines that fix them, where a cut does not fit the layer: shapes that
+    do not chain ([Note: cuts that must chain]) or a fused q/k/v projection cut wrong ([Note: fused q/k/v
+    projections])."""
+    wrong = check_chain(resolved, modules, degree) + check_fused(resolved, modules)
+    if not wrong:
+        return
+    seen: dict[str, tuple[str, str]] = {}  # one entry per pattern: the layers' copies in other blocks say the same
+    for name, new, why in wrong:
+        seen.setdefault(pattern(name), (why, fixed_line(name, resolved[name], new) if new else ""))
+    lines = [line for _, line in seen.values() if line]
+    raise ConfigError(
+        "the tensor plan cuts layers in ways that do not fit them (each would fail on shapes inside the forward, or "
+        "train a different model without an error):\n"
+        + "\n".join(f"- {why}" for why, _ in seen.values())
+        + (f"\nFixed plan lines: {{{', '.join(lines)}}}" if lines else "")
+    )
+
+
+def check_styles_given(
+    resolved: Mapping[str, str], modules: Mapping[str, nn.Module], *, sequence: bool, degree: int
+) -> None:
+    """Raise where the plan leaves out a style it cannot do without ([Note: styles a plan cannot leave out]) or
+    gives a layer a cut that does not fit it (`check_cuts_fit`)."""
+    check_cuts_fit(resolved, modules, degree)
     for name, module in modules.items():
         prefix = f"{name}." if name else ""
         cut = [c for c, _ in module.named_children() if _parts(resolved, prefix + c) & {"colwise", "colwise_qkv"}]

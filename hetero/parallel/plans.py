@@ -6,7 +6,10 @@ inside one name component (``layers.*.attn.q_proj``) and ``?`` for one. A style 
 
 Styles:
 - ``colwise``: ``nn.Linear`` or Hugging Face ``Conv1D`` with its output features sharded; ``colwise_qkv`` the same
-  for a fused q/k/v projection (each third sharded on its own, GPT-2's ``c_attn``).
+  for a fused q/k/v projection holding all of q, then k, then v (each third sharded on its own, GPT-2's ``c_attn``).
+  One holding each head's q, k and v side by side (GPT-NeoX's ``query_key_value``) is plain ``colwise``; which one a
+  layer has is checked ([Note: fused q/k/v projections] in fused_qkv.py), as is that cuts chain: a ``colwise`` layer
+  widening the hidden states, the ``rowwise`` one after it bringing them back ([Note: cuts that must chain]).
 - ``rowwise``: input features sharded; the partial outputs are summed (all-reduce, or reduce-scatter along the
   sequence under sequence parallelism) before the bias is added.
 - ``vocab``: ``nn.Embedding`` sharded by vocabulary range.

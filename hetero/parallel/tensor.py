@@ -384,12 +384,12 @@ def check_tensor_plan(
     resolved = resolve_plan(model, plan, strict=strict)
     modules = dict(model.named_modules())
     kv = kv_projections(resolved, modules, degree)  # replicated key/value heads: the layers that hold them
+    check_styles_given(resolved, modules, sequence=sequence, degree=degree)  # [Note: styles a plan cannot leave out]
     for name, style in resolved.items():
         for part in style.split("+"):
             if not (part == "colwise" and name in kv):  # a whole head each: no divisibility by the degree
                 _check(part, modules[name], name, degree)
     _check_inside(resolved, modules)
-    check_styles_given(resolved, modules, sequence=sequence)  # [Note: styles a plan cannot leave out]
     styles = {part for style in resolved.values() for part in style.split("+")}
     if missing := [s for s in ("sequence_scatter", "sequence_gather") if sequence and strict and s not in styles]:
         # Without both the region is never entered or never left: the model returned t times the sequence's logits
