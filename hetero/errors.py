@@ -5,6 +5,10 @@ Every error says what was wrong and, where there is one, what to do about it.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+
 
 class HeteroError(Exception):
     """Base class of every error hetero raises on purpose."""
@@ -138,3 +142,51 @@ def add_note(error: BaseException, text: str) -> None:
         error.args = (*error.args[:-1], f"{error.args[-1]}\n{text}")
     else:
         error.args = (*error.args, text)
+
+
+# [Note: what a failed disk operation means]
+# An OSError's text ("[Errno 28] No space left on device") names neither the place nor what to do, and a quota spent
+# reads like a full disk: `df` then shows free space, and freeing some elsewhere helps nothing. So hetero words the
+# errno: a full file system with its free space, a quota (`quota -s`, or the administrator), an I/O error (`dmesg`), a
+# read-only remount, a permission; each caller adds what its own files are (a checkpoint, a swap file, an export).
+_QUOTA = getattr(errno, "EDQUOT", None)  # absent on some platforms
+_MEANING = {
+    errno.EIO: "the drive reported an I/O error: the disk or its connection is failing (see `dmesg`)",
+    errno.EROFS: "the file system is read-only (after a disk error ext4 remounts so: see `dmesg`)",
+    errno.EACCES: "permission denied: fix the directory's permissions or use another one",
+    errno.EPERM: "operation not permitted: fix the directory's permissions or use another one",
+    errno.EFBIG: "the file exceeds the largest file the file system (or `ulimit -f`) allows",
+}
+
+
+def disk_trouble(error: OSError, directory: str) -> str:
+    """What `error`, raised reading or writing a file under `directory`, means and what to do about it, for a message
+    ([Note: what a failed disk operation means]). Starts with the errno's own words and name."""
+    code = error.errno
+    head = f"{error.strerror or error} ({errno.errorcode.get(code, code)})" if code else str(error)
+    if code == errno.ENOSPC:
+        return (
+            f"{head}: the file system holding {directory} is full ({free_space(directory)} free). Free space on it, "
+            "or use a directory on another file system"
+        )
+    if code is not None and code == _QUOTA:
+        return (
+            f"{head}: your disk quota on the file system holding {directory} is spent; the disk itself may have room "
+            f"({free_space(directory)} free), but the quota counts your own files. See your usage and limits with "
+            "`quota -s`, delete files of yours there, ask the administrator for a larger quota, or use a directory "
+            "on another file system"
+        )
+    meaning = _MEANING.get(code)
+    return f"{head}: {meaning}" if meaning else head
+
+
+def free_space(directory: str) -> str:
+    """The free space of the file system holding `directory` (or the nearest existing directory above it), in words."""
+    where = os.path.abspath(directory)
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return "an unknown amount"
+    return f"{free / 2**30:.2f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"

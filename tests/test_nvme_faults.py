@@ -411,7 +411,7 @@ def test_a_full_disk_on_one_rank_stops_every_rank_at_once_with_its_cause(tmp_pat
     assert r0["failed_rank"] == 1 and r0["cause"].startswith("NvmeSpaceError: ") and "nvme1" in r0["cause"]
     msg = r0["message"]
     assert "global rank 1 failed with NvmeSpaceError" in msg and "No space left on device" in msg, msg
-    assert "free disk space" in msg and "resume from the last checkpoint" in msg, msg
+    assert "is full (" in msg and "resume from the last checkpoint" in msg, msg
     waited = r0["raised_at"] - r1["failed_at"]
     assert waited < STOPS_WITHIN_S, f"rank 0 stopped {waited:.1f} s after rank 1's disk failed"
     assert "global rank 1" in r0["save_error"] and r0["save_seconds"] < STOPS_WITHIN_S, r0

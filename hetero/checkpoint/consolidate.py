@@ -25,7 +25,7 @@ from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.part_writer import PartWriter
 from hetero.config import parse_size
-from hetero.errors import CheckpointError
+from hetero.errors import CheckpointError, disk_trouble
 from hetero.progress import bar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,9 +82,10 @@ def consolidate(
         return [out]
     except OSError as e:  # a full disk, no permission: the output's fault, not the checkpoint's
         where = e.filename if e.filename is not None else out
+        trouble = disk_trouble(e, os.path.dirname(os.path.abspath(where)))  # a full disk, a quota, an I/O error
         raise CheckpointError(
-            f"consolidating {directory} into {out}: cannot write {where} ({e.strerror or e}); the file being written "
-            "was removed. Free space on that file system or name an OUT elsewhere"
+            f"consolidating {directory} into {out}: cannot write {where}: {trouble}. The file being written was "
+            "removed; name an OUT elsewhere"
         ) from None
     finally:
         shown.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 
-from hetero.errors import CheckpointError
+from hetero.errors import CheckpointError, disk_trouble
 
 
 def damaged(path: str, what: str) -> CheckpointError:
@@ -54,6 +54,30 @@ def instead(directory: str) -> str:
     return (
         f"Load an earlier checkpoint: {root} holds no intact one saved before {tag}; restore one from a copy, or "
         "train from the start"
+    )
+
+
+def choices(root: str) -> str:
+    """The intact checkpoints under the root `root` (`intact`), in step order, and how to load one; for an error
+    that finds no checkpoint where it looked (`latest` naming a missing one, a tag directory without its manifest)."""
+    from hetero.checkpoint import manifest as mf  # as in `instead`
+
+    tags = sorted((t for t in mf.complete_tags(root) if intact(os.path.join(root, t))), key=_order)
+    if not tags:
+        return f"{root} holds no intact checkpoint: restore one from a copy, or train from the start"
+    last = os.path.join(root, tags[-1])
+    return (
+        f"The intact checkpoints under {root}: {', '.join(tags)}. Load one by its tag, e.g. {last}: "
+        f"engine.load_checkpoint({root!r}, tag={tags[-1]!r}) (examples/train_gpt.py: --resume {last})"
+    )
+
+
+def unreadable(path: str, error: OSError) -> CheckpointError:
+    """The error for a checkpoint file `path` that the system failed to read (an I/O error, a permission): the file,
+    its checkpoint, what the errno means, and the checkpoint to load instead (`damaged`)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    return damaged(
+        path, f"cannot be read, so checkpoint {directory} cannot be loaded: {disk_trouble(error, directory)}"
     )
 
 

@@ -24,26 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from hetero.checkpoint.blocks import digests
-from hetero.checkpoint.earlier import damaged
+from hetero.checkpoint.dtype_codes import CODE_DTYPES, DTYPE_CODES
+from hetero.checkpoint.earlier import damaged, unreadable
 from hetero.errors import CheckpointError
 from hetero.io import direct as direct_io
 from hetero.io.checksum import DEFAULT, LEGACY, checksum_fn
 from hetero.io.direct import align_down, align_up, as_bytes, memory_at, read_full, write_full
 from hetero.io.direct import resident_share as _resident_share
 
-DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _ALIGN = 8  # the header is padded with spaces so that the data starts 8-byte aligned, as the reference writer does
 _MAX_HEADER = 1 << 30  # a header length beyond this is a corrupt file, not a real header
 _WRITE_THREADS = 2  # one checksums a run while the other is in a write call (both release the GIL)
@@ -246,7 +234,9 @@ class TensorReader:
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file is missing; the checkpoint is incomplete") from None
+            raise damaged(self.path, "file is missing; the checkpoint is incomplete") from None
+        except OSError as e:  # a permission, an I/O error: the file named, and what to load instead
+            raise unreadable(self.path, e) from None
         if hasattr(os, "posix_fadvise"):  # larger read-ahead: readers mostly go through a file front to back
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._dfd = -1  # the same file opened with O_DIRECT, where it can be (see [Note: direct reads])
@@ -266,8 +256,10 @@ class TensorReader:
                     self._direct_ok = True
                 except OSError:  # tmpfs and some others refuse the flag (EINVAL): the page cache it is
                     self._dfd = -1
-        except BaseException:
+        except BaseException as e:
             os.close(self._fd)
+            if isinstance(e, OSError):  # the header's read failed (an I/O error)
+                raise unreadable(self.path, e) from None
             raise
 
     def _parse(self) -> tuple[bytes, dict[str, Entry], dict[str, str]]:
@@ -358,6 +350,12 @@ class TensorReader:
         page cache; anything else (older or unaligned files, other layouts' scratch buffers, small stretches, a
         file whose pages are mostly cached already, file systems without O_DIRECT) is read through the page
         cache with vectored reads as before."""
+        try:
+            self._read_stretches(spans, names)
+        except OSError as e:  # the system's read failed (an I/O error): the file named, and what to load instead
+            raise unreadable(self.path, e) from None
+
+    def _read_stretches(self, spans: list[tuple[int, torch.Tensor]], names: list[str]) -> None:
         pending: list[memoryview] = []  # buffered reads gathered into one vectored call, from file offset `start`
         start = end = 0
         scratch = None

@@ -27,6 +27,7 @@ from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import agree, identity, same_checkpoint
 from hetero.checkpoint.describe import check_cut
+from hetero.checkpoint.earlier import unreadable
 from hetero.checkpoint.plan import Checkers, model_buffers, read_part
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError
@@ -213,6 +214,8 @@ def _read_state(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, mf.STATE_FILE)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
+    except OSError as e:  # the system failed to read it (an I/O error): not its contents' fault
+        raise unreadable(path, e) from None
     except Exception as e:
         raise CheckpointError(
             f"{path}: cannot be read safely ({type(e).__name__}: {e}). client_state must hold only tensors, "

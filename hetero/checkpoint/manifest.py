@@ -35,8 +35,11 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import blocks
-from hetero.checkpoint.earlier import damaged
+from hetero.checkpoint.earlier import choices, damaged, unreadable
 from hetero.checkpoint.format import PAD_MAX, TensorReader
+from hetero.checkpoint.seal import breaks_seal
+from hetero.checkpoint.seal import dumps as dumps  # re-exported: what readers and tests call mf.dumps, mf.sealed
+from hetero.checkpoint.seal import sealed as sealed
 from hetero.errors import CheckpointError
 
 FORMAT = "hetero-checkpoint"
@@ -88,10 +91,16 @@ def write_durable(path: str, data: bytes) -> int:
 
 def replace_atomic(path: str, data: bytes) -> None:
     """Replace `path` with `data` so that a reader sees the old or the new contents, never a mix, even after a
-    crash: write a temporary file beside it, fsync, rename over, fsync the directory."""
+    crash: write a temporary file beside it, fsync, rename over, fsync the directory. A failure before the rename
+    removes the temporary file (a full disk is not left fuller) and leaves `path` as it was."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    write_durable(tmp, data)
-    os.replace(tmp, path)
+    try:
+        write_durable(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -127,9 +136,10 @@ def resolve(path: str | os.PathLike) -> str:
         if not os.path.isfile(os.path.join(target, MANIFEST)):
             aside = set_aside(path, tag)
             if aside is None:
+                gone = "its manifest was deleted" if os.path.isdir(target) else "the directory is missing"
                 raise CheckpointError(
-                    f"{latest} names {tag!r}, but {target} holds no {MANIFEST}: the checkpoint was removed or moved. "
-                    "Pass one of the tag directories under the root instead"
+                    f"{latest} names {tag!r}, but {target} holds no {MANIFEST} ({gone}): the checkpoint was removed "
+                    f"or moved. {choices(path)}"
                 )
             log.warning(
                 "%s is missing: a save replacing it was killed; reading the one it set aside, %s", target, aside
@@ -137,17 +147,15 @@ def resolve(path: str | os.PathLike) -> str:
             return aside
         return target
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+        raise CheckpointError(f"{path}: no such checkpoint directory{_beside(path)}")
     nested = os.path.join(path, NESTED)
     if _holds_checkpoints(nested):
         return resolve(nested)
-    tags = complete_tags(path)
-    if tags:
+    if complete_tags(path):
         # `latest` is the only file a save writes outside its tag directory: a copy of the tag directories alone
         # (or a hand-made one) lacks it. Which of these to resume from is the user's call, not a guess here.
         raise CheckpointError(
-            f"{path}: a checkpoint root with no {LATEST} file (lost, or not copied with it) holding the complete "
-            f"checkpoints {', '.join(tags)}: pass one of them, e.g. {os.path.join(path, tags[-1])}"
+            f"{path}: a checkpoint root with no {LATEST} file (lost, or not copied with it). {choices(path)}"
         )
     folders = trainer_checkpoints(path)
     if folders:  # a Trainer's output_dir: which of its checkpoints to take is the user's call, as above
@@ -155,10 +163,23 @@ def resolve(path: str | os.PathLike) -> str:
             f"{path}: a training output folder holding the checkpoints {', '.join(folders)}: pass one of them, e.g. "
             f"{os.path.join(path, folders[-1])}"
         )
+    beside = _beside(path)
+    if beside and any(n == STATE_FILE or n.startswith("rank-") for n in os.listdir(path)):  # its manifest gone
+        raise CheckpointError(
+            f"{path}: holds no {MANIFEST}, so it is no complete checkpoint (its manifest was deleted, or the save that "
+            f"wrote it never finished){beside}"
+        )
     raise CheckpointError(
         f"{path}: neither a checkpoint (no {MANIFEST}) nor a checkpoint root (no {LATEST} file). A save that was "
-        "interrupted leaves only a .tmp-* directory, which is never complete"
+        f"interrupted leaves only a .tmp-* directory, which is never complete{beside}"
     )
+
+
+def _beside(path: str) -> str:
+    """For an error about `path`, a tag directory that is no checkpoint: the intact checkpoints of the root holding
+    it and how to load one (`choices`); nothing where its parent is no checkpoint root."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return f". {choices(parent)}" if _holds_checkpoints(parent) else ""
 
 
 def trainer_checkpoints(path: str) -> list[str]:
@@ -217,14 +238,16 @@ def read_manifest(directory: str) -> dict[str, Any]:
         with open(path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; {directory} is not a complete checkpoint") from None
+        raise CheckpointError(
+            f"{path}: missing; {directory} is not a complete checkpoint{_beside(directory)}"
+        ) from None
+    except OSError as e:  # an I/O error, a permission: the file named, and what to load instead
+        raise unreadable(path, e) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise damaged(path, f"not valid JSON ({e}): the manifest is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a hetero checkpoint manifest")
-    seal = manifest.pop(_SEAL, None)  # none in manifests written before it: read unchecked
-    # (a key of another name there is the seal's own name with a flipped byte)
-    if (seal is None and set(manifest) - _KEYS) or (seal is not None and zlib.crc32(_canonical(manifest)) != seal):
+    if breaks_seal(manifest):
         raise damaged(
             path,
             "fails its CRC32 check: the manifest is corrupt (or was edited), and the step counts, random states and "
@@ -245,21 +268,28 @@ def check_files(directory: str, manifest: dict[str, Any], names: list[str] | Non
             continue
         path = os.path.join(directory, name)
         try:
-            size = os.path.getsize(path)
+            _check_file(path, info)
         except FileNotFoundError:
             raise damaged(path, "missing; the checkpoint is incomplete") from None
-        if size != info["size"]:
-            what = "truncated" if size < info["size"] else "longer than written"
-            raise damaged(path, f"{what} ({size} bytes, the manifest says {info['size']})")
-        if "crc32" in info and file_crc(path) != info["crc32"]:
-            raise damaged(path, "fails its CRC32 check: the file is corrupt")
-        if "header_crc32" in info:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else -1
-                raw = head + f.read(n) if 0 <= n <= size else b""
-            if zlib.crc32(raw) != info["header_crc32"]:
-                raise damaged(path, "its header fails its CRC32 check: the file is corrupt")
+        except OSError as e:  # an I/O error, a permission: the file named, and what to load instead
+            raise unreadable(path, e) from None
+
+
+def _check_file(path: str, info: dict[str, Any]) -> None:
+    """One file of `check_files`: its size, and its CRC32 (of the whole file, or of a tensor file's header)."""
+    size = os.path.getsize(path)
+    if size != info["size"]:
+        what = "truncated" if size < info["size"] else "longer than written"
+        raise damaged(path, f"{what} ({size} bytes, the manifest says {info['size']})")
+    if "crc32" in info and file_crc(path) != info["crc32"]:
+        raise damaged(path, "fails its CRC32 check: the file is corrupt")
+    if "header_crc32" in info:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            raw = head + f.read(n) if 0 <= n <= size else b""
+        if zlib.crc32(raw) != info["header_crc32"]:
+            raise damaged(path, "its header fails its CRC32 check: the file is corrupt")
 
 
 # ---- the index of segments -------------------------------------------------------------------------------------
@@ -396,33 +426,6 @@ class Index:
             with contextlib.suppress(Exception):
                 r.close()
         self._readers.clear()
-
-
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, indent=1, default=str).encode()
-
-
-# [Note: the manifest's own checksum]
-# Every other file of a checkpoint is checked against the manifest; the manifest holds what no file checks: the
-# per-parameter step counts (Adam's bias correction), the step and micro-step counters, each rank's random states and
-# the files' checksums themselves. A flipped digit there was valid JSON and loaded: a resume silently off (a step count
-# 2 read as 3), or a consolidation that failed with a KeyError. So the manifest carries the CRC32 of the rest of
-# itself, taken over a canonical form (sorted keys, no spaces) of what a reader parses, which any JSON library
-# reproduces from the parsed values (Python's floats print as they parse back).
-_SEAL = "manifest_crc32"
-_KEYS = {"format", "version", "tag", "created", "engine", "layout", "model", "ranks", "files"}  # besides the seal
-
-
-def _canonical(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def sealed(manifest: dict[str, Any]) -> bytes:
-    """The manifest's bytes with its own checksum ([Note: the manifest's own checksum]); `read_manifest` checks it."""
-    plain = loads(dumps(manifest))  # as a reader parses it (dumps makes strings of what JSON cannot hold)
-    plain.pop(_SEAL, None)
-    plain[_SEAL] = zlib.crc32(_canonical(plain))
-    return dumps(plain)
 
 
 def loads(data: bytes | str) -> Any:

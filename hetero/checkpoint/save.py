@@ -17,7 +17,8 @@ A checkpoint already under the tag (replace=True, or one `latest` never moved to
 is complete: it is renamed to ROOT/.stale-<tag>-<nonce>/ just before the new one takes its name, and deleted once
 `latest` has moved. A kill between those two renames leaves <tag> missing: readers then take the set-aside one
 (`manifest.resolve`), and the next save puts it back (`settle_stale`) before anything else. The next save also
-deletes the .tmp-* directories of saves killed midway (`_drop_unfinished`), so kills do not fill the disk.
+deletes the .tmp-* directories of saves killed midway (`_drop_unfinished`), so kills do not fill the disk. A commit
+that fails (a full disk, a spent quota) undoes itself on every rank: commit.py, [Note: a commit that fails].
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import logging
 import os
 import secrets
 import shutil
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,8 @@ from hetero.checkpoint import blocks
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import SAVE, agree
-from hetero.checkpoint.describe import NOT_PER_RANK, engine_state, layout, rank_info
+from hetero.checkpoint.commit import finish, pause_for_test, settle_stale, worded
+from hetero.checkpoint.describe import engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, chunk_runs, file_size, item_views, plan_items, read_tier, residue
 from hetero.comm.patience import Meeting
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     from hetero.engine import Engine
 
 log = logging.getLogger("hetero.checkpoint")
-_PAUSE_ENV = "HETERO_CHECKPOINT_TEST_PAUSE"  # "<point>:<marker path>": tests pause a save there to kill it
 _SPACE_MARGIN = 1.02  # planned bytes times this (plus the manifest's estimate) must be free
 
 
@@ -131,7 +131,7 @@ def save_checkpoint(
                 info.update(rank_info(engine, fname))
                 pause_for_test("shard-written")
             except Exception as e:  # reported to every rank below, so none waits for a rank that failed
-                info = {"error": f"rank {comm.rank} could not write {mine}: {type(e).__name__}: {e}"}
+                info = {"error": f"rank {comm.rank} could not write {mine}: {worded(e, root)}"}
         infos = comm.all_gather_object(info)
     except BaseException as e:  # a rank dead or hung: nothing is committed
         if comm.rank == 0:
@@ -142,26 +142,6 @@ def save_checkpoint(
             raise RankTimeoutError(str(e) + note, missing_ranks=e.missing_ranks, timeout_s=e.timeout_s) from e
         raise
     return finish(comm, root, tag, tmp, infos, state_bytes, lambda infos: manifest_head(engine, tag, infos))
-
-
-def finish(comm: Any, root: str, tag: str, tmp: str, infos: list[dict[str, Any]], state: bytes, head: Any) -> str:
-    """3. Every rank's file written (`infos`, gathered; an "error" where a rank failed): rank 0 commits, `head(infos)`
-    giving the manifest's description of the engine, or drops the temporary directory; every rank learns which."""
-    errors = [i["error"] for i in infos if "error" in i]
-    outcome = ("ok", "")
-    if comm.rank == 0:
-        try:
-            if errors:
-                raise CheckpointError("; ".join(errors) + ". Nothing was committed: the previous checkpoint stands")
-            _commit(root, tag, tmp, infos, state, head(infos))
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            settle_stale(root, tag)
-            outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
-    status, value = comm.broadcast_object(outcome, src=0)
-    if status != "ok":
-        raise CheckpointError(f"saving checkpoint {tag!r} under {root} failed: {value}")
-    return os.path.join(root, tag)
 
 
 def _check_shared(comm: Any, root: str, tmp: str) -> None:
@@ -322,7 +302,7 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
     try:
         os.makedirs(tmp)
     except OSError as e:
-        raise CheckpointError(f"cannot write under {root}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot write under {root}: {worded(e, root)}. Nothing was written") from None
     return tmp
 
 
@@ -361,33 +341,6 @@ def manifest_head(engine: Engine, tag: str, infos: list[dict[str, Any]]) -> dict
     }
 
 
-def _commit(root: str, tag: str, tmp: str, infos: list[dict[str, Any]], data: bytes, head: dict[str, Any]) -> None:
-    files: dict[str, Any] = {}
-    for info in infos:
-        files[info["file"]] = {k: info[k] for k in ("size", "header_crc32", "tensors")}
-        files[info["file"]].update({k: info[k] for k in blocks.FILE_KEYS if k in info})  # none without blocks
-    files[mf.STATE_FILE] = {"size": len(data), "crc32": mf.write_durable(os.path.join(tmp, mf.STATE_FILE), data)}
-    manifest = {
-        **head,
-        "created": time.time(),
-        "ranks": [{k: v for k, v in i.items() if k not in NOT_PER_RANK} for i in infos],
-        "files": files,
-    }
-    mf.write_durable(os.path.join(tmp, mf.MANIFEST), mf.sealed(manifest))
-    mf.fsync_dir(tmp)
-    final = os.path.join(root, tag)
-    if os.path.exists(final):
-        # Set aside only now, the new checkpoint complete beside it: the old one stays readable under its tag for
-        # the whole write, and a kill between these two renames leaves it whole under its new name.
-        os.rename(final, os.path.join(root, f"{mf.STALE}{tag}-{secrets.token_hex(4)}"))
-        pause_for_test("set-aside")
-    os.rename(tmp, final)
-    mf.fsync_dir(root)
-    pause_for_test("before-latest")
-    mf.replace_atomic(os.path.join(root, mf.LATEST), (tag + "\n").encode())
-    settle_stale(root, tag)
-
-
 def _drop_unfinished(root: str) -> None:
     """Delete what saves killed midway left (.tmp-* directories, never read): each as large as a checkpoint, they
     would fill the disk a kill at a time. One save at a time writes under a root (a job's saves are collective and
@@ -396,32 +349,3 @@ def _drop_unfinished(root: str) -> None:
         if name.startswith(mf.UNFINISHED) and os.path.isdir(os.path.join(root, name)):
             log.warning("%s: removing %s, left by a save that did not finish", root, name)
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def settle_stale(root: str, tag: str | None = None) -> None:
-    """Put back a checkpoint set aside (`_commit`) whose tag is missing, a save having failed or been killed
-    between the renames: nothing saved before stays hidden by a save that did not happen. Delete one whose tag
-    holds a complete checkpoint again: the new one took its place. tag: only that tag's; default, every one."""
-    for name in sorted(os.listdir(root)):
-        t = mf.stale_tag(name)
-        if t is None or (tag is not None and t != tag):
-            continue
-        aside, final = os.path.join(root, name), os.path.join(root, t)
-        if not os.path.exists(final):
-            os.rename(aside, final)
-        elif os.path.isfile(os.path.join(final, mf.MANIFEST)):
-            shutil.rmtree(aside, ignore_errors=True)
-
-
-def pause_for_test(point: str) -> None:
-    """Test hook: with HETERO_CHECKPOINT_TEST_PAUSE="<point>:<marker>", create the marker and wait here to be
-    killed. Never set outside tests."""
-    spec = os.environ.get(_PAUSE_ENV)
-    if not spec:
-        return
-    where, _, marker = spec.partition(":")
-    if where != point:
-        return
-    with open(marker, "w") as f:
-        f.write(str(os.getpid()))
-    time.sleep(3600)

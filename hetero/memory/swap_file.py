@@ -15,7 +15,7 @@ import stat
 import time
 from bisect import bisect_left
 
-from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
+from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError, disk_trouble
 from hetero.io.direct import fallocate, memory_file_system, open_direct, probe_mem_align, shared_file_system
 from hetero.memory.swap_sigterm import disown, own
 
@@ -36,9 +36,11 @@ _HINTS = {  # what to do after a transfer failed with this errno (a full disk is
 
 def io_error(e: OSError, what: str, key: int, offset: int, n: int, path: str) -> NvmeError:
     """The error for a failed transfer of n bytes of key at offset: NvmeSpaceError when the disk is full."""
-    msg = f"{what} {n} B of key {key} at offset {offset} of swap file {path!r} failed: {e}"
+    msg = f"{what} {n} B of key {key} at offset {offset} of swap file {path!r} failed"
     if e.errno in SPACE_ERRNOS:
-        return NvmeSpaceError(f"{msg}; free disk space or point nvme_dir at a larger drive")
+        # A spent quota is not a full disk ([Note: what a failed disk operation means] in hetero/errors.py).
+        return NvmeSpaceError(f"{msg}: {disk_trouble(e, os.path.dirname(path))}; or point nvme_dir at a larger drive")
+    msg = f"{msg}: {e}"
     hint = _HINTS.get(e.errno)
     return NvmeError(f"{msg}; {hint}" if hint else msg)
 
