@@ -41,7 +41,7 @@ from hetero.checkpoint.describe import engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, chunk_runs, file_size, item_views, plan_items, read_tier, residue
 from hetero.comm.patience import Meeting
-from hetero.errors import CheckpointError, RankTimeoutError
+from hetero.errors import CheckpointError, RankFailedError, RankTimeoutError
 from hetero.memory import Tier
 from hetero.progress import bar
 
@@ -137,9 +137,11 @@ def save_checkpoint(
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             settle_stale(root, tag)
+        note = f" Checkpoint {tag!r} was not committed: the checkpoints under {root} are as they were."
         if isinstance(e, RankTimeoutError):
-            note = f" Checkpoint {tag!r} was not committed: the checkpoints under {root} are as they were."
             raise RankTimeoutError(str(e) + note, missing_ranks=e.missing_ranks, timeout_s=e.timeout_s) from e
+        if isinstance(e, RankFailedError):  # a rank killed outright: [Note: a dead peer on this host]
+            raise RankFailedError(str(e) + note, failed_rank=e.failed_rank, cause=e.cause) from e
         raise
     return finish(comm, root, tag, tmp, infos, state_bytes, lambda infos: manifest_head(engine, tag, infos))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hetero.comm import leaving
+from hetero.comm import interrupt, leaving
 from hetero.comm.group import Comm
 from hetero.comm.launchers import adopt_launcher_env
 from hetero.comm.rules import rules_for, set_world_rules
@@ -87,6 +87,8 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if timeout_s <= 0:
         raise ValueError(f"timeout_s = {timeout_s} must be positive")
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            interrupt.install(dist.get_rank())  # [Note: an interrupted rank]
         return Comm.world().with_timeout(timeout_s)
     adopt_launcher_env()  # srun / mpirun without torchrun: join their tasks, never train alone silently
     world_size = _env_int("WORLD_SIZE", required=False)
@@ -139,6 +141,7 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     set_world_rules(rules_for(backend, timeout_s))
     # The group we joined is ours to leave, at exit: [Note: leaving together], [Note: letting the groups go].
     leaving.joined()
+    interrupt.install(rank)  # Ctrl-C on this rank stops it and tells the others: [Note: an interrupted rank]
     logger.info("joined %s process group: rank %d of %d (local rank %d)", backend, rank, world_size, lrank)
     return Comm.world()
 

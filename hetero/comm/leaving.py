@@ -42,12 +42,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetero.comm import cma, watch
+from hetero.comm import cma, interrupt, watch
 from hetero.comm.rules import CONTROL_OF, FAILED
 
 logger = logging.getLogger("hetero.comm")
 
 _LEAVE_BARRIER_S = 30.0  # how long a rank that ends cleanly waits for the others before leaving anyway
+_TOLD_S = 3.0  # how long an interrupted rank waits for the others to say they stopped (they look every watch.POLL_S)
+_OUTLIVE_S = 15.0  # how long a rank stopped by a peer's interrupt waits for that peer's process to end, at exit
 _QUIET_LIMIT_S = 2.0  # how long exit waits for gloo workers of groups still held elsewhere to fall asleep
 _WORKER_NAME = "pt_gloo_runloop"  # torch's name for a gloo group's worker threads
 
@@ -117,10 +119,15 @@ def _at_exit() -> None:
     if os.getpid() != _STATE["pid"]:
         return  # a forked child ending through the interpreter, with its parent's registration: see `_hook`
     error = getattr(sys, "last_value", None)  # set for an uncaught exception
-    clean = error is None and not FAILED
+    stop = interrupt.interrupted()  # Ctrl-C, caught or not: [Note: an interrupted rank] in interrupt.py
+    clean = error is None and not FAILED and stop is None
     ours = _STATE["joined"] and dist.is_available() and dist.is_initialized()
-    if error is not None:  # the others stop at once, told why ([Note: a rank's failure told to the others])
+    if stop is not None:
+        _told_the_others(ours)
+    elif error is not None:  # the others stop at once, told why ([Note: a rank's failure told to the others])
         watch.post_failure(error)
+    if stop is None and ours:
+        interrupt.outlive(_OUTLIVE_S)
     if ours and clean:
         _barrier()
     cma.close_all()  # its workers hold no collective now (or one a failed peer left: bounded)
@@ -129,10 +136,22 @@ def _at_exit() -> None:
     if ours:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    if clean:
+    if clean or stop is None and watch.stopped() is not None:
         left = _quiet_workers(_QUIET_LIMIT_S)
         if left:
             logger.debug("%d gloo worker thread(s) of groups held outside hetero were still busy at exit", left)
+
+
+def _told_the_others(ours: bool) -> None:
+    """An interrupted rank leaves once its post is made and the others said they stopped (bounded): a launcher ends
+    them once this one exits, before they could say why ([Note: an interrupted rank] in interrupt.py)."""
+    interrupt.posted(_TOLD_S)
+    if not ours:
+        return
+    with contextlib.suppress(Exception):
+        left = interrupt.acknowledged(list(range(dist.get_world_size())), me=dist.get_rank(), limit_s=_TOLD_S)
+        if left:
+            logger.debug("global rank(s) %s had not stopped when this interrupted rank left", left)
 
 
 def _destroyed_without_the_interpreter() -> bool:

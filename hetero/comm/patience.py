@@ -27,6 +27,10 @@ answers): that rank looks alive, so the others wait, logging every comm_timeout 
 the meeting has a limit (`checkpoint_patience`): a rank that has waited that long for its own part's end settles the
 outcome "these ranks were still at work", and every rank raises, the late ones as soon as their work returns.
 
+A rank killed outright on this rank's own host is named sooner: each rank posts who its process is beside its
+heartbeat, and a waiting rank asks the kernel about those peers every poll ([Note: a dead peer on this host] in
+`alive.py`); the first to see one gone settles the outcome "this rank's process ended", which every rank raises.
+
 A meeting with no work in its block is a roll call: ranks not come have no key, and are named after the limit (or,
 silent, after comm_timeout) by the error the caller words (`absent`, [Note: a roll call before save_model]).
 """
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from hetero.comm import alive
 from hetero.comm.watch import default_store, failures
 from hetero.errors import CommError, RankFailedError, RankTimeoutError
 
@@ -54,6 +59,7 @@ log = logging.getLogger("hetero.comm")
 _DONE = 1 << 40  # added to a rank's key when its work ends: a key at or past it is done (beats stay far below)
 _MAX_BEAT_S = 5.0  # a beat at most this long apart (comm_timeout / 5 when shorter)
 _MAX_POLL_S = 0.25  # how late, at most, a waiting rank sees the outcome once it is set
+_ALIVE_S = 0.5  # how often a waiting rank asks the kernel whether peers on its host still exist
 # Meetings held so far by this process on each group (by its members' digest) under each name: the next one's number.
 # Shared by every Comm over the same members, as the store's keys are.
 _HELD: dict[tuple[str, str], int] = {}
@@ -98,6 +104,8 @@ class Meeting:
         self.store = None if comm.size == 1 else (store if store is not None else default_store())
         self._stop = threading.Event()  # set when this rank's work ends: the heartbeat thread returns
         self._beater: threading.Thread | None = None  # the heartbeat thread, while the work runs
+        self.who = alive.identity()  # this process, for peers on its host to ask the kernel about
+        self.peers: dict[int, dict[str, Any] | None] = {}  # members' identities read so far (None: not askable)
         self.prefix = ""  # the meeting's keys start with it
         if self.store is not None:
             group = hashlib.sha1(",".join(map(str, self.members)).encode()).hexdigest()[:12]
@@ -112,6 +120,7 @@ class Meeting:
         if self.store is None:
             return self
         try:
+            self.store.set(self._key(f"who/{self.me}"), json.dumps(self.who))  # before the beat that says it came
             self.store.add(self._key(self.me), 1)  # the first beat: the key exists from here
         except Exception as e:
             raise self._unreachable(e) from e
@@ -158,7 +167,7 @@ class Meeting:
     def _wait(self) -> dict[str, Any]:
         start = time.monotonic()
         pending = {r: (0, start) for r in self.members if r != self.me}  # a member's value read last, and since when
-        next_scan, next_log = start, start + (self.timeout_s or 60.0)
+        next_scan, next_log, next_alive = start, start + (self.timeout_s or 60.0), start
         pause = 0.01
         while True:
             if self.store.check([self._key("outcome")]):
@@ -182,8 +191,28 @@ class Meeting:
                 if now >= next_log:
                     self._log_waiting(pending, now - start)
                     next_log = now + (self.timeout_s or 60.0)
+            if now >= next_alive:  # [Note: a dead peer on this host]
+                dead = self._dead(pending)
+                if dead:
+                    return self._settle({"dead": dead, "who": {r: self.peers[r] for r in dead}, "by": self.me})
+                next_alive = now + _ALIVE_S
             time.sleep(pause)
             pause = min(2 * pause, _MAX_POLL_S, self.beat_s / 2)
+
+    def _dead(self, pending: dict[int, tuple[int, float]]) -> list[int]:
+        """The members not done whose processes, on this host, have ended ([Note: a dead peer on this host])."""
+        dead = []
+        for r, (value, _) in pending.items():
+            if value == 0:
+                continue  # not come (as far as this rank has read): its identity may not be posted yet
+            if r not in self.peers:
+                raw = self.store.get(self._key(f"who/{r}"))
+                who = json.loads(raw)
+                self.peers[r] = who if alive.askable(who, self.who) else None
+            who = self.peers[r]
+            if who is not None and alive.gone(who):
+                dead.append(r)
+        return dead
 
     def _log_waiting(self, pending: dict[int, tuple[int, float]], waited_s: float) -> None:
         """Say whom this rank still waits for: ranks whose heartbeat advances, and ranks not come (a roll call's)."""
@@ -228,7 +257,7 @@ class Meeting:
         if self.store.add(self._key("out"), 1) < len(self.members):
             return
         if hasattr(self.store, "delete_key"):
-            for k in [*self.members, "in", "out", "outcome"]:
+            for k in [*self.members, *(f"who/{r}" for r in self.members), "in", "out", "outcome"]:
                 self.store.delete_key(self._key(k))
 
     def _follow(self, outcome: dict[str, Any]) -> None:
@@ -246,6 +275,8 @@ class Meeting:
                 failed_rank=outcome["left"],
                 cause=outcome["error"],
             )
+        if "dead" in outcome:
+            raise self._dead_error(outcome, group)
         if "late" in outcome:
             late = ", ".join(map(str, outcome["late"]))
             raise RankTimeoutError(
@@ -279,6 +310,23 @@ class Meeting:
             "their heartbeat advances."
         )
         raise RankTimeoutError(" ".join(lines), missing_ranks=list(stalled), timeout_s=self.timeout_s or 0.0)
+
+    def _dead_error(self, outcome: dict[str, Any], group: str) -> RankFailedError:
+        dead = outcome["dead"]
+        procs = ", ".join(
+            f"global rank {r} (pid {who['pid']} on host {who['host']})"
+            for r, who in sorted((int(r), who) for r, who in outcome["who"].items())
+        )
+        cause = "its process ended while it was at work (SIGKILL, an out-of-memory kill, or a crash in native code)"
+        return RankFailedError(
+            f"Global rank {self.me} was waiting for every rank of {group} to finish {self.what}. The process of "
+            f"{procs} has ended before it finished: killed (SIGKILL, the out-of-memory killer) or crashed in native "
+            f"code, so it will not come to the collective that follows, and no rank goes on. (Seen by global rank "
+            f"{outcome['by']} on the same host; every rank raises this.) Its exit status and the kernel's log "
+            "(dmesg: an out-of-memory kill) say why.",
+            failed_rank=int(dead[0]),
+            cause=cause,
+        )
 
     def _absence(self, outcome: dict[str, Any]) -> Absence | None:
         """The ranks not come, if that is why the meeting gave up: past the limit, or silent all of them."""

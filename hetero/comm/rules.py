@@ -86,6 +86,15 @@ FAILED: list[str] = []
 # stopped marks to the other stages through the pipeline's own group ([Note: a stage that raises] in
 # hetero/parallel/pipeline/runtime.py), and a group made afterwards starts with nothing queued.
 BROKEN: dict[Any, tuple[str, BaseException | None]] = {}  # process group -> what failed first on it, and its error
+# What interrupted this process (Ctrl-C), once it was: no group takes an operation from it after that, and no wait
+# waits ([Note: an interrupted rank] in interrupt.py).
+INTERRUPTED: list[str] = []
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt again in a process interrupted in a job of several ranks: [Note: an interrupted rank]."""
+    if INTERRUPTED:
+        raise KeyboardInterrupt(f"{INTERRUPTED[0]}: this rank takes part in no further collective")
 
 
 def mark_failed(what: str, *groups: Any, error: BaseException | None = None) -> None:
@@ -99,7 +108,9 @@ def mark_failed(what: str, *groups: Any, error: BaseException | None = None) -> 
 
 
 def group_failed(group: Any) -> tuple[str, BaseException | None] | None:
-    """What failed first on `group` in this process and its error, or None while the group is usable."""
+    """What failed first on `group` in this process and its error, or None while the group is usable. In a process
+    that was interrupted, KeyboardInterrupt: no operation is issued ([Note: an interrupted rank] in interrupt.py)."""
+    raise_if_interrupted()
     return BROKEN.get(group) if group is not None else None
 
 

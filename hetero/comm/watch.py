@@ -57,6 +57,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hetero.comm.rules import raise_if_interrupted
 from hetero.errors import RankFailedError, RankTimeoutError
 
 log = logging.getLogger("hetero.comm")
@@ -240,13 +241,16 @@ def failed_error(failed: list[Failure], *, me: int, what: str, store: Any = None
     first = next((f for f in failed if f.rank == f.origin), failed[0])
     post_failure(RuntimeError(first.cause), store=store, me=me, origin=first)
     via = sorted({f.rank for f in failed if f.rank != first.origin})
-    msg = f"{what} on global rank {me} stopped: global rank {first.origin} failed with {first.cause}"
+    interrupt = first.cause.startswith(KeyboardInterrupt.__name__)  # [Note: an interrupted rank] in interrupt.py
+    done = "was interrupted (Ctrl-C)" if interrupt else f"failed with {first.cause}"
+    msg = f"{what} on global rank {me} stopped: global rank {first.origin} {done}"
     if via:
         msg += f" (global rank(s) {', '.join(map(str, via))} stopped for it)"
-    msg += (
-        ". It will not come to this collective, so every rank of the job stops instead of waiting for comm_timeout. "
-        f"Fix the cause on global rank {first.origin} (its log says more), then resume from the last checkpoint."
-    )
+    msg += ". It will not come to this collective, so every rank of the job stops instead of waiting for comm_timeout. "
+    if interrupt:
+        msg += "Resume from the last checkpoint when you mean to go on (interrupt every rank to stop a job together)."
+    else:
+        msg += f"Fix the cause on global rank {first.origin} (its log says more), then resume from the last checkpoint."
     return RankFailedError(msg, failed_rank=first.origin, cause=first.cause)
 
 
@@ -267,6 +271,7 @@ def wait(
     wait's expiry would break: gloo closes the pair of a send or receive whose wait timed out, and every later
     transfer between the two ranks fails ("Application timeout caused pair closure"), where a collective's wait
     expires harmlessly."""
+    raise_if_interrupted()  # [Note: an interrupted rank] in interrupt.py: it waits for nobody
     store = store if store is not None else default_store()
     if store is not None:
         failed = failures(store, members, me, ask=False)  # read already: no request to the store
