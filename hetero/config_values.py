@@ -3,6 +3,7 @@ the key, what was wrong and what to give instead."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from hetero.config_deepspeed import value_hint
@@ -131,3 +132,26 @@ def not_a_mapping(section: str, value: object, names: list[str]) -> ConfigError:
     return ConfigError(
         f"{section}: expected a mapping of its keys ({', '.join(names)}){form}; got the {type(value).__name__} {shown}"
     )
+
+
+# Directory names the docs, the tools' --help and the planner's pasted configs write where the user's own NVMe
+# directory goes ("/path/on/nvme", "/path/to/nvme", "<nvme-dir>", "/your/nvme"): pasted as they are, they reached the
+# swap store's "does not exist; create it (mkdir -p)", which asks the user to make the placeholder.
+_PLACEHOLDER_RE = re.compile(r"^/path/(on|to)/|<[^>]*>|(^|/)your[-_/]|(^|/)your$|^/?(nvme[-_]?dir|NVME_DIR)$", re.I)
+
+
+def nvme_dir_problem(path: str | os.PathLike) -> str | None:
+    """What to tell a user whose NVMe directory (memory.nvme_dir, --nvme-dir) for a run on this machine is the docs'
+    placeholder (existing or not) or does not exist; None where it names an existing directory."""
+    d = os.path.expanduser(os.fspath(path))
+    if _PLACEHOLDER_RE.search(d):
+        return (
+            f"nvme_dir {d!r} is the placeholder from the docs: give a directory on your NVMe disk (where a local NVMe "
+            "drive is mounted, as `df -h` or `lsblk` shows, or a directory you made under it)"
+        )
+    if not os.path.exists(d):
+        return (
+            f"nvme_dir {d!r} does not exist: give a directory on your NVMe disk (create it there first: mkdir -p "
+            f"{d}, if that path is on the NVMe drive)"
+        )
+    return None

@@ -22,6 +22,7 @@ from torch import nn
 
 from hetero import standin
 from hetero.activation import ActivationMemory, choose_blocks
+from hetero.checkpoint.host_copy import HostCopy
 from hetero.comm import Comm, collective_failed, init_from_env
 from hetero.comm.scoped import ForwardScope
 from hetero.comm.watch import post_failure, stopped
@@ -424,6 +425,7 @@ class Engine(DeepSpeedNames):
         self._closed = False
         self._runtime = None  # the pipeline runtime, made at the first train_batch
         self.pending_save: Any = None  # an async_save not yet committed (hetero/checkpoint/background.py)
+        self.checkpoint_copy = HostCopy()  # host memory async saves' copies hold ([Note: the checkpoint copy's memory])
         self._unhold = hold(model)  # another initialize of this model is refused until close
         # An inference engine's parameters take no gradient: frozen while it holds them, so that a loss of another
         # model backpropagated through this one (a reward or perceptual model judging it) computes its inputs'
@@ -1195,6 +1197,7 @@ class Engine(DeepSpeedNames):
         """Per tier: current, cached, peak and budget bytes; bytes moved per tier pair; counters (and, with "auto"
         placement, what it measured). Every buffer hetero allocates is in a tier's ledger: staging included."""
         stats = self.manager.memory_stats()
+        stats["host"]["checkpoint_copy"] = self.checkpoint_copy.stats()  # outside the budget, while it is written
         stats["tiled"] = self.tiles.stats()  # weights split over chunks, and the modules computing on their tiles
         if self.auto is not None:
             stats["auto"] = self.auto.stats()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -24,11 +25,19 @@ from hetero.checkpoint.format import TensorWriter
 from hetero.errors import CheckpointError
 
 try:
-    from tests.dist import ONE_RANK_FAULTS, ranks_apart, run_distributed
+    from tests.dist import NEEDS_DEGREES, ONE_RANK_FAULTS, ranks_apart, run_distributed
     from tests.test_checkpoint import _cfg, make_engine, train
+    from tests.test_checkpoint_parallel import TP2
+    from tests.test_checkpoint_parallel import _engine as _tp_engine
+    from tests.test_checkpoint_parallel import _local_state as _tp_local_state
+    from tests.test_checkpoint_parallel import _train as _tp_train
 except ImportError:  # tests/ itself on sys.path
-    from dist import ONE_RANK_FAULTS, ranks_apart, run_distributed  # type: ignore[no-redef]
+    from dist import NEEDS_DEGREES, ONE_RANK_FAULTS, ranks_apart, run_distributed  # type: ignore[no-redef]
     from test_checkpoint import _cfg, make_engine, train  # type: ignore[no-redef]
+    from test_checkpoint_parallel import TP2  # type: ignore[no-redef]
+    from test_checkpoint_parallel import _engine as _tp_engine  # type: ignore[no-redef]
+    from test_checkpoint_parallel import _local_state as _tp_local_state  # type: ignore[no-redef]
+    from test_checkpoint_parallel import _train as _tp_train  # type: ignore[no-redef]
 
 N, EXTRA = 4, 3  # micro-batches before the save, and trained before the commit is looked at
 MORE = 40  # at most this many micro-batches more while the write has not ended (a slow disk), each after a pause
@@ -304,3 +313,90 @@ def test_the_host_memory_fallback_is_every_ranks(tmp_path):
     tag = f"step-{N:08d}"
     for r in results:  # both saved synchronously: committed when the call returned
         assert r == {"pending": False, "latest": tag, "got": os.path.join(root, "ckpt", tag)}
+
+
+# ---- (f) the copy's host memory is counted while it lives ---------------------------------------------------------
+def _tensor_bytes(directory: str) -> int:
+    """Bytes of the tensors in a checkpoint's rank files, from the files' own safetensors headers (padding left out)."""
+    total = 0
+    for path in glob.glob(os.path.join(directory, "rank-*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, entry in header.items():
+            if key != "__metadata__" and not key.startswith("__padding__"):
+                begin, end = entry["data_offsets"]
+                total += end - begin
+    return total
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("config", [_cfg(1, optim="host"), _cfg(3, optim="nvme", params="nvme")], ids=["s1", "s3"])
+def test_the_copys_host_memory_is_counted_until_written(config, tmp_path):
+    e = make_engine(0, config, str(tmp_path))
+    try:
+        train(e, 0, 1, 0, N)
+        assert e.memory_stats()["host"]["checkpoint_copy"] == {"current": 0, "peak": 0}
+        gate, open_writer = threading.Event(), background.open_writer
+        background.open_writer = lambda path, planned: gate.wait(120) and open_writer(path, planned)
+        try:
+            got = e.save_checkpoint(str(tmp_path / "ckpt"), async_save=True)
+            held = e.memory_stats()["host"]["checkpoint_copy"]  # captured, not a byte written yet
+            train(e, 0, 1, N, N + 1)  # training goes on: the copy stays counted
+            held_later = e.memory_stats()["host"]["checkpoint_copy"]["current"]
+        finally:
+            gate.set()
+            background.open_writer = open_writer
+        e.wait_checkpoint()
+        after = e.memory_stats()["host"]["checkpoint_copy"]
+    finally:
+        e.close()
+    want = _tensor_bytes(got)  # what was copied is what was written
+    assert want > 0
+    assert held == {"current": want, "peak": want}
+    assert held_later == want
+    assert after == {"current": 0, "peak": want}  # given back once written
+
+
+# ---- (g) under tensor parallelism (x data parallelism) -----------------------------------------------------------
+def _tensor_parallel_job(rank: int, world: int, config: dict, root: str) -> dict:
+    torch.set_num_threads(1)
+    a = _tp_engine(config)
+    _tp_train(a, 0, N)
+    saved = _tp_local_state(a)
+    gate, open_writer = threading.Event(), background.open_writer
+    background.open_writer = lambda path, planned: gate.wait(120) and open_writer(path, planned)
+    try:
+        a.save_checkpoint(root, client_state={"batches": N}, async_save=True)
+        _tp_train(a, N, N + EXTRA)  # the weights move on while nothing is written yet
+        pending = a.checkpoint_pending
+    finally:
+        gate.set()
+        background.open_writer = open_writer
+    moved = _tp_local_state(a)
+    a.wait_checkpoint()
+    a.close()
+    b = _tp_engine(config, seed=7)
+    client = b.load_checkpoint(root)
+    loaded = _tp_local_state(b)
+    coords = (b.mesh.tp_rank, b.mesh.dp_rank)
+    b.close()
+    return {
+        "pending": pending,
+        "client": client,
+        "coords": coords,
+        "moved": any(not torch.equal(saved[k], moved[k]) for k in saved),
+        "keys": sorted(saved) == sorted(loaded),
+        "equal": [k for k in saved if k in loaded and not torch.equal(saved[k], loaded[k])],
+    }
+
+
+@ranks_apart(NEEDS_DEGREES)
+@pytest.mark.timeout(400)
+def test_async_save_under_tensor_and_data_parallelism_loads_the_weights_of_its_call(tmp_path):
+    config = {**TP2, "zero_stage": 3, "offload": {"optimizer": "host"}}
+    results = run_distributed(_tensor_parallel_job, 4, config, str(tmp_path / "ckpt"), timeout=360)
+    assert sorted(r["coords"] for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # tp 2 x dp 2
+    for r in results:
+        assert r["pending"] and r["moved"]  # trained on past the save before its write began
+        assert r["client"] == {"batches": N}
+        assert r["keys"] and r["equal"] == [], f"rank {r['coords']}: loaded weights differ: {r['equal'][:5]}"

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import hetero  # noqa: E402
 from hetero.config import parse_size  # noqa: E402
+from hetero.config_values import nvme_dir_problem  # noqa: E402
 from hetero.profiler import Machine  # noqa: E402
+from hetero.profiler.estimate_args import NVME_PLACEHOLDER  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +143,10 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     given = (args.device_memory, args.host_memory, args.nvme_space)
     if any(given) and not all(given[:2]):
         ap.error("describe the target machine with both --device-memory and --host-memory (and --nvme-space)")
+    # This machine: the directory's free space is read, so it must be one (a described machine's is only a name).
+    problem = None if any(given) or not args.nvme_dir else nvme_dir_problem(args.nvme_dir)
+    if problem:
+        ap.error(f"--nvme-dir: {problem}")
     if "nvme" in offload.values() and not config.get("memory", {}).get("nvme_dir") and not args.recommend:
         if not any(given):
             ap.error(
@@ -148,7 +154,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 "target machine with --device-memory, --host-memory and --nvme-space"
             )
         # A machine described by its sizes: the directory is only a name in the config (as --recommend prints it)
-        config["memory"] = {**config.get("memory", {}), "nvme_dir": "/path/on/nvme"}
+        config["memory"] = {**config.get("memory", {}), "nvme_dir": NVME_PLACEHOLDER}
     machine: Machine | bool = True
     if any(given):
         machine = Machine(

@@ -23,16 +23,34 @@ rank 0 has committed: minutes of idle accelerators for a large model saved often
    `load_checkpoint` and `close` wait for this rank's thread (in a patient meeting, [Note: patient meetings] in
    hetero/comm/patience.py: a slower rank is waited for while it is alive), then gather and commit the same way.
 A process killed while the thread writes leaves the new checkpoint a .tmp-* directory, which no reader opens and the
-next save deletes: `latest` names the previous complete checkpoint throughout.
+next save deletes: `latest` names the previous complete checkpoint throughout. The copies' host memory is counted
+while they live ([Note: the checkpoint copy's memory] in host_copy.py).
+
+[Note: an async save at exit]
+A script that returns with a save pending (no `wait_checkpoint()` nor `close()`) would end the writing thread, a
+daemon, wherever it was: the checkpoint lost after its call had returned. So the exit waits for the saves pending in
+the process, in a hook the interpreter runs before any atexit hook (`threading._register_atexit`, where the standard
+library's thread pools stop: from an atexit hook the writer could start no I/O thread, "cannot schedule new futures
+after interpreter shutdown"), so before hetero's own too, which leaves the process groups. It logs that it waits and
+for what, then does what `wait` does, with a bound: the write may take as long as it keeps making progress
+(a run written at least every `_EXIT_STALL_S`, and within `checkpoint_patience` when set); then the ranks commit
+together. A write that stalls is given up: every rank reports it failed, rank 0 drops the temporary directory, and
+the log says the previous checkpoint and `latest` stand. A job of several ranks stopped by a failure, or ending on
+an uncaught exception, meets no one (the others may be inside a collective waiting for this rank): it drops the save
+and says so. In every case `latest` names a complete checkpoint.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
 import shutil
+import sys
 import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -41,6 +59,7 @@ import torch
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint.agree import SAVE, agree
 from hetero.checkpoint.describe import rank_info
+from hetero.checkpoint.host_copy import copy_of
 from hetero.checkpoint.plan import Item, chunk_runs, item_views, read_tier
 from hetero.checkpoint.save import (
     file_entry,
@@ -50,6 +69,7 @@ from hetero.checkpoint.save import (
     pause_for_test,
     planned_of,
     settle_stale,
+    worded,
 )
 from hetero.comm.patience import Meeting
 from hetero.comm.watch import stopped
@@ -67,6 +87,11 @@ _HOST_MARGIN = 1.1
 _HOST_RESERVE = 1 << 30
 _IN_FLIGHT = 2  # runs handed to the writer's threads at once: a run's copy is freed once it is written
 WRITING, WRITTEN, FAILED, CANCELLED = 0, 1, 2, 3  # a rank's write, as the ranks gather it
+_EXIT_STALL_S = 60.0  # at exit, how long the write may go without finishing a run before it is given up
+# The saves pending in this process, which the exit hook waits for, and the process that hooked it (a forked child
+# inherits both, and neither is its own): [Note: an async save at exit].
+_PENDING: weakref.WeakSet[PendingSave] = weakref.WeakSet()
+_HOOKED = {"pid": 0}
 
 
 def host_room(nbytes: int) -> bool:
@@ -97,7 +122,27 @@ def start(engine: Engine, comm: Comm, root: str, tag: str, tmp: str, plan: list[
     pending = PendingSave(engine, comm, root, tag, tmp, os.path.join(tmp, fname), plan, runs, info or {}, state, head)
     engine.pending_save = pending
     pending.thread.start()
+    _wait_at_exit(pending)
     return os.path.join(root, tag)
+
+
+def _wait_at_exit(pending: PendingSave) -> None:
+    """Have the exit wait for `pending` ([Note: an async save at exit])."""
+    if _HOOKED["pid"] != os.getpid():
+        _HOOKED["pid"] = os.getpid()
+        _PENDING.clear()
+        try:
+            threading._register_atexit(_at_exit)
+        except (AttributeError, RuntimeError):  # a Python without it, or a save begun as the interpreter ends
+            atexit.register(_at_exit)
+    _PENDING.add(pending)
+
+
+def _at_exit() -> None:
+    if _HOOKED["pid"] != os.getpid():
+        return  # a forked child ending through the interpreter: the saves, and their threads, are the parent's
+    for pending in list(_PENDING):
+        pending.at_exit()
 
 
 def capture(engine: Engine, plan: list[Item]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -153,6 +198,13 @@ class PendingSave:
         # The thread's inputs: no Item (they hold chunks, which the thread must not reach).
         self.planned, self.numels = planned_of(plan), [(it.key, it.numel) for it in plan]
         self.runs: list[list[tuple[str, torch.Tensor]] | None] = list(runs)
+        # Each run's host bytes, counted until its write ends ([Note: the checkpoint copy's memory] in host_copy.py).
+        self.account = copy_of(engine)
+        self.held = {k: sum(t.numel() * t.element_size() for _, t in run) for k, run in enumerate(runs)}
+        self.held_lock = threading.Lock()  # runs are given back on the writer's I/O threads and the writing one
+        if self.account is not None:
+            self.account.take(sum(self.held.values()))
+        self.stall = ""  # why the wait at exit gave up on the write, for the message
         self.status = WRITING  # set by the thread, last, once its file is written and fsynced or it failed
         self.error = ""  # what failed, said to every rank
         self.entry: dict[str, Any] = {}  # the file's manifest entry, once written
@@ -168,7 +220,9 @@ class PendingSave:
                 for k, run in enumerate(self.runs):
                     if self.cancel.is_set():
                         raise _Cancelled  # the writer's exit waits for what it was given, then closes the file
-                    in_flight.append(w.submit(run))
+                    future = w.submit(run)
+                    future.add_done_callback(lambda _, k=k: self._written(k))
+                    in_flight.append(future)
                     self.runs[k] = None  # the writer holds the run until written: its memory goes then
                     while len(in_flight) > _IN_FLIGHT:
                         in_flight.popleft().result()
@@ -178,10 +232,19 @@ class PendingSave:
         except _Cancelled:
             self.status = CANCELLED
         except BaseException as e:  # said to every rank at the next boundary
-            self.error = f"rank {self.rank} could not write {self.path}: {type(e).__name__}: {e}"
+            self.error = f"rank {self.rank} could not write {self.path}: {worded(e, self.root)}"
             self.status = FAILED
         finally:
             self.runs = []
+            for k in list(self.held):
+                self._written(k)  # the copies are gone with the thread's work, whatever its end
+
+    def _written(self, k: int) -> None:
+        """Run k's copy is no longer held: its bytes leave the account (once)."""
+        with self.held_lock:
+            n = self.held.pop(k, 0)
+        if n and self.account is not None:
+            self.account.give(n)
 
     def poll(self) -> None:
         """At an update boundary, on every rank: the ranks' states gathered; all written, commit; one failed, every
@@ -208,19 +271,73 @@ class PendingSave:
             return
         self.cancel.set()
         self.thread.join()
-        self.engine.pending_save = None
-        log.warning(
-            "checkpoint %r under %s was not committed: the job stopped while it was written", self.tag, self.root
-        )
+        self._drop("the job stopped while it was written")
 
-    def _finish(self) -> str:
+    def at_exit(self) -> None:
+        """At exit, with this save pending: [Note: an async save at exit]. Never raises (the interpreter ends)."""
+        if self.engine.pending_save is not self:
+            return
+        what = f"checkpoint {self.tag!r} under {self.root}"
+        if self.comm.size > 1 and (stopped() is not None or getattr(sys, "last_value", None) is not None):
+            self.cancel.set()
+            self._drop("the script ended on an error while it was written, and the other ranks cannot be met")
+            return
+        log.warning(
+            "the script ended with %s still being written (async_save=True, and no engine.wait_checkpoint() or "
+            "close() after it): waiting for this rank's write to end and committing it before exiting",
+            what,
+        )
+        try:
+            patience = self.engine.config.checkpoint_patience
+            with Meeting(self.comm, "checkpoint-async-write", f"writing its part of {what} at exit", limit_s=patience):
+                ended = self._join_while_progressing(patience)
+            self._finish(stalled=None if ended else f"its write had not ended by exit ({self.stall})")
+            log.warning("committed %s at exit", what)
+        except BaseException as e:  # said, not raised: the interpreter is ending
+            self.cancel.set()
+            self._drop(f"{type(e).__name__}: {e}")
+
+    def _join_while_progressing(self, limit_s: float | None) -> bool:
+        """Join the writing thread while it finishes a run at least every `_EXIT_STALL_S` (and, with a limit, within
+        it); whether it ended."""
+        start = last = time.monotonic()
+        left = len(self.held)
+        while self.thread.is_alive():
+            self.thread.join(0.05)
+            now = time.monotonic()
+            if len(self.held) != left:
+                left, last = len(self.held), now
+            if now - last > _EXIT_STALL_S:
+                self.stall = f"no run written for {_EXIT_STALL_S:.0f} s, {left} of its runs left"
+                return False
+            if limit_s is not None and now - start > limit_s:
+                self.stall = f"checkpoint_patience {limit_s:g} s passed"
+                return False
+        return True
+
+    def _drop(self, why: str) -> None:
+        """Not committed: said, with what stands instead (the temporary directory is left for the next save)."""
+        self.engine.pending_save = None
+        _PENDING.discard(self)
+        latest = mf.latest_tag(self.root)
+        stands = f"`latest` still names {latest!r}" if latest else "no earlier checkpoint is there"
+        log.warning("checkpoint %r under %s was not committed: %s; %s", self.tag, self.root, why, stands)
+
+    def _finish(self, *, stalled: str | None = None) -> str:
+        """Gather every rank's outcome and commit (rank 0) or raise on every rank. stalled: this rank's write is
+        given up at exit (why), its thread left running."""
         self.engine.pending_save = None  # over, committed or not
-        self.thread.join()  # done or cancelled: at most a run's write away
-        if self.status == WRITTEN:
-            mine: dict[str, Any] = {**self.entry, **self.info}  # the synchronous save's order of keys
-        elif self.status == FAILED:
-            mine = {"error": self.error}
-        else:  # cancelled: another rank failed, and its error is the one said
-            mine = {"cancelled": True}
+        _PENDING.discard(self)
+        if stalled is not None:
+            self.cancel.set()
+            mine: dict[str, Any] = {"error": f"rank {self.rank}: {stalled}"}
+        else:
+            self.thread.join()  # done or cancelled: at most a run's write away
+            if self.status == WRITTEN:
+                mine = {**self.entry, **self.info}  # the synchronous save's order of keys
+            elif self.status == FAILED:
+                mine = {"error": self.error}
+            else:  # cancelled: another rank failed, and its error is the one said
+                mine = {"cancelled": True}
         infos = self.comm.all_gather_object(mine)
         return finish(self.comm, self.root, self.tag, self.tmp, infos, self.state, lambda _: self.head)

@@ -25,6 +25,7 @@ from types import TracebackType
 
 import torch
 
+from hetero.config_values import nvme_dir_problem
 from hetero.errors import NvmeError, NvmeSpaceError, NvmeUnavailableError
 from hetero.io.checksum import DEFAULT, checksum_fn
 from hetero.io.direct import ALIGN, align_up
@@ -62,7 +63,8 @@ def _make_private_dir(directory: str | os.PathLike) -> str:
     d = os.fspath(directory)
     hint = "set nvme_dir to a writable directory on a local NVMe drive"
     if not os.path.exists(d):
-        raise NvmeUnavailableError(f"NVMe directory {d!r} does not exist; create it (mkdir -p) or {hint}")
+        # The docs' placeholder pasted as it is gets said to be one (config_values.nvme_dir_problem).
+        raise NvmeUnavailableError(nvme_dir_problem(d) or f"NVMe directory {d!r} does not exist; {hint}")
     if not os.path.isdir(d):
         raise NvmeUnavailableError(f"NVMe directory {d!r} is not a directory; {hint}")
     if not os.access(d, os.W_OK | os.X_OK):

@@ -3,7 +3,8 @@
 NVMe offload in a config needs `memory.nvme_dir`, a directory for the swap files. An estimate for this machine reads
 the NVMe tier's size from that directory's free space, so it still needs one; an estimate for a machine described by
 its sizes (a `Machine`), or checked against none, reads nothing here, so a placeholder name stands in for the
-config's check and no directory is read or made.
+config's check and no directory is read or made. A directory given for this machine must exist, and a placeholder
+from the docs pasted as it is gets said so (`config_values.nvme_dir_problem`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetero.config import Config, MemoryConfig
-from hetero.config_values import check_int
+from hetero.config_values import check_int, nvme_dir_problem
 from hetero.errors import ConfigError
 from hetero.profiler.machine import Machine
 
@@ -25,7 +26,13 @@ def config_for(config: Config | Mapping[str, Any] | str | os.PathLike | None, ma
     """The config, validated; `machine` as `hetero.estimate` takes it (True: this machine, measured)."""
     filled = _with_placeholder(config) if isinstance(config, Mapping) else None
     if filled is None:  # a Config (already whole), a file, or a directory given: the config's own checks
-        return Config.from_any(config)
+        cfg = Config.from_any(config)
+        nvme = "nvme" in (cfg.offload.params, cfg.offload.optimizer)
+        # This machine's NVMe tier is the directory's free space: the directory must be one, not the docs' name.
+        problem = nvme_dir_problem(cfg.memory.nvme_dir) if machine is True and nvme and cfg.memory.nvme_dir else None
+        if problem:
+            raise ConfigError(f"memory.{problem}")
+        return cfg
     cfg = Config.from_any(filled)
     if "nvme" not in (cfg.offload.params, cfg.offload.optimizer):
         return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, nvme_dir=None))  # as it was given

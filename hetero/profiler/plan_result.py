@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetero.config import format_size
+from hetero.profiler.durations import format_seconds
 from hetero.profiler.machine import Machine
 from hetero.profiler.rates import Rates
 
@@ -100,8 +101,8 @@ class Plan:
         ]
         fitting = [o for o in self.options if o.fits][:top]
         for i, o in enumerate(fitting, 1):
-            terms = " ".join(f"{k} {v:.3g}" for k, v in o.terms.items() if v)
-            lines.append(f"{i:>3}. {o.seconds:9.3f} s  {o.label()}")
+            terms = " ".join(f"{k} {format_seconds(v)}" for k, v in o.terms.items() if v)
+            lines.append(f"{i:>3}. {format_seconds(o.seconds):>9}  {o.label()}")
             need = ", ".join(f"{t} {format_size(o.needed[t])}" for t in ("device", "host", "nvme"))
             need += f" (activations {format_size(o.activations)}, {o.figure} figure)"
             lines.append(f"       {need}; {terms}")

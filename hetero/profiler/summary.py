@@ -6,10 +6,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from hetero.checkpoint.host_copy import copy_of
 from hetero.config import format_size
 from hetero.profiler.overlap import length, overlap, union
 from hetero.profiler.recorder import job_of
-from hetero.profiler.rss import rss_summary
+from hetero.profiler.rss import rss_summary, value_at
+from hetero.profiler.trace import coordinates, coordinates_text
 
 TOP = 10  # holders and modules listed
 
@@ -47,6 +49,12 @@ def summary_data(prof: Any) -> dict[str, Any]:
         d["seconds"] = length(union(spans[pair]))
         d["bandwidth"] = d["bytes"] / d["seconds"] if d["seconds"] else 0.0  # bytes per second the pair was busy
         d["median_bandwidth"] = statistics.median(d.pop("_bw"))
+    rss, copy = rss_summary(prof), _checkpoint_copy(prof)
+    if copy is not None:
+        series = copy.pop("series")
+        if rss is not None:  # named at the RSS peak, no longer unaccounted
+            rss["checkpoint_copy_at_peak"] = value_at(series, rss["time"])
+            rss["unaccounted_at_peak"] -= rss["checkpoint_copy_at_peak"]
     c = prof.counters
     hits, misses = c.get("prefetch_hits", 0), c.get("prefetch_misses", 0)
     forward: dict[str, dict[str, float]] = {}
@@ -72,8 +80,10 @@ def summary_data(prof: Any) -> dict[str, Any]:
         "rank": prof.rank,  # the global rank: of the job's ranks, not of the data-parallel group
         "world_size": job_of(prof.engine).size,
         "data_parallel_size": prof.engine.data_parallel_size,
+        "coordinates": coordinates(prof.engine),  # {"dp": [rank, size], "tp": ..., "pp": ...}, groups of 2 or more
         "peaks": peaks,
-        "process_rss": rss_summary(prof),  # [Note: what the ledgers do not see]
+        "process_rss": rss,  # [Note: what the ledgers do not see]
+        "checkpoint_copy": copy,  # an async save's host copy over the window, outside the ledgers
         "moved": moved,
         "prefetch": {
             "hits": hits,
@@ -96,11 +106,25 @@ def summary_data(prof: Any) -> dict[str, Any]:
     }
 
 
+def _checkpoint_copy(prof: Any) -> dict[str, Any] | None:
+    """The host memory async saves' copies held over the window ([Note: the checkpoint copy's memory]); None where
+    none was held."""
+    account = copy_of(prof.engine)
+    if account is None:
+        return None
+    series = account.window(prof.t0, prof.t0 + prof.duration)
+    peak_t, peak = max(series, key=lambda e: e[1])
+    if not peak:
+        return None
+    return {"peak_bytes": peak, "time": peak_t, "series": series}
+
+
 def summary_text(d: dict[str, Any]) -> str:
+    where = coordinates_text(d.get("coordinates", {}))
     lines = [
         f"hetero memory profile: {counted(d['optimizer_steps'], 'optimizer step')}, "
         f"{counted(d['micro_batches'], 'micro-batch', 'micro-batches')}, "
-        f"{d['seconds']:.3f} s recorded (rank {d['rank']} of {d['world_size']})",
+        f"{d['seconds']:.3f} s recorded (rank {d['rank']} of {d['world_size']})" + (f" at {where}" if where else ""),
         "",
         "peak per tier (the tier ledgers' peaks over the recording, as engine.memory_stats() reports them):",
     ]
@@ -116,11 +140,24 @@ def summary_text(d: dict[str, Any]) -> str:
             f"  process RSS {format_size(rss['peak_bytes']):>8} (sampled every {1e3 * rss['interval']:.0f} ms)"
             f"   at {rss['time']:.4f} s, {rss['where']}: hetero's {tiers} ledgers held "
             f"{format_size(rss['ledgers_at_peak'])}, the rest {format_size(rss['outside_ledgers_at_peak'])}: "
-            f"activations {format_size(rss['activations_at_peak'])}, held before the profile began "
+            f"activations {format_size(rss['activations_at_peak'])}, "
+            + (
+                f"an async save's host copy {format_size(rss['checkpoint_copy_at_peak'])}, "
+                if rss.get("checkpoint_copy_at_peak")
+                else ""
+            )
+            + "held before the profile began "
             f"{format_size(rss['outside_ledgers_before'])} (the runtime, libraries, data), unaccounted "
             f"{_signed(rss['unaccounted_at_peak'])} (operators' temporaries, the C heap, threads' stacks, allocations "
             "since)",
         ]
+    copy = d.get("checkpoint_copy")
+    if copy:
+        lines.append(
+            f"  checkpoint copy {format_size(copy['peak_bytes']):>8} at {copy['time']:.4f} s: an async save's copy in "
+            "host memory while its files were written, outside the tier budgets "
+            '(engine.memory_stats()["host"]["checkpoint_copy"])'
+        )
     for tier, p in d["peaks"].items():
         if not p["bytes"]:
             continue

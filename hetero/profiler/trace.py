@@ -6,12 +6,15 @@ Tracks (threads of one process per rank): the step phases, module forward spans 
 pair for chunk moves, one for the gradient collectives (issued to completed) and one for the optimizer's math per
 chunk (the delayed update's runs beside forward and backward); each of these last as many lanes as its events
 overlap (`_Lanes`). Counters: each tier's bytes by chunk kind, the exact
-ledger total, activations held, and the process's RSS.
+ledger total, activations held, the process's RSS and an async save's host copy. The process is named by the global
+rank and its coordinates in the mesh (`hetero rank 3 (dp 1/2, tp 1/2)`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from hetero.checkpoint.host_copy import copy_of
 
 _PHASES, _FORWARD, _BACKWARD = 1, 2, 3
 _MOVE_TRACKS = 10  # first tid of the move tracks
@@ -21,10 +24,30 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
+def coordinates(engine: Any) -> dict[str, list[int]]:
+    """The rank's place in the job's mesh: {"dp": [rank, size], "tp": ..., "pp": ..., "sp": ...}, the groups of more
+    than one rank only (a job of one rank has none). Under torchrun a global rank alone does not say which shard,
+    stage or data part a profile is of."""
+    mesh = getattr(engine, "mesh", None)
+    if mesh is None:
+        return {}
+    out = {"dp": [mesh.dp_rank, mesh.dp_size], "tp": [mesh.tp_rank, mesh.tp_size], "pp": [mesh.pp_rank, mesh.pp_size]}
+    out["sp"] = [mesh.sp.rank, mesh.sp.size]  # the sequence split of dp (Ulysses, ring)
+    return {k: v for k, v in out.items() if v[1] > 1}
+
+
+def coordinates_text(coords: dict[str, list[int]]) -> str:
+    """`dp 1/2, tp 0/2` (rank / size in each group), or "" where the job has no groups."""
+    return ", ".join(f"{k} {r}/{n}" for k, (r, n) in coords.items())
+
+
 def chrome_trace(prof: Any) -> dict[str, Any]:
     pid = prof.rank  # the global rank: data-parallel ranks repeat across tensor and pipeline groups
+    coords = coordinates(prof.engine)
+    where = coordinates_text(coords)
+    name = f"hetero rank {pid}" + (f" ({where})" if where else "")
     events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"hetero rank {pid}"}},
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
         {"ph": "M", "name": "thread_name", "pid": pid, "tid": _PHASES, "args": {"name": "step phases"}},
         {"ph": "M", "name": "thread_name", "pid": pid, "tid": _FORWARD, "args": {"name": "modules: forward"}},
         {"ph": "M", "name": "thread_name", "pid": pid, "tid": _BACKWARD, "args": {"name": "modules: backward"}},
@@ -68,7 +91,13 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
         events.append({"ph": "C", "name": "activations held", "ts": _us(t), "pid": pid, "args": {"bytes": held}})
     for t, rss in prof.rss_series:
         events.append({"ph": "C", "name": "process RSS", "ts": _us(t), "pid": pid, "args": {"bytes": rss}})
-    other = {"producer": "hetero.profile", "rank": pid, "start_unix_s": prof.t0_unix}
+    copy = copy_of(prof.engine)
+    if copy is not None:  # an async save's host copy ([Note: the checkpoint copy's memory]): outside the ledgers
+        window = copy.window(prof.t0, prof.t0 + prof.duration)
+        if any(n for _, n in window):
+            for t, held in window:
+                events.append({"ph": "C", "name": "checkpoint copy", "ts": _us(t), "pid": pid, "args": {"bytes": held}})
+    other = {"producer": "hetero.profile", "rank": pid, "start_unix_s": prof.t0_unix, "coordinates": coords}
     # The summary's counts ([Note: counting micro-batches] in hetero/profiler/micro_batches.py)
     other.update({"optimizer_steps": len(prof.steps), "micro_batches": prof.batches.count})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
