@@ -85,7 +85,7 @@ def test_train_parallel_checks_shapes_before_joining(flags, message, capsys):
 @pytest.mark.parametrize(
     ("script", "flags", "message"),
     [
-        ("examples/train_gpt.py", ["--nvme-dir", "{tmp}/missing"], "error: NVMe directory '{tmp}/missing' does not"),
+        ("examples/train_gpt.py", ["--nvme-dir", "{tmp}/missing"], "error: nvme_dir '{tmp}/missing' does not exist"),
         ("examples/train_parallel.py", ["--tensor", "2"], "error: parallel: tensor (2) x pipeline (1) = 2 must divide"),
     ],
 )

@@ -208,7 +208,12 @@ class RoomMaker:
         # Never below what the tier holds now and the request: nothing more could go ([Note: the host's figure]).
         enough = max(enough, ledger.used + nbytes)
         if tier is Tier.HOST and self.storage.store is None:
-            pending = sum(c.nbytes for c in self.chunks.values() if c.state is ChunkState.EMPTY and not c.transient)
+            # The asking chunk is EMPTY too, and already counted as the request.
+            pending = sum(
+                c.nbytes
+                for c in self.chunks.values()
+                if c.state is ChunkState.EMPTY and not c.transient and c not in asking
+            )
             enough = max(enough, ledger.used + nbytes + pending + largest)
         advice = [
             f"raise {_RAISE[tier]} to at least {format_size(enough)} (the request, what could not move and what the "
