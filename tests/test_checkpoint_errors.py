@@ -257,7 +257,7 @@ def test_pending_gradients_do_not_reshard(tmp_path):
     assert path.endswith("step-00000001-micro-00000003")
     e = make_engine(0, _cfg(3, accum=2))
     try:
-        with pytest.raises(CheckpointError, match="middle of gradient accumulation .* same world size, stage"):
+        with pytest.raises(CheckpointError, match="middle of gradient accumulation .* same data-parallel size, stage"):
             e.load_checkpoint(path)
     finally:
         e.close()

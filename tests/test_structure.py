@@ -29,9 +29,12 @@ EXTERNAL = {"torch", "dist", "np", "numpy", "os", "sys", "mmap", "ctypes", "thre
 # [Note: casting or moving a held model]), and a process group's own timeout, which a transport other than its
 # backend keeps where the Comm sets none ([Note: collectives by cross-memory attach]), and TrainingArguments' GPU
 # count, which transformers' Trainer itself sets to 1 where the model must not go into nn.DataParallel (HeteroTrainer:
-# one device per process).
+# one device per process), and a parameter's gradient hooks, which keep it from being split into tiles (a hook sees
+# the whole gradient: [Note: hooks on tiled gradients] in hetero/zero/tiling.py).
 EXTERNAL_ATTRS = {
     "_cdata",
+    "_backward_hooks",
+    "_post_accumulate_grad_hooks",
     "_attn_implementation",
     "_is_hf_initialized",
     "_swap_data_ptr_",

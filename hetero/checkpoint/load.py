@@ -201,9 +201,9 @@ def _open(engine: Engine, path: str | os.PathLike, *, scheduler: Any) -> tuple[s
     if manifest["engine"]["pending_grads"] and not (same and saved_chunks == chunks):
         raise CheckpointError(
             f"{directory} was saved in the middle of gradient accumulation (micro-step "
-            f"{manifest['engine']['micro_steps']}) with world size {layout['world_size']} at ZeRO stage "
-            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same world size, "
-            f"stage and chunk layout (this engine: {engine.comm.size}, stage {engine.stage}"
+            f"{manifest['engine']['micro_steps']}) with data-parallel size {layout['world_size']} at ZeRO stage "
+            f"{layout['zero_stage']}; its pending gradients are per rank and load only into the same data-parallel "
+            f"size, stage and chunk layout (this engine: {engine.comm.size}, stage {engine.stage}"
             f"{', other chunk sizes' if same else ''}). Load a checkpoint saved at an "
             "accumulation boundary to change the layout"
         )
@@ -233,7 +233,9 @@ def _check_compatible(engine: Engine, manifest: dict[str, Any], directory: str) 
     if saved_degrees != par.degrees(engine):
         raise CheckpointError(
             f"{directory} was saved with tensor x pipeline degrees {saved_degrees[0]} x {saved_degrees[1]}, this "
-            f"engine runs {par.degrees(engine)[0]} x {par.degrees(engine)[1]}: a checkpoint loads only into the same "
+            f"engine runs {par.degrees(engine)[0]} x {par.degrees(engine)[1]}"
+            f"{par.sequence_note(manifest['engine'].get('config', {}), 'the checkpoint ran')}"
+            f"{par.sequence_note(engine.config.to_dict(), 'this engine runs')}: a checkpoint loads only into the same "
             "tensor and pipeline degrees (the data-parallel degree, ZeRO stage and offload may change). To change "
             "them, consolidate it (python -m hetero.checkpoint consolidate) and load the full state_dict into the "
             "model before wrapping it"

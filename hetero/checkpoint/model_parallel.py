@@ -165,3 +165,16 @@ def find_mine(engine: Engine, manifest: dict[str, Any]) -> dict[str, Any] | None
         elif r["data_parallel_rank"] == engine.comm.rank:
             return r
     return None
+
+
+def sequence_note(config: dict[str, Any], who: str) -> str:
+    """Why a layout whose tensor ranks split the sequence with the layers whole (Ulysses, ring: `config` a config's
+    dict) has tensor degree 1 in a checkpoint; "" for any other."""
+    parallel = config.get("parallel") or {}
+    mode = parallel.get("sequence")
+    if mode not in ("ulysses", "ring"):
+        return ""
+    return (
+        f" ({who} parallel.sequence {mode!r}, which keeps the layers whole: its {parallel.get('tensor')} tensor ranks "
+        "split the sequence and hold data-parallel shards, so its tensor degree is 1)"
+    )

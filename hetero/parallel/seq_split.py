@@ -136,6 +136,7 @@ def scale_grads(params: list[nn.Parameter], factor: float) -> None:
         if p.requires_grad and not getattr(p, "_hetero_sp_reduced", False):
             p.register_hook(hook)
             p._hetero_sp_reduced = True
+            p._hetero_grad_factor = factor  # a tiled weight's tiles bypass the hook ([Note: hooks on tiled gradients])
 
 
 def _hf_attention(

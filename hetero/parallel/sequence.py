@@ -101,6 +101,7 @@ def all_reduce_grads(params: list[nn.Parameter], comm: Comm) -> None:
         if p.requires_grad and not getattr(p, "_hetero_sp_reduced", False):
             p.register_hook(hook)
             p._hetero_sp_reduced = True  # a tied or shared parameter is reduced once, not once per module
+            p._hetero_grad_comm = comm  # a tiled weight's tiles bypass the hook ([Note: hooks on tiled gradients])
 
 
 def region_at(units: Sequence[Sequence[str]], plan: Mapping[str, str], start: int) -> bool:

@@ -48,8 +48,16 @@ def tile_rows(model: nn.Module) -> dict[int, int]:
     out: dict[int, int] = {}
     for key, held in holders.items():
         p = params[key]
-        if p.dim() != 2 or getattr(p, "_hetero_tp", None) is not None:
+        if p.dim() != 2 or getattr(p, "_hetero_tp", None) is not None or _users_hooks(p):
             continue
         if all(name == "weight" and layer_kind(m) is not None for m, name in held):
             out[key] = p.shape[1]
     return out
+
+
+def _users_hooks(p: nn.Parameter) -> bool:
+    """Whether a gradient hook other than hetero's own sequence-parallel one is registered on `p`: a hook sees the
+    whole gradient, which a tiled weight never has ([Note: hooks on tiled gradients] in `tiling.py`), so such a
+    weight stays whole."""
+    ours = 1 if getattr(p, "_hetero_sp_reduced", False) else 0
+    return len(p._backward_hooks or {}) > ours or bool(p._post_accumulate_grad_hooks)

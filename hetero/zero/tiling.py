@@ -43,6 +43,17 @@ reduces each chunk once every forward of it is answered. Before, those ends redu
 the training backward's gradients arrived after their reduction ("arrived after every unit using it had ended its
 backward"): such backwards were refused, now they work. A second derivative through a stage-3 model stays refused
 (`Gathers.enter_unit`): the graph it builds keeps gathered parameters that stage 3 releases as each unit ends.
+
+[Note: hooks on tiled gradients]
+A tile's gradient goes into its chunk without passing through autograd's accumulation, so a hook registered on the
+parameter never runs. Sequence parallelism that keeps layers whole registers one: under Ulysses and ring attention
+each rank computes a weight's gradient on its share of the sequence, and the hook scales it by the group's size (the
+engine's reduction averages over those ranks too) or, applied by hand, sums it over the group. Without it the tiled
+MLP weights and embedding of a Llama trained on half their gradient at tensor 2, silently. So those two hooks say
+what they do on the parameter (`_hetero_grad_factor`, `_hetero_grad_comm`) and `deliver` does it to each tile's
+gradient of a use, which is what the hook does to the whole gradient, row by row. A hook of the user's (or a
+post-accumulate one) sees the whole gradient, which a tiled weight never has: such a weight is left whole
+(`tileable.tile_rows`). tests/test_seq_split_tiles.py.
 """
 
 from __future__ import annotations
@@ -212,6 +223,14 @@ class TileRunner:
     def deliver(self, t: Tiled, e: Entry, grad: torch.Tensor, counted: bool) -> None:
         """One tile's gradient of one use; the last tile of the last use completes the parameter."""
         last = not counted or t.uses <= 1
+        # What the parameter's gradient hook does to the whole gradient, done to each tile's ([Note: hooks on tiled
+        # gradients]); `grad` holds this use's gradient alone (a fresh buffer, or its chunk's taken whole).
+        factor = getattr(t.param, "_hetero_grad_factor", None)
+        if factor is not None:
+            grad.mul_(factor)
+        comm = getattr(t.param, "_hetero_grad_comm", None)
+        if comm is not None:
+            comm.all_reduce(grad)
         self._deliver(e, grad, last)
 
     def end_backward(self, t: Tiled, counted: bool) -> None:
