@@ -237,11 +237,11 @@ class TensorReader:
             raise damaged(self.path, "file is missing; the checkpoint is incomplete") from None
         except OSError as e:  # a permission, an I/O error: the file named, and what to load instead
             raise unreadable(self.path, e) from None
-        if hasattr(os, "posix_fadvise"):  # larger read-ahead: readers mostly go through a file front to back
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._dfd = -1  # the same file opened with O_DIRECT, where it can be (see [Note: direct reads])
         self._direct_ok = False
         try:
+            if hasattr(os, "posix_fadvise"):  # larger read-ahead: readers mostly go through a file front to back
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self.size = os.fstat(self._fd).st_size
             self.header_bytes, self.entries, self.metadata = self._parse()
             # Files written before the checksum was recorded used CRC32 ([Note: checksum algorithms]).
@@ -258,7 +258,7 @@ class TensorReader:
                     self._dfd = -1
         except BaseException as e:
             os.close(self._fd)
-            if isinstance(e, OSError):  # the header's read failed (an I/O error)
+            if isinstance(e, OSError):  # the header's read failed: [Note: a disk error reading a checkpoint]
                 raise unreadable(self.path, e) from None
             raise
 

@@ -27,8 +27,8 @@ from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import agree, identity, same_checkpoint
 from hetero.checkpoint.describe import check_cut
-from hetero.checkpoint.earlier import unreadable
 from hetero.checkpoint.plan import Checkers, model_buffers, read_part
+from hetero.checkpoint.read_faults import read_state
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError
 from hetero.memory import TensorState, Tier
@@ -180,7 +180,7 @@ def _open(engine: Engine, path: str | os.PathLike, *, scheduler: Any) -> tuple[s
                 "system all of them mount at the same path"
             ) from None
         raise
-    extra = _read_state(directory)
+    extra = read_state(os.path.join(directory, mf.STATE_FILE))  # [Note: a disk error reading a checkpoint]
     _check_compatible(engine, manifest, directory)
     check_cut(engine, manifest, directory)  # before the chunk sizes: a cut of its own names what to set
     groups = len(engine.optimizer.param_groups)
@@ -208,19 +208,6 @@ def _open(engine: Engine, path: str | os.PathLike, *, scheduler: Any) -> tuple[s
             "accumulation boundary to change the layout"
         )
     return directory, manifest, extra
-
-
-def _read_state(directory: str) -> dict[str, Any]:
-    path = os.path.join(directory, mf.STATE_FILE)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
-    except OSError as e:  # the system failed to read it (an I/O error): not its contents' fault
-        raise unreadable(path, e) from None
-    except Exception as e:
-        raise CheckpointError(
-            f"{path}: cannot be read safely ({type(e).__name__}: {e}). client_state must hold only tensors, "
-            "numbers, strings, lists, tuples and dicts"
-        ) from None
 
 
 # ---- compatibility ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch
 from hetero.checkpoint import blocks
 from hetero.checkpoint.earlier import choices, damaged, unreadable
 from hetero.checkpoint.format import PAD_MAX, TensorReader
+from hetero.checkpoint.read_faults import read_latest
 from hetero.checkpoint.seal import breaks_seal
 from hetero.checkpoint.seal import dumps as dumps  # re-exported: what readers and tests call mf.dumps, mf.sealed
 from hetero.checkpoint.seal import sealed as sealed
@@ -130,8 +131,7 @@ def resolve(path: str | os.PathLike) -> str:
         return path
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
+        tag = read_latest(latest)  # its read failing worded: [Note: a disk error reading a checkpoint]
         target = os.path.join(path, tag)
         if not os.path.isfile(os.path.join(target, MANIFEST)):
             aside = set_aside(path, tag)
