@@ -40,6 +40,7 @@ from hetero.checkpoint.commit import finish, pause_for_test, settle_stale, worde
 from hetero.checkpoint.describe import engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, chunk_runs, file_size, item_views, plan_items, read_tier, residue
+from hetero.checkpoint.space import reserve_and_free
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError, RankFailedError, RankTimeoutError
 from hetero.memory import Tier
@@ -303,8 +304,13 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
     tmp = os.path.join(root, f"{mf.UNFINISHED}{tag}-{secrets.token_hex(4)}")
     try:
         os.makedirs(tmp)
+        reserve_and_free(tmp, need)  # a spent quota, which the free space above does not show: space.py
     except OSError as e:
-        raise CheckpointError(f"cannot write under {root}: {worded(e, root)}. Nothing was written") from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"cannot write under {root} (the checkpoint needs about {need / 2**20:.1f} MiB): {worded(e, root)}. "
+            "Nothing was written"
+        ) from None
     return tmp
 
 
