@@ -56,7 +56,7 @@ def test_a_spent_quota_stops_the_save_before_anything_is_written(tmp_path, monke
         e.close()
 
 
-def test_the_reservation_is_skipped_where_it_would_take_memory(tmp_path, monkeypatch):
+def test_the_reservation_is_skipped_where_it_would_take_memory_or_proves_nothing(tmp_path, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(direct, "fallocate", lambda fd, offset, length: calls.append(length) or True)
     monkeypatch.setattr(direct, "memory_file_system", lambda path: "tmpfs")
@@ -65,3 +65,10 @@ def test_the_reservation_is_skipped_where_it_would_take_memory(tmp_path, monkeyp
     monkeypatch.setattr(direct, "memory_file_system", lambda path: None)
     space.reserve_and_free(str(tmp_path), 1 << 30)
     assert calls == [1 << 30] and os.listdir(tmp_path) == []
+
+    def too_big(fd: int, offset: int, length: int) -> bool:  # the whole checkpoint in one file: no word on room
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(direct, "fallocate", too_big)
+    space.reserve_and_free(str(tmp_path), 1 << 30)
+    assert os.listdir(tmp_path) == []

@@ -17,22 +17,29 @@ where reserving takes the memory itself.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 from hetero.io import direct
 
 PROBE = "space-probe"  # the reservation's file, in the temporary directory
+# The refusals that say the checkpoint does not fit: any other error (EFBIG where the whole checkpoint in one file
+# exceeds the largest file the file system allows, EINVAL from one that takes no fallocate) proves nothing about room.
+_NO_ROOM = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 def reserve_and_free(tmp: str, nbytes: int) -> None:
     """Reserve `nbytes` in the directory `tmp` and free them again ([Note: a quota seen before the save]); an
-    OSError (EDQUOT, ENOSPC, ...) where the file system refuses them."""
+    OSError (EDQUOT, ENOSPC) where the file system refuses them for want of room."""
     if nbytes <= 0 or direct.memory_file_system(tmp) is not None:
         return
     path = os.path.join(tmp, PROBE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         direct.fallocate(fd, 0, nbytes)  # False where unsupported: nothing to learn there
+    except OSError as e:
+        if e.errno in _NO_ROOM:
+            raise
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
