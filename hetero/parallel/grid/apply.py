@@ -19,7 +19,8 @@ whole would see a part of the batch and of the hidden dimension and compute nons
 of each head inside an attention module (``head_norm``): it normalises over a head's own dimension, which no grid
 cuts, so it stays whole; every rank feeds it its part of the batch and of the heads, and the tensor group's ranks
 hold each (batch part, head part) pair once, so the sum of their gradients over it is the whole gradient, as 1D's
-sum over its ranks' heads. All checks (styles, module types, divisibility by the grid) run before anything changes.
+sum over its ranks' heads. All checks (styles, module types, divisibility by the grid, and the 1D plan's:
+[Note: plan mistakes under a grid]) run before anything changes.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from hetero.errors import ConfigError
 from hetero.parallel.grid.layers import MIXINS, GridRole, norm_kind, rms_offset
 from hetero.parallel.grid.loss import grid_cross_entropy
 from hetero.parallel.grid.mesh import Grid, Orient, Place
+from hetero.parallel.grid.plan_roles import check_plan_roles, is_norm
 from hetero.parallel.grid.rows import cut_row_inputs
 from hetero.parallel.grid.shard import BlockShard
+from hetero.parallel.plan_shapes import pattern
 from hetero.parallel.plans import resolve_plan
 from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import all_reduce_grads
@@ -162,6 +165,14 @@ def _check_head_norm(name: str, parts: Mapping[str, list[str]], grid: Grid) -> N
         )
 
 
+def _norm_fix(name: str, module: nn.Module, parts: Mapping[str, list[str]]) -> str:
+    """The plan line a norm left out needs: 'head_norm' inside an attention styled 'heads', else 'norm'."""
+    if not is_norm(module):
+        return ""
+    inside = any("heads" in styles and name.startswith(f"{outer}.") for outer, styles in parts.items())
+    return f": add {pattern(name)!r}: {'head_norm' if inside else 'norm'!r} to the plan"
+
+
 def _check_divides(cut: BlockShard, name: str, grid: Grid) -> None:
     for d, p in zip(cut.dims, cut.parts):
         fused = cut.fused if d == cut.fused_dim else 1  # a fused q/k/v dimension is cut alike in each of its thirds
@@ -224,6 +235,7 @@ def _planned(
     styles, and each partitioned module's role and cuts."""
     resolved = resolve_plan(model, plan, strict=strict)
     modules = dict(model.named_modules())
+    check_plan_roles(resolved, modules, grid)  # the 1D plan checks: [Note: plan mistakes under a grid]
     parts = {name: style.split("+") for name, style in resolved.items()}
     styled = set(PARTITIONING + WHOLE)
     for name, module in modules.items():
@@ -232,7 +244,7 @@ def _planned(
                 f"{name or type(model).__name__} ({type(module).__name__}) holds parameters but no tensor_plan style "
                 f"partitions them; tensor_mode {grid.mode!r} cuts the batch and the hidden dimension, so every such "
                 f"module needs one of {', '.join(PARTITIONING)} (or 'head_norm' for a norm of each head inside an "
-                "attention module), or use tensor_mode '1d'"
+                f"attention module){_norm_fix(name, module, parts)}, or use tensor_mode '1d'"
             )
     work: _Work = []
     for name, styles in parts.items():
