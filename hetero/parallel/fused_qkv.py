@@ -133,7 +133,9 @@ def check_fused(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]) -
                 why = (f"{what} is a fused q/k/v projection whose blocks differ in width (q {width}, k and v "
                        f"{(out - width) // 2} each: {heads} query heads, {kv} key/value heads); no style of hetero's "
                        "cuts each block by heads there. Split it into q, k and v projections (plan them 'colwise'), "
-                       "or leave this attention out of the plan")  # fmt: skip
+                       "or leave this attention out of the plan, its heads whole on every tensor rank (not under "
+                       "sequence parallelism, which cuts its input; for tensor_plan 'auto': the model's built-in plan, "
+                       "hetero.parallel.plans.auto_plan(model), without the attention's lines)")  # fmt: skip
                 wrong.append((name, "", why))
                 continue
             wanted = "colwise_qkv" if layout == "blocks" else "colwise"

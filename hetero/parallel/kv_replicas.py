@@ -27,6 +27,7 @@ when they are heads x head_dim (they differ: kv < t <= heads); anything else, or
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,10 +47,15 @@ _KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _HEAD_ATTRS = _Q_ATTRS + _KV_ATTRS
 HEAD_ATTRS = _HEAD_ATTRS  # what plan_checks.py looks for
 _WIDTH_ATTRS = ("split_size", "embed_dim")  # GPT-2 splits c_attn's output and sizes views with these
+# Attentions whose forward reads the query head count from their config: Phi-3 slices q off its fused qkv_proj at
+# config.num_attention_heads x head_dim, which at the whole count takes k and v as q (a shape error further on).
+_READS_CONFIG = ("Phi3Attention", "Phi4MultimodalAttention")
 
 
-def head_counts(module: nn.Module, name: str, degree: int) -> dict[str, int]:
-    """The per-instance attributes to divide by the degree; raises if a head count does not divide."""
+def head_counts(module: nn.Module, name: str, degree: int) -> dict[str, Any]:
+    """The per-instance attributes to divide by the degree; raises if a head count does not divide. An attention
+    that reads its counts from its config (`_READS_CONFIG`) gets its own copy with this rank's counts as `config`
+    (the model's keeps the whole ones: its masks, save_pretrained and the other modules read them)."""
     own = {a: getattr(module, a) for a in _HEAD_ATTRS + _WIDTH_ATTRS if type(getattr(module, a, None)) is int}
     config = getattr(module, "config", None)
     # Llama's attention reads its head counts from the shared config (and shapes from the weights): check only.
@@ -65,7 +71,12 @@ def head_counts(module: nn.Module, name: str, degree: int) -> dict[str, int]:
                 f"{name}: {a} = {v} does not divide by the tensor-parallel degree {degree}; every rank must hold "
                 f"whole heads, so choose a degree that divides the number of attention heads and key/value heads"
             )
-    return {a: v // degree for a, v in own.items()}
+    local: dict[str, Any] = {a: v // degree for a, v in own.items()}
+    if read and {c.__name__ for c in type(module).__mro__} & set(_READS_CONFIG):
+        local["config"] = copy.copy(config)
+        for a, v in read.items():
+            setattr(local["config"], a, v // degree)
+    return local
 
 
 def _count(module: nn.Module, attrs: tuple[str, ...]) -> tuple[str, int] | None:

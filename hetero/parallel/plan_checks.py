@@ -20,9 +20,11 @@ from collections.abc import Mapping
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.parallel.fused_mlp import check_gate_up
 from hetero.parallel.fused_qkv import check_fused
 from hetero.parallel.kv_replicas import HEAD_ATTRS
 from hetero.parallel.plan_shapes import check_chain, fixed_line, pattern
+from hetero.parallel.plans import COLUMN
 
 
 def _parts(resolved: Mapping[str, str], name: str) -> set[str]:
@@ -40,9 +42,9 @@ def _head_count(module: nn.Module) -> str | None:
 
 def check_cuts_fit(resolved: Mapping[str, str], modules: Mapping[str, nn.Module], degree: int) -> None:
     """Raise, naming every layer and the plan lines that fix them, where a cut does not fit the layer: shapes that
-    do not chain ([Note: cuts that must chain]) or a fused q/k/v projection cut wrong ([Note: fused q/k/v
-    projections])."""
-    wrong = check_chain(resolved, modules, degree) + check_fused(resolved, modules)
+    do not chain ([Note: cuts that must chain]), a fused q/k/v projection ([Note: fused q/k/v projections]) or a fused
+    gate/up projection ([Note: fused gate/up projections]) cut wrong."""
+    wrong = check_chain(resolved, modules, degree) + check_fused(resolved, modules) + check_gate_up(resolved, modules)
     if not wrong:
         return
     seen: dict[str, tuple[str, str]] = {}  # one entry per pattern: the layers' copies in other blocks say the same
@@ -65,7 +67,7 @@ def check_styles_given(
     check_cuts_fit(resolved, modules, degree)
     for name, module in modules.items():
         prefix = f"{name}." if name else ""
-        cut = [c for c, _ in module.named_children() if _parts(resolved, prefix + c) & {"colwise", "colwise_qkv"}]
+        cut = [c for c, _ in module.named_children() if _parts(resolved, prefix + c) & set(COLUMN)]
         count = _head_count(module) if cut else None
         if count and "heads" not in _parts(resolved, name):
             raise ConfigError(

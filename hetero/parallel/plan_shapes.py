@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from hetero.parallel.fused_qkv import features
+from hetero.parallel.plans import COLUMN
 
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
 _CUT = ("colwise", "rowwise")
@@ -119,5 +120,5 @@ def check_chain(
 
 def fixed_line(name: str, style: str, new: str) -> str:
     """The plan line that fixes `name` (styled `style`): its cut part replaced by `new`."""
-    parts = [new if p in ("colwise", "colwise_qkv", "rowwise") else p for p in style.split("+")]
+    parts = [new if p in (*COLUMN, "rowwise") else p for p in style.split("+")]
     return f"{pattern(name)!r}: {'+'.join(parts)!r}"

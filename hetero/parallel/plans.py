@@ -10,6 +10,10 @@ Styles:
   One holding each head's q, k and v side by side (GPT-NeoX's ``query_key_value``) is plain ``colwise``; which one a
   layer has is checked ([Note: fused q/k/v projections] in fused_qkv.py), as is that cuts chain: a ``colwise`` layer
   widening the hidden states, the ``rowwise`` one after it bringing them back ([Note: cuts that must chain]).
+  ``colwise_gate_up``: the same for a fused gate/up projection holding all of gate, then all of up (Phi-3's
+  ``gate_up_proj``, whose MLP chunks its output in two): each half sharded on its own. A plain ``colwise`` layer
+  twice as wide as the ``rowwise`` layer after it in its MLP is refused ([Note: fused gate/up projections] in
+  fused_mlp.py).
 - ``rowwise``: input features sharded; the partial outputs are summed (all-reduce, or reduce-scatter along the
   sequence under sequence parallelism) before the bias is added.
 - ``vocab``: ``nn.Embedding`` sharded by vocabulary range.
@@ -45,6 +49,7 @@ from hetero.errors import ConfigError
 STYLES = (
     "colwise",
     "colwise_qkv",
+    "colwise_gate_up",
     "rowwise",
     "vocab",
     "vocab_head",
@@ -56,6 +61,8 @@ STYLES = (
     "sequence_scatter",
     "sequence_gather",
 )
+COLUMN = ("colwise", "colwise_qkv", "colwise_gate_up")  # the styles that cut a layer's output features
+FUSED_PARTS = {"colwise_qkv": 3, "colwise_gate_up": 2}  # blocks of the output each cut on its own (1: the whole)
 
 
 def _gpt(prefix: str = "") -> dict[str, str]:
@@ -125,6 +132,27 @@ def _llama(prefix: str, head: bool, head_norms: bool = False) -> dict[str, str]:
     return plan
 
 
+def _phi3(prefix: str, head: bool) -> dict[str, str]:
+    """Phi-3 of transformers (Phi-4 has its layout): Llama's with fused projections, qkv_proj holding all of q, then
+    k, then v, and gate_up_proj all of gate, then up, each cut by its blocks."""
+    p = prefix
+    plan = {
+        f"{p}embed_tokens": "vocab",
+        f"{p}layers.0": "sequence_scatter",
+        f"{p}layers.*.*_layernorm": "norm",  # input_ and post_attention_layernorm
+        f"{p}layers.*.self_attn": "heads",
+        f"{p}layers.*.self_attn.qkv_proj": "colwise_qkv",
+        f"{p}layers.*.self_attn.o_proj": "rowwise",
+        f"{p}layers.*.mlp": "parallel_input",
+        f"{p}layers.*.mlp.gate_up_proj": "colwise_gate_up",
+        f"{p}layers.*.mlp.down_proj": "rowwise",
+        f"{p}norm": "norm+sequence_gather",
+    }
+    if head:
+        plan["lm_head"] = "vocab_head"
+    return plan
+
+
 # Known model families, recognised by what the model is (module names it must have), not by its class: a fine-tuned
 # subclass, or a relative with the same layout (Mistral, Qwen2 are Llama's), gets the same plan. Tried in order.
 # Later patterns of a plan override earlier ones for the modules both match.
@@ -148,6 +176,12 @@ BUILTIN_PLANS: list[tuple[str, tuple[str, ...], dict[str, str]]] = [
         _llama("model.", head=True),
     ),
     ("Llama-like", ("layers.*.self_attn.q_proj", "embed_tokens"), _llama("", head=False)),
+    (
+        "Phi-3 with LM head",
+        ("model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj", "model.embed_tokens", "lm_head"),
+        _phi3("model.", head=True),
+    ),
+    ("Phi-3", ("layers.*.self_attn.qkv_proj", "layers.*.mlp.gate_up_proj", "embed_tokens"), _phi3("", head=False)),
 ]
 
 

@@ -48,14 +48,14 @@ from torch.autograd import Function
 
 from hetero.comm import Comm
 from hetero.errors import ConfigError
-from hetero.parallel.plans import resolve_plan
+from hetero.parallel.plans import COLUMN, resolve_plan
 from hetero.parallel.sequence import SEQ_DIM, add_output_map, all_reduce_grads, mark_region, replace_first_input
 from hetero.parallel.tensor import check_untouched
 from hetero.parallel.tp_ops import gather_seq_exact, scatter_seq
 from hetero.parallel.tp_rng import RegionRng
 
 _HF_NAME = "hetero_seq_split"  # the attention implementation registered with transformers
-_INSIDE = ("colwise", "colwise_qkv", "rowwise", "norm", "head_norm", "heads", "parallel_input")  # in the region
+_INSIDE = (*COLUMN, "rowwise", "norm", "head_norm", "heads", "parallel_input")  # in the region
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from hetero.comm import Comm
 from hetero.errors import ConfigError
 from hetero.parallel.kv_replicas import ReplicaGroups, head_counts, kv_layout, kv_projections, shard_kv_projection
 from hetero.parallel.plan_checks import check_styles_given
-from hetero.parallel.plans import resolve_plan
+from hetero.parallel.plans import COLUMN, FUSED_PARTS, resolve_plan
 from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import (
     add_sequence_gather,
@@ -46,8 +46,8 @@ log = logging.getLogger("hetero.parallel")
 
 @dataclass(frozen=True)
 class TPShard:
-    """How a sharded parameter was cut: ``parts`` blocks along ``dim`` (3 for a fused q/k/v), each split in
-    ``degree`` equal slices; rank ``rank`` holds slice ``rank`` of every block, concatenated."""
+    """How a sharded parameter was cut: ``parts`` blocks along ``dim`` (3 for a fused q/k/v, 2 for a fused gate/up),
+    each split in ``degree`` equal slices; rank ``rank`` holds slice ``rank`` of every block, concatenated."""
 
     dim: int
     parts: int
@@ -244,9 +244,9 @@ def linear_dims(module: nn.Module, name: str, style: str) -> tuple[int, int]:
 def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
     """Raise before anything changes if a style cannot apply to a module at this degree."""
     what = f"{name} ({part})"
-    if part in ("colwise", "colwise_qkv", "rowwise"):
+    if part in (*COLUMN, "rowwise"):
         out_dim, in_dim = linear_dims(module, name, part)
-        parts = 3 if part == "colwise_qkv" else 1
+        parts = FUSED_PARTS.get(part, 1)
         _check_divides(module.weight, in_dim if part == "rowwise" else out_dim, parts, degree, what)
     elif part in ("vocab", "vocab_head"):
         kind = nn.Embedding if part == "vocab" else nn.Linear
@@ -257,7 +257,7 @@ def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
         head_counts(module, name, degree)
 
 
-_SHARDED_INSIDE = ("colwise", "colwise_qkv", "rowwise", "head_norm")  # styles that handle a parameter between f and g
+_SHARDED_INSIDE = (*COLUMN, "rowwise", "head_norm")  # styles that handle a parameter between f and g
 
 
 def _check_inside(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]) -> None:
@@ -280,9 +280,9 @@ def _check_inside(resolved: Mapping[str, str], modules: Mapping[str, nn.Module])
 
 def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
     comm, degree = region.comm, region.comm.size
-    if part in ("colwise", "colwise_qkv", "vocab_head"):
+    if part in (*COLUMN, "vocab_head"):
         out_dim, _ = (0, 1) if part == "vocab_head" else linear_dims(module, name, part)
-        parts = 3 if part == "colwise_qkv" else 1
+        parts = FUSED_PARTS.get(part, 1)
         if name in region.kv:  # [Note: key/value heads replicated over tensor ranks]
             shard_kv_projection(module, name, out_dim, region.kv[name], region.kv_groups)
         else:

@@ -4,7 +4,7 @@ The plans are the 1D ones (`plans.py`); in a grid every layer is cut two ways, s
 
 | style | grid layer |
 | --- | --- |
-| ``colwise``, ``colwise_qkv`` | grid product, input in `main`, output in `alt` (3D; 2D/2.5D: `main`) |
+| ``colwise`` (``_qkv``, ``_gate_up``) | grid product, input in `main`, output in `alt` (3D; 2D/2.5D: `main`) |
 | ``rowwise`` | grid product, input in `alt`, output in `main` |
 | ``vocab`` | vocabulary embedding: lookup on the block, reduce-scatter over main.batch |
 | ``vocab_head`` | logits [b/B, s, V/q]; the model's loss becomes the grid cross entropy |
@@ -40,7 +40,7 @@ from hetero.parallel.grid.plan_roles import check_plan_roles, is_norm
 from hetero.parallel.grid.rows import cut_row_inputs
 from hetero.parallel.grid.shard import BlockShard
 from hetero.parallel.plan_shapes import pattern
-from hetero.parallel.plans import resolve_plan
+from hetero.parallel.plans import COLUMN, FUSED_PARTS, resolve_plan
 from hetero.parallel.replicas import check_replicas
 from hetero.parallel.sequence import all_reduce_grads
 from hetero.parallel.tensor import check_untouched, generate_with_whole_logits, head_counts, linear_dims
@@ -49,14 +49,14 @@ from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, local_padding_idx
 
 log = logging.getLogger("hetero.parallel")
 
-PARTITIONING = ("colwise", "colwise_qkv", "rowwise", "vocab", "vocab_head", "norm", "embedding")
+PARTITIONING = ("colwise", "colwise_qkv", "colwise_gate_up", "rowwise", "vocab", "vocab_head", "norm", "embedding")
 WHOLE = ("head_norm",)  # styles whose parameters the grid leaves whole (see the module docstring)
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
 def _linear(grid: Grid, part: str) -> tuple[GridRole, Callable[[Place], int], int, Callable[[Place], int]]:
     """A linear layer's role, and its weight's blocks: (role, out index, in parts, in index) per place."""
-    q, fused = grid.q, 3 if part == "colwise_qkv" else 1
+    q, fused = grid.q, FUSED_PARTS.get(part, 1)  # a fused q/k/v's thirds, a fused gate/up's halves
     if grid.mode != "3d":
         # SUMMA: X gathered over the row (hidden), W over the column (its input rows); the output has X's layout.
         role = GridRole(grid=grid, orient=grid.main, gx=(grid.main.hidden, -1), gw=(grid.wgroup, 1), fused=fused)
@@ -91,7 +91,7 @@ def _vector_cut(grid: Grid, orient: Orient, shape: tuple[int, ...], dim: int, fu
 def _cuts(part: str, module: nn.Module, name: str, grid: Grid) -> tuple[GridRole | None, dict[str, BlockShard]]:
     """The module's role and its parameters' cuts (raising ConfigError when a style does not fit the module)."""
     places = grid.places()
-    if part in ("colwise", "colwise_qkv", "rowwise"):
+    if part in (*COLUMN, "rowwise"):
         out_dim, in_dim = linear_dims(module, name, part)
         role, out_ix, in_parts, in_ix = _linear(grid, part)
         shape = tuple(module.weight.shape)
