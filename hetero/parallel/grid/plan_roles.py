@@ -111,9 +111,10 @@ def check_plan_roles(resolved: Mapping[str, str], modules: Mapping[str, nn.Modul
             continue  # apply.py refuses it with the rest of the modules holding parameters, naming the fix too
         raise ConfigError(
             f"{name} ({type(module).__name__}) is a norm with no style 'norm': tensor_mode {grid.mode!r} cuts every "
-            "activation along the hidden dimension, so left as it is it would normalise each rank's part of the "
-            f"features on its own, a different model without an error (it has no parameters to cut, but its "
-            f"statistics must be summed over the grid). Add {pattern(name)!r}: 'norm' to the plan"
+            "activation along the hidden dimension, so left as it is it would see each rank's part of the features "
+            "(nn.LayerNorm fails on the width inside the forward; a norm that does not check it computes another "
+            "model): it has no parameters to cut, but its statistics must be summed over the grid. Add "
+            f"{pattern(name)!r}: 'norm' to the plan"
         )
 
 
