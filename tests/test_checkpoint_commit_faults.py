@@ -16,6 +16,7 @@ import torch
 
 from hetero.checkpoint import format as fmt
 from hetero.checkpoint import manifest as mf
+from hetero.checkpoint import read_faults
 from hetero.errors import CheckpointError, disk_trouble
 from tests.dist import ONE_RANK_FAULTS, ranks_apart
 
@@ -164,6 +165,13 @@ def _eio(fd, views, offset, **kwargs):
     raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
+def _eio_open(path, *args, **kwargs):
+    """`open` for read_faults, failing for a state.pt."""
+    if os.path.basename(path) == mf.STATE_FILE:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return open(path, *args, **kwargs)
+
+
 def test_an_io_error_reading_a_part_file_names_it_and_the_checkpoint_to_load(saved, tmp_path, monkeypatch, capsys):
     from hetero.checkpoint.__main__ import main
 
@@ -248,6 +256,10 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         fmt.read_full = _eio
     attempt("read", lambda: e.load_checkpoint(ckpt))
     fmt.read_full = read_full
+    if rank == 1:  # its state.pt read fails: [Note: a disk error reading a checkpoint]
+        read_faults.open = _eio_open
+    attempt("state", lambda: e.load_checkpoint(ckpt))
+    vars(read_faults).pop("open", None)
     out["good"] = e.load_checkpoint(ckpt)
     e.close()
     return out
@@ -279,3 +291,8 @@ def test_a_failure_on_one_rank_is_raised_the_same_on_every_rank(tmp_path):
     assert f"engine.load_checkpoint({ckpt!r}, tag={OLD!r})" in mine, mine
     kind, theirs = results[0]["read"]
     assert kind == "CheckpointError" and "rank(s) 1" in theirs and part in theirs, theirs
+    state = os.path.join(ckpt, NEW, mf.STATE_FILE)
+    for rank, (kind, msg) in enumerate(r["state"] for r in results):  # rank 1's error, and rank 0's naming it
+        assert kind == "CheckpointError" and f"{state}: cannot be read" in msg, (rank, msg)
+        assert f"{os.strerror(errno.EIO)} (EIO)" in msg and f"tag={OLD!r}" in msg, (rank, msg)
+    assert "rank(s) 1" in results[0]["state"][1], results[0]["state"]

@@ -36,8 +36,22 @@ for what, then does what `wait` does, with a bound: the write may take as long a
 (a run written at least every `_EXIT_STALL_S`, and within `checkpoint_patience` when set); then the ranks commit
 together. A write that stalls is given up: every rank reports it failed, rank 0 drops the temporary directory, and
 the log says the previous checkpoint and `latest` stand. A job of several ranks stopped by a failure, or ending on
-an uncaught exception, meets no one (the others may be inside a collective waiting for this rank): it drops the save
-and says so. In every case `latest` names a complete checkpoint.
+an uncaught exception, meets no one (the others may be inside a collective waiting for this rank): it drops the save,
+says so on its own rank's log, and removes the temporary directory. Any rank may remove it: the commit needs every
+rank's part of the gather, so none can commit a save one rank dropped; a rank still writing there then finds its
+file gone or unopenable and fails, which its own exit drops the same way. In every case `latest` names a complete
+checkpoint, and a job whose ranks all end through their exit leaves no .tmp-* behind (a rank killed by its launcher,
+as torchrun's SIGTERM to the others, may leave its file there: the next save deletes it).
+
+[Note: an engine dropped with a save pending]
+The pending save holds its engine (the commit needs its config, its host-copy account), and the registry of pending
+saves holds the save until it is committed or dropped: an engine dropped by the script (`del engine`, a name bound
+to a new one) with a save pending lives on until exit, where the save is committed as above and the log says so; its
+swap files go then, with the process's others. Before, the registry held the saves weakly: once the write ended,
+the garbage collector could take the engine at any allocation and commit from its finalizer (`close`), which in a job
+of several ranks ran the commit's gather at a different point on each rank, pairing with the wrong collective, and
+said nothing. Call `engine.wait_checkpoint()` or `close()` before dropping an engine to commit earlier and free its
+memory.
 """
 
 from __future__ import annotations
@@ -50,7 +64,6 @@ import shutil
 import sys
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -89,8 +102,10 @@ _IN_FLIGHT = 2  # runs handed to the writer's threads at once: a run's copy is f
 WRITING, WRITTEN, FAILED, CANCELLED = 0, 1, 2, 3  # a rank's write, as the ranks gather it
 _EXIT_STALL_S = 60.0  # at exit, how long the write may go without finishing a run before it is given up
 # The saves pending in this process, which the exit hook waits for, and the process that hooked it (a forked child
-# inherits both, and neither is its own): [Note: an async save at exit].
-_PENDING: weakref.WeakSet[PendingSave] = weakref.WeakSet()
+# inherits both, and neither is its own): [Note: an async save at exit]. Held strongly until committed or dropped:
+# [Note: an engine dropped with a save pending].
+_PENDING: set[PendingSave] = set()
+_DROP_JOIN_S = 5.0  # how long a dropped save waits for its writing thread (a run's write away) before it goes on
 _HOOKED = {"pid": 0}
 
 
@@ -209,6 +224,7 @@ class PendingSave:
         self.error = ""  # what failed, said to every rank
         self.entry: dict[str, Any] = {}  # the file's manifest entry, once written
         self.cancel = threading.Event()  # another rank failed: stop writing
+        self.gathered = False  # this rank's part went to the commit's gather: the directory is the commit's now
         self.rank = comm.global_rank(comm.rank)
         self.thread = threading.Thread(target=self._write, name="hetero-ckpt-async", daemon=True)
 
@@ -284,7 +300,8 @@ class PendingSave:
             return
         log.warning(
             "the script ended with %s still being written (async_save=True, and no engine.wait_checkpoint() or "
-            "close() after it): waiting for this rank's write to end and committing it before exiting",
+            "close() after it, or its engine dropped before it was committed): waiting for this rank's write to end "
+            "and committing it before exiting",
             what,
         )
         try:
@@ -316,12 +333,27 @@ class PendingSave:
         return True
 
     def _drop(self, why: str) -> None:
-        """Not committed: said, with what stands instead (the temporary directory is left for the next save)."""
+        """Not committed, on this rank's word alone: its thread stopped, the temporary directory removed, and that
+        said on this rank's log with what stands instead ([Note: an async save at exit])."""
         self.engine.pending_save = None
         _PENDING.discard(self)
+        self.cancel.set()
+        gone = ""
+        if not self.gathered:  # once its part is in the commit's gather, the directory is the commit's (commit.py)
+            self.thread.join(_DROP_JOIN_S)  # so that it opens no file in the directory after it is gone
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            gone = ", and its temporary directory was removed"
         latest = mf.latest_tag(self.root)
         stands = f"`latest` still names {latest!r}" if latest else "no earlier checkpoint is there"
-        log.warning("checkpoint %r under %s was not committed: %s; %s", self.tag, self.root, why, stands)
+        log.warning(
+            "checkpoint %r under %s was not committed: %s; %s%s",
+            self.tag,
+            self.root,
+            why,
+            stands,
+            gone,
+            extra={"all_ranks": True},  # this rank's own end: every rank that drops it says so
+        )
 
     def _finish(self, *, stalled: str | None = None) -> str:
         """Gather every rank's outcome and commit (rank 0) or raise on every rank. stalled: this rank's write is
@@ -339,5 +371,6 @@ class PendingSave:
                 mine = {"error": self.error}
             else:  # cancelled: another rank failed, and its error is the one said
                 mine = {"cancelled": True}
+        self.gathered = True
         infos = self.comm.all_gather_object(mine)
         return finish(self.comm, self.root, self.tag, self.tmp, infos, self.state, lambda _: self.head)
