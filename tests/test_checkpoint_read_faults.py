@@ -127,7 +127,7 @@ CASES = [
     ("manifest.json", "open", ("load", "verify", "consolidate")),
     ("manifest.json", "read", ("load", "verify", "consolidate")),
     ("state.pt", "read", ("load", "verify")),  # its size and CRC check (consolidate reads no state.pt)
-    ("state.pt", "reread", ("load",)),  # torch.load's read of it: a RuntimeError or SystemError from torch before
+    ("state.pt", "reread", ("load",)),  # the read its contents are loaded from (hetero reads it for torch.load)
     ("rank-00000.safetensors", "read", ("load", "verify", "consolidate")),  # its header's CRC check
     ("rank-00000.safetensors", "os.open", ("load", "verify", "consolidate")),
     ("rank-00000.safetensors", "pread", ("load", "verify", "consolidate")),

@@ -1,17 +1,19 @@
 """A checkpoint's small files (`latest`, state.pt) read so that a failing disk reads as one.
 
 [Note: a disk error reading a checkpoint]
-A load reads five kinds of file: `latest`, manifest.json, state.pt and the rank files (their headers, then their
-tensors, through the page cache or O_DIRECT). Each read that the system fails (EIO from a dying disk, EACCES, a
-file system remounted read-only that drops a file) raises a CheckpointError that names the file, says what the
-errno means (`errors.disk_trouble`: `dmesg` for an I/O error) and what to load instead: the newest intact
-checkpoint before it (`earlier.unreadable`), or where `latest` itself cannot be read, the intact checkpoints of the
-root (`earlier.choices`). On several ranks the load's agreement ([Note: a load every rank agrees on] in agree.py)
-raises it on the rank that failed and names it, with its message, on every other. state.pt is read by this module
-into memory and handed to `torch.load` as bytes: torch reads a file through its own zip reader, which calls back
-into Python for each read, and what an I/O error there becomes depends on torch's version (torch 2.13 passes the
-OSError through; an error raised while an earlier one was still set surfaced as a SystemError). Read here, the
-OSError is ours to word, and the file (param groups, client_state, the LR scheduler's state) is small.
+A load reads four kinds of file: `latest`, manifest.json, state.pt and the rank files (their headers, then their
+tensors, through the page cache or O_DIRECT); `verify` and `consolidate` read the same. Each read that the system
+fails (EIO from a failing disk, EACCES) raises a CheckpointError that names the file, says what the errno means
+(`errors.disk_trouble`: `dmesg` for an I/O error) and what to load instead: the newest intact checkpoint before it
+(`earlier.unreadable`), or where `latest` itself cannot be read, the intact checkpoints of the root
+(`earlier.choices`). On several ranks the load's agreement ([Note: a load every rank agrees on] in agree.py) raises
+it on the rank that failed and names it, with its message, on every other. `latest` was read bare (its OSError
+escaped unworded). state.pt is read here into memory and handed to `torch.load` as bytes: torch reads a file
+through its own zip reader, which calls back into Python for each read, and what a failure there becomes is
+torch's business (torch 2.13 passes the OSError through, measured at each of a state.pt's reads; a short read there
+is "PytorchStreamReader failed reading zip archive", a RuntimeError that was worded as contents unsafe to load).
+Read here, the OSError is ours to word whatever torch's version, and the file (param groups, client_state, the LR
+scheduler's state) is small.
 """
 
 from __future__ import annotations
