@@ -74,6 +74,7 @@ from hetero.io.hugepages import fresh
 from hetero.memory import Chunk, ChunkManager, TensorState, Tier
 from hetero.zero import released
 from hetero.zero.hooks import outside_compile
+from hetero.zero.meta_swap import give_memory
 from hetero.zero.outside_inference import in_normal_mode
 from hetero.zero.protocol import BACKWARD, FORWARD, GATHER, in_backward
 from hetero.zero.tile_autograd import TiledConv1D, TiledEmbedding, TiledLinear
@@ -321,10 +322,8 @@ def detach_tiled(tiled: dict[int, Tiled], *, dtype: torch.dtype, device: torch.d
     for t in tiled.values():
         p = t.param
         stub = torch.empty(1, dtype=dtype, device=device).expand(p.shape)
-        if p.is_meta:  # swap_tensors swaps __dict__ too: the parameter's attributes go with it
-            new = nn.Parameter(stub, requires_grad=p.requires_grad)
-            new.__dict__.update(vars(p))
-            torch.utils.swap_tensors(p, new)
+        if p.is_meta:  # its attributes and hooks kept ([Note: hooks across swap_tensors])
+            give_memory(p, stub)
         else:
             p.data = stub
         p.__dict__["_hetero_tiled"] = True

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from hetero.comm import Comm
 from hetero.memory import Chunk, ChunkManager, TensorSlot, TensorState, Tier
@@ -17,6 +16,7 @@ from hetero.zero import copy_up, param_gather, released
 from hetero.zero import master as master_weights
 from hetero.zero.host_grads import HostSum, grad_to_host
 from hetero.zero.layout import ChunkSpec
+from hetero.zero.meta_swap import give_memory
 from hetero.zero.segments import update_segments
 from hetero.zero.stages import STAGES, Placement, master_is_shard
 from hetero.zero.units import Entry
@@ -217,11 +217,9 @@ class ZeroChunk:
                 continue  # never whole: its module computes on the tiles ([Note: computing on tiles])
             if info.param.is_meta:
                 # A meta tensor cannot take another device's data: swap in an empty one, keeping the Parameter object
-                # (the optimizer's and tied modules' reference) and its attributes (swap_tensors swaps __dict__ too).
-                empty = torch.empty(0, dtype=self.dtype, device=self.device.torch_device)
-                empty = nn.Parameter(empty, requires_grad=info.param.requires_grad)
-                empty.__dict__.update(vars(info.param))
-                torch.utils.swap_tensors(info.param, empty)
+                # (the optimizer's and tied modules' reference), its attributes and hooks ([Note: hooks across
+                # swap_tensors]).
+                give_memory(info.param, torch.empty(0, dtype=self.dtype, device=self.device.torch_device))
             info.param.data = self.full.view(slot)
 
     # ---- gradients ----------------------------------------------------------------------------------------
