@@ -52,7 +52,7 @@ from hetero.zero.buckets import DenseReduce
 from hetero.zero.delayed import DelayedUpdate
 from hetero.zero.gathers import Gathers
 from hetero.zero.generate import keep_ranks_generating, refuse_generating
-from hetero.zero.grad_views import full_grads
+from hetero.zero.grad_views import full_grads, named_full_grads
 from hetero.zero.handed_over import check_model, guard_casts, hold, route_loads, take_over, watch_structure
 from hetero.zero.hooks import Hooks, needs_grad
 from hetero.zero.in_backward import InBackward
@@ -1047,11 +1047,12 @@ class Engine(DeepSpeedNames):
         self.settle_update()
         return self.views.local_state_dict()
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
+    def full_grads(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The gradients the next update steps on, by parameter name (trainable ones): of the accumulated loss,
-        averaged over data-parallel ranks, unscaled, before clipping; fp32 CPU copies. Call it after the backward
-        that ends an accumulation, before `step()`; every rank calls it (it gathers). See [Note: reading the
-        gradients] in hetero/zero/grad_views.py."""
+        averaged over data-parallel ranks, unscaled, before clipping; fp32 CPU copies of the whole model's (tensor
+        shards joined, pipeline stages collected, as `full_state_dict`). Call it after the backward that ends an
+        accumulation, before `step()`; every rank calls it (it gathers); rank0_only: global rank 0 alone gets them,
+        the others an empty dict. See [Note: reading the gradients] in hetero/zero/grad_views.py."""
         if self.inference:
             raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients")
         if self.in_backward is not None:
@@ -1067,9 +1068,7 @@ class Engine(DeepSpeedNames):
             )
         scale = self.scaler.scale if self.scaler is not None else 1.0
         values = full_grads(self.trainable, check=self.check, scale=scale)
-        # A tied parameter under each of its names, as in full_state_dict
-        named = self.module.named_parameters(remove_duplicate=False)
-        return {n: values[id(p)] for n, p in named if id(p) in values}
+        return named_full_grads(values, self.module, self.mesh, order=self.views.order, rank0_only=rank0_only)
 
     def clip_grad_norm_(
         self,

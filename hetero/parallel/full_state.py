@@ -47,7 +47,8 @@ def gather_full_state(
     rank0_only: bool = False,
     order: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
-    """The whole model's state_dict from this rank's `local` one (keys of `module`'s state_dict, full chunk values);
+    """The whole model's state_dict from this rank's `local` one (keys of `module`'s state_dict, or some of them:
+    `full_grads`' trainable parameters; full chunk values);
     every rank of the job must call it. Memory: every rank ends up holding the whole model on the CPU (in the compute
     dtype), and for a moment its tensor group's shards besides. rank0_only: global rank 0 alone gets the tensors, the
     others an empty dict (as torch's `StateDictOptions(full_state_dict=True, cpu_offload=True)`): ranks off rank 0's
@@ -72,7 +73,7 @@ def _join_tensor_shards(state: dict[str, torch.Tensor], module: nn.Module, mesh:
     first: dict[int, str] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         cut = par.tp_cut(t)
-        if cut is not None:
+        if cut is not None and name in state:  # full_grads' dict lacks frozen parameters
             same[name] = first.setdefault(id(t), name)
             cuts.setdefault(same[name], cut)
     try:

@@ -15,20 +15,41 @@ and whether one runs decided by the stage, which every rank shares ([Note: every
 
 When: after the backward that ends an accumulation (the next `step()` updates) and before that `step()`. Earlier, a
 stage 2-3 gradient may sit unreduced in the batch's buffer; after it, the update has consumed it. With
-`update_in_backward` that backward consumed them. With tensor parallelism a split weight's gradient is this rank's
-slice, as `full_state_dict` gives its values.
+`update_in_backward` that backward consumed them.
+
+[Note: the whole model's gradients]
+Under the `"parallel"` section `full_grads()` gives the whole model's gradients as `full_state_dict()` gives its
+values (`gather_full_state`, hetero/parallel/full_state.py): the plain model's parameter names and shapes, a
+tensor-parallel weight joined from its shards in tensor rank order, every pipeline stage's parameters collected, in
+the model's key order; rank0_only as there. It used to return this rank's slice of each split weight ((32, 32) of a
+(64, 32) gate_proj at tensor 2) and only this stage's names, while this note said it matched `full_state_dict`: a
+loop's per-layer norms then differed from a plain run's by the tensor degree, and keys differed by rank. Whole, as
+full_state_dict, because what users do with it (norms per layer, a comparison with a plain run, a spike's cause)
+needs the model's own tensors, and the cost is full_state_dict's: every rank holds the whole fp32 gradient for a
+moment (rank0_only: the ranks of rank 0's pipeline group). Joining the shards is exact because each piece already
+is the whole gradient of its part: a column- or row-parallel shard's gradient is complete on its rank (the region's
+collectives give every rank the whole upstream gradient); a parameter every tensor rank holds (a norm, a bias after
+a row-parallel layer) has the same gradient on each, Megatron-SP's norms and `head_norm`s after their gradient
+all-reduce over the tensor group (hetero/parallel/tensor.py) and 2.5D's depth replicas after theirs; a parameter
+tied across pipeline stages is summed over its holders before the update ([Note: parameters tied across stages])
+and taken from the first stage. A model split by hand (`apply_tensor_parallel` without the section) gets this
+rank's shards, as its full_state_dict does. Under a pipeline, `train_batch` runs its backwards and `step()` in one
+call, so there is no point between them at which to call `full_grads()` yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from hetero.memory import Tier
 from hetero.zero.protocol import READ_GRADS, Checker
 
 if TYPE_CHECKING:
+    from hetero.parallel.mesh import Mesh
     from hetero.zero.zero_chunk import ZeroChunk
 
 
@@ -50,6 +71,24 @@ def full_grads(chunks: list[ZeroChunk], *, check: Checker, scale: float) -> dict
             else:
                 out[id(info.param)] = value.clone()
     return out
+
+
+def named_full_grads(
+    values: dict[int, torch.Tensor],
+    module: nn.Module,
+    mesh: Mesh,
+    *,
+    order: Sequence[str] = (),
+    rank0_only: bool = False,
+) -> dict[str, torch.Tensor]:
+    """`full_grads`' values (by parameter id) under the model's parameter names, a tied parameter under each of its
+    names, joined over the tensor and pipeline groups into the whole model's ([Note: the whole model's gradients]);
+    every rank of the job calls it. order: the whole model's keys in its order, under a pipeline."""
+    named = module.named_parameters(remove_duplicate=False)
+    grads = {n: values[id(p)] for n, p in named if id(p) in values}
+    from hetero.parallel.full_state import gather_full_state  # hetero.parallel is above hetero.zero
+
+    return gather_full_state(grads, module, mesh, rank0_only=rank0_only, order=order)
 
 
 def _chunk_grad(zc: ZeroChunk, check: Checker) -> torch.Tensor:
