@@ -303,6 +303,7 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         _swap_class(module, _VocabEmbedding, region, name)
         module.num_embeddings = module.weight.shape[0]
         # The layer's own forward looks up this rank's rows: its padding row is a row of the shard, if any.
+        module._hetero_padding_idx = module.padding_idx  # the whole table's, for lazy_init's replay
         module.padding_idx = local_padding_idx(module.padding_idx, module.num_embeddings, comm.rank)
     elif part == "heads":
         layout = kv_layout(module, name, degree)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from hetero.lazy import construction_draws, tie_makers
+from hetero.zero.shard_reads import shard_intervals, shard_runs
 
 log = logging.getLogger("hetero.zero")
 
@@ -83,8 +85,45 @@ def _writes(name: str) -> bool:
 
 
 def scratch(t: torch.Tensor) -> torch.Tensor | None:
-    """A throwaway CPU tensor for a parameter (or meta tensor) whose writes must draw their numbers and be dropped."""
-    return torch.empty(t.shape, dtype=t.dtype) if t.is_meta or isinstance(t, nn.Parameter) else None
+    """A throwaway CPU tensor for a parameter (or meta tensor) whose writes must draw their numbers and be dropped: at
+    the whole tensor's shape where tensor parallelism cut it ([Note: initialising a tensor-parallel shard])."""
+    return torch.empty(whole_shape(t), dtype=t.dtype) if t.is_meta or isinstance(t, nn.Parameter) else None
+
+
+# [Note: initialising a tensor-parallel shard]
+# Tensor parallelism cuts the meta model before its initialiser is replayed, so each sharded parameter has its shard's
+# shape there. Drawn at that shape, the numbers are not the whole tensor's (16 of 21 tensors of a tiny Llama differed
+# at tensor 2), and an initialiser that reads the shape (torch's kaiming bound from fan_in) computes another bound. So
+# the replay stands a whole-shape scratch tensor in for a cut parameter (`whole_shape`), the initialiser draws the
+# whole tensor as normal construction does, and once its last write is in, this rank's slice is copied out of it
+# (`take_shard`, by the runs of [Note: reading a tensor-parallel shard] in shard_reads.py) and the scratch is dropped:
+# one whole weight at a time beside the shards. A vocabulary-split embedding's padding row is a global row again
+# while the initialiser runs (`whole_modules`): the module's own padding_idx is the shard's row.
+def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor a tensor-parallel cut (`_hetero_tp`) took `t` from; `t`'s own shape if uncut."""
+    cut = getattr(t, "_hetero_tp", None)
+    return tuple(cut.full_shape) if cut is not None else tuple(t.shape)
+
+
+def take_shard(whole: torch.Tensor, cut: Any, out: torch.Tensor) -> None:
+    """Copy this rank's shard (`cut`: a TPShard or BlockShard) of `whole` into `out` (the shard's shape)."""
+    src, dst = whole.reshape(-1), out.view(-1)
+    for at, start, n in shard_runs(tuple(whole.shape), shard_intervals(cut), 0, out.numel()):
+        dst.narrow(0, at, n).copy_(src.narrow(0, start, n))
+
+
+@contextmanager
+def whole_modules(model: nn.Module) -> Iterator[None]:
+    """The modules' attributes the initialiser reads as before tensor parallelism cut them, while it runs (see the
+    note above): a vocabulary-split embedding's padding_idx (`_hetero_padding_idx`, recorded by the cut)."""
+    saved = [(m, m.padding_idx) for m in model.modules() if hasattr(m, "_hetero_padding_idx")]
+    try:
+        for m, _ in saved:
+            m.padding_idx = m._hetero_padding_idx
+        yield
+    finally:
+        for m, local in saved:
+            m.padding_idx = local
 
 
 def tensors(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -54,7 +54,15 @@ from hetero.lazy import refuse_meta_adapters
 from hetero.memory import ChunkManager
 from hetero.progress import bar as make_bar
 from hetero.zero import weights
-from hetero.zero.init_replay import StandIn, count_writes, run_initialiser, scratch, tensors
+from hetero.zero.init_replay import (
+    StandIn,
+    count_writes,
+    run_initialiser,
+    scratch,
+    take_shard,
+    tensors,
+    whole_modules,
+)
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.staging import Staging
 from hetero.zero.twins import buffers_from_twins
@@ -133,8 +141,13 @@ def _initialise(
 
     passes = [0]  # which initialiser pass runs (a Hugging Face model has one per PreTrainedModel)
     written_in: dict[int, int] = {}  # param id -> the pass that wrote it
+    # A tensor-parallel shard's whole tensor while the initialiser writes it ([Note: initialising a tensor-parallel
+    # shard] in init_replay.py); a shard taken from it (`flushed`) is complete, its stand-in only tells its shape.
+    wholes: dict[int, torch.Tensor] = {}
+    flushed: set[int] = set()
     # param id -> writes still to come in its pass: complete at its last ([Note: counting the writes first])
-    left, defaults = count_writes(model, set(where) | set(buffers))
+    with whole_modules(model):
+        left, defaults = count_writes(model, set(where) | set(buffers))
 
     def real(t: torch.Tensor) -> torch.Tensor | None:
         if written_in.get(id(t), passes[0]) < passes[0]:
@@ -144,18 +157,31 @@ def _initialise(
         hit = where.get(id(t))
         if hit is not None:
             zc, info = hit
-            if zc.spec.index in loaded:
+            if zc.spec.index in loaded or id(t) in flushed:
                 return scratch(t)  # its shape can be read; a write is an error (on_write)
-            return staging.whole_view(info) if info.tiled else staging.view(zc, info)
+            if getattr(t, "_hetero_tp", None) is not None:
+                return wholes.setdefault(id(t), scratch(t))
+            return stand_in(zc, info)
         if id(t) in buffers:
             if id(t) not in real_buffers:
                 real_buffers[id(t)] = torch.zeros(t.shape, dtype=t.dtype)
             return real_buffers[id(t)]
         return None
 
+    def stand_in(zc: ZeroChunk, info: Any) -> torch.Tensor:
+        return staging.whole_view(info) if info.tiled else staging.view(zc, info)
+
+    def take_shards(but: int | None = None) -> None:
+        """This rank's shard of each whole tensor whose last write is in (not `but`, being written now)."""
+        for key in [k for k in wholes if k != but and left.get(k, 1) <= 0]:
+            zc, info = where[key]
+            take_shard(wholes.pop(key), info.param._hetero_tp, stand_in(zc, info))
+            flushed.add(key)
+
     def on_write(key: int) -> None:
         if key not in where and key not in buffers:
-            return  # a temporary, or a view: its id means nothing once it is gone
+            return  # a temporary, or a view (`weight[padding_idx].zero_()` after the weight's last counted write)
+        take_shards(but=key)  # another tensor is written: the whole tensors done are, before any chunk is loaded
         written_any.add(key)
         if written_in.setdefault(key, passes[0]) < passes[0]:
             return  # goes to scratch (see real)
@@ -188,7 +214,12 @@ def _initialise(
             shown.update()
 
     try:
-        run_initialiser(model, real, on_write, written_any, passes, defaults=defaults)
+        with whole_modules(model):
+            run_initialiser(model, real, on_write, written_any, passes, defaults=defaults)
+        take_shards()
+        for key in list(wholes):  # written fewer times than counted (see below): complete too
+            left[key] = 0
+        take_shards()
         for index in unwritten:  # the initialiser has ended: a tensor written fewer times than counted is complete
             unwritten[index] -= set(written_in)
         for key in list(staging.whole):

@@ -300,6 +300,7 @@ def apply_grid_parallel(
         for pname, cut in cuts.items():
             _shard(getattr(module, pname), cut, f"{name}.{pname}")
         if part == "vocab":  # the class's own lookup runs on this rank's block: its padding row is one of the block's
+            module._hetero_padding_idx = module.padding_idx  # the whole table's, for lazy_init's replay
             module.padding_idx = local_padding_idx(module.padding_idx, module.weight.shape[0], grid.main.batch.rank)
         if part == "norm":
             _swap(module, norm_kind(module), role)
