@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.models.gpt import GPT, GPTConfig, GPTOutput
+from hetero.models.gpt import GPT, INIT_STD, GPTConfig, GPTOutput
 
 # Tensor-parallel plan (hetero.parallel.plans styles) for GPTPipe: GPT's built-in plan under its new names.
 TP_PLAN = {
@@ -72,6 +72,21 @@ class GPTPipe(nn.Module):
         self.embed = Embeddings(gpt.embed, gpt.pos_embed, gpt.drop, gpt.config.block_size)
         self.layers = gpt.layers
         self.head = Head(gpt.ln_f, gpt.lm_head)
+
+    def reset_parameters(self) -> None:
+        """GPT.reset_parameters under this layout's names, in its order: built on the meta device (hetero.lazy_init()),
+        GPTPipe gets the values GPTPipe(config) gets from the same seed (without it, the replay ran each module's own
+        reset_parameters: N(0, 1) embeddings, torch's Linear init for the head). The tie, made when GPT was built, is
+        kept as it is (a pipeline may hold the two ends on different stages, tied.py)."""
+        nn.init.normal_(self.embed.tok.weight, mean=0.0, std=INIT_STD)
+        nn.init.normal_(self.embed.pos.weight, mean=0.0, std=INIT_STD)
+        for block in self.layers:
+            block.reset_parameters()
+        self.head.ln_f.reset_parameters()
+        if not self.config.tie_weights:
+            nn.init.normal_(self.head.lm_head.weight, mean=0.0, std=INIT_STD)
+            if self.head.lm_head.bias is not None:
+                nn.init.zeros_(self.head.lm_head.bias)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> GPTOutput:
         x = self.embed(input_ids)

@@ -99,6 +99,15 @@ def scratch(t: torch.Tensor) -> torch.Tensor | None:
 # (`take_shard`, by the runs of [Note: reading a tensor-parallel shard] in shard_reads.py) and the scratch is dropped:
 # one whole weight at a time beside the shards. A vocabulary-split embedding's padding row is a global row again
 # while the initialiser runs (`whole_modules`): the module's own padding_idx is the shard's row.
+
+
+# [Note: replaying the stages a rank dropped]
+# A pipeline cut drops the units of other ranks' stages before the initialiser is replayed (split.py). Replayed on its
+# own stages only, a rank's stream was not normal construction's: the second stage's layers differed, since the
+# first stage's draws never came before them. The cut keeps the dropped units of a meta model (`_hetero_dropped`,
+# free: no memory), `whole_modules` puts them back while the initialiser runs, and their tensors (those no kept stage
+# shares) stand in as scratch tensors that draw their numbers and drop them: the walk is the whole model's, in its
+# order, and the rank's own tensors get the numbers normal construction gives them.
 def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
     """The shape of the whole tensor a tensor-parallel cut (`_hetero_tp`) took `t` from; `t`'s own shape if uncut."""
     cut = getattr(t, "_hetero_tp", None)
@@ -113,17 +122,24 @@ def take_shard(whole: torch.Tensor, cut: Any, out: torch.Tensor) -> None:
 
 
 @contextmanager
-def whole_modules(model: nn.Module) -> Iterator[None]:
-    """The modules' attributes the initialiser reads as before tensor parallelism cut them, while it runs (see the
-    note above): a vocabulary-split embedding's padding_idx (`_hetero_padding_idx`, recorded by the cut)."""
+def whole_modules(model: nn.Module) -> Iterator[set[int]]:
+    """The model as normal construction built it, while the initialiser runs (see the notes above): a vocabulary-
+    split embedding's padding_idx (`_hetero_padding_idx`, recorded by the cut) and the pipeline stages this rank
+    dropped, put back. Yields the ids of the tensors only those stages hold (their stand-ins are scratch tensors)."""
+    dropped = getattr(model, "_hetero_dropped", [])
+    own = {id(t) for t in tensors(model)}
     saved = [(m, m.padding_idx) for m in model.modules() if hasattr(m, "_hetero_padding_idx")]
     try:
+        for parent, leaf, module in dropped:
+            setattr(parent, leaf, module)
         for m, _ in saved:
             m.padding_idx = m._hetero_padding_idx
-        yield
+        yield {id(t) for _, _, module in dropped for t in tensors(module)} - own
     finally:
         for m, local in saved:
             m.padding_idx = local
+        for parent, leaf, _ in dropped:
+            setattr(parent, leaf, None)
 
 
 def tensors(module: nn.Module) -> Iterator[torch.Tensor]:
@@ -267,9 +283,9 @@ def count_writes(model: nn.Module, tracked: set[int]) -> tuple[dict[int, int], _
             by_default[key] = by_default.get(key, 0) + 1
 
     def on_write(key: int) -> None:
+        written.add(key)  # a dropped stage's tensor too: a subtree its ancestor wrote is not walked again
         if key not in tracked:
             return
-        written.add(key)
         if first_pass.setdefault(key, passes[0]) == passes[0]:  # a later pass's write is dropped (materialize.py)
             counts[key] = counts.get(key, 0) + 1
 

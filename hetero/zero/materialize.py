@@ -146,10 +146,12 @@ def _initialise(
     wholes: dict[int, torch.Tensor] = {}
     flushed: set[int] = set()
     # param id -> writes still to come in its pass: complete at its last ([Note: counting the writes first])
-    with whole_modules(model):
+    with whole_modules(model) as dropped:
         left, defaults = count_writes(model, set(where) | set(buffers))
 
     def real(t: torch.Tensor) -> torch.Tensor | None:
+        if id(t) in dropped:
+            return scratch(t)  # [Note: replaying the stages a rank dropped] in init_replay.py
         if written_in.get(id(t), passes[0]) < passes[0]:
             # Tied at construction on meta, but a separate tensor when Hugging Face's later pass wrote it in normal
             # construction (tying came after, and kept the first): the numbers are drawn, then dropped.
@@ -179,6 +181,9 @@ def _initialise(
             flushed.add(key)
 
     def on_write(key: int) -> None:
+        if key in dropped:
+            written_any.add(key)  # an ancestor that wrote it covered its subtree, as for the rank's own tensors
+            return
         if key not in where and key not in buffers:
             return  # a temporary, or a view (`weight[padding_idx].zero_()` after the weight's last counted write)
         take_shards(but=key)  # another tensor is written: the whole tensors done are, before any chunk is loaded
@@ -216,6 +221,7 @@ def _initialise(
     try:
         with whole_modules(model):
             run_initialiser(model, real, on_write, written_any, passes, defaults=defaults)
+        model.__dict__.pop("_hetero_dropped", None)  # the dropped stages' meta modules are not needed again
         take_shards()
         for key in list(wholes):  # written fewer times than counted (see below): complete too
             left[key] = 0

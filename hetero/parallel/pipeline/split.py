@@ -284,12 +284,18 @@ def cut_stages(
     every = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))  # tied names too
     order = tuple(model.state_dict(keep_vars=True))  # keep_vars: names only, no copies (and meta tensors pass)
     kept = {id(m) for i in mine for _, m in groups[i]}
+    dropped: list[tuple[nn.Module, str, nn.Module]] = []  # meta modules lazy_init's replay puts back
     for name, unit in units:
         if id(unit) not in kept:
             for part in getattr(unit, "parts", [name]):
                 parent_name, _, leaf = part.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
+                gone = getattr(parent, leaf)
+                if gone is not None and any(t.is_meta for t in (*gone.parameters(), *gone.buffers())):
+                    dropped.append((parent, leaf, gone))  # [Note: replaying the stages a rank dropped]
                 setattr(parent, leaf, None)  # nn.Module skips None children: parameters and state_dict drop it
+    if dropped:
+        model._hetero_dropped = dropped  # a plain attribute (a list): not a submodule, so not in the model
     return [StageChunk(i, count, groups[i], every, cut, order) for i in mine], ties
 
 
