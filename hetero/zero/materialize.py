@@ -62,6 +62,7 @@ from hetero.zero.init_replay import (
     take_shard,
     tensors,
     whole_modules,
+    whole_shape,
 )
 from hetero.zero.layout import ChunkSpec
 from hetero.zero.staging import Staging
@@ -162,7 +163,9 @@ def _initialise(
             if zc.spec.index in loaded or id(t) in flushed:
                 return scratch(t)  # its shape can be read; a write is an error (on_write)
             if getattr(t, "_hetero_tp", None) is not None:
-                return wholes.setdefault(id(t), scratch(t))
+                if id(t) not in wholes:  # zeros, as a staging buffer starts: an initialiser may write a part
+                    wholes[id(t)] = torch.zeros(whole_shape(t), dtype=t.dtype)
+                return wholes[id(t)]
             return stand_in(zc, info)
         if id(t) in buffers:
             if id(t) not in real_buffers:
