@@ -20,8 +20,10 @@ from tests.dist import ONE_RANK_FAULTS, ranks_apart
 
 try:
     from tests.test_checkpoint import _cfg, make_engine, train
+    from tests.two_saves import copy_root, save_two
 except ImportError:  # tests/ itself on sys.path
     from test_checkpoint import _cfg, make_engine, train  # type: ignore[no-redef]
+    from two_saves import copy_root, save_two  # type: ignore[no-redef]
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +31,14 @@ def saved(tmp_path_factory):
     """A root with two checkpoints (step 1 and step 2, `latest` at step 2) of a stage-1 engine, and that engine's
     state after step 2."""
     root = str(tmp_path_factory.mktemp("ckpt") / "root")
-    e = make_engine(0, _cfg(1))
-    train(e, 0, 1, 0, 1)
-    e.save_checkpoint(root, client_state={"epoch": 1})
-    train(e, 0, 1, 1, 2)
-    e.save_checkpoint(root, client_state={"epoch": 2})
+    e = save_two(root)
     state = e.full_state_dict()
     e.close()
     return root, state
 
 
 def _copy(saved, tmp_path) -> str:
-    dst = str(tmp_path / "root")
-    shutil.copytree(saved[0], dst)
-    return dst
+    return copy_root(saved[0], tmp_path)
 
 
 def _load(path: str, **model_overrides) -> tuple[object, dict]:

@@ -17,9 +17,9 @@ from hetero.checkpoint.__main__ import main
 from hetero.errors import CheckpointError
 
 try:
-    from tests.test_checkpoint import _cfg, make_engine, train
+    from tests.two_saves import save_two
 except ImportError:  # tests/ itself on sys.path
-    from test_checkpoint import _cfg, make_engine, train  # type: ignore[no-redef]
+    from two_saves import save_two  # type: ignore[no-redef]
 
 OLD, NEW = "step-00000001", "step-00000002"
 EIO = f"{os.strerror(errno.EIO)} (EIO)"
@@ -30,11 +30,7 @@ GOOD_BYTES = 64  # a file read with a bad sector: its first bytes come back (at 
 def setup(tmp_path_factory):
     """A root holding step 1 and step 2 (`latest`) of a stage-1 engine, and an engine to load into."""
     root = str(tmp_path_factory.mktemp("ckpt") / "root")
-    e = make_engine(0, _cfg(1))
-    train(e, 0, 1, 0, 1)
-    e.save_checkpoint(root, client_state={"epoch": 1})
-    train(e, 0, 1, 1, 2)
-    e.save_checkpoint(root, client_state={"epoch": 2})
+    e = save_two(root)
     yield root, e
     e.close()
 
