@@ -14,7 +14,8 @@ failed only inside the forward, on raw torch shapes, far from the plan line at f
 Which layer is which is read from shapes against the model's hidden size H (its config's `hidden_size`, `n_embd`
 or `d_model`, its token embedding's width) and vocabulary V (the config's `vocab_size`, the token embedding's rows):
 the LM head is the model's output embedding (`get_output_embeddings()`), a layer sharing the token embedding's
-weight, or a layer outside every attention and MLP region with V outputs; a `rowwise` layer that reads H features
+weight, or, where neither of those nor a plan's `vocab_head` names it, a layer outside every attention and MLP
+region with V outputs; a `rowwise` layer that reads H features
 and makes another width is one whose input is the hidden states, whole; a `colwise` layer that makes H features
 from another width writes back into them. A layer square in H (o_proj, an MLP whose inner width is H) says nothing
 of its place and is left alone, as is every layer when the model gives no H. The rule reads only the modules and
@@ -84,6 +85,10 @@ def check_chain(
     hidden, vocab, token_weights = _sizes(resolved, modules)
     get = getattr(modules.get(""), "get_output_embeddings", None)
     head = _quiet(get) if callable(get) else None
+    # A layer with V outputs is the head by its shape only where nothing else says which layer the head is: beside a
+    # known head (the model's output embedding, a layer the plan styles `vocab_head`) it is an MLP's up projection
+    # whose width happens to be V (a toy's 16 -> 64 beside a 64-token vocabulary).
+    named_head = head is not None or any("vocab_head" in s.split("+") for s in resolved.values())
     regions = _regions(resolved)
     wrong = []
     for name, style in resolved.items():
@@ -94,7 +99,7 @@ def check_chain(
         what = f"{name} ({type(module).__name__} {inp} -> {out})"
         tied = id(getattr(module, "weight", None)) in token_weights
         outside = not any(name.startswith(r) for r in regions)
-        if module is head or tied or (outside and out in vocab and out not in hidden):
+        if module is head or tied or (not named_head and outside and out in vocab and out not in hidden):
             why = "its weight is the token embedding's" if tied else f"its {out} outputs are the logits"
             shapes = (
                 f"each rank would make {out // degree} of the {out} logits and nothing gathers them, so the loss "
