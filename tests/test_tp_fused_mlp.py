@@ -36,10 +36,9 @@ except ImportError:  # tests/ itself on sys.path
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, ROWS, STEPS = 64, 8, 8, 3
-LR = 1e-3
-CHUNK = 4096
-F32 = torch.float32
+# The replicated-heads tests' shapes, batches and optimizer: the same tiny decoder's training, another projection cut.
+from tests.test_tp_kv_replicas import CHUNK, F32, VOCAB, batches, optimizer  # noqa: E402
+
 FAKE = types.SimpleNamespace(size=2, rank=0)  # every check runs before any communication
 GATE_UP = "model.layers.*.mlp.gate_up_proj"
 
@@ -52,21 +51,6 @@ def build(kv: int = 4, *, seed: int = 0, head: bool = True) -> torch.nn.Module:
         num_key_value_heads=kv, max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return transformers.Phi3ForCausalLM(cfg) if head else transformers.Phi3Model(cfg)
-
-
-def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-
-
-def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-        y = x.clone()  # transformers shift the labels themselves
-        y[0, 2] = y[-1, 5] = -100
-        out.append((x, y))
-    return out
 
 
 _REFERENCES: dict[tuple, Any] = {}

@@ -225,9 +225,8 @@ def _initialise(
         with whole_modules(model):
             run_initialiser(model, real, on_write, written_any, passes, defaults=defaults)
         model.__dict__.pop("_hetero_dropped", None)  # the dropped stages' meta modules are not needed again
-        take_shards()
-        for key in list(wholes):  # written fewer times than counted (see below): complete too
-            left[key] = 0
+        for key in wholes:  # the initialiser has ended: every whole tensor is complete, written as often as counted
+            left[key] = 0  # or fewer (see below)
         take_shards()
         for index in unwritten:  # the initialiser has ended: a tensor written fewer times than counted is complete
             unwritten[index] -= set(written_in)
