@@ -1,8 +1,17 @@
 import os
 from concurrent.futures import Executor, Future
 
-import pytest
-import torch
+# [Note: one intra-op thread in the tests]
+# CI runs three tests at a time on two cores, each test's ranks in processes of their own. A process left at torch's
+# default (a thread per core) made its OpenMP threads spin against the others': tests/test_dynamic_use.py's plain
+# PyTorch references (a 16-wide model) took 82 s there, 6 s on one thread, and its test 64-77 s of the suite's
+# ~1200. Set before torch is imported, so that the processes tests start (subprocesses, torchrun, the fork server's
+# ranks) inherit it too and an in-process run and a fresh process sum in the same order. A benchmark or test that
+# wants more threads sets them itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from hetero.memory import ChunkManager, moves
 

@@ -125,7 +125,7 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
 
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=512, n_layer=4, n_head=4, n_embd=256, block_size=64))
+    model = GPT(GPTConfig(vocab_size=512, n_layer=4, n_head=4, n_embd=args.embd, block_size=64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     precision = args.precision or ("bf16" if cuda else "fp32")
     config: dict[str, Any] = {"zero_stage": 3, "precision": precision, **extra}
@@ -186,6 +186,9 @@ def run(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--embd", type=int, default=256, help="the GPT's width (4 layers, 4 heads; 64 splits into chunks alike: tests)"
+    )
     ap.add_argument("--nvme-dir", help="a directory on the NVMe disk: adds the nvme configuration")
     ap.add_argument("--only", help="comma-separated configuration names")
     ap.add_argument(
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps: expected an integer >= 1, got {args.steps}")
+    if args.embd < 4 or args.embd % 4:
+        ap.error(f"--embd: expected a multiple of the 4 heads, got {args.embd}")
     if not torch.cuda.is_available():
         os.environ["HETERO_STANDIN"] = "1"  # before hetero makes its device
     names = [n for n in CONFIGS if n not in NVME or args.nvme_dir]
