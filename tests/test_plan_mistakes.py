@@ -140,9 +140,10 @@ def test_an_attention_declares_its_fused_layout():
         check_tensor_plan(per_head, GOOD, 2)
 
 
-@pytest.mark.parametrize("style", ["colwise", "colwise_qkv"])
-def test_a_fused_qkv_of_unequal_blocks_is_refused(style):
-    """Phi-3's qkv_proj with fewer key/value heads: q 64 wide, k and v 16; neither cut gives each rank its heads."""
+def test_a_fused_qkv_of_unequal_blocks_is_cut_by_heads():
+    """Phi-3's qkv_proj with fewer key/value heads: q 64 wide, k and v 16. A plain cut is refused naming
+    'colwise_qkv', which cuts each block by heads (tests/test_tp_fused_gqa.py trains it), where the key/value heads
+    divide by the degree."""
     torch.manual_seed(0)
     cfg = transformers.Phi3Config(
         vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
@@ -150,13 +151,16 @@ def test_a_fused_qkv_of_unequal_blocks_is_refused(style):
     )  # fmt: skip
     plan = {
         "model.layers.*.self_attn": "heads",
-        "model.layers.*.self_attn.qkv_proj": style,
+        "model.layers.*.self_attn.qkv_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise",
         "lm_head": "vocab_head",
     }
-    message = _refused(transformers.Phi3ForCausalLM(cfg), plan)
-    assert "blocks differ in width (q 64, k and v 16 each: 8 query heads, 2 key/value heads)" in message
-    assert "Fixed plan lines" not in message and "Split it into q, k and v projections" in message
+    message = _refused(transformers.Phi3ForCausalLM(cfg), plan, "'model.layers.*.self_attn.qkv_proj': 'colwise_qkv'")
+    assert "fused q/k/v projection (96 = q 64, k and v 16 each, one after another: Phi3Attention's layout)" in message
+    plan["model.layers.*.self_attn.qkv_proj"] = "colwise_qkv"
+    check_tensor_plan(transformers.Phi3ForCausalLM(cfg), plan, 2)
+    with pytest.raises(ConfigError, match="2 key/value heads for 4 tensor ranks.*The degrees that work are 1, 2"):
+        check_tensor_plan(transformers.Phi3ForCausalLM(cfg), plan, 4)
 
 
 def _parity(rank: int, world: int) -> dict[str, float]:

@@ -77,7 +77,10 @@ def describe_cut(cut: Any) -> dict[str, Any]:
     if hasattr(cut, "to_dict"):  # a grid block: every rank's block indices
         return cut.to_dict()
     if all(hasattr(cut, a) for a in ("dim", "parts", "degree", "full_shape")):  # a 1D cut (TPShard)
-        return {"dim": cut.dim, "parts": cut.parts, "degree": cut.degree, "full_shape": list(cut.full_shape)}
+        out = {"dim": cut.dim, "parts": cut.parts, "degree": cut.degree, "full_shape": list(cut.full_shape)}
+        if getattr(cut, "sizes", None) is not None:  # unequal blocks (a fused q/k/v of fewer key/value heads)
+            out["sizes"] = list(cut.sizes)  # absent (earlier checkpoints, equal blocks): `parts` equal blocks
+        return out
     raise TypeError(f"a tensor-parallel cut of an unknown kind ({type(cut).__name__}): its shards cannot be joined")
 
 
@@ -86,15 +89,21 @@ def join_shards(cut: dict[str, Any], shards: Mapping[int, torch.Tensor]) -> torc
     per distinct block in a grid layout); `cut` as `describe_cut` gives it. Consolidation and
     `engine.full_state_dict()` both join through here."""
     from hetero.parallel.grid.shard import BlockShard
-    from hetero.parallel.tensor import TPShard, unshard
+    from hetero.parallel.tp_shard import TPShard, unshard
 
     wanted = stored_ranks(cut)
     if not set(wanted) <= shards.keys():
         raise ValueError(f"joining {cut['full_shape']} needs the shards of tensor ranks {wanted}, got {sorted(shards)}")
     if "indices" in cut:  # a grid layout: blocks by their stored ranks
         return BlockShard.from_dict(cut).join({r: shards[r] for r in wanted})
+    sizes = tuple(cut["sizes"]) if cut.get("sizes") is not None else None
     info = TPShard(
-        dim=cut["dim"], parts=cut["parts"], degree=cut["degree"], rank=0, full_shape=tuple(cut["full_shape"])
+        dim=cut["dim"],
+        parts=cut["parts"],
+        degree=cut["degree"],
+        rank=0,
+        full_shape=tuple(cut["full_shape"]),
+        sizes=sizes,
     )
     return unshard([shards[r] for r in wanted], info)
 

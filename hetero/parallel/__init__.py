@@ -5,7 +5,8 @@ from hetero.parallel.grid import BlockShard, Grid, apply_grid_parallel
 from hetero.parallel.mesh import Mesh
 from hetero.parallel.plans import BUILTIN_PLANS, STYLES, resolve_plan
 from hetero.parallel.ring import apply_ring, ring_attention
-from hetero.parallel.tensor import TPShard, apply_tensor_parallel, unshard
+from hetero.parallel.tensor import apply_tensor_parallel
+from hetero.parallel.tp_shard import TPShard, unshard
 from hetero.parallel.ulysses import apply_ulysses
 from hetero.parallel.vocab import vocab_parallel_cross_entropy
 

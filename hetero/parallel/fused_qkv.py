@@ -17,14 +17,29 @@ its `qkv_layout` attribute where it declares one ("blocks" or "per_head"; how a 
 which it has), else its class (the families above, subclasses included), else blocks, the common layout. A layer
 is fused when its output width is the queries' width w (the row-parallel output layer's input, or heads x
 head_dim) plus twice the keys' (3w with as many key/value heads as query heads; w (1 + 2 kv / heads) with kv of
-them). With fewer key/value heads than query heads the blocks are unequal (Phi-3-medium: 40 query heads, 10
-key/value heads) and no style of hetero's cuts them: refused, with the layer's split into q, k and v as the fix.
-The decision reads only the modules' classes, attributes and shapes, the same on every rank.
+them). The decision reads only the modules' classes, attributes and shapes, the same on every rank.
+
+With fewer key/value heads than query heads the blocks differ in width (Phi-3-medium and Phi-4: 40 query heads and
+10 key/value heads of 128, q 5120 wide, k and v 1280 each), and `colwise_qkv` cuts each by its own heads: rank r
+holds its slice of q (w / t, its query heads), then of k and of v (kv width / t, its key/value heads), a `TPShard`
+whose `sizes` are the three widths, read from the shapes before `heads` changes the counts (`qkv_blocks`).
+Checkpoints record them (a record without them, an earlier checkpoint's, is equal blocks); the shard reads of
+`weights=` and lazy init, consolidation, `full_state_dict` and `full_grads` cut and join by them. Under Hugging
+Face's grouping query head j reads key/value head j // (heads / kv), so rank r's query heads read exactly its key/
+value heads, and the attention, its counts divided by `heads` (Phi-3's from a copy of its config,
+kv_replicas.head_counts), splits the local output at its own q, k and v widths. The key/value heads must divide by
+the degree: holding one whole on several ranks ([Note: key/value heads replicated over tensor ranks]) needs k and
+v projections of their own, so a larger degree is refused naming those that work; the grid modes cut a fused
+layer's blocks alike (BlockShard's `fused`) and refuse unequal ones, naming tensor_mode '1d'. Measured on
+tests/test_tp_fused_gqa.py's Phi-3 (hidden 64, 4 query heads over 2 key/value heads, qkv_proj biased) at tensor 2,
+its first batch: `colwise_qkv` 4.19857, plain PyTorch's 4.19857 (float64's too), gradients within 4e-7 of
+float64's; a plain `colwise` cut (refused: rank 0 holds all of q, rank 1 k and v) 4.17864, gradients off by up to
+130%. Before, this layer was refused under every style, the attention left whole or split into q, k and v.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from torch import nn
 
@@ -100,10 +115,11 @@ def _fused(out: int, width: int, heads: int | None, kv: int | None) -> bool:
     return out * heads == width * (heads + 2 * kv)
 
 
-def check_fused(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]) -> list[tuple[str, str, str]]:
-    """The column-parallel layers inside attentions styled 'heads' whose cut does not fit their output: (layer, the
-    style it must have, or "" for none, why) for each."""
-    wrong = []
+def _fused_layers(
+    resolved: Mapping[str, str], modules: Mapping[str, nn.Module]
+) -> Iterator[tuple[str, str, str, int, int, int | None, int | None]]:
+    """(attention, layer, its column style, output features, queries' width, query heads, key/value heads) of each
+    column-parallel layer inside an attention styled 'heads' whose queries' width is known."""
     for outer, style in resolved.items():
         if "heads" not in style.split("+"):
             continue
@@ -114,42 +130,63 @@ def check_fused(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]) -
         if not width:
             continue
         for sub, inner in attention.named_modules():
-            name = f"{outer}.{sub}"
-            parts = set(resolved.get(name, "").split("+"))
-            given = parts & {"colwise", "colwise_qkv"}
-            if not sub or not given or (dims := features(inner)) is None:
-                continue
-            given_style, out = given.pop(), dims[1]
-            what = f"{name} ({type(inner).__name__} {dims[0]} -> {out}) inside {outer}"
-            if not _fused(out, width, heads, kv):
-                if given_style == "colwise_qkv":
-                    why = (f"{what} is styled 'colwise_qkv', but its {out} outputs are not q, k and v (the queries "
-                           f"are {width} wide): cut in thirds, each rank would hold parts of three runs of its "
-                           "features. It is a plain projection")  # fmt: skip
-                    wrong.append((name, "colwise", why))
-                continue
-            layout = qkv_layout(attention, outer)
-            if out != 3 * width and layout == "blocks":
-                why = (f"{what} is a fused q/k/v projection whose blocks differ in width (q {width}, k and v "
-                       f"{(out - width) // 2} each: {heads} query heads, {kv} key/value heads); no style of hetero's "
-                       "cuts each block by heads there. Split it into q, k and v projections (plan them 'colwise'), "
-                       "or leave this attention out of the plan, its heads whole on every tensor rank (not under "
-                       "sequence parallelism, which cuts its input; for tensor_plan 'auto': the model's built-in plan, "
-                       "hetero.parallel.plans.auto_plan(model), without the attention's lines)")  # fmt: skip
-                wrong.append((name, "", why))
-                continue
-            wanted = "colwise_qkv" if layout == "blocks" else "colwise"
-            if given_style != wanted:
-                wrong.append((name, wanted, _why(what, layout, out, width, type(attention).__name__)))
+            given = set(resolved.get(f"{outer}.{sub}", "").split("+")) & {"colwise", "colwise_qkv"}
+            if sub and given and (dims := features(inner)) is not None:
+                yield outer, f"{outer}.{sub}", given.pop(), dims[1], width, heads, kv
+
+
+def qkv_blocks(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]) -> dict[str, tuple[int, int, int]]:
+    """The layers styled 'colwise_qkv' that hold q, k and v in blocks of unequal width (fewer key/value heads than
+    query heads) -> the blocks' widths (q, k, v), which their cut takes each by heads (see the Note)."""
+    out = {}
+    for outer, name, given, out_features, width, heads, kv in _fused_layers(resolved, modules):
+        unequal = out_features != 3 * width and _fused(out_features, width, heads, kv)
+        if given == "colwise_qkv" and unequal and qkv_layout(modules[outer], outer) == "blocks":
+            kv_width = (out_features - width) // 2
+            out[name] = (width, kv_width, kv_width)
+    return out
+
+
+def check_fused(
+    resolved: Mapping[str, str], modules: Mapping[str, nn.Module], *, grid: str = ""
+) -> list[tuple[str, str, str]]:
+    """The column-parallel layers inside attentions styled 'heads' whose cut does not fit their output: (layer, the
+    style it must have, or "" for none, why) for each. `grid`: the grid mode cutting them ("" for 1D), which cuts a
+    fused layer's blocks alike and so refuses unequal ones."""
+    wrong = []
+    for outer, name, given_style, out, width, heads, kv in _fused_layers(resolved, modules):
+        attention, inner = modules[outer], modules[name]
+        what = f"{name} ({type(inner).__name__} {features(inner)[0]} -> {out}) inside {outer}"  # type: ignore[index]
+        if not _fused(out, width, heads, kv):
+            if given_style == "colwise_qkv":
+                why = (f"{what} is styled 'colwise_qkv', but its {out} outputs are not q, k and v (the queries "
+                       f"are {width} wide): cut in thirds, each rank would hold parts of three runs of its "
+                       "features. It is a plain projection")  # fmt: skip
+                wrong.append((name, "colwise", why))
+            continue
+        layout = qkv_layout(attention, outer)
+        if out != 3 * width and layout == "blocks" and grid:
+            why = (f"{what} is a fused q/k/v projection whose blocks differ in width (q {width}, k and v "
+                   f"{(out - width) // 2} each: {heads} query heads, {kv} key/value heads); tensor_mode {grid!r} cuts "
+                   "a fused layer's blocks alike, not each by its own heads. Use tensor_mode '1d' (which does), or "
+                   "split the layer into q, k and v projections (plan them 'colwise')")  # fmt: skip
+            wrong.append((name, "", why))
+            continue
+        wanted = "colwise_qkv" if layout == "blocks" else "colwise"
+        if given_style != wanted:
+            wrong.append((name, wanted, _why(what, layout, out, width, type(attention).__name__)))
     return wrong
 
 
 def _why(what: str, layout: str, out: int, width: int, cls: str) -> str:
     if layout == "blocks":
+        blocks = f"q, k, v of {width} each" if out == 3 * width else f"q {width}, k and v {(out - width) // 2} each"
+        half = out // 2  # rank 0's features at t = 2
+        held = "part of q" if half < width else "all of q" + (" and part of k" if half > width else "")
         return (
-            f"{what} is a fused q/k/v projection ({out} = q, k, v of {width} each, one after another: {cls}'s "
-            f"layout) styled 'colwise': a plain cut gives rank 0 the first {out} / t features, all of q and part "
-            "of k at t = 2, not its own heads' q, k and v, and the model trains wrong without an error. "
+            f"{what} is a fused q/k/v projection ({out} = {blocks}, one after another: {cls}'s layout) styled "
+            f"'colwise': a plain cut gives rank 0 the first {out} / t features, {held} at t = 2, not its own heads' "
+            "q, k and v, and the model trains wrong without an error. "
             "'colwise_qkv' cuts each of q, k and v by heads (if this layer holds each head's q, k, v side by side "
             f"instead, set qkv_layout = 'per_head' on {cls})"
         )

@@ -185,7 +185,16 @@ def kv_projections(resolved: Mapping[str, str], modules: Mapping[str, nn.Module]
             if not name.startswith(f"{outer}.") or not parts & {"colwise", "colwise_qkv"}:
                 continue
             width = _out_features(modules[name])
-            if "colwise_qkv" in parts or width not in (kv_width, q_width):
+            if "colwise_qkv" in parts:  # q, k and v each cut by heads: the key/value heads divide by the degree
+                works = [d for d in working_degrees(layout.heads, layout.kv_heads) if layout.kv_heads % d == 0]
+                raise ConfigError(
+                    f"{name}: {outer} has {layout.kv_heads} key/value heads for {degree} tensor ranks, and its fused "
+                    "q/k/v projection (style 'colwise_qkv') is cut by heads, each rank holding a share of them; "
+                    "holding a key/value head whole on several ranks needs k and v projections of their own. The "
+                    f"degrees that work are {', '.join(map(str, works))} (or split the layer into q_proj, k_proj "
+                    "and v_proj, planned 'colwise')"
+                )
+            if width not in (kv_width, q_width):
                 raise ConfigError(
                     f"{name}: {outer} has {layout.kv_heads} key/value heads for {degree} tensor ranks, so each "
                     f"rank holds a whole key/value head, and a column-parallel layer inside it must project either "

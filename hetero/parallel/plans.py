@@ -6,7 +6,8 @@ inside one name component (``layers.*.attn.q_proj``) and ``?`` for one. A style 
 
 Styles:
 - ``colwise``: ``nn.Linear`` or Hugging Face ``Conv1D`` with its output features sharded; ``colwise_qkv`` the same
-  for a fused q/k/v projection holding all of q, then k, then v (each third sharded on its own, GPT-2's ``c_attn``).
+  for a fused q/k/v projection holding all of q, then k, then v (each block sharded on its own, GPT-2's ``c_attn``;
+  with fewer key/value heads, Phi-3-medium's ``qkv_proj``, k and v are narrower than q and cut by key/value heads).
   One holding each head's q, k and v side by side (GPT-NeoX's ``query_key_value``) is plain ``colwise``; which one a
   layer has is checked ([Note: fused q/k/v projections] in fused_qkv.py), as is that cuts chain: a ``colwise`` layer
   widening the hidden states, the ``rowwise`` one after it bringing them back ([Note: cuts that must chain]).
@@ -134,7 +135,8 @@ def _llama(prefix: str, head: bool, head_norms: bool = False) -> dict[str, str]:
 
 def _phi3(prefix: str, head: bool) -> dict[str, str]:
     """Phi-3 of transformers (Phi-4 has its layout): Llama's with fused projections, qkv_proj holding all of q, then
-    k, then v, and gate_up_proj all of gate, then up, each cut by its blocks."""
+    k, then v (k and v narrower with fewer key/value heads: Phi-3-medium, Phi-4), and gate_up_proj all of gate, then
+    up, each cut by its blocks."""
     p = prefix
     plan = {
         f"{p}embed_tokens": "vocab",

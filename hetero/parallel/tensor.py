@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from hetero.comm import Comm
 from hetero.errors import ConfigError
+from hetero.parallel.fused_qkv import qkv_blocks
 from hetero.parallel.kv_replicas import ReplicaGroups, head_counts, kv_layout, kv_projections, shard_kv_projection
 from hetero.parallel.plan_checks import check_styles_given
 from hetero.parallel.plans import COLUMN, FUSED_PARTS, resolve_plan
@@ -39,67 +39,24 @@ from hetero.parallel.sequence import (
 )
 from hetero.parallel.tp_ops import copy_to_region, gather_seq, reduce_from_region, reduce_scatter_seq
 from hetero.parallel.tp_rng import RegionRng
+from hetero.parallel.tp_shard import TPShard, check_divides, shard_of, unshard  # noqa: F401 (unshard: imported from here)
 from hetero.parallel.vocab import AlignedLMLoss, CausalLMLoss, embed_vocab_parallel, local_padding_idx
 
 log = logging.getLogger("hetero.parallel")
+Blocks = tuple[int, ...] | None  # a fused layer's unequal block widths (TPShard.sizes)
 
 
-@dataclass(frozen=True)
-class TPShard:
-    """How a sharded parameter was cut: ``parts`` blocks along ``dim`` (3 for a fused q/k/v, 2 for a fused gate/up),
-    each split in ``degree`` equal slices; rank ``rank`` holds slice ``rank`` of every block, concatenated."""
-
-    dim: int
-    parts: int
-    degree: int
-    rank: int
-    full_shape: tuple[int, ...]
-
-    @property
-    def replicas(self) -> int:
-        """Tensor ranks holding this same shard: 1 (a 2.5D block may have more, see grid/shard.py)."""
-        return 1
-
-    @property
-    def stored_rank(self) -> int:
-        """The tensor rank whose copy a checkpoint stores: this one."""
-        return self.rank
-
-
-def unshard(shards: Sequence[torch.Tensor], info: TPShard) -> torch.Tensor:
-    """The full tensor from every tensor rank's shard, in rank order (checkpoints, tests); `BlockShard.join`'s twin."""
-    if not isinstance(info, TPShard):
-        return info.join(shards)
-    if len(shards) != info.degree:
-        raise ValueError(f"unshard needs {info.degree} shards (one per tensor rank), got {len(shards)}")
-    blocks = [s.chunk(info.parts, info.dim) for s in shards]
-    return torch.cat([torch.cat([b[p] for b in blocks], info.dim) for p in range(info.parts)], info.dim)
-
-
-def _shard_of(full: torch.Tensor, info: TPShard) -> torch.Tensor:
-    return torch.cat([b.chunk(info.degree, info.dim)[info.rank] for b in full.chunk(info.parts, info.dim)], info.dim)
-
-
-def _check_divides(param: nn.Parameter, dim: int, parts: int, degree: int, what: str) -> None:
-    if param.shape[dim] % (parts * degree):
-        split = f"{parts} parts x {degree} tensor ranks" if parts > 1 else f"{degree} tensor ranks"
-        raise ConfigError(
-            f"{what}: dimension {dim} of shape {tuple(param.shape)} does not divide into {split}; choose a "
-            "tensor-parallel degree that divides it (or pad the layer)"
-        )
-
-
-def _shard(param: nn.Parameter, dim: int, parts: int, comm: Comm, what: str) -> None:
+def _shard(param: nn.Parameter, dim: int, parts: int, comm: Comm, what: str, sizes: Blocks = None) -> None:
     """Replace ``param.data`` by this rank's shard, once (a tied parameter is met twice)."""
     done = getattr(param, "_hetero_tp", None)
     if done is not None:
-        if (done.dim, done.parts) != (dim, parts):
+        if (done.dim, done.parts, done.sizes) != (dim, parts, sizes):
             raise ConfigError(f"{what} is tied to a parameter already sharded differently ({done}): plan them alike")
         return
-    _check_divides(param, dim, parts, comm.size, what)
-    info = TPShard(dim=dim, parts=parts, degree=comm.size, rank=comm.rank, full_shape=tuple(param.shape))
+    check_divides(param, dim, parts, comm.size, what, sizes)
+    info = TPShard(dim=dim, parts=parts, degree=comm.size, rank=comm.rank, full_shape=tuple(param.shape), sizes=sizes)
     with torch.no_grad():
-        param.data = _shard_of(param.data, info).contiguous().clone()
+        param.data = shard_of(param.data, info).contiguous().clone()
     param.grad = None  # a gradient of the full shape would no longer fit
     param._hetero_tp = info
 
@@ -113,6 +70,7 @@ class _Region:
         self.rng = RegionRng(comm)  # this rank's stream inside the region ([Note: dropout under tensor parallelism])
         self.kv: dict[str, Any] = {}  # key/value projections holding whole heads replicated over ranks -> KVReplicas
         self.kv_groups = ReplicaGroups(comm)  # the ranks that share a key/value head, by replica count
+        self.blocks: dict[str, tuple[int, ...]] = {}  # fused q/k/v layers of unequal blocks -> their widths
 
     def enter(self, x: torch.Tensor, *, sequence: bool, head: bool = False) -> torch.Tensor:
         """f (or the all-gather along the sequence under SP), unless a parent module brought ``x`` in already:
@@ -241,18 +199,18 @@ def linear_dims(module: nn.Module, name: str, style: str) -> tuple[int, int]:
     raise ConfigError(f"{name} is a {type(module).__name__}: style {style!r} needs an nn.Linear or a Conv1D")
 
 
-def _check(part: str, module: nn.Module, name: str, degree: int) -> None:
+def _check(part: str, module: nn.Module, name: str, degree: int, sizes: Blocks = None) -> None:
     """Raise before anything changes if a style cannot apply to a module at this degree."""
     what = f"{name} ({part})"
     if part in (*COLUMN, "rowwise"):
         out_dim, in_dim = linear_dims(module, name, part)
         parts = FUSED_PARTS.get(part, 1)
-        _check_divides(module.weight, in_dim if part == "rowwise" else out_dim, parts, degree, what)
+        check_divides(module.weight, in_dim if part == "rowwise" else out_dim, parts, degree, what, sizes)
     elif part in ("vocab", "vocab_head"):
         kind = nn.Embedding if part == "vocab" else nn.Linear
         if not isinstance(module, kind):
             raise ConfigError(f"{name} is a {type(module).__name__}: style {part!r} needs an {kind.__name__}")
-        _check_divides(module.weight, 0, 1, degree, what)
+        check_divides(module.weight, 0, 1, degree, what)
     elif part == "heads" and kv_layout(module, name, degree) is None:  # replicated key/value heads: kv_replicas.py
         head_counts(module, name, degree)
 
@@ -286,9 +244,10 @@ def _apply(part: str, module: nn.Module, name: str, region: _Region) -> None:
         if name in region.kv:  # [Note: key/value heads replicated over tensor ranks]
             shard_kv_projection(module, name, out_dim, region.kv[name], region.kv_groups)
         else:
-            _shard(module.weight, out_dim, parts, comm, f"{name}.weight")
+            sizes = region.blocks.get(name)  # [Note: fused q/k/v projections]: q, k and v each cut by heads
+            _shard(module.weight, out_dim, parts, comm, f"{name}.weight", sizes)
             if getattr(module, "bias", None) is not None:
-                _shard(module.bias, 0, parts, comm, f"{name}.bias")
+                _shard(module.bias, 0, parts, comm, f"{name}.bias", sizes)
         _swap_class(module, _VocabHead if part == "vocab_head" else _Colwise, region, name)
         _set_features(module, out=module.weight.shape[out_dim])
     elif part == "rowwise":
@@ -386,10 +345,11 @@ def check_tensor_plan(
     modules = dict(model.named_modules())
     kv = kv_projections(resolved, modules, degree)  # replicated key/value heads: the layers that hold them
     check_styles_given(resolved, modules, sequence=sequence, degree=degree)  # [Note: styles a plan cannot leave out]
+    blocks = qkv_blocks(resolved, modules)
     for name, style in resolved.items():
         for part in style.split("+"):
             if not (part == "colwise" and name in kv):  # a whole head each: no divisibility by the degree
-                _check(part, modules[name], name, degree)
+                _check(part, modules[name], name, degree, blocks.get(name))
     _check_inside(resolved, modules)
     styles = {part for style in resolved.values() for part in style.split("+")}
     if missing := [s for s in ("sequence_scatter", "sequence_gather") if sequence and strict and s not in styles]:
@@ -428,6 +388,7 @@ def apply_tensor_parallel(
         check_replicas(model, comm)
     region = _Region(comm, sequence)
     region.kv = kv_projections(resolved, modules, comm.size)
+    region.blocks = qkv_blocks(resolved, modules)  # read before `heads` changes the attentions' counts
     for name, style in resolved.items():
         for part in style.split("+"):
             _apply(part, modules[name], name, region)

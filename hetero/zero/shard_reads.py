@@ -1,16 +1,17 @@
 """A tensor-parallel rank's shard of a weight, read from the files without reading the whole tensor.
 
 [Note: reading a tensor-parallel shard]
-Files hold whole tensors; a weight that tensor parallelism cut (`TPShard` in hetero/parallel/tensor.py, a grid's
+Files hold whole tensors; a weight that tensor parallelism cut (`TPShard` in hetero/parallel/tp_shard.py, a grid's
 `BlockShard` in hetero/parallel/grid/shard.py) is, on each rank, the whole tensor indexed along every dimension by a
-few intervals of that dimension (one where the dimension is cut, `parts` or `fused` where a fused q/k/v is cut by
-thirds, the whole dimension elsewhere), in increasing order. In the file's row-major order such a shard is a set of
-contiguous runs: everything after the last cut dimension is whole, so each run is one interval of that dimension
-times the whole inner dimensions. A row split (dim 0 of a Linear weight) is one run per interval, one positioned
-read; a column split (dim 1) is one run per row, each row's share read on its own. Each rank therefore reads its
-shard's bytes and holds only them (before, every tensor rank read each whole tensor and sliced it: over T tensor
-ranks T times the bytes, and the whole tensor plus its slice in host memory at once). A range of the shard's
-elements (a stage-3 rank's part of its chunk, a tile's rows) reads only the runs that range covers.
+few intervals of that dimension (one where the dimension is cut, one per block where a fused q/k/v or gate/up is
+cut block by block, whatever the blocks' widths, the whole dimension elsewhere), in increasing order. In the file's
+row-major order such a shard is a set of contiguous runs: everything after the last cut dimension is whole, so each
+run is one interval of that dimension times the whole inner dimensions. A row split (dim 0 of a Linear weight) is
+one run per interval, one positioned read; a column split (dim 1) is one run per row, each row's share read on its
+own. Each rank therefore reads its shard's bytes and holds only them (before, every tensor rank read each whole
+tensor and sliced it: over T tensor ranks T times the bytes, and the whole tensor plus its slice in host memory at
+once). A range of the shard's elements (a stage-3 rank's part of its chunk, a tile's rows) reads only the runs that
+range covers.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ def shard_intervals(cut: Any) -> list[Intervals]:
             step = size // p
             out[d] = [(f * size + i * step, f * size + (i + 1) * step) for f in range(thirds)]
         return out
-    # 1D's TPShard: slice `rank` of `degree` in each of `parts` blocks along `dim`.
-    block = shape[cut.dim] // cut.parts
-    step = block // cut.degree
-    out[cut.dim] = [(p * block + cut.rank * step, p * block + (cut.rank + 1) * step) for p in range(cut.parts)]
+    # 1D's TPShard: slice `rank` of `degree` in each block along `dim` (`parts` equal ones, or `sizes` wide).
+    sizes = getattr(cut, "sizes", None) or (shape[cut.dim] // cut.parts,) * cut.parts
+    out[cut.dim], start = [], 0
+    for width in sizes:
+        step = width // cut.degree
+        out[cut.dim].append((start + cut.rank * step, start + (cut.rank + 1) * step))
+        start += width
     return out
 
 

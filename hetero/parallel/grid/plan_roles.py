@@ -87,7 +87,9 @@ def check_plan_roles(resolved: Mapping[str, str], modules: Mapping[str, nn.Modul
     fit it or leaves out a style it cannot do without ([Note: plan mistakes under a grid]); changes nothing."""
     chain = check_chain(resolved, modules, grid.q)
     wrong = [(n, new, _chain_why(n, modules[n], _cut(resolved[n]), new, modules, grid.mode)) for n, new, _ in chain]
-    wrong += check_fused(resolved, modules)  # the 1D words hold: the output features are cut q ways, as at t = q
+    # The 1D words hold (the output features are cut q ways, as at t = q), but for unequal q/k/v blocks
+    # ([Note: fused q/k/v projections]): a grid's BlockShard cuts a fused layer's blocks alike.
+    wrong += check_fused(resolved, modules, grid=grid.mode)
     if wrong:
         seen: dict[str, tuple[str, str]] = {}  # one entry per pattern: the copies in other blocks say the same
         for name, new, why in wrong:
