@@ -1,7 +1,7 @@
 """A spent disk quota seen before a save writes anything ([Note: a quota seen before the save] in
-hetero/checkpoint/space.py): the file system's free space does not show a quota, so rank 0 reserves the checkpoint's
-bytes with fallocate and frees them; a refusal (injected here as EDQUOT) is the save's error before any byte is
-written, worded as a quota, and nothing is left behind."""
+hetero/checkpoint/space.py): the file system's free space does not show a quota, so each rank reserves its part of
+the checkpoint's bytes with fallocate and frees them; a refusal (injected here as EDQUOT) is the save's error before
+any byte is written, worded as a quota, and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -56,19 +56,26 @@ def test_a_spent_quota_stops_the_save_before_anything_is_written(tmp_path, monke
         e.close()
 
 
+def reserve_and_free(tmp: str, nbytes: int) -> str:
+    """A rank's reservation, freed at once; why it is short ("" where it fits)."""
+    held = space.reserve(tmp, nbytes, rank=0, root=tmp)
+    space.release(held)
+    return held.short
+
+
 def test_the_reservation_is_skipped_where_it_would_take_memory_or_proves_nothing(tmp_path, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(direct, "fallocate", lambda fd, offset, length: calls.append(length) or True)
     monkeypatch.setattr(direct, "memory_file_system", lambda path: "tmpfs")
-    space.reserve_and_free(str(tmp_path), 1 << 30)
+    assert reserve_and_free(str(tmp_path), 1 << 30) == ""
     assert calls == []
     monkeypatch.setattr(direct, "memory_file_system", lambda path: None)
-    space.reserve_and_free(str(tmp_path), 1 << 30)
+    assert reserve_and_free(str(tmp_path), 1 << 30) == ""
     assert calls == [1 << 30] and os.listdir(tmp_path) == []
 
     def too_big(fd: int, offset: int, length: int) -> bool:  # the whole checkpoint in one file: no word on room
         raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
 
     monkeypatch.setattr(direct, "fallocate", too_big)
-    space.reserve_and_free(str(tmp_path), 1 << 30)
+    assert reserve_and_free(str(tmp_path), 1 << 30) == ""
     assert os.listdir(tmp_path) == []

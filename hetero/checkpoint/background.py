@@ -23,8 +23,9 @@ rank 0 has committed: minutes of idle accelerators for a large model saved often
    `load_checkpoint` and `close` wait for this rank's thread (in a patient meeting, [Note: patient meetings] in
    hetero/comm/patience.py: a slower rank is waited for while it is alive), then gather and commit the same way.
 A process killed while the thread writes leaves the new checkpoint a .tmp-* directory, which no reader opens and the
-next save deletes: `latest` names the previous complete checkpoint throughout. The copies' host memory is counted
-while they live ([Note: the checkpoint copy's memory] in host_copy.py).
+next save deletes ([Note: staging directories a stopped job left] in staging.py): `latest` names the previous
+complete checkpoint throughout. The copies' host memory is counted while they live
+([Note: the checkpoint copy's memory] in host_copy.py).
 
 [Note: an async save at exit]
 A script that returns with a save pending (no `wait_checkpoint()` nor `close()`) would end the writing thread, a
@@ -60,7 +61,6 @@ import atexit
 import collections
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -70,6 +70,7 @@ import psutil
 import torch
 
 from hetero.checkpoint import manifest as mf
+from hetero.checkpoint import staging
 from hetero.checkpoint.agree import SAVE, agree
 from hetero.checkpoint.describe import rank_info
 from hetero.checkpoint.host_copy import copy_of
@@ -130,7 +131,7 @@ def start(engine: Engine, comm: Comm, root: str, tag: str, tmp: str, plan: list[
         infos = agree(comm, error, f"copying checkpoint {tag!r} to host memory", value=info, advice=SAVE)
     except BaseException:
         if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            staging.remove(tmp)
             settle_stale(root, tag)
         raise
     head = manifest_head(engine, tag, infos) if comm.rank == 0 else None  # the engine as it is now, not at the commit
@@ -341,7 +342,7 @@ class PendingSave:
         gone = ""
         if not self.gathered:  # once its part is in the commit's gather, the directory is the commit's (commit.py)
             self.thread.join(_DROP_JOIN_S)  # so that it opens no file in the directory after it is gone
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            staging.remove(self.tmp)
             gone = ", and its temporary directory was removed"
         latest = mf.latest_tag(self.root)
         stands = f"`latest` still names {latest!r}" if latest else "no earlier checkpoint is there"

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hetero.checkpoint import blocks
+from hetero.checkpoint import blocks, staging
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint.describe import NOT_PER_RANK
 from hetero.errors import CheckpointError, disk_trouble
@@ -51,7 +51,7 @@ def finish(comm: Any, root: str, tag: str, tmp: str, infos: list[dict[str, Any]]
         except Exception as e:  # told to every rank below: none may wait for a rank 0 that raised on its own
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
             try:
-                shutil.rmtree(tmp, ignore_errors=True)
+                staging.remove(tmp)
                 settle_stale(root, tag)
             except Exception as again:  # noqa: BLE001 (said, then the broadcast below)
                 outcome = ("error", f"{outcome[1]}; cleaning up after it failed too: {type(again).__name__}: {again}")
@@ -105,6 +105,7 @@ def _commit(root: str, tag: str, tmp: str, infos: list[dict[str, Any]], data: by
             log.warning("%s: checkpoint %s is committed, but syncing %s failed: %s", root, tag, root, e)
         else:
             raise CheckpointError(_undone(root, tag, tmp, final if renamed else None, doing, before, e)) from e
+    staging.release(tmp)  # the directory is the checkpoint now: [Note: staging directories a stopped job left]
     try:
         settle_stale(root, tag)
     except OSError as e:  # the next save settles it
@@ -120,7 +121,7 @@ def _undone(root: str, tag: str, tmp: str, new: str | None, doing: str, before: 
     try:
         if new is not None:
             os.rename(new, tmp)  # the name a kill mid-deletion leaves to the next save, then the space back
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.remove(tmp)
         settle_stale(root, tag)  # a checkpoint of the same tag set aside: back under its tag
         left += [os.path.join(root, n) for n in os.listdir(root) if n.startswith(f"{mf.LATEST}.tmp-")]
     except OSError as again:

@@ -6,7 +6,9 @@
     ROOT/<tag>/state.pt               rank 0: param groups, client_state, LR scheduler (loaded weights_only=True)
     ROOT/<tag>/rank-00000.safetensors one per global rank, written in parallel
     ROOT/.tmp-<tag>-<nonce>/          a save in progress (or one killed midway): never read; the next save
-                                      deletes one left behind
+                                      deletes one left behind once its rank 0 is gone
+    ROOT/.tmp-<tag>-<nonce>.owner     whose save that is (rank 0's process), for the next save to tell a
+                                      stopped one from a live one (staging.py)
     ROOT/.stale-<tag>-<nonce>/        the checkpoint <tag> set aside by a save replacing it, for the instant
                                       between its two renames; read in its place if a kill left <tag> missing
 
@@ -48,7 +50,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STALE = ".stale-"  # ROOT/.stale-<tag>-<nonce>: see [Note: checkpoint layout]
-UNFINISHED = ".tmp-"  # ROOT/.tmp-<tag>-<nonce>: a save in progress, or killed (deleted by the next save)
+UNFINISHED = ".tmp-"  # ROOT/.tmp-<tag>-<nonce>: a save in progress, or killed (deleted by the next save: staging.py)
 NESTED = "hetero"  # HeteroTrainer's checkpoint-N/hetero/ (hetero/integrations/transformers.py)
 _RUN_BYTES = 64 << 20  # the most one vectored read asks for
 STATE_FILE = "state.pt"

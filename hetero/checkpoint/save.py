@@ -4,8 +4,9 @@
 1. Before a byte is written, rank 0 checks that the root is a writable directory, that the tag is new (or that
    replace=True allows replacing the latest checkpoint), and that the file system has room for every rank's
    planned bytes; the outcome is broadcast, so every rank raises the same error and nothing already saved is
-   touched.
-2. Rank 0 makes ROOT/.tmp-<tag>-<nonce>/; each rank writes rank-<global rank>.safetensors into it chunk by chunk
+   touched. Rank 0 makes ROOT/.tmp-<tag>-<nonce>/, and every rank reserves the bytes of its own part there
+   ([Note: each rank's room] in space.py); all ranks agree on the outcome.
+2. Each rank writes rank-<global rank>.safetensors into it chunk by chunk
    (written on I/O threads while the next chunk is brought to the host; a chunk on NVMe is read back and returned
    there) and fsyncs it.
 3. The ranks' sizes and checksums are gathered on rank 0, which writes state.pt and manifest.json, fsyncs them and
@@ -17,7 +18,8 @@ A checkpoint already under the tag (replace=True, or one `latest` never moved to
 is complete: it is renamed to ROOT/.stale-<tag>-<nonce>/ just before the new one takes its name, and deleted once
 `latest` has moved. A kill between those two renames leaves <tag> missing: readers then take the set-aside one
 (`manifest.resolve`), and the next save puts it back (`settle_stale`) before anything else. The next save also
-deletes the .tmp-* directories of saves killed midway (`_drop_unfinished`), so kills do not fill the disk. A commit
+deletes the .tmp-* directories of saves killed midway whose rank 0 is gone, so kills do not fill the disk, and never
+a live save's ([Note: staging directories a stopped job left] in staging.py). A commit
 that fails (a full disk, a spent quota) undoes itself on every rank: commit.py, [Note: a commit that fails].
 """
 
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.checkpoint import blocks
+from hetero.checkpoint import blocks, space, staging
 from hetero.checkpoint import manifest as mf
 from hetero.checkpoint import model_parallel as par
 from hetero.checkpoint.agree import SAVE, agree
@@ -40,7 +42,6 @@ from hetero.checkpoint.commit import finish, pause_for_test, settle_stale, worde
 from hetero.checkpoint.describe import engine_state, layout, rank_info
 from hetero.checkpoint.format import DIRECT_ALIGN, TensorWriter
 from hetero.checkpoint.plan import Item, chunk_runs, file_size, item_views, plan_items, read_tier, residue
-from hetero.checkpoint.space import reserve_and_free
 from hetero.comm.patience import Meeting
 from hetero.errors import CheckpointError, RankFailedError, RankTimeoutError
 from hetero.memory import Tier
@@ -107,18 +108,19 @@ def save_checkpoint(
     # 1. checks, then the temporary directory, decided on rank 0 for everyone
     outcome: tuple[str, str] = ("", "")
     state_bytes = b""  # rank 0's state.pt
+    part = sizes[comm.rank]  # the bytes this rank writes: its file, and on rank 0 state.pt and the manifest
     if comm.rank == 0:
         try:
             state_bytes = _small_state(engine, client_state, lr_scheduler)
-            need = sum(sizes) + len(state_bytes) + _extra_estimate(engine, plan, comm.size)
-            outcome = ("ok", _prepare(root, tag, need, replace))
+            part += len(state_bytes) + _extra_estimate(engine, plan, comm.size)
+            outcome = ("ok", _prepare(root, tag, sum(sizes) - sizes[0] + part, replace))
         except Exception as e:  # any failure here is every rank's error: none may wait on rank 0
             outcome = ("error", str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     status, value = comm.broadcast_object(outcome, src=0)
     if status != "ok":
         raise CheckpointError(value)
     tmp = os.path.join(root, os.path.basename(value))  # rank 0's directory, as this rank sees the root
-    _check_shared(comm, root, tmp)
+    _check_shared(comm, root, tmp, int(part * _SPACE_MARGIN))
     if async_save and not short:
         return background.start(engine, comm, root, tag, tmp, plan, state_bytes)
     # 2. every rank writes its shard, however long that takes it ([Note: patient meetings] in hetero/comm/patience.py)
@@ -136,7 +138,7 @@ def save_checkpoint(
         infos = comm.all_gather_object(info)
     except BaseException as e:  # a rank dead or hung: nothing is committed
         if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            staging.remove(tmp)
             settle_stale(root, tag)
         note = f" Checkpoint {tag!r} was not committed: the checkpoints under {root} are as they were."
         if isinstance(e, RankTimeoutError):
@@ -147,18 +149,30 @@ def save_checkpoint(
     return finish(comm, root, tag, tmp, infos, state_bytes, lambda infos: manifest_head(engine, tag, infos))
 
 
-def _check_shared(comm: Any, root: str, tmp: str) -> None:
+def _check_shared(comm: Any, root: str, tmp: str, nbytes: int) -> None:
     """[Note: a shared file system]
     Every rank writes its file into the temporary directory rank 0 made, and a load reads every rank's file: across
     nodes the root must be one file system that all of them mount at the same path (NFS, Lustre, GPFS, ...). A rank
     that does not see rank 0's directory is on another file system; every rank stops with the same error before a
-    byte is written."""
-    seen = comm.all_gather_object(os.path.isdir(tmp))
-    if all(seen):
+    byte is written. The same gather carries each rank's reservation of its `nbytes` ([Note: each rank's room] in
+    space.py): one rank short, every rank raises the same error naming it."""
+    seen = os.path.isdir(tmp)
+    held = space.reserve(tmp, nbytes, rank=comm.global_rank(comm.rank), root=root) if seen else None
+    try:
+        told = comm.all_gather_object((seen, held.short if held is not None else ""))
+    finally:
+        space.release(held)  # after the gather: every rank held its part at once
+    short = [why for ok, why in told if ok and why]
+    if all(ok for ok, _ in told) and not short:
         return
     if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    blind = [r for r, ok in enumerate(seen) if not ok]
+        staging.remove(tmp)
+    blind = [r for r, (ok, _) in enumerate(told) if not ok]
+    if not blind:
+        raise CheckpointError(
+            f"{'; '.join(short)}. Nothing was written: the checkpoints under {root} are as they were, and training "
+            "can go on"
+        )
     raise CheckpointError(
         f"{root} is not one shared directory: ranks {blind} do not see the directory rank 0 made in it "
         f"({os.path.basename(tmp)}). Checkpoints of a job on several nodes need a file system every node mounts at "
@@ -282,7 +296,7 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
     if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"{root} is not a writable directory: choose another path or fix its permissions")
     settle_stale(root)  # what a save killed between its renames left: before the tag is looked at
-    _drop_unfinished(root)
+    staging.sweep(root)  # what saves stopped midway left, their rank 0 gone
     final = os.path.join(root, tag)
     if os.path.exists(final) and mf.latest_tag(root) == tag and not replace:
         raise CheckpointError(
@@ -303,10 +317,10 @@ def _prepare(root: str, tag: str, nbytes: int, replace: bool) -> str:
         log.warning("%s was not the latest checkpoint: replaced by this save", final)
     tmp = os.path.join(root, f"{mf.UNFINISHED}{tag}-{secrets.token_hex(4)}")
     try:
+        staging.claim(tmp)  # before the directory: [Note: staging directories a stopped job left]
         os.makedirs(tmp)
-        reserve_and_free(tmp, need)  # a spent quota, which the free space above does not show: space.py
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.remove(tmp)
         raise CheckpointError(
             f"cannot write under {root} (the checkpoint needs about {need / 2**20:.1f} MiB): {worded(e, root)}. "
             "Nothing was written"
@@ -347,13 +361,3 @@ def manifest_head(engine: Engine, tag: str, infos: list[dict[str, Any]]) -> dict
         "layout": layout(engine),
         "model": par.merge_tables([i["model"] for i in infos]),
     }
-
-
-def _drop_unfinished(root: str) -> None:
-    """Delete what saves killed midway left (.tmp-* directories, never read): each as large as a checkpoint, they
-    would fill the disk a kill at a time. One save at a time writes under a root (a job's saves are collective and
-    in turn), so none of them is in progress now."""
-    for name in sorted(os.listdir(root)):
-        if name.startswith(mf.UNFINISHED) and os.path.isdir(os.path.join(root, name)):
-            log.warning("%s: removing %s, left by a save that did not finish", root, name)
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
