@@ -746,9 +746,10 @@ class Engine(DeepSpeedNames):
         self._in_step = False
         self._grads_final = boundary  # full_grads may read them until step()
 
-    def drop_accumulation(self, failed: Exception) -> None:
-        """After a backward (or a pipeline's batch: `train_batch`) that raised: its gradients, and those of the
-        accumulation's micro-batches before it, are dropped, and the accumulation starts again."""
+    def drop_accumulation(self, failed: BaseException, *, what: str = "engine.backward") -> None:
+        """After a backward (or a pipeline's batch: `train_batch`, or its `on_grads`: `what`) that raised: its
+        gradients, and those of the accumulation's micro-batches before it, are dropped, and the accumulation starts
+        again."""
         # [Note: a backward that fails]
         # A backward that raises (out of memory, a check in the model's own backward hook) had added part of its
         # gradients into the chunks: the next update stepped on them (measured: a loop skipping such a batch, as
@@ -783,11 +784,13 @@ class Engine(DeepSpeedNames):
         self.watch.backward_dropped()
         self.settle_update()  # a pending delayed update still reads the gradient buffers
         self.updater.zero_grads()
+        self.dense.forget()  # reduced ones too: the next update reduces what the accumulation adds anew
         self.accumulated = 0
         self._grads_final = False
         self.manager.step_end(keep=False)  # a partial step is no trace to replay: the next one is recorded afresh
         log.warning(
-            "engine.backward raised %s: its gradients are dropped%s, and the accumulation starts again",
+            "%s raised %s: its gradients are dropped%s, and the accumulation starts again",
+            what,
             type(failed).__name__,
             f" with those of the {dropped} micro-batch(es) before it" if dropped else "",
         )
@@ -858,15 +861,31 @@ class Engine(DeepSpeedNames):
         per-tier memory and bytes moved between tiers (hetero/metrics.py)."""
         return self.monitor.metrics()
 
-    def train_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> torch.Tensor:
+    def train_batch(
+        self,
+        inputs: Any,
+        labels: Any = None,
+        loss_fn: Any = None,
+        *,
+        on_grads: Callable[[Engine], Any] | None = None,
+    ) -> torch.Tensor:
         """Forward, backward and step on this data-parallel rank's batch, split into `parallel.microbatches`
         micro-batches (through the pipeline stages when there are any); returns the mean loss over the global batch,
-        on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`."""
+        on every rank. loss_fn None: the model's own `.loss` from `model(inputs, labels=labels)`.
+        on_grads: called with the engine on every rank after the batch's last backward and before its update (and
+        clipping), when this batch ends an accumulation: `engine.full_grads()` works inside it; what it returns is
+        ignored. Pass it on every rank or on none ([Note: gradients read inside train_batch] in
+        hetero/zero/grad_views.py)."""
         self._refuse_if_stopped("train_batch")
+        if on_grads is not None and not callable(on_grads):
+            raise TypeError(
+                f"train_batch: on_grads must be a callable taking the engine, got {type(on_grads).__name__}"
+            )
+        before_update = functools.partial(self._on_grads, on_grads) if on_grads is not None else None
         with self.agree.entry({"inputs": inputs, "labels": labels}, "train_batch"):
             if self.stages is not None or self.config.parallel.microbatches > 1:
                 try:
-                    return train_batch(self, inputs, labels, loss_fn)
+                    return train_batch(self, inputs, labels, loss_fn, before_update=before_update)
                 except BaseException as e:
                     # [Note: a forward that fails]; where its forward told the others, this rank stopped already
                     # A failed async_save raised at its update boundary, on every rank alike: training may go on.
@@ -887,10 +906,40 @@ class Engine(DeepSpeedNames):
                 del out
             forwards_done = self.check.seq
             self.backward(loss)
+            if on_grads is not None:
+                self._on_grads(on_grads, reduced=True)  # engine.backward reduced them and marked them final
             self.step()
         mean = self.device.to_host(loss.detach(), torch.float32, copy=True)
         mean_over_ranks(self, mean, self.comm, forwards_done)
         return mean
+
+    def _on_grads(self, on_grads: Callable[[Engine], Any], *, reduced: bool = False) -> None:
+        """train_batch's `on_grads`, after the batch's last backward, before its update; `reduced`: the gradients are
+        reduced and marked final already (engine.backward did it), else a batch of micro-batches ends here
+        ([Note: gradients read inside train_batch] in hetero/zero/grad_views.py)."""
+        if not self.is_gradient_accumulation_boundary():
+            return  # the accumulation goes on: its last batch's callback reads the gradients
+        if not reduced:
+            self.dense.reduce_now()  # stages 0-1: the update's reduction, now (stages 2-3 reduced the batch already)
+            self._grads_final = True
+        try:
+            on_grads(self)
+        except BaseException as e:
+            self._grads_final = False
+            if isinstance(e, CommError):  # a collective inside it failed: nothing more may be sent
+                raise
+            if self.mesh.world.size == 1:
+                self.drop_accumulation(e, what="train_batch's on_grads")
+                raise
+            post_failure(e, why="in train_batch's on_grads, whose collectives its peers may be inside")
+            add_note(
+                e,
+                "hetero: on_grads raised on this rank; the other ranks may wait inside a collective of theirs "
+                "(full_grads gathers) or in the update's, which this rank will not join, and where each rank stopped "
+                "inside its callback is not known. Every rank of the job was told to stop, and this engine runs no "
+                "further batch: fix the callback (the error above), then resume from the last checkpoint",
+            )
+            raise
 
     def eval_batch(self, inputs: Any, labels: Any = None, loss_fn: Any = None) -> Any:
         """A forward only through every stage and shard: with labels the global mean loss, else this data-parallel
@@ -1051,8 +1100,10 @@ class Engine(DeepSpeedNames):
         """The gradients the next update steps on, by parameter name (trainable ones): of the accumulated loss,
         averaged over data-parallel ranks, unscaled, before clipping; fp32 CPU copies of the whole model's (tensor
         shards joined, pipeline stages collected, as `full_state_dict`). Call it after the backward that ends an
-        accumulation, before `step()`; every rank calls it (it gathers); rank0_only: global rank 0 alone gets them,
-        the others an empty dict. See [Note: reading the gradients] in hetero/zero/grad_views.py."""
+        accumulation, before `step()`, or with `train_batch` (pipelines, micro-batches) inside its `on_grads`
+        callback, which runs at that point; every rank calls it (it gathers); rank0_only: global rank 0 alone gets
+        them, the others an empty dict. See [Note: reading the gradients] and [Note: gradients read inside
+        train_batch] in hetero/zero/grad_views.py."""
         if self.inference:
             raise RuntimeError("this engine was made with optimizer=None (inference): it has no gradients")
         if self.in_backward is not None:
@@ -1064,7 +1115,8 @@ class Engine(DeepSpeedNames):
             raise RuntimeError(
                 "full_grads reads the gradients between the backward that ends an accumulation (the next step() "
                 "updates: engine.is_gradient_accumulation_boundary() was true for it) and that step(); before, a "
-                "sharded gradient may not be reduced yet, and after it the update has consumed it"
+                "sharded gradient may not be reduced yet, and after it the update has consumed it. With train_batch "
+                "(pipelines, micro-batches) call it inside train_batch(..., on_grads=fn), which runs fn(engine) there"
             )
         scale = self.scaler.scale if self.scaler is not None else 1.0
         values = full_grads(self.trainable, check=self.check, scale=scale)

@@ -84,9 +84,17 @@ def call_model(model: Callable[..., Any], inputs: Any, **kwargs: Any) -> Any:
     return model(**inputs, **kwargs) if isinstance(inputs, Mapping) else model(inputs, **kwargs)
 
 
-def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | None) -> torch.Tensor:
+def train_batch(
+    engine: Engine,
+    inputs: Any,
+    labels: Any,
+    loss_fn: Callable | None,
+    *,
+    before_update: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """One batch: forward and backward of every micro-batch (through the pipeline when there is one), one gradient
-    reduction, then `engine.step()`. Returns the mean loss over the global batch, on every rank."""
+    reduction, `before_update` (train_batch's on_grads: [Note: gradients read inside train_batch] in
+    hetero/zero/grad_views.py), then `engine.step()`. Returns the mean loss over the global batch, on every rank."""
     cfg = engine.config.parallel
     m = cfg.microbatches
     xs = [engine.to_device(x) for x in split_batch(inputs, m)]
@@ -147,6 +155,8 @@ def train_batch(engine: Engine, inputs: Any, labels: Any, loss_fn: Callable | No
                 gathers.release_all()
             if engine.activations is not None:
                 engine.activations.step_end()  # offloaded inputs of blocks whose recomputation never ran
+    if before_update is not None:  # the gradients are final: tied copies summed, stages 2-3 reduced
+        before_update()
     engine.step()
     mean = (total / m).to(torch.float32)
     mesh = engine.mesh

@@ -31,7 +31,7 @@ import torch
 from hetero.comm import Comm
 from hetero.comm.handles import Handle
 from hetero.memory import ChunkManager, Tier
-from hetero.zero.protocol import ALL_REDUCE, REDUCE, Checker, Reducer
+from hetero.zero.protocol import ALL_REDUCE, BATCH_REDUCE, REDUCE, Checker, Reducer
 
 if TYPE_CHECKING:
     from hetero.zero.zero_chunk import ZeroChunk
@@ -98,6 +98,20 @@ class DenseReduce:
             acc[:lo].zero_()
             acc[hi:].zero_()
             acc[lo:hi].mul_(self.comm.size)
+
+    def reduce_now(self) -> None:
+        """Every chunk's gradient reduced now, as the update would (`reduce_at_update`, in its order), and marked so
+        that the update skips it: the end of a `train_batch` whose micro-batches left the reduction to the update,
+        before its `on_grads` callback reads them ([Note: gradients read inside train_batch] in grad_views.py)."""
+        for zc in self._chunks.values():
+            self.reducer.check(BATCH_REDUCE, chunk=zc.spec.index)
+            reduce_at_update(zc)
+            self._reduced.add(id(zc))
+
+    def forget(self) -> None:
+        """The accumulation's gradients were dropped: no chunk counts as reduced (the next update reduces them all,
+        unless a backward does first)."""
+        self._reduced.clear()
 
     def take(self, zc: ZeroChunk) -> bool:
         """Whether `zc`'s gradient was reduced during backward (the update then skips its reduction); forgets it."""

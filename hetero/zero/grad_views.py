@@ -15,7 +15,8 @@ and whether one runs decided by the stage, which every rank shares ([Note: every
 
 When: after the backward that ends an accumulation (the next `step()` updates) and before that `step()`. Earlier, a
 stage 2-3 gradient may sit unreduced in the batch's buffer; after it, the update has consumed it. With
-`update_in_backward` that backward consumed them.
+`update_in_backward` that backward consumed them. `train_batch` makes that point itself: inside its `on_grads`
+callback ([Note: gradients read inside train_batch]).
 
 [Note: the whole model's gradients]
 Under the `"parallel"` section `full_grads()` gives the whole model's gradients as `full_state_dict()` gives its
@@ -33,8 +34,32 @@ a row-parallel layer) has the same gradient on each, Megatron-SP's norms and `he
 all-reduce over the tensor group (hetero/parallel/tensor.py) and 2.5D's depth replicas after theirs; a parameter
 tied across pipeline stages is summed over its holders before the update ([Note: parameters tied across stages])
 and taken from the first stage. A model split by hand (`apply_tensor_parallel` without the section) gets this
-rank's shards, as its full_state_dict does. Under a pipeline, `train_batch` runs its backwards and `step()` in one
-call, so there is no point between them at which to call `full_grads()` yet.
+rank's shards, as its full_state_dict does. Under a pipeline `train_batch` runs its backwards and `step()` in one
+call: `full_grads()` is called inside its `on_grads` callback ([Note: gradients read inside train_batch]).
+
+[Note: gradients read inside train_batch]
+With micro-batches or a pipeline, `train_batch` runs every micro-batch's forward and backward and the update in one
+call, so a loop had no point at which to read the gradients (per-layer norms, a comparison with a plain run, a loss
+spike's cause): the test of the whole model's gradients had to patch `engine.step`. `train_batch(..., on_grads=fn)`
+calls `fn(engine)` on every rank where a plain loop would read them: after the batch's last backward, once the
+gradients are what the update steps on, before the update and its clipping, and only for a batch that ends an
+accumulation (the others' gradients are partial). The batch's ends have run by then: the copies of a parameter
+tied across stages summed ([Note: parameters tied across stages]), stages 2-3's reduce-scatter of the batch ([Note:
+one reduction per batch]). Stages 0-1 leave their reduction to the update, where a callback would read each rank's
+own sum (measured: at stage 1 over two data-parallel ranks, the embedding's 0.64 from the mean, in norm): so the
+update's reduction runs before the callback, the same collectives in the same order (`DenseReduce.reduce_now`), and
+the update skips it, as it skips one a backward made (reduced twice, the second update's gradients were 0.12 off).
+The gradients are then marked readable, as the backward that ends an accumulation marks them. Without micro-batches
+and stages (`engine.backward`, then `step()`) the callback runs between the two. Pass it on every rank or on none:
+the ranks with one run `full_grads()`'s gathers where the others run their update.
+On a one-rank job a callback that raises drops the accumulation (as a batch that raises: [Note: a backward that
+fails]) and its error reaches the caller; training may go on. Over several ranks, where each one stopped inside its
+callback is not known: a rank's `full_grads()` gathers may wait for one that raised before its own, and the ranks
+that returned wait in the update's collectives or the loss's (they hung until comm_timeout). So a rank whose
+callback raised posts its failure for good ([Note: a rank's failure told to the others] in hetero/comm/watch.py),
+as a tensor-parallel rank's failed forward does: the others stop at their next wait, within about a second
+(measured 1.0-1.1 s), with RankFailedError naming it; its own error, with a note, reaches its caller; every rank
+refuses further batches: fix the callback and resume from the last checkpoint.
 """
 
 from __future__ import annotations
