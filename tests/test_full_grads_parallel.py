@@ -4,7 +4,7 @@ gradients on the same batch, on every rank (rank0_only: on rank 0 alone). Tensor
 split weight (no gradient, no key), Qwen3 under Megatron-SP (norms and per-head q/k norms, whose gradients the
 tensor ranks sum) at ZeRO-1, GPT-2 (a vocabulary-parallel embedding tied to the head) at ZeRO-3. Pipeline 2: GPT-2
 with the embedding tied across stages; `train_batch` runs its backwards and `step()` in one call, so the test reads
-the gradients from inside that `step()`, where they are final.
+the gradients in its `on_grads` callback, where they are final (more layouts: tests/test_full_grads_pipeline.py).
 
 Tolerance: plain float64's gradients, within a factor of plain fp32's distance from them (tests/tolerance.py)."""
 
@@ -65,19 +65,6 @@ def _plain(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-def _reading_step(engine: hetero.Engine, read: dict) -> Any:
-    """engine.step, reading the gradients first: train_batch's backwards have ended there, its update not begun.
-    Only engine.backward marks the gradients readable, and train_batch does not call it."""
-    step = engine.step
-
-    def reading_step(**kwargs: Any) -> None:
-        engine._grads_final = engine.is_gradient_accumulation_boundary()
-        read.update(all=engine.full_grads(), rank0=engine.full_grads(rank0_only=True))
-        step(**kwargs)
-
-    return reading_step
-
-
 def _job(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out = {}
@@ -87,8 +74,9 @@ def _job(rank: int, world: int) -> dict[str, Any]:
         x, y = _batch()
         read: dict[str, Any] = {}
         if engine.mesh.pp_size > 1:
-            engine.step = _reading_step(engine, read)
-            engine.train_batch(x, y)
+            engine.train_batch(
+                x, y, on_grads=lambda e, read=read: read.update(all=e.full_grads(), rank0=e.full_grads(rank0_only=True))
+            )
         else:
             engine.backward(engine(x, labels=y).loss)
             read.update(all=engine.full_grads(), rank0=engine.full_grads(rank0_only=True))
