@@ -14,6 +14,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hetero.memory import ChunkManager, moves
+from tests import hf_float64
+
+hf_float64.install()  # [Note: float64 references keep their loss in float64]
 
 
 @pytest.fixture(autouse=True)

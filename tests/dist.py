@@ -21,6 +21,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tests import hf_float64
+
+hf_float64.install()  # in the fork server and in spawned ranks: [Note: float64 references keep their loss in float64]
+
 # [Note: ranks forked from a server]
 # A spawned rank imports torch, hetero and its test module afresh: 3.5-4 CPU-seconds each on this project's 2-core
 # VMs, for each of the suite's hundreds of ranks. Ranks are forked instead from multiprocessing's fork server, a
