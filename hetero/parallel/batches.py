@@ -106,6 +106,7 @@ def train_batch(
         # data-parallel ranks; doubling makes that average their sum ([Note: Chimera's layout]).
         loss_scale *= 2
     gathers = engine.gathers
+    trainable = [zc for zc in engine.chunks if zc.spec.trainable]
 
     def after_forward() -> None:
         if gathers is not None:
@@ -113,13 +114,19 @@ def train_batch(
         engine.events.emit("forward_end")
 
     def after_backward() -> None:
+        # As engine.backward ends each backward: a stage 0-1 chunk's gradients summed on the device go down now, those
+        # of parameters this micro-batch did not use included, and the next micro-batch counts its own arrivals
+        # ([Note: a micro-batch's sum on the device goes down at its end] in hetero/zero/host_grads.py).
+        for zc in trainable:
+            zc.host_sum.flush()
+            zc.grads_seen.clear()
         if gathers is not None:
             gathers.release_all()
             if engine.stages is None:  # a schedule interleaving micro-batches keeps every module's backward hook
                 gathers.learn(engine.comm)  # [Note: one backward hook per unit]
         engine.events.emit("backward_end")
 
-    accumulate = [zc for zc in engine.chunks if zc.spec.trainable and zc.grad_full is not None]
+    accumulate = [zc for zc in trainable if zc.grad_full is not None]
     # One trace step per batch, whatever the schedule's order; with grad_accumulation_steps 1 it runs on through the
     # update (`engine.step()` below ends it), so that prefetch and eviction see the update coming.
     broken = False  # a collective failed: one still in flight (a gather issued ahead) would never complete

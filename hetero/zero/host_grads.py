@@ -28,6 +28,16 @@ of backward), through pinned memory as the reduced gradients of stages 2-3 do. I
 (NCCL), that sum, with the earlier micro-batches' brought up into it, stays on the device for the reduction and goes
 down once reduced: before, it went down, came up again for the collective and went down reduced, and the host waited
 for the first copy (for the GPU to run every kernel queued before it) once a chunk.
+
+[Note: a micro-batch's sum on the device goes down at its end]
+A chunk's sum goes down early once all its parameters' gradients are in; the rest go down where its backward ends:
+`engine.backward` flushes every chunk and clears the count of arrivals, and so does `train_batch` after each
+micro-batch's backward (hetero/parallel/batches.py). It did neither: a chunk holding a parameter the batch never
+used kept its sum on the device past the update, which stepped without it, and the sum went into the next batch's
+gradient instead (under the stand-in, stage 1 with the optimizer on the host and two micro-batches: a loss of
+0.52440 where plain PyTorch gave 0.68643 at the second step); and from the second micro-batch on, the count still
+full from the first, every parameter's gradient sent the chunk's whole buffer down on its own. The CPU, one memory,
+never sums on the side: only the stand-in and a GPU showed it. Dropped gradients (`zero_grad`) drop this sum too.
 """
 
 from __future__ import annotations
@@ -108,3 +118,7 @@ class HostSum:
         """The sum kept on the device for the reduction, if any (once)."""
         kept, self.kept = self.kept, None
         return kept
+
+    def drop(self) -> None:
+        """The accumulation's gradients are dropped (`ZeroChunk.zero_grad`): so is the sum not gone down yet."""
+        self.buf = self.kept = None

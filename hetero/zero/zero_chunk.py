@@ -336,6 +336,7 @@ class ZeroChunk:
             if set_to_none:
                 self.kept_grads.zero_()
         self.grads_seen.clear()
+        self.host_sum.drop()  # a batch that failed before its sums went down
         self.batch_seen.clear()  # a pipeline batch that failed: its partial sum in grad_full is not added to
         self.used.zero_()
         self.grad_is_zero = True
