@@ -227,3 +227,26 @@ def test_the_layouts_cuts_train_the_plain_model_and_the_refused_one_does_not():
         assert abs(got - ref) <= 64 * eps * abs(ref) and err <= 1e3 * eps, (label, out[label])
     ref, got, err = out["tiny qkv colwise"]
     assert abs(got - ref) > 1e4 * eps * abs(ref) and err > 1e4 * eps, out["tiny qkv colwise"]
+
+
+class _TiedUpDown(nn.Module):
+    """An MLP whose down projection is its up projection's weight (tied): no cut fits both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8, bias=False)
+        self.down = nn.Linear(8, 8, bias=False)
+        self.down.weight = self.up.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_tied_parameter_cut_two_ways_names_both_modules_and_the_cuts():
+    """It said "tied to a parameter already sharded differently", naming neither the other module nor the cuts."""
+    with pytest.raises(ConfigError) as err:
+        apply_tensor_parallel(_TiedUpDown(), {"up": "colwise", "down": "rowwise"}, FAKE)
+    msg = str(err.value)
+    assert "down.weight is the same parameter as up.weight (tied)" in msg, msg
+    assert "up.weight along dimension 0, down.weight along dimension 1" in msg, msg
+    assert "untie them" in msg, msg

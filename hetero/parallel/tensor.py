@@ -51,7 +51,13 @@ def _shard(param: nn.Parameter, dim: int, parts: int, comm: Comm, what: str, siz
     done = getattr(param, "_hetero_tp", None)
     if done is not None:
         if (done.dim, done.parts, done.sizes) != (dim, parts, sizes):
-            raise ConfigError(f"{what} is tied to a parameter already sharded differently ({done}): plan them alike")
+            first = getattr(param, "_hetero_tp_name", "another module's parameter")
+            raise ConfigError(
+                f"{what} is the same parameter as {first} (tied), and the plan cuts them differently: {first} "
+                f"{_cut_words(done.dim, done.parts)}, {what} {_cut_words(dim, parts)}. A tied parameter has one "
+                "shard per rank: give both modules' plan lines the same style (an input embedding tied to the LM "
+                "head: 'vocab' with 'vocab_head'), or untie them before apply_tensor_parallel"
+            )
         return
     check_divides(param, dim, parts, comm.size, what, sizes)
     info = TPShard(dim=dim, parts=parts, degree=comm.size, rank=comm.rank, full_shape=tuple(param.shape), sizes=sizes)
@@ -59,6 +65,12 @@ def _shard(param: nn.Parameter, dim: int, parts: int, comm: Comm, what: str, siz
         param.data = shard_of(param.data, info).contiguous().clone()
     param.grad = None  # a gradient of the full shape would no longer fit
     param._hetero_tp = info
+    param._hetero_tp_name = what  # a tied module met later names it in its refusal
+
+
+def _cut_words(dim: int, parts: int) -> str:
+    """How a cut splits a parameter, in words for a refusal."""
+    return f"along dimension {dim}" + (f", each of its {parts} blocks on its own" if parts > 1 else "")
 
 
 class _Region:

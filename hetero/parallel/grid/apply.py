@@ -190,12 +190,24 @@ def _shard(param: nn.Parameter, cut: BlockShard, name: str) -> None:
     done = getattr(param, "_hetero_tp", None)
     if done is not None:  # a tied parameter, met a second time
         if done != cut:
-            raise ConfigError(f"{name} is tied to a parameter already cut differently: plan them alike")
+            first = getattr(param, "_hetero_tp_name", "another module's parameter")
+            raise ConfigError(
+                f"{name} is the same parameter as {first} (tied), and the plan cuts them differently: {first} into "
+                f"{_blocks(done)}, {name} into {_blocks(cut)}. A tied parameter has one block per rank: give both "
+                "modules' plan lines the same style (an input embedding tied to the LM head: 'vocab' with "
+                "'vocab_head'), or untie them"
+            )
         return
     with torch.no_grad():
         param.data = cut.shard_of(param.data)
     param.grad = None
     param._hetero_tp = cut
+    param._hetero_tp_name = name  # a tied module met later names it in its refusal
+
+
+def _blocks(cut: BlockShard) -> str:
+    """A grid cut in words for a refusal: blocks along which dimensions."""
+    return ", ".join(f"{p} blocks along dimension {d}" for d, p in zip(cut.dims, cut.parts))
 
 
 def _swap(module: nn.Module, mixin: type, role: GridRole) -> None:
