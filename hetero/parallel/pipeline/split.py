@@ -280,7 +280,11 @@ def cut_stages(
         return sorted({s, ranks - 1 - s}) if bidirectional else [s % ranks]
 
     mine = [rank, ranks - 1 - rank] if bidirectional else [i for i in range(count) if i % ranks == rank]
-    ties = find_ties(groups, holders, rank)
+    fqns: dict[int, list[str]] = {}  # each parameter's names in the model, for the errors on tied ones
+    for n, p in model.named_parameters(remove_duplicate=False):
+        fqns.setdefault(id(p), []).append(n)
+    named = {k: repr(v[0]) + (f" (also {', '.join(map(repr, v[1:]))})" if v[1:] else "") for k, v in fqns.items()}
+    ties = find_ties(groups, holders, rank, named)
     every = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))  # tied names too
     order = tuple(model.state_dict(keep_vars=True))  # keep_vars: names only, no copies (and meta tensors pass)
     kept = {id(m) for i in mine for _, m in groups[i]}

@@ -21,7 +21,7 @@ stages, so the first and last stages sit together), nothing is needed: one objec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,13 +45,21 @@ class Ties:
     mine: list[tuple[str, nn.Parameter, tuple[int, ...]]] = field(default_factory=list)  # (where, param, holders)
 
 
-def find_ties(groups: list[list[tuple[str, nn.Module]]], holders: Callable[[int], list[int]], rank: int) -> Ties:
-    """Parameters used by stages on different pipeline ranks; `holders(s)`: the pipeline ranks holding stage s."""
-    uses: dict[int, tuple[nn.Parameter, str, list[int]]] = {}  # param id -> (param, first use, stages using it)
+def find_ties(
+    groups: list[list[tuple[str, nn.Module]]],
+    holders: Callable[[int], list[int]],
+    rank: int,
+    names: Mapping[int, str] | None = None,
+) -> Ties:
+    """Parameters used by stages on different pipeline ranks; `holders(s)`: the pipeline ranks holding stage s;
+    `names`: each parameter's names in the model, quoted, by id, for the errors (a Hugging Face unit's own names
+    are not the model's: its "embeddings" unit holds `model.embed_tokens`)."""
+    uses: dict[int, tuple[nn.Parameter, str, list[int]]] = {}  # param id -> (param, its names, stages using it)
     for s, group in enumerate(groups):
         for unit_name, unit in group:
             for pname, p in unit.named_parameters(remove_duplicate=False):
-                entry = uses.setdefault(id(p), (p, f"{unit_name}.{pname}", []))
+                where = (names or {}).get(id(p), repr(f"{unit_name}.{pname}"))
+                entry = uses.setdefault(id(p), (p, where, []))
                 if s not in entry[2]:
                     entry[2].append(s)
     ties = Ties()
@@ -61,7 +69,7 @@ def find_ties(groups: list[list[tuple[str, nn.Module]]], holders: Callable[[int]
             continue  # the ranks holding it hold all its uses: one object each
         if any(len(h) > 1 for h in sets):
             raise ConfigError(
-                f"parallel: {where!r} is used by stages {stages}, which Chimera places on different pairs of ranks; "
+                f"parallel: {where} is used by stages {stages}, which Chimera places on different pairs of ranks; "
                 "a parameter shared between stages is supported there only between stages r and p - 1 - r (an "
                 "embedding tied to the head): choose pipeline_split so its uses fall in such stages"
             )
@@ -97,7 +105,7 @@ class TiedGrads:
         for where, p, ranks in ties.mine:
             if id(p) not in entries:
                 raise ConfigError(
-                    f"parallel: {where!r} is tied across pipeline stages and split over chunks (tiling); a tied "
+                    f"parallel: {where} is tied across pipeline stages and split over chunks (tiling); a tied "
                     "parameter must sit whole in one chunk: raise chunk_size or turn tiling off"
                 )
             p._hetero_tied_copy = pp_rank != ranks[0]  # the lowest holder counts it in the gradient norm
