@@ -15,9 +15,10 @@ import torch
 import hetero
 
 try:
-    from tests import pipe_parity, tolerance
+    from tests import phi3_tiny, pipe_parity, tolerance
     from tests.plain_loop import train_plain
 except ImportError:  # tests/ itself on sys.path
+    import phi3_tiny  # type: ignore[no-redef]
     import pipe_parity  # type: ignore[no-redef]
     import tolerance  # type: ignore[no-redef]
     from plain_loop import train_plain  # type: ignore[no-redef]
@@ -36,6 +37,8 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
         from hetero.models.gpt_pipe import GPTPipe
 
         return GPTPipe(GPTConfig(**{**pipe_parity.CFG, "tie_weights": True}))
+    if family.startswith("phi3"):  # fused q/k/v and gate/up, Phi-3's rotary variants
+        return phi3_tiny.build(family)
     import transformers
 
     if family == "gpt2":

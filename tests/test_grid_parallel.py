@@ -20,6 +20,7 @@ from hetero.config import ParallelConfig
 from hetero.errors import ConfigError
 from hetero.models.gpt import GPT, GPTConfig
 from hetero.models.gpt_pipe import TP_PLAN
+from hetero.parallel import unshard
 from hetero.parallel.grid import Grid, apply_grid_parallel
 from hetero.parallel.ring import _pairs
 from tests.dist import NEEDS_DEGREES, RANKS_DIFFER, ranks_apart
@@ -508,9 +509,10 @@ def _check_consolidated(
     root: str, family: str, results: list[dict], blocks: int | None = None, clip: float | None = None
 ) -> None:
     """The consolidated export loads strictly into the plain model and holds, bit for bit, the blocks the tensor
-    ranks trained, joined (a replicated 2.5D block is stored once: `blocks` distinct stored names for wte and
-    ln_f.bias; Ulysses and ring: whole weights, stored whole); those are plain PyTorch's weights
-    (tests/tolerance.py). Stages' results are merged (each rank's state holds its stage's weights)."""
+    ranks trained, joined (a grid's blocks or a 1-D tensor cut's; a replicated 2.5D block is stored once: `blocks`
+    distinct stored names for wte and ln_f.bias; Ulysses and ring: whole weights, stored whole); those are plain
+    PyTorch's weights (tests/tolerance.py). Stages' results are merged (each rank's state holds its stage's
+    weights)."""
     from safetensors.torch import load_file
 
     from hetero.checkpoint import consolidate
@@ -524,7 +526,7 @@ def _check_consolidated(
     for name, value in state.items():
         by_rank = sorted((r for r in held if name in r["state"]), key=lambda r: r["coords"][0])
         cut = by_rank[0]["shards"].get(name)
-        saved = by_rank[0]["state"][name] if cut is None else cut.join([r["state"][name] for r in by_rank])
+        saved = by_rank[0]["state"][name] if cut is None else unshard([r["state"][name] for r in by_rank], cut)
         assert torch.equal(value, saved), name
     exact, plain = grid_parity.reference(family, clip, torch.float64)[1], grid_parity.reference(family, clip)[1]
     tolerance.assert_weights(state, exact, plain, dtype=torch.float32)
