@@ -38,6 +38,14 @@ gradient instead (under the stand-in, stage 1 with the optimizer on the host and
 0.52440 where plain PyTorch gave 0.68643 at the second step); and from the second micro-batch on, the count still
 full from the first, every parameter's gradient sent the chunk's whole buffer down on its own. The CPU, one memory,
 never sums on the side: only the stand-in and a GPU showed it. Dropped gradients (`zero_grad`) drop this sum too.
+
+[Note: a chunk's sum flushed twice]
+A tiled weight used twice (an embedding tied to the output head) gets its gradient in parts, one per use; the chunk
+counts as complete at the first part, which flushes its sum, and the second part flushes again. Down to the host,
+the second adds to the first. Kept on the device for the reduction (two ranks or more), the second sum replaced the
+first, so the update stepped on the head's part alone (under the stand-in, stage 0 on two ranks: a loss of 4.67867
+where plain PyTorch gave 4.63874 at the second step; tools/fuzz_parity.py found it). The second part now adds into
+the kept sum, which the reduction takes once the last part is in (`_add_grad`'s `last`).
 """
 
 from __future__ import annotations
@@ -106,6 +114,9 @@ class HostSum:
         buf, self.buf = self.buf, None
         zc = self.zc
         if self.keep():
+            if self.kept is not None:  # a part kept earlier in this backward: [Note: a chunk's sum flushed twice]
+                self.kept.add_(buf)
+                return
             if not zc.grad_is_zero:  # the earlier micro-batches' sum comes up first
                 buf.add_(zc.device.to_device(zc.grad_buffer()))
                 zc.manager.land_later(zc.grad, zc.device.compute_reached(), reads=True)
