@@ -328,8 +328,8 @@ class Config:
             if needs_all:
                 raise ConfigError(
                     "update_in_backward: steps each chunk as soon as its gradient is final, but "
-                    f"{' and '.join(needs_all)} needs the whole gradient before any chunk steps; turn those off, "
-                    "or leave update_in_backward false"
+                    f"{' and '.join(needs_all)} {('needs', 'need')[len(needs_all) > 1]} the whole gradient before "
+                    f"any chunk steps; turn {('it', 'them')[len(needs_all) > 1]} off, or leave update_in_backward false"
                 )
         if self.offload.params in ("host", "nvme") and self.zero_stage != 3:
             raise ConfigError(

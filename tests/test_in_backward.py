@@ -163,6 +163,9 @@ def test_update_in_backward_refuses_what_needs_the_whole_gradient_first():
     ):
         with pytest.raises(ConfigError, match=f"update_in_backward: .*{named}.*needs the whole gradient"):
             hetero.Config.from_dict({"update_in_backward": True, **extra})
+    both = {"grad_clip_norm": 1.0, "delayed_param_update": True, "offload": {"optimizer": "host"}}
+    with pytest.raises(ConfigError, match="grad_clip_norm 1.0 and delayed_param_update need .* turn them off"):
+        hetero.Config.from_dict({"update_in_backward": True, **both})
     with pytest.raises(ConfigError, match="update_in_backward: expected true or false"):
         hetero.Config.from_dict({"update_in_backward": "yes"})
 
