@@ -658,10 +658,10 @@ def _fetching() -> bool:
     return False
 
 
-def _pipeline_step(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
+def _pipeline_step(rank: int, world: int, cases: list[tuple[str, dict]], pin: bool = True) -> list[dict]:
     """Each (model, config)'s first batch through train_batch: the most live bytes this rank held (the batch, held
-    throughout, included), the bytes activation offload copied to the host, and the estimate of this pipeline
-    rank."""
+    throughout, included), the bytes activation offload copied to the host, the estimate of this pipeline rank, and
+    where the run cut. pin: the run cuts where the estimate did (False: as its config says)."""
     from tests import pipe_parity
 
     torch.set_num_threads(1)
@@ -675,6 +675,10 @@ def _pipeline_step(rank: int, world: int, cases: list[tuple[str, dict]]) -> list
                 meta = pipe_parity.build()
         opt = "adamw" if hf else make_optimizer(meta)  # one param group for a Hugging Face model, as in the engine's
         est = estimate(meta, config, world_size=world, batch_size=BATCH, seq_len=SEQ, optimizer=opt, machine=False)
+        # The run cuts where the estimate did, as a user pins it ([Note: the cut an estimate is for]): left "auto", it
+        # timed the units and, on a loaded machine, once put both Llama layers on stage 0 (rank 0 held 1.8x).
+        if pin:
+            config["parallel"]["pipeline_split"] = est.layout["pipeline_split"]
         model = _hf(name, meta=False) if hf else pipe_parity.build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if hf else make_optimizer(model)
         engine = hetero.initialize(model, optimizer, config)
@@ -686,7 +690,8 @@ def _pipeline_step(rank: int, world: int, cases: list[tuple[str, dict]]) -> list
         row = est.per_pipeline_rank[engine.mesh.pp_rank]
         copied = engine.activations.offloaded_bytes if engine.activations is not None else 0
         out.append({"held": live.peak + _input_bytes(x, y), "estimate": row["activations"], "copied": copied,
-                    "host": row["host_activations"], "note": est.activations.note})  # fmt: skip
+                    "host": row["host_activations"], "note": est.activations.note,
+                    "cut": list(engine.stages[0].cut.split)})  # fmt: skip
         engine.close()
     return out
 

@@ -5,12 +5,13 @@ The engine cuts the model into pipeline stages, applies the tensor or sequence l
 ZeRO's chunks (`parallel/engine_glue.py`). The estimate does the same on a meta copy: the layout is applied by the
 engine's own functions with `ShapeComm` groups (`parallel_shapes.per_rank_model`: 1D, 2D, 2.5D, 3D, Ulysses, ring),
 so the shards and the layers are the engine's; each pipeline rank's stages come from the engine's own boundaries
-(`pipeline_split` "auto" balances the units' FLOPs on meta, where a real run times them); and each rank's parameters
-are laid out by `build_layout` over ZeRO's group (twice the data-parallel degree under Chimera, whose two replicas
-of a stage are one group). Activations: each unit's saved bytes for one micro-batch, counted on meta through the
-laid-out model; a rank's peak is its own program run on meta as the runtime runs it, every micro-batch in flight,
-received tensors and sends held included (pipeline_peak.py, [Note: a pipeline rank's step on meta]), and where that
-cannot run, its schedule walked over the saved bytes (`walk`, which the planner uses).
+(`pipeline_split` "auto" balances the units' FLOPs on meta, where a real run times them: the estimate names its cut,
+[Note: the cut an estimate is for] in pipeline_peak.py); and each rank's parameters are laid out by `build_layout`
+over ZeRO's group (twice the data-parallel degree under Chimera, whose two replicas of a stage are one group).
+Activations: each unit's saved bytes for one micro-batch, counted on meta through the laid-out model; a rank's peak
+is its own program run on meta as the runtime runs it, every micro-batch in flight, received tensors and sends held
+included (pipeline_peak.py, [Note: a pipeline rank's step on meta]), and where that cannot run, its schedule walked
+over the saved bytes (`walk`, which the planner uses).
 
 Models whose top-level children are not a chain of units (a Hugging Face causal LM: the blocks sit inside
 `model.layers`) are cut the way a pipelined transformer is: the embeddings join the first stage, the blocks are the
@@ -38,6 +39,7 @@ from hetero.parallel.pipeline import schedule as S
 from hetero.parallel.pipeline.split import balanced, units_of
 from hetero.profiler.activations import meter_modules, repeated_blocks
 from hetero.profiler.parallel_shapes import per_rank_model
+from hetero.profiler.pipeline_peak import cut_lines, cut_named
 from hetero.profiler.tensor_modes import q_and_depth
 
 
@@ -141,6 +143,7 @@ def describe_ranks(est: Any, layout: Layout, ranks: list, placed: list[tuple[dic
     import dataclasses
 
     est.layout = {**dataclasses.asdict(layout), "data": world // (layout.tensor * layout.pipeline)}
+    est.layout["pipeline_split"] = ranks[0][0].cut  # [Note: the cut an estimate is for] in pipeline_peak.py
     est.layout.pop("plan")
     for (part, _), (res, tra) in zip(ranks, placed):
         states = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -171,7 +174,8 @@ def describe(layout: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[str
     lines = [
         f"layout: tensor {layout['tensor']} ({layout['tensor_mode']}, sequence {layout['sequence']}) x pipeline "
         f"{layout['pipeline']} ({layout['schedule']}, {layout['microbatches']} micro-batches) x data {layout['data']}; "
-        "the table shows the busiest pipeline rank"
+        "the table shows the busiest pipeline rank",
+        *cut_lines(layout),
     ]
     for r in per_rank:
         states = sum(r["model_state"].values())
@@ -204,6 +208,7 @@ class RankPart:
     model: nn.Module  # the sharded meta copy the parameters belong to
     note: str = ""  # why no activations were counted, if none were
     host_activations: int = 0  # activation offload's copies of block inputs on the host, at most at once
+    cut: list[str] | None = None  # the pipeline_split running this cut (`cut_named`), the same on every rank
 
 
 def as_chain(model: nn.Module) -> nn.Module:
@@ -293,6 +298,7 @@ def rank_parts(
         )
     starts = stage_starts(units, layout, inputs) + [len(units)]
     stage_units = [units[starts[s] : starts[s + 1]] for s in range(layout.stages)]
+    cut = cut_named(sharded, [u.name for u in units], starts[:-1])
     parts, sent = [], None
     for k in range(layout.pipeline):
         mine = layout.stages_of(k)
@@ -307,7 +313,7 @@ def rank_parts(
             sharded, units, stage_units, layout, k, inputs, dtype, checkpointing, offload, sent
         )
         names = [u.name for s in mine for u in stage_units[s]]
-        parts.append(RankPart(k, params, peak, names, sharded, note or why, host))
+        parts.append(RankPart(k, params, peak, names, sharded, note or why, host, cut))
     return parts, opt, zero_world * (2 if layout.chimera else 1)
 
 

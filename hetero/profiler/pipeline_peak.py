@@ -23,6 +23,17 @@ the next exchange. So `schedule_peak` runs the program for three counts past the
 and one and two steps more, and where the two steps add the same bytes (on the device and on the host) extends that
 line to the batch's count; where they do not, or the batch is not much longer, it runs the whole batch.
 tests/test_estimator_pipeline_speed.py finds the line equal to the whole run, byte for byte, for every schedule.
+
+[Note: the cut an estimate is for]
+A pipeline rank's bytes are those of the units its stages hold, so an estimate holds for one cut, which its
+`layout["pipeline_split"]` names as `parallel.pipeline_split` takes it: the FQNs where stages 1.. begin, under the
+engine's unit names (None where the engine names this model's units otherwise). With "auto" the estimate balances the
+units' FLOPs on meta, while a run times them on the device ([Note: balancing stages by time] in balance.py) and may
+cut elsewhere: on a loaded machine a tiny Llama's head, timed slow, was cut off alone, and pipeline rank 0 held both
+decoder layers, 236496 bytes against an estimate of 130888 (tests/test_estimator_pipeline_timing.py). A bound over
+every cut a timing could pick is no plan (it is the costliest stage's), so the table names the cut and the setting
+that runs it; a run given that list cuts there whatever the timing, as a plan's pasted config does ([Note: the cut a
+plan pastes] in planner.py).
 """
 
 from __future__ import annotations
@@ -186,6 +197,27 @@ def rank_step_peak(
         if cache_on is not None:
             cache_on()
     return live.peak, 0 if host is None else host.host_peak
+
+
+def cut_named(model: nn.Module, names: list[str], starts: list[int]) -> list[str] | None:
+    """The FQNs where stages 1.. begin (`starts`: where each stage begins among the units `names`), a
+    parallel.pipeline_split that runs this cut; None where the engine names `model`'s units otherwise ([Note: the cut
+    an estimate is for])."""
+    return [names[i] for i in starts[1:]] if names == [n for n, _ in units_of(model)] else None
+
+
+def cut_lines(layout: dict[str, Any]) -> list[str]:
+    """The estimate's table line naming its cut, and what to set where a run would time the units itself."""
+    cut = layout.get("pipeline_split")
+    if not cut:
+        return []
+    line = f"  stages begin at {', '.join(cut)}"
+    if layout.get("split") == "auto":
+        line += (
+            ' (units balanced by FLOPs on meta; a run\'s "auto" times them and may cut elsewhere, with other bytes per '
+            f"rank: set parallel.pipeline_split to {cut} to run this cut)"
+        )
+    return [line]
 
 
 def _chunks(model: nn.Module, stage_units: list[list[str]]) -> list[StageChunk]:
