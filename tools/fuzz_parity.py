@@ -21,6 +21,9 @@ delayed algorithm (each forward one update stale: tests/test_delayed.py's refere
 A combination hetero refuses with a ConfigError at initialize counts as "refused" (each kind of message printed
 once), not as a failure; any other error, a disagreement or a hang (the case's timeout; every rank's stacks are
 dumped) is a failure, printed with the case's configuration so it can be rerun with --only-case.
+
+The ranks import this file afresh (tests/dist.py's rank server): edit it while a run goes on and its ranks train
+another model than its reference.
 """
 
 from __future__ import annotations
@@ -245,12 +248,13 @@ def reference(case: Case, dtype: torch.dtype) -> tuple[list[float], dict[str, to
     return losses, {k: v.detach().to(dtype).float().clone() for k, v in master.state_dict().items()}
 
 
-def run_rank(rank: int, world: int, case: Case, root: str, timeout: float) -> dict:
-    """hetero on this rank's rows of each global batch; a ConfigError from initialize is a refusal."""
+def run_rank(rank: int, world: int, case: Case, root: str, deadline: float) -> dict:
+    """hetero on this rank's rows of each global batch; a ConfigError from initialize is a refusal. `deadline`: the
+    wall-clock time (time.time()) at which the case is killed; this rank's stacks are written shortly before."""
     import hetero
 
     stacks = open(os.path.join(root, f"stacks-rank{rank}.txt"), "w")  # noqa: SIM115 (open until the rank ends)
-    faulthandler.dump_traceback_later(max(timeout - 8, 5), file=stacks)
+    faulthandler.dump_traceback_later(max(deadline - time.time() - 3, 0.5), file=stacks)
     torch.set_num_threads(1)
     model = build(case)
     nvme = None
@@ -313,7 +317,7 @@ def run_case(case: Case, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="hetero-fuzz-") as root:
         start = time.monotonic()
         try:
-            results = run_distributed(run_rank, case.world, case, root, timeout, timeout=timeout)
+            results = run_distributed(run_rank, case.world, case, root, time.time() + timeout, timeout=timeout)
         except TimeoutError as e:
             stacks = ""
             for rank in range(case.world):
@@ -328,6 +332,10 @@ def run_case(case: Case, timeout: float) -> dict:
         return {"outcome": "refused", "detail": results[0]["refused"]}
     outcome, detail = check(case, results[0])
     return {"outcome": outcome, "detail": detail, "seconds": round(seconds, 2)}
+
+
+def _warm(rank: int, world: int) -> None:
+    pass
 
 
 def refusal_kind(message: str) -> str:
@@ -359,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tqdm import tqdm
 
+    from tests.dist import run_distributed
+
+    run_distributed(_warm, args.world, timeout=300)  # the rank server starts (imports) outside the cases' timeouts
     rng = random.Random(args.seed)
     cases = [draw(rng, i, args.world) for i in range(args.cases)]
     if args.only_case is not None:
