@@ -321,9 +321,14 @@ class _Waiter:
             work, done = self.todo.get()
             with contextlib.suppress(Exception):  # the caller's own wait() raises it again
                 work.wait()
-            done.set()
+            # Let go of the work (and the tensors it holds) and be idle again before the caller goes on: kept until
+            # the next job, what it held was freed at a time of this thread's making, and a caller quick to wait
+            # again found no idle waiter and started another thread.
+            del work
             with _LOCK:
                 _WAITERS.append(self)
+            done.set()
+            del done
 
 
 _WAITERS: list[_Waiter] = []  # idle waiters (one stays busy as long as a work abandoned after an error)
