@@ -12,11 +12,12 @@ to the embedding, a block called twice, a data-dependent (MoE-style) route to ex
 use. It runs on 1 or 2 data-parallel ranks (gloo, tests/dist.py's run_distributed) under the CPU stand-in of a GPU
 by default (`HETERO_STANDIN=1`: sums formed on the device, copies through pinned memory, streams and events).
 
-The reference is plain PyTorch on the whole global batch in float64 (the exact run) and in the case's precision
-(its own rounding); losses and final weights are checked as the test suite does ([Note: tolerances from the
-arithmetic] in tests/tolerance.py); bf16 against a bf16 model with fp32 master weights, on the weight deltas where
-the run learns enough for them to mean something (else the losses only). The delayed update is checked against the
-delayed algorithm (each forward one update stale: tests/test_delayed.py's reference).
+The reference is plain PyTorch on the global batch in float64 (the exact run) and in the case's precision (its own
+rounding), each rank's micro-batch a backward of its own as in hetero; losses and final weights are checked as the
+test suite does ([Note: tolerances from the arithmetic] in tests/tolerance.py); bf16 against a bf16 model with fp32
+master weights, on the weight deltas where the run learns enough for them to mean something (else the losses only).
+The delayed update is checked against the delayed algorithm (each forward one update stale: tests/test_delayed.py's
+reference).
 
 A combination hetero refuses with a ConfigError at initialize counts as "refused" (each kind of message printed
 once), not as a failure; any other error, a disagreement or a hang (the case's timeout; every rank's stacks are
@@ -227,13 +228,20 @@ def reference(case: Case, dtype: torch.dtype) -> tuple[list[float], dict[str, to
         _set_mid(model, step)
         total = 0.0
         for x, y in data[step * case.accum : (step + 1) * case.accum]:
-            loss = model(x, labels=y)["loss"]
-            (loss / case.accum).backward()
-            total += float(loss.detach()) / case.accum
+            # Each rank's micro-batch on its own, as hetero computes it, the gradients summed in the master's dtype:
+            # bf16 rounds each micro-batch's gradient, and a whole batch's lands elsewhere (in a bias's Adam delta:
+            # 0.0201 from float64 split in three, 0.00095 whole).
+            for xs, ys in zip(x.chunk(case.world * case.micro), y.chunk(case.world * case.micro)):
+                loss = model(xs, labels=ys)["loss"] / (case.accum * case.world * case.micro)
+                loss.backward()
+                total += float(loss.detach())
+                with torch.no_grad():
+                    for p, pm in zip(model.parameters(), master.parameters()):
+                        if p.grad is not None:
+                            g, p.grad = p.grad.to(master_dtype), None
+                            pm.grad = g if pm.grad is None else pm.grad + g
         losses.append(total)
         with torch.no_grad():
-            for p, pm in zip(model.parameters(), master.parameters()):
-                pm.grad, p.grad = None if p.grad is None else p.grad.to(master_dtype), None
             if case.clip is not None:
                 torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)
             if case.delayed:  # the pending update's values reach the model before the next is taken
