@@ -1,5 +1,17 @@
 """What the budgets allow ZeRO-3's gathers (`hetero/zero/gathers.py`), agreed by every rank (`unit_rules`), and the
-peak the estimator counts under those rules (`gathered_peak`)."""
+peak the estimator counts under those rules (`gathered_peak`).
+
+[Note: the host's part of gathering ahead, agreed]
+Whether gathers read shards through host memory follows from the parameters' placement, which is each rank's
+own (`offload` is a per-rank key: [Note: one config for every rank] in hetero/config_ranks.py). So each rank
+judges its own host budget against its own shards read through the host, and the ranks agree on every rank's
+verdict; the device's part takes the smallest device budget as before. Each rank used to compare the smallest host
+budget with its own shards: two ranks at stage 3, one with its parameters on the host (a host budget under three
+of its largest unit's shards) and one with them on the device, decided apart, so the second gathered ahead and
+the first did not: at the first forward one gathered chunk 1 where the other gathered chunk 0 (a
+CollectiveMismatchError with the checks on; with them off both ranks waited in the first backward's reduce-scatter
+until comm_timeout). tests/test_placements_apart.py.
+"""
 
 from __future__ import annotations
 
@@ -63,30 +75,30 @@ def unit_rules(
 ) -> UnitRules:
     """How many units stay gathered after forward (keep), whether a unit's backward pins all of its parameters at
     once (whole, [Note: one backward hook per unit]) and whether the next unit is gathered ahead (ahead, [Note:
-    gathering ahead]), all from the smallest budgets of the group (and `ahead` from every rank's wish), agreed by a
-    collective, so the same on every rank (each changes when gathers are issued).
+    gathering ahead]), all from the smallest device budget of the group and every rank's own host memory (and
+    `ahead` from every rank's wish), agreed by a collective, so the same on every rank (each changes when gathers are
+    issued).
 
     keep: KEEP_UNITS where that budget holds them and the largest unit besides, with half as much again to spare,
     else none (gathered chunks that do not fit would only be moved to the host and back). whole: where it holds the
     largest unit pinned and two chunks' gradient buffers, with half as much again to spare; else each module pins
     its own parameters in its backward, and a unit's other chunks may be moved away meanwhile. ahead: see
-    `ahead_fits`."""
-    big = 1 << 62
-    agreed = torch.tensor([device_budget, big if host_budget is None else host_budget, int(ahead)], dtype=torch.int64)
+    `ahead_fits` ([Note: the host's part of gathering ahead, agreed])."""
+    shards = max((sum(_shard_via_host(zc) for zc in u.chunks) for u in units), default=0)
+    host_ok = ahead_fits([], 0, None, host_shards=shards, host_budget=host_budget)  # this rank's own part
+    agreed = torch.tensor([device_budget, int(ahead and host_ok)], dtype=torch.int64)
     comm.control.all_reduce(agreed, op="min")
-    smallest, host, wished = (int(v) for v in agreed.tolist())
+    smallest, every_rank_fits = (int(v) for v in agreed.tolist())  # every rank wished it and its host fits
     sizes = sorted((sum(zc.full.nbytes for zc in u.chunks) for u in units), reverse=True)
     grads = max((4 * zc.spec.capacity for u in units for zc in u.chunks), default=0)  # fp32 per micro-batch
     keep = KEEP_UNITS if smallest >= 1.5 * sum(sizes[: KEEP_UNITS + 1]) else 0
     whole = bool(sizes) and smallest >= 1.5 * (sizes[0] + 2 * grads)
-    shards = max((sum(_shard_via_host(zc) for zc in u.chunks) for u in units), default=0)
-    fits = ahead_fits(sizes, keep, smallest, host_shards=shards, host_budget=None if host == big else host)
-    return UnitRules(keep, whole, bool(wished) and fits)
+    return UnitRules(keep, whole, bool(every_rank_fits) and ahead_fits(sizes, keep, smallest))
 
 
 def _shard_via_host(zc: ZeroChunk) -> int:
-    """The bytes of `zc`'s shard a gather reads through host memory, from the placement every rank shares (where
-    the shard sits now is the rank's own: `param_gather.readable` decides from that as it gathers)."""
+    """The bytes of `zc`'s shard a gather reads through host memory on this rank, from its placement (where the
+    shard sits now is the rank's own too: `param_gather.readable` decides from that as it gathers)."""
     if zc.shard is None:
         return 0
     gloo_reads_host = zc.device.separate_memory and not zc.comm.needs_device_tensors
