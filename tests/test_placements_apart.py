@@ -1,7 +1,8 @@
 """Ranks whose placements differ (`offload` is each rank's own: [Note: one config for every rank]) run the same
 collectives: the decisions that follow from a placement are agreed ([Note: the host's part of gathering ahead,
-agreed] in hetero/zero/unit_rules.py). Each run trains as plain PyTorch does (float64 as the exact run, plain
-fp32's distance from it as the scale: tests/tolerance.py).
+agreed] in hetero/zero/unit_rules.py, [Note: the norm on the device, agreed] in hetero/zero/grad_norm.py). Each
+run trains as plain PyTorch does (float64 as the exact run, plain fp32's distance from it as the scale:
+tests/tolerance.py).
 """
 
 from __future__ import annotations
@@ -46,3 +47,23 @@ def test_gathering_ahead_is_agreed_where_one_ranks_host_cannot_hold_it(checks):
     assert r0["ahead"] is r1["ahead"] is False  # rank 0's host decides for both
     parity.check(r0, steps=STEPS, rows=ROWS)
     assert r1["losses"] == r0["losses"]
+
+
+def _clipped(rank: int, world: int, stage: int) -> dict:
+    torch.set_num_threads(1)
+    own = {"offload": {"optimizer": "host"}} if rank == 0 else {}  # rank 1 steps on the device
+    config = {"zero_stage": stage, "comm_timeout": 15, "grad_clip_norm": 1.0, **own}
+    return parity.run_hetero(rank, world, steps=STEPS, rows=ROWS, config=config)
+
+
+@ranks_apart(RANKS_DIFFER)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_clipped_norm_goes_one_way_where_optimizer_placements_differ(monkeypatch, stage):
+    """Under the stand-in (a device with memory of its own, as a GPU): rank 0 steps its optimizer on the host, rank
+    1 on the device. Before, rank 1 all-reduced the norm on the data group and rank 0 on the control group, and
+    both waited for comm_timeout at the first update."""
+    monkeypatch.setenv("HETERO_STANDIN", "1")
+    r0, r1 = run_distributed(_clipped, 2, stage, timeout=200)
+    parity.check(r0, steps=STEPS, rows=ROWS, clip=1.0)
+    assert r1["losses"] == r0["losses"] and r1["grad_norm"] == r0["grad_norm"]

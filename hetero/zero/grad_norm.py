@@ -1,5 +1,17 @@
 """The whole gradient's sum of squares at an update: over data-parallel shards, tensor ranks and pipeline stages,
-read on the host (`grad_stats`) or left on the device (`sq_on_device`)."""
+read on the host (`grad_stats`) or left on the device (`sq_on_device`).
+
+[Note: the norm on the device, agreed]
+The two ways issue different collectives: `sq_on_device` all-reduces a device scalar on the data group, `grad_stats`
+a host scalar on the control group (and fp16's check on the device adds its own). The device's way needs every chunk
+to step on the device, which follows from the optimizer's placement, and that is each rank's own (`offload` is a
+per-rank key: [Note: one config for every rank] in hetero/config_ranks.py). Decided by each rank from its own
+placement, two ranks (optimizer states on the host on one, on the device on the other) each waited at the first
+clipped update in an all-reduce the other never issued, until comm_timeout (ten minutes by default): measured under
+the stand-in, which takes a GPU's path here ([Note: the CPU stand-in] in hetero/standin.py). So the ranks agree
+once, as the engine starts (`norm_on_device`): the device's way only where it suits every rank.
+tests/test_placements_apart.py.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetero.memory import Tier
 from hetero.parallel.pipeline.tied import counts_in_norm
 from hetero.zero.host_grads import chunk_sum_of_squares
 from hetero.zero.norms import SquareSum, sum_of_squares
@@ -64,6 +77,18 @@ def sq_on_device(chunks: list[ZeroChunk], *, comm: Comm, device: Device) -> torc
     if zc_sharded(chunks):
         comm.all_reduce(sq, op="sum")
     return sq
+
+
+def norm_on_device(chunks: list[ZeroChunk], *, mesh: Mesh, comm: Comm, device: Device) -> bool:
+    """Whether the update's norm (and fp16's overflow check) may stay on the device: on every rank of `comm`, every
+    chunk steps on a device with memory of its own, and the norm needs no group but the data-parallel one. One
+    all-reduce where the ranks could differ ([Note: the norm on the device, agreed])."""
+    if mesh.tp_size > 1 or mesh.pp_size > 1 or comm.size != mesh.dp_size or not device.separate_memory:
+        return False  # the config and the device kind: the same on every rank
+    mine = torch.tensor([int(all(zc.placement.compute is Tier.DEVICE for zc in chunks))], dtype=torch.int64)
+    if comm.size > 1:
+        comm.control.all_reduce(mine, op="min")
+    return bool(int(mine))
 
 
 def clip_coef(clip_max: float, norm: float) -> float:

@@ -30,7 +30,7 @@ from hetero.memory import Chunk, ChunkManager, ChunkState, TensorState, Tier
 from hetero.parallel.mesh import Mesh
 from hetero.zero import master as master_weights
 from hetero.zero.buckets import reduce_at_update
-from hetero.zero.grad_norm import clip_coef, clip_coef_on_device, grad_stats, sq_on_device, zc_sharded
+from hetero.zero.grad_norm import clip_coef, clip_coef_on_device, grad_stats, norm_on_device, sq_on_device, zc_sharded
 from hetero.zero.host_grads import chunk_sum_of_squares
 from hetero.zero.norms import SquareSum
 from hetero.zero.optim import Algorithm, update
@@ -90,6 +90,8 @@ class Updater:
         self.delayed: DelayedUpdate | None = None  # delayed_param_update: the update runs during the next step
         self.in_backward: InBackward | None = None  # update_in_backward: the chunks step during backward
         self.on_span: Callable[[str, str, float, float], None] | None = None  # a chunk's math, timed (profiler)
+        # The norm (and fp16's check) stays on the device: every rank's verdict, agreed (a collective, at start).
+        self.device_alone = norm_on_device(self.chunks, mesh=mesh, comm=self.comm, device=manager.device)
 
     # ---- the update -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -228,15 +230,9 @@ class Updater:
         return clip_coef_on_device(sq, clip_max)
 
     def _on_device_alone(self) -> bool:
-        """Every chunk steps on a device with memory of its own, and the norm needs no group but the data-parallel
-        one. Decided from the config and the placement: the same on every rank."""
-        return (
-            self.mesh.tp_size == 1
-            and self.mesh.pp_size == 1
-            and self.comm.size == self.mesh.dp_size
-            and self.manager.device.separate_memory
-            and all(zc.placement.compute is Tier.DEVICE for zc in self.chunks)
-        )
+        """Every rank's chunks step on a device with memory of its own, and the norm needs no group but the
+        data-parallel one: agreed at initialisation ([Note: the norm on the device, agreed] in grad_norm.py)."""
+        return self.device_alone
 
     def _checks_on_device(self) -> bool:
         """fp16's overflow check is left to the kernels ([Note: the overflow check on the device]); not where the
