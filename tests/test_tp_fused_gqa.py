@@ -29,6 +29,7 @@ from hetero.parallel.shape_comm import ShapeComm
 from hetero.parallel.tensor import check_tensor_plan
 from tests.dist import NEEDS_DEGREES, ranks_apart
 from tests.plain_loop import train_plain
+from tests.whole_grads import whole_grads
 
 try:
     from tests import tolerance
@@ -183,12 +184,7 @@ def _direct(rank: int, world: int, cases: list[tuple[bool, bool]]) -> list[dict]
         x, y = batches(1)[0]
         loss = model(x, labels=y).loss
         loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            every = comm.all_gather_object(p.grad.detach().clone())
-            cut = getattr(p, "_hetero_tp", None)
-            grads[name] = every[0] if cut is None else unshard(every, cut)
-        out.append({"loss": loss.item(), "grads": grads})
+        out.append({"loss": loss.item(), "grads": whole_grads(model, comm)})
     return out
 
 
