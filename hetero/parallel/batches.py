@@ -106,7 +106,7 @@ def train_batch(
         # data-parallel ranks; doubling makes that average their sum ([Note: Chimera's layout]).
         loss_scale *= 2
     gathers = engine.gathers
-    trainable = [zc for zc in engine.chunks if zc.spec.trainable]
+    trainable = engine.trainable
 
     def after_forward() -> None:
         if gathers is not None:

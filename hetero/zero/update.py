@@ -90,7 +90,9 @@ class Updater:
         self.delayed: DelayedUpdate | None = None  # delayed_param_update: the update runs during the next step
         self.in_backward: InBackward | None = None  # update_in_backward: the chunks step during backward
         self.on_span: Callable[[str, str, float, float], None] | None = None  # a chunk's math, timed (profiler)
-        # The norm (and fp16's check) stays on the device: every rank's verdict, agreed (a collective, at start).
+        # The norm (and fp16's check) stays on the device: every rank's chunks step on a device with memory of its
+        # own and the norm needs no group but the data-parallel one, agreed at start ([Note: the norm on the device,
+        # agreed] in grad_norm.py).
         self.device_alone = norm_on_device(self.chunks, mesh=mesh, comm=self.comm, device=manager.device)
 
     # ---- the update -------------------------------------------------------------------------------------
@@ -223,16 +225,11 @@ class Updater:
         """Where clipping is all the norm is for and every chunk steps on a device with memory of its own: the
         clipping coefficient as a device scalar, the norm summed and all-reduced there, nothing read back ([Note: the
         norm read when asked]); else None. Decided from the config and the placement: the same on every rank."""
-        if fused_norm or clip_max is None or self.scaler is not None or not self._on_device_alone():
+        if fused_norm or clip_max is None or self.scaler is not None or not self.device_alone:
             return None
         sq = sq_on_device(self.chunks, comm=self.comm, device=self.manager.device)
         self._norm = sq
         return clip_coef_on_device(sq, clip_max)
-
-    def _on_device_alone(self) -> bool:
-        """Every rank's chunks step on a device with memory of its own, and the norm needs no group but the
-        data-parallel one: agreed at initialisation ([Note: the norm on the device, agreed] in grad_norm.py)."""
-        return self.device_alone
 
     def _checks_on_device(self) -> bool:
         """fp16's overflow check is left to the kernels ([Note: the overflow check on the device]); not where the
@@ -242,7 +239,7 @@ class Updater:
             and skips_itself(self.algorithm)
             and self.delayed is None
             and self.in_backward is None
-            and self._on_device_alone()
+            and self.device_alone
         )
 
     def _prepare_on_device(self, clip_max: float | None, inv_scale: float) -> Plan:
